@@ -1,1 +1,16 @@
-pub fn x(){}
+//! TokenFormer on candle: the Pattention layer, the TokenFormer language model
+//! and image classifier, checkpoint IO, Hub download, the model zoo and
+//! evaluation. Paper: <https://arxiv.org/abs/2410.23168>; official code:
+//! <https://github.com/Haiyang-W/TokenFormer>.
+
+pub mod checkpoint;
+pub mod error;
+pub mod hub;
+pub mod loader;
+pub mod models;
+pub mod pattention;
+pub mod generate;
+pub mod scoring;
+pub mod zoo;
+
+pub use error::{Error, Result};

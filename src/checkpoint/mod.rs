@@ -1,0 +1,227 @@
+//! Reading and writing weights: official `pytorch_model.bin` (torch zip
+//! pickle, via `candle_core::pickle`) and Hugging Face style safetensors
+//! (single file, or shards with `model.safetensors.index.json`, 5 GB shards as
+//! `huggingface_hub` does). Name maps live in one module per format
+//! ([`official`]); everything else works on canonical names.
+
+pub mod official;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The Hub convention for shard size.
+pub const DEFAULT_SHARD_BYTES: u64 = 5_000_000_000;
+pub const SAFETENSORS_FILE: &str = "model.safetensors";
+pub const SAFETENSORS_INDEX: &str = "model.safetensors.index.json";
+
+/// Tensors by canonical name, in a stable order.
+pub type Tensors = BTreeMap<String, Tensor>;
+
+/// `model.safetensors.index.json`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ShardIndex {
+    #[serde(default)]
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+    pub weight_map: BTreeMap<String, String>,
+}
+
+/// The safetensors files of a model folder: the single file, or the shards
+/// listed by the index.
+pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join(SAFETENSORS_INDEX);
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+        let idx: ShardIndex = serde_json::from_str(&text)
+            .map_err(|e| Error::checkpoint(&index, format!("bad shard index: {e}")))?;
+        let mut files: Vec<_> = idx.weight_map.values().collect();
+        files.sort();
+        files.dedup();
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    let single = dir.join(SAFETENSORS_FILE);
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    Err(Error::checkpoint(
+        dir,
+        format!("no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} in this folder"),
+    ))
+}
+
+/// Name, dtype and shape of one stored tensor (for `inspect`).
+#[derive(Debug, Clone, Serialize)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<usize>,
+}
+
+/// Lists the tensors of a `.bin` or `.safetensors` file without loading them.
+pub fn tensor_infos(path: &Path) -> Result<Vec<TensorInfo>> {
+    let mut out = if is_pickle(path) {
+        let pth = candle_core::pickle::PthTensors::new(path, None)
+            .map_err(|e| Error::checkpoint(path, format!("not a readable PyTorch checkpoint: {e}")))?;
+        pth.tensor_infos()
+            .iter()
+            .map(|(name, ti)| TensorInfo {
+                name: name.clone(),
+                dtype: format!("{:?}", ti.dtype).to_lowercase(),
+                shape: ti.layout.shape().dims().to_vec(),
+            })
+            .collect::<Vec<_>>()
+    } else {
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }
+            .map_err(|e| Error::checkpoint(path, format!("not a readable safetensors file: {e}")))?;
+        st.tensors()
+            .into_iter()
+            .map(|(name, view)| TensorInfo {
+                name,
+                dtype: format!("{:?}", view.dtype()).to_lowercase(),
+                shape: view.shape().to_vec(),
+            })
+            .collect()
+    };
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+fn is_pickle(path: &Path) -> bool {
+    matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("bin" | "pt" | "pth")
+    )
+}
+
+/// Reads every tensor of an official `pytorch_model.bin`, renamed to canonical
+/// names and converted to `dtype` one tensor at a time, so that loading fp16
+/// weights for f32 compute peaks at the f32 size plus one tensor.
+/// Returns the tensors and the official names that have no canonical home.
+pub fn read_official_bin(
+    path: &Path,
+    num_layers: usize,
+    dtype: Option<DType>,
+    device: &Device,
+) -> Result<(Tensors, Vec<String>)> {
+    let pth = candle_core::pickle::PthTensors::new(path, None)
+        .map_err(|e| Error::checkpoint(path, format!("not a readable PyTorch checkpoint: {e}")))?;
+    let mut names: Vec<String> = pth.tensor_infos().keys().cloned().collect();
+    names.sort();
+    if names.is_empty() {
+        return Err(Error::checkpoint(path, "contains no tensors"));
+    }
+    let mut out = Tensors::new();
+    let mut ignored = Vec::new();
+    for name in names {
+        let Some(canonical) = official::to_canonical(&name, num_layers) else {
+            ignored.push(name);
+            continue;
+        };
+        let t = pth
+            .get(&name)
+            .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?
+            .ok_or_else(|| Error::checkpoint(path, format!("tensor `{name}` is listed but absent")))?;
+        let t = convert(t, dtype, device).map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
+        out.insert(canonical, t);
+    }
+    Ok((out, ignored))
+}
+
+/// Number of transformer layers in an official state dict (from its keys), so
+/// a `.bin` can be inspected or mapped without its yml.
+pub fn official_num_layers(names: impl IntoIterator<Item = impl AsRef<str>>) -> usize {
+    names
+        .into_iter()
+        .filter_map(|n| {
+            let rest = n.as_ref().strip_prefix("sequential.")?;
+            let (i, t) = rest.split_once('.')?;
+            t.starts_with("attention.").then(|| i.parse::<usize>().ok()).flatten()
+        })
+        .max()
+        .map_or(0, |i| i - 1)
+}
+
+/// Reads all tensors of safetensors files (canonical names already),
+/// converting to `dtype` one at a time.
+pub fn read_safetensors(files: &[PathBuf], dtype: Option<DType>, device: &Device) -> Result<Tensors> {
+    let mut out = Tensors::new();
+    for path in files {
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }
+            .map_err(|e| Error::checkpoint(path, format!("not a readable safetensors file: {e}")))?;
+        for (name, _) in st.tensors() {
+            let t = st
+                .load(&name, device)
+                .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
+            let t = convert(t, dtype, device).map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
+            if out.insert(name.clone(), t).is_some() {
+                return Err(Error::checkpoint(path, format!("tensor `{name}` appears in two shards")));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn convert(t: Tensor, dtype: Option<DType>, device: &Device) -> candle_core::Result<Tensor> {
+    let t = match dtype {
+        Some(d) if d != t.dtype() => t.to_dtype(d)?,
+        _ => t,
+    };
+    t.to_device(device)
+}
+
+/// A VarBuilder over loaded tensors (they already have the compute dtype).
+pub fn var_builder(tensors: Tensors, device: &Device) -> candle_nn::VarBuilder<'static> {
+    let dtype = tensors.values().next().map_or(DType::F32, |t| t.dtype());
+    candle_nn::VarBuilder::from_tensors(tensors.into_iter().collect::<HashMap<_, _>>(), dtype, device)
+}
+
+/// Writes `tensors` into `dir` as `model.safetensors`, or as shards of at most
+/// `max_shard_bytes` with an index when they do not fit in one.
+pub fn write_safetensors(dir: &Path, tensors: &Tensors, max_shard_bytes: u64) -> Result<Vec<PathBuf>> {
+    let size = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+    let mut shards: Vec<Vec<(&String, &Tensor)>> = vec![vec![]];
+    let mut current = 0u64;
+    for (name, t) in tensors {
+        let s = size(t);
+        if current > 0 && current + s > max_shard_bytes {
+            shards.push(vec![]);
+            current = 0;
+        }
+        shards.last_mut().expect("non-empty").push((name, t));
+        current += s;
+    }
+    let metadata: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    let n = shards.len();
+    let mut written = Vec::new();
+    let mut weight_map = BTreeMap::new();
+    for (i, shard) in shards.iter().enumerate() {
+        let file = if n == 1 {
+            SAFETENSORS_FILE.to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+        };
+        let path = dir.join(&file);
+        safetensors::serialize_to_file(shard.iter().map(|(k, t)| (k.as_str(), *t)), Some(metadata.clone()), &path)
+            .map_err(|e| Error::checkpoint(&path, format!("cannot write: {e}")))?;
+        for (name, _) in shard {
+            weight_map.insert((*name).clone(), file.clone());
+        }
+        written.push(path);
+    }
+    if n > 1 {
+        let total: u64 = tensors.values().map(size).sum();
+        let index = ShardIndex {
+            metadata: [("total_size".to_string(), serde_json::Value::from(total))].into_iter().collect(),
+            weight_map,
+        };
+        let path = dir.join(SAFETENSORS_INDEX);
+        let text = serde_json::to_string_pretty(&index).expect("serialisable");
+        std::fs::write(&path, text).map_err(|e| Error::io(&path, e))?;
+        written.push(path);
+    }
+    Ok(written)
+}

@@ -1,0 +1,80 @@
+//! `tokenformer inspect PATH`: what a checkpoint holds, without running it.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+use clap::Args;
+use tokenformer::checkpoint::{self, TensorInfo};
+use tokenformer::loader;
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// A model folder, a .safetensors file, or an official .bin.
+    pub path: PathBuf,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: InspectArgs) -> Result<()> {
+    let p = &a.path;
+    if !p.exists() {
+        bail!("{}: no such file or folder", p.display());
+    }
+    let (files, config) = if p.is_dir() {
+        let files = match checkpoint::safetensors_files(p) {
+            Ok(f) => f,
+            Err(_) if p.join("pytorch_model.bin").exists() => vec![p.join("pytorch_model.bin")],
+            Err(e) => return Err(e.into()),
+        };
+        let cfg = p.join(loader::CONFIG_FILE);
+        (files, cfg.exists().then(|| loader::read_json(&cfg)).transpose()?)
+    } else {
+        let cfg = p.with_file_name(loader::CONFIG_FILE);
+        let is_st = p.extension().is_some_and(|e| e == "safetensors");
+        (vec![p.clone()], (is_st && cfg.exists()).then(|| loader::read_json(&cfg)).transpose()?)
+    };
+    let mut tensors: Vec<TensorInfo> = Vec::new();
+    for f in &files {
+        tensors.extend(checkpoint::tensor_infos(f)?);
+    }
+    let params: usize = tensors.iter().map(|t| t.shape.iter().product::<usize>()).sum();
+    let architecture = detect(&tensors, config.as_ref(), &files);
+    if a.json {
+        let out = serde_json::json!({
+            "path": p, "architecture": architecture, "parameters": params,
+            "config": config, "tensors": tensors,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("{:<60} {:>6}  shape", "tensor", "dtype");
+    for t in &tensors {
+        println!("{:<60} {:>6}  {:?}", t.name, t.dtype, t.shape);
+    }
+    println!("\narchitecture: {architecture}");
+    println!("tensors: {}  parameters: {} ({:.1}M)", tensors.len(), params, params as f64 / 1e6);
+    Ok(())
+}
+
+/// The architecture from the config, or guessed from tensor names.
+fn detect(tensors: &[TensorInfo], config: Option<&serde_json::Value>, files: &[PathBuf]) -> String {
+    if let Some(c) = config {
+        let arch = loader::architecture(c);
+        if !arch.is_empty() {
+            return arch.to_string();
+        }
+    }
+    let has = |n: &str| tensors.iter().any(|t| t.name == n);
+    if has("sequential.0.word_embeddings.weight") {
+        let layers = checkpoint::official_num_layers(tensors.iter().map(|t| t.name.as_str()));
+        return format!("tokenformer-lm (official GPT-NeoX format, {layers} layers)");
+    }
+    if has("word_embeddings.weight") {
+        return "tokenformer-lm (no config.json)".into();
+    }
+    if has("patch_embed.weight") {
+        return "tokenformer-vit (no config.json)".into();
+    }
+    format!("unknown ({})", files.first().map_or("".into(), |f| Path::new(f).display().to_string()))
+}

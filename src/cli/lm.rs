@@ -1,0 +1,147 @@
+//! `tokenformer generate` and `tokenformer score`.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use clap::Args;
+use tokenformer::generate::{generate, SamplingParams};
+use tokenformer::loader;
+
+use super::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The text to continue.
+    #[arg(long, short)]
+    pub prompt: String,
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// 0 = greedy decoding.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    #[arg(long, default_value_t = 299_792_458)]
+    pub seed: u64,
+}
+
+pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
+    let files = a.model.locate()?;
+    let tokenizer = loader::load_tokenizer(&files)?;
+    let model = loader::load_lm(&files, &Device::Cpu)?;
+    if a.prompt.is_empty() {
+        bail!("the prompt is empty: pass --prompt TEXT");
+    }
+    let prompt = tokenizer
+        .encode(a.prompt.as_str(), false)
+        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
+        .get_ids()
+        .to_vec();
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    };
+    let mut stdout = std::io::stdout().lock();
+    write!(stdout, "{}", a.prompt)?;
+    stdout.flush()?;
+    // Decode the growing suffix so multi-token characters print correctly.
+    let mut generated: Vec<u32> = Vec::new();
+    let mut printed = 0usize;
+    let eos = model.config().eos_token_id;
+    generate(&model, &prompt, a.max_new_tokens, params, |tok| {
+        if tok == eos {
+            return Ok(());
+        }
+        generated.push(tok);
+        let text = tokenizer.decode(&generated, false).unwrap_or_default();
+        if text.len() > printed && !text.ends_with('\u{FFFD}') && text.is_char_boundary(printed) {
+            let _ = write!(stdout, "{}", &text[printed..]);
+            let _ = stdout.flush();
+            printed = text.len();
+        }
+        Ok(())
+    })?;
+    writeln!(stdout)?;
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct ScoreArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Text to score.
+    #[arg(long, conflicts_with_all = ["file", "ids"])]
+    pub text: Option<String>,
+    /// A UTF-8 text file to score.
+    #[arg(long, conflicts_with = "ids")]
+    pub file: Option<PathBuf>,
+    /// Comma-separated token ids to score (no tokenizer needed).
+    #[arg(long, value_delimiter = ',')]
+    pub ids: Option<Vec<u32>>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn score_cmd(a: ScoreArgs) -> Result<()> {
+    let files = a.model.locate()?;
+    let text = match (&a.text, &a.file) {
+        (Some(t), _) => Some(t.clone()),
+        (None, Some(f)) => Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?),
+        _ => None,
+    };
+    let (ids, tokenizer) = match (text, a.ids) {
+        (Some(t), _) => {
+            let tok = loader::load_tokenizer(&files)?;
+            let ids = tok
+                .encode(t.as_str(), false)
+                .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?
+                .get_ids()
+                .to_vec();
+            (ids, Some(tok))
+        }
+        (None, Some(ids)) => (ids, None),
+        (None, None) => bail!("give --text, --file or --ids"),
+    };
+    let model = loader::load_lm(&files, &Device::Cpu)?;
+    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= model.config().vocab_size) {
+        bail!("token id {bad} is outside the vocabulary (size {})", model.config().vocab_size);
+    }
+    let s = tokenformer::scoring::score_ids(&model, &ids)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&s)?);
+        return Ok(());
+    }
+    let piece = |id: u32| {
+        tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(&[id], false).ok())
+            .map(|p| format!("{p:?}"))
+            .unwrap_or_else(|| id.to_string())
+    };
+    println!("{:>5}  {:<20} {:>10}  argmax", "pos", "next token", "log p");
+    for t in 0..s.next_token_logprobs.len() {
+        println!(
+            "{:>5}  {:<20} {:>10.4}  {}",
+            t,
+            piece(s.ids[t + 1]),
+            s.next_token_logprobs[t],
+            piece(s.argmax[t])
+        );
+    }
+    println!(
+        "tokens scored {}  total NLL {:.4}  perplexity {:.4}",
+        s.next_token_logprobs.len(),
+        s.nll,
+        s.perplexity
+    );
+    Ok(())
+}

@@ -1,0 +1,57 @@
+//! The library's error type. Every variant names the file, tensor or setting at
+//! fault so a user can act on the message without a backtrace.
+
+use std::path::PathBuf;
+
+/// Errors of the `tokenformer` library; the CLI wraps them with `anyhow`.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A config file that does not parse or has a missing/invalid field.
+    #[error("config {path}: {msg}")]
+    Config { path: PathBuf, msg: String },
+    /// A checkpoint that is unreadable, truncated, or disagrees with its config.
+    #[error("checkpoint {path}: {msg}")]
+    Checkpoint { path: PathBuf, msg: String },
+    /// A tensor that is missing or has the wrong shape.
+    #[error("tensor `{name}`: {msg}")]
+    Tensor { name: String, msg: String },
+    #[error("tokenizer {path}: {msg}")]
+    Tokenizer { path: PathBuf, msg: String },
+    /// Bad user input (empty prompt, too-long context, unknown model name, ...).
+    #[error("{0}")]
+    Input(String),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+    pub fn config(path: impl Into<PathBuf>, msg: impl std::fmt::Display) -> Self {
+        Error::Config {
+            path: path.into(),
+            msg: msg.to_string(),
+        }
+    }
+    pub fn checkpoint(path: impl Into<PathBuf>, msg: impl std::fmt::Display) -> Self {
+        Error::Checkpoint {
+            path: path.into(),
+            msg: msg.to_string(),
+        }
+    }
+    pub fn input(msg: impl std::fmt::Display) -> Self {
+        Error::Input(msg.to_string())
+    }
+}

@@ -1,0 +1,402 @@
+//! From a model name to a loaded model. A name may be a zoo name
+//! (`tokenformer-150m`), a Hub repo id (`owner/name[@revision]`) or a local
+//! path (a canonical folder, a `.safetensors` file, or an official
+//! `pytorch_model.bin` with its yml), as `from_pretrained` accepts in
+//! Hugging Face transformers.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device};
+use serde_json::Value;
+
+use crate::checkpoint::{self, official, Tensors};
+use crate::error::{Error, Result};
+use crate::hub::{self, RepoRef};
+use crate::models::tokenformer::{self, TokenFormerLm};
+use crate::zoo::{self, ZooEntry};
+
+pub const CONFIG_FILE: &str = "config.json";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Where the config comes from.
+#[derive(Clone, Debug)]
+pub enum ConfigSource {
+    /// A canonical `config.json` (already read).
+    Json { path: Option<PathBuf>, value: Value },
+    /// An official eval yml; `vocab_size` is read from the checkpoint.
+    OfficialYml(PathBuf),
+}
+
+/// Where the weights are.
+#[derive(Clone, Debug)]
+pub enum Weights {
+    Safetensors(Vec<PathBuf>),
+    OfficialBin(PathBuf),
+}
+
+/// Everything needed to load a model, found on disk or downloaded.
+#[derive(Clone, Debug)]
+pub struct ModelFiles {
+    /// How the user named it, resolved (`repo@revision`, or a path), for reports.
+    pub source: String,
+    pub config: ConfigSource,
+    pub weights: Weights,
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// User overrides for finding a model's files.
+#[derive(Clone, Debug, Default)]
+pub struct LocateOptions {
+    /// An official yml or a canonical config.json to use instead of the found one.
+    pub config: Option<PathBuf>,
+    pub tokenizer: Option<PathBuf>,
+    pub progress: bool,
+}
+
+/// Resolves a model name to files on disk, downloading from the Hub if needed.
+pub fn locate(spec: &str, opts: &LocateOptions) -> Result<ModelFiles> {
+    let path = Path::new(spec);
+    let mut files = if path.exists() {
+        locate_local(path)?
+    } else if let Some(entry) = zoo::find(spec) {
+        locate_zoo(entry, spec, opts.progress)?
+    } else if spec.contains('/') && !spec.starts_with('.') && !spec.starts_with('/') {
+        locate_hub(&RepoRef::parse(spec).map_err(hub_err)?, opts.progress)?
+    } else {
+        return Err(Error::input(format!(
+            "unknown model `{spec}`: not an existing path, a zoo name (see `tokenformer zoo list`) or a Hub repo id owner/name"
+        )));
+    };
+    if let Some(c) = &opts.config {
+        files.config = config_source_from_path(c)?;
+    }
+    if let Some(t) = &opts.tokenizer {
+        files.tokenizer = Some(t.clone());
+    }
+    Ok(files)
+}
+
+fn hub_err(e: hub::HubError) -> Error {
+    Error::input(e)
+}
+
+fn config_source_from_path(p: &Path) -> Result<ConfigSource> {
+    match p.extension().and_then(|e| e.to_str()) {
+        Some("yml" | "yaml") => Ok(ConfigSource::OfficialYml(p.to_path_buf())),
+        _ => Ok(ConfigSource::Json {
+            path: Some(p.to_path_buf()),
+            value: read_json(p)?,
+        }),
+    }
+}
+
+pub fn read_json(p: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::config(p, format!("not valid JSON: {e}")))
+}
+
+fn existing(p: PathBuf) -> Option<PathBuf> {
+    p.exists().then_some(p)
+}
+
+/// The one yml beside an official checkpoint, if unambiguous.
+fn sibling_yml(dir: &Path) -> Option<PathBuf> {
+    let ymls: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("yml" | "yaml")))
+        .collect();
+    (ymls.len() == 1).then(|| ymls[0].clone())
+}
+
+fn locate_local(path: &Path) -> Result<ModelFiles> {
+    let source = path.display().to_string();
+    let dir = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
+    let tokenizer = existing(dir.join(TOKENIZER_FILE));
+    let ext = path.extension().and_then(|e| e.to_str());
+    let bin = if path.is_dir() {
+        existing(path.join("pytorch_model.bin")).filter(|_| !path.join(CONFIG_FILE).exists())
+    } else if matches!(ext, Some("bin" | "pt" | "pth")) {
+        Some(path.to_path_buf())
+    } else {
+        None
+    };
+    if let Some(bin) = bin {
+        let config = match sibling_yml(dir) {
+            Some(y) => ConfigSource::OfficialYml(y),
+            None => match zoo_config_for_dir(dir) {
+                Some(value) => ConfigSource::Json { path: None, value },
+                None => {
+                    return Err(Error::config(
+                        dir,
+                        "an official checkpoint needs its yml config: put exactly one .yml beside it or pass --config",
+                    ))
+                }
+            },
+        };
+        return Ok(ModelFiles {
+            source,
+            config,
+            weights: Weights::OfficialBin(bin),
+            tokenizer,
+        });
+    }
+    let config_path = dir.join(CONFIG_FILE);
+    if !config_path.exists() {
+        return Err(Error::config(
+            &config_path,
+            "missing: a model folder needs config.json (or an official pytorch_model.bin with its yml)",
+        ));
+    }
+    let weights = if path.is_dir() {
+        checkpoint::safetensors_files(path)?
+    } else {
+        vec![path.to_path_buf()]
+    };
+    Ok(ModelFiles {
+        source,
+        config: ConfigSource::Json {
+            value: read_json(&config_path)?,
+            path: Some(config_path),
+        },
+        weights: Weights::Safetensors(weights),
+        tokenizer,
+    })
+}
+
+/// A folder named like a released model (`TokenFormer-150M`) gets its zoo config.
+fn zoo_config_for_dir(dir: &Path) -> Option<Value> {
+    let name = dir.file_name()?.to_str()?;
+    zoo::find(name).map(|e| e.config.clone())
+}
+
+fn locate_zoo(entry: &ZooEntry, spec: &str, progress: bool) -> Result<ModelFiles> {
+    let Some(w) = &entry.weights else {
+        return Err(Error::input(format!(
+            "zoo model `{}` has no released weights (it is a configuration; see `tokenformer zoo show {}`)",
+            entry.name, entry.name
+        )));
+    };
+    // `Haiyang-W/TokenFormer-150M@rev` may override the zoo revision.
+    let revision = spec.split_once('@').map_or(w.revision.as_str(), |(_, r)| r);
+    let repo = RepoRef::parse(&format!("{}@{revision}", w.repo)).map_err(hub_err)?;
+    if w.format != "official" {
+        return locate_hub(&repo, progress);
+    }
+    let names: Vec<&str> = w.files.iter().map(String::as_str).collect();
+    let paths = hub::download_files(&repo, &names, progress).map_err(hub_err)?;
+    let tokenizer = match &entry.tokenizer {
+        Some(t) => Some(hub_tokenizer(&repo, t, progress)?),
+        None => None,
+    };
+    Ok(ModelFiles {
+        source: format!("{}@{}", w.repo, revision),
+        config: ConfigSource::Json {
+            path: None,
+            value: entry.config.clone(),
+        },
+        weights: Weights::OfficialBin(paths[0].clone()),
+        tokenizer,
+    })
+}
+
+/// The model repo's own tokenizer.json if it has one, else the zoo's source.
+fn hub_tokenizer(repo: &RepoRef, fallback: &zoo::HubFile, progress: bool) -> Result<PathBuf> {
+    if let Ok(list) = hub::list_files(repo) {
+        if list.iter().any(|f| f == TOKENIZER_FILE) {
+            return Ok(hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone());
+        }
+    }
+    let t = RepoRef::parse(&format!("{}@{}", fallback.repo, fallback.revision)).map_err(hub_err)?;
+    Ok(hub::download_files(&t, &[fallback.file.as_str()], progress).map_err(hub_err)?[0].clone())
+}
+
+fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
+    let list = hub::list_files(repo).map_err(hub_err)?;
+    let has = |f: &str| list.iter().any(|x| x == f);
+    let source = format!("{}/{}@{}", repo.owner, repo.name, repo.revision);
+    if has(CONFIG_FILE) {
+        let mut want = vec![CONFIG_FILE.to_string()];
+        if has(checkpoint::SAFETENSORS_INDEX) {
+            let idx = hub::download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress).map_err(hub_err)?;
+            let dir = idx[0].parent().expect("file in a folder").to_path_buf();
+            want.extend(
+                checkpoint::safetensors_files(&dir)?
+                    .iter()
+                    .filter_map(|p| p.file_name().map(|f| f.to_string_lossy().into_owned())),
+            );
+        } else {
+            want.push(checkpoint::SAFETENSORS_FILE.into());
+        }
+        if has(TOKENIZER_FILE) {
+            want.push(TOKENIZER_FILE.into());
+        }
+        let names: Vec<&str> = want.iter().map(String::as_str).collect();
+        let paths = hub::download_files(repo, &names, progress).map_err(hub_err)?;
+        let mut files = locate_local(paths[0].parent().expect("file in a folder"))?;
+        files.source = source;
+        return Ok(files);
+    }
+    if has("pytorch_model.bin") {
+        let entry = zoo::find(&format!("{}/{}", repo.owner, repo.name));
+        let yml = list.iter().find(|f| f.ends_with(".yml") || f.ends_with(".yaml"));
+        let config = match (yml, entry) {
+            (Some(y), _) => ConfigSource::OfficialYml(hub::download_files(repo, &[y], progress).map_err(hub_err)?[0].clone()),
+            (None, Some(e)) => ConfigSource::Json { path: None, value: e.config.clone() },
+            (None, None) => {
+                return Err(Error::input(format!(
+                    "{source} holds an official pytorch_model.bin but no config: pass --config X.yml"
+                )))
+            }
+        };
+        let bin = hub::download_files(repo, &["pytorch_model.bin"], progress).map_err(hub_err)?[0].clone();
+        let tokenizer = if has(TOKENIZER_FILE) {
+            Some(hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone())
+        } else {
+            match entry.and_then(|e| e.tokenizer.as_ref()) {
+                Some(t) => Some(hub_tokenizer(repo, t, progress)?),
+                None => None,
+            }
+        };
+        return Ok(ModelFiles { source, config, weights: Weights::OfficialBin(bin), tokenizer });
+    }
+    Err(Error::input(format!(
+        "{source} has neither config.json (a model folder) nor pytorch_model.bin (official format)"
+    )))
+}
+
+/// Weights read into memory with canonical names, and the config.
+pub struct LoadedWeights {
+    pub config: Value,
+    pub tensors: Tensors,
+    /// Official tensor names that have no canonical home (reported, not used).
+    pub ignored: Vec<String>,
+    /// The file the weights came from (for error messages).
+    pub path: PathBuf,
+}
+
+/// The architecture named by a config (`tokenformer-lm`, `tokenformer-vit`, ...).
+pub fn architecture(config: &Value) -> &str {
+    config.get("architecture").and_then(Value::as_str).unwrap_or("")
+}
+
+/// Reads the weights (converted to `dtype` if given) and the canonical config.
+pub fn read_weights(files: &ModelFiles, dtype: Option<DType>, device: &Device) -> Result<LoadedWeights> {
+    match &files.weights {
+        Weights::OfficialBin(bin) => {
+            let (num_layers, fixed) = match &files.config {
+                ConfigSource::Json { value, .. } => (
+                    value.get("num_layers").and_then(Value::as_u64).unwrap_or(0) as usize,
+                    Some(value.clone()),
+                ),
+                ConfigSource::OfficialYml(y) => {
+                    let text = std::fs::read_to_string(y).map_err(|e| Error::io(y, e))?;
+                    let m = official::parse_yml(&text, y)?;
+                    (m.get("num_layers").and_then(Value::as_u64).unwrap_or(0) as usize, None)
+                }
+            };
+            let (tensors, ignored) = checkpoint::read_official_bin(bin, num_layers, dtype, device)?;
+            let config = match (fixed, &files.config) {
+                (Some(v), _) => v,
+                (None, ConfigSource::OfficialYml(y)) => {
+                    let vocab = tensors
+                        .get("word_embeddings.weight")
+                        .ok_or_else(|| Error::checkpoint(bin, "missing tensor `sequential.0.word_embeddings.weight`"))?
+                        .dim(0)?;
+                    serde_json::to_value(official::config_from_yml(y, vocab)?).expect("serialisable")
+                }
+                _ => unreachable!("fixed is Some for Json"),
+            };
+            Ok(LoadedWeights { config, tensors, ignored, path: bin.clone() })
+        }
+        Weights::Safetensors(paths) => {
+            let ConfigSource::Json { value, .. } = &files.config else {
+                return Err(Error::config(
+                    paths.first().map_or(Path::new("."), |p| p.as_path()),
+                    "safetensors weights need a canonical config.json, not an official yml",
+                ));
+            };
+            Ok(LoadedWeights {
+                config: value.clone(),
+                tensors: checkpoint::read_safetensors(paths, dtype, device)?,
+                ignored: vec![],
+                path: paths.first().cloned().unwrap_or_default(),
+            })
+        }
+    }
+}
+
+/// Parses the language-model config, naming the file on error.
+pub fn lm_config(value: &Value, origin: &Path) -> Result<tokenformer::Config> {
+    let cfg: tokenformer::Config =
+        serde_json::from_value(value.clone()).map_err(|e| Error::config(origin, e))?;
+    cfg.validate().map_err(|e| Error::config(origin, e))?;
+    Ok(cfg)
+}
+
+/// Builds the language model from loaded weights; errors name the checkpoint.
+pub fn build_lm(w: LoadedWeights, device: &Device) -> Result<TokenFormerLm> {
+    let cfg = lm_config(&w.config, &w.path)?;
+    let names: Vec<String> = w.tensors.keys().cloned().collect();
+    let vb = checkpoint::var_builder(w.tensors, device);
+    let model = TokenFormerLm::new(&cfg, vb).map_err(|e| Error::checkpoint(&w.path, e))?;
+    check_all_used(&names, &w.path, |n| lm_uses(&cfg, n))?;
+    Ok(model)
+}
+
+fn lm_uses(cfg: &tokenformer::Config, name: &str) -> bool {
+    name == "word_embeddings.weight"
+        || name.starts_with("final_norm.")
+        || (!cfg.tie_word_embeddings && name == "final_linear.weight")
+        || name
+            .strip_prefix("layers.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(i, _)| i.parse::<usize>().ok())
+            .is_some_and(|i| i < cfg.num_layers)
+}
+
+/// Tensors the architecture does not use mean the config and checkpoint disagree.
+pub fn check_all_used(names: &[String], path: &Path, used: impl Fn(&str) -> bool) -> Result<()> {
+    let unused: Vec<&String> = names.iter().filter(|n| !used(n)).collect();
+    if unused.is_empty() {
+        return Ok(());
+    }
+    Err(Error::checkpoint(
+        path,
+        format!(
+            "{} tensor(s) not used by the config, e.g. `{}`: the config does not match the checkpoint",
+            unused.len(),
+            unused[0]
+        ),
+    ))
+}
+
+/// Loads a language model by name, f32 compute on `device`.
+pub fn load_lm(files: &ModelFiles, device: &Device) -> Result<TokenFormerLm> {
+    let w = read_weights(files, Some(DType::F32), device)?;
+    if architecture(&w.config) != tokenformer::ARCHITECTURE {
+        return Err(Error::config(
+            &w.path,
+            format!(
+                "architecture `{}` is not a language model (`{}`)",
+                architecture(&w.config),
+                tokenformer::ARCHITECTURE
+            ),
+        ));
+    }
+    build_lm(w, device)
+}
+
+/// The tokenizer of a model, with a clear error when there is none.
+pub fn load_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
+    let path = files.tokenizer.as_ref().ok_or_else(|| {
+        Error::input(format!(
+            "{} has no tokenizer.json: pass --tokenizer PATH (the released models use EleutherAI/gpt-neox-20b's)",
+            files.source
+        ))
+    })?;
+    tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer {
+        path: path.clone(),
+        msg: e.to_string(),
+    })
+}

@@ -1,0 +1,2 @@
+//! Model families, one module each, in the style of candle-transformers.
+pub mod tokenformer;

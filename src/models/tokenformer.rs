@@ -1,0 +1,477 @@
+//! The TokenFormer language model (decoder-only, GPT-NeoX layout) and the
+//! block shared with the vision classifier.
+//!
+//! Follows the official implementation (Haiyang-W/TokenFormer,
+//! `megatron/model/tokenformer.py`): pre-norm blocks with non-parametric
+//! LayerNorm, q/k/v/proj and the feed-forward as Pattention layers, causal
+//! softmax attention with GPT-NeoX partial rotary embeddings, a final
+//! LayerNorm with weight and bias, and logits against the tied word
+//! embeddings. Paper: <https://arxiv.org/abs/2410.23168>.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{kv_cache::KvCache, LayerNorm, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use crate::pattention::{Activation, Pattention};
+
+/// The √n constants of the three Pattention kinds. Absent in a config means
+/// "the layer's token count", which is what the official code does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScaleTokens {
+    pub qkv: usize,
+    pub proj: usize,
+    pub ffn: usize,
+}
+
+fn default_rotary_pct() -> f64 {
+    0.25
+}
+fn default_rotary_base() -> f64 {
+    10_000.0
+}
+fn default_norm_eps() -> f64 {
+    1e-5
+}
+fn default_true() -> bool {
+    true
+}
+
+/// `config.json` of a canonical language-model folder.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Always `"tokenformer-lm"`.
+    pub architecture: String,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub qkv_tokens: usize,
+    pub proj_tokens: usize,
+    pub ffn_tokens: usize,
+    /// Rows of the word embedding (the tokenizer's vocabulary padded to 128).
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_rotary_pct")]
+    pub rotary_pct: f64,
+    #[serde(default = "default_rotary_base")]
+    pub rotary_base: f64,
+    #[serde(default = "default_norm_eps")]
+    pub norm_eps: f64,
+    #[serde(default)]
+    pub pattention_activation: Activation,
+    #[serde(default)]
+    pub eos_token_id: u32,
+    /// Logits against the word embeddings (true, every released model) or a
+    /// separate `final_linear.weight` (models imported from untied sources).
+    #[serde(default = "default_true")]
+    pub tie_word_embeddings: bool,
+    /// √n constants when they differ from the token counts (grown models).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pattention_scale_tokens: Option<ScaleTokens>,
+}
+
+pub const ARCHITECTURE: &str = "tokenformer-lm";
+
+impl Config {
+    /// The released TokenFormer LM shape with the GPT-NeoX vocabulary.
+    pub fn released(num_layers: usize, hidden_size: usize, num_heads: usize) -> Self {
+        Self {
+            architecture: ARCHITECTURE.into(),
+            hidden_size,
+            num_layers,
+            num_heads,
+            qkv_tokens: hidden_size,
+            proj_tokens: hidden_size,
+            ffn_tokens: 4 * hidden_size,
+            vocab_size: 50_304,
+            max_position_embeddings: 2048,
+            rotary_pct: 0.25,
+            rotary_base: 10_000.0,
+            norm_eps: 1e-5,
+            pattention_activation: Activation::L2NormGelu,
+            eos_token_id: 0,
+            tie_word_embeddings: true,
+            pattention_scale_tokens: None,
+        }
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_heads
+    }
+
+    /// Checks what serde cannot: divisibility and non-zero sizes.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.architecture != ARCHITECTURE {
+            return Err(format!(
+                "architecture is `{}`, expected `{ARCHITECTURE}`",
+                self.architecture
+            ));
+        }
+        for (name, v) in [
+            ("hidden_size", self.hidden_size),
+            ("num_layers", self.num_layers),
+            ("num_heads", self.num_heads),
+            ("qkv_tokens", self.qkv_tokens),
+            ("proj_tokens", self.proj_tokens),
+            ("ffn_tokens", self.ffn_tokens),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return Err(format!("{name} must be positive"));
+            }
+        }
+        if self.hidden_size % self.num_heads != 0 {
+            return Err(format!(
+                "hidden_size {} is not divisible by num_heads {}",
+                self.hidden_size, self.num_heads
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.rotary_pct) {
+            return Err(format!("rotary_pct {} is not in [0, 1]", self.rotary_pct));
+        }
+        if self.rotary_dims() % 2 != 0 {
+            return Err(format!(
+                "rotary dims int({} * {}) must be even",
+                self.rotary_pct,
+                self.head_dim()
+            ));
+        }
+        Ok(())
+    }
+
+    /// int(rotary_pct · head_dim), as GPT-NeoX.
+    pub fn rotary_dims(&self) -> usize {
+        (self.head_dim() as f64 * self.rotary_pct) as usize
+    }
+
+    pub fn block(&self) -> BlockConfig {
+        BlockConfig {
+            hidden_size: self.hidden_size,
+            num_heads: self.num_heads,
+            qkv_tokens: self.qkv_tokens,
+            proj_tokens: self.proj_tokens,
+            ffn_tokens: self.ffn_tokens,
+            norm_eps: self.norm_eps,
+            activation: self.pattention_activation,
+            scale_tokens: self.pattention_scale_tokens,
+        }
+    }
+}
+
+/// What a block needs to know; shared by the language and vision models.
+#[derive(Clone, Debug)]
+pub struct BlockConfig {
+    pub hidden_size: usize,
+    pub num_heads: usize,
+    pub qkv_tokens: usize,
+    pub proj_tokens: usize,
+    pub ffn_tokens: usize,
+    pub norm_eps: f64,
+    pub activation: Activation,
+    pub scale_tokens: Option<ScaleTokens>,
+}
+
+/// LayerNorm without weight and bias (the official `layernorm_nonparam`).
+pub fn nonparam_layer_norm(hidden: usize, eps: f64, device: &Device) -> Result<LayerNorm> {
+    Ok(LayerNorm::new(
+        Tensor::ones(hidden, DType::F32, device)?,
+        Tensor::zeros(hidden, DType::F32, device)?,
+        eps,
+    ))
+}
+
+/// GPT-NeoX rotary tables: cos/sin [max_positions, rotary_dims/2], computed
+/// in f32 like the reference so that positions near 2048 round identically.
+#[derive(Clone, Debug)]
+pub struct Rotary {
+    dims: usize,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rotary {
+    pub fn new(dims: usize, base: f64, max_positions: usize, device: &Device) -> Result<Self> {
+        let half = dims / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / (base as f32).powf((2 * i) as f32 / dims as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for t in 0..max_positions {
+            for f in &inv_freq {
+                let a = t as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Ok(Self {
+            dims,
+            cos: Tensor::from_vec(cos, (max_positions, half), device)?,
+            sin: Tensor::from_vec(sin, (max_positions, half), device)?,
+        })
+    }
+
+    /// Rotates the first `dims` features of x [b, h, t, head_dim] for positions
+    /// offset..offset+t (rotate-half layout, not interleaved pairs).
+    pub fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
+        if self.dims == 0 {
+            return Ok(x.clone());
+        }
+        let (_, _, t, hd) = x.dims4()?;
+        let cos = self.cos.narrow(0, offset, t)?;
+        let sin = self.sin.narrow(0, offset, t)?;
+        let rot = x.narrow(D::Minus1, 0, self.dims)?.contiguous()?;
+        let rot = candle_nn::rotary_emb::rope(&rot, &cos, &sin)?;
+        if self.dims == hd {
+            return Ok(rot);
+        }
+        let pass = x.narrow(D::Minus1, self.dims, hd - self.dims)?;
+        Tensor::cat(&[&rot, &pass], D::Minus1)
+    }
+}
+
+/// How a block's token-token attention is masked and positioned.
+pub enum AttentionMode<'a> {
+    /// Language: causal, rotary positions from `offset`, optional KV cache.
+    Causal {
+        rotary: &'a Rotary,
+        offset: usize,
+        cache: Option<&'a mut KvCache>,
+    },
+    /// Vision: every token sees every token, no positions here.
+    Bidirectional,
+}
+
+/// Multi-head attention whose q/k/v/output projections are Pattention layers.
+#[derive(Clone, Debug)]
+pub struct Attention {
+    pub query: Pattention,
+    pub key: Pattention,
+    pub value: Pattention,
+    pub proj: Pattention,
+    num_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    pub fn new(cfg: &BlockConfig, vb: VarBuilder) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let scale = cfg.scale_tokens;
+        let p = |name: &str, tokens: usize, s: Option<usize>| {
+            Pattention::new(d, d, tokens, s, cfg.activation, vb.pp(name))
+        };
+        Ok(Self {
+            query: p("query", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
+            key: p("key", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
+            value: p("value", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
+            proj: p("proj", cfg.proj_tokens, scale.map(|s| s.proj))?,
+            num_heads: cfg.num_heads,
+            head_dim: d / cfg.num_heads,
+        })
+    }
+
+    /// [b, t, d] → [b, h, t, head_dim].
+    fn split_heads(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        x.reshape((b, t, self.num_heads, self.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
+    }
+
+    pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let q = self.split_heads(&self.query.forward(x)?)?;
+        let k = self.split_heads(&self.key.forward(x)?)?;
+        let v = self.split_heads(&self.value.forward(x)?)?;
+        let (q, k, v, mask) = match mode {
+            AttentionMode::Bidirectional => (q, k, v, None),
+            AttentionMode::Causal {
+                rotary,
+                offset,
+                cache,
+            } => {
+                let q = rotary.apply(&q, offset)?;
+                let k = rotary.apply(&k, offset)?;
+                let (k, v) = match cache {
+                    Some(cache) => cache.append(&k, &v)?,
+                    None => (k, v),
+                };
+                let mask = causal_mask(t, k.dim(2)?, x.device())?;
+                (q, k, v, mask)
+            }
+        };
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?;
+        let scores = match mask {
+            Some(m) => scores.broadcast_add(&m)?,
+            None => scores,
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        self.proj.forward(&out)
+    }
+}
+
+/// Additive mask [t, total] for t new queries at the end of `total` keys;
+/// None when no key is in a query's future (t == 1).
+fn causal_mask(t: usize, total: usize, device: &Device) -> Result<Option<Tensor>> {
+    if t <= 1 {
+        return Ok(None);
+    }
+    let past = total - t;
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Some(Tensor::from_vec(mask, (t, total), device)?))
+}
+
+/// A pre-norm TokenFormer block: x + P_proj(MHA(LN(x))), then x + P_ffn(LN(x)).
+#[derive(Clone, Debug)]
+pub struct Block {
+    pub attention: Attention,
+    pub mlp: Pattention,
+    norm: LayerNorm,
+}
+
+impl Block {
+    pub fn new(cfg: &BlockConfig, vb: VarBuilder) -> Result<Self> {
+        let d = cfg.hidden_size;
+        Ok(Self {
+            attention: Attention::new(cfg, vb.pp("attention"))?,
+            mlp: Pattention::new(
+                d,
+                d,
+                cfg.ffn_tokens,
+                cfg.scale_tokens.map(|s| s.ffn),
+                cfg.activation,
+                vb.pp("mlp"),
+            )?,
+            norm: nonparam_layer_norm(d, cfg.norm_eps, vb.device())?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
+        let x = (x + self.attention.forward(&self.norm.forward(x)?, mode)?)?;
+        &x + self.mlp.forward(&self.norm.forward(&x)?)?
+    }
+}
+
+/// Per-layer KV cache for incremental decoding.
+pub struct Cache {
+    layers: Vec<KvCache>,
+}
+
+impl Cache {
+    pub fn new(cfg: &Config) -> Self {
+        Self {
+            layers: (0..cfg.num_layers)
+                .map(|_| KvCache::new(2, cfg.max_position_embeddings))
+                .collect(),
+        }
+    }
+    /// Tokens already in the cache (= the next position).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |c| c.current_seq_len())
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The TokenFormer causal language model.
+#[derive(Clone, Debug)]
+pub struct TokenFormerLm {
+    word_embeddings: Tensor,
+    layers: Vec<Block>,
+    final_norm: LayerNorm,
+    final_linear: Option<Tensor>,
+    rotary: Rotary,
+    cfg: Config,
+}
+
+impl TokenFormerLm {
+    pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+        if let Err(e) = cfg.validate() {
+            candle_core::bail!("invalid config: {e}")
+        }
+        let d = cfg.hidden_size;
+        let word_embeddings = vb.get((cfg.vocab_size, d), "word_embeddings.weight")?;
+        let block = cfg.block();
+        let layers = (0..cfg.num_layers)
+            .map(|i| Block::new(&block, vb.pp(format!("layers.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let final_norm = candle_nn::layer_norm(d, cfg.norm_eps, vb.pp("final_norm"))?;
+        let final_linear = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(vb.get((cfg.vocab_size, d), "final_linear.weight")?)
+        };
+        let rotary = Rotary::new(
+            cfg.rotary_dims(),
+            cfg.rotary_base,
+            cfg.max_position_embeddings,
+            vb.device(),
+        )?;
+        Ok(Self {
+            word_embeddings,
+            layers,
+            final_norm,
+            final_linear,
+            rotary,
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        self.word_embeddings.device()
+    }
+
+    pub fn layers(&self) -> &[Block] {
+        &self.layers
+    }
+
+    /// Token embeddings [b, t, d] of ids [b, t].
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        self.word_embeddings
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, self.cfg.hidden_size))
+    }
+
+    /// Final norm and output projection: hidden [b, t, d] → logits [b, t, vocab].
+    pub fn head(&self, h: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = h.dims3()?;
+        let h = self.final_norm.forward(h)?.reshape((b * t, d))?;
+        let out = self.final_linear.as_ref().unwrap_or(&self.word_embeddings);
+        h.matmul(&out.t()?)?.reshape((b, t, self.cfg.vocab_size))
+    }
+
+    /// Logits [b, t, vocab] for ids [b, t]. With a cache, positions continue
+    /// from the cached length and the new keys/values are appended to it.
+    pub fn forward(&self, ids: &Tensor, mut cache: Option<&mut Cache>) -> Result<Tensor> {
+        let (_, t) = ids.dims2()?;
+        let offset = cache.as_ref().map_or(0, |c| c.len());
+        let max = self.cfg.max_position_embeddings;
+        if offset + t > max {
+            candle_core::bail!(
+                "sequence of {} tokens exceeds the model's maximum of {max} positions",
+                offset + t
+            )
+        }
+        let mut x = self.embed(ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mode = AttentionMode::Causal {
+                rotary: &self.rotary,
+                offset,
+                cache: cache.as_mut().map(|c| &mut c.layers[i]),
+            };
+            x = layer.forward(&x, mode)?;
+        }
+        self.head(&x)
+    }
+}
