@@ -27,6 +27,7 @@ enum Command {
 }
 
 fn main() {
+    quiet_backtraces();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
@@ -40,5 +41,13 @@ fn run(cli: Cli) -> Result<()> {
         Command::Score(a) => cli::lm::score_cmd(a),
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Zoo(c) => cli::zoo::run(c),
+    }
+}
+
+/// candle attaches a backtrace to its errors when RUST_BACKTRACE is set; a
+/// command-line user wants the message, so keep them only on request.
+fn quiet_backtraces() {
+    if std::env::var_os("TOKENFORMER_BACKTRACE").is_none() {
+        std::env::set_var("RUST_BACKTRACE", "0");
     }
 }

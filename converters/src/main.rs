@@ -1,1 +1,58 @@
-fn main(){}
+//! `tokenformer-convert`: checkpoint conversion for TokenFormer models
+//! (<https://arxiv.org/abs/2410.23168>). Every converter writes into a
+//! temporary folder, checks its result against the source on a probe input,
+//! and only then moves it into place.
+
+mod official;
+mod output;
+mod probe;
+
+use anyhow::Result;
+use candle_core::DType;
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Parser, Debug)]
+#[command(name = "tokenformer-convert", version, about = "Convert, grow, merge, export and publish TokenFormer checkpoints")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Official pytorch_model.bin + yml (or zoo config) → canonical safetensors folder.
+    Official(official::OfficialArgs),
+}
+
+/// Storage dtype for written weights.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum DtypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl From<DtypeArg> for DType {
+    fn from(d: DtypeArg) -> Self {
+        match d {
+            DtypeArg::F32 => DType::F32,
+            DtypeArg::F16 => DType::F16,
+            DtypeArg::Bf16 => DType::BF16,
+        }
+    }
+}
+
+fn main() {
+    if std::env::var_os("TOKENFORMER_BACKTRACE").is_none() {
+        // candle's errors carry a backtrace when this is set; users want the message.
+        std::env::set_var("RUST_BACKTRACE", "0");
+    }
+    let cli = Cli::parse();
+    let r: Result<()> = match cli.command {
+        Command::Official(a) => official::run(a),
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -9,7 +9,7 @@
 //! embeddings. Paper: <https://arxiv.org/abs/2410.23168>.
 
 use candle_core::{DType, Device, Module, Result, Tensor, D};
-use candle_nn::{kv_cache::KvCache, LayerNorm, VarBuilder};
+use candle_nn::{LayerNorm, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use crate::pattention::{Activation, Pattention};
@@ -237,7 +237,7 @@ pub enum AttentionMode<'a> {
     Causal {
         rotary: &'a Rotary,
         offset: usize,
-        cache: Option<&'a mut KvCache>,
+        cache: Option<&'a mut LayerCache>,
     },
     /// Vision: every token sees every token, no positions here.
     Bidirectional,
@@ -357,22 +357,67 @@ impl Block {
     }
 }
 
+/// One layer's keys and values [b, h, positions, head_dim], preallocated to
+/// the model's context so appending a token is a copy, not a reallocation.
+#[derive(Debug)]
+pub struct LayerCache {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+    len: usize,
+    capacity: usize,
+}
+
+impl LayerCache {
+    pub fn new(capacity: usize) -> Self {
+        Self { k: None, v: None, len: 0, capacity }
+    }
+
+    /// Appends k, v [b, h, t, hd] and returns all cached keys and values.
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let t = k.dim(2)?;
+        if self.len + t > self.capacity {
+            candle_core::bail!("KV cache full: {} + {t} > {} positions", self.len, self.capacity)
+        }
+        let alloc = |x: &Tensor| -> Result<Tensor> {
+            let (b, h, _, hd) = x.dims4()?;
+            Tensor::zeros((b, h, self.capacity, hd), x.dtype(), x.device())?.contiguous()
+        };
+        if self.k.is_none() {
+            self.k = Some(alloc(k)?);
+            self.v = Some(alloc(v)?);
+        }
+        let (kb, vb) = (self.k.as_ref().expect("allocated"), self.v.as_ref().expect("allocated"));
+        kb.slice_set(&k.contiguous()?, 2, self.len)?;
+        vb.slice_set(&v.contiguous()?, 2, self.len)?;
+        self.len += t;
+        Ok((kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// Per-layer KV cache for incremental decoding.
 pub struct Cache {
-    layers: Vec<KvCache>,
+    layers: Vec<LayerCache>,
 }
 
 impl Cache {
     pub fn new(cfg: &Config) -> Self {
         Self {
             layers: (0..cfg.num_layers)
-                .map(|_| KvCache::new(2, cfg.max_position_embeddings))
+                .map(|_| LayerCache::new(cfg.max_position_embeddings))
                 .collect(),
         }
     }
     /// Tokens already in the cache (= the next position).
     pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, |c| c.current_seq_len())
+        self.layers.first().map_or(0, LayerCache::len)
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0

@@ -1,0 +1,42 @@
+//! The converters' self-check (Hugging Face's "Looks ok!" habit): run the
+//! source and the result on the same probe input and report the largest
+//! logit difference.
+
+use anyhow::Result;
+use candle_core::{Tensor, D};
+use tokenformer::models::tokenformer::TokenFormerLm;
+
+/// A deterministic token sequence spread over the vocabulary.
+pub fn probe_ids(vocab: usize, max_positions: usize) -> Vec<u32> {
+    let n = 24.min(max_positions).max(1);
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Logits [t, vocab] of a language model on the probe sequence.
+pub fn lm_logits(model: &TokenFormerLm) -> Result<Tensor> {
+    let cfg = model.config();
+    let ids = probe_ids(cfg.vocab_size, cfg.max_position_embeddings);
+    let input = Tensor::new(ids.as_slice(), model.device())?.unsqueeze(0)?;
+    Ok(model.forward(&input, None)?.squeeze(0)?)
+}
+
+/// max |a − b| over all elements.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    Ok((a - b)?.abs()?.flatten_all()?.max(D::Minus1)?.to_scalar::<f32>()?)
+}
+
+/// Prints the comparison and says whether it is within `tolerance`.
+pub fn report(what: &str, diff: f32, tolerance: f32) -> bool {
+    let ok = diff <= tolerance;
+    println!(
+        "probe: max |Δ logit| between {what} = {diff:.3e} (tolerance {tolerance:.0e}){}",
+        if ok { ". Looks ok!" } else { ": MISMATCH" }
+    );
+    ok
+}
