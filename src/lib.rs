@@ -1,1 +1,2 @@
+pub mod hub;
 pub fn x(){}
