@@ -367,10 +367,16 @@ impl HubConfig {
         self
     }
 
-    /// Set (or clear) the token. With `None`, `hf-hub` itself may still pick up an ambient
-    /// `HF_TOKEN` / token file of the process (it has no "anonymous" switch).
-    pub fn with_token(mut self, token: Option<impl Into<String>>) -> Self {
-        self.token = token.map(Into::into).filter(|t: &String| !t.is_empty());
+    /// Send this token (`Authorization: Bearer ...`).
+    pub fn with_token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into()).filter(|t| !t.is_empty());
+        self
+    }
+
+    /// Send no token of ours. `hf-hub` itself may still pick up an ambient `HF_TOKEN` /
+    /// token file of the process (it has no "anonymous" switch).
+    pub fn without_token(mut self) -> Self {
+        self.token = None;
         self
     }
 
@@ -675,6 +681,14 @@ impl HubClient {
     fn list_cached(&self, repo: &RepoRef) -> Result<Vec<RepoFile>, HubError> {
         let commit = self.resolve_commit(repo)?;
         let root = self.repo_cache_dir(repo).join("snapshots").join(&commit);
+        if !root.is_dir() {
+            return Err(HubError::NotCached {
+                repo: repo.repo_id(),
+                revision: repo.revision.clone(),
+                file: "(any file)".into(),
+                cache_dir: self.config.cache_dir.clone(),
+            });
+        }
         let mut out = Vec::new();
         let mut stack = vec![root.clone()];
         while let Some(dir) = stack.pop() {

@@ -139,6 +139,17 @@ fn download_two_files_into_the_standard_cache() {
         hub.requests()
     );
 
+    // A branch with '/' is one URL segment (percent-encoded) and nested folders under refs/.
+    let feature_sha = hub.add_commit("acme/tiny", "feature/x", &[("config.json", b"{}")]);
+    let feature = repo("acme/tiny@feature/x");
+    let p = c.download_files(&feature, &["config.json"], false).unwrap();
+    assert_eq!(std::fs::read(&p[0]).unwrap(), b"{}");
+    assert_eq!(
+        std::fs::read_to_string(repo_dir.join("refs/feature/x")).unwrap(),
+        feature_sha
+    );
+    assert_eq!(c.resolve_commit(&feature).unwrap(), feature_sha);
+
     // A pinned commit is served from the cache without any request.
     hub.clear_requests();
     let pinned = repo(&format!("acme/tiny@{sha}"));
@@ -234,8 +245,7 @@ fn errors_are_classified_name_repo_and_file_and_fail_fast() {
     hub.add_repo("acme/secret", &[("config.json", CONFIG_JSON)]);
     hub.set_private("acme/secret", true);
     let home = tempfile::tempdir().unwrap();
-    let c = HubClient::new(config(&hub.endpoint(), home.path(), &[]).with_token(None::<String>))
-        .unwrap();
+    let c = HubClient::new(config(&hub.endpoint(), home.path(), &[]).without_token()).unwrap();
 
     let e = c
         .download_files(&repo("acme/nope"), &["config.json"], false)
@@ -407,8 +417,7 @@ fn publish_then_download_back() {
     let home = tempfile::tempdir().unwrap();
     let folder = model_folder();
     let before = snapshot_tree(folder.path());
-    let c =
-        HubClient::new(config(&hub.endpoint(), home.path(), &[]).with_token(Some(TOKEN))).unwrap();
+    let c = HubClient::new(config(&hub.endpoint(), home.path(), &[]).with_token(TOKEN)).unwrap();
     let r = repo("acme/new-model");
 
     let opts = PublishOptions {
@@ -550,8 +559,7 @@ fn a_failing_publish_leaves_the_folder_untouched() {
     let home = tempfile::tempdir().unwrap();
     let folder = model_folder();
     let before = snapshot_tree(folder.path());
-    let c =
-        HubClient::new(config(&hub.endpoint(), home.path(), &[]).with_token(Some(TOKEN))).unwrap();
+    let c = HubClient::new(config(&hub.endpoint(), home.path(), &[]).with_token(TOKEN)).unwrap();
     let r = repo("acme/broken");
 
     hub.fail_all(500);
@@ -576,8 +584,7 @@ fn a_failing_publish_leaves_the_folder_untouched() {
 
     // Nobody listening.
     let dead =
-        HubClient::new(config(&refused_endpoint(), home.path(), &[]).with_token(Some(TOKEN)))
-            .unwrap();
+        HubClient::new(config(&refused_endpoint(), home.path(), &[]).with_token(TOKEN)).unwrap();
     let e = dead
         .publish_folder(folder.path(), &r, &PublishOptions::default())
         .unwrap_err();
