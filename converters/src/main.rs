@@ -6,6 +6,7 @@
 mod official;
 mod output;
 mod probe;
+mod publish;
 
 use anyhow::Result;
 use candle_core::DType;
@@ -26,6 +27,8 @@ struct Cli {
 enum Command {
     /// Official pytorch_model.bin + yml (or zoo config) → canonical safetensors folder.
     Official(official::OfficialArgs),
+    /// Validate a model folder, refresh its model card and upload it to the Hub.
+    Publish(publish::PublishArgs),
 }
 
 /// Storage dtype for written weights.
@@ -54,6 +57,7 @@ fn main() {
     let cli = Cli::parse();
     let r: Result<()> = match cli.command {
         Command::Official(a) => official::run(a),
+        Command::Publish(a) => publish::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");
