@@ -25,6 +25,8 @@ enum Command {
     Score(cli::lm::ScoreArgs),
     /// List the tensors, architecture and parameter count of a checkpoint.
     Inspect(cli::inspect::InspectArgs),
+    /// Throughput on random weights of the real sizes (compare with the PyTorch peer).
+    Bench(cli::bench::BenchArgs),
     /// The model registry.
     #[command(subcommand)]
     Zoo(cli::zoo::ZooCommand),
@@ -45,6 +47,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Score(a) => cli::lm::score_cmd(a),
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Zoo(c) => cli::zoo::run(c),
+        Command::Bench(a) => cli::bench::run(a),
     }
 }
 

@@ -1,1 +1,35 @@
-//! Placeholder: filled in by its issue.
+//! `tokenformer bench`: throughput on random weights of the real sizes,
+//! comparable key by key with the PyTorch peer's JSON.
+
+use anyhow::{anyhow, Result};
+use candle_core::Device;
+use clap::Args;
+use tokenformer::bench;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Shape to benchmark: 150m, 450m, 900m or 1.5b (random weights).
+    #[arg(long, default_value = "150m")]
+    pub config: String,
+    /// Skip the ViT-B/16 image benchmark.
+    #[arg(long)]
+    pub skip_vit: bool,
+    /// Print one JSON object (the peer's field names).
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let cfg = bench::lm_config(&a.config)
+        .ok_or_else(|| anyhow!("unknown --config `{}` (150m, 450m, 900m, 1.5b)", a.config))?;
+    let dev = Device::Cpu;
+    let out = bench::run_lm(&a.config, &cfg, &dev)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        for (k, v) in &out {
+            println!("{k:<32} {v}");
+        }
+    }
+    Ok(())
+}

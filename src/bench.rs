@@ -1,0 +1,221 @@
+//! Throughput benchmarks on random weights of the real sizes (no download):
+//! prefill, KV-cache decode, a single Pattention layer, and load time / peak
+//! memory. Field names follow the PyTorch peer (`bench/torch_baseline.py` of
+//! the shared data) so the two JSON outputs can be compared key by key.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Map, Value};
+
+use crate::checkpoint::{self, Tensors};
+use crate::error::Result;
+use crate::models::tokenformer::{Cache, Config, TokenFormerLm};
+use crate::pattention::{Activation, Pattention};
+
+/// The released language-model shapes by short name.
+pub fn lm_config(name: &str) -> Option<Config> {
+    let (l, d, h) = match name.to_ascii_lowercase().as_str() {
+        "150m" => (12, 768, 12),
+        "450m" => (24, 1024, 16),
+        "900m" => (32, 1280, 16),
+        "1.5b" | "1-5b" => (40, 1536, 16),
+        _ => return None,
+    };
+    Some(Config::released(l, d, h))
+}
+
+/// Random weights with the statistics of the peer: keys N(0, 1), values and
+/// embeddings N(0, 0.02), final norm identity.
+pub fn random_lm_tensors(cfg: &Config, dtype: DType, device: &Device) -> Result<Tensors> {
+    let d = cfg.hidden_size;
+    let mut t = Tensors::new();
+    let r = |shape: (usize, usize), std: f32| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, std, shape, device)?.to_dtype(dtype)?)
+    };
+    t.insert(
+        "word_embeddings.weight".into(),
+        r((cfg.vocab_size, d), 0.02)?,
+    );
+    for i in 0..cfg.num_layers {
+        for (m, n) in [
+            ("attention.query", cfg.qkv_tokens),
+            ("attention.key", cfg.qkv_tokens),
+            ("attention.value", cfg.qkv_tokens),
+            ("attention.proj", cfg.proj_tokens),
+            ("mlp", cfg.ffn_tokens),
+        ] {
+            t.insert(format!("layers.{i}.{m}.key_param_tokens"), r((n, d), 1.0)?);
+            t.insert(
+                format!("layers.{i}.{m}.value_param_tokens"),
+                r((n, d), 0.02)?,
+            );
+        }
+    }
+    t.insert("final_norm.weight".into(), Tensor::ones(d, dtype, device)?);
+    t.insert("final_norm.bias".into(), Tensor::zeros(d, dtype, device)?);
+    Ok(t)
+}
+
+/// Seconds of the second of two runs (the first warms caches and allocators).
+fn timed(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Peak resident memory of this process in MB (VmHWM).
+pub fn peak_rss_mb() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = s
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Resets the peak-RSS counter (Linux `clear_refs` 5), so a later reading
+/// measures only what comes after.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+fn ids(b: usize, s: usize, vocab: usize, device: &Device) -> Result<Tensor> {
+    let v: Vec<u32> = (0..b * s)
+        .map(|i| ((i as u64 * 2_654_435_761) % vocab as u64) as u32)
+        .collect();
+    Ok(Tensor::from_vec(v, (b, s), device)?)
+}
+
+/// Prefill tokens/s for a b×s batch (full logits, as the peer computes).
+pub fn prefill(model: &TokenFormerLm, b: usize, s: usize) -> Result<f64> {
+    let x = ids(b, s, 50_277, model.device())?;
+    let secs = timed(|| {
+        model.forward(&x, None)?;
+        Ok(())
+    })?;
+    Ok((b * s) as f64 / secs)
+}
+
+/// Decode tokens/s: `n` greedy tokens after a `prompt`-token prefill.
+pub fn decode(model: &TokenFormerLm, prompt: usize, n: usize) -> Result<f64> {
+    let x = ids(1, prompt, 50_277, model.device())?;
+    let mut cache = Cache::new(model.config());
+    let logits = model.forward(&x, Some(&mut cache))?;
+    let mut tok = logits
+        .get(0)?
+        .get(prompt - 1)?
+        .argmax(0)?
+        .to_scalar::<u32>()?;
+    let t = Instant::now();
+    for _ in 0..n {
+        let x = Tensor::new(&[[tok]], model.device())?;
+        let logits = model.forward(&x, Some(&mut cache))?;
+        tok = logits.get(0)?.get(0)?.argmax(0)?.to_scalar::<u32>()?;
+    }
+    Ok(n as f64 / t.elapsed().as_secs_f64())
+}
+
+/// GFLOP/s of one Pattention layer (rows × d_in → n tokens → d_out), counting
+/// the two matmuls.
+pub fn pattention_gflops(rows: usize, d: usize, n: usize, device: &Device) -> Result<f64> {
+    let p = Pattention::from_tensors(
+        Tensor::randn(0f32, 1.0, (n, d), device)?,
+        Tensor::randn(0f32, 0.02, (n, d), device)?,
+        Activation::L2NormGelu,
+        None,
+    );
+    let x = Tensor::randn(0f32, 1.0, (rows, d), device)?;
+    let secs = timed(|| {
+        candle_core::Module::forward(&p, &x)?;
+        Ok(())
+    })?;
+    Ok(4.0 * (rows * d * n) as f64 / secs / 1e9)
+}
+
+/// f32 matmul GFLOP/s at 2048³: the machine's ceiling for reference.
+pub fn matmul_gflops(device: &Device) -> Result<f64> {
+    let a = Tensor::randn(0f32, 1.0, (2048, 2048), device)?;
+    let b = Tensor::randn(0f32, 1.0, (2048, 2048), device)?;
+    let secs = timed(|| {
+        a.matmul(&b)?;
+        Ok(())
+    })?;
+    Ok(2.0 * 2048f64.powi(3) / secs / 1e9)
+}
+
+/// Writes random fp16 weights as a model folder (like a converted release),
+/// then times loading it for f32 compute; returns (model, seconds, peak MB
+/// during the load).
+pub fn load_random(cfg: &Config, device: &Device) -> Result<(TokenFormerLm, f64, Option<f64>)> {
+    let dir = tempfile::tempdir().map_err(|e| crate::Error::io(std::env::temp_dir(), e))?;
+    {
+        let t = random_lm_tensors(cfg, DType::F16, device)?;
+        let cfg_path = dir.path().join(crate::loader::CONFIG_FILE);
+        std::fs::write(&cfg_path, serde_json::to_string(cfg).expect("serialisable"))
+            .map_err(|e| crate::Error::io(&cfg_path, e))?;
+        checkpoint::write_safetensors(dir.path(), &t, checkpoint::DEFAULT_SHARD_BYTES)?;
+    }
+    let base = peak_rss_mb();
+    let reset = reset_peak_rss();
+    let start = Instant::now();
+    let files = crate::loader::locate(&dir.path().display().to_string(), &Default::default())?;
+    let model = crate::loader::load_lm(&files, device)?;
+    let secs = start.elapsed().as_secs_f64();
+    let peak = if reset {
+        peak_rss_mb()
+    } else {
+        base.and(peak_rss_mb())
+    };
+    Ok((model, secs, peak))
+}
+
+/// Runs the language-model benchmarks of `bench`; `extra` gets more fields.
+pub fn run_lm(name: &str, cfg: &Config, device: &Device) -> Result<Map<String, Value>> {
+    let mut out = Map::new();
+    out.insert("peer".into(), json!("tokenformer-candle"));
+    out.insert("model".into(), json!(name));
+    out.insert(
+        "threads".into(),
+        json!(candle_core::utils::get_num_threads()),
+    );
+    let (model, load_s, peak) = load_random(cfg, device)?;
+    out.insert("load_seconds".into(), json!(round(load_s, 3)));
+    out.insert("load_peak_rss_mb".into(), json!(peak.map(|p| round(p, 1))));
+    for (b, s) in [(1, 2048), (4, 512)] {
+        let s = s.min(cfg.max_position_embeddings);
+        out.insert(
+            format!("prefill_b{b}_s{s}_tokens_per_s"),
+            json!(round(prefill(&model, b, s)?, 1)),
+        );
+    }
+    out.insert(
+        "decode_tokens_per_s".into(),
+        json!(round(decode(&model, 512, 64)?, 2)),
+    );
+    out.insert(
+        "pattention_gflops".into(),
+        json!(round(
+            pattention_gflops(2048, cfg.hidden_size, cfg.ffn_tokens, device)?,
+            1
+        )),
+    );
+    out.insert(
+        "matmul_f32_gflops".into(),
+        json!(round(matmul_gflops(device)?, 1)),
+    );
+    out.insert(
+        "peak_rss_mb".into(),
+        json!(peak_rss_mb().map(|p| round(p, 1))),
+    );
+    Ok(out)
+}
+
+pub fn round(x: f64, digits: i32) -> f64 {
+    let f = 10f64.powi(digits);
+    (x * f).round() / f
+}
