@@ -3,6 +3,7 @@
 //! temporary folder, checks its result against the source on a probe input,
 //! and only then moves it into place.
 
+mod import;
 mod official;
 mod output;
 mod probe;
@@ -22,6 +23,8 @@ struct Cli {
 enum Command {
     /// Official pytorch_model.bin + yml (or zoo config) → canonical safetensors folder.
     Official(official::OfficialArgs),
+    /// Hugging Face GPT-NeoX/Pythia or ViT weights → a TokenFormer, with a fidelity report.
+    Import(import::ImportArgs),
 }
 
 /// Storage dtype for written weights.
@@ -50,6 +53,7 @@ fn main() {
     let cli = Cli::parse();
     let r: Result<()> = match cli.command {
         Command::Official(a) => official::run(a),
+        Command::Import(a) => import::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");
