@@ -15,6 +15,8 @@
 
 mod gpt_neox;
 mod reference;
+mod vit_hf;
+mod vit_timm;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -60,6 +62,10 @@ pub struct ImportArgs {
     /// Text to measure fidelity on (language models; default: a fixed English paragraph).
     #[arg(long)]
     pub probe_text: Option<String>,
+    /// Normalised images to measure fidelity on (classifiers): a .safetensors file with a
+    /// tensor `pixels` [n, 3, H, W]; default: seeded synthetic images.
+    #[arg(long)]
+    pub probe_pixels: Option<PathBuf>,
 }
 
 /// A source LayerNorm's affine part.
@@ -91,6 +97,34 @@ pub struct SourceBody {
     pub num_heads: usize,
     pub eps: f64,
     pub layers: Vec<SourceLayer>,
+}
+
+/// A ViT classifier in the shared source form (filled by [`vit_hf`] or [`vit_timm`]).
+pub struct VitSource {
+    pub body: SourceBody,
+    pub image_size: usize,
+    pub patch_size: usize,
+    pub num_channels: usize,
+    pub intermediate_size: usize,
+    pub num_classes: usize,
+    /// Class-token pooling after the final norm (else mean of patch tokens, then fc_norm).
+    pub pool_cls: bool,
+    /// Conv weight [d, C, p, p] and bias.
+    pub patch_w: Tensor,
+    pub patch_b: Tensor,
+    pub cls: Tensor,
+    pub pos: Tensor,
+    pub norm: Norm,
+    pub head_w: Tensor,
+    pub head_b: Tensor,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+    pub crop_pct: f64,
+    pub interpolation: &'static str,
+    pub class_names: Option<Vec<String>>,
+    /// (source name, TokenFormer name) of every copied tensor.
+    pub copied: Vec<(String, String)>,
+    pub layout: &'static str,
 }
 
 /// The raw tensors of a source checkpoint, taken one by one by a name map so
@@ -473,7 +507,7 @@ pub fn run(a: ImportArgs) -> Result<()> {
     let mut raw = RawCheckpoint::read(&dir)?;
     match a.from {
         From::GptNeox => import_gpt_neox(&a, &mut raw),
-        From::Vit => bail!("--from vit is not available in this build yet"),
+        From::Vit => import_vit(&a, &mut raw),
     }
 }
 
@@ -660,6 +694,175 @@ fn import_gpt_neox(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let out = staging.commit()?;
     println!("wrote {}", out.display());
     Ok(())
+}
+
+fn import_vit(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
+    let src = if raw.tensors.contains_key("vit.embeddings.cls_token") {
+        vit_hf::read(raw)?
+    } else if raw.tensors.contains_key("cls_token") {
+        vit_timm::read(raw)?
+    } else {
+        let example = raw.tensors.keys().next().cloned().unwrap_or_default();
+        bail!(
+            "{}: unknown ViT layout: neither `vit.embeddings.cls_token` (transformers) nor `cls_token` (timm) is present (found e.g. `{example}`)",
+            raw.origin
+        )
+    };
+    let buffers = raw.finish(vit_hf::is_unused)?;
+    let d = src.cls.dim(2)?;
+    let dev = Device::Cpu;
+    let map = Mapping::new(d);
+    let (c, size) = (src.num_channels, src.image_size);
+    let probe_pixels = match &a.probe_pixels {
+        Some(p) => {
+            let mut t = candle_core::safetensors::load(p, &dev).with_context(|| format!("reading {}", p.display()))?;
+            let px = t.remove("pixels").ok_or_else(|| anyhow!("{}: no tensor `pixels`", p.display()))?.to_dtype(DType::F32)?;
+            if px.rank() != 4 || px.dims()[1..] != [c, size, size] {
+                bail!("{}: `pixels` has shape {:?}, expected [n, {c}, {size}, {size}]", p.display(), px.dims());
+            }
+            px
+        }
+        None => synthetic_pixels(8, c, size, 0xC0FFEE, &dev)?,
+    };
+    let calib_pixels = synthetic_pixels(4, c, size, 0xBEEF, &dev)?;
+    let (_, calib) = reference::vit_forward(&src, &calib_pixels)?;
+    let (src_logits, probe_trace) = reference::vit_forward(&src, &probe_pixels)?;
+
+    let mut tensors = Tensors::new();
+    let named = |to: &str| -> Result<Tensor> {
+        Ok(match to {
+            "cls_token" => src.cls.clone(),
+            "pos_embed" => src.pos.clone(),
+            "patch_embed.weight" => src.patch_w.clone(),
+            "patch_embed.bias" => src.patch_b.clone(),
+            "head.weight" => src.head_w.clone(),
+            "head.bias" => src.head_b.clone(),
+            n if n.ends_with("norm.weight") => src.norm.weight.clone(),
+            n if n.ends_with("norm.bias") => src.norm.bias.clone(),
+            other => bail!("internal: no copy rule for `{other}`"),
+        })
+    };
+    for (_, to) in &src.copied {
+        tensors.insert(to.clone(), named(to)?);
+    }
+    let mut layers = vec![];
+    for (i, l) in src.body.layers.iter().enumerate() {
+        let li = import_layer(i, l, &map, &calib[i], &probe_trace[i])?;
+        tensors.extend(li.tensors);
+        layers.push(li.fidelity);
+    }
+    let mut config = json!({
+        "architecture": "tokenformer-vit",
+        "image_size": size,
+        "patch_size": src.patch_size,
+        "num_channels": c,
+        "hidden_size": d,
+        "num_layers": src.body.layers.len(),
+        "num_heads": src.body.num_heads,
+        "qkv_tokens": 4 * d,
+        "proj_tokens": 4 * d,
+        "ffn_tokens": src.intermediate_size + 4 * d,
+        "num_classes": src.num_classes,
+        "pool": if src.pool_cls { "cls" } else { "mean" },
+        "norm_eps": src.body.eps,
+        "pattention_activation": "l2_norm_gelu",
+        "pattention_scale_tokens": {"qkv": map.scale_tokens, "proj": map.scale_tokens, "ffn": map.scale_tokens},
+        "crop_pct": src.crop_pct,
+        "interpolation": src.interpolation,
+        "mean": src.mean,
+        "std": src.std,
+    });
+    if let Some(n) = &src.class_names {
+        config["class_names"] = json!(n);
+    }
+    // Validate with the library before anything is written.
+    let vcfg = loader::vit_config(&config, &raw.dir.join(loader::CONFIG_FILE))?;
+
+    let staging = Staging::new(&a.out, a.force)?;
+    let out = staging.path();
+    std::fs::write(out.join(loader::CONFIG_FILE), serde_json::to_string_pretty(&config)? + "\n")?;
+    checkpoint::write_safetensors(out, &tensors, checkpoint::DEFAULT_SHARD_BYTES)?;
+    let model = loader::load_vit(&loader::locate(&out.display().to_string(), &Default::default())?, &dev)?;
+    let imp_logits = model.forward(&probe_pixels)?;
+    let agree = {
+        let s = src_logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let i = imp_logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        s.iter().zip(&i).filter(|(a, b)| a == b).count() as f64 / s.len() as f64
+    };
+    let end = EndToEnd {
+        source_perplexity: None,
+        source_sequential_perplexity: None,
+        import_perplexity: None,
+        top1_agreement: Some(agree),
+        logits_relative_error: relative_error(&imp_logits, &src_logits)?,
+    };
+    let report = Report {
+        source: a.input.clone(),
+        from: format!("vit ({})", src.layout),
+        mapping: map,
+        probe_ids: None,
+        calibration_ids: None,
+        probe_images: Some(probe_pixels.dim(0)?),
+        parallel_residual_made_sequential: false,
+        layers,
+        end_to_end: end,
+        copied: src.copied.clone(),
+        ignored_buffers: buffers,
+        not_representable: vec![
+            "MLP pre-activation biases (fc1 bias + W·norm2 bias): no constant score exists for LayerNorm outputs; dropped, norms per layer in `dropped_mlp_bias_norm`".into(),
+            "norm1/norm2 weights and biases: folded into the following Pattention keys and bias tokens (exact)".into(),
+            "attention output projection input scale: a Pattention is scale-invariant in its input; a per-layer constant is fitted on calibration images (`proj_input_scale`)".into(),
+        ],
+    };
+    print_report(&report);
+    std::fs::write(out.join(REPORT_FILE), serde_json::to_string_pretty(&report)? + "\n")?;
+    let mut card = ModelCard::new(
+        format!("TokenFormer-ViT imported from {} ({} layers, d {})", src.layout, vcfg.num_layers, d),
+        "image-classification",
+    );
+    if !Path::new(&a.input).exists() {
+        card.set("base_model", json!(a.input));
+    }
+    card.section(
+        "Model",
+        format!(
+            "A TokenFormer image classifier initialised from the {} checkpoint `{}` by `tokenformer-convert import --from vit` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Patch embedding, class token, position embedding, final norm and head are copied unchanged.",
+            src.layout, a.input, 4 * d, 4 * d, src.intermediate_size + 4 * d, map.scale_tokens
+        ),
+    );
+    card.section("Mapping", mapping_text(&map));
+    card.section("Fidelity", fidelity_markdown(&report) + if a.probe_pixels.is_none() { " The probe images are seeded synthetic patterns, not photographs: pass --probe-pixels for a real-image probe." } else { "" });
+    card.section("Not representable", report.not_representable.iter().map(|s| format!("- {s}")).collect::<Vec<_>>().join("\n"));
+    card.write(out)?;
+    let out = staging.commit()?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// Seeded smooth images in normalised units: a few random plane waves per
+/// channel plus noise, so that patches differ the way photographs' do.
+fn synthetic_pixels(n: usize, c: usize, size: usize, seed: u64, dev: &Device) -> Result<Tensor> {
+    let mut x = seed | 1;
+    let mut rnd = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        ((x >> 11) as f64 / (1u64 << 53) as f64) as f32
+    };
+    let mut v = Vec::with_capacity(n * c * size * size);
+    for _ in 0..n * c {
+        let waves: Vec<[f32; 4]> = (0..3).map(|_| [rnd() * 0.5, rnd() * 0.5, rnd() * 6.3, rnd() * 1.5]).collect();
+        for i in 0..size {
+            for j in 0..size {
+                let mut p = 0.0;
+                for w in &waves {
+                    p += w[3] * (w[0] * i as f32 + w[1] * j as f32 + w[2]).sin();
+                }
+                v.push(p + 0.3 * (rnd() - 0.5));
+            }
+        }
+    }
+    Ok(Tensor::from_vec(v, (n, c, size, size), dev)?)
 }
 
 fn seeded_ids(vocab: usize, n: usize, seed: u64) -> Vec<u32> {

@@ -119,3 +119,27 @@ pub fn run_layers(
     }
     Ok((x, traces))
 }
+
+/// The source ViT classifier: logits [b, classes] of normalised pixels
+/// [b, C, H, W], with the per-layer traces. The patch embedding is the
+/// stride-p convolution it is in both layouts.
+pub fn vit_forward(src: &super::VitSource, pixels: &Tensor) -> Result<(Tensor, Vec<LayerTrace>)> {
+    let p = src.patch_size;
+    let x = pixels.conv2d(&src.patch_w, 0, p, 1, 1)?; // [b, d, g, g]
+    let (b, d, gh, gw) = x.dims4()?;
+    let x = x
+        .reshape((b, d, gh * gw))?
+        .transpose(1, 2)?
+        .broadcast_add(&src.patch_b)?;
+    let cls = src.cls.broadcast_as((b, 1, d))?;
+    let x = Tensor::cat(&[&cls, &x], 1)?.broadcast_add(&src.pos)?;
+    let (h, traces) = run_layers(&src.body, &x, &Mixing::Bidirectional, false)?;
+    let feat = if src.pool_cls {
+        layer_norm(&h.narrow(1, 0, 1)?.squeeze(1)?, &src.norm, src.body.eps)?
+    } else {
+        let n = h.dim(1)? - 1;
+        layer_norm(&h.narrow(1, 1, n)?.mean(1)?, &src.norm, src.body.eps)?
+    };
+    let logits = feat.matmul(&src.head_w.t()?)?.broadcast_add(&src.head_b)?;
+    Ok((logits, traces))
+}
