@@ -279,11 +279,34 @@ impl Attention {
             .contiguous()
     }
 
+    /// q, k, v [b, h, t, head_dim] of a normalised x [b, t, d], before
+    /// positions and masking: the vision-language model projects image and
+    /// text rows with different Pattentions and then attends jointly.
+    pub fn project_qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        Ok((
+            self.split_heads(&self.query.forward(x)?)?,
+            self.split_heads(&self.key.forward(x)?)?,
+            self.split_heads(&self.value.forward(x)?)?,
+        ))
+    }
+
+    /// softmax(q·kᵀ/√head_dim + mask)·v with the heads merged back: [b, t, d],
+    /// the input of the output projection.
+    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        let (b, _, t, _) = q.dims4()?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?;
+        let scores = match mask {
+            Some(m) => scores.broadcast_add(m)?,
+            None => scores,
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        probs.matmul(v)?.transpose(1, 2)?.reshape((b, t, self.num_heads * self.head_dim))
+    }
+
     pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
-        let (b, t, d) = x.dims3()?;
-        let q = self.split_heads(&self.query.forward(x)?)?;
-        let k = self.split_heads(&self.key.forward(x)?)?;
-        let v = self.split_heads(&self.value.forward(x)?)?;
+        let t = x.dim(1)?;
+        let (q, k, v) = self.project_qkv(x)?;
         let (q, k, v, mask) = match mode {
             AttentionMode::Bidirectional => (q, k, v, None),
             AttentionMode::Causal {
@@ -301,14 +324,7 @@ impl Attention {
                 (q, k, v, mask)
             }
         };
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?;
-        let scores = match mask {
-            Some(m) => scores.broadcast_add(&m)?,
-            None => scores,
-        };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        let out = self.attend(&q, &k, &v, mask.as_ref())?;
         self.proj.forward(&out)
     }
 }
@@ -349,6 +365,11 @@ impl Block {
             )?,
             norm: nonparam_layer_norm(d, cfg.norm_eps, vb.device())?,
         })
+    }
+
+    /// The block's non-parametric LayerNorm (used before attention and before the MLP).
+    pub fn norm(&self) -> &LayerNorm {
+        &self.norm
     }
 
     pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
