@@ -13,6 +13,7 @@ use crate::checkpoint::{self, official, Tensors};
 use crate::error::{Error, Result};
 use crate::hub::{self, RepoRef};
 use crate::models::tokenformer::{self, TokenFormerLm};
+use crate::models::vit::{self, VisionTransformer};
 use crate::zoo::{self, ZooEntry};
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -111,7 +112,11 @@ fn sibling_yml(dir: &Path) -> Option<PathBuf> {
 
 fn locate_local(path: &Path) -> Result<ModelFiles> {
     let source = path.display().to_string();
-    let dir = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
+    let dir = if path.is_dir() {
+        path
+    } else {
+        path.parent().unwrap_or(Path::new("."))
+    };
     let tokenizer = existing(dir.join(TOKENIZER_FILE));
     let ext = path.extension().and_then(|e| e.to_str());
     let bin = if path.is_dir() {
@@ -204,7 +209,9 @@ fn locate_zoo(entry: &ZooEntry, spec: &str, progress: bool) -> Result<ModelFiles
 fn hub_tokenizer(repo: &RepoRef, fallback: &zoo::HubFile, progress: bool) -> Result<PathBuf> {
     if let Ok(list) = hub::list_files(repo) {
         if list.iter().any(|f| f == TOKENIZER_FILE) {
-            return Ok(hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone());
+            return Ok(
+                hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone(),
+            );
         }
     }
     let t = RepoRef::parse(&format!("{}@{}", fallback.repo, fallback.revision)).map_err(hub_err)?;
@@ -218,7 +225,8 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
     if has(CONFIG_FILE) {
         let mut want = vec![CONFIG_FILE.to_string()];
         if has(checkpoint::SAFETENSORS_INDEX) {
-            let idx = hub::download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress).map_err(hub_err)?;
+            let idx = hub::download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress)
+                .map_err(hub_err)?;
             let dir = idx[0].parent().expect("file in a folder").to_path_buf();
             want.extend(
                 checkpoint::safetensors_files(&dir)?
@@ -239,26 +247,39 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
     }
     if has("pytorch_model.bin") {
         let entry = zoo::find(&format!("{}/{}", repo.owner, repo.name));
-        let yml = list.iter().find(|f| f.ends_with(".yml") || f.ends_with(".yaml"));
+        let yml = list
+            .iter()
+            .find(|f| f.ends_with(".yml") || f.ends_with(".yaml"));
         let config = match (yml, entry) {
-            (Some(y), _) => ConfigSource::OfficialYml(hub::download_files(repo, &[y], progress).map_err(hub_err)?[0].clone()),
-            (None, Some(e)) => ConfigSource::Json { path: None, value: e.config.clone() },
-            (None, None) => {
-                return Err(Error::input(format!(
-                    "{source} holds an official pytorch_model.bin but no config: pass --config X.yml"
-                )))
-            }
+            (Some(y), _) => ConfigSource::OfficialYml(
+                hub::download_files(repo, &[y], progress).map_err(hub_err)?[0].clone(),
+            ),
+            (None, Some(e)) => ConfigSource::Json {
+                path: None,
+                value: e.config.clone(),
+            },
+            (None, None) => return Err(Error::input(format!(
+                "{source} holds an official pytorch_model.bin but no config: pass --config X.yml"
+            ))),
         };
-        let bin = hub::download_files(repo, &["pytorch_model.bin"], progress).map_err(hub_err)?[0].clone();
+        let bin = hub::download_files(repo, &["pytorch_model.bin"], progress).map_err(hub_err)?[0]
+            .clone();
         let tokenizer = if has(TOKENIZER_FILE) {
-            Some(hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone())
+            Some(
+                hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone(),
+            )
         } else {
             match entry.and_then(|e| e.tokenizer.as_ref()) {
                 Some(t) => Some(hub_tokenizer(repo, t, progress)?),
                 None => None,
             }
         };
-        return Ok(ModelFiles { source, config, weights: Weights::OfficialBin(bin), tokenizer });
+        return Ok(ModelFiles {
+            source,
+            config,
+            weights: Weights::OfficialBin(bin),
+            tokenizer,
+        });
     }
     Err(Error::input(format!(
         "{source} has neither config.json (a model folder) nor pytorch_model.bin (official format)"
@@ -277,11 +298,18 @@ pub struct LoadedWeights {
 
 /// The architecture named by a config (`tokenformer-lm`, `tokenformer-vit`, ...).
 pub fn architecture(config: &Value) -> &str {
-    config.get("architecture").and_then(Value::as_str).unwrap_or("")
+    config
+        .get("architecture")
+        .and_then(Value::as_str)
+        .unwrap_or("")
 }
 
 /// Reads the weights (converted to `dtype` if given) and the canonical config.
-pub fn read_weights(files: &ModelFiles, dtype: Option<DType>, device: &Device) -> Result<LoadedWeights> {
+pub fn read_weights(
+    files: &ModelFiles,
+    dtype: Option<DType>,
+    device: &Device,
+) -> Result<LoadedWeights> {
     match &files.weights {
         Weights::OfficialBin(bin) => {
             let (num_layers, fixed) = match &files.config {
@@ -292,7 +320,10 @@ pub fn read_weights(files: &ModelFiles, dtype: Option<DType>, device: &Device) -
                 ConfigSource::OfficialYml(y) => {
                     let text = std::fs::read_to_string(y).map_err(|e| Error::io(y, e))?;
                     let m = official::parse_yml(&text, y)?;
-                    (m.get("num_layers").and_then(Value::as_u64).unwrap_or(0) as usize, None)
+                    (
+                        m.get("num_layers").and_then(Value::as_u64).unwrap_or(0) as usize,
+                        None,
+                    )
                 }
             };
             let (tensors, ignored) = checkpoint::read_official_bin(bin, num_layers, dtype, device)?;
@@ -301,13 +332,24 @@ pub fn read_weights(files: &ModelFiles, dtype: Option<DType>, device: &Device) -
                 (None, ConfigSource::OfficialYml(y)) => {
                     let vocab = tensors
                         .get("word_embeddings.weight")
-                        .ok_or_else(|| Error::checkpoint(bin, "missing tensor `sequential.0.word_embeddings.weight`"))?
+                        .ok_or_else(|| {
+                            Error::checkpoint(
+                                bin,
+                                "missing tensor `sequential.0.word_embeddings.weight`",
+                            )
+                        })?
                         .dim(0)?;
-                    serde_json::to_value(official::config_from_yml(y, vocab)?).expect("serialisable")
+                    serde_json::to_value(official::config_from_yml(y, vocab)?)
+                        .expect("serialisable")
                 }
                 _ => unreachable!("fixed is Some for Json"),
             };
-            Ok(LoadedWeights { config, tensors, ignored, path: bin.clone() })
+            Ok(LoadedWeights {
+                config,
+                tensors,
+                ignored,
+                path: bin.clone(),
+            })
         }
         Weights::Safetensors(paths) => {
             let ConfigSource::Json { value, .. } = &files.config else {
@@ -399,4 +441,38 @@ pub fn load_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
         path: path.clone(),
         msg: e.to_string(),
     })
+}
+
+/// Parses the image-classifier config, naming the file on error.
+pub fn vit_config(value: &Value, origin: &Path) -> Result<vit::Config> {
+    let cfg: vit::Config =
+        serde_json::from_value(value.clone()).map_err(|e| Error::config(origin, e))?;
+    cfg.validate().map_err(|e| Error::config(origin, e))?;
+    Ok(cfg)
+}
+
+/// Builds the image classifier from loaded weights; errors name the checkpoint.
+pub fn build_vit(w: LoadedWeights, device: &Device) -> Result<VisionTransformer> {
+    let cfg = vit_config(&w.config, &w.path)?;
+    let names: Vec<String> = w.tensors.keys().cloned().collect();
+    let vb = checkpoint::var_builder(w.tensors, device);
+    let model = VisionTransformer::new(&cfg, vb).map_err(|e| Error::checkpoint(&w.path, e))?;
+    check_all_used(&names, &w.path, |n| cfg.uses_tensor(n))?;
+    Ok(model)
+}
+
+/// Loads a TokenFormer-ViT image classifier, f32 compute on `device`.
+pub fn load_vit(files: &ModelFiles, device: &Device) -> Result<VisionTransformer> {
+    let w = read_weights(files, Some(DType::F32), device)?;
+    if architecture(&w.config) != vit::ARCHITECTURE {
+        return Err(Error::config(
+            &w.path,
+            format!(
+                "architecture `{}` is not an image classifier (`{}`)",
+                architecture(&w.config),
+                vit::ARCHITECTURE
+            ),
+        ));
+    }
+    build_vit(w, device)
 }

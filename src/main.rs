@@ -7,7 +7,11 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "tokenformer", version, about = "TokenFormer models on candle: download, run, evaluate")]
+#[command(
+    name = "tokenformer",
+    version,
+    about = "TokenFormer models on candle: download, run, evaluate"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -24,6 +28,17 @@ enum Command {
     /// The model registry.
     #[command(subcommand)]
     Zoo(cli::zoo::ZooCommand),
+    /// Top-5 ImageNet classes and probabilities of images.
+    Classify(cli::vision::ClassifyArgs),
+    /// Benchmark evaluations.
+    #[command(subcommand)]
+    Eval(EvalCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum EvalCommand {
+    /// Top-1/top-5 of an image classifier on an ImageNet-style folder (timm eval preprocessing).
+    Imagenet(cli::vision::ImagenetArgs),
 }
 
 fn main() {
@@ -40,5 +55,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Score(a) => cli::lm::score_cmd(a),
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Zoo(c) => cli::zoo::run(c),
+        Command::Classify(a) => cli::vision::classify_cmd(a),
+        Command::Eval(EvalCommand::Imagenet(a)) => cli::vision::imagenet_cmd(a),
     }
 }
