@@ -13,6 +13,7 @@ use crate::checkpoint::{self, official, Tensors};
 use crate::error::{Error, Result};
 use crate::hub::{self, RepoRef};
 use crate::models::tokenformer::{self, TokenFormerLm};
+use crate::models::vit::{self, VisionTransformer};
 use crate::zoo::{self, ZooEntry};
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -451,4 +452,38 @@ pub fn load_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
         path: path.clone(),
         msg: e.to_string(),
     })
+}
+
+/// Parses the image-classifier config, naming the file on error.
+pub fn vit_config(value: &Value, origin: &Path) -> Result<vit::Config> {
+    let cfg: vit::Config =
+        serde_json::from_value(value.clone()).map_err(|e| Error::config(origin, e))?;
+    cfg.validate().map_err(|e| Error::config(origin, e))?;
+    Ok(cfg)
+}
+
+/// Builds the image classifier from loaded weights; errors name the checkpoint.
+pub fn build_vit(w: LoadedWeights, device: &Device) -> Result<VisionTransformer> {
+    let cfg = vit_config(&w.config, &w.path)?;
+    let names: Vec<String> = w.tensors.keys().cloned().collect();
+    let vb = checkpoint::var_builder(w.tensors, device);
+    let model = VisionTransformer::new(&cfg, vb).map_err(|e| Error::checkpoint(&w.path, e))?;
+    check_all_used(&names, &w.path, |n| cfg.uses_tensor(n))?;
+    Ok(model)
+}
+
+/// Loads a TokenFormer-ViT image classifier, f32 compute on `device`.
+pub fn load_vit(files: &ModelFiles, device: &Device) -> Result<VisionTransformer> {
+    let w = read_weights(files, Some(DType::F32), device)?;
+    if architecture(&w.config) != vit::ARCHITECTURE {
+        return Err(Error::config(
+            &w.path,
+            format!(
+                "architecture `{}` is not an image classifier (`{}`)",
+                architecture(&w.config),
+                vit::ARCHITECTURE
+            ),
+        ));
+    }
+    build_vit(w, device)
 }
