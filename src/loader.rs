@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::hub::{self, RepoRef};
 use crate::models::tokenformer::{self, TokenFormerLm};
 use crate::models::vit::{self, VisionTransformer};
+use crate::models::vl::{self, VisionLanguageModel};
 use crate::zoo::{self, ZooEntry};
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -427,6 +428,10 @@ pub fn check_all_used(names: &[String], path: &Path, used: impl Fn(&str) -> bool
 /// Loads a language model by name, f32 compute on `device`.
 pub fn load_lm(files: &ModelFiles, device: &Device) -> Result<TokenFormerLm> {
     let w = read_weights(files, Some(DType::F32), device)?;
+    // Text-only input to a merged vision-language model is its language route.
+    if architecture(&w.config) == vl::ARCHITECTURE {
+        return Ok(build_vl(w, device)?.language().clone());
+    }
     if architecture(&w.config) != tokenformer::ARCHITECTURE {
         return Err(Error::config(
             &w.path,
@@ -475,6 +480,10 @@ pub fn build_vit(w: LoadedWeights, device: &Device) -> Result<VisionTransformer>
 /// Loads a TokenFormer-ViT image classifier, f32 compute on `device`.
 pub fn load_vit(files: &ModelFiles, device: &Device) -> Result<VisionTransformer> {
     let w = read_weights(files, Some(DType::F32), device)?;
+    // Image-only input to a merged vision-language model is its vision route.
+    if architecture(&w.config) == vl::ARCHITECTURE {
+        return Ok(build_vl(w, device)?.vision().clone());
+    }
     if architecture(&w.config) != vit::ARCHITECTURE {
         return Err(Error::config(
             &w.path,
@@ -486,4 +495,32 @@ pub fn load_vit(files: &ModelFiles, device: &Device) -> Result<VisionTransformer
         ));
     }
     build_vit(w, device)
+}
+
+/// Builds the merged vision-language model from loaded weights.
+pub fn build_vl(w: LoadedWeights, device: &Device) -> Result<VisionLanguageModel> {
+    let cfg: vl::Config =
+        serde_json::from_value(w.config.clone()).map_err(|e| Error::config(&w.config_path, e))?;
+    cfg.validate()
+        .map_err(|e| Error::config(&w.config_path, e))?;
+    let names: Vec<String> = w.tensors.keys().cloned().collect();
+    check_all_used(&names, &w.path, |n| cfg.uses_tensor(n))?;
+    VisionLanguageModel::from_tensors(&cfg, &w.tensors, device)
+        .map_err(|e| Error::checkpoint(&w.path, e))
+}
+
+/// Loads a merged vision-language model (`tokenformer-vl`), f32 compute on `device`.
+pub fn load_vl(files: &ModelFiles, device: &Device) -> Result<VisionLanguageModel> {
+    let w = read_weights(files, Some(DType::F32), device)?;
+    if architecture(&w.config) != vl::ARCHITECTURE {
+        return Err(Error::config(
+            &w.config_path,
+            format!(
+                "architecture `{}` is not a vision-language model (`{}`): make one with `tokenformer-convert merge`",
+                architecture(&w.config),
+                vl::ARCHITECTURE
+            ),
+        ));
+    }
+    build_vl(w, device)
 }

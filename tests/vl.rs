@@ -35,26 +35,48 @@ fn fixture(bridge: usize, bridge_std: f32) -> Fixture {
     let mut seed = 1u64;
     let tensors = vl::assemble(&cfg, &vw.tensors, &lw.tensors, |_, r, c| {
         seed += 1;
-        Ok((common::randn(&mut rand::SeedableRng::seed_from_u64(seed), &[r, c], 1.0) * bridge_std as f64)?)
+        common::randn(&mut rand::SeedableRng::seed_from_u64(seed), &[r, c], 1.0) * bridge_std as f64
     })
     .unwrap();
     let vl = VisionLanguageModel::from_tensors(&cfg, &tensors, &dev).unwrap();
     let lm = loader::build_lm(lw, &dev).unwrap();
     let vit = loader::build_vit(vw, &dev).unwrap();
-    let pixels = candle_core::safetensors::load(common::fixtures().join("vit-tiny-imagenet/pixels.safetensors"), &dev)
-        .unwrap()
-        .remove("pixels")
-        .unwrap();
+    let pixels = candle_core::safetensors::load(
+        common::fixtures().join("vit-tiny-imagenet/pixels.safetensors"),
+        &dev,
+    )
+    .unwrap()
+    .remove("pixels")
+    .unwrap();
     let ids: Vec<u32> = serde_json::from_value(common::expected_lm()["ids"].clone()).unwrap();
-    Fixture { vl, lm, vit, pixels, ids: ids[..24].to_vec(), tensors }
+    Fixture {
+        vl,
+        lm,
+        vit,
+        pixels,
+        ids: ids[..24].to_vec(),
+        tensors,
+    }
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(D::Minus1).unwrap().to_scalar::<f32>().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(D::Minus1)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
 }
 
 fn ids_tensor(ids: &[u32]) -> Tensor {
-    Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
+    Tensor::new(ids, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
 }
 
 #[test]
@@ -63,10 +85,32 @@ fn each_modality_reproduces_its_source_with_random_bridge_values() {
     let f = fixture(16, 1.0);
     let g = f.vl.config().pattention_groups;
     assert_eq!((g.qkv.vision, g.qkv.language, g.qkv.bridge), (24, 24, 16));
-    let bridge_values = f.tensors["layers.1.mlp.value_param_tokens"].narrow(0, g.ffn.vision + g.ffn.language, 16).unwrap();
-    assert!(bridge_values.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 1.0);
-    let bridge_keys = f.tensors["layers.1.mlp.key_param_tokens"].narrow(0, g.ffn.vision + g.ffn.language, 16).unwrap();
-    assert_eq!(bridge_keys.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+    let bridge_values = f.tensors["layers.1.mlp.value_param_tokens"]
+        .narrow(0, g.ffn.vision + g.ffn.language, 16)
+        .unwrap();
+    assert!(
+        bridge_values
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            > 1.0
+    );
+    let bridge_keys = f.tensors["layers.1.mlp.key_param_tokens"]
+        .narrow(0, g.ffn.vision + g.ffn.language, 16)
+        .unwrap();
+    assert_eq!(
+        bridge_keys
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap(),
+        0.0
+    );
 
     // Text only: the language model's scores.
     let a = tokenformer::scoring::score_ids(f.vl.language(), &f.ids).unwrap();
@@ -75,7 +119,8 @@ fn each_modality_reproduces_its_source_with_random_bridge_values() {
         assert!((x - y).abs() <= 1e-5, "{x} vs {y}");
     }
     // ... and the PyTorch reference numbers of the fixture.
-    let exp: Vec<f32> = serde_json::from_value(common::expected_lm()["next_token_logprobs"].clone()).unwrap();
+    let exp: Vec<f32> =
+        serde_json::from_value(common::expected_lm()["next_token_logprobs"].clone()).unwrap();
     for (x, y) in a.next_token_logprobs.iter().zip(&exp) {
         assert!((x - y).abs() <= 1e-4, "{x} vs PyTorch {y}");
     }
@@ -98,16 +143,25 @@ fn mixed_sequence_keeps_image_logits_and_lets_text_see_the_image() {
     assert!(max_diff(&tl, &tl2) > 1e-3);
     assert!(max_diff(&tl, &f.lm.forward(&ids, None).unwrap()) > 1e-3);
     // Causal among text: the first 10 positions do not see the later tokens.
-    let (_, short) = f.vl.forward_mixed(Some(&img), &ids_tensor(&f.ids[..10]), None).unwrap();
+    let (_, short) =
+        f.vl.forward_mixed(Some(&img), &ids_tensor(&f.ids[..10]), None)
+            .unwrap();
     assert!(max_diff(&short, &tl.narrow(1, 0, 10).unwrap()) <= 1e-5);
     // Decoding with the cache (image + prefix, then one token at a time) equals the full pass.
     let mut cache = f.vl.new_cache();
-    let (_, first) = f.vl.forward_mixed(Some(&img), &ids_tensor(&f.ids[..20]), Some(&mut cache)).unwrap();
+    let (_, first) =
+        f.vl.forward_mixed(Some(&img), &ids_tensor(&f.ids[..20]), Some(&mut cache))
+            .unwrap();
     assert!(max_diff(&first, &tl.narrow(1, 0, 20).unwrap()) <= 1e-5);
     for j in 20..24 {
-        let (none, step) = f.vl.forward_mixed(None, &ids_tensor(&f.ids[j..j + 1]), Some(&mut cache)).unwrap();
+        let (none, step) =
+            f.vl.forward_mixed(None, &ids_tensor(&f.ids[j..j + 1]), Some(&mut cache))
+                .unwrap();
         assert!(none.is_none());
-        assert!(max_diff(&step, &tl.narrow(1, j, 1).unwrap()) <= 1e-4, "position {j}");
+        assert!(
+            max_diff(&step, &tl.narrow(1, j, 1).unwrap()) <= 1e-4,
+            "position {j}"
+        );
     }
     assert_eq!(cache.text_len(), 24);
 }

@@ -143,11 +143,15 @@ impl RawCheckpoint {
     pub fn read(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join(loader::CONFIG_FILE);
         if !cfg_path.is_file() {
-            bail!("{}: missing config.json (the source's hyper-parameters)", dir.display());
+            bail!(
+                "{}: missing config.json (the source's hyper-parameters)",
+                dir.display()
+            );
         }
         let config = loader::read_json(&cfg_path)?;
         let dev = Device::Cpu;
-        let st = dir.join(checkpoint::SAFETENSORS_FILE).exists() || dir.join(checkpoint::SAFETENSORS_INDEX).exists();
+        let st = dir.join(checkpoint::SAFETENSORS_FILE).exists()
+            || dir.join(checkpoint::SAFETENSORS_INDEX).exists();
         let (files, tensors) = if st {
             let files = checkpoint::safetensors_files(dir)?;
             let t = checkpoint::read_safetensors(&files, Some(DType::F32), &dev)?;
@@ -156,15 +160,18 @@ impl RawCheckpoint {
             let files = bin_files(dir)?;
             let mut out = Tensors::new();
             for f in &files {
-                let pth = candle_core::pickle::PthTensors::new(f, None)
-                    .with_context(|| format!("{}: not a readable PyTorch checkpoint", f.display()))?;
+                let pth = candle_core::pickle::PthTensors::new(f, None).with_context(|| {
+                    format!("{}: not a readable PyTorch checkpoint", f.display())
+                })?;
                 let mut names: Vec<String> = pth.tensor_infos().keys().cloned().collect();
                 names.sort();
                 for n in names {
                     let t = pth
                         .get(&n)
                         .with_context(|| format!("{}: tensor `{n}`", f.display()))?
-                        .ok_or_else(|| anyhow!("{}: tensor `{n}` is listed but absent", f.display()))?;
+                        .ok_or_else(|| {
+                            anyhow!("{}: tensor `{n}` is listed but absent", f.display())
+                        })?;
                     out.insert(n, t.to_dtype(DType::F32)?);
                 }
             }
@@ -173,8 +180,17 @@ impl RawCheckpoint {
         if tensors.is_empty() {
             bail!("{}: the checkpoint holds no tensors", dir.display());
         }
-        let origin = files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ");
-        Ok(Self { dir: dir.to_path_buf(), origin, config, tensors })
+        let origin = files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            origin,
+            config,
+            tensors,
+        })
     }
 
     /// Removes and returns tensor `name`, checking its shape.
@@ -254,7 +270,12 @@ fn locate_input(spec: &str) -> Result<PathBuf> {
     let list = hub::list_files(&repo).map_err(|e| anyhow!("{spec}: {e}"))?;
     let has = |f: &str| list.iter().any(|x| x == f);
     let mut want: Vec<String> = vec![loader::CONFIG_FILE.into()];
-    for f in [checkpoint::SAFETENSORS_FILE, checkpoint::SAFETENSORS_INDEX, loader::TOKENIZER_FILE, "preprocessor_config.json"] {
+    for f in [
+        checkpoint::SAFETENSORS_FILE,
+        checkpoint::SAFETENSORS_INDEX,
+        loader::TOKENIZER_FILE,
+        "preprocessor_config.json",
+    ] {
         if has(f) {
             want.push(f.into());
         }
@@ -262,12 +283,21 @@ fn locate_input(spec: &str) -> Result<PathBuf> {
     if has(checkpoint::SAFETENSORS_INDEX) {
         want.extend(list.iter().filter(|f| f.ends_with(".safetensors")).cloned());
     } else if !has(checkpoint::SAFETENSORS_FILE) {
-        want.extend(list.iter().filter(|f| f.starts_with("pytorch_model") && (f.ends_with(".bin") || f.ends_with(".json"))).cloned());
+        want.extend(
+            list.iter()
+                .filter(|f| {
+                    f.starts_with("pytorch_model") && (f.ends_with(".bin") || f.ends_with(".json"))
+                })
+                .cloned(),
+        );
     }
     want.dedup();
     let names: Vec<&str> = want.iter().map(String::as_str).collect();
     let paths = hub::download_files(&repo, &names, true).map_err(|e| anyhow!("{spec}: {e}"))?;
-    Ok(paths[0].parent().expect("a downloaded file is in a folder").to_path_buf())
+    Ok(paths[0]
+        .parent()
+        .expect("a downloaded file is in a folder")
+        .to_path_buf())
 }
 
 /// How a linear layer or an MLP becomes a Pattention layer.
@@ -310,7 +340,8 @@ pub const KAPPA_BIAS: f64 = 5e-3;
 impl Mapping {
     pub fn new(width: usize) -> Self {
         let lambda = KAPPA_BIAS / KAPPA_ANCHOR;
-        let s = (2.0 * width as f64 * KAPPA_ANCHOR * KAPPA_ANCHOR * (1.0 + lambda * lambda)).round() as usize;
+        let s = (2.0 * width as f64 * KAPPA_ANCHOR * KAPPA_ANCHOR * (1.0 + lambda * lambda)).round()
+            as usize;
         let kappa_anchor = (s as f64 / (2.0 * width as f64 * (1.0 + lambda * lambda))).sqrt();
         Self {
             width,
@@ -334,8 +365,14 @@ impl Mapping {
         match bias {
             None => Ok(Tensor::zeros((rows, out), DType::F32, dev)?),
             Some(b) => {
-                let per = (2.0 / std::f64::consts::PI).sqrt() * self.kappa_bias * self.kappa_bias * self.width as f64;
-                Ok((b / per)?.unsqueeze(0)?.broadcast_as((rows, out))?.contiguous()?)
+                let per = (2.0 / std::f64::consts::PI).sqrt()
+                    * self.kappa_bias
+                    * self.kappa_bias
+                    * self.width as f64;
+                Ok((b / per)?
+                    .unsqueeze(0)?
+                    .broadcast_as((rows, out))?
+                    .contiguous()?)
             }
         }
     }
@@ -350,18 +387,35 @@ impl Mapping {
     }
 
     /// y = GELU(x̂·W_inᵀ)·W_outᵀ + b as (keys [m+4d, d], values [m+4d, out]).
-    pub fn mlp(&self, w_in: &Tensor, w_out: &Tensor, bias: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    pub fn mlp(
+        &self,
+        w_in: &Tensor,
+        w_out: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
         let dev = w_in.device();
         let out = w_out.dim(0)?;
         let mem_keys = (w_in / self.kappa_anchor)?;
         let keys = Tensor::cat(&[&mem_keys, &self.fixed_keys(dev)?], 0)?;
         let zeros = Tensor::zeros((2 * self.width, out), DType::F32, dev)?;
-        let values = Tensor::cat(&[&w_out.t()?.contiguous()?, &zeros, &self.bias_values(bias, out, dev)?], 0)?;
+        let values = Tensor::cat(
+            &[
+                &w_out.t()?.contiguous()?,
+                &zeros,
+                &self.bias_values(bias, out, dev)?,
+            ],
+            0,
+        )?;
         Ok((keys, values))
     }
 
     pub fn pattention(&self, kv: &(Tensor, Tensor)) -> Pattention {
-        Pattention::from_tensors(kv.0.clone(), kv.1.clone(), Activation::L2NormGelu, Some(self.scale_tokens))
+        Pattention::from_tensors(
+            kv.0.clone(),
+            kv.1.clone(),
+            Activation::L2NormGelu,
+            Some(self.scale_tokens),
+        )
     }
 }
 
@@ -387,7 +441,11 @@ pub fn relative_error(a: &Tensor, b: &Tensor) -> Result<f64> {
 /// The least-squares c for c·x̂·Wᵀ ≈ x·Wᵀ over the rows of x [rows, d].
 fn fit_input_scale(x: &Tensor, w: &Tensor) -> Result<f64> {
     let d = x.dim(D::Minus1)? as f64;
-    let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.clamp(1e-30, f64::INFINITY)?;
+    let norm = x
+        .sqr()?
+        .sum_keepdim(D::Minus1)?
+        .sqrt()?
+        .clamp(1e-30, f64::INFINITY)?;
     let xhat = (x.broadcast_div(&norm)? * d.sqrt())?;
     let y = x.matmul(&w.t()?)?.to_dtype(DType::F64)?;
     let yh = xhat.matmul(&w.t()?)?.to_dtype(DType::F64)?;
@@ -417,7 +475,13 @@ struct LayerImport {
     fidelity: LayerFidelity,
 }
 
-fn import_layer(i: usize, l: &SourceLayer, map: &Mapping, calib: &LayerTrace, probe: &LayerTrace) -> Result<LayerImport> {
+fn import_layer(
+    i: usize,
+    l: &SourceLayer,
+    map: &Mapping,
+    calib: &LayerTrace,
+    probe: &LayerTrace,
+) -> Result<LayerImport> {
     let (wq, bq) = fold_norm(&l.query, &l.ln1)?;
     let (wk, bk) = fold_norm(&l.key, &l.ln1)?;
     let (wv, bv) = fold_norm(&l.value, &l.ln1)?;
@@ -443,7 +507,13 @@ fn import_layer(i: usize, l: &SourceLayer, map: &Mapping, calib: &LayerTrace, pr
     };
     let p = format!("layers.{i}");
     let mut tensors = vec![];
-    for (name, kv) in [("attention.query", q), ("attention.key", k), ("attention.value", v), ("attention.proj", o), ("mlp", f)] {
+    for (name, kv) in [
+        ("attention.query", q),
+        ("attention.key", k),
+        ("attention.value", v),
+        ("attention.proj", o),
+        ("mlp", f),
+    ] {
         tensors.push((format!("{p}.{name}.key_param_tokens"), kv.0));
         tensors.push((format!("{p}.{name}.value_param_tokens"), kv.1));
     }
@@ -518,7 +588,10 @@ fn tokenize(path: &Path, text: &str) -> Option<Vec<u32>> {
     }
     let files = loader::ModelFiles {
         source: path.display().to_string(),
-        config: loader::ConfigSource::Json { path: None, value: Value::Null },
+        config: loader::ConfigSource::Json {
+            path: None,
+            value: Value::Null,
+        },
         weights: loader::Weights::Safetensors(vec![]),
         tokenizer: Some(path.to_path_buf()),
     };
@@ -533,7 +606,11 @@ fn perplexity(logits: &Tensor, ids: &[u32]) -> Result<f64> {
     let lse = tokenformer::scoring::logsumexp(&logits)?;
     let targets = Tensor::new(&ids[1..], logits.device())?.unsqueeze(1)?;
     let picked = logits.gather(&targets, 1)?.squeeze(1)?;
-    let nll: f64 = (lse - picked)?.to_vec1::<f32>()?.iter().map(|&x| x as f64).sum();
+    let nll: f64 = (lse - picked)?
+        .to_vec1::<f32>()?
+        .iter()
+        .map(|&x| x as f64)
+        .sum();
     Ok((nll / n as f64).exp())
 }
 
@@ -553,33 +630,55 @@ fn import_gpt_neox(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         v
     };
     let probe_ids = clip(
-        tokenize(&tok_path, a.probe_text.as_deref().unwrap_or(DEFAULT_PROBE_TEXT))
-            .unwrap_or_else(|| probe::probe_ids(cfg.vocab_size, max)),
+        tokenize(
+            &tok_path,
+            a.probe_text.as_deref().unwrap_or(DEFAULT_PROBE_TEXT),
+        )
+        .unwrap_or_else(|| probe::probe_ids(cfg.vocab_size, max)),
     );
     if probe_ids.len() < 2 {
         bail!("the probe text must have at least 2 tokens");
     }
-    let calib_ids = clip(tokenize(&tok_path, CALIBRATION_TEXT).unwrap_or_else(|| seeded_ids(cfg.vocab_size, 32.min(max), 17)));
-    if let Some(&bad) = probe_ids.iter().chain(&calib_ids).find(|&&i| i as usize >= cfg.vocab_size) {
-        bail!("token id {bad} of the probe is outside the source's vocabulary ({})", cfg.vocab_size);
+    let calib_ids = clip(
+        tokenize(&tok_path, CALIBRATION_TEXT)
+            .unwrap_or_else(|| seeded_ids(cfg.vocab_size, 32.min(max), 17)),
+    );
+    if let Some(&bad) = probe_ids
+        .iter()
+        .chain(&calib_ids)
+        .find(|&&i| i as usize >= cfg.vocab_size)
+    {
+        bail!(
+            "token id {bad} of the probe is outside the source's vocabulary ({})",
+            cfg.vocab_size
+        );
     }
 
     // The source on both inputs.
     let rotary_dims = ((d / cfg.num_heads) as f64 * cfg.rotary_pct) as usize;
-    if rotary_dims % 2 != 0 {
-        bail!("{}: rotary_pct {} gives an odd number of rotary dims ({rotary_dims})", raw.origin, cfg.rotary_pct);
+    if !rotary_dims.is_multiple_of(2) {
+        bail!(
+            "{}: rotary_pct {} gives an odd number of rotary dims ({rotary_dims})",
+            raw.origin,
+            cfg.rotary_pct
+        );
     }
     let rotary = Rotary::new(rotary_dims, cfg.rotary_base, max, &dev)?;
     let embed = |ids: &[u32]| -> Result<Tensor> {
-        Ok(src.embed_in.index_select(&Tensor::new(ids, &dev)?, 0)?.unsqueeze(0)?)
+        Ok(src
+            .embed_in
+            .index_select(&Tensor::new(ids, &dev)?, 0)?
+            .unsqueeze(0)?)
     };
     let source_logits = |h: &Tensor| -> Result<Tensor> {
         let h = reference::layer_norm(h, &src.final_norm, cfg.eps)?.squeeze(0)?;
         Ok(h.matmul(&src.embed_out.as_ref().unwrap_or(&src.embed_in).t()?)?)
     };
     let mix = Mixing::Causal(&rotary);
-    let (_, calib) = reference::run_layers(&src.body, &embed(&calib_ids)?, &mix, cfg.parallel_residual)?;
-    let (h, probe_trace) = reference::run_layers(&src.body, &embed(&probe_ids)?, &mix, cfg.parallel_residual)?;
+    let (_, calib) =
+        reference::run_layers(&src.body, &embed(&calib_ids)?, &mix, cfg.parallel_residual)?;
+    let (h, probe_trace) =
+        reference::run_layers(&src.body, &embed(&probe_ids)?, &mix, cfg.parallel_residual)?;
     let src_logits = source_logits(&h)?;
     let src_ppl = perplexity(&src_logits, &probe_ids)?;
     let seq_ppl = if cfg.parallel_residual {
@@ -596,9 +695,21 @@ fn import_gpt_neox(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         tensors.insert(to.to_string(), t.clone());
         copied.push((from.to_string(), to.to_string()));
     };
-    copy("gpt_neox.embed_in.weight", "word_embeddings.weight", &src.embed_in);
-    copy("gpt_neox.final_layer_norm.weight", "final_norm.weight", &src.final_norm.weight);
-    copy("gpt_neox.final_layer_norm.bias", "final_norm.bias", &src.final_norm.bias);
+    copy(
+        "gpt_neox.embed_in.weight",
+        "word_embeddings.weight",
+        &src.embed_in,
+    );
+    copy(
+        "gpt_neox.final_layer_norm.weight",
+        "final_norm.weight",
+        &src.final_norm.weight,
+    );
+    copy(
+        "gpt_neox.final_layer_norm.bias",
+        "final_norm.bias",
+        &src.final_norm.bias,
+    );
     if let Some(e) = &src.embed_out {
         copy("embed_out.weight", "final_linear.weight", e);
     }
@@ -625,21 +736,39 @@ fn import_gpt_neox(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         pattention_activation: Activation::L2NormGelu,
         eos_token_id: cfg.eos_token_id,
         tie_word_embeddings: src.embed_out.is_none(),
-        pattention_scale_tokens: Some(ScaleTokens { qkv: map.scale_tokens, proj: map.scale_tokens, ffn: map.scale_tokens }),
+        pattention_scale_tokens: Some(ScaleTokens {
+            qkv: map.scale_tokens,
+            proj: map.scale_tokens,
+            ffn: map.scale_tokens,
+        }),
     };
-    config.validate().map_err(|e| anyhow!("the imported config is invalid: {e}"))?;
+    config
+        .validate()
+        .map_err(|e| anyhow!("the imported config is invalid: {e}"))?;
 
     let staging = Staging::new(&a.out, a.force)?;
     let out = staging.path();
-    std::fs::write(out.join(loader::CONFIG_FILE), serde_json::to_string_pretty(&config)? + "\n")?;
+    std::fs::write(
+        out.join(loader::CONFIG_FILE),
+        serde_json::to_string_pretty(&config)? + "\n",
+    )?;
     checkpoint::write_safetensors(out, &tensors, checkpoint::DEFAULT_SHARD_BYTES)?;
     if tok_path.exists() {
-        std::fs::copy(&tok_path, out.join(loader::TOKENIZER_FILE)).with_context(|| format!("copying {}", tok_path.display()))?;
+        std::fs::copy(&tok_path, out.join(loader::TOKENIZER_FILE))
+            .with_context(|| format!("copying {}", tok_path.display()))?;
     }
 
     // The written folder, loaded as any user would, on the same probe.
-    let model = loader::load_lm(&loader::locate(&out.display().to_string(), &Default::default())?, &dev)?;
-    let imp_logits = model.forward(&Tensor::new(probe_ids.as_slice(), &dev)?.unsqueeze(0)?, None)?.squeeze(0)?;
+    let model = loader::load_lm(
+        &loader::locate(&out.display().to_string(), &Default::default())?,
+        &dev,
+    )?;
+    let imp_logits = model
+        .forward(
+            &Tensor::new(probe_ids.as_slice(), &dev)?.unsqueeze(0)?,
+            None,
+        )?
+        .squeeze(0)?;
     let imp_ppl = perplexity(&imp_logits, &probe_ids)?;
     let end = EndToEnd {
         source_perplexity: Some(src_ppl),
@@ -671,10 +800,16 @@ fn import_gpt_neox(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         not_representable: not_rep,
     };
     print_report(&report);
-    std::fs::write(out.join(REPORT_FILE), serde_json::to_string_pretty(&report)? + "\n")?;
+    std::fs::write(
+        out.join(REPORT_FILE),
+        serde_json::to_string_pretty(&report)? + "\n",
+    )?;
 
     let mut card = ModelCard::new(
-        format!("TokenFormer LM imported from GPT-NeoX ({} layers, d {})", cfg.num_layers, d),
+        format!(
+            "TokenFormer LM imported from GPT-NeoX ({} layers, d {})",
+            cfg.num_layers, d
+        ),
         "text-generation",
     );
     if !Path::new(&a.input).exists() {
@@ -689,7 +824,15 @@ fn import_gpt_neox(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     );
     card.section("Mapping", mapping_text(&map));
     card.section("Fidelity", fidelity_markdown(&report));
-    card.section("Not representable", report.not_representable.iter().map(|s| format!("- {s}")).collect::<Vec<_>>().join("\n"));
+    card.section(
+        "Not representable",
+        report
+            .not_representable
+            .iter()
+            .map(|s| format!("- {s}"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    );
     card.write(out)?;
     let out = staging.commit()?;
     println!("wrote {}", out.display());
@@ -715,10 +858,18 @@ fn import_vit(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let (c, size) = (src.num_channels, src.image_size);
     let probe_pixels = match &a.probe_pixels {
         Some(p) => {
-            let mut t = candle_core::safetensors::load(p, &dev).with_context(|| format!("reading {}", p.display()))?;
-            let px = t.remove("pixels").ok_or_else(|| anyhow!("{}: no tensor `pixels`", p.display()))?.to_dtype(DType::F32)?;
+            let mut t = candle_core::safetensors::load(p, &dev)
+                .with_context(|| format!("reading {}", p.display()))?;
+            let px = t
+                .remove("pixels")
+                .ok_or_else(|| anyhow!("{}: no tensor `pixels`", p.display()))?
+                .to_dtype(DType::F32)?;
             if px.rank() != 4 || px.dims()[1..] != [c, size, size] {
-                bail!("{}: `pixels` has shape {:?}, expected [n, {c}, {size}, {size}]", p.display(), px.dims());
+                bail!(
+                    "{}: `pixels` has shape {:?}, expected [n, {c}, {size}, {size}]",
+                    p.display(),
+                    px.dims()
+                );
             }
             px
         }
@@ -780,9 +931,15 @@ fn import_vit(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
 
     let staging = Staging::new(&a.out, a.force)?;
     let out = staging.path();
-    std::fs::write(out.join(loader::CONFIG_FILE), serde_json::to_string_pretty(&config)? + "\n")?;
+    std::fs::write(
+        out.join(loader::CONFIG_FILE),
+        serde_json::to_string_pretty(&config)? + "\n",
+    )?;
     checkpoint::write_safetensors(out, &tensors, checkpoint::DEFAULT_SHARD_BYTES)?;
-    let model = loader::load_vit(&loader::locate(&out.display().to_string(), &Default::default())?, &dev)?;
+    let model = loader::load_vit(
+        &loader::locate(&out.display().to_string(), &Default::default())?,
+        &dev,
+    )?;
     let imp_logits = model.forward(&probe_pixels)?;
     let agree = {
         let s = src_logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
@@ -815,9 +972,15 @@ fn import_vit(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         ],
     };
     print_report(&report);
-    std::fs::write(out.join(REPORT_FILE), serde_json::to_string_pretty(&report)? + "\n")?;
+    std::fs::write(
+        out.join(REPORT_FILE),
+        serde_json::to_string_pretty(&report)? + "\n",
+    )?;
     let mut card = ModelCard::new(
-        format!("TokenFormer-ViT imported from {} ({} layers, d {})", src.layout, vcfg.num_layers, d),
+        format!(
+            "TokenFormer-ViT imported from {} ({} layers, d {})",
+            src.layout, vcfg.num_layers, d
+        ),
         "image-classification",
     );
     if !Path::new(&a.input).exists() {
@@ -832,7 +995,15 @@ fn import_vit(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     );
     card.section("Mapping", mapping_text(&map));
     card.section("Fidelity", fidelity_markdown(&report) + if a.probe_pixels.is_none() { " The probe images are seeded synthetic patterns, not photographs: pass --probe-pixels for a real-image probe." } else { "" });
-    card.section("Not representable", report.not_representable.iter().map(|s| format!("- {s}")).collect::<Vec<_>>().join("\n"));
+    card.section(
+        "Not representable",
+        report
+            .not_representable
+            .iter()
+            .map(|s| format!("- {s}"))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    );
     card.write(out)?;
     let out = staging.commit()?;
     println!("wrote {}", out.display());
@@ -851,7 +1022,9 @@ fn synthetic_pixels(n: usize, c: usize, size: usize, seed: u64, dev: &Device) ->
     };
     let mut v = Vec::with_capacity(n * c * size * size);
     for _ in 0..n * c {
-        let waves: Vec<[f32; 4]> = (0..3).map(|_| [rnd() * 0.5, rnd() * 0.5, rnd() * 6.3, rnd() * 1.5]).collect();
+        let waves: Vec<[f32; 4]> = (0..3)
+            .map(|_| [rnd() * 0.5, rnd() * 0.5, rnd() * 6.3, rnd() * 1.5])
+            .collect();
         for i in 0..size {
             for j in 0..size {
                 let mut p = 0.0;
@@ -889,13 +1062,22 @@ fn fidelity_markdown(r: &Report) -> String {
     for l in &r.layers {
         s.push_str(&format!(
             "| {} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.4} | {:.3} |\n",
-            l.layer, l.query, l.key, l.value, l.proj, l.mlp, l.proj_input_scale, l.dropped_mlp_bias_norm
+            l.layer,
+            l.query,
+            l.key,
+            l.value,
+            l.proj,
+            l.mlp,
+            l.proj_input_scale,
+            l.dropped_mlp_bias_norm
         ));
     }
     let e = &r.end_to_end;
     s.push('\n');
     if let Some(p) = e.source_perplexity {
-        s.push_str(&format!("End to end on the probe: source perplexity {p:.4}"));
+        s.push_str(&format!(
+            "End to end on the probe: source perplexity {p:.4}"
+        ));
         if let Some(q) = e.source_sequential_perplexity {
             s.push_str(&format!(", source run sequentially {q:.4}"));
         }
@@ -905,30 +1087,55 @@ fn fidelity_markdown(r: &Report) -> String {
         s.push_str(". ");
     }
     if let Some(t) = e.top1_agreement {
-        s.push_str(&format!("End to end on {} probe images: top-1 agreement {:.1}%. ", r.probe_images.unwrap_or(0), 100.0 * t));
+        s.push_str(&format!(
+            "End to end on {} probe images: top-1 agreement {:.1}%. ",
+            r.probe_images.unwrap_or(0),
+            100.0 * t
+        ));
     }
-    s.push_str(&format!("Relative logit error {:.3e}.", e.logits_relative_error));
+    s.push_str(&format!(
+        "Relative logit error {:.3e}.",
+        e.logits_relative_error
+    ));
     s
 }
 
 fn print_report(r: &Report) {
-    println!("per-layer relative error of each Pattention against the source layer (probe activations):");
-    println!("{:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>14}", "layer", "query", "key", "value", "proj", "mlp", "proj c", "dropped |b_in|");
+    println!(
+        "per-layer relative error of each Pattention against the source layer (probe activations):"
+    );
+    println!(
+        "{:>5} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>14}",
+        "layer", "query", "key", "value", "proj", "mlp", "proj c", "dropped |b_in|"
+    );
     for l in &r.layers {
         println!(
             "{:>5} {:>10.3e} {:>10.3e} {:>10.3e} {:>10.3e} {:>10.3e} {:>9.4} {:>14.4}",
-            l.layer, l.query, l.key, l.value, l.proj, l.mlp, l.proj_input_scale, l.dropped_mlp_bias_norm
+            l.layer,
+            l.query,
+            l.key,
+            l.value,
+            l.proj,
+            l.mlp,
+            l.proj_input_scale,
+            l.dropped_mlp_bias_norm
         );
     }
     let e = &r.end_to_end;
     if let (Some(s), Some(i)) = (e.source_perplexity, e.import_perplexity) {
         match e.source_sequential_perplexity {
-            Some(q) => println!("perplexity on the probe: source {s:.4} (run sequentially {q:.4}), import {i:.4}"),
+            Some(q) => println!(
+                "perplexity on the probe: source {s:.4} (run sequentially {q:.4}), import {i:.4}"
+            ),
             None => println!("perplexity on the probe: source {s:.4}, import {i:.4}"),
         }
     }
     if let Some(t) = e.top1_agreement {
-        println!("top-1 agreement on {} probe images: {:.1}%", r.probe_images.unwrap_or(0), 100.0 * t);
+        println!(
+            "top-1 agreement on {} probe images: {:.1}%",
+            r.probe_images.unwrap_or(0),
+            100.0 * t
+        );
     }
     println!("relative logit error: {:.3e}", e.logits_relative_error);
     for n in &r.not_representable {

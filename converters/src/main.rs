@@ -4,6 +4,7 @@
 //! and only then moves it into place.
 
 mod import;
+mod merge;
 mod official;
 mod output;
 mod probe;
@@ -29,6 +30,8 @@ enum Command {
     Official(official::OfficialArgs),
     /// Hugging Face GPT-NeoX/Pythia or ViT weights → a TokenFormer, with a fidelity report.
     Import(import::ImportArgs),
+    /// A vision and a language TokenFormer of the same shape → one tokenformer-vl model.
+    Merge(merge::MergeArgs),
 }
 
 /// Storage dtype for written weights.
@@ -58,6 +61,7 @@ fn main() {
     let r: Result<()> = match cli.command {
         Command::Official(a) => official::run(a),
         Command::Import(a) => import::run(a),
+        Command::Merge(a) => merge::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

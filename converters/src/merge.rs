@@ -12,7 +12,6 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
-use serde_json::json;
 use tokenformer::card::ModelCard;
 use tokenformer::checkpoint;
 use tokenformer::loader;
@@ -50,8 +49,17 @@ pub struct MergeArgs {
 pub const TOLERANCE: f32 = 1e-5;
 
 /// Seeded N(0, std²) values (xorshift + Box-Muller), one stream per tensor name.
-fn seeded_normal(seed: u64, name: &str, rows: usize, cols: usize, std: f64, dev: &Device) -> Result<Tensor> {
-    let mut x = name.bytes().fold(seed ^ 0x9E37_79B9_7F4A_7C15, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01B3)) | 1;
+fn seeded_normal(
+    seed: u64,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    std: f64,
+    dev: &Device,
+) -> Result<Tensor> {
+    let mut x = name.bytes().fold(seed ^ 0x9E37_79B9_7F4A_7C15, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01B3)
+    }) | 1;
     let mut uniform = move || {
         x ^= x << 13;
         x ^= x >> 7;
@@ -69,8 +77,10 @@ fn seeded_normal(seed: u64, name: &str, rows: usize, cols: usize, std: f64, dev:
 
 pub fn run(a: MergeArgs) -> Result<()> {
     let dev = Device::Cpu;
-    let vfiles = loader::locate(&a.vision, &Default::default()).with_context(|| format!("--vision {}", a.vision))?;
-    let lfiles = loader::locate(&a.language, &Default::default()).with_context(|| format!("--language {}", a.language))?;
+    let vfiles = loader::locate(&a.vision, &Default::default())
+        .with_context(|| format!("--vision {}", a.vision))?;
+    let lfiles = loader::locate(&a.language, &Default::default())
+        .with_context(|| format!("--language {}", a.language))?;
     for f in [&vfiles, &lfiles] {
         let p = std::path::Path::new(&f.source);
         if p.exists() {
@@ -87,18 +97,17 @@ pub fn run(a: MergeArgs) -> Result<()> {
     }
     let vcfg = loader::vit_config(&vw.config, &vw.path)?;
     let lcfg = loader::lm_config(&lw.config, &lw.path)?;
-    let cfg = vl::Config::merged(&vcfg, &lcfg, a.bridge_tokens).map_err(|e| anyhow::anyhow!("cannot merge {} and {}: {e}", a.vision, a.language))?;
+    let cfg = vl::Config::merged(&vcfg, &lcfg, a.bridge_tokens)
+        .map_err(|e| anyhow::anyhow!("cannot merge {} and {}: {e}", a.vision, a.language))?;
     // Both sources load (all tensors present, right shapes) before anything is combined.
-    let vision = loader::build_vit(
-        loader::LoadedWeights { config: vw.config.clone(), tensors: vw.tensors.clone(), ignored: vec![], path: vw.path.clone() },
-        &dev,
-    )?;
-    let language = loader::build_lm(
-        loader::LoadedWeights { config: lw.config.clone(), tensors: lw.tensors.clone(), ignored: vec![], path: lw.path.clone() },
-        &dev,
-    )?;
+    let vision = loader::load_vit(&vfiles, &dev)?;
+    let language = loader::load_lm(&lfiles, &dev)?;
+    if vision.config() != &vcfg || language.config() != &lcfg {
+        bail!("--vision/--language: a source is itself a merged model; merge plain classifiers and language models");
+    }
     let tensors = vl::assemble(&cfg, &vw.tensors, &lw.tensors, |name, rows, cols| {
-        seeded_normal(a.seed, name, rows, cols, a.bridge_std, &dev).map_err(|e| candle_core::Error::Msg(e.to_string()))
+        seeded_normal(a.seed, name, rows, cols, a.bridge_std, &dev)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
     })?;
     let merged = VisionLanguageModel::from_tensors(&cfg, &tensors, &dev)?;
 
@@ -111,23 +120,41 @@ pub fn run(a: MergeArgs) -> Result<()> {
     let vit_ref = vision.forward(&pixels)?;
     let image_diff = probe::max_abs_diff(&merged.vision().forward(&pixels)?, &vit_ref)?;
     let (mixed_img, _) = merged.forward_mixed(Some(&pixels.narrow(0, 0, 1)?), &input, None)?;
-    let mixed_diff = probe::max_abs_diff(&mixed_img.expect("pixels given"), &vit_ref.narrow(0, 0, 1)?)?;
-    let ok = probe::report("the merged model on text and the language model", text_diff, TOLERANCE)
-        & probe::report("the merged model on images and the classifier", image_diff, TOLERANCE)
-        & probe::report("the image logits of a mixed [image; text] run and the classifier", mixed_diff, TOLERANCE);
+    let mixed_diff =
+        probe::max_abs_diff(&mixed_img.expect("pixels given"), &vit_ref.narrow(0, 0, 1)?)?;
+    let ok = probe::report(
+        "the merged model on text and the language model",
+        text_diff,
+        TOLERANCE,
+    ) & probe::report(
+        "the merged model on images and the classifier",
+        image_diff,
+        TOLERANCE,
+    ) & probe::report(
+        "the image logits of a mixed [image; text] run and the classifier",
+        mixed_diff,
+        TOLERANCE,
+    );
     if !ok {
         bail!("the merged model does not reproduce its sources (text {text_diff:e}, images {image_diff:e}, mixed {mixed_diff:e}); nothing was written");
     }
 
     let staging = Staging::new(&a.out, a.force)?;
     let out = staging.path();
-    std::fs::write(out.join(loader::CONFIG_FILE), serde_json::to_string_pretty(&cfg)? + "\n")?;
+    std::fs::write(
+        out.join(loader::CONFIG_FILE),
+        serde_json::to_string_pretty(&cfg)? + "\n",
+    )?;
     checkpoint::write_safetensors(out, &tensors, checkpoint::DEFAULT_SHARD_BYTES)?;
     if let Some(t) = &lfiles.tokenizer {
-        std::fs::copy(t, out.join(loader::TOKENIZER_FILE)).with_context(|| format!("copying {}", t.display()))?;
+        std::fs::copy(t, out.join(loader::TOKENIZER_FILE))
+            .with_context(|| format!("copying {}", t.display()))?;
     }
     // The written folder must load through the library's own loader.
-    let reloaded = loader::load_vl(&loader::locate(&out.display().to_string(), &Default::default())?, &dev)?;
+    let reloaded = loader::load_vl(
+        &loader::locate(&out.display().to_string(), &Default::default())?,
+        &dev,
+    )?;
     let reload_diff = probe::max_abs_diff(&reloaded.language().forward(&input, None)?, &lm_ref)?;
     if reload_diff > TOLERANCE {
         bail!("the written merged model does not reload to the same function (max |Δ logit| {reload_diff:e}); nothing was written");
@@ -135,7 +162,10 @@ pub fn run(a: MergeArgs) -> Result<()> {
 
     let g = cfg.pattention_groups;
     let mut card = ModelCard::new(
-        format!("TokenFormer vision-language model (d {}, {} layers)", lcfg.hidden_size, lcfg.num_layers),
+        format!(
+            "TokenFormer vision-language model (d {}, {} layers)",
+            lcfg.hidden_size, lcfg.num_layers
+        ),
         "image-text-to-text",
     );
     card.section(
@@ -162,5 +192,10 @@ pub fn run(a: MergeArgs) -> Result<()> {
 /// Seeded pixels in normalised units for the merge check.
 fn probe_pixels(cfg: &tokenformer::models::vit::Config, dev: &Device) -> Result<Tensor> {
     let n = cfg.num_channels * cfg.image_size * cfg.image_size;
-    Ok(seeded_normal(7, "probe-pixels", 2, n, 1.0, dev)?.reshape((2, cfg.num_channels, cfg.image_size, cfg.image_size))?)
+    Ok(seeded_normal(7, "probe-pixels", 2, n, 1.0, dev)?.reshape((
+        2,
+        cfg.num_channels,
+        cfg.image_size,
+        cfg.image_size,
+    ))?)
 }

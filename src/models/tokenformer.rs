@@ -292,7 +292,13 @@ impl Attention {
 
     /// softmax(q·kᵀ/√head_dim + mask)·v with the heads merged back: [b, t, d],
     /// the input of the output projection.
-    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    pub fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let (b, _, t, _) = q.dims4()?;
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let scores = (q.matmul(&k.t()?)? * scale)?;
@@ -301,7 +307,10 @@ impl Attention {
             None => scores,
         };
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        probs.matmul(v)?.transpose(1, 2)?.reshape((b, t, self.num_heads * self.head_dim))
+        probs
+            .matmul(v)?
+            .transpose(1, 2)?
+            .reshape((b, t, self.num_heads * self.head_dim))
     }
 
     pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
@@ -511,6 +520,11 @@ impl TokenFormerLm {
 
     pub fn layers(&self) -> &[Block] {
         &self.layers
+    }
+
+    /// The rotary tables (text positions of the vision-language model).
+    pub fn rotary(&self) -> &Rotary {
+        &self.rotary
     }
 
     /// Rejects ids outside the embedding table (a tokenizer/model mismatch).

@@ -331,16 +331,27 @@ impl VisionTransformer {
             .reshape((b, gh * gw, self.cfg.hidden_size))
     }
 
-    /// The final token states [b, N+1, d] (class token first), before pooling.
-    pub fn forward_features(&self, pixels: &Tensor) -> Result<Tensor> {
+    /// The input token sequence [b, N+1, d]: class token, then patches, plus
+    /// position embeddings (also the image part of a vision-language sequence).
+    pub fn embed(&self, pixels: &Tensor) -> Result<Tensor> {
         let patches = self.embed_patches(pixels)?;
         let b = patches.dim(0)?;
         let cls = self.cls_token.broadcast_as((b, 1, self.cfg.hidden_size))?;
-        let mut x = Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(&self.pos_embed)?;
+        Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(&self.pos_embed)
+    }
+
+    /// The final token states [b, N+1, d] (class token first), before pooling.
+    pub fn forward_features(&self, pixels: &Tensor) -> Result<Tensor> {
+        let mut x = self.embed(pixels)?;
         for layer in &self.layers {
             x = layer.forward(&x, AttentionMode::Bidirectional)?;
         }
         Ok(x)
+    }
+
+    /// Logits [b, num_classes] of final token states [b, N+1, d].
+    pub fn head(&self, x: &Tensor) -> Result<Tensor> {
+        self.head.forward(&self.pool(x)?)
     }
 
     /// The pooled, normalised feature [b, d] that the head reads.
@@ -356,8 +367,7 @@ impl VisionTransformer {
 
     /// Logits [b, num_classes] for normalised pixels [b, C, H, W].
     pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
-        let x = self.forward_features(pixels)?;
-        self.head.forward(&self.pool(&x)?)
+        self.head(&self.forward_features(pixels)?)
     }
 }
 

@@ -72,8 +72,16 @@ fn scale_or(s: Option<ScaleTokens>, qkv: usize, proj: usize, ffn: usize) -> Scal
 
 impl Config {
     /// The config of two sources merged with `bridge` new tokens per layer.
-    pub fn merged(vision: &vit::Config, language: &lm::Config, bridge: usize) -> std::result::Result<Self, String> {
-        let g = |v: usize, l: usize| Groups { vision: v, language: l, bridge };
+    pub fn merged(
+        vision: &vit::Config,
+        language: &lm::Config,
+        bridge: usize,
+    ) -> std::result::Result<Self, String> {
+        let g = |v: usize, l: usize| Groups {
+            vision: v,
+            language: l,
+            bridge,
+        };
         let cfg = Self {
             architecture: ARCHITECTURE.into(),
             vision: vision.clone(),
@@ -92,7 +100,10 @@ impl Config {
     /// Same width, depth and heads; groups consistent with the sources.
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.architecture != ARCHITECTURE {
-            return Err(format!("architecture is `{}`, expected `{ARCHITECTURE}`", self.architecture));
+            return Err(format!(
+                "architecture is `{}`, expected `{ARCHITECTURE}`",
+                self.architecture
+            ));
         }
         let (v, l) = (&self.vision, &self.language);
         v.validate().map_err(|e| format!("vision: {e}"))?;
@@ -126,7 +137,12 @@ impl Config {
     pub fn vision_route(&self) -> vit::Config {
         let v = &self.vision;
         let mut c = v.clone();
-        c.pattention_scale_tokens = Some(scale_or(v.pattention_scale_tokens, v.qkv_tokens, v.proj_tokens, v.ffn_tokens));
+        c.pattention_scale_tokens = Some(scale_or(
+            v.pattention_scale_tokens,
+            v.qkv_tokens,
+            v.proj_tokens,
+            v.ffn_tokens,
+        ));
         c.qkv_tokens += self.bridge_tokens;
         c.proj_tokens += self.bridge_tokens;
         c.ffn_tokens += self.bridge_tokens;
@@ -137,7 +153,12 @@ impl Config {
     pub fn language_route(&self) -> lm::Config {
         let l = &self.language;
         let mut c = l.clone();
-        c.pattention_scale_tokens = Some(scale_or(l.pattention_scale_tokens, l.qkv_tokens, l.proj_tokens, l.ffn_tokens));
+        c.pattention_scale_tokens = Some(scale_or(
+            l.pattention_scale_tokens,
+            l.qkv_tokens,
+            l.proj_tokens,
+            l.ffn_tokens,
+        ));
         c.qkv_tokens += self.bridge_tokens;
         c.proj_tokens += self.bridge_tokens;
         c.ffn_tokens += self.bridge_tokens;
@@ -234,7 +255,11 @@ pub fn assemble(
 
 /// Rows of one route: its own group and the bridge.
 fn route_rows(t: &Tensor, g: Groups, vision: bool) -> Result<Tensor> {
-    let own = if vision { t.narrow(0, 0, g.vision)? } else { t.narrow(0, g.vision, g.language)? };
+    let own = if vision {
+        t.narrow(0, 0, g.vision)?
+    } else {
+        t.narrow(0, g.vision, g.language)?
+    };
     if g.bridge == 0 {
         return Ok(own);
     }
@@ -257,7 +282,7 @@ impl VlCache {
     }
     /// Text tokens cached = the next text position.
     pub fn text_len(&self) -> usize {
-        self.len() - self.image_tokens
+        self.len().saturating_sub(self.image_tokens)
     }
 }
 
@@ -291,16 +316,25 @@ impl VisionLanguageModel {
                     .get(&name)
                     .ok_or_else(|| candle_core::Error::Msg(format!("missing tensor `{name}`")))?;
                 if t.dim(0)? != g.total() {
-                    candle_core::bail!("tensor `{name}` has {} tokens, the groups say {}", t.dim(0)?, g.total())
+                    candle_core::bail!(
+                        "tensor `{name}` has {} tokens, the groups say {}",
+                        t.dim(0)?,
+                        g.total()
+                    )
                 }
                 vis.insert(name.clone(), route_rows(t, g, true)?);
                 lang.insert(name, route_rows(t, g, false)?);
             }
         }
-        let vb = |m: HashMap<String, Tensor>| candle_nn::VarBuilder::from_tensors(m, DType::F32, device);
+        let vb =
+            |m: HashMap<String, Tensor>| candle_nn::VarBuilder::from_tensors(m, DType::F32, device);
         let vision = VisionTransformer::new(&cfg.vision_route(), vb(vis))?;
         let language = TokenFormerLm::new(&cfg.language_route(), vb(lang))?;
-        Ok(Self { vision, language, cfg: cfg.clone() })
+        Ok(Self {
+            vision,
+            language,
+            cfg: cfg.clone(),
+        })
     }
 
     pub fn config(&self) -> &Config {
@@ -318,9 +352,12 @@ impl VisionLanguageModel {
     }
 
     pub fn new_cache(&self) -> VlCache {
-        let cap = self.vision.config().num_patches() + 1 + self.cfg.language.max_position_embeddings;
+        let cap =
+            self.vision.config().num_patches() + 1 + self.cfg.language.max_position_embeddings;
         VlCache {
-            layers: (0..self.cfg.language.num_layers).map(|_| LayerCache::new(cap)).collect(),
+            layers: (0..self.cfg.language.num_layers)
+                .map(|_| LayerCache::new(cap))
+                .collect(),
             image_tokens: 0,
         }
     }
@@ -367,7 +404,9 @@ impl VisionLanguageModel {
         let mask = (t > 1)
             .then(|| {
                 let m: Vec<f32> = (0..t)
-                    .flat_map(|j| (0..total).map(move |c| if c > past + j { f32::NEG_INFINITY } else { 0.0 }))
+                    .flat_map(|j| {
+                        (0..total).map(move |c| if c > past + j { f32::NEG_INFINITY } else { 0.0 })
+                    })
                     .collect();
                 Tensor::from_vec(m, (t, total), txt.device())
             })
@@ -391,15 +430,24 @@ impl VisionLanguageModel {
         if let Some(c) = cache.as_deref_mut() {
             if pixels.is_some() {
                 if !c.is_empty() {
-                    candle_core::bail!("the image must come first: start a new cache for a new image")
+                    candle_core::bail!(
+                        "the image must come first: start a new cache for a new image"
+                    )
                 }
                 c.image_tokens = self.vision.config().num_patches() + 1;
             }
         }
-        let offset = cache.as_ref().map_or(0, |c| c.text_len());
+        // Text positions count from 0 after the image, whatever its length.
+        let offset = match (&cache, pixels) {
+            (Some(c), None) => c.text_len(),
+            _ => 0,
+        };
         let max = self.cfg.language.max_position_embeddings;
         if offset + t > max {
-            candle_core::bail!("{} text tokens exceed the model's {max} positions", offset + t)
+            candle_core::bail!(
+                "{} text tokens exceed the model's {max} positions",
+                offset + t
+            )
         }
         let mut img = pixels.map(|p| self.vision.embed(p)).transpose()?;
         let mut txt = self.language.embed(ids)?;

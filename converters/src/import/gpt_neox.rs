@@ -76,14 +76,21 @@ pub fn config(c: &Value, origin: &str) -> Result<NeoxConfig> {
             .map_or(4 * hidden_size, |v| v as usize),
         vocab_size: usize_key(c, "vocab_size", origin)?,
         rotary_pct: rope_f("partial_rotary_factor").unwrap_or(f("rotary_pct", 0.25)),
-        rotary_base: rope_f("rope_theta").unwrap_or(f("rotary_emb_base", f("rope_theta", 10_000.0))),
+        rotary_base: rope_f("rope_theta")
+            .unwrap_or(f("rotary_emb_base", f("rope_theta", 10_000.0))),
         max_position_embeddings: c
             .get("max_position_embeddings")
             .and_then(Value::as_u64)
             .map_or(2048, |v| v as usize),
         eps: f("layer_norm_eps", 1e-5),
-        parallel_residual: c.get("use_parallel_residual").and_then(Value::as_bool).unwrap_or(true),
-        tie_word_embeddings: c.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+        parallel_residual: c
+            .get("use_parallel_residual")
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
+        tie_word_embeddings: c
+            .get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
         eos_token_id: c.get("eos_token_id").and_then(Value::as_u64).unwrap_or(0) as u32,
     })
 }
@@ -134,7 +141,10 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<NeoxSource> {
         };
         let ln1 = norm("input_layernorm")?;
         let ln2 = norm("post_attention_layernorm")?;
-        let qkv_w = raw.take(&format!("{p}.attention.query_key_value.weight"), &[3 * d, d])?;
+        let qkv_w = raw.take(
+            &format!("{p}.attention.query_key_value.weight"),
+            &[3 * d, d],
+        )?;
         let qkv_b = raw.take(&format!("{p}.attention.query_key_value.bias"), &[3 * d])?;
         let [qw, kw, vw] = split_fused(&qkv_w, cfg.num_heads, d)?;
         let [qb, kb, vb] = split_fused(&qkv_b, cfg.num_heads, d)?;
@@ -146,9 +156,18 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<NeoxSource> {
         };
         layers.push(SourceLayer {
             ln1,
-            query: Dense { weight: qw, bias: Some(qb) },
-            key: Dense { weight: kw, bias: Some(kb) },
-            value: Dense { weight: vw, bias: Some(vb) },
+            query: Dense {
+                weight: qw,
+                bias: Some(qb),
+            },
+            key: Dense {
+                weight: kw,
+                bias: Some(kb),
+            },
+            value: Dense {
+                weight: vw,
+                bias: Some(vb),
+            },
             dense: dense("attention.dense", d, d)?,
             ln2,
             fc1: dense("mlp.dense_h_to_4h", m, d)?,

@@ -45,14 +45,18 @@ pub fn standardise(x: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 pub fn layer_norm(x: &Tensor, n: &Norm, eps: f64) -> Result<Tensor> {
-    standardise(x, eps)?.broadcast_mul(&n.weight)?.broadcast_add(&n.bias)
+    standardise(x, eps)?
+        .broadcast_mul(&n.weight)?
+        .broadcast_add(&n.bias)
 }
 
 /// x [.., in] · Wᵀ + b.
 pub fn linear(x: &Tensor, l: &Dense) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let rows = x.elem_count() / dims[dims.len() - 1];
-    let y = x.reshape((rows, dims[dims.len() - 1]))?.matmul(&l.weight.t()?)?;
+    let y = x
+        .reshape((rows, dims[dims.len() - 1]))?
+        .matmul(&l.weight.t()?)?;
     let y = match &l.bias {
         Some(b) => y.broadcast_add(b)?,
         None => y,
@@ -81,8 +85,14 @@ pub fn run_layers(
     let mut traces = Vec::with_capacity(body.layers.len());
     for l in &body.layers {
         let u1 = standardise(&x, body.eps)?;
-        let h1 = u1.broadcast_mul(&l.ln1.weight)?.broadcast_add(&l.ln1.bias)?;
-        let (q, k, v) = (linear(&h1, &l.query)?, linear(&h1, &l.key)?, linear(&h1, &l.value)?);
+        let h1 = u1
+            .broadcast_mul(&l.ln1.weight)?
+            .broadcast_add(&l.ln1.bias)?;
+        let (q, k, v) = (
+            linear(&h1, &l.query)?,
+            linear(&h1, &l.key)?,
+            linear(&h1, &l.value)?,
+        );
         let heads = |y: &Tensor| y.reshape((b, t, h, hd))?.transpose(1, 2)?.contiguous();
         let (mut qh, mut kh, vh) = (heads(&q)?, heads(&k)?, heads(&v)?);
         let mut scores_mask = None;
@@ -103,7 +113,9 @@ pub fn run_layers(
         let a = linear(&o, &l.dense)?;
         let mlp_input = if parallel { x.clone() } else { (&x + &a)? };
         let u2 = standardise(&mlp_input, body.eps)?;
-        let h2 = u2.broadcast_mul(&l.ln2.weight)?.broadcast_add(&l.ln2.bias)?;
+        let h2 = u2
+            .broadcast_mul(&l.ln2.weight)?
+            .broadcast_add(&l.ln2.bias)?;
         let m = linear(&linear(&h2, &l.fc1)?.gelu_erf()?, &l.fc2)?;
         traces.push(LayerTrace {
             attn_in: rows(&u1)?,

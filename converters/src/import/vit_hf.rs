@@ -35,7 +35,9 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
     }
     if let Some(act) = c.get("hidden_act").and_then(Value::as_str) {
         if act != "gelu" {
-            bail!("{origin}: hidden_act `{act}` is not supported (Pattention's Θ is the exact GELU)")
+            bail!(
+                "{origin}: hidden_act `{act}` is not supported (Pattention's Θ is the exact GELU)"
+            )
         }
     }
     if !raw.tensors.contains_key("vit.embeddings.cls_token") {
@@ -56,12 +58,19 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         bail!("{origin}: image_size {image} is not divisible by patch_size {patch}")
     }
     let tokens = (image / patch) * (image / patch) + 1;
-    let eps = c.get("layer_norm_eps").and_then(Value::as_f64).unwrap_or(1e-12);
+    let eps = c
+        .get("layer_norm_eps")
+        .and_then(Value::as_f64)
+        .unwrap_or(1e-12);
     let classes = raw
         .tensors
         .get("classifier.weight")
         .map(|t| t.dims()[0])
-        .ok_or_else(|| anyhow::anyhow!("{origin}: missing tensor `classifier.weight` (a ViTForImageClassification has it)"))?;
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "{origin}: missing tensor `classifier.weight` (a ViTForImageClassification has it)"
+            )
+        })?;
 
     let mut copied = vec![];
     let mut take = |raw: &mut RawCheckpoint, from: &str, shape: &[usize], to: Option<&str>| {
@@ -70,22 +79,49 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         }
         raw.take(from, shape)
     };
-    let cls = take(raw, "vit.embeddings.cls_token", &[1, 1, d], Some("cls_token"))?;
-    let pos = take(raw, "vit.embeddings.position_embeddings", &[1, tokens, d], Some("pos_embed"))?;
-    let patch_w = take(raw, "vit.embeddings.patch_embeddings.projection.weight", &[d, channels, patch, patch], Some("patch_embed.weight"))?;
-    let patch_b = take(raw, "vit.embeddings.patch_embeddings.projection.bias", &[d], Some("patch_embed.bias"))?;
+    let cls = take(
+        raw,
+        "vit.embeddings.cls_token",
+        &[1, 1, d],
+        Some("cls_token"),
+    )?;
+    let pos = take(
+        raw,
+        "vit.embeddings.position_embeddings",
+        &[1, tokens, d],
+        Some("pos_embed"),
+    )?;
+    let patch_w = take(
+        raw,
+        "vit.embeddings.patch_embeddings.projection.weight",
+        &[d, channels, patch, patch],
+        Some("patch_embed.weight"),
+    )?;
+    let patch_b = take(
+        raw,
+        "vit.embeddings.patch_embeddings.projection.bias",
+        &[d],
+        Some("patch_embed.bias"),
+    )?;
     let mut layers = Vec::with_capacity(layers_n);
     for i in 0..layers_n {
         let p = format!("vit.encoder.layer.{i}");
         let norm = |raw: &mut RawCheckpoint, n: &str| -> Result<Norm> {
-            Ok(Norm { weight: raw.take(&format!("{p}.{n}.weight"), &[d])?, bias: raw.take(&format!("{p}.{n}.bias"), &[d])? })
+            Ok(Norm {
+                weight: raw.take(&format!("{p}.{n}.weight"), &[d])?,
+                bias: raw.take(&format!("{p}.{n}.bias"), &[d])?,
+            })
         };
         let ln1 = norm(raw, "layernorm_before")?;
         let ln2 = norm(raw, "layernorm_after")?;
         let dense = |raw: &mut RawCheckpoint, n: &str, out: usize, inp: usize| -> Result<Dense> {
             let weight = raw.take(&format!("{p}.{n}.weight"), &[out, inp])?;
             let bname = format!("{p}.{n}.bias");
-            let bias = if raw.tensors.contains_key(&bname) { Some(raw.take(&bname, &[out])?) } else { None };
+            let bias = if raw.tensors.contains_key(&bname) {
+                Some(raw.take(&bname, &[out])?)
+            } else {
+                None
+            };
             Ok(Dense { weight, bias })
         };
         layers.push(SourceLayer {
@@ -123,11 +159,21 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         _ => "bilinear",
     };
     let class_names = c.get("id2label").and_then(Value::as_object).and_then(|m| {
-        let names: Option<Vec<String>> = (0..classes).map(|i| m.get(&i.to_string()).and_then(Value::as_str).map(String::from)).collect();
+        let names: Option<Vec<String>> = (0..classes)
+            .map(|i| {
+                m.get(&i.to_string())
+                    .and_then(Value::as_str)
+                    .map(String::from)
+            })
+            .collect();
         names.filter(|n| n.iter().any(|s| !s.starts_with("LABEL_")))
     });
     Ok(VitSource {
-        body: SourceBody { num_heads: heads, eps, layers },
+        body: SourceBody {
+            num_heads: heads,
+            eps,
+            layers,
+        },
         image_size: image,
         patch_size: patch,
         num_channels: channels,

@@ -44,7 +44,12 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
     if heads == 0 || d % heads != 0 {
         bail!("{origin}: width {d} is not divisible by {heads} heads")
     }
-    let layers_n = (0..).take_while(|i| raw.tensors.contains_key(&format!("blocks.{i}.norm1.weight"))).count();
+    let layers_n = (0..)
+        .take_while(|i| {
+            raw.tensors
+                .contains_key(&format!("blocks.{i}.norm1.weight"))
+        })
+        .count();
     if layers_n == 0 {
         bail!("{origin}: no `blocks.0.norm1.weight`: not a timm ViT")
     }
@@ -63,12 +68,19 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         .or_else(|| dims(raw, "pos_embed").map(|p| (((p[1] - 1) as f64).sqrt() as usize) * patch))
         .unwrap_or(224);
     let tokens = (image / patch) * (image / patch) + 1;
-    let avg = match c.get("global_pool").and_then(Value::as_str).or(args.and_then(|a| a.get("global_pool")).and_then(Value::as_str)) {
+    let avg = match c.get("global_pool").and_then(Value::as_str).or(args
+        .and_then(|a| a.get("global_pool"))
+        .and_then(Value::as_str))
+    {
         Some("avg") => true,
-        Some("token") | None => raw.tensors.contains_key("fc_norm.weight") && !raw.tensors.contains_key("norm.weight"),
+        Some("token") | None => {
+            raw.tensors.contains_key("fc_norm.weight") && !raw.tensors.contains_key("norm.weight")
+        }
         Some(other) => bail!("{origin}: global_pool `{other}` is not supported (token or avg)"),
     };
-    let classes = dims(raw, "head.weight").map(|s| s[0]).ok_or_else(|| anyhow::anyhow!("{origin}: missing tensor `head.weight` (a classifier has it)"))?;
+    let classes = dims(raw, "head.weight").map(|s| s[0]).ok_or_else(|| {
+        anyhow::anyhow!("{origin}: missing tensor `head.weight` (a classifier has it)")
+    })?;
     let eps = 1e-6;
 
     let mut copied = vec![];
@@ -80,27 +92,43 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
     };
     let cls = take(raw, "cls_token", &[1, 1, d], Some("cls_token"))?;
     let pos = take(raw, "pos_embed", &[1, tokens, d], Some("pos_embed"))?;
-    let patch_w = take(raw, "patch_embed.proj.weight", &[d, channels, patch, patch], Some("patch_embed.weight"))?;
+    let patch_w = take(
+        raw,
+        "patch_embed.proj.weight",
+        &[d, channels, patch, patch],
+        Some("patch_embed.weight"),
+    )?;
     let patch_b = take(raw, "patch_embed.proj.bias", &[d], Some("patch_embed.bias"))?;
     let mut layers = Vec::with_capacity(layers_n);
     for i in 0..layers_n {
         let p = format!("blocks.{i}");
         let norm = |raw: &mut RawCheckpoint, n: &str| -> Result<Norm> {
-            Ok(Norm { weight: raw.take(&format!("{p}.{n}.weight"), &[d])?, bias: raw.take(&format!("{p}.{n}.bias"), &[d])? })
+            Ok(Norm {
+                weight: raw.take(&format!("{p}.{n}.weight"), &[d])?,
+                bias: raw.take(&format!("{p}.{n}.bias"), &[d])?,
+            })
         };
         let ln1 = norm(raw, "norm1")?;
         let ln2 = norm(raw, "norm2")?;
         let dense = |raw: &mut RawCheckpoint, n: &str, out: usize, inp: usize| -> Result<Dense> {
             let weight = raw.take(&format!("{p}.{n}.weight"), &[out, inp])?;
             let bname = format!("{p}.{n}.bias");
-            let bias = if raw.tensors.contains_key(&bname) { Some(raw.take(&bname, &[out])?) } else { None };
+            let bias = if raw.tensors.contains_key(&bname) {
+                Some(raw.take(&bname, &[out])?)
+            } else {
+                None
+            };
             Ok(Dense { weight, bias })
         };
         let qkv = dense(raw, "attn.qkv", 3 * d, d)?;
         let part = |j: usize| -> Result<Dense> {
             Ok(Dense {
                 weight: qkv.weight.narrow(0, j * d, d)?.contiguous()?,
-                bias: qkv.bias.as_ref().map(|b| b.narrow(0, j * d, d)).transpose()?,
+                bias: qkv
+                    .bias
+                    .as_ref()
+                    .map(|b| b.narrow(0, j * d, d))
+                    .transpose()?,
             })
         };
         layers.push(SourceLayer {
@@ -115,11 +143,24 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         });
     }
     let (nw, nb, to_w, to_b) = if avg {
-        ("fc_norm.weight", "fc_norm.bias", "fc_norm.weight", "fc_norm.bias")
+        (
+            "fc_norm.weight",
+            "fc_norm.bias",
+            "fc_norm.weight",
+            "fc_norm.bias",
+        )
     } else {
-        ("norm.weight", "norm.bias", "final_norm.weight", "final_norm.bias")
+        (
+            "norm.weight",
+            "norm.bias",
+            "final_norm.weight",
+            "final_norm.bias",
+        )
     };
-    let norm = Norm { weight: take(raw, nw, &[d], Some(to_w))?, bias: take(raw, nb, &[d], Some(to_b))? };
+    let norm = Norm {
+        weight: take(raw, nw, &[d], Some(to_w))?,
+        bias: take(raw, nb, &[d], Some(to_b))?,
+    };
     let head_w = take(raw, "head.weight", &[classes, d], Some("head.weight"))?;
     let head_b = take(raw, "head.bias", &[classes], Some("head.bias"))?;
     let triple = |k: &str, dflt: [f32; 3]| -> [f32; 3] {
@@ -133,12 +174,19 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         Some("bilinear") => "bilinear",
         _ => "bicubic",
     };
-    let class_names = pre.get("label_names").and_then(Value::as_array).and_then(|a| {
-        let v: Option<Vec<String>> = a.iter().map(|s| s.as_str().map(String::from)).collect();
-        v.filter(|v| v.len() == classes)
-    });
+    let class_names = pre
+        .get("label_names")
+        .and_then(Value::as_array)
+        .and_then(|a| {
+            let v: Option<Vec<String>> = a.iter().map(|s| s.as_str().map(String::from)).collect();
+            v.filter(|v| v.len() == classes)
+        });
     Ok(VitSource {
-        body: SourceBody { num_heads: heads, eps, layers },
+        body: SourceBody {
+            num_heads: heads,
+            eps,
+            layers,
+        },
         image_size: image,
         patch_size: patch,
         num_channels: channels,
