@@ -7,6 +7,7 @@ pub mod bench;
 pub mod card;
 pub mod checkpoint;
 pub mod error;
+pub mod eval;
 pub mod generate;
 pub mod hub;
 pub mod kernels;
@@ -14,6 +15,7 @@ pub mod loader;
 pub mod models;
 pub mod pattention;
 pub mod scoring;
+pub mod vision;
 pub mod zoo;
 
 pub use error::{Error, Result};

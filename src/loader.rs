@@ -13,6 +13,8 @@ use crate::checkpoint::{self, official, Tensors};
 use crate::error::{Error, Result};
 use crate::hub::{self, RepoRef};
 use crate::models::tokenformer::{self, TokenFormerLm};
+use crate::models::vit::{self, VisionTransformer};
+use crate::models::vl::{self, VisionLanguageModel};
 use crate::zoo::{self, ZooEntry};
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -437,6 +439,10 @@ pub fn check_all_used(names: &[String], path: &Path, used: impl Fn(&str) -> bool
 /// Loads a language model by name, f32 compute on `device`.
 pub fn load_lm(files: &ModelFiles, device: &Device) -> Result<TokenFormerLm> {
     let w = read_weights(files, Some(DType::F32), device)?;
+    // Text-only input to a merged vision-language model is its language route.
+    if architecture(&w.config) == vl::ARCHITECTURE {
+        return Ok(build_vl(w, device)?.language().clone());
+    }
     if architecture(&w.config) != tokenformer::ARCHITECTURE {
         return Err(Error::config(
             &w.path,
@@ -462,4 +468,70 @@ pub fn load_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
         path: path.clone(),
         msg: e.to_string(),
     })
+}
+
+/// Parses the image-classifier config, naming the file on error.
+pub fn vit_config(value: &Value, origin: &Path) -> Result<vit::Config> {
+    let cfg: vit::Config =
+        serde_json::from_value(value.clone()).map_err(|e| Error::config(origin, e))?;
+    cfg.validate().map_err(|e| Error::config(origin, e))?;
+    Ok(cfg)
+}
+
+/// Builds the image classifier from loaded weights; errors name the checkpoint.
+pub fn build_vit(w: LoadedWeights, device: &Device) -> Result<VisionTransformer> {
+    let cfg = vit_config(&w.config, &w.path)?;
+    let names: Vec<String> = w.tensors.keys().cloned().collect();
+    let vb = checkpoint::var_builder(w.tensors, device);
+    let model = VisionTransformer::new(&cfg, vb).map_err(|e| Error::checkpoint(&w.path, e))?;
+    check_all_used(&names, &w.path, |n| cfg.uses_tensor(n))?;
+    Ok(model)
+}
+
+/// Loads a TokenFormer-ViT image classifier, f32 compute on `device`.
+pub fn load_vit(files: &ModelFiles, device: &Device) -> Result<VisionTransformer> {
+    let w = read_weights(files, Some(DType::F32), device)?;
+    // Image-only input to a merged vision-language model is its vision route.
+    if architecture(&w.config) == vl::ARCHITECTURE {
+        return Ok(build_vl(w, device)?.vision().clone());
+    }
+    if architecture(&w.config) != vit::ARCHITECTURE {
+        return Err(Error::config(
+            &w.path,
+            format!(
+                "architecture `{}` is not an image classifier (`{}`)",
+                architecture(&w.config),
+                vit::ARCHITECTURE
+            ),
+        ));
+    }
+    build_vit(w, device)
+}
+
+/// Builds the merged vision-language model from loaded weights.
+pub fn build_vl(w: LoadedWeights, device: &Device) -> Result<VisionLanguageModel> {
+    let cfg: vl::Config =
+        serde_json::from_value(w.config.clone()).map_err(|e| Error::config(&w.config_path, e))?;
+    cfg.validate()
+        .map_err(|e| Error::config(&w.config_path, e))?;
+    let names: Vec<String> = w.tensors.keys().cloned().collect();
+    check_all_used(&names, &w.path, |n| cfg.uses_tensor(n))?;
+    VisionLanguageModel::from_tensors(&cfg, &w.tensors, device)
+        .map_err(|e| Error::checkpoint(&w.path, e))
+}
+
+/// Loads a merged vision-language model (`tokenformer-vl`), f32 compute on `device`.
+pub fn load_vl(files: &ModelFiles, device: &Device) -> Result<VisionLanguageModel> {
+    let w = read_weights(files, Some(DType::F32), device)?;
+    if architecture(&w.config) != vl::ARCHITECTURE {
+        return Err(Error::config(
+            &w.config_path,
+            format!(
+                "architecture `{}` is not a vision-language model (`{}`): make one with `tokenformer-convert merge`",
+                architecture(&w.config),
+                vl::ARCHITECTURE
+            ),
+        ));
+    }
+    build_vl(w, device)
 }

@@ -30,6 +30,17 @@ enum Command {
     /// The model registry.
     #[command(subcommand)]
     Zoo(cli::zoo::ZooCommand),
+    /// Top-5 ImageNet classes and probabilities of images.
+    Classify(cli::vision::ClassifyArgs),
+    /// Benchmark evaluations.
+    #[command(subcommand)]
+    Eval(EvalCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum EvalCommand {
+    /// Top-1/top-5 of an image classifier on an ImageNet-style folder (timm eval preprocessing).
+    Imagenet(cli::vision::ImagenetArgs),
 }
 
 fn main() {
@@ -48,6 +59,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Zoo(c) => cli::zoo::run(c),
         Command::Bench(a) => cli::bench::run(a),
+        Command::Classify(a) => cli::vision::classify_cmd(a),
+        Command::Eval(EvalCommand::Imagenet(a)) => cli::vision::imagenet_cmd(a),
     }
 }
 

@@ -3,6 +3,8 @@
 //! temporary folder, checks its result against the source on a probe input,
 //! and only then moves it into place.
 
+mod import;
+mod merge;
 mod official;
 mod output;
 mod probe;
@@ -29,6 +31,10 @@ enum Command {
     Official(official::OfficialArgs),
     /// Validate a model folder, refresh its model card and upload it to the Hub.
     Publish(publish::PublishArgs),
+    /// Hugging Face GPT-NeoX/Pythia or ViT weights → a TokenFormer, with a fidelity report.
+    Import(import::ImportArgs),
+    /// A vision and a language TokenFormer of the same shape → one tokenformer-vl model.
+    Merge(merge::MergeArgs),
 }
 
 /// Storage dtype for written weights.
@@ -58,6 +64,8 @@ fn main() {
     let r: Result<()> = match cli.command {
         Command::Official(a) => official::run(a),
         Command::Publish(a) => publish::run(a),
+        Command::Import(a) => import::run(a),
+        Command::Merge(a) => merge::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

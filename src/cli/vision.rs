@@ -1,1 +1,139 @@
-//! Placeholder: filled in by its issue.
+//! `tokenformer eval imagenet` and `tokenformer classify`: the image
+//! classifier's commands (preprocessing as timm / MAE eval, see
+//! `tokenformer::vision`).
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use clap::Args;
+use tokenformer::eval::imagenet;
+use tokenformer::loader;
+use tokenformer::vision::dataset;
+
+use super::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct ImagenetArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// `val/` with one folder per wnid (`val/<wnid>/*.JPEG`), or a flat folder with --labels.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Labels of a flat folder: `LOC_val_solution.csv` or lines `file label_index`.
+    #[arg(long)]
+    pub labels: Option<PathBuf>,
+    /// Write the result as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Evaluate only the first N images of the sorted list.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Evaluate shard I of N (images whose sorted index ≡ I mod N); combine with `eval merge`.
+    #[arg(long, value_name = "I/N")]
+    pub shard: Option<String>,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
+    let shard = a.shard.as_deref().map(dataset::parse_shard).transpose()?;
+    if a.batch_size == 0 {
+        bail!("--batch-size must be at least 1");
+    }
+    let files = a.model.locate()?;
+    let model = loader::load_vit(&files, &Device::Cpu)?;
+    let opts = imagenet::Options {
+        labels: a.labels.clone(),
+        batch_size: a.batch_size,
+        limit: a.limit,
+        shard,
+        progress: !a.quiet,
+    };
+    let r = imagenet::evaluate(&model, &files.source, &a.data, &opts)?;
+    let shard_note = r
+        .shard
+        .as_ref()
+        .map_or(String::new(), |s| format!(" (shard {s})"));
+    println!("model:  {}", r.model);
+    println!(
+        "data:   {}{shard_note}, labels from {}",
+        r.data, r.label_source
+    );
+    println!(
+        "images: {}  ({:.1} images/s, {:.1} s)",
+        r.images, r.images_per_second, r.seconds
+    );
+    println!("top-1:  {:.3}%  ({}/{})", r.top1, r.correct_top1, r.images);
+    println!("top-5:  {:.3}%  ({}/{})", r.top5, r.correct_top5, r.images);
+    if r.unreadable > 0 {
+        println!(
+            "unreadable: {} image(s), not counted in the accuracy:",
+            r.unreadable
+        );
+        for f in &r.unreadable_files {
+            println!("  {f}");
+        }
+    }
+    if let Some(path) = &a.json {
+        let text = serde_json::to_string_pretty(&r)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct ClassifyArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Image files (JPEG, PNG, WebP).
+    #[arg(required = true)]
+    pub images: Vec<PathBuf>,
+    /// Print JSON: `[{"file", "top5": [{"index", "wnid", "name", "prob"}]}]`.
+    #[arg(long)]
+    pub json: bool,
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+}
+
+pub fn classify_cmd(a: ClassifyArgs) -> Result<()> {
+    let files = a.model.locate()?;
+    let model = loader::load_vit(&files, &Device::Cpu)?;
+    let results = imagenet::classify_files(&model, &a.images, 5, a.batch_size)?;
+    let failed = results.iter().filter(|(_, r)| r.is_err()).count();
+    if a.json {
+        let out: Vec<serde_json::Value> = results
+            .iter()
+            .map(|(file, r)| match r {
+                Ok(top) => serde_json::json!({ "file": file, "top5": top }),
+                Err(e) => serde_json::json!({ "file": file, "error": e.to_string() }),
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        for (file, r) in &results {
+            println!("{}", file.display());
+            match r {
+                Ok(top) => {
+                    for p in top {
+                        let label = match (&p.name, &p.wnid) {
+                            (Some(n), Some(w)) => format!("{n} ({w})"),
+                            (None, Some(w)) => w.clone(),
+                            (Some(n), None) => n.clone(),
+                            (None, None) => format!("class {}", p.index),
+                        };
+                        println!("  {:>6.2}%  {:>4}  {label}", 100.0 * p.prob, p.index);
+                    }
+                }
+                Err(e) => println!("  error: {e}"),
+            }
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} of {} image(s) could not be read", results.len());
+    }
+    Ok(())
+}

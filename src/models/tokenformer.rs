@@ -279,11 +279,38 @@ impl Attention {
             .contiguous()
     }
 
+    /// q, k, v [b, h, t, head_dim] of a normalised x [b, t, d], before
+    /// positions and masking: the vision-language model projects image and
+    /// text rows with different Pattentions and then attends jointly.
+    pub fn project_qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        Ok((
+            self.split_heads(&self.query.forward(x)?)?,
+            self.split_heads(&self.key.forward(x)?)?,
+            self.split_heads(&self.value.forward(x)?)?,
+        ))
+    }
+
+    /// softmax(q·kᵀ/√head_dim)·v with the heads merged back: [b, t, d], the
+    /// input of the output projection. `causal`: query i of the last t sees
+    /// keys up to its own position (everything cached before it included).
+    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+        let (b, _, t, _) = q.dims4()?;
+        // Scaling q (t·d values) is cheaper than scaling the t·T scores.
+        let q = (q * (1.0 / (self.head_dim as f64).sqrt()))?;
+        let scores = q.matmul(&k.t()?)?;
+        let probs = if causal {
+            crate::kernels::causal_softmax(&scores)?
+        } else {
+            candle_nn::ops::softmax_last_dim(&scores)?
+        };
+        probs
+            .matmul(v)?
+            .transpose(1, 2)?
+            .reshape((b, t, self.num_heads * self.head_dim))
+    }
+
     pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
-        let (b, t, d) = x.dims3()?;
-        let q = self.split_heads(&self.query.forward(x)?)?;
-        let k = self.split_heads(&self.key.forward(x)?)?;
-        let v = self.split_heads(&self.value.forward(x)?)?;
+        let (q, k, v) = self.project_qkv(x)?;
         let causal = matches!(mode, AttentionMode::Causal { .. });
         let (q, k, v) = match mode {
             AttentionMode::Bidirectional => (q, k, v),
@@ -303,15 +330,7 @@ impl Attention {
                 }
             }
         };
-        // Scaling q (t·d values) is cheaper than scaling the t·T scores.
-        let q = (q * (1.0 / (self.head_dim as f64).sqrt()))?;
-        let scores = q.matmul(&k.t()?)?;
-        let probs = if causal {
-            crate::kernels::causal_softmax(&scores)?
-        } else {
-            candle_nn::ops::softmax_last_dim(&scores)?
-        };
-        let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
+        let out = self.attend(&q, &k, &v, causal)?;
         self.proj.forward(&out)
     }
 }
@@ -339,6 +358,11 @@ impl Block {
             )?,
             norm: nonparam_layer_norm(d, cfg.norm_eps, vb.device())?,
         })
+    }
+
+    /// The block's non-parametric LayerNorm (used before attention and before the MLP).
+    pub fn norm(&self) -> &LayerNorm {
+        &self.norm
     }
 
     pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
@@ -480,6 +504,11 @@ impl TokenFormerLm {
 
     pub fn layers(&self) -> &[Block] {
         &self.layers
+    }
+
+    /// The rotary tables (text positions of the vision-language model).
+    pub fn rotary(&self) -> &Rotary {
+        &self.rotary
     }
 
     /// Rejects ids outside the embedding table (a tokenizer/model mismatch).

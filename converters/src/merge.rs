@@ -1,0 +1,201 @@
+//! `tokenformer-convert merge`: a vision TokenFormer and a language
+//! TokenFormer of the same width, depth and heads → one `tokenformer-vl`
+//! model whose Pattention layers hold [vision | language | bridge] parameter
+//! tokens (the paper's proposed unification, <https://arxiv.org/abs/2410.23168>;
+//! layout and routing in `tokenformer::models::vl`). Bridge keys are zero and
+//! bridge values seeded random, so the merged model must reproduce both
+//! sources on their own modality; the tool checks that on a probe before
+//! anything is written.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::Args;
+use tokenformer::card::ModelCard;
+use tokenformer::checkpoint;
+use tokenformer::loader;
+use tokenformer::models::vl::{self, VisionLanguageModel};
+
+use crate::output::{check_not_input, Staging};
+use crate::probe;
+
+#[derive(Args, Debug)]
+pub struct MergeArgs {
+    /// The vision model (tokenformer-vit folder, zoo name or Hub repo).
+    #[arg(long)]
+    pub vision: String,
+    /// The language model (tokenformer-lm folder, official .bin, zoo name or Hub repo).
+    #[arg(long)]
+    pub language: String,
+    /// New bridge parameter tokens per Pattention layer.
+    #[arg(long)]
+    pub bridge_tokens: usize,
+    /// The folder to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace a non-empty --out.
+    #[arg(long)]
+    pub force: bool,
+    /// Seed of the bridge values.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Standard deviation of the bridge values.
+    #[arg(long, default_value_t = 0.02)]
+    pub bridge_std: f64,
+}
+
+/// The largest |Δ| accepted between the merged model and a source on its own modality.
+pub const TOLERANCE: f32 = 1e-5;
+
+/// Seeded N(0, std²) values (xorshift + Box-Muller), one stream per tensor name.
+fn seeded_normal(
+    seed: u64,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    std: f64,
+    dev: &Device,
+) -> Result<Tensor> {
+    let mut x = name.bytes().fold(seed ^ 0x9E37_79B9_7F4A_7C15, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01B3)
+    }) | 1;
+    let mut uniform = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    let v: Vec<f32> = (0..rows * cols)
+        .map(|_| {
+            let (u, w) = (uniform(), uniform());
+            (std * (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * w).cos()) as f32
+        })
+        .collect();
+    Ok(Tensor::from_vec(v, (rows, cols), dev)?)
+}
+
+pub fn run(a: MergeArgs) -> Result<()> {
+    let dev = Device::Cpu;
+    let vfiles = loader::locate(&a.vision, &Default::default())
+        .with_context(|| format!("--vision {}", a.vision))?;
+    let lfiles = loader::locate(&a.language, &Default::default())
+        .with_context(|| format!("--language {}", a.language))?;
+    for f in [&vfiles, &lfiles] {
+        let p = std::path::Path::new(&f.source);
+        if p.exists() {
+            check_not_input(&a.out, p)?;
+        }
+    }
+    let vw = loader::read_weights(&vfiles, Some(DType::F32), &dev)?;
+    let lw = loader::read_weights(&lfiles, Some(DType::F32), &dev)?;
+    if loader::architecture(&vw.config) != "tokenformer-vit" {
+        bail!("--vision {}: architecture `{}` is not a TokenFormer image classifier (`tokenformer-vit`)", a.vision, loader::architecture(&vw.config));
+    }
+    if loader::architecture(&lw.config) != "tokenformer-lm" {
+        bail!("--language {}: architecture `{}` is not a TokenFormer language model (`tokenformer-lm`)", a.language, loader::architecture(&lw.config));
+    }
+    let vcfg = loader::vit_config(&vw.config, &vw.path)?;
+    let lcfg = loader::lm_config(&lw.config, &lw.path)?;
+    let cfg = vl::Config::merged(&vcfg, &lcfg, a.bridge_tokens)
+        .map_err(|e| anyhow::anyhow!("cannot merge {} and {}: {e}", a.vision, a.language))?;
+    // Both sources load (all tensors present, right shapes) before anything is combined.
+    let vision = loader::load_vit(&vfiles, &dev)?;
+    let language = loader::load_lm(&lfiles, &dev)?;
+    if vision.config() != &vcfg || language.config() != &lcfg {
+        bail!("--vision/--language: a source is itself a merged model; merge plain classifiers and language models");
+    }
+    let tensors = vl::assemble(&cfg, &vw.tensors, &lw.tensors, |name, rows, cols| {
+        seeded_normal(a.seed, name, rows, cols, a.bridge_std, &dev)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    })?;
+    let merged = VisionLanguageModel::from_tensors(&cfg, &tensors, &dev)?;
+
+    // Each modality must be what its source was.
+    let ids = probe::probe_ids(lcfg.vocab_size, lcfg.max_position_embeddings);
+    let input = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
+    let lm_ref = language.forward(&input, None)?;
+    let text_diff = probe::max_abs_diff(&merged.language().forward(&input, None)?, &lm_ref)?;
+    let pixels = probe_pixels(&vcfg, &dev)?;
+    let vit_ref = vision.forward(&pixels)?;
+    let image_diff = probe::max_abs_diff(&merged.vision().forward(&pixels)?, &vit_ref)?;
+    let (mixed_img, _) = merged.forward_mixed(Some(&pixels.narrow(0, 0, 1)?), &input, None)?;
+    let mixed_diff =
+        probe::max_abs_diff(&mixed_img.expect("pixels given"), &vit_ref.narrow(0, 0, 1)?)?;
+    let ok = probe::report(
+        "the merged model on text and the language model",
+        text_diff,
+        TOLERANCE,
+    ) & probe::report(
+        "the merged model on images and the classifier",
+        image_diff,
+        TOLERANCE,
+    ) & probe::report(
+        "the image logits of a mixed [image; text] run and the classifier",
+        mixed_diff,
+        TOLERANCE,
+    );
+    if !ok {
+        bail!("the merged model does not reproduce its sources (text {text_diff:e}, images {image_diff:e}, mixed {mixed_diff:e}); nothing was written");
+    }
+
+    let staging = Staging::new(&a.out, a.force)?;
+    let out = staging.path();
+    std::fs::write(
+        out.join(loader::CONFIG_FILE),
+        serde_json::to_string_pretty(&cfg)? + "\n",
+    )?;
+    checkpoint::write_safetensors(out, &tensors, checkpoint::DEFAULT_SHARD_BYTES)?;
+    if let Some(t) = &lfiles.tokenizer {
+        std::fs::copy(t, out.join(loader::TOKENIZER_FILE))
+            .with_context(|| format!("copying {}", t.display()))?;
+    }
+    // The written folder must load through the library's own loader.
+    let reloaded = loader::load_vl(
+        &loader::locate(&out.display().to_string(), &Default::default())?,
+        &dev,
+    )?;
+    let reload_diff = probe::max_abs_diff(&reloaded.language().forward(&input, None)?, &lm_ref)?;
+    if reload_diff > TOLERANCE {
+        bail!("the written merged model does not reload to the same function (max |Δ logit| {reload_diff:e}); nothing was written");
+    }
+
+    let g = cfg.pattention_groups;
+    let mut card = ModelCard::new(
+        format!(
+            "TokenFormer vision-language model (d {}, {} layers)",
+            lcfg.hidden_size, lcfg.num_layers
+        ),
+        "image-text-to-text",
+    );
+    card.section(
+        "Model",
+        format!(
+            "Merged by `tokenformer-convert merge` from the vision model `{}` and the language model `{}` (paper: https://arxiv.org/abs/2410.23168, future work). Each Pattention layer holds [vision | language | bridge] parameter tokens: qkv {}+{}+{}, proj {}+{}+{}, ffn {}+{}+{}. Image tokens score only vision and bridge tokens, text tokens only language and bridge tokens, each with its source's √n constant; bridge keys are zero and bridge values seeded random (seed {}, std {}), so at creation each modality computes exactly what its source did.",
+            a.vision, a.language, g.qkv.vision, g.qkv.language, g.qkv.bridge, g.proj.vision, g.proj.language, g.proj.bridge, g.ffn.vision, g.ffn.language, g.ffn.bridge, a.seed, a.bridge_std
+        ),
+    );
+    card.section(
+        "Merge check",
+        format!("Max |Δ logit| on a probe: text vs the language model {text_diff:.3e}; images vs the classifier {image_diff:.3e}; image logits of a mixed [image; text] sequence vs the classifier {mixed_diff:.3e} (tolerance {TOLERANCE:.0e})."),
+    );
+    card.section(
+        "Usage",
+        "```\ntokenformer score --model PATH --text \"...\"\ntokenformer classify --model PATH IMAGE\ntokenformer generate --model PATH --image IMAGE --prompt \"A photo of\"\n```",
+    );
+    card.write(out)?;
+    let out = staging.commit()?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// Seeded pixels in normalised units for the merge check.
+fn probe_pixels(cfg: &tokenformer::models::vit::Config, dev: &Device) -> Result<Tensor> {
+    let n = cfg.num_channels * cfg.image_size * cfg.image_size;
+    Ok(seeded_normal(7, "probe-pixels", 2, n, 1.0, dev)?.reshape((
+        2,
+        cfg.num_channels,
+        cfg.image_size,
+        cfg.image_size,
+    ))?)
+}

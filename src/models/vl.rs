@@ -1,0 +1,450 @@
+//! The merged vision-language TokenFormer (`architecture: "tokenformer-vl"`),
+//! after the paper's future-work proposal (<https://arxiv.org/abs/2410.23168>,
+//! Section 6 and the review discussion): the key/value parameter tokens of a
+//! vision and a language TokenFormer of the same width, depth and heads are
+//! unified into one set per Pattention layer, [vision | language | bridge],
+//! with new bridge tokens for alignment.
+//!
+//! Routing: an image token's Θ runs over the vision and bridge tokens only, a
+//! text token's over the language and bridge tokens only, each normalised with
+//! its own source's √n constant. Token-token attention is shared: image tokens
+//! attend bidirectionally among themselves; text tokens attend causally to
+//! text and to every image token; rotary positions count text tokens from 0,
+//! image tokens get none. Bridge keys start at zero, so a zero score adds
+//! nothing to the L2 norm and GELU(0) = 0: at creation each modality computes
+//! exactly what its source model computed.
+//!
+//! A route is an ordinary [`VisionTransformer`] / [`TokenFormerLm`] whose
+//! Pattention tokens are its own group plus the bridge, so image-only and
+//! text-only inputs run the classifier's and the language model's own code,
+//! and the mixed sequence reuses their blocks ([`Block`], [`Attention`]).
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::Tensors;
+use crate::models::tokenformer::{self as lm, Block, LayerCache, ScaleTokens, TokenFormerLm};
+use crate::models::vit::{self, VisionTransformer};
+
+pub const ARCHITECTURE: &str = "tokenformer-vl";
+
+/// Token counts of one Pattention kind, in storage order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Groups {
+    pub vision: usize,
+    pub language: usize,
+    pub bridge: usize,
+}
+
+impl Groups {
+    pub fn total(&self) -> usize {
+        self.vision + self.language + self.bridge
+    }
+}
+
+/// Groups of the three Pattention kinds (q/k/v share one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PattentionGroups {
+    pub qkv: Groups,
+    pub proj: Groups,
+    pub ffn: Groups,
+}
+
+/// `config.json` of a merged folder: both sources' configs as they were
+/// (their token counts are their groups' sizes, their √n constants are the
+/// routes'), the bridge size and the groups.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Always `"tokenformer-vl"`.
+    pub architecture: String,
+    pub vision: vit::Config,
+    pub language: lm::Config,
+    pub bridge_tokens: usize,
+    pub pattention_groups: PattentionGroups,
+}
+
+fn scale_or(s: Option<ScaleTokens>, qkv: usize, proj: usize, ffn: usize) -> ScaleTokens {
+    s.unwrap_or(ScaleTokens { qkv, proj, ffn })
+}
+
+impl Config {
+    /// The config of two sources merged with `bridge` new tokens per layer.
+    pub fn merged(
+        vision: &vit::Config,
+        language: &lm::Config,
+        bridge: usize,
+    ) -> std::result::Result<Self, String> {
+        let g = |v: usize, l: usize| Groups {
+            vision: v,
+            language: l,
+            bridge,
+        };
+        let cfg = Self {
+            architecture: ARCHITECTURE.into(),
+            vision: vision.clone(),
+            language: language.clone(),
+            bridge_tokens: bridge,
+            pattention_groups: PattentionGroups {
+                qkv: g(vision.qkv_tokens, language.qkv_tokens),
+                proj: g(vision.proj_tokens, language.proj_tokens),
+                ffn: g(vision.ffn_tokens, language.ffn_tokens),
+            },
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Same width, depth and heads; groups consistent with the sources.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.architecture != ARCHITECTURE {
+            return Err(format!(
+                "architecture is `{}`, expected `{ARCHITECTURE}`",
+                self.architecture
+            ));
+        }
+        let (v, l) = (&self.vision, &self.language);
+        v.validate().map_err(|e| format!("vision: {e}"))?;
+        l.validate().map_err(|e| format!("language: {e}"))?;
+        for (what, a, b) in [
+            ("hidden_size", v.hidden_size, l.hidden_size),
+            ("num_layers", v.num_layers, l.num_layers),
+            ("num_heads", v.num_heads, l.num_heads),
+        ] {
+            if a != b {
+                return Err(format!("the vision model has {what} {a} but the language model has {b}: they must match to share layers"));
+            }
+        }
+        let g = &self.pattention_groups;
+        for (what, grp, nv, nl) in [
+            ("qkv", g.qkv, v.qkv_tokens, l.qkv_tokens),
+            ("proj", g.proj, v.proj_tokens, l.proj_tokens),
+            ("ffn", g.ffn, v.ffn_tokens, l.ffn_tokens),
+        ] {
+            if grp.vision != nv || grp.language != nl || grp.bridge != self.bridge_tokens {
+                return Err(format!(
+                    "pattention_groups.{what} {grp:?} disagrees with the sources' {nv}/{nl} tokens and bridge_tokens {}",
+                    self.bridge_tokens
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The vision route as a classifier config: its tokens plus the bridge, its own √n.
+    pub fn vision_route(&self) -> vit::Config {
+        let v = &self.vision;
+        let mut c = v.clone();
+        c.pattention_scale_tokens = Some(scale_or(
+            v.pattention_scale_tokens,
+            v.qkv_tokens,
+            v.proj_tokens,
+            v.ffn_tokens,
+        ));
+        c.qkv_tokens += self.bridge_tokens;
+        c.proj_tokens += self.bridge_tokens;
+        c.ffn_tokens += self.bridge_tokens;
+        c
+    }
+
+    /// The language route as a language-model config.
+    pub fn language_route(&self) -> lm::Config {
+        let l = &self.language;
+        let mut c = l.clone();
+        c.pattention_scale_tokens = Some(scale_or(
+            l.pattention_scale_tokens,
+            l.qkv_tokens,
+            l.proj_tokens,
+            l.ffn_tokens,
+        ));
+        c.qkv_tokens += self.bridge_tokens;
+        c.proj_tokens += self.bridge_tokens;
+        c.ffn_tokens += self.bridge_tokens;
+        c
+    }
+
+    /// Whether the merged checkpoint has a tensor of this name.
+    pub fn uses_tensor(&self, name: &str) -> bool {
+        if let Some(n) = name.strip_prefix("vision.") {
+            return !n.starts_with("layers.") && self.vision.uses_tensor(n);
+        }
+        if let Some(n) = name.strip_prefix("language.") {
+            return n == "word_embeddings.weight"
+                || n.starts_with("final_norm.")
+                || (!self.language.tie_word_embeddings && n == "final_linear.weight");
+        }
+        name.strip_prefix("layers.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(i, _)| i.parse::<usize>().ok())
+            .is_some_and(|i| i < self.vision.num_layers)
+    }
+}
+
+/// The Pattention parameter names of one layer with their kind.
+fn layer_params(i: usize) -> Vec<(String, &'static str)> {
+    let mut out = vec![];
+    for (p, kind) in [
+        ("attention.query", "qkv"),
+        ("attention.key", "qkv"),
+        ("attention.value", "qkv"),
+        ("attention.proj", "proj"),
+        ("mlp", "ffn"),
+    ] {
+        for t in ["key_param_tokens", "value_param_tokens"] {
+            out.push((format!("layers.{i}.{p}.{t}"), kind));
+        }
+    }
+    out
+}
+
+impl PattentionGroups {
+    fn of(&self, kind: &str) -> Groups {
+        match kind {
+            "qkv" => self.qkv,
+            "proj" => self.proj,
+            _ => self.ffn,
+        }
+    }
+}
+
+/// The merged checkpoint's tensors from the two sources' canonical tensors:
+/// shared layers stacked [vision | language | bridge] (bridge keys zero,
+/// values from `bridge_values(name, rows, width)`), everything else kept
+/// under `vision.` / `language.`.
+pub fn assemble(
+    cfg: &Config,
+    vision: &Tensors,
+    language: &Tensors,
+    mut bridge_values: impl FnMut(&str, usize, usize) -> Result<Tensor>,
+) -> Result<Tensors> {
+    let mut out = Tensors::new();
+    for (n, t) in vision {
+        if !n.starts_with("layers.") {
+            out.insert(format!("vision.{n}"), t.clone());
+        }
+    }
+    for (n, t) in language {
+        if !n.starts_with("layers.") {
+            out.insert(format!("language.{n}"), t.clone());
+        }
+    }
+    let get = |m: &Tensors, n: &str, who: &str| -> Result<Tensor> {
+        m.get(n)
+            .cloned()
+            .ok_or_else(|| candle_core::Error::Msg(format!("the {who} model has no tensor `{n}`")))
+    };
+    let d = cfg.vision.hidden_size;
+    for i in 0..cfg.vision.num_layers {
+        for (name, kind) in layer_params(i) {
+            let g = cfg.pattention_groups.of(kind);
+            let v = get(vision, &name, "vision")?;
+            let l = get(language, &name, "language")?;
+            let width = v.dim(1)?;
+            let bridge = if name.ends_with("key_param_tokens") {
+                Tensor::zeros((g.bridge, d), v.dtype(), v.device())?
+            } else {
+                bridge_values(&name, g.bridge, width)?.to_dtype(v.dtype())?
+            };
+            out.insert(name, Tensor::cat(&[&v, &l, &bridge], 0)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Rows of one route: its own group and the bridge.
+fn route_rows(t: &Tensor, g: Groups, vision: bool) -> Result<Tensor> {
+    let own = if vision {
+        t.narrow(0, 0, g.vision)?
+    } else {
+        t.narrow(0, g.vision, g.language)?
+    };
+    if g.bridge == 0 {
+        return Ok(own);
+    }
+    Tensor::cat(&[&own, &t.narrow(0, g.vision + g.language, g.bridge)?], 0)
+}
+
+/// KV cache of a mixed (image + text) sequence: image keys first, then text.
+pub struct VlCache {
+    layers: Vec<LayerCache>,
+    image_tokens: usize,
+}
+
+impl VlCache {
+    /// Positions already cached (image and text).
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, LayerCache::len)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Text tokens cached = the next text position.
+    pub fn text_len(&self) -> usize {
+        self.len().saturating_sub(self.image_tokens)
+    }
+}
+
+/// The merged model: two routes over shared parameter tokens.
+#[derive(Clone, Debug)]
+pub struct VisionLanguageModel {
+    vision: VisionTransformer,
+    language: TokenFormerLm,
+    cfg: Config,
+}
+
+impl VisionLanguageModel {
+    /// Builds both routes from the merged checkpoint's tensors.
+    pub fn from_tensors(cfg: &Config, tensors: &Tensors, device: &Device) -> Result<Self> {
+        if let Err(e) = cfg.validate() {
+            candle_core::bail!("invalid config: {e}")
+        }
+        let mut vis: HashMap<String, Tensor> = HashMap::new();
+        let mut lang: HashMap<String, Tensor> = HashMap::new();
+        for (n, t) in tensors {
+            if let Some(r) = n.strip_prefix("vision.") {
+                vis.insert(r.to_string(), t.clone());
+            } else if let Some(r) = n.strip_prefix("language.") {
+                lang.insert(r.to_string(), t.clone());
+            }
+        }
+        for i in 0..cfg.vision.num_layers {
+            for (name, kind) in layer_params(i) {
+                let g = cfg.pattention_groups.of(kind);
+                let t = tensors
+                    .get(&name)
+                    .ok_or_else(|| candle_core::Error::Msg(format!("missing tensor `{name}`")))?;
+                if t.dim(0)? != g.total() {
+                    candle_core::bail!(
+                        "tensor `{name}` has {} tokens, the groups say {}",
+                        t.dim(0)?,
+                        g.total()
+                    )
+                }
+                vis.insert(name.clone(), route_rows(t, g, true)?);
+                lang.insert(name, route_rows(t, g, false)?);
+            }
+        }
+        let vb =
+            |m: HashMap<String, Tensor>| candle_nn::VarBuilder::from_tensors(m, DType::F32, device);
+        let vision = VisionTransformer::new(&cfg.vision_route(), vb(vis))?;
+        let language = TokenFormerLm::new(&cfg.language_route(), vb(lang))?;
+        Ok(Self {
+            vision,
+            language,
+            cfg: cfg.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Text-only input runs this: the language model with the bridge tokens in its Pattentions.
+    pub fn language(&self) -> &TokenFormerLm {
+        &self.language
+    }
+
+    /// Image-only input runs this: the classifier with the bridge tokens in its Pattentions.
+    pub fn vision(&self) -> &VisionTransformer {
+        &self.vision
+    }
+
+    pub fn new_cache(&self) -> VlCache {
+        let cap =
+            self.vision.config().num_patches() + 1 + self.cfg.language.max_position_embeddings;
+        VlCache {
+            layers: (0..self.cfg.language.num_layers)
+                .map(|_| LayerCache::new(cap))
+                .collect(),
+            image_tokens: 0,
+        }
+    }
+
+    /// One layer of the mixed sequence. Image rows attend only to image rows,
+    /// exactly as in the classifier; text rows attend causally to text and to
+    /// all image rows (from the cache when decoding).
+    fn mixed_layer(
+        &self,
+        i: usize,
+        img: Option<&Tensor>,
+        txt: &Tensor,
+        text_offset: usize,
+        cache: Option<&mut LayerCache>,
+    ) -> Result<(Option<Tensor>, Tensor)> {
+        let (vb, lb): (&Block, &Block) = (&self.vision.layers()[i], &self.language.layers()[i]);
+        let rotary = self.language.rotary();
+        let (qt, kt, vt) = lb.attention.project_qkv(&lb.norm().forward(txt)?)?;
+        let qt = rotary.apply(&qt, text_offset)?;
+        let kt = rotary.apply(&kt, text_offset)?;
+        let (img_out, ki, vi) = match img {
+            Some(x) => {
+                let (qi, ki, vi) = vb.attention.project_qkv(&vb.norm().forward(x)?)?;
+                let o = vb.attention.attend(&qi, &ki, &vi, false)?;
+                let x = (x + vb.attention.proj.forward(&o)?)?;
+                let x = (&x + vb.mlp.forward(&vb.norm().forward(&x)?)?)?;
+                (Some(x), Some(ki), Some(vi))
+            }
+            None => (None, None, None),
+        };
+        let (k_new, v_new) = match (&ki, &vi) {
+            (Some(ki), Some(vi)) => (Tensor::cat(&[ki, &kt], 2)?, Tensor::cat(&[vi, &vt], 2)?),
+            _ => (kt, vt),
+        };
+        let (k, v) = match cache {
+            Some(c) => c.append(&k_new, &v_new)?,
+            None => (k_new, v_new),
+        };
+        // Image keys come first, so every text row sees all of them, then the
+        // text up to itself: the causal rule with the image as "past".
+        let o = lb.attention.attend(&qt, &k, &v, true)?;
+        let x = (txt + lb.attention.proj.forward(&o)?)?;
+        let x = (&x + lb.mlp.forward(&lb.norm().forward(&x)?)?)?;
+        Ok((img_out, x))
+    }
+
+    /// The mixed sequence [image tokens; text tokens]: pixels [b, C, H, W]
+    /// (or None to continue from the cache) and ids [b, t]. Returns the image
+    /// logits (when pixels were given) and the text logits [b, t, vocab].
+    pub fn forward_mixed(
+        &self,
+        pixels: Option<&Tensor>,
+        ids: &Tensor,
+        mut cache: Option<&mut VlCache>,
+    ) -> Result<(Option<Tensor>, Tensor)> {
+        let t = ids.dim(1)?;
+        if let Some(c) = cache.as_deref_mut() {
+            if pixels.is_some() {
+                if !c.is_empty() {
+                    candle_core::bail!(
+                        "the image must come first: start a new cache for a new image"
+                    )
+                }
+                c.image_tokens = self.vision.config().num_patches() + 1;
+            }
+        }
+        // Text positions count from 0 after the image, whatever its length.
+        let offset = match (&cache, pixels) {
+            (Some(c), None) => c.text_len(),
+            _ => 0,
+        };
+        let max = self.cfg.language.max_position_embeddings;
+        if offset + t > max {
+            candle_core::bail!(
+                "{} text tokens exceed the model's {max} positions",
+                offset + t
+            )
+        }
+        let mut img = pixels.map(|p| self.vision.embed(p)).transpose()?;
+        let mut txt = self.language.embed(ids)?;
+        for i in 0..self.cfg.language.num_layers {
+            let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let (ni, nt) = self.mixed_layer(i, img.as_ref(), &txt, offset, lc)?;
+            img = ni;
+            txt = nt;
+        }
+        let image_logits = img.map(|x| self.vision.head(&x)).transpose()?;
+        Ok((image_logits, self.language.head(&txt)?))
+    }
+}

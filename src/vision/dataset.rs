@@ -1,0 +1,271 @@
+//! Labelled image lists for evaluation: the ImageNet `val/<wnid>/*.JPEG`
+//! layout (torchvision `ImageFolder`), or a flat folder with a label file —
+//! the Kaggle `LOC_val_solution.csv` (`ImageId,PredictionString`, the first
+//! token of the prediction string is the wnid) or `file label_index` lines.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// File extensions read as images (case-insensitive).
+pub const IMAGE_EXTENSIONS: &[&str] = &["jpg", "jpeg", "png", "webp"];
+
+/// One labelled image.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Sample {
+    pub path: PathBuf,
+    pub label: usize,
+}
+
+/// The images of an evaluation, sorted by path, and how labels were assigned.
+#[derive(Clone, Debug)]
+pub struct Dataset {
+    pub samples: Vec<Sample>,
+    /// Where the class indices came from, for reports.
+    pub label_source: String,
+}
+
+pub fn is_image(path: &Path) -> bool {
+    path.extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| IMAGE_EXTENSIONS.iter().any(|x| x.eq_ignore_ascii_case(e)))
+}
+
+fn read_dir_sorted(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        out.push(entry.map_err(|e| Error::io(dir, e))?.path());
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Image files under `dir`, recursively, sorted (as `ImageFolder` walks a class).
+pub fn images_under(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for p in read_dir_sorted(dir)? {
+        if p.is_dir() {
+            out.extend(images_under(&p)?);
+        } else if is_image(&p) {
+            out.push(p);
+        }
+    }
+    Ok(out)
+}
+
+/// Lists `dir`. Without `labels`, `dir` holds one folder per class named by
+/// its wnid; a wnid's class index is its position in `class_wnids`, or in the
+/// sorted folder names when the model has no list. With `labels`, the images
+/// anywhere under `dir` are labelled by that file.
+pub fn list(dir: &Path, labels: Option<&Path>, class_wnids: Option<&[String]>) -> Result<Dataset> {
+    if !dir.is_dir() {
+        return Err(Error::input(format!("{}: not a folder", dir.display())));
+    }
+    let ds = match labels {
+        None => list_class_folders(dir, class_wnids)?,
+        Some(l) => list_with_labels(dir, l, class_wnids)?,
+    };
+    if ds.samples.is_empty() {
+        return Err(Error::input(format!(
+            "{}: no images found (looked for {} files{})",
+            dir.display(),
+            IMAGE_EXTENSIONS.join("/"),
+            if labels.is_none() {
+                " in its class folders"
+            } else {
+                ""
+            }
+        )));
+    }
+    Ok(ds)
+}
+
+fn index_of(class_wnids: &[String]) -> HashMap<&str, usize> {
+    class_wnids
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.as_str(), i))
+        .collect()
+}
+
+fn list_class_folders(dir: &Path, class_wnids: Option<&[String]>) -> Result<Dataset> {
+    let folders: Vec<PathBuf> = read_dir_sorted(dir)?
+        .into_iter()
+        .filter(|p| p.is_dir())
+        .collect();
+    let names: Vec<String> = folders
+        .iter()
+        .map(|p| {
+            p.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        })
+        .collect();
+    let (index, label_source): (HashMap<&str, usize>, String) = match class_wnids {
+        Some(w) => (index_of(w), "the model's class_wnids".into()),
+        None => (
+            names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (n.as_str(), i))
+                .collect(),
+            "sorted folder names (the model has no class_wnids)".into(),
+        ),
+    };
+    let mut samples = Vec::new();
+    for (folder, name) in folders.iter().zip(&names) {
+        let images = images_under(folder)?;
+        if images.is_empty() {
+            continue;
+        }
+        let label = *index.get(name.as_str()).ok_or_else(|| {
+            Error::input(format!(
+                "{}: class folder `{name}` is not among the model's {} class_wnids",
+                folder.display(),
+                class_wnids.map_or(0, |w| w.len())
+            ))
+        })?;
+        samples.extend(images.into_iter().map(|path| Sample { path, label }));
+    }
+    Ok(Dataset {
+        samples,
+        label_source,
+    })
+}
+
+fn list_with_labels(dir: &Path, labels: &Path, class_wnids: Option<&[String]>) -> Result<Dataset> {
+    let text = std::fs::read_to_string(labels).map_err(|e| Error::io(labels, e))?;
+    let bad = |line: usize, msg: &str| Error::input(format!("{}:{line}: {msg}", labels.display()));
+    // Key: file name, or file stem for the CSV (its ImageIds have no extension).
+    let mut by_key: HashMap<String, usize> = HashMap::new();
+    let is_csv = text
+        .lines()
+        .next()
+        .is_some_and(|l| l.trim_start().starts_with("ImageId"));
+    let label_source;
+    if is_csv {
+        let mut rows = Vec::new();
+        for (n, line) in text.lines().enumerate().skip(1) {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let (id, pred) = line
+                .split_once(',')
+                .ok_or_else(|| bad(n + 1, "expected `ImageId,PredictionString`"))?;
+            let wnid = pred
+                .split_whitespace()
+                .next()
+                .ok_or_else(|| bad(n + 1, "empty PredictionString"))?;
+            rows.push((n + 1, id.trim().to_string(), wnid.to_string()));
+        }
+        let fallback: Vec<String>;
+        let wnids = match class_wnids {
+            Some(w) => {
+                label_source = format!("{} (wnids → the model's class_wnids)", labels.display());
+                w
+            }
+            None => {
+                fallback = rows
+                    .iter()
+                    .map(|r| r.2.clone())
+                    .collect::<BTreeSet<_>>()
+                    .into_iter()
+                    .collect();
+                label_source = format!(
+                    "{} (sorted wnids of the file; the model has no class_wnids)",
+                    labels.display()
+                );
+                &fallback
+            }
+        };
+        let index = index_of(wnids);
+        for (line, id, wnid) in rows {
+            let label = *index.get(wnid.as_str()).ok_or_else(|| {
+                bad(
+                    line,
+                    &format!(
+                        "wnid `{wnid}` is not among the model's {} class_wnids",
+                        wnids.len()
+                    ),
+                )
+            })?;
+            by_key.insert(id, label);
+        }
+    } else {
+        label_source = format!("{} (file label_index)", labels.display());
+        for (n, line) in text.lines().enumerate() {
+            let mut parts = line.split_whitespace();
+            let (Some(file), Some(label)) = (parts.next(), parts.next()) else {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                return Err(bad(n + 1, "expected `file label_index`"));
+            };
+            let label: usize = label
+                .parse()
+                .map_err(|_| bad(n + 1, &format!("label `{label}` is not a class index")))?;
+            by_key.insert(file.to_string(), label);
+        }
+    }
+    let mut samples = Vec::new();
+    for path in images_under(dir)? {
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let stem = path
+            .file_stem()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let rel = path
+            .strip_prefix(dir)
+            .map(|r| r.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let label = by_key
+            .get(&rel)
+            .or_else(|| by_key.get(&name))
+            .or_else(|| by_key.get(&stem))
+            .copied()
+            .ok_or_else(|| {
+                Error::input(format!(
+                    "{}: no label in {}",
+                    path.display(),
+                    labels.display()
+                ))
+            })?;
+        samples.push(Sample { path, label });
+    }
+    Ok(Dataset {
+        samples,
+        label_source,
+    })
+}
+
+/// `--shard I/N`: the samples whose index in the sorted list is ≡ I (mod N).
+pub fn shard<T: Clone>(items: &[T], index: usize, count: usize) -> Vec<T> {
+    items
+        .iter()
+        .skip(index)
+        .step_by(count.max(1))
+        .cloned()
+        .collect()
+}
+
+/// Parses `I/N` with 0 ≤ I < N.
+pub fn parse_shard(s: &str) -> Result<(usize, usize)> {
+    let err = || {
+        Error::input(format!(
+            "--shard `{s}`: expected I/N with 0 <= I < N, e.g. 0/4"
+        ))
+    };
+    let (i, n) = s.split_once('/').ok_or_else(err)?;
+    let (i, n): (usize, usize) = (
+        i.trim().parse().map_err(|_| err())?,
+        n.trim().parse().map_err(|_| err())?,
+    );
+    if n == 0 || i >= n {
+        return Err(err());
+    }
+    Ok((i, n))
+}

@@ -1,0 +1,178 @@
+//! The merged vision-language TokenFormer (`tokenformer::models::vl`) on the
+//! shipped tiny fixtures (official-lm-tiny, vit-tiny; both d 32, 2 layers,
+//! 2 heads): each modality reproduces its source, the mixed sequence routes
+//! and masks as the paper's unification describes (arXiv 2410.23168).
+
+mod common;
+
+use candle_core::{DType, Device, Tensor, D};
+use tokenformer::checkpoint::Tensors;
+use tokenformer::loader;
+use tokenformer::models::vl::{self, VisionLanguageModel};
+
+struct Fixture {
+    vl: VisionLanguageModel,
+    lm: tokenformer::models::tokenformer::TokenFormerLm,
+    vit: tokenformer::models::vit::VisionTransformer,
+    pixels: Tensor,
+    ids: Vec<u32>,
+    tensors: Tensors,
+}
+
+fn weights(spec: &std::path::Path) -> loader::LoadedWeights {
+    let files = loader::locate(spec.to_str().unwrap(), &Default::default()).unwrap();
+    loader::read_weights(&files, Some(DType::F32), &Device::Cpu).unwrap()
+}
+
+fn fixture(bridge: usize, bridge_std: f32) -> Fixture {
+    let dev = Device::Cpu;
+    let vdir = common::fixtures().join("vit-tiny-imagenet/vit-tiny");
+    let ldir = common::lm_fixture().join("pytorch_model.bin");
+    let (vw, lw) = (weights(&vdir), weights(&ldir));
+    let vcfg = loader::vit_config(&vw.config, &vw.path).unwrap();
+    let lcfg = loader::lm_config(&lw.config, &lw.path).unwrap();
+    let cfg = vl::Config::merged(&vcfg, &lcfg, bridge).unwrap();
+    let mut seed = 1u64;
+    let tensors = vl::assemble(&cfg, &vw.tensors, &lw.tensors, |_, r, c| {
+        seed += 1;
+        common::randn(&mut rand::SeedableRng::seed_from_u64(seed), &[r, c], 1.0) * bridge_std as f64
+    })
+    .unwrap();
+    let vl = VisionLanguageModel::from_tensors(&cfg, &tensors, &dev).unwrap();
+    let lm = loader::build_lm(lw, &dev).unwrap();
+    let vit = loader::build_vit(vw, &dev).unwrap();
+    let pixels = candle_core::safetensors::load(
+        common::fixtures().join("vit-tiny-imagenet/pixels.safetensors"),
+        &dev,
+    )
+    .unwrap()
+    .remove("pixels")
+    .unwrap();
+    let ids: Vec<u32> = serde_json::from_value(common::expected_lm()["ids"].clone()).unwrap();
+    Fixture {
+        vl,
+        lm,
+        vit,
+        pixels,
+        ids: ids[..24].to_vec(),
+        tensors,
+    }
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(D::Minus1)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn ids_tensor(ids: &[u32]) -> Tensor {
+    Tensor::new(ids, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+}
+
+#[test]
+fn each_modality_reproduces_its_source_with_random_bridge_values() {
+    // Large random bridge values: any leak of a bridge token into a route would show.
+    let f = fixture(16, 1.0);
+    let g = f.vl.config().pattention_groups;
+    assert_eq!((g.qkv.vision, g.qkv.language, g.qkv.bridge), (24, 24, 16));
+    let bridge_values = f.tensors["layers.1.mlp.value_param_tokens"]
+        .narrow(0, g.ffn.vision + g.ffn.language, 16)
+        .unwrap();
+    assert!(
+        bridge_values
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            > 1.0
+    );
+    let bridge_keys = f.tensors["layers.1.mlp.key_param_tokens"]
+        .narrow(0, g.ffn.vision + g.ffn.language, 16)
+        .unwrap();
+    assert_eq!(
+        bridge_keys
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap(),
+        0.0
+    );
+
+    // Text only: the language model's scores.
+    let a = tokenformer::scoring::score_ids(f.vl.language(), &f.ids).unwrap();
+    let b = tokenformer::scoring::score_ids(&f.lm, &f.ids).unwrap();
+    for (x, y) in a.next_token_logprobs.iter().zip(&b.next_token_logprobs) {
+        assert!((x - y).abs() <= 1e-5, "{x} vs {y}");
+    }
+    // ... and the PyTorch reference numbers of the fixture.
+    let exp: Vec<f32> =
+        serde_json::from_value(common::expected_lm()["next_token_logprobs"].clone()).unwrap();
+    for (x, y) in a.next_token_logprobs.iter().zip(&exp) {
+        assert!((x - y).abs() <= 1e-4, "{x} vs PyTorch {y}");
+    }
+    // Images only: the classifier's logits.
+    let li = f.vl.vision().forward(&f.pixels).unwrap();
+    assert!(max_diff(&li, &f.vit.forward(&f.pixels).unwrap()) <= 1e-5);
+}
+
+#[test]
+fn mixed_sequence_keeps_image_logits_and_lets_text_see_the_image() {
+    let f = fixture(8, 0.02);
+    let img = f.pixels.narrow(0, 0, 1).unwrap();
+    let other = f.pixels.narrow(0, 3, 1).unwrap();
+    let ids = ids_tensor(&f.ids);
+    let (il, tl) = f.vl.forward_mixed(Some(&img), &ids, None).unwrap();
+    // Image tokens attend only among themselves: exactly the classifier's logits.
+    assert!(max_diff(&il.unwrap(), &f.vit.forward(&img).unwrap()) <= 1e-5);
+    // Text tokens attend to the image: other image, other text logits; text only differs too.
+    let (_, tl2) = f.vl.forward_mixed(Some(&other), &ids, None).unwrap();
+    assert!(max_diff(&tl, &tl2) > 1e-3);
+    assert!(max_diff(&tl, &f.lm.forward(&ids, None).unwrap()) > 1e-3);
+    // Causal among text: the first 10 positions do not see the later tokens.
+    let (_, short) =
+        f.vl.forward_mixed(Some(&img), &ids_tensor(&f.ids[..10]), None)
+            .unwrap();
+    assert!(max_diff(&short, &tl.narrow(1, 0, 10).unwrap()) <= 1e-5);
+    // Decoding with the cache (image + prefix, then one token at a time) equals the full pass.
+    let mut cache = f.vl.new_cache();
+    let (_, first) =
+        f.vl.forward_mixed(Some(&img), &ids_tensor(&f.ids[..20]), Some(&mut cache))
+            .unwrap();
+    assert!(max_diff(&first, &tl.narrow(1, 0, 20).unwrap()) <= 1e-5);
+    for j in 20..24 {
+        let (none, step) =
+            f.vl.forward_mixed(None, &ids_tensor(&f.ids[j..j + 1]), Some(&mut cache))
+                .unwrap();
+        assert!(none.is_none());
+        assert!(
+            max_diff(&step, &tl.narrow(1, j, 1).unwrap()) <= 1e-4,
+            "position {j}"
+        );
+    }
+    assert_eq!(cache.text_len(), 24);
+}
+
+#[test]
+fn mismatched_sources_are_refused() {
+    let vw = weights(&common::fixtures().join("vit-tiny-imagenet/vit-tiny"));
+    let mut vcfg = loader::vit_config(&vw.config, &vw.path).unwrap();
+    let lw = weights(&common::lm_fixture().join("pytorch_model.bin"));
+    let lcfg = loader::lm_config(&lw.config, &lw.path).unwrap();
+    vcfg.num_layers = 3;
+    let e = vl::Config::merged(&vcfg, &lcfg, 4).unwrap_err();
+    assert!(e.contains("num_layers 3") && e.contains("2"), "{e}");
+}
