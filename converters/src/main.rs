@@ -3,6 +3,9 @@
 //! temporary folder, checks its result against the source on a probe input,
 //! and only then moves it into place.
 
+mod export;
+mod family;
+mod grow;
 mod official;
 mod output;
 mod probe;
@@ -22,6 +25,10 @@ struct Cli {
 enum Command {
     /// Official pytorch_model.bin + yml (or zoo config) → canonical safetensors folder.
     Official(official::OfficialArgs),
+    /// Append parameter tokens to every Pattention layer (progressive scaling), exactly.
+    Grow(grow::GrowArgs),
+    /// Canonical language model → official pytorch_model.bin (torch zip) + eval yml.
+    Export(export::ExportArgs),
 }
 
 /// Storage dtype for written weights.
@@ -50,6 +57,8 @@ fn main() {
     let cli = Cli::parse();
     let r: Result<()> = match cli.command {
         Command::Official(a) => official::run(a),
+        Command::Grow(a) => grow::run(a),
+        Command::Export(a) => export::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");
