@@ -58,9 +58,18 @@ pub enum Format {
 /// produces (pipeline index, then module order within a block).
 fn official_order(name: &str) -> (usize, usize) {
     let mut parts = name.splitn(3, '.');
-    let idx = parts.nth(1).and_then(|i| i.parse().ok()).unwrap_or(usize::MAX);
+    let idx = parts
+        .nth(1)
+        .and_then(|i| i.parse().ok())
+        .unwrap_or(usize::MAX);
     let tail = parts.next().unwrap_or("");
-    const BLOCK: [&str; 5] = ["attention.query", "attention.key", "attention.value", "attention.proj", "mlp"];
+    const BLOCK: [&str; 5] = [
+        "attention.query",
+        "attention.key",
+        "attention.value",
+        "attention.proj",
+        "mlp",
+    ];
     let rank = match tail.rsplit_once('.') {
         Some((module, param)) => {
             let m = BLOCK.iter().position(|b| *b == module).unwrap_or(0);
@@ -73,14 +82,27 @@ fn official_order(name: &str) -> (usize, usize) {
 
 pub fn run(a: ExportArgs) -> Result<()> {
     let Format::Official = a.format;
-    if !matches!(a.out.extension().and_then(|e| e.to_str()), Some("bin" | "pt" | "pth")) {
+    if !matches!(
+        a.out.extension().and_then(|e| e.to_str()),
+        Some("bin" | "pt" | "pth")
+    ) {
         bail!("--out {} must name a checkpoint file ending in .bin (like the released pytorch_model.bin)", a.out.display());
     }
     if a.out.is_dir() {
-        bail!("--out {} is a folder; give the path of the .bin file to write", a.out.display());
+        bail!(
+            "--out {} is a folder; give the path of the .bin file to write",
+            a.out.display()
+        );
     }
     let yml_out = a.out.with_extension("yml");
-    let files = loader::locate(&a.model, &LocateOptions { config: a.config.clone(), tokenizer: None, progress: true })?;
+    let files = loader::locate(
+        &a.model,
+        &LocateOptions {
+            config: a.config.clone(),
+            tokenizer: None,
+            progress: true,
+        },
+    )?;
     for p in input_paths(&files) {
         check_not_input(&a.out, &p)?;
         check_not_input(&yml_out, &p)?;
@@ -100,7 +122,9 @@ pub fn run(a: ExportArgs) -> Result<()> {
     }
     let cfg = loader::lm_config(&w.config, &w.path)?;
     let counts = (cfg.qkv_tokens, cfg.proj_tokens, cfg.ffn_tokens);
-    let changes_function = cfg.pattention_scale_tokens.is_some_and(|s| (s.qkv, s.proj, s.ffn) != counts);
+    let changes_function = cfg
+        .pattention_scale_tokens
+        .is_some_and(|s| (s.qkv, s.proj, s.ffn) != counts);
     if changes_function {
         let s = cfg.pattention_scale_tokens.expect("checked");
         let msg = format!(
@@ -116,8 +140,12 @@ pub fn run(a: ExportArgs) -> Result<()> {
 
     let mut entries: Vec<(String, Tensor)> = Vec::with_capacity(w.tensors.len());
     for (name, t) in w.tensors {
-        let off = official::to_official(&name, cfg.num_layers)
-            .with_context(|| format!("{}: tensor `{name}` has no place in the official state dict", w.path.display()))?;
+        let off = official::to_official(&name, cfg.num_layers).with_context(|| {
+            format!(
+                "{}: tensor `{name}` has no place in the official state dict",
+                w.path.display()
+            )
+        })?;
         entries.push((off, t));
     }
     entries.sort_by_key(|(n, _)| official_order(n));
@@ -127,7 +155,12 @@ pub fn run(a: ExportArgs) -> Result<()> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let file_name = a.out.file_name().context("--out has no file name")?.to_string_lossy().into_owned();
+    let file_name = a
+        .out
+        .file_name()
+        .context("--out has no file name")?
+        .to_string_lossy()
+        .into_owned();
     let tmp = tempfile::Builder::new()
         .prefix(&format!(".{file_name}.partial-"))
         .tempdir_in(&parent)
@@ -137,7 +170,8 @@ pub fn run(a: ExportArgs) -> Result<()> {
     torch_zip::write_state_dict(&staged_bin, &entries, torch_zip::WriteOptions::default())?;
     let n_tensors = entries.len();
     drop(entries);
-    std::fs::write(&staged_yml, official::config_to_yml(&cfg)).with_context(|| format!("writing {}", staged_yml.display()))?;
+    std::fs::write(&staged_yml, official::config_to_yml(&cfg))
+        .with_context(|| format!("writing {}", staged_yml.display()))?;
 
     // Read the export back as the official format and compare logits.
     let exported = loader::locate(&staged_bin.display().to_string(), &LocateOptions::default())?;
@@ -161,7 +195,11 @@ pub fn run(a: ExportArgs) -> Result<()> {
         let _ = std::fs::remove_file(&a.out);
         return Err(e);
     }
-    println!("wrote {} ({n_tensors} tensors) and {}", a.out.display(), yml_out.display());
+    println!(
+        "wrote {} ({n_tensors} tensors) and {}",
+        a.out.display(),
+        yml_out.display()
+    );
     Ok(())
 }
 

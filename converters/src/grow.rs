@@ -106,7 +106,9 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a size such as 5GB or 1000000"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size such as 5GB or 1000000"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "kb" => 1_000,
@@ -115,7 +117,11 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
         "kib" => 1 << 10,
         "mib" => 1 << 20,
         "gib" => 1 << 30,
-        other => return Err(format!("unknown size unit `{other}` in `{s}` (use B, KB, MB, GB, KiB, MiB, GiB)")),
+        other => {
+            return Err(format!(
+                "unknown size unit `{other}` in `{s}` (use B, KB, MB, GB, KiB, MiB, GiB)"
+            ))
+        }
     };
     match n.checked_mul(mult) {
         Some(0) | None => Err(format!("`{s}` is not a usable shard size")),
@@ -165,7 +171,10 @@ fn pattention_kind(name: &str) -> Result<Option<Kind>> {
     else {
         return Ok(None);
     };
-    let kind = if [".attention.query", ".attention.key", ".attention.value"].iter().any(|m| module.ends_with(m)) {
+    let kind = if [".attention.query", ".attention.key", ".attention.value"]
+        .iter()
+        .any(|m| module.ends_with(m))
+    {
         Kind::Qkv
     } else if module.ends_with(".attention.proj") {
         Kind::Proj
@@ -186,7 +195,11 @@ fn token_counts(config: &Value, origin: &Path) -> Result<ScaleTokens> {
             .map(|v| v as usize)
             .with_context(|| format!("{}: config has no integer `{k}`", origin.display()))
     };
-    Ok(ScaleTokens { qkv: get("qkv_tokens")?, proj: get("proj_tokens")?, ffn: get("ffn_tokens")? })
+    Ok(ScaleTokens {
+        qkv: get("qkv_tokens")?,
+        proj: get("proj_tokens")?,
+        ffn: get("ffn_tokens")?,
+    })
 }
 
 /// The √n constants a config runs with: its `pattention_scale_tokens`, or the counts.
@@ -201,7 +214,11 @@ pub fn scale_constants(config: &Value, origin: &Path) -> Result<ScaleTokens> {
 /// Resolves `--preset` to a zoo ladder entry: an exact zoo name or a size like 354M / 1.4B.
 fn preset(name: &str) -> Result<&'static tokenformer::zoo::ZooEntry> {
     let norm = name.trim().to_ascii_lowercase().replace('.', "-");
-    let candidates = [norm.clone(), format!("tokenformer-ladder-{norm}"), format!("tokenformer-{norm}")];
+    let candidates = [
+        norm.clone(),
+        format!("tokenformer-ladder-{norm}"),
+        format!("tokenformer-{norm}"),
+    ];
     let entry = candidates.iter().find_map(|c| tokenformer::zoo::find(c));
     let Some(e) = entry.filter(|e| e.config.get("qkv_tokens").is_some()) else {
         let ladder: Vec<&str> = tokenformer::zoo::entries()
@@ -209,7 +226,10 @@ fn preset(name: &str) -> Result<&'static tokenformer::zoo::ZooEntry> {
             .filter(|e| e.name.starts_with("tokenformer-ladder-"))
             .map(|e| e.name.as_str())
             .collect();
-        bail!("unknown preset `{name}`: use a size (124M, 354M, 757M, 1.4B) or a zoo name ({})", ladder.join(", "));
+        bail!(
+            "unknown preset `{name}`: use a size (124M, 354M, 757M, 1.4B) or a zoo name ({})",
+            ladder.join(", ")
+        );
     };
     Ok(e)
 }
@@ -257,10 +277,15 @@ fn normal(rows: usize, cols: usize, std: f64, seed: u64, name: &str) -> Vec<f32>
 
 /// Appends `extra` rows to a [n, d] parameter-token tensor, keeping its dtype.
 fn append_rows(t: &Tensor, extra: usize, init: Option<(f64, u64)>, name: &str) -> Result<Tensor> {
-    let (_, d) = t.dims2().with_context(|| format!("tensor `{name}` is not a matrix"))?;
+    let (_, d) = t
+        .dims2()
+        .with_context(|| format!("tensor `{name}` is not a matrix"))?;
     let new = match init {
         None => Tensor::zeros((extra, d), t.dtype(), t.device())?,
-        Some((std, seed)) => Tensor::from_vec(normal(extra, d, std, seed, name), (extra, d), t.device())?.to_dtype(t.dtype())?,
+        Some((std, seed)) => {
+            Tensor::from_vec(normal(extra, d, std, seed, name), (extra, d), t.device())?
+                .to_dtype(t.dtype())?
+        }
     };
     Ok(Tensor::cat(&[t, &new], 0)?)
 }
@@ -271,7 +296,11 @@ pub fn run(a: GrowArgs) -> Result<()> {
             bail!("{what} must be a non-negative number, got {std}");
         }
     }
-    let opts = LocateOptions { config: a.config.clone(), tokenizer: None, progress: true };
+    let opts = LocateOptions {
+        config: a.config.clone(),
+        tokenizer: None,
+        progress: true,
+    };
     let files = loader::locate(&a.model, &opts)?;
     for p in input_paths(&files) {
         check_not_input(&a.out, &p)?;
@@ -303,19 +332,27 @@ pub fn run(a: GrowArgs) -> Result<()> {
     // New √n constants: kept at the old ones, or the new counts for the grown kinds.
     let mut new_scale = old_scale;
     if a.scale == Scale::Grow {
-        for k in Kind::ALL.into_iter().filter(|&k| Kind::of(&target, k) > Kind::of(&old, k)) {
+        for k in Kind::ALL
+            .into_iter()
+            .filter(|&k| Kind::of(&target, k) > Kind::of(&old, k))
+        {
             set(&mut new_scale, k, Kind::of(&target, k));
         }
     }
     let mut config = w.config.clone();
-    let obj = config.as_object_mut().context("config.json is not a JSON object")?;
+    let obj = config
+        .as_object_mut()
+        .context("config.json is not a JSON object")?;
     for k in Kind::ALL {
         obj.insert(k.config_key().into(), json!(Kind::of(&target, k)));
     }
     if new_scale == target {
         obj.remove("pattention_scale_tokens");
     } else {
-        obj.insert("pattention_scale_tokens".into(), serde_json::to_value(new_scale)?);
+        obj.insert(
+            "pattention_scale_tokens".into(),
+            serde_json::to_value(new_scale)?,
+        );
     }
 
     let key_init = (a.key_init == KeyInit::Normal).then_some((a.key_std, a.seed));
@@ -323,7 +360,11 @@ pub fn run(a: GrowArgs) -> Result<()> {
     let source_path = w.path.clone();
     let mut tensors = Tensors::new();
     let mut grown = BTreeMap::<&str, usize>::new();
-    let dtypes: std::collections::BTreeSet<String> = w.tensors.values().map(|t| format!("{:?}", t.dtype()).to_lowercase()).collect();
+    let dtypes: std::collections::BTreeSet<String> = w
+        .tensors
+        .values()
+        .map(|t| format!("{:?}", t.dtype()).to_lowercase())
+        .collect();
     for (name, t) in w.tensors {
         let Some(kind) = pattention_kind(&name)? else {
             tensors.insert(name, t);
@@ -340,7 +381,11 @@ pub fn run(a: GrowArgs) -> Result<()> {
         }
         let t = if to > from {
             *grown.entry(kind.config_key()).or_default() += 1;
-            let init = if name.ends_with(".key_param_tokens") { key_init } else { value_init };
+            let init = if name.ends_with(".key_param_tokens") {
+                key_init
+            } else {
+                value_init
+            };
             append_rows(&t, to - from, init, &name)?
         } else {
             t
@@ -351,12 +396,16 @@ pub fn run(a: GrowArgs) -> Result<()> {
 
     let staging = Staging::new(&a.out, a.force)?;
     let dir = staging.path().to_path_buf();
-    std::fs::write(dir.join(loader::CONFIG_FILE), serde_json::to_string_pretty(&config)? + "\n")
-        .with_context(|| format!("writing {}", dir.join(loader::CONFIG_FILE).display()))?;
+    std::fs::write(
+        dir.join(loader::CONFIG_FILE),
+        serde_json::to_string_pretty(&config)? + "\n",
+    )
+    .with_context(|| format!("writing {}", dir.join(loader::CONFIG_FILE).display()))?;
     let written = checkpoint::write_safetensors(&dir, &tensors, a.max_shard_size)?;
     drop(tensors);
     if let Some(t) = &files.tokenizer {
-        std::fs::copy(t, dir.join(loader::TOKENIZER_FILE)).with_context(|| format!("copying {}", t.display()))?;
+        std::fs::copy(t, dir.join(loader::TOKENIZER_FILE))
+            .with_context(|| format!("copying {}", t.display()))?;
     }
 
     let before = family.probe_logits(&files, &dev)?;
@@ -374,12 +423,30 @@ pub fn run(a: GrowArgs) -> Result<()> {
     } else {
         println!(
             "probe: max |Δ logit| between {what} = {diff:.6e} (the function changes: {})",
-            if a.scale == Scale::Grow { "√n constants follow the new counts" } else { "new keys are not zero" }
+            if a.scale == Scale::Grow {
+                "√n constants follow the new counts"
+            } else {
+                "new keys are not zero"
+            }
         );
     }
 
-    let base_model = a.base_model.clone().or_else(|| hub_id(&a.model, &files.source));
-    let card = growth_card(&a, family, &config, &old, &old_scale, &target, &new_scale, diff, base_model.as_deref(), &files.source)?;
+    let base_model = a
+        .base_model
+        .clone()
+        .or_else(|| hub_id(&a.model, &files.source));
+    let card = growth_card(
+        &a,
+        family,
+        &config,
+        &old,
+        &old_scale,
+        &target,
+        &new_scale,
+        diff,
+        base_model.as_deref(),
+        &files.source,
+    )?;
     card.write(&dir)?;
     if std::env::var_os("TOKENFORMER_CONVERT_ABORT_BEFORE_COMMIT").is_some() {
         // Test hook: die like a killed process would, without any cleanup.
@@ -388,14 +455,24 @@ pub fn run(a: GrowArgs) -> Result<()> {
     let out = staging.commit()?;
     let summary: Vec<String> = Kind::ALL
         .iter()
-        .map(|&k| format!("{} {}→{}", k.config_key(), Kind::of(&old, k), Kind::of(&target, k)))
+        .map(|&k| {
+            format!(
+                "{} {}→{}",
+                k.config_key(),
+                Kind::of(&old, k),
+                Kind::of(&target, k)
+            )
+        })
         .collect();
     println!(
         "grew {} ({}); {n_tensors} tensors ({}) in {} file(s); wrote {}",
         family.describe(),
         summary.join(", "),
         dtypes.into_iter().collect::<Vec<_>>().join("/"),
-        written.iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")).count(),
+        written
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .count(),
         out.display()
     );
     Ok(())
@@ -439,7 +516,13 @@ fn growth_card(
     let d = config.get("hidden_size").cloned().unwrap_or(Value::Null);
     let layers = config.get("num_layers").cloned().unwrap_or(Value::Null);
     let mut card = ModelCard::new(
-        format!("TokenFormer {} grown to {}/{}/{} parameter tokens", family.describe(), target.qkv, target.proj, target.ffn),
+        format!(
+            "TokenFormer {} grown to {}/{}/{} parameter tokens",
+            family.describe(),
+            target.qkv,
+            target.proj,
+            target.ffn
+        ),
         family.pipeline_tag(),
     );
     if let Some(b) = base_model {
@@ -513,7 +596,10 @@ mod tests {
         let e = preset("354M").unwrap();
         assert_eq!(e.name, "tokenformer-ladder-354m");
         assert_eq!(preset("1.4B").unwrap().name, "tokenformer-ladder-1-4b");
-        assert_eq!(preset("tokenformer-ladder-757m").unwrap().name, "tokenformer-ladder-757m");
+        assert_eq!(
+            preset("tokenformer-ladder-757m").unwrap().name,
+            "tokenformer-ladder-757m"
+        );
         assert!(preset("9000M").is_err());
         let t = token_counts(&e.config, Path::new("zoo")).unwrap();
         assert_eq!((t.qkv, t.proj, t.ffn), (2140, 2140, 8560));
@@ -522,8 +608,14 @@ mod tests {
     #[test]
     fn kinds_from_names() {
         let k = |n: &str| pattention_kind(n).unwrap();
-        assert_eq!(k("layers.3.attention.key.value_param_tokens"), Some(Kind::Qkv));
-        assert_eq!(k("layers.0.attention.proj.key_param_tokens"), Some(Kind::Proj));
+        assert_eq!(
+            k("layers.3.attention.key.value_param_tokens"),
+            Some(Kind::Qkv)
+        );
+        assert_eq!(
+            k("layers.0.attention.proj.key_param_tokens"),
+            Some(Kind::Proj)
+        );
         assert_eq!(k("layers.11.mlp.value_param_tokens"), Some(Kind::Ffn));
         assert_eq!(k("word_embeddings.weight"), None);
         assert!(pattention_kind("merger.key_param_tokens").is_err());

@@ -35,29 +35,50 @@ pub struct WriteOptions {
 
 /// Writes `tensors` (name → tensor, in the given order) as a torch state dict
 /// at `path`. Each tensor gets its own storage, stored contiguously.
-pub fn write_state_dict(path: &Path, tensors: &[(String, Tensor)], opts: WriteOptions) -> Result<()> {
+pub fn write_state_dict(
+    path: &Path,
+    tensors: &[(String, Tensor)],
+    opts: WriteOptions,
+) -> Result<()> {
     let io = |e: std::io::Error| Error::io(path, e);
     let file = std::fs::File::create(path).map_err(io)?;
     let mut zip = ZipWriter::new(BufWriter::with_capacity(1 << 20, file), opts.force_zip64);
     let pickle = state_dict_pickle(tensors).map_err(|e| Error::checkpoint(path, e))?;
-    zip.add(&format!("{ARCHIVE}/data.pkl"), &pickle).map_err(io)?;
-    zip.add(&format!("{ARCHIVE}/.format_version"), b"1").map_err(io)?;
-    zip.add(&format!("{ARCHIVE}/.storage_alignment"), ALIGNMENT.to_string().as_bytes()).map_err(io)?;
-    zip.add(&format!("{ARCHIVE}/byteorder"), b"little").map_err(io)?;
+    zip.add(&format!("{ARCHIVE}/data.pkl"), &pickle)
+        .map_err(io)?;
+    zip.add(&format!("{ARCHIVE}/.format_version"), b"1")
+        .map_err(io)?;
+    zip.add(
+        &format!("{ARCHIVE}/.storage_alignment"),
+        ALIGNMENT.to_string().as_bytes(),
+    )
+    .map_err(io)?;
+    zip.add(&format!("{ARCHIVE}/byteorder"), b"little")
+        .map_err(io)?;
     let mut id_hash = Crc32::new();
     for (i, (name, t)) in tensors.iter().enumerate() {
-        let bytes = tensor_bytes(t).map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
-        let crc = zip.add(&format!("{ARCHIVE}/data/{i}"), &bytes).map_err(io)?;
+        let bytes = tensor_bytes(t)
+            .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
+        let crc = zip
+            .add(&format!("{ARCHIVE}/data/{i}"), &bytes)
+            .map_err(io)?;
         id_hash.update(&crc.to_le_bytes());
     }
     zip.add(&format!("{ARCHIVE}/version"), b"3\n").map_err(io)?;
     // torch writes a 40-digit id; ours is derived from the content, so that
     // exporting the same model twice gives the same file.
-    let id = format!("{:040}", u128::from(id_hash.finish()) * 1_000_003 + tensors.len() as u128);
-    zip.add(&format!("{ARCHIVE}/.data/serialization_id"), id.as_bytes()).map_err(io)?;
+    let id = format!(
+        "{:040}",
+        u128::from(id_hash.finish()) * 1_000_003 + tensors.len() as u128
+    );
+    zip.add(&format!("{ARCHIVE}/.data/serialization_id"), id.as_bytes())
+        .map_err(io)?;
     let mut w = zip.finish().map_err(io)?;
     w.flush().map_err(io)?;
-    w.into_inner().map_err(|e| io(e.into_error()))?.sync_all().map_err(io)
+    w.into_inner()
+        .map_err(|e| io(e.into_error()))?
+        .sync_all()
+        .map_err(io)
 }
 
 fn storage_class(dtype: DType) -> std::result::Result<&'static str, String> {
@@ -129,7 +150,8 @@ impl Pickler {
     }
     fn global(&mut self, module: &str, name: &str) {
         self.0.push(b'c');
-        self.0.extend_from_slice(format!("{module}\n{name}\n").as_bytes());
+        self.0
+            .extend_from_slice(format!("{module}\n{name}\n").as_bytes());
     }
     fn unicode(&mut self, s: &str) {
         self.0.push(b'X');
@@ -184,7 +206,12 @@ const DOS_DATE: u16 = (1 << 5) | 1;
 
 impl<W: Write> ZipWriter<W> {
     fn new(w: W, force_zip64: bool) -> Self {
-        Self { w, pos: 0, entries: vec![], force_zip64 }
+        Self {
+            w,
+            pos: 0,
+            entries: vec![],
+            force_zip64,
+        }
     }
 
     fn put(&mut self, bytes: &[u8]) -> std::io::Result<()> {
@@ -240,7 +267,12 @@ impl<W: Write> ZipWriter<W> {
         self.put(&h)?;
         debug_assert_eq!(self.pos % ALIGNMENT, 0);
         self.put(data)?;
-        self.entries.push(Entry { name: name.to_string(), crc, size, offset });
+        self.entries.push(Entry {
+            name: name.to_string(),
+            crc,
+            size,
+            offset,
+        });
         Ok(crc)
     }
 
@@ -265,8 +297,16 @@ impl<W: Write> ZipWriter<W> {
                 extra.extend_from_slice(&fields);
             }
             let version: u16 = if extra.is_empty() { 20 } else { 45 };
-            let size32 = if big_size { U32_MAX as u32 } else { e.size as u32 };
-            let offset32 = if big_offset { U32_MAX as u32 } else { e.offset as u32 };
+            let size32 = if big_size {
+                U32_MAX as u32
+            } else {
+                e.size as u32
+            };
+            let offset32 = if big_offset {
+                U32_MAX as u32
+            } else {
+                e.offset as u32
+            };
             let mut h = Vec::with_capacity(46 + e.name.len() + extra.len());
             h.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
             h.extend_from_slice(&version.to_le_bytes()); // made by
@@ -341,7 +381,11 @@ fn crc_tables() -> &'static [[u32; 256]; 8] {
         for i in 0..256u32 {
             let mut c = i;
             for _ in 0..8 {
-                c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
+                c = if c & 1 != 0 {
+                    0xEDB8_8320 ^ (c >> 1)
+                } else {
+                    c >> 1
+                };
             }
             t[0][i as usize] = c;
         }
