@@ -24,7 +24,10 @@ impl ModelCard {
         let mut metadata = Map::new();
         metadata.insert("license".into(), json!("apache-2.0"));
         metadata.insert("library_name".into(), json!("tokenformer"));
-        metadata.insert("tags".into(), json!(["tokenformer", "pattention", "candle", "safetensors"]));
+        metadata.insert(
+            "tags".into(),
+            json!(["tokenformer", "pattention", "candle", "safetensors"]),
+        );
         metadata.insert("pipeline_tag".into(), json!(pipeline_tag));
         Self {
             metadata,
@@ -80,7 +83,10 @@ pub fn parse(text: &str) -> (Map<String, Value>, String) {
 fn yaml_to_json(y: yaml_rust2::Yaml) -> Value {
     use yaml_rust2::Yaml;
     match y {
-        Yaml::Real(s) => s.parse::<f64>().map(Value::from).unwrap_or(Value::String(s)),
+        Yaml::Real(s) => s
+            .parse::<f64>()
+            .map(Value::from)
+            .unwrap_or(Value::String(s)),
         Yaml::Integer(i) => Value::from(i),
         Yaml::String(s) => Value::String(s),
         Yaml::Boolean(b) => Value::Bool(b),

@@ -15,7 +15,11 @@ use candle_core::DType;
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Parser, Debug)]
-#[command(name = "tokenformer-convert", version, about = "Convert, grow, merge, export and publish TokenFormer checkpoints")]
+#[command(
+    name = "tokenformer-convert",
+    version,
+    about = "Convert, grow, merge, export and publish TokenFormer checkpoints"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -52,16 +52,25 @@ pub fn run(a: OfficialArgs) -> Result<()> {
     let (config, base_model) = match (&a.config, &a.zoo) {
         (Some(y), _) => (ConfigSource::OfficialYml(y.clone()), None),
         (None, Some(z)) => {
-            let e = tokenformer::zoo::find(z).with_context(|| format!("`{z}` is not in the zoo"))?;
+            let e =
+                tokenformer::zoo::find(z).with_context(|| format!("`{z}` is not in the zoo"))?;
             let base = e.weights.as_ref().map(|w| w.repo.clone());
-            (ConfigSource::Json { path: None, value: e.config.clone() }, base)
+            (
+                ConfigSource::Json {
+                    path: None,
+                    value: e.config.clone(),
+                },
+                base,
+            )
         }
         (None, None) => unreachable!("clap requires one"),
     };
-    let tokenizer = a
-        .tokenizer
-        .clone()
-        .or_else(|| a.input.with_file_name(loader::TOKENIZER_FILE).exists().then(|| a.input.with_file_name(loader::TOKENIZER_FILE)));
+    let tokenizer = a.tokenizer.clone().or_else(|| {
+        a.input
+            .with_file_name(loader::TOKENIZER_FILE)
+            .exists()
+            .then(|| a.input.with_file_name(loader::TOKENIZER_FILE))
+    });
     let source = ModelFiles {
         source: a.input.display().to_string(),
         config,
@@ -73,29 +82,53 @@ pub fn run(a: OfficialArgs) -> Result<()> {
     // Validate against the architecture before writing anything.
     let cfg = loader::lm_config(&w.config, &w.path)?;
     if !w.ignored.is_empty() {
-        println!("note: {} tensor(s) of the input have no place in the model and are not copied: {}", w.ignored.len(), w.ignored.join(", "));
+        println!(
+            "note: {} tensor(s) of the input have no place in the model and are not copied: {}",
+            w.ignored.len(),
+            w.ignored.join(", ")
+        );
     }
 
     let staging = Staging::new(&a.out, a.force)?;
     let dir = staging.path();
-    std::fs::write(dir.join(loader::CONFIG_FILE), serde_json::to_string_pretty(&w.config)? + "\n")?;
+    std::fs::write(
+        dir.join(loader::CONFIG_FILE),
+        serde_json::to_string_pretty(&w.config)? + "\n",
+    )?;
     let n_tensors = w.tensors.len();
     checkpoint::write_safetensors(dir, &w.tensors, a.max_shard_size)?;
     drop(w);
     if let Some(t) = &tokenizer {
-        std::fs::copy(t, dir.join(loader::TOKENIZER_FILE)).with_context(|| format!("copying {}", t.display()))?;
+        std::fs::copy(t, dir.join(loader::TOKENIZER_FILE))
+            .with_context(|| format!("copying {}", t.display()))?;
     }
 
     let original = loader::load_lm(&source, &dev)?;
-    let converted = loader::load_lm(&loader::locate(&dir.display().to_string(), &Default::default())?, &dev)?;
-    let diff = probe::max_abs_diff(&probe::lm_logits(&original)?, &probe::lm_logits(&converted)?)?;
+    let converted = loader::load_lm(
+        &loader::locate(&dir.display().to_string(), &Default::default())?,
+        &dev,
+    )?;
+    let diff = probe::max_abs_diff(
+        &probe::lm_logits(&original)?,
+        &probe::lm_logits(&converted)?,
+    )?;
     // Same dtype: the tensors are copied bit for bit, so the logits must agree exactly.
     let tolerance = if a.dtype.is_some() { 1e-1 } else { 0.0 };
-    if !probe::report("the official checkpoint and the converted folder", diff, tolerance) {
+    if !probe::report(
+        "the official checkpoint and the converted folder",
+        diff,
+        tolerance,
+    ) {
         bail!("the converted model does not reproduce the original (max |Δ logit| {diff:e}); nothing was written");
     }
 
-    let mut card = ModelCard::new(format!("TokenFormer LM ({} layers, d {})", cfg.num_layers, cfg.hidden_size), "text-generation");
+    let mut card = ModelCard::new(
+        format!(
+            "TokenFormer LM ({} layers, d {})",
+            cfg.num_layers, cfg.hidden_size
+        ),
+        "text-generation",
+    );
     card.set("datasets", json!(["EleutherAI/pile"]));
     if let Some(b) = &base_model {
         card.set("base_model", json!(b));
@@ -111,7 +144,10 @@ pub fn run(a: OfficialArgs) -> Result<()> {
         "Conversion check",
         format!("{n_tensors} tensors; max |Δ logit| against the official checkpoint on a probe input: {diff:.3e}."),
     );
-    card.section("Usage", "```\ntokenformer generate --model PATH_OR_REPO --prompt \"Hello\"\n```");
+    card.section(
+        "Usage",
+        "```\ntokenformer generate --model PATH_OR_REPO --prompt \"Hello\"\n```",
+    );
     card.write(dir)?;
     let out = staging.commit()?;
     println!("wrote {}", out.display());

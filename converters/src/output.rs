@@ -17,12 +17,17 @@ impl Staging {
     pub fn new(out: &Path, force: bool) -> Result<Self> {
         check_target(out, force)?;
         let parent = parent_of(out);
-        let name = out.file_name().map_or("out".into(), |n| n.to_string_lossy().into_owned());
+        let name = out
+            .file_name()
+            .map_or("out".into(), |n| n.to_string_lossy().into_owned());
         let tmp = tempfile::Builder::new()
             .prefix(&format!(".{name}.partial-"))
             .tempdir_in(&parent)
             .with_context(|| format!("cannot create a temporary folder in {}", parent.display()))?;
-        Ok(Self { tmp, out: out.to_path_buf() })
+        Ok(Self {
+            tmp,
+            out: out.to_path_buf(),
+        })
     }
 
     /// Where to write the files.
@@ -37,10 +42,16 @@ impl Staging {
             let old = tmp.with_extension("old");
             std::fs::rename(&self.out, &old)
                 .with_context(|| format!("cannot move the old {} aside", self.out.display()))?;
-            std::fs::rename(&tmp, &self.out).with_context(|| format!("cannot create {}", self.out.display()))?;
-            let _ = if old.is_dir() { std::fs::remove_dir_all(&old) } else { std::fs::remove_file(&old) };
+            std::fs::rename(&tmp, &self.out)
+                .with_context(|| format!("cannot create {}", self.out.display()))?;
+            let _ = if old.is_dir() {
+                std::fs::remove_dir_all(&old)
+            } else {
+                std::fs::remove_file(&old)
+            };
         } else {
-            std::fs::rename(&tmp, &self.out).with_context(|| format!("cannot create {}", self.out.display()))?;
+            std::fs::rename(&tmp, &self.out)
+                .with_context(|| format!("cannot create {}", self.out.display()))?;
         }
         Ok(self.out)
     }
@@ -57,15 +68,24 @@ fn parent_of(out: &Path) -> PathBuf {
 pub fn check_target(out: &Path, force: bool) -> Result<()> {
     let parent = parent_of(out);
     if !parent.is_dir() {
-        bail!("cannot write {}: the folder {} does not exist", out.display(), parent.display());
+        bail!(
+            "cannot write {}: the folder {} does not exist",
+            out.display(),
+            parent.display()
+        );
     }
     let non_empty = if out.is_dir() {
-        std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true)
+        std::fs::read_dir(out)
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(true)
     } else {
         out.exists()
     };
     if non_empty && !force {
-        bail!("refusing to overwrite {}: it exists and is not empty (pass --force to replace it)", out.display());
+        bail!(
+            "refusing to overwrite {}: it exists and is not empty (pass --force to replace it)",
+            out.display()
+        );
     }
     Ok(())
 }
@@ -75,7 +95,11 @@ pub fn check_not_input(out: &Path, input: &Path) -> Result<()> {
     let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     let (o, i) = (canon(out), canon(input));
     if o == i || i.starts_with(&o) {
-        bail!("--out {} would overwrite the input {}", out.display(), input.display());
+        bail!(
+            "--out {} would overwrite the input {}",
+            out.display(),
+            input.display()
+        );
     }
     Ok(())
 }

@@ -12,7 +12,9 @@ pub fn probe_ids(vocab: usize, max_positions: usize) -> Vec<u32> {
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
     (0..n)
         .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((x >> 33) % vocab as u64) as u32
         })
         .collect()
@@ -28,7 +30,11 @@ pub fn lm_logits(model: &TokenFormerLm) -> Result<Tensor> {
 
 /// max |a − b| over all elements.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    Ok((a - b)?.abs()?.flatten_all()?.max(D::Minus1)?.to_scalar::<f32>()?)
+    Ok((a - b)?
+        .abs()?
+        .flatten_all()?
+        .max(D::Minus1)?
+        .to_scalar::<f32>()?)
 }
 
 /// Prints the comparison and says whether it is within `tolerance`.

@@ -369,14 +369,23 @@ pub struct LayerCache {
 
 impl LayerCache {
     pub fn new(capacity: usize) -> Self {
-        Self { k: None, v: None, len: 0, capacity }
+        Self {
+            k: None,
+            v: None,
+            len: 0,
+            capacity,
+        }
     }
 
     /// Appends k, v [b, h, t, hd] and returns all cached keys and values.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let t = k.dim(2)?;
         if self.len + t > self.capacity {
-            candle_core::bail!("KV cache full: {} + {t} > {} positions", self.len, self.capacity)
+            candle_core::bail!(
+                "KV cache full: {} + {t} > {} positions",
+                self.len,
+                self.capacity
+            )
         }
         let alloc = |x: &Tensor| -> Result<Tensor> {
             let (b, h, _, hd) = x.dims4()?;
@@ -386,7 +395,10 @@ impl LayerCache {
             self.k = Some(alloc(k)?);
             self.v = Some(alloc(v)?);
         }
-        let (kb, vb) = (self.k.as_ref().expect("allocated"), self.v.as_ref().expect("allocated"));
+        let (kb, vb) = (
+            self.k.as_ref().expect("allocated"),
+            self.v.as_ref().expect("allocated"),
+        );
         kb.slice_set(&k.contiguous()?, 2, self.len)?;
         vb.slice_set(&v.contiguous()?, 2, self.len)?;
         self.len += t;
@@ -478,6 +490,17 @@ impl TokenFormerLm {
 
     pub fn layers(&self) -> &[Block] {
         &self.layers
+    }
+
+    /// Rejects ids outside the embedding table (a tokenizer/model mismatch).
+    pub fn check_ids(&self, ids: &[u32]) -> crate::Result<()> {
+        match ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
+            Some(bad) => Err(crate::Error::input(format!(
+                "token id {bad} is outside the model's vocabulary of {} (does the tokenizer belong to this model?)",
+                self.cfg.vocab_size
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Token embeddings [b, t, d] of ids [b, t].

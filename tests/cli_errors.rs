@@ -1,0 +1,190 @@
+//! Bad input through the `tokenformer` binary: every case exits 1 with a
+//! message naming the file or tensor at fault, and never panics.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+
+fn tiny_folder(
+    dir: &Path,
+    edit: impl FnOnce(&mut serde_json::Value, &mut tokenformer::checkpoint::Tensors),
+) {
+    let cfg = tiny_config(50_304, 16);
+    let mut tensors = random_lm_tensors(&cfg, 5);
+    let mut json = serde_json::to_value(&cfg).unwrap();
+    edit(&mut json, &mut tensors);
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&json).unwrap(),
+    )
+    .unwrap();
+    tokenformer::checkpoint::write_safetensors(dir, &tensors, u64::MAX).unwrap();
+    std::fs::copy(tokenizer_fixture(), dir.join("tokenizer.json")).unwrap();
+}
+
+#[test]
+fn truncated_official_bin() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(lm_fixture().join("pytorch_model.bin")).unwrap();
+    let bin = dir.path().join("pytorch_model.bin");
+    std::fs::write(&bin, &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::copy(
+        lm_fixture().join("config.yml"),
+        dir.path().join("config.yml"),
+    )
+    .unwrap();
+    let r = tokenformer(&["score", "--model", bin.to_str().unwrap(), "--ids", "1,2,3"]);
+    assert_clean_failure(&r, &["pytorch_model.bin"]);
+}
+
+#[test]
+fn corrupt_safetensors() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_folder(dir.path(), |_, _| {});
+    let st = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    std::fs::write(&st, &bytes[..bytes.len() - 100]).unwrap();
+    let r = tokenformer(&[
+        "score",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--ids",
+        "1,2,3",
+    ]);
+    assert_clean_failure(&r, &["model.safetensors"]);
+    std::fs::write(&st, b"not a safetensors file at all").unwrap();
+    let r = tokenformer(&[
+        "score",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--ids",
+        "1,2,3",
+    ]);
+    assert_clean_failure(&r, &["model.safetensors"]);
+}
+
+#[test]
+fn shape_that_does_not_match_the_config() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_folder(dir.path(), |cfg, _| cfg["qkv_tokens"] = 30.into());
+    let r = tokenformer(&[
+        "score",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--ids",
+        "1,2,3",
+    ]);
+    assert_clean_failure(
+        &r,
+        &[
+            "layers.0.attention.query.key_param_tokens",
+            "[30, 32]",
+            "[24, 32]",
+        ],
+    );
+}
+
+#[test]
+fn missing_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_folder(dir.path(), |_, t| {
+        t.remove("layers.1.mlp.value_param_tokens");
+    });
+    let r = tokenformer(&[
+        "score",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--ids",
+        "1,2,3",
+    ]);
+    assert_clean_failure(&r, &["layers.1.mlp.value_param_tokens"]);
+}
+
+#[test]
+fn extra_tensor_means_the_config_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_folder(dir.path(), |cfg, _| cfg["num_layers"] = 1.into());
+    let r = tokenformer(&[
+        "score",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--ids",
+        "1,2,3",
+    ]);
+    assert_clean_failure(&r, &["layers.1.", "not used by the config"]);
+}
+
+#[test]
+fn unknown_activation() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_folder(dir.path(), |cfg, _| {
+        cfg["pattention_activation"] = "relu_l1".into()
+    });
+    let r = tokenformer(&[
+        "score",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--ids",
+        "1,2,3",
+    ]);
+    assert_clean_failure(&r, &["config.json", "relu_l1"]);
+    // The same in an official yml.
+    let y = tempfile::tempdir().unwrap();
+    let yml = std::fs::read_to_string(lm_fixture().join("config.yml"))
+        .unwrap()
+        .replace("l2_norm_gelu", "relu_l1");
+    std::fs::write(y.path().join("config.yml"), yml).unwrap();
+    std::fs::copy(
+        lm_fixture().join("pytorch_model.bin"),
+        y.path().join("pytorch_model.bin"),
+    )
+    .unwrap();
+    let r = tokenformer(&[
+        "score",
+        "--model",
+        y.path().to_str().unwrap(),
+        "--ids",
+        "1,2,3",
+    ]);
+    assert_clean_failure(&r, &["config.yml", "relu_l1"]);
+}
+
+#[test]
+fn empty_prompt_and_too_long_inputs() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_folder(dir.path(), |_, _| {});
+    let m = dir.path().to_str().unwrap();
+    let r = tokenformer(&["generate", "--model", m, "--prompt", ""]);
+    assert_clean_failure(&r, &["empty"]);
+    let long = "word ".repeat(40);
+    let r = tokenformer(&["generate", "--model", m, "--prompt", &long]);
+    assert_clean_failure(&r, &["16 positions"]);
+    let r = tokenformer(&["score", "--model", m, "--text", &long]);
+    assert_clean_failure(&r, &["16 positions"]);
+    let r = tokenformer(&["score", "--model", m, "--ids", "5"]);
+    assert_clean_failure(&r, &["at least 2 tokens"]);
+}
+
+#[test]
+fn generation_stops_at_the_context_and_reports_unknown_models() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_folder(dir.path(), |_, _| {});
+    let m = dir.path().to_str().unwrap();
+    // Asking for more than fits is capped at the context, not an error or garbage.
+    let (out, stdout, err) = tokenformer(&[
+        "generate",
+        "--model",
+        m,
+        "--prompt",
+        "one two",
+        "--max-new-tokens",
+        "100",
+    ]);
+    assert!(out.status.success(), "{err}");
+    assert!(stdout.starts_with("one two"));
+    let r = tokenformer(&["score", "--model", "no-such-model", "--ids", "1,2"]);
+    assert_clean_failure(&r, &["no-such-model"]);
+}

@@ -1,0 +1,144 @@
+//! Helpers shared by the integration tests: paths to the shipped fixtures,
+//! random model folders, and running the CLI binaries.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use candle_core::{DType, Device, Tensor};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use tokenformer::checkpoint::{self, Tensors};
+use tokenformer::models::tokenformer::Config;
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+pub fn lm_fixture() -> PathBuf {
+    fixtures().join("official-lm-tiny")
+}
+
+pub fn tokenizer_fixture() -> PathBuf {
+    fixtures().join("gpt-neox-20b-tokenizer.json")
+}
+
+pub fn expected_lm() -> serde_json::Value {
+    let text = std::fs::read_to_string(lm_fixture().join("expected.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Normal(0, std) tensor of `shape` from a seeded generator.
+pub fn randn(rng: &mut StdRng, shape: &[usize], std: f32) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            // Box-Muller: rand has no normal distribution without rand_distr.
+            let (u1, u2): (f32, f32) = (rng.random::<f32>().max(1e-12), rng.random());
+            (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos() * std
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+/// Random weights for a language-model config, with canonical names.
+pub fn random_lm_tensors(cfg: &Config, seed: u64) -> Tensors {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let d = cfg.hidden_size;
+    let mut t = Tensors::new();
+    t.insert(
+        "word_embeddings.weight".into(),
+        randn(&mut rng, &[cfg.vocab_size, d], 1.0),
+    );
+    for i in 0..cfg.num_layers {
+        for (m, n) in [
+            ("attention.query", cfg.qkv_tokens),
+            ("attention.key", cfg.qkv_tokens),
+            ("attention.value", cfg.qkv_tokens),
+            ("attention.proj", cfg.proj_tokens),
+            ("mlp", cfg.ffn_tokens),
+        ] {
+            t.insert(
+                format!("layers.{i}.{m}.key_param_tokens"),
+                randn(&mut rng, &[n, d], 1.0),
+            );
+            t.insert(
+                format!("layers.{i}.{m}.value_param_tokens"),
+                randn(&mut rng, &[n, d], 0.2),
+            );
+        }
+    }
+    t.insert(
+        "final_norm.weight".into(),
+        (randn(&mut rng, &[d], 0.1) + 1.0).unwrap(),
+    );
+    t.insert("final_norm.bias".into(), randn(&mut rng, &[d], 0.1));
+    if !cfg.tie_word_embeddings {
+        t.insert(
+            "final_linear.weight".into(),
+            randn(&mut rng, &[cfg.vocab_size, d], 0.5),
+        );
+    }
+    t
+}
+
+/// Writes a canonical model folder (config.json + model.safetensors) into `dir`.
+pub fn write_lm_folder(dir: &Path, cfg: &Config, tensors: &Tensors) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(cfg).unwrap(),
+    )
+    .unwrap();
+    checkpoint::write_safetensors(dir, tensors, checkpoint::DEFAULT_SHARD_BYTES).unwrap();
+}
+
+/// A small config for tests.
+pub fn tiny_config(vocab: usize, max_pos: usize) -> Config {
+    let mut c = Config::released(2, 32, 2);
+    c.qkv_tokens = 24;
+    c.proj_tokens = 20;
+    c.ffn_tokens = 48;
+    c.vocab_size = vocab;
+    c.max_position_embeddings = max_pos;
+    c
+}
+
+pub fn f32s(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Runs the `tokenformer` binary; returns (output, stdout, stderr).
+pub fn tokenformer(args: &[&str]) -> (Output, String, String) {
+    run(env!("CARGO_BIN_EXE_tokenformer"), args)
+}
+
+pub fn run(bin: &str, args: &[&str]) -> (Output, String, String) {
+    let out = std::process::Command::new(bin)
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .env(
+            "HF_HOME",
+            std::env::temp_dir().join("tokenformer-tests-no-hub"),
+        )
+        .output()
+        .expect("binary runs");
+    let so = String::from_utf8_lossy(&out.stdout).into_owned();
+    let se = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, so, se)
+}
+
+/// A failed run: non-zero exit, no panic, and stderr mentions every `needle`.
+pub fn assert_clean_failure(res: &(Output, String, String), needles: &[&str]) {
+    let (out, _, err) = res;
+    assert!(!out.status.success(), "expected failure, stderr: {err}");
+    assert_eq!(out.status.code(), Some(1), "exit code; stderr: {err}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr should mention {n:?}: {err}");
+    }
+}
