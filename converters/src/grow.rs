@@ -310,6 +310,12 @@ pub fn run(a: GrowArgs) -> Result<()> {
     let family = Family::of(&w.config, &files.source)?;
     family.validate(&w.config, &w.path)?;
     let old = token_counts(&w.config, &w.path)?;
+    let w_activation = w
+        .config
+        .get("pattention_activation")
+        .and_then(Value::as_str)
+        .unwrap_or("l2_norm_gelu")
+        .to_string();
     let old_scale = scale_constants(&w.config, &w.path)?;
     let target = match &a.preset {
         Some(p) => targets_from_preset(p, &w.config)?,
@@ -412,7 +418,13 @@ pub fn run(a: GrowArgs) -> Result<()> {
     let grown_files = loader::locate(&dir.display().to_string(), &LocateOptions::default())?;
     let after = family.probe_logits(&grown_files, &dev)?;
     let diff = probe::max_abs_diff(&before, &after)?;
-    let exact = a.scale == Scale::Keep && a.key_init == KeyInit::Zeros;
+    // With softmax Θ a zero key still scores exp(0) and takes weight from
+    // the old tokens, so no initialisation is neutral there.
+    let softmax = w_activation == "softmax";
+    let exact = a.scale == Scale::Keep && a.key_init == KeyInit::Zeros && !softmax;
+    if softmax && a.key_init == KeyInit::Zeros && a.scale == Scale::Keep {
+        println!("note: this model's Pattention uses softmax, where new tokens always receive weight: growth cannot keep its function exactly");
+    }
     let what = "the original and the grown model";
     if exact {
         // Zero keys add zero scores: only float summation order can differ.
@@ -425,6 +437,8 @@ pub fn run(a: GrowArgs) -> Result<()> {
             "probe: max |Δ logit| between {what} = {diff:.6e} (the function changes: {})",
             if a.scale == Scale::Grow {
                 "√n constants follow the new counts"
+            } else if softmax {
+                "softmax gives the new tokens weight"
             } else {
                 "new keys are not zero"
             }

@@ -858,3 +858,107 @@ fn torch_zip_archives_are_aligned_and_zip64_reads_back() {
         assert_eq!(records, 9);
     }
 }
+
+#[test]
+fn untied_f32_models_with_other_activations_export_and_grow_exactly() {
+    use tokenformer::models::tokenformer::Config;
+    use tokenformer::pattention::Activation;
+    let dev = Device::Cpu;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    let mut cfg = Config::released(3, 16, 2);
+    (
+        cfg.qkv_tokens,
+        cfg.proj_tokens,
+        cfg.ffn_tokens,
+        cfg.vocab_size,
+    ) = (12, 10, 20, 96);
+    (cfg.max_position_embeddings, cfg.rotary_pct) = (64, 0.5);
+    cfg.pattention_activation = Activation::GeluL2Norm;
+    cfg.tie_word_embeddings = false;
+    let mut t = checkpoint::Tensors::new();
+    let mut put = |name: String, shape: &[usize]| {
+        let seed = t.len() as f64 + 1.0;
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|i| ((i as f64 * 0.7 + seed).sin() * 0.5) as f32)
+            .collect();
+        t.insert(name, Tensor::from_vec(v, shape, &dev).unwrap());
+    };
+    put("word_embeddings.weight".into(), &[96, 16]);
+    put("final_linear.weight".into(), &[96, 16]);
+    put("final_norm.weight".into(), &[16]);
+    put("final_norm.bias".into(), &[16]);
+    for i in 0..3 {
+        for (m, n) in [
+            ("attention.query", 12),
+            ("attention.key", 12),
+            ("attention.value", 12),
+            ("attention.proj", 10),
+            ("mlp", 20),
+        ] {
+            put(format!("layers.{i}.{m}.key_param_tokens"), &[n, 16]);
+            put(format!("layers.{i}.{m}.value_param_tokens"), &[n, 16]);
+        }
+    }
+    checkpoint::write_safetensors(&src, &t, checkpoint::DEFAULT_SHARD_BYTES).unwrap();
+    std::fs::write(
+        src.join("config.json"),
+        serde_json::to_string(&cfg).unwrap(),
+    )
+    .unwrap();
+    let ids: Vec<u32> = (0..30).map(|i| (i * 5 + 1) % 96).collect();
+    let original = lm_logits(s(&src), &ids);
+
+    let bin = tmp.path().join("untied.bin");
+    ok(&["export", "--model", s(&src), "--out", s(&bin)]);
+    assert!(std::fs::read_to_string(bin.with_extension("yml"))
+        .unwrap()
+        .contains("\"no_weight_tying\": true"));
+    let (back, _) = checkpoint::read_official_bin(&bin, 3, None, &dev).unwrap();
+    assert_eq!(back.len(), t.len());
+    assert!(back
+        .iter()
+        .all(|(n, x)| x.dtype() == DType::F32 && bits(x) == bits(&t[n])));
+    assert_eq!(max_diff(&original, &lm_logits(s(&bin), &ids)), 0.0);
+
+    let grown = tmp.path().join("grown");
+    ok(&[
+        "grow",
+        "--model",
+        s(&bin),
+        "--out",
+        s(&grown),
+        "--qkv-tokens",
+        "20",
+        "--proj-tokens",
+        "11",
+        "--ffn-tokens",
+        "33",
+    ]);
+    let d = max_diff(&original, &lm_logits(s(&grown), &ids));
+    assert!(d <= 1e-5, "{d}");
+    assert_eq!(tensors(s(&grown))["final_linear.weight"].dims(), &[96, 16]);
+
+    // Softmax Θ gives zero keys weight too: growth runs, says so, and reports the shift.
+    cfg.pattention_activation = Activation::Softmax;
+    std::fs::write(
+        src.join("config.json"),
+        serde_json::to_string(&cfg).unwrap(),
+    )
+    .unwrap();
+    let soft = tmp.path().join("softmax");
+    let stdout = ok(&[
+        "grow",
+        "--model",
+        s(&src),
+        "--out",
+        s(&soft),
+        "--ffn-tokens",
+        "40",
+    ]);
+    assert!(stdout.contains("softmax"), "{stdout}");
+    let d = max_diff(&lm_logits(s(&src), &ids), &lm_logits(s(&soft), &ids));
+    assert!(d > 1e-4, "{d}");
+}
