@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod error;
 pub mod generate;
 pub mod hub;
+pub mod kernels;
 pub mod loader;
 pub mod models;
 pub mod pattention;

@@ -153,7 +153,7 @@ impl Module for Pattention {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut out_shape = x.dims().to_vec();
         *out_shape.last_mut().expect("rank >= 1") = self.value.dim(1)?;
-        let w = theta(&self.scores(x)?, self.activation, self.scale_tokens)?;
+        let w = crate::kernels::theta(&self.scores(x)?, self.activation, self.scale_tokens)?;
         w.matmul(&self.value)?.reshape(out_shape)
     }
 }

@@ -284,8 +284,9 @@ impl Attention {
         let q = self.split_heads(&self.query.forward(x)?)?;
         let k = self.split_heads(&self.key.forward(x)?)?;
         let v = self.split_heads(&self.value.forward(x)?)?;
-        let (q, k, v, mask) = match mode {
-            AttentionMode::Bidirectional => (q, k, v, None),
+        let causal = matches!(mode, AttentionMode::Causal { .. });
+        let (q, k, v) = match mode {
+            AttentionMode::Bidirectional => (q, k, v),
             AttentionMode::Causal {
                 rotary,
                 offset,
@@ -293,37 +294,26 @@ impl Attention {
             } => {
                 let q = rotary.apply(&q, offset)?;
                 let k = rotary.apply(&k, offset)?;
-                let (k, v) = match cache {
-                    Some(cache) => cache.append(&k, &v)?,
-                    None => (k, v),
-                };
-                let mask = causal_mask(t, k.dim(2)?, x.device())?;
-                (q, k, v, mask)
+                match cache {
+                    Some(cache) => {
+                        let (k, v) = cache.append(&k, &v)?;
+                        (q, k, v)
+                    }
+                    None => (q, k, v),
+                }
             }
         };
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?;
-        let scores = match mask {
-            Some(m) => scores.broadcast_add(&m)?,
-            None => scores,
+        // Scaling q (t·d values) is cheaper than scaling the t·T scores.
+        let q = (q * (1.0 / (self.head_dim as f64).sqrt()))?;
+        let scores = q.matmul(&k.t()?)?;
+        let probs = if causal {
+            crate::kernels::causal_softmax(&scores)?
+        } else {
+            candle_nn::ops::softmax_last_dim(&scores)?
         };
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
         let out = probs.matmul(&v)?.transpose(1, 2)?.reshape((b, t, d))?;
         self.proj.forward(&out)
     }
-}
-
-/// Additive mask [t, total] for t new queries at the end of `total` keys;
-/// None when no key is in a query's future (t == 1).
-fn causal_mask(t: usize, total: usize, device: &Device) -> Result<Option<Tensor>> {
-    if t <= 1 {
-        return Ok(None);
-    }
-    let past = total - t;
-    let mask: Vec<f32> = (0..t)
-        .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
-        .collect();
-    Ok(Some(Tensor::from_vec(mask, (t, total), device)?))
 }
 
 /// A pre-norm TokenFormer block: x + P_proj(MHA(LN(x))), then x + P_ffn(LN(x)).

@@ -57,9 +57,11 @@ pub fn random_lm_tensors(cfg: &Config, seed: u64) -> Tensors {
             ("attention.proj", cfg.proj_tokens),
             ("mlp", cfg.ffn_tokens),
         ] {
+            // Key std 1/√d keeps the scores O(1), as in trained models.
+            let key_std = 1.0 / (d as f32).sqrt();
             t.insert(
                 format!("layers.{i}.{m}.key_param_tokens"),
-                randn(&mut rng, &[n, d], 1.0),
+                randn(&mut rng, &[n, d], key_std),
             );
             t.insert(
                 format!("layers.{i}.{m}.value_param_tokens"),
