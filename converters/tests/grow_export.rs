@@ -643,7 +643,28 @@ fn export_refuses_a_function_change_unless_allowed_and_then_reports_it() {
         (printed - real).abs() <= 1e-5 * real.max(1.0),
         "printed {printed}, real {real}"
     );
-    // The exported file is what `--scale grow` would have produced: n = token count.
+    // The export computes what `--scale grow` (same seed) would have produced: n = token count.
+    let official_like = tmp.path().join("scale-grow");
+    ok(&[
+        "grow",
+        "--model",
+        s(&lm_bin()),
+        "--out",
+        s(&official_like),
+        "--qkv-tokens",
+        "48",
+        "--ffn-tokens",
+        "96",
+        "--scale",
+        "grow",
+    ]);
+    assert_eq!(
+        max_diff(
+            &lm_logits(s(&official_like), &ids),
+            &lm_logits(s(&bin), &ids)
+        ),
+        0.0
+    );
     let yml = std::fs::read_to_string(bin.with_extension("yml")).unwrap();
     assert!(
         yml.contains("\"qkv_slot_num\": 48") && yml.contains("\"ffn_slot_num\": 96"),
