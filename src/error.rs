@@ -27,6 +27,8 @@ pub enum Error {
     #[error("{0}")]
     Input(String),
     #[error(transparent)]
+    Hub(#[from] crate::hub::HubError),
+    #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
 

@@ -77,7 +77,16 @@ pub fn locate(spec: &str, opts: &LocateOptions) -> Result<ModelFiles> {
 }
 
 fn hub_err(e: hub::HubError) -> Error {
-    Error::input(e)
+    Error::Hub(e)
+}
+
+/// Paths of the files in a Hub repo.
+fn hub_listing(repo: &RepoRef) -> Result<Vec<String>> {
+    Ok(hub::list_files(repo)
+        .map_err(hub_err)?
+        .into_iter()
+        .map(|f| f.path)
+        .collect())
 }
 
 fn config_source_from_path(p: &Path) -> Result<ConfigSource> {
@@ -206,7 +215,7 @@ fn locate_zoo(entry: &ZooEntry, spec: &str, progress: bool) -> Result<ModelFiles
 
 /// The model repo's own tokenizer.json if it has one, else the zoo's source.
 fn hub_tokenizer(repo: &RepoRef, fallback: &zoo::HubFile, progress: bool) -> Result<PathBuf> {
-    if let Ok(list) = hub::list_files(repo) {
+    if let Ok(list) = hub_listing(repo) {
         if list.iter().any(|f| f == TOKENIZER_FILE) {
             return Ok(
                 hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone(),
@@ -218,7 +227,7 @@ fn hub_tokenizer(repo: &RepoRef, fallback: &zoo::HubFile, progress: bool) -> Res
 }
 
 fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
-    let list = hub::list_files(repo).map_err(hub_err)?;
+    let list = hub_listing(repo)?;
     let has = |f: &str| list.iter().any(|x| x == f);
     let source = format!("{}/{}@{}", repo.owner, repo.name, repo.revision);
     if has(CONFIG_FILE) {

@@ -9,6 +9,7 @@ mod grow;
 mod official;
 mod output;
 mod probe;
+mod publish;
 
 use anyhow::Result;
 use candle_core::DType;
@@ -33,6 +34,8 @@ enum Command {
     Grow(grow::GrowArgs),
     /// Canonical language model → official pytorch_model.bin (torch zip) + eval yml.
     Export(export::ExportArgs),
+    /// Validate a model folder, refresh its model card and upload it to the Hub.
+    Publish(publish::PublishArgs),
 }
 
 /// Storage dtype for written weights.
@@ -63,6 +66,7 @@ fn main() {
         Command::Official(a) => official::run(a),
         Command::Grow(a) => grow::run(a),
         Command::Export(a) => export::run(a),
+        Command::Publish(a) => publish::run(a),
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");

@@ -2,6 +2,8 @@
 //! random model folders, and running the CLI binaries.
 #![allow(dead_code)]
 
+pub mod hub_server;
+
 use std::path::{Path, PathBuf};
 use std::process::Output;
 

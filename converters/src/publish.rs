@@ -1,0 +1,253 @@
+//! `tokenformer-convert publish`: validate a model folder, refresh its model
+//! card (front matter with `model-index` results from `eval --json` files) and
+//! upload it to the Hugging Face Hub as one commit (hf-hub 1.0).
+//!
+//! The folder is never modified before the upload succeeds: the upload is
+//! staged in a temporary folder of links plus the new README, and the README
+//! is written back only after the Hub accepted the commit.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use clap::Args;
+use serde_json::{json, Map, Value};
+use tokenformer::card::{self, ModelCard};
+use tokenformer::hub::{self, PublishOptions, RepoRef};
+use tokenformer::loader;
+
+use crate::probe;
+
+#[derive(Args, Debug)]
+pub struct PublishArgs {
+    /// The model folder (config.json + safetensors).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Target repo, `owner/name`.
+    #[arg(long)]
+    pub repo: String,
+    /// Create the repo as private (if it does not exist yet).
+    #[arg(long)]
+    pub private: bool,
+    /// Branch to commit to.
+    #[arg(long, default_value = "main")]
+    pub revision: String,
+    /// Commit message.
+    #[arg(long)]
+    pub message: Option<String>,
+    /// `tokenformer eval ... --json` result files to record in the card's model-index.
+    #[arg(long, num_args = 1..)]
+    pub results: Vec<PathBuf>,
+    /// List what would be uploaded (files, sizes, sha256) and stop.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+pub fn run(a: PublishArgs) -> Result<()> {
+    let dir = &a.model;
+    if !dir.is_dir() {
+        bail!("{}: not a model folder", dir.display());
+    }
+    let repo = RepoRef::parse(&format!("{}@{}", a.repo, a.revision))?;
+    let summary = validate(dir)?;
+    println!("validated {}: {summary}", dir.display());
+
+    let readme = dir.join("README.md");
+    let old = std::fs::read_to_string(&readme).unwrap_or_default();
+    let results = a
+        .results
+        .iter()
+        .map(|p| loader::read_json(p).map_err(anyhow::Error::from))
+        .collect::<Result<Vec<_>>>()?;
+    let new_readme = refresh_card(&old, dir, &repo, &results)?;
+
+    // Stage: links to the folder's files plus the refreshed README.
+    let stage = tempfile::tempdir().context("creating a staging folder")?;
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let entry = entry?;
+        let name = entry.file_name();
+        if name == "README.md" || name.to_string_lossy().starts_with('.') {
+            continue;
+        }
+        let target = std::fs::canonicalize(entry.path())?;
+        std::os::unix::fs::symlink(&target, stage.path().join(&name))
+            .with_context(|| format!("staging {}", target.display()))?;
+    }
+    std::fs::write(stage.path().join("README.md"), &new_readme)?;
+
+    if a.dry_run {
+        println!(
+            "dry run: would upload to {} (revision {}):",
+            repo.repo_id(),
+            repo.revision
+        );
+        let files = hub::dry_run_listing(stage.path())?;
+        let total: u64 = files.iter().map(|f| f.size).sum();
+        for f in &files {
+            println!(
+                "  {:<40} {:>14} bytes  sha256 {}",
+                f.path_in_repo, f.size, f.sha256
+            );
+        }
+        println!("  {} files, {} bytes", files.len(), total);
+        return Ok(());
+    }
+    let opts = PublishOptions {
+        private: a.private,
+        message: a.message.clone(),
+        description: None,
+        progress: true,
+    };
+    let report = hub::publish_folder(stage.path(), &repo, &opts)?;
+    // Only now does the local folder change: its README becomes what was uploaded.
+    let tmp = dir.join(".README.md.partial");
+    std::fs::write(&tmp, &new_readme)?;
+    std::fs::rename(&tmp, &readme)?;
+    println!(
+        "uploaded {} files to {}",
+        report.files.len(),
+        report.repo_url
+    );
+    println!("commit: {}", report.commit_url);
+    Ok(())
+}
+
+/// Loads the folder the way users will and runs a probe forward pass.
+fn validate(dir: &Path) -> Result<String> {
+    let files = loader::locate(&dir.display().to_string(), &Default::default())?;
+    let config = match &files.config {
+        loader::ConfigSource::Json { value, .. } => value.clone(),
+        loader::ConfigSource::OfficialYml(_) => bail!(
+            "{} is in the official format: convert it first (`tokenformer-convert official`)",
+            dir.display()
+        ),
+    };
+    match loader::architecture(&config) {
+        "tokenformer-lm" => {
+            let model = loader::load_lm(&files, &Device::Cpu)?;
+            let logits = probe::lm_logits(&model)?;
+            let finite = logits
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .all(|v| v.is_finite());
+            if !finite {
+                bail!("the probe forward pass gives non-finite logits");
+            }
+            if files.tokenizer.is_none() {
+                println!(
+                    "warning: no tokenizer.json in {}: users will need --tokenizer",
+                    dir.display()
+                );
+            }
+            Ok(format!(
+                "tokenformer-lm, {} layers, probe forward ok",
+                model.config().num_layers
+            ))
+        }
+        other => bail!("cannot validate architecture `{other}` yet"),
+    }
+}
+
+/// The README with refreshed front matter; the body is kept if there was one.
+fn refresh_card(old: &str, dir: &Path, repo: &RepoRef, results: &[Value]) -> Result<String> {
+    let (mut meta, body) = card::parse(old);
+    let config = loader::read_json(&dir.join(loader::CONFIG_FILE))?;
+    let pipeline = match loader::architecture(&config) {
+        "tokenformer-vit" => "image-classification",
+        "tokenformer-vl" => "image-text-to-text",
+        _ => "text-generation",
+    };
+    let fresh = ModelCard::new(repo.name.clone(), pipeline);
+    for (k, v) in fresh.metadata {
+        match (k.as_str(), meta.get_mut(&k)) {
+            ("tags", Some(Value::Array(tags))) => {
+                for t in v.as_array().into_iter().flatten() {
+                    if !tags.contains(t) {
+                        tags.push(t.clone());
+                    }
+                }
+            }
+            (_, Some(_)) => {}
+            (_, None) => {
+                meta.insert(k, v);
+            }
+        }
+    }
+    if pipeline == "text-generation" && !meta.contains_key("datasets") {
+        meta.insert("datasets".into(), json!(["EleutherAI/pile"]));
+    }
+    if !results.is_empty() {
+        meta.insert("model-index".into(), model_index(&repo.name, results)?);
+    }
+    let body = if body.trim().is_empty() {
+        format!(
+            "# {}\n\nA TokenFormer model (https://arxiv.org/abs/2410.23168) for the `tokenformer` toolkit.\n",
+            repo.name
+        )
+    } else {
+        body
+    };
+    let card = ModelCard {
+        metadata: meta,
+        title: String::new(),
+        sections: vec![],
+    };
+    let front = card.render();
+    // render() adds an empty title line; keep only the front matter.
+    let front = &front[..front.find("---\n\n").map_or(front.len(), |i| i + 4)];
+    Ok(format!("{front}\n{body}"))
+}
+
+/// `model-index` entries (Hub evaluation results) from `eval --json` outputs.
+fn model_index(name: &str, results: &[Value]) -> Result<Value> {
+    let mut entries = Vec::new();
+    for r in results {
+        let kind = r.get("kind").and_then(Value::as_str).unwrap_or("");
+        let (task, dataset, keys): (&str, Value, &[&str]) = match kind {
+            "pile" => (
+                "text-generation",
+                json!({"name": "The Pile", "type": "EleutherAI/pile"}),
+                &[
+                    "word_perplexity",
+                    "byte_perplexity",
+                    "bits_per_byte",
+                    "token_perplexity",
+                ],
+            ),
+            "imagenet" => (
+                "image-classification",
+                json!({"name": "ImageNet-1k", "type": "imagenet-1k", "split": "validation"}),
+                &["top1", "top5"],
+            ),
+            "tasks" => {
+                let t = r.get("task").and_then(Value::as_str).unwrap_or("task");
+                (
+                    "text-generation",
+                    json!({"name": t, "type": t}),
+                    &["acc", "acc_norm", "perplexity"],
+                )
+            }
+            other => {
+                bail!("results file has unknown kind `{other}` (expected pile, tasks or imagenet)")
+            }
+        };
+        let metrics: Vec<Value> = keys
+            .iter()
+            .filter_map(|k| {
+                r.get(*k)
+                    .and_then(Value::as_f64)
+                    .map(|v| json!({"type": k, "value": v, "name": k}))
+            })
+            .collect();
+        if metrics.is_empty() {
+            bail!("results file of kind `{kind}` has none of the metrics {keys:?}");
+        }
+        let mut e = Map::new();
+        e.insert("task".into(), json!({"type": task}));
+        e.insert("dataset".into(), dataset);
+        e.insert("metrics".into(), Value::Array(metrics));
+        entries.push(Value::Object(e));
+    }
+    Ok(json!([{"name": name, "results": entries}]))
+}

@@ -1,0 +1,250 @@
+//! `tokenformer-convert publish` against a local imitation of the Hub.
+
+#[path = "../../tests/common/hub_server.rs"]
+#[allow(dead_code)]
+mod hub_server;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use hub_server::FakeHub;
+use sha2::{Digest, Sha256};
+
+const TOKEN: &str = "hf_test_secret_token_123";
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/official-lm-tiny")
+}
+
+fn convert(args: &[&str], endpoint: &str, home: &Path) -> (bool, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_tokenformer-convert"))
+        .args(args)
+        .env("HF_ENDPOINT", endpoint)
+        .env("HF_HOME", home)
+        .env("HF_TOKEN", TOKEN)
+        .env("NO_PROXY", "127.0.0.1")
+        .env("TOKENFORMER_HUB_RETRIES", "0")
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into(),
+        String::from_utf8_lossy(&o.stderr).into(),
+    )
+}
+
+fn folder_hashes(dir: &Path) -> BTreeMap<String, String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let p = e.unwrap().path();
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                format!("{:x}", Sha256::digest(std::fs::read(&p).unwrap())),
+            )
+        })
+        .collect()
+}
+
+fn converted(tmp: &Path, hub: &str) -> PathBuf {
+    let out = tmp.join("model");
+    let (ok, _, err) = convert(
+        &[
+            "official",
+            "--input",
+            fixture().join("pytorch_model.bin").to_str().unwrap(),
+            "--config",
+            fixture().join("config.yml").to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        hub,
+        &tmp.join("hf"),
+    );
+    assert!(ok, "{err}");
+    out
+}
+
+#[test]
+fn publish_then_download_gives_the_same_model() {
+    let hub = FakeHub::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let model = converted(tmp.path(), &hub.endpoint());
+    let results = tmp.path().join("pile.json");
+    std::fs::write(
+        &results,
+        r#"{"kind": "pile", "word_perplexity": 12.5, "bits_per_byte": 0.75, "tokens": 10}"#,
+    )
+    .unwrap();
+    let before = folder_hashes(&model);
+
+    // Dry run: lists sha256s that match the files, uploads nothing.
+    let (ok, out, err) = convert(
+        &[
+            "publish",
+            "--model",
+            model.to_str().unwrap(),
+            "--repo",
+            "me/tiny",
+            "--dry-run",
+        ],
+        &hub.endpoint(),
+        &tmp.path().join("hf"),
+    );
+    assert!(ok, "{err}");
+    assert!(
+        out.contains(&before["model.safetensors"]) && out.contains(&before["config.json"]),
+        "{out}"
+    );
+    assert!(!hub.has_repo("me/tiny"));
+    assert_eq!(folder_hashes(&model), before);
+
+    let (ok, out, err) = convert(
+        &[
+            "publish",
+            "--model",
+            model.to_str().unwrap(),
+            "--repo",
+            "me/tiny",
+            "--results",
+            results.to_str().unwrap(),
+        ],
+        &hub.endpoint(),
+        &tmp.path().join("hf"),
+    );
+    assert!(ok, "{err}");
+    let head = hub.head("me/tiny", "main").unwrap();
+    assert!(out.contains(&head), "commit URL in {out}");
+    assert!(!out.contains(TOKEN) && !err.contains(TOKEN), "token leaked");
+    assert!(hub.requests().iter().any(|r| r.bearer() == Some(TOKEN)));
+
+    // The uploaded files are the folder's, and the card carries the results.
+    let files = hub.files_at("me/tiny", "main").unwrap();
+    assert_eq!(
+        files["model.safetensors"],
+        std::fs::read(model.join("model.safetensors")).unwrap()
+    );
+    let readme = String::from_utf8(files["README.md"].clone()).unwrap();
+    let (meta, _) = tokenformer::card::parse(&readme);
+    assert_eq!(
+        meta["model-index"][0]["results"][0]["metrics"][0]["value"],
+        12.5
+    );
+    assert!(meta["tags"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t == "tokenformer"));
+    assert_eq!(
+        std::fs::read_to_string(model.join("README.md")).unwrap(),
+        readme,
+        "local card refreshed after upload"
+    );
+
+    // Download through HF_ENDPOINT into a fresh cache: identical tensors, same logits.
+    let cfg = tokenformer::hub::HubConfig::from_env()
+        .with_endpoint(hub.endpoint())
+        .with_cache_dir(tmp.path().join("cache2"))
+        .with_retries(0);
+    let client = tokenformer::hub::HubClient::new(cfg).unwrap();
+    let repo = tokenformer::hub::RepoRef::parse("me/tiny").unwrap();
+    let paths = client
+        .download_files(&repo, &["config.json", "model.safetensors"], false)
+        .unwrap();
+    let dev = candle_core::Device::Cpu;
+    let a =
+        tokenformer::checkpoint::read_safetensors(&[model.join("model.safetensors")], None, &dev)
+            .unwrap();
+    let b = tokenformer::checkpoint::read_safetensors(&[paths[1].clone()], None, &dev).unwrap();
+    assert_eq!(a.len(), b.len());
+    for (k, t) in &a {
+        let (x, y) = (
+            t.flatten_all()
+                .unwrap()
+                .to_dtype(candle_core::DType::F32)
+                .unwrap(),
+            b[k].flatten_all()
+                .unwrap()
+                .to_dtype(candle_core::DType::F32)
+                .unwrap(),
+        );
+        assert_eq!(
+            x.to_vec1::<f32>().unwrap(),
+            y.to_vec1::<f32>().unwrap(),
+            "{k}"
+        );
+    }
+    let dl = paths[0].parent().unwrap();
+    let m1 = tokenformer::loader::load_lm(
+        &tokenformer::loader::locate(model.to_str().unwrap(), &Default::default()).unwrap(),
+        &dev,
+    )
+    .unwrap();
+    let m2 = tokenformer::loader::load_lm(
+        &tokenformer::loader::locate(dl.to_str().unwrap(), &Default::default()).unwrap(),
+        &dev,
+    )
+    .unwrap();
+    let ids = [5u32, 17, 900, 31_000, 2];
+    let s1 = tokenformer::scoring::score_ids(&m1, &ids).unwrap();
+    let s2 = tokenformer::scoring::score_ids(&m2, &ids).unwrap();
+    assert_eq!(s1.next_token_logprobs, s2.next_token_logprobs);
+}
+
+#[test]
+fn failing_server_leaves_the_folder_untouched() {
+    let hub = FakeHub::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let model = converted(tmp.path(), &hub.endpoint());
+    let before = folder_hashes(&model);
+    hub.fail_all(500);
+    let (ok, _, err) = convert(
+        &[
+            "publish",
+            "--model",
+            model.to_str().unwrap(),
+            "--repo",
+            "me/tiny",
+        ],
+        &hub.endpoint(),
+        &tmp.path().join("hf"),
+    );
+    assert!(
+        !ok && err.contains("me/tiny") && !err.contains("panicked"),
+        "{err}"
+    );
+    assert!(!err.contains(TOKEN));
+    assert_eq!(folder_hashes(&model), before);
+    // Refused connection.
+    let endpoint = hub.endpoint();
+    hub.stop();
+    let (ok, _, err) = convert(
+        &[
+            "publish",
+            "--model",
+            model.to_str().unwrap(),
+            "--repo",
+            "me/tiny",
+        ],
+        &endpoint,
+        &tmp.path().join("hf"),
+    );
+    assert!(!ok && !err.contains("panicked"), "{err}");
+    assert_eq!(folder_hashes(&model), before);
+    // A folder that is not a model is refused before any network use.
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let (ok, _, err) = convert(
+        &[
+            "publish",
+            "--model",
+            empty.to_str().unwrap(),
+            "--repo",
+            "me/x",
+        ],
+        &endpoint,
+        &tmp.path().join("hf2"),
+    );
+    assert!(!ok && err.contains("config.json"), "{err}");
+}
