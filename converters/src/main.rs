@@ -3,6 +3,9 @@
 //! temporary folder, checks its result against the source on a probe input,
 //! and only then moves it into place.
 
+mod export;
+mod family;
+mod grow;
 mod import;
 mod merge;
 mod official;
@@ -29,6 +32,10 @@ struct Cli {
 enum Command {
     /// Official pytorch_model.bin + yml (or zoo config) → canonical safetensors folder.
     Official(official::OfficialArgs),
+    /// Append parameter tokens to every Pattention layer (progressive scaling), exactly.
+    Grow(grow::GrowArgs),
+    /// Canonical language model → official pytorch_model.bin (torch zip) + eval yml.
+    Export(export::ExportArgs),
     /// Validate a model folder, refresh its model card and upload it to the Hub.
     Publish(publish::PublishArgs),
     /// Hugging Face GPT-NeoX/Pythia or ViT weights → a TokenFormer, with a fidelity report.
@@ -63,6 +70,8 @@ fn main() {
     let cli = Cli::parse();
     let r: Result<()> = match cli.command {
         Command::Official(a) => official::run(a),
+        Command::Grow(a) => grow::run(a),
+        Command::Export(a) => export::run(a),
         Command::Publish(a) => publish::run(a),
         Command::Import(a) => import::run(a),
         Command::Merge(a) => merge::run(a),

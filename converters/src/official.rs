@@ -39,6 +39,9 @@ pub struct OfficialArgs {
     /// Store weights in this dtype (default: as in the input).
     #[arg(long, value_enum)]
     pub dtype: Option<DtypeArg>,
+    /// Largest safetensors shard, e.g. 5GB (default, the Hub's) or 200MB.
+    #[arg(long, hide = true, default_value = "5GB", value_parser = crate::grow::parse_size)]
+    pub max_shard_size: u64,
 }
 
 pub fn run(a: OfficialArgs) -> Result<()> {
@@ -93,7 +96,7 @@ pub fn run(a: OfficialArgs) -> Result<()> {
         serde_json::to_string_pretty(&w.config)? + "\n",
     )?;
     let n_tensors = w.tensors.len();
-    checkpoint::write_safetensors(dir, &w.tensors, checkpoint::DEFAULT_SHARD_BYTES)?;
+    checkpoint::write_safetensors(dir, &w.tensors, a.max_shard_size)?;
     drop(w);
     if let Some(t) = &tokenizer {
         std::fs::copy(t, dir.join(loader::TOKENIZER_FILE))

@@ -5,6 +5,7 @@
 //! ([`official`]); everything else works on canonical names.
 
 pub mod official;
+pub mod torch_zip;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

@@ -1,0 +1,69 @@
+//! The model families a converter may meet (language model, image
+//! classifier), told apart by `config.json`'s `architecture`, and the probe
+//! logits of each, so that grow and export check any model the same way.
+
+use anyhow::{bail, Result};
+use candle_core::{Device, Tensor};
+use serde_json::Value;
+use tokenformer::loader::{self, ModelFiles};
+use tokenformer::models::tokenformer as lm;
+
+use crate::probe;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    Language,
+    Vision,
+}
+
+/// The vision classifier's `architecture` value.
+pub const VIT_ARCHITECTURE: &str = "tokenformer-vit";
+
+impl Family {
+    pub fn of(config: &Value, origin: &str) -> Result<Self> {
+        match loader::architecture(config) {
+            lm::ARCHITECTURE => Ok(Self::Language),
+            VIT_ARCHITECTURE => Ok(Self::Vision),
+            "" => bail!("{origin}: config has no `architecture`"),
+            other => bail!("{origin}: architecture `{other}` is not supported here (expected `{}` or `{VIT_ARCHITECTURE}`)", lm::ARCHITECTURE),
+        }
+    }
+
+    /// The Hub's pipeline tag for a model card.
+    pub fn pipeline_tag(self) -> &'static str {
+        match self {
+            Self::Language => "text-generation",
+            Self::Vision => "image-classification",
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Language => "language model",
+            Self::Vision => "image classifier",
+        }
+    }
+
+    /// Checks the config against the architecture (before anything is written).
+    pub fn validate(self, config: &Value, origin: &std::path::Path) -> Result<()> {
+        match self {
+            Self::Language => {
+                loader::lm_config(config, origin)?;
+            }
+            Self::Vision => vision_unavailable()?,
+        }
+        Ok(())
+    }
+
+    /// Loads the model (f32 compute) and returns its logits on the probe input.
+    pub fn probe_logits(self, files: &ModelFiles, device: &Device) -> Result<Tensor> {
+        match self {
+            Self::Language => probe::lm_logits(&loader::load_lm(files, device)?),
+            Self::Vision => vision_unavailable(),
+        }
+    }
+}
+
+fn vision_unavailable<T>() -> Result<T> {
+    bail!("this build has no TokenFormer vision model to check the result with")
+}

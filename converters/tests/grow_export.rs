@@ -1,0 +1,985 @@
+//! End-to-end tests of `tokenformer-convert grow` and `export` (and the
+//! safety rules every converter follows) on the tiny fixtures: progressive
+//! scaling must keep the function exactly when promised (arXiv 2410.23168
+//! §3.5), and the official export must round-trip bit for bit.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use candle_core::{DType, Device, Tensor, D};
+use serde_json::Value;
+use tokenformer::checkpoint::{self, torch_zip};
+use tokenformer::loader::{self, LocateOptions};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+fn lm_bin() -> PathBuf {
+    fixtures().join("official-lm-tiny/pytorch_model.bin")
+}
+
+fn vit_dir() -> PathBuf {
+    fixtures().join("vit-tiny-imagenet/vit-tiny")
+}
+
+fn convert(args: &[&str]) -> Output {
+    convert_env(args, &[])
+}
+
+fn convert_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tokenformer-convert"));
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run tokenformer-convert")
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = convert(args);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{args:?} failed:\n{out}\n{err}");
+    out.into_owned()
+}
+
+/// Runs a command that must fail cleanly; returns its stderr.
+fn fails(args: &[&str]) -> String {
+    let o = convert(args);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success(), "{args:?} should have failed");
+    assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+    assert!(
+        err.starts_with("error: "),
+        "{args:?}: not a clean error: {err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// The converters' probe sequence (converters/src/probe.rs), so the test can
+/// recompute on the same input the shift the tool reports.
+fn probe_ids(vocab: usize, max_positions: usize) -> Vec<u32> {
+    let n = 24.min(max_positions).max(1);
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// A different, longer input of our own for the equality checks.
+fn test_ids(vocab: usize) -> Vec<u32> {
+    (0..40u64)
+        .map(|i| ((i * 7919 + 13) % vocab as u64) as u32)
+        .collect()
+}
+
+fn lm_logits(model: &str, ids: &[u32]) -> Tensor {
+    let dev = Device::Cpu;
+    let files = loader::locate(model, &LocateOptions::default()).expect("locate");
+    let m = loader::load_lm(&files, &dev).expect("load");
+    let input = Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
+    m.forward(&input, None).unwrap().squeeze(0).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(D::Minus1)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn tensors(model: &str) -> checkpoint::Tensors {
+    let files = loader::locate(model, &LocateOptions::default()).unwrap();
+    loader::read_weights(&files, None, &Device::Cpu)
+        .unwrap()
+        .tensors
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    // Every f16/bf16 value is exact in f32, so equal f32 bits mean equal stored bits.
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+fn config(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+}
+
+/// The front matter of a model card.
+fn card(dir: &Path) -> serde_json::Map<String, Value> {
+    tokenformer::card::parse(&std::fs::read_to_string(dir.join("README.md")).unwrap()).0
+}
+
+/// FNV-1a over every file under `p`, to prove an input was not touched.
+fn hash_tree(p: &Path) -> BTreeMap<PathBuf, u64> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![p.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        if p.is_dir() {
+            stack.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+        } else {
+            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+            for b in std::fs::read(&p).unwrap() {
+                h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+            let mtime = std::fs::metadata(&p).unwrap().modified().unwrap();
+            out.insert(
+                p,
+                h ^ mtime
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64,
+            );
+        }
+    }
+    out
+}
+
+fn visible_entries(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+#[test]
+fn grow_keep_with_zero_keys_is_exact_from_the_bin_and_from_a_converted_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let canonical = tmp.path().join("canonical");
+    ok(&[
+        "official",
+        "--input",
+        s(&lm_bin()),
+        "--config",
+        s(&fixtures().join("official-lm-tiny/config.yml")),
+        "--out",
+        s(&canonical),
+    ]);
+    let before_inputs = hash_tree(&fixtures().join("official-lm-tiny"));
+    let original = lm_logits(s(&lm_bin()), &test_ids(50304));
+    for (i, src) in [lm_bin(), canonical.clone()].iter().enumerate() {
+        let out = tmp.path().join(format!("grown{i}"));
+        let stdout = ok(&[
+            "grow",
+            "--model",
+            s(src),
+            "--out",
+            s(&out),
+            "--qkv-tokens",
+            "30",
+            "--proj-tokens",
+            "26",
+            "--ffn-tokens",
+            "64",
+            "--seed",
+            "3",
+        ]);
+        assert!(stdout.contains("Looks ok!"), "{stdout}");
+        let grown = lm_logits(s(&out), &test_ids(50304));
+        let d = max_diff(&original, &grown);
+        assert!(d <= 1e-5, "keep + zero keys changed the logits by {d}");
+
+        let cfg = config(&out);
+        assert_eq!(
+            (
+                cfg["qkv_tokens"].as_u64(),
+                cfg["proj_tokens"].as_u64(),
+                cfg["ffn_tokens"].as_u64()
+            ),
+            (Some(30), Some(26), Some(64))
+        );
+        assert_eq!(
+            cfg["pattention_scale_tokens"],
+            serde_json::json!({"qkv": 24, "proj": 20, "ffn": 48})
+        );
+
+        // Old tokens first and untouched, new keys zero, new values random; dtype kept.
+        let (old, new) = (tensors(s(src)), tensors(s(&out)));
+        assert_eq!(old.len(), new.len());
+        for (name, o) in &old {
+            let n = &new[name];
+            assert_eq!(n.dtype(), DType::F16, "{name}");
+            assert_eq!(n.dtype(), o.dtype(), "{name}");
+            if !name.contains("_param_tokens") {
+                assert_eq!(bits(n), bits(o), "{name}");
+                continue;
+            }
+            let rows = o.dim(0).unwrap();
+            assert_eq!(
+                bits(&n.narrow(0, 0, rows).unwrap()),
+                bits(o),
+                "{name}: old tokens changed"
+            );
+            let added = n
+                .narrow(0, rows, n.dim(0).unwrap() - rows)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let abs_max = added
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            if name.ends_with("key_param_tokens") {
+                assert_eq!(abs_max, 0.0, "{name}: new keys must be zero");
+            } else {
+                assert!(abs_max > 0.0, "{name}: new values must be initialised");
+            }
+        }
+        let c = card(&out);
+        let reported = c["tokenformer_growth"]["probe_max_abs_logit_diff"]
+            .as_f64()
+            .unwrap();
+        assert!(reported <= 1e-5, "reported {reported}");
+    }
+    assert_eq!(
+        hash_tree(&fixtures().join("official-lm-tiny")),
+        before_inputs,
+        "the input was modified"
+    );
+}
+
+#[test]
+fn grow_scale_grow_changes_the_function_and_reports_the_real_shift() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("grown");
+    let stdout = ok(&[
+        "grow",
+        "--model",
+        s(&lm_bin()),
+        "--out",
+        s(&out),
+        "--qkv-tokens",
+        "40",
+        "--ffn-tokens",
+        "96",
+        "--scale",
+        "grow",
+    ]);
+    assert!(
+        config(&out).get("pattention_scale_tokens").is_none(),
+        "constants equal the counts: no field"
+    );
+    let ids = probe_ids(50304, 2048);
+    let real = max_diff(&lm_logits(s(&lm_bin()), &ids), &lm_logits(s(&out), &ids));
+    assert!(
+        real > 1e-2,
+        "--scale grow should change the logits, shift {real}"
+    );
+    let reported = card(&out)["tokenformer_growth"]["probe_max_abs_logit_diff"]
+        .as_f64()
+        .unwrap() as f32;
+    assert!(
+        (reported - real).abs() <= 1e-6 * real.max(1.0),
+        "card says {reported}, real shift {real}"
+    );
+    let printed: f32 = stdout
+        .lines()
+        .find_map(|l| l.split("grown model = ").nth(1))
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no shift printed: {stdout}"));
+    assert!(
+        (printed - real).abs() <= 1e-5 * real.max(1.0),
+        "printed {printed}, real {real}"
+    );
+
+    // Same growth with --scale keep, but random keys: also a change, and different from the above.
+    let keep = tmp.path().join("keep-normal");
+    ok(&[
+        "grow",
+        "--model",
+        s(&lm_bin()),
+        "--out",
+        s(&keep),
+        "--qkv-tokens",
+        "40",
+        "--key-init",
+        "normal",
+        "--key-std",
+        "0.5",
+    ]);
+    let shift = max_diff(&lm_logits(s(&lm_bin()), &ids), &lm_logits(s(&keep), &ids));
+    assert!(
+        shift > 1e-3,
+        "normal keys should change the function, shift {shift}"
+    );
+}
+
+#[test]
+fn grown_twice_along_a_ladder_still_equals_the_original() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("step1"), tmp.path().join("step2"));
+    ok(&[
+        "grow",
+        "--model",
+        s(&lm_bin()),
+        "--out",
+        s(&a),
+        "--qkv-tokens",
+        "30",
+        "--ffn-tokens",
+        "60",
+    ]);
+    ok(&[
+        "grow",
+        "--model",
+        s(&a),
+        "--out",
+        s(&b),
+        "--qkv-tokens",
+        "40",
+        "--proj-tokens",
+        "32",
+        "--ffn-tokens",
+        "80",
+        "--seed",
+        "9",
+    ]);
+    let cfg = config(&b);
+    // The constants are the original model's, not the intermediate step's.
+    assert_eq!(
+        cfg["pattention_scale_tokens"],
+        serde_json::json!({"qkv": 24, "proj": 20, "ffn": 48})
+    );
+    let ids = test_ids(50304);
+    let d = max_diff(&lm_logits(s(&lm_bin()), &ids), &lm_logits(s(&b), &ids));
+    assert!(d <= 1e-5, "twice grown differs by {d}");
+    assert_eq!(
+        tensors(s(&b))["layers.1.mlp.key_param_tokens"].dims(),
+        &[80, 32]
+    );
+}
+
+#[test]
+fn grow_refuses_what_it_cannot_do_without_writing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let err = fails(&[
+        "grow",
+        "--model",
+        s(&lm_bin()),
+        "--out",
+        s(&out),
+        "--qkv-tokens",
+        "16",
+    ]);
+    assert!(err.contains("qkv_tokens") && err.contains("24"), "{err}");
+    let err = fails(&[
+        "grow",
+        "--model",
+        s(&lm_bin()),
+        "--out",
+        s(&out),
+        "--preset",
+        "354M",
+    ]);
+    assert!(
+        err.contains("tokenformer-ladder-354m") && err.contains("hidden_size"),
+        "{err}"
+    );
+    let err = fails(&[
+        "grow",
+        "--model",
+        s(&lm_bin()),
+        "--out",
+        s(&out),
+        "--preset",
+        "3B",
+    ]);
+    assert!(err.contains("unknown preset"), "{err}");
+    let err = fails(&[
+        "grow",
+        "--model",
+        s(&tmp.path().join("nope")),
+        "--out",
+        s(&out),
+        "--qkv-tokens",
+        "30",
+    ]);
+    assert!(err.contains("nope"), "{err}");
+    assert!(!out.exists());
+    assert!(
+        visible_entries(tmp.path()).is_empty(),
+        "{:?}",
+        visible_entries(tmp.path())
+    );
+}
+
+#[test]
+fn grow_writes_shards_with_an_index_that_load_back_the_same() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (one, sharded) = (tmp.path().join("one"), tmp.path().join("sharded"));
+    let common = [
+        "--qkv-tokens",
+        "32",
+        "--ffn-tokens",
+        "64",
+        "--seed",
+        "5",
+        "--dtype",
+        "f32",
+    ];
+    ok(&[
+        &["grow", "--model", s(&lm_bin()), "--out", s(&one)][..],
+        &common,
+    ]
+    .concat());
+    ok(&[
+        &[
+            "grow",
+            "--model",
+            s(&lm_bin()),
+            "--out",
+            s(&sharded),
+            "--max-shard-size",
+            "64KB",
+        ][..],
+        &common,
+    ]
+    .concat());
+    assert!(!sharded.join("model.safetensors").exists());
+    let index: Value = serde_json::from_str(
+        &std::fs::read_to_string(sharded.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let files: std::collections::BTreeSet<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(files.len() >= 3, "{files:?}");
+    for f in &files {
+        let size = std::fs::metadata(sharded.join(f)).unwrap().len();
+        // A shard exceeds the limit only when a single tensor does (the embedding).
+        let st =
+            unsafe { candle_core::safetensors::MmapedSafetensors::new(sharded.join(f)) }.unwrap();
+        assert!(
+            size <= 64_000 + 4096 || st.tensors().len() == 1,
+            "{f}: {size} bytes"
+        );
+    }
+    // The official converter shards the same way.
+    let official = tmp.path().join("official-sharded");
+    ok(&[
+        "official",
+        "--input",
+        s(&lm_bin()),
+        "--config",
+        s(&fixtures().join("official-lm-tiny/config.yml")),
+        "--out",
+        s(&official),
+        "--max-shard-size",
+        "10KB",
+    ]);
+    assert!(official.join("model.safetensors.index.json").is_file());
+    let (o, src) = (tensors(s(&official)), tensors(s(&lm_bin())));
+    assert_eq!(o.keys().collect::<Vec<_>>(), src.keys().collect::<Vec<_>>());
+    assert!(o
+        .iter()
+        .all(|(n, t)| bits(t) == bits(&src[n]) && t.dtype() == src[n].dtype()));
+
+    let (a, b) = (tensors(s(&one)), tensors(s(&sharded)));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (name, t) in &a {
+        assert_eq!(t.dtype(), DType::F32, "--dtype f32: {name}");
+        assert_eq!(bits(t), bits(&b[name]), "{name}");
+    }
+    let ids = test_ids(50304);
+    assert_eq!(
+        max_diff(&lm_logits(s(&one), &ids), &lm_logits(s(&sharded), &ids)),
+        0.0
+    );
+}
+
+#[test]
+fn export_round_trips_bit_identically_and_loads_with_the_same_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let canonical = tmp.path().join("canonical");
+    ok(&[
+        "official",
+        "--input",
+        s(&lm_bin()),
+        "--config",
+        s(&fixtures().join("official-lm-tiny/config.yml")),
+        "--out",
+        s(&canonical),
+    ]);
+    let before = hash_tree(&canonical);
+    std::fs::create_dir(tmp.path().join("export")).unwrap();
+    let bin = tmp.path().join("export/pytorch_model.bin");
+    let stdout = ok(&[
+        "export",
+        "--model",
+        s(&canonical),
+        "--format",
+        "official",
+        "--out",
+        s(&bin),
+    ]);
+    assert!(stdout.contains("Looks ok!"), "{stdout}");
+    assert!(bin.with_extension("yml").is_file());
+    assert_eq!(hash_tree(&canonical), before, "the input was modified");
+
+    // Read back with the project's official reader: same names, dtypes and bits.
+    let src = tensors(s(&canonical));
+    let (back, ignored) = checkpoint::read_official_bin(&bin, 2, None, &Device::Cpu).unwrap();
+    assert!(ignored.is_empty(), "{ignored:?}");
+    assert_eq!(
+        src.keys().collect::<Vec<_>>(),
+        back.keys().collect::<Vec<_>>()
+    );
+    for (name, t) in &src {
+        assert_eq!(back[name].dtype(), t.dtype(), "{name}");
+        assert_eq!(back[name].dims(), t.dims(), "{name}");
+        assert_eq!(bits(&back[name]), bits(t), "{name}");
+    }
+    // And it equals the released-format fixture it came from, name for name.
+    let (orig, _) = checkpoint::read_official_bin(&lm_bin(), 2, None, &Device::Cpu).unwrap();
+    for (name, t) in &orig {
+        assert_eq!(bits(&back[name]), bits(t), "{name}");
+    }
+    // The exported .bin + yml is a loadable model with identical logits.
+    let ids = test_ids(50304);
+    assert_eq!(
+        max_diff(&lm_logits(s(&canonical), &ids), &lm_logits(s(&bin), &ids)),
+        0.0
+    );
+
+    // Existing output is refused without --force, replaced with it.
+    let err = fails(&["export", "--model", s(&canonical), "--out", s(&bin)]);
+    assert!(err.contains("--force"), "{err}");
+    ok(&[
+        "export",
+        "--model",
+        s(&canonical),
+        "--out",
+        s(&bin),
+        "--force",
+        "--dtype",
+        "bf16",
+    ]);
+    let (bf, _) = checkpoint::read_official_bin(&bin, 2, None, &Device::Cpu).unwrap();
+    assert!(bf.values().all(|t| t.dtype() == DType::BF16));
+    assert_eq!(visible_entries(&tmp.path().join("export")).len(), 2);
+}
+
+#[test]
+fn export_refuses_a_function_change_unless_allowed_and_then_reports_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let grown = tmp.path().join("grown");
+    ok(&[
+        "grow",
+        "--model",
+        s(&lm_bin()),
+        "--out",
+        s(&grown),
+        "--qkv-tokens",
+        "48",
+        "--ffn-tokens",
+        "96",
+    ]);
+    let bin = tmp.path().join("grown.bin");
+    let err = fails(&["export", "--model", s(&grown), "--out", s(&bin)]);
+    assert!(
+        err.contains("--allow-function-change") && err.contains("√n"),
+        "{err}"
+    );
+    assert!(!bin.exists() && !bin.with_extension("yml").exists());
+
+    let stdout = ok(&[
+        "export",
+        "--model",
+        s(&grown),
+        "--out",
+        s(&bin),
+        "--allow-function-change",
+    ]);
+    let ids = probe_ids(50304, 2048);
+    let real = max_diff(&lm_logits(s(&grown), &ids), &lm_logits(s(&bin), &ids));
+    assert!(
+        real > 1e-2,
+        "dropping the constants must change the function: {real}"
+    );
+    let printed: f32 = stdout
+        .lines()
+        .find_map(|l| l.split("official export = ").nth(1))
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no shift printed: {stdout}"));
+    assert!(
+        (printed - real).abs() <= 1e-5 * real.max(1.0),
+        "printed {printed}, real {real}"
+    );
+    // The export computes what `--scale grow` (same seed) would have produced: n = token count.
+    let official_like = tmp.path().join("scale-grow");
+    ok(&[
+        "grow",
+        "--model",
+        s(&lm_bin()),
+        "--out",
+        s(&official_like),
+        "--qkv-tokens",
+        "48",
+        "--ffn-tokens",
+        "96",
+        "--scale",
+        "grow",
+    ]);
+    assert_eq!(
+        max_diff(
+            &lm_logits(s(&official_like), &ids),
+            &lm_logits(s(&bin), &ids)
+        ),
+        0.0
+    );
+    let yml = std::fs::read_to_string(bin.with_extension("yml")).unwrap();
+    assert!(
+        yml.contains("\"qkv_slot_num\": 48") && yml.contains("\"ffn_slot_num\": 96"),
+        "{yml}"
+    );
+}
+
+#[test]
+fn export_refuses_vision_models_and_bad_targets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let err = fails(&[
+        "export",
+        "--model",
+        s(&vit_dir()),
+        "--out",
+        s(&tmp.path().join("vit.bin")),
+    ]);
+    assert!(err.contains("no official checkpoint format"), "{err}");
+    let err = fails(&[
+        "export",
+        "--model",
+        s(&lm_bin()),
+        "--out",
+        s(&tmp.path().join("model.safetensors")),
+    ]);
+    assert!(err.contains(".bin"), "{err}");
+    let err = fails(&["export", "--model", s(&lm_bin()), "--out", s(&lm_bin())]);
+    assert!(err.contains("overwrite the input"), "{err}");
+    assert!(visible_entries(tmp.path()).is_empty());
+}
+
+#[test]
+fn converters_refuse_non_empty_output_and_replace_it_with_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("keep.txt"), "mine").unwrap();
+    for args in [
+        vec![
+            "grow",
+            "--model",
+            s(&lm_bin()),
+            "--out",
+            s(&out),
+            "--qkv-tokens",
+            "30",
+        ],
+        vec![
+            "official",
+            "--input",
+            s(&lm_bin()),
+            "--config",
+            s(&fixtures().join("official-lm-tiny/config.yml")),
+            "--out",
+            s(&out),
+        ],
+    ] {
+        let err = fails(&args);
+        assert!(err.contains("--force"), "{err}");
+        assert_eq!(
+            std::fs::read_to_string(out.join("keep.txt")).unwrap(),
+            "mine"
+        );
+    }
+    ok(&[
+        "grow",
+        "--model",
+        s(&lm_bin()),
+        "--out",
+        s(&out),
+        "--qkv-tokens",
+        "30",
+        "--force",
+    ]);
+    assert!(!out.join("keep.txt").exists());
+    assert_eq!(config(&out)["qkv_tokens"], 30);
+    // Only the finished folder is left: no staging folders, no moved-aside old one.
+    assert_eq!(visible_entries(tmp.path()), ["out"]);
+}
+
+#[test]
+fn an_invalid_output_path_or_a_kill_leaves_no_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let under_file = file.join("out");
+    let bin_under_file = file.join("m.bin");
+    for args in [
+        vec![
+            "grow",
+            "--model",
+            s(&lm_bin()),
+            "--out",
+            s(&under_file),
+            "--qkv-tokens",
+            "30",
+        ],
+        vec![
+            "grow",
+            "--model",
+            s(&lm_bin()),
+            "--out",
+            "/proc/self/tokenformer-grow-out",
+            "--qkv-tokens",
+            "30",
+        ],
+        vec![
+            "export",
+            "--model",
+            s(&lm_bin()),
+            "--out",
+            s(&bin_under_file),
+        ],
+        vec![
+            "export",
+            "--model",
+            s(&lm_bin()),
+            "--out",
+            "/proc/self/tokenformer-export.bin",
+        ],
+        vec![
+            "official",
+            "--input",
+            s(&lm_bin()),
+            "--config",
+            s(&fixtures().join("official-lm-tiny/config.yml")),
+            "--out",
+            s(&under_file),
+        ],
+    ] {
+        fails(&args);
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "x");
+    assert_eq!(visible_entries(tmp.path()), ["a-file"]);
+
+    // A process killed just before the final rename leaves no --out behind.
+    let out = tmp.path().join("killed");
+    let bin = tmp.path().join("killed.bin");
+    let env = [("TOKENFORMER_CONVERT_ABORT_BEFORE_COMMIT", "1")];
+    let o = convert_env(
+        &[
+            "grow",
+            "--model",
+            s(&lm_bin()),
+            "--out",
+            s(&out),
+            "--qkv-tokens",
+            "30",
+        ],
+        &env,
+    );
+    assert_eq!(o.status.code(), Some(137));
+    let o = convert_env(&["export", "--model", s(&lm_bin()), "--out", s(&bin)], &env);
+    assert_eq!(o.status.code(), Some(137));
+    assert!(!out.exists() && !bin.exists() && !bin.with_extension("yml").exists());
+    assert!(visible_entries(tmp.path())
+        .iter()
+        .all(|n| n == "a-file" || n.starts_with('.')));
+}
+
+#[test]
+fn torch_zip_archives_are_aligned_and_zip64_reads_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dev = Device::Cpu;
+    let a = Tensor::arange(0f32, 24.0, &dev)
+        .unwrap()
+        .reshape((2, 3, 4))
+        .unwrap();
+    let b = Tensor::new(&[1.5f32, -2.25, 3.0], &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let c = Tensor::new(&[[0.5f32, 7.0], [-1.0, 1e-3]], &dev)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    let entries = vec![
+        ("a".to_string(), a.clone()),
+        ("b.weight".to_string(), b.clone()),
+        ("c".to_string(), c.clone()),
+    ];
+    for force_zip64 in [false, true] {
+        let path = tmp.path().join(format!("t{force_zip64}.bin"));
+        torch_zip::write_state_dict(&path, &entries, torch_zip::WriteOptions { force_zip64 })
+            .unwrap();
+        let pth = candle_core::pickle::PthTensors::new(&path, None).unwrap();
+        for (name, t) in &entries {
+            let back = pth.get(name).unwrap().unwrap();
+            assert_eq!(back.dtype(), t.dtype(), "{name}");
+            assert_eq!(back.dims(), t.dims(), "{name}");
+            assert_eq!(bits(&back), bits(t), "{name}");
+        }
+        // Every record's payload starts at a multiple of 64 (torch's mmap loading relies on it).
+        let bytes = std::fs::read(&path).unwrap();
+        let (mut off, mut records) = (0usize, 0);
+        while bytes[off..].starts_with(&[0x50, 0x4b, 3, 4]) {
+            let u16_at = |i: usize| u16::from_le_bytes([bytes[i], bytes[i + 1]]) as usize;
+            let mut size = u32::from_le_bytes(bytes[off + 18..off + 22].try_into().unwrap()) as u64;
+            let (name_len, extra_len) = (u16_at(off + 26), u16_at(off + 28));
+            if size == 0xFFFF_FFFF {
+                assert!(force_zip64);
+                let z = off + 30 + name_len; // the zip64 extra comes first
+                assert_eq!(u16_at(z), 1);
+                size = u64::from_le_bytes(bytes[z + 4..z + 12].try_into().unwrap());
+            }
+            let data = off + 30 + name_len + extra_len;
+            assert_eq!(data % 64, 0, "record {records} payload at {data}");
+            off = data + size as usize;
+            records += 1;
+        }
+        // data.pkl, .format_version, .storage_alignment, byteorder, 3 storages, version, serialization id
+        assert_eq!(records, 9);
+    }
+}
+
+#[test]
+fn untied_f32_models_with_other_activations_export_and_grow_exactly() {
+    use tokenformer::models::tokenformer::Config;
+    use tokenformer::pattention::Activation;
+    let dev = Device::Cpu;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    let mut cfg = Config::released(3, 16, 2);
+    (
+        cfg.qkv_tokens,
+        cfg.proj_tokens,
+        cfg.ffn_tokens,
+        cfg.vocab_size,
+    ) = (12, 10, 20, 96);
+    (cfg.max_position_embeddings, cfg.rotary_pct) = (64, 0.5);
+    cfg.pattention_activation = Activation::GeluL2Norm;
+    cfg.tie_word_embeddings = false;
+    let mut t = checkpoint::Tensors::new();
+    let mut put = |name: String, shape: &[usize]| {
+        let seed = t.len() as f64 + 1.0;
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|i| ((i as f64 * 0.7 + seed).sin() * 0.5) as f32)
+            .collect();
+        t.insert(name, Tensor::from_vec(v, shape, &dev).unwrap());
+    };
+    put("word_embeddings.weight".into(), &[96, 16]);
+    put("final_linear.weight".into(), &[96, 16]);
+    put("final_norm.weight".into(), &[16]);
+    put("final_norm.bias".into(), &[16]);
+    for i in 0..3 {
+        for (m, n) in [
+            ("attention.query", 12),
+            ("attention.key", 12),
+            ("attention.value", 12),
+            ("attention.proj", 10),
+            ("mlp", 20),
+        ] {
+            put(format!("layers.{i}.{m}.key_param_tokens"), &[n, 16]);
+            put(format!("layers.{i}.{m}.value_param_tokens"), &[n, 16]);
+        }
+    }
+    checkpoint::write_safetensors(&src, &t, checkpoint::DEFAULT_SHARD_BYTES).unwrap();
+    std::fs::write(
+        src.join("config.json"),
+        serde_json::to_string(&cfg).unwrap(),
+    )
+    .unwrap();
+    let ids: Vec<u32> = (0..30).map(|i| (i * 5 + 1) % 96).collect();
+    let original = lm_logits(s(&src), &ids);
+
+    let bin = tmp.path().join("untied.bin");
+    ok(&["export", "--model", s(&src), "--out", s(&bin)]);
+    assert!(std::fs::read_to_string(bin.with_extension("yml"))
+        .unwrap()
+        .contains("\"no_weight_tying\": true"));
+    let (back, _) = checkpoint::read_official_bin(&bin, 3, None, &dev).unwrap();
+    assert_eq!(back.len(), t.len());
+    assert!(back
+        .iter()
+        .all(|(n, x)| x.dtype() == DType::F32 && bits(x) == bits(&t[n])));
+    assert_eq!(max_diff(&original, &lm_logits(s(&bin), &ids)), 0.0);
+
+    let grown = tmp.path().join("grown");
+    ok(&[
+        "grow",
+        "--model",
+        s(&bin),
+        "--out",
+        s(&grown),
+        "--qkv-tokens",
+        "20",
+        "--proj-tokens",
+        "11",
+        "--ffn-tokens",
+        "33",
+    ]);
+    let d = max_diff(&original, &lm_logits(s(&grown), &ids));
+    assert!(d <= 1e-5, "{d}");
+    assert_eq!(tensors(s(&grown))["final_linear.weight"].dims(), &[96, 16]);
+
+    // Softmax Θ gives zero keys weight too: growth runs, says so, and reports the shift.
+    cfg.pattention_activation = Activation::Softmax;
+    std::fs::write(
+        src.join("config.json"),
+        serde_json::to_string(&cfg).unwrap(),
+    )
+    .unwrap();
+    let soft = tmp.path().join("softmax");
+    let stdout = ok(&[
+        "grow",
+        "--model",
+        s(&src),
+        "--out",
+        s(&soft),
+        "--ffn-tokens",
+        "40",
+    ]);
+    assert!(stdout.contains("softmax"), "{stdout}");
+    let d = max_diff(&lm_logits(s(&src), &ids), &lm_logits(s(&soft), &ids));
+    assert!(d > 1e-4, "{d}");
+}
