@@ -258,9 +258,11 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
                 path: None,
                 value: e.config.clone(),
             },
-            (None, None) => return Err(Error::input(format!(
+            (None, None) => {
+                return Err(Error::input(format!(
                 "{source} holds an official pytorch_model.bin but no config: pass --config X.yml"
-            ))),
+            )))
+            }
         };
         let bin = hub::download_files(repo, &["pytorch_model.bin"], progress).map_err(hub_err)?[0]
             .clone();
