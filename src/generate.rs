@@ -45,24 +45,14 @@ impl Sampler {
             logits
                 .iter()
                 .enumerate()
-                .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
-                    if v > best.1 {
-                        (i, v)
-                    } else {
-                        best
-                    }
-                })
+                .fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best })
                 .0 as u32
         };
         if self.params.temperature <= 0.0 {
             return argmax();
         }
         let t = self.params.temperature as f32;
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l / t))
-            .collect();
+        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t)).collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1));
         if let Some(k) = self.params.top_k.filter(|&k| k > 0) {
             cand.truncate(k);
@@ -149,19 +139,10 @@ mod tests {
         let logits = [0.0f32, 3.0, 1.0, 2.9];
         assert_eq!(Sampler::new(SamplingParams::default()).sample(&logits), 1);
         // top-k 1 is greedy whatever the temperature.
-        let p = SamplingParams {
-            temperature: 5.0,
-            top_k: Some(1),
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 5.0, top_k: Some(1), ..Default::default() };
         assert_eq!(Sampler::new(p).sample(&logits), 1);
         // top-p keeps only tokens 1 and 3 (the two large logits).
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_p: Some(0.8),
-            seed: 7,
-            ..Default::default()
-        };
+        let p = SamplingParams { temperature: 1.0, top_p: Some(0.8), seed: 7, ..Default::default() };
         let mut s = Sampler::new(p);
         let picks: Vec<u32> = (0..200).map(|_| s.sample(&logits)).collect();
         assert!(picks.iter().all(|&t| t == 1 || t == 3));

@@ -15,22 +15,12 @@ pub struct RepoRef {
 impl RepoRef {
     pub fn parse(s: &str) -> Result<Self, HubError> {
         let (id, rev) = s.split_once('@').unwrap_or((s, "main"));
-        let (owner, name) = id
-            .split_once('/')
-            .ok_or_else(|| HubError(format!("bad repo id {s}")))?;
-        Ok(Self {
-            owner: owner.into(),
-            name: name.into(),
-            revision: rev.into(),
-        })
+        let (owner, name) = id.split_once('/').ok_or_else(|| HubError(format!("bad repo id {s}")))?;
+        Ok(Self { owner: owner.into(), name: name.into(), revision: rev.into() })
     }
 }
 
-pub fn download_files(
-    _repo: &RepoRef,
-    _files: &[&str],
-    _progress: bool,
-) -> Result<Vec<PathBuf>, HubError> {
+pub fn download_files(_repo: &RepoRef, _files: &[&str], _progress: bool) -> Result<Vec<PathBuf>, HubError> {
     Err(HubError("hub not available yet".into()))
 }
 

@@ -112,11 +112,7 @@ fn sibling_yml(dir: &Path) -> Option<PathBuf> {
 
 fn locate_local(path: &Path) -> Result<ModelFiles> {
     let source = path.display().to_string();
-    let dir = if path.is_dir() {
-        path
-    } else {
-        path.parent().unwrap_or(Path::new("."))
-    };
+    let dir = if path.is_dir() { path } else { path.parent().unwrap_or(Path::new(".")) };
     let tokenizer = existing(dir.join(TOKENIZER_FILE));
     let ext = path.extension().and_then(|e| e.to_str());
     let bin = if path.is_dir() {
@@ -209,9 +205,7 @@ fn locate_zoo(entry: &ZooEntry, spec: &str, progress: bool) -> Result<ModelFiles
 fn hub_tokenizer(repo: &RepoRef, fallback: &zoo::HubFile, progress: bool) -> Result<PathBuf> {
     if let Ok(list) = hub::list_files(repo) {
         if list.iter().any(|f| f == TOKENIZER_FILE) {
-            return Ok(
-                hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone(),
-            );
+            return Ok(hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone());
         }
     }
     let t = RepoRef::parse(&format!("{}@{}", fallback.repo, fallback.revision)).map_err(hub_err)?;
@@ -225,8 +219,7 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
     if has(CONFIG_FILE) {
         let mut want = vec![CONFIG_FILE.to_string()];
         if has(checkpoint::SAFETENSORS_INDEX) {
-            let idx = hub::download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress)
-                .map_err(hub_err)?;
+            let idx = hub::download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress).map_err(hub_err)?;
             let dir = idx[0].parent().expect("file in a folder").to_path_buf();
             want.extend(
                 checkpoint::safetensors_files(&dir)?
@@ -247,41 +240,26 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
     }
     if has("pytorch_model.bin") {
         let entry = zoo::find(&format!("{}/{}", repo.owner, repo.name));
-        let yml = list
-            .iter()
-            .find(|f| f.ends_with(".yml") || f.ends_with(".yaml"));
+        let yml = list.iter().find(|f| f.ends_with(".yml") || f.ends_with(".yaml"));
         let config = match (yml, entry) {
-            (Some(y), _) => ConfigSource::OfficialYml(
-                hub::download_files(repo, &[y], progress).map_err(hub_err)?[0].clone(),
-            ),
-            (None, Some(e)) => ConfigSource::Json {
-                path: None,
-                value: e.config.clone(),
-            },
+            (Some(y), _) => ConfigSource::OfficialYml(hub::download_files(repo, &[y], progress).map_err(hub_err)?[0].clone()),
+            (None, Some(e)) => ConfigSource::Json { path: None, value: e.config.clone() },
             (None, None) => {
                 return Err(Error::input(format!(
-                "{source} holds an official pytorch_model.bin but no config: pass --config X.yml"
-            )))
+                    "{source} holds an official pytorch_model.bin but no config: pass --config X.yml"
+                )))
             }
         };
-        let bin = hub::download_files(repo, &["pytorch_model.bin"], progress).map_err(hub_err)?[0]
-            .clone();
+        let bin = hub::download_files(repo, &["pytorch_model.bin"], progress).map_err(hub_err)?[0].clone();
         let tokenizer = if has(TOKENIZER_FILE) {
-            Some(
-                hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone(),
-            )
+            Some(hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone())
         } else {
             match entry.and_then(|e| e.tokenizer.as_ref()) {
                 Some(t) => Some(hub_tokenizer(repo, t, progress)?),
                 None => None,
             }
         };
-        return Ok(ModelFiles {
-            source,
-            config,
-            weights: Weights::OfficialBin(bin),
-            tokenizer,
-        });
+        return Ok(ModelFiles { source, config, weights: Weights::OfficialBin(bin), tokenizer });
     }
     Err(Error::input(format!(
         "{source} has neither config.json (a model folder) nor pytorch_model.bin (official format)"
@@ -300,18 +278,11 @@ pub struct LoadedWeights {
 
 /// The architecture named by a config (`tokenformer-lm`, `tokenformer-vit`, ...).
 pub fn architecture(config: &Value) -> &str {
-    config
-        .get("architecture")
-        .and_then(Value::as_str)
-        .unwrap_or("")
+    config.get("architecture").and_then(Value::as_str).unwrap_or("")
 }
 
 /// Reads the weights (converted to `dtype` if given) and the canonical config.
-pub fn read_weights(
-    files: &ModelFiles,
-    dtype: Option<DType>,
-    device: &Device,
-) -> Result<LoadedWeights> {
+pub fn read_weights(files: &ModelFiles, dtype: Option<DType>, device: &Device) -> Result<LoadedWeights> {
     match &files.weights {
         Weights::OfficialBin(bin) => {
             let (num_layers, fixed) = match &files.config {
@@ -322,10 +293,7 @@ pub fn read_weights(
                 ConfigSource::OfficialYml(y) => {
                     let text = std::fs::read_to_string(y).map_err(|e| Error::io(y, e))?;
                     let m = official::parse_yml(&text, y)?;
-                    (
-                        m.get("num_layers").and_then(Value::as_u64).unwrap_or(0) as usize,
-                        None,
-                    )
+                    (m.get("num_layers").and_then(Value::as_u64).unwrap_or(0) as usize, None)
                 }
             };
             let (tensors, ignored) = checkpoint::read_official_bin(bin, num_layers, dtype, device)?;
@@ -334,24 +302,13 @@ pub fn read_weights(
                 (None, ConfigSource::OfficialYml(y)) => {
                     let vocab = tensors
                         .get("word_embeddings.weight")
-                        .ok_or_else(|| {
-                            Error::checkpoint(
-                                bin,
-                                "missing tensor `sequential.0.word_embeddings.weight`",
-                            )
-                        })?
+                        .ok_or_else(|| Error::checkpoint(bin, "missing tensor `sequential.0.word_embeddings.weight`"))?
                         .dim(0)?;
-                    serde_json::to_value(official::config_from_yml(y, vocab)?)
-                        .expect("serialisable")
+                    serde_json::to_value(official::config_from_yml(y, vocab)?).expect("serialisable")
                 }
                 _ => unreachable!("fixed is Some for Json"),
             };
-            Ok(LoadedWeights {
-                config,
-                tensors,
-                ignored,
-                path: bin.clone(),
-            })
+            Ok(LoadedWeights { config, tensors, ignored, path: bin.clone() })
         }
         Weights::Safetensors(paths) => {
             let ConfigSource::Json { value, .. } = &files.config else {

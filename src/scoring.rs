@@ -61,10 +61,6 @@ pub fn score_ids(model: &TokenFormerLm, ids: &[u32]) -> Result<SequenceScore> {
 /// logsumexp over the last axis, with the max subtracted for stability.
 pub fn logsumexp(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?;
-    let s = x
-        .broadcast_sub(&max)?
-        .exp()?
-        .sum_keepdim(D::Minus1)?
-        .log()?;
+    let s = x.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()?;
     Ok((s + max)?.squeeze(D::Minus1)?)
 }

@@ -63,10 +63,9 @@ pub fn find(name: &str) -> Option<&'static ZooEntry> {
     let lower = name.to_ascii_lowercase();
     entries().iter().find(|e| {
         e.name == lower
-            || e.weights.as_ref().is_some_and(|w| {
-                w.repo
-                    .eq_ignore_ascii_case(name.split('@').next().unwrap_or(""))
-            })
+            || e.weights
+                .as_ref()
+                .is_some_and(|w| w.repo.eq_ignore_ascii_case(name.split('@').next().unwrap_or("")))
     })
 }
 
@@ -86,10 +85,7 @@ mod tests {
         }
         let e = find("TokenFormer-150M").expect("by name");
         assert_eq!(e.reported["pile_perplexity"], 10.45);
-        assert_eq!(
-            find("Haiyang-W/TokenFormer-1-5B@main").unwrap().name,
-            "tokenformer-1-5b"
-        );
+        assert_eq!(find("Haiyang-W/TokenFormer-1-5B@main").unwrap().name, "tokenformer-1-5b");
         assert!(find("nope").is_none());
     }
 }

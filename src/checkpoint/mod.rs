@@ -64,9 +64,8 @@ pub struct TensorInfo {
 /// Lists the tensors of a `.bin` or `.safetensors` file without loading them.
 pub fn tensor_infos(path: &Path) -> Result<Vec<TensorInfo>> {
     let mut out = if is_pickle(path) {
-        let pth = candle_core::pickle::PthTensors::new(path, None).map_err(|e| {
-            Error::checkpoint(path, format!("not a readable PyTorch checkpoint: {e}"))
-        })?;
+        let pth = candle_core::pickle::PthTensors::new(path, None)
+            .map_err(|e| Error::checkpoint(path, format!("not a readable PyTorch checkpoint: {e}")))?;
         pth.tensor_infos()
             .iter()
             .map(|(name, ti)| TensorInfo {
@@ -76,10 +75,8 @@ pub fn tensor_infos(path: &Path) -> Result<Vec<TensorInfo>> {
             })
             .collect::<Vec<_>>()
     } else {
-        let st =
-            unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }.map_err(|e| {
-                Error::checkpoint(path, format!("not a readable safetensors file: {e}"))
-            })?;
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }
+            .map_err(|e| Error::checkpoint(path, format!("not a readable safetensors file: {e}")))?;
         st.tensors()
             .into_iter()
             .map(|(name, view)| TensorInfo {
@@ -127,11 +124,8 @@ pub fn read_official_bin(
         let t = pth
             .get(&name)
             .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?
-            .ok_or_else(|| {
-                Error::checkpoint(path, format!("tensor `{name}` is listed but absent"))
-            })?;
-        let t = convert(t, dtype, device)
-            .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
+            .ok_or_else(|| Error::checkpoint(path, format!("tensor `{name}` is listed but absent")))?;
+        let t = convert(t, dtype, device).map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
         out.insert(canonical, t);
     }
     Ok((out, ignored))
@@ -145,9 +139,7 @@ pub fn official_num_layers(names: impl IntoIterator<Item = impl AsRef<str>>) -> 
         .filter_map(|n| {
             let rest = n.as_ref().strip_prefix("sequential.")?;
             let (i, t) = rest.split_once('.')?;
-            t.starts_with("attention.")
-                .then(|| i.parse::<usize>().ok())
-                .flatten()
+            t.starts_with("attention.").then(|| i.parse::<usize>().ok()).flatten()
         })
         .max()
         .map_or(0, |i| i - 1)
@@ -155,28 +147,18 @@ pub fn official_num_layers(names: impl IntoIterator<Item = impl AsRef<str>>) -> 
 
 /// Reads all tensors of safetensors files (canonical names already),
 /// converting to `dtype` one at a time.
-pub fn read_safetensors(
-    files: &[PathBuf],
-    dtype: Option<DType>,
-    device: &Device,
-) -> Result<Tensors> {
+pub fn read_safetensors(files: &[PathBuf], dtype: Option<DType>, device: &Device) -> Result<Tensors> {
     let mut out = Tensors::new();
     for path in files {
-        let st =
-            unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }.map_err(|e| {
-                Error::checkpoint(path, format!("not a readable safetensors file: {e}"))
-            })?;
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }
+            .map_err(|e| Error::checkpoint(path, format!("not a readable safetensors file: {e}")))?;
         for (name, _) in st.tensors() {
             let t = st
                 .load(&name, device)
                 .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
-            let t = convert(t, dtype, device)
-                .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
+            let t = convert(t, dtype, device).map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
             if out.insert(name.clone(), t).is_some() {
-                return Err(Error::checkpoint(
-                    path,
-                    format!("tensor `{name}` appears in two shards"),
-                ));
+                return Err(Error::checkpoint(path, format!("tensor `{name}` appears in two shards")));
             }
         }
     }
@@ -194,20 +176,12 @@ fn convert(t: Tensor, dtype: Option<DType>, device: &Device) -> candle_core::Res
 /// A VarBuilder over loaded tensors (they already have the compute dtype).
 pub fn var_builder(tensors: Tensors, device: &Device) -> candle_nn::VarBuilder<'static> {
     let dtype = tensors.values().next().map_or(DType::F32, |t| t.dtype());
-    candle_nn::VarBuilder::from_tensors(
-        tensors.into_iter().collect::<HashMap<_, _>>(),
-        dtype,
-        device,
-    )
+    candle_nn::VarBuilder::from_tensors(tensors.into_iter().collect::<HashMap<_, _>>(), dtype, device)
 }
 
 /// Writes `tensors` into `dir` as `model.safetensors`, or as shards of at most
 /// `max_shard_bytes` with an index when they do not fit in one.
-pub fn write_safetensors(
-    dir: &Path,
-    tensors: &Tensors,
-    max_shard_bytes: u64,
-) -> Result<Vec<PathBuf>> {
+pub fn write_safetensors(dir: &Path, tensors: &Tensors, max_shard_bytes: u64) -> Result<Vec<PathBuf>> {
     let size = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
     let mut shards: Vec<Vec<(&String, &Tensor)>> = vec![vec![]];
     let mut current = 0u64;
@@ -231,12 +205,8 @@ pub fn write_safetensors(
             format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
         };
         let path = dir.join(&file);
-        safetensors::serialize_to_file(
-            shard.iter().map(|(k, t)| (k.as_str(), *t)),
-            Some(metadata.clone()),
-            &path,
-        )
-        .map_err(|e| Error::checkpoint(&path, format!("cannot write: {e}")))?;
+        safetensors::serialize_to_file(shard.iter().map(|(k, t)| (k.as_str(), *t)), Some(metadata.clone()), &path)
+            .map_err(|e| Error::checkpoint(&path, format!("cannot write: {e}")))?;
         for (name, _) in shard {
             weight_map.insert((*name).clone(), file.clone());
         }
@@ -245,9 +215,7 @@ pub fn write_safetensors(
     if n > 1 {
         let total: u64 = tensors.values().map(size).sum();
         let index = ShardIndex {
-            metadata: [("total_size".to_string(), serde_json::Value::from(total))]
-                .into_iter()
-                .collect(),
+            metadata: [("total_size".to_string(), serde_json::Value::from(total))].into_iter().collect(),
             weight_map,
         };
         let path = dir.join(SAFETENSORS_INDEX);

@@ -24,7 +24,9 @@ pub fn to_canonical(name: &str, num_layers: usize) -> Option<String> {
         (i, t) if (2..num_layers + 2).contains(&i) && is_block_tensor(t) => {
             Some(format!("layers.{}.{t}", i - 2))
         }
-        (i, t @ ("norm.weight" | "norm.bias")) if i == num_layers + 3 => Some(format!("final_{t}")),
+        (i, t @ ("norm.weight" | "norm.bias")) if i == num_layers + 3 => {
+            Some(format!("final_{t}"))
+        }
         (i, "final_linear.weight") if i == num_layers + 4 => Some("final_linear.weight".into()),
         _ => None,
     }
@@ -108,11 +110,7 @@ pub fn config_from_yml(path: &Path, vocab_size: usize) -> Result<Config> {
     config_from_settings(&parse_yml(&text, path)?, path, vocab_size)
 }
 
-pub fn config_from_settings(
-    m: &Map<String, Value>,
-    path: &Path,
-    vocab_size: usize,
-) -> Result<Config> {
+pub fn config_from_settings(m: &Map<String, Value>, path: &Path, vocab_size: usize) -> Result<Config> {
     let err = |msg: String| Error::config(path, msg);
     let uint = |k: &str| -> Result<Option<usize>> {
         match m.get(k) {
@@ -150,10 +148,7 @@ pub fn config_from_settings(
         Some(s) => s.parse().map_err(err)?,
     };
     let hidden_size = need("hidden_size")?;
-    let no_weight_tying = m
-        .get("no_weight_tying")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let no_weight_tying = m.get("no_weight_tying").and_then(Value::as_bool).unwrap_or(false);
     let cfg = Config {
         architecture: ARCHITECTURE.into(),
         hidden_size,
@@ -228,59 +223,26 @@ mod tests {
     fn names_round_trip() {
         let l = 12;
         for (off, ours) in [
-            (
-                "sequential.0.word_embeddings.weight",
-                "word_embeddings.weight",
-            ),
-            (
-                "sequential.2.attention.query.key_param_tokens",
-                "layers.0.attention.query.key_param_tokens",
-            ),
-            (
-                "sequential.13.mlp.value_param_tokens",
-                "layers.11.mlp.value_param_tokens",
-            ),
+            ("sequential.0.word_embeddings.weight", "word_embeddings.weight"),
+            ("sequential.2.attention.query.key_param_tokens", "layers.0.attention.query.key_param_tokens"),
+            ("sequential.13.mlp.value_param_tokens", "layers.11.mlp.value_param_tokens"),
             ("sequential.15.norm.bias", "final_norm.bias"),
             ("sequential.16.final_linear.weight", "final_linear.weight"),
         ] {
             assert_eq!(to_canonical(off, l).as_deref(), Some(ours));
             assert_eq!(to_official(ours, l).as_deref(), Some(off));
         }
-        assert_eq!(
-            to_canonical("sequential.14.mlp.value_param_tokens", l),
-            None
-        );
+        assert_eq!(to_canonical("sequential.14.mlp.value_param_tokens", l), None);
         assert_eq!(to_canonical("sequential.2.attention.dense.weight", l), None);
     }
 
     #[test]
     fn yml_with_python_literals_and_comments() {
         let text = "{\n  # c\n  \"num_layers\": 2, \"hidden_size\": 32, \"num_attention_heads\": 2,\n  \"qkv_slot_num\": 24, \"proj_slot_num\": 20, \"ffn_slot_num\": 48,\n  \"seq_length\": 2048, \"rotary_pct\": 0.25,\n  \"norm_activation_type\": \"softmax\", # \"a\", \"b\"\n  \"x\": False,\n}\n";
-        let cfg = config_from_settings(
-            &parse_yml(text, Path::new("t.yml")).unwrap(),
-            Path::new("t.yml"),
-            64,
-        )
-        .unwrap();
-        assert_eq!(
-            (
-                cfg.num_layers,
-                cfg.qkv_tokens,
-                cfg.proj_tokens,
-                cfg.ffn_tokens
-            ),
-            (2, 24, 20, 48)
-        );
+        let cfg = config_from_settings(&parse_yml(text, Path::new("t.yml")).unwrap(), Path::new("t.yml"), 64).unwrap();
+        assert_eq!((cfg.num_layers, cfg.qkv_tokens, cfg.proj_tokens, cfg.ffn_tokens), (2, 24, 20, 48));
         assert_eq!(cfg.max_position_embeddings, 2048);
         assert_eq!(cfg.pattention_activation, Activation::Softmax);
-        assert_eq!(
-            config_from_settings(
-                &parse_yml(&config_to_yml(&cfg), Path::new("o")).unwrap(),
-                Path::new("o"),
-                64
-            )
-            .unwrap(),
-            cfg
-        );
+        assert_eq!(config_from_settings(&parse_yml(&config_to_yml(&cfg), Path::new("o")).unwrap(), Path::new("o"), 64).unwrap(), cfg);
     }
 }

@@ -28,28 +28,17 @@ pub fn run(a: InspectArgs) -> Result<()> {
             Err(e) => return Err(e.into()),
         };
         let cfg = p.join(loader::CONFIG_FILE);
-        (
-            files,
-            cfg.exists().then(|| loader::read_json(&cfg)).transpose()?,
-        )
+        (files, cfg.exists().then(|| loader::read_json(&cfg)).transpose()?)
     } else {
         let cfg = p.with_file_name(loader::CONFIG_FILE);
         let is_st = p.extension().is_some_and(|e| e == "safetensors");
-        (
-            vec![p.clone()],
-            (is_st && cfg.exists())
-                .then(|| loader::read_json(&cfg))
-                .transpose()?,
-        )
+        (vec![p.clone()], (is_st && cfg.exists()).then(|| loader::read_json(&cfg)).transpose()?)
     };
     let mut tensors: Vec<TensorInfo> = Vec::new();
     for f in &files {
         tensors.extend(checkpoint::tensor_infos(f)?);
     }
-    let params: usize = tensors
-        .iter()
-        .map(|t| t.shape.iter().product::<usize>())
-        .sum();
+    let params: usize = tensors.iter().map(|t| t.shape.iter().product::<usize>()).sum();
     let architecture = detect(&tensors, config.as_ref(), &files);
     if a.json {
         let out = serde_json::json!({
@@ -64,12 +53,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
         println!("{:<60} {:>6}  {:?}", t.name, t.dtype, t.shape);
     }
     println!("\narchitecture: {architecture}");
-    println!(
-        "tensors: {}  parameters: {} ({:.1}M)",
-        tensors.len(),
-        params,
-        params as f64 / 1e6
-    );
+    println!("tensors: {}  parameters: {} ({:.1}M)", tensors.len(), params, params as f64 / 1e6);
     Ok(())
 }
 
@@ -92,10 +76,5 @@ fn detect(tensors: &[TensorInfo], config: Option<&serde_json::Value>, files: &[P
     if has("patch_embed.weight") {
         return "tokenformer-vit (no config.json)".into();
     }
-    format!(
-        "unknown ({})",
-        files
-            .first()
-            .map_or("".into(), |f| Path::new(f).display().to_string())
-    )
+    format!("unknown ({})", files.first().map_or("".into(), |f| Path::new(f).display().to_string()))
 }

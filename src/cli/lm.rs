@@ -95,9 +95,7 @@ pub fn score_cmd(a: ScoreArgs) -> Result<()> {
     let files = a.model.locate()?;
     let text = match (&a.text, &a.file) {
         (Some(t), _) => Some(t.clone()),
-        (None, Some(f)) => {
-            Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?)
-        }
+        (None, Some(f)) => Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?),
         _ => None,
     };
     let (ids, tokenizer) = match (text, a.ids) {
@@ -114,14 +112,8 @@ pub fn score_cmd(a: ScoreArgs) -> Result<()> {
         (None, None) => bail!("give --text, --file or --ids"),
     };
     let model = loader::load_lm(&files, &Device::Cpu)?;
-    if let Some(&bad) = ids
-        .iter()
-        .find(|&&i| i as usize >= model.config().vocab_size)
-    {
-        bail!(
-            "token id {bad} is outside the vocabulary (size {})",
-            model.config().vocab_size
-        );
+    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= model.config().vocab_size) {
+        bail!("token id {bad} is outside the vocabulary (size {})", model.config().vocab_size);
     }
     let s = tokenformer::scoring::score_ids(&model, &ids)?;
     if a.json {

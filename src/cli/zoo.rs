@@ -22,39 +22,21 @@ pub fn run(c: ZooCommand) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(zoo::entries())?);
                 return Ok(());
             }
-            println!(
-                "{:<26} {:<16} {:>6}  {:<30} {:>9}",
-                "name", "task", "params", "hub repo", "paper"
-            );
+            println!("{:<26} {:<16} {:>6}  {:<30} {:>9}", "name", "task", "params", "hub repo", "paper");
             for e in zoo::entries() {
-                let repo = e
-                    .weights
-                    .as_ref()
-                    .map_or("(config only, no weights)".to_string(), |w| w.repo.clone());
+                let repo = e.weights.as_ref().map_or("(config only, no weights)".to_string(), |w| w.repo.clone());
                 let metric = ["pile_perplexity", "imagenet_top1"]
                     .iter()
-                    .find_map(|k| {
-                        e.reported
-                            .get(*k)
-                            .map(|v| format!("{}={v}", k.split('_').next().unwrap_or(k)))
-                    })
+                    .find_map(|k| e.reported.get(*k).map(|v| format!("{}={v}", k.split('_').next().unwrap_or(k))))
                     .unwrap_or_default();
-                println!(
-                    "{:<26} {:<16} {:>6}  {:<30} {:>9}",
-                    e.name, e.task, e.params, repo, metric
-                );
+                println!("{:<26} {:<16} {:>6}  {:<30} {:>9}", e.name, e.task, e.params, repo, metric);
             }
             Ok(())
         }
         ZooCommand::Show { name } => {
-            let e = zoo::find(&name).ok_or_else(|| {
-                anyhow!("`{name}` is not in the zoo (see `tokenformer zoo list`)")
-            })?;
+            let e = zoo::find(&name).ok_or_else(|| anyhow!("`{name}` is not in the zoo (see `tokenformer zoo list`)"))?;
             if e.weights.is_none() {
-                println!(
-                    "note: {} has no released weights; it is a configuration.",
-                    e.name
-                );
+                println!("note: {} has no released weights; it is a configuration.", e.name);
             }
             println!("{}", serde_json::to_string_pretty(e)?);
             Ok(())
