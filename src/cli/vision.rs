@@ -105,11 +105,21 @@ pub fn classify_cmd(a: ClassifyArgs) -> Result<()> {
     let results = imagenet::classify_files(&model, &a.images, 5, a.batch_size)?;
     let failed = results.iter().filter(|(_, r)| r.is_err()).count();
     if a.json {
-        let out: Vec<serde_json::Value> = results
+        /// One image of `classify --json`, fields in this order.
+        #[derive(serde::Serialize)]
+        struct Out<'a> {
+            file: &'a std::path::Path,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            top5: Option<&'a [imagenet::Prediction]>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            error: Option<String>,
+        }
+        let out: Vec<Out> = results
             .iter()
-            .map(|(file, r)| match r {
-                Ok(top) => serde_json::json!({ "file": file, "top5": top }),
-                Err(e) => serde_json::json!({ "file": file, "error": e.to_string() }),
+            .map(|(file, r)| Out {
+                file,
+                top5: r.as_ref().ok().map(Vec::as_slice),
+                error: r.as_ref().err().map(|e| e.to_string()),
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&out)?);

@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Instant;
 
-use candle_core::Tensor;
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -380,9 +379,4 @@ pub fn classify_files(
         }
     }
     Ok(out)
-}
-
-/// Logits [b, classes] of preprocessed pixels [b, 3, H, W] (for checks against fixtures).
-pub fn logits(model: &VisionTransformer, pixels: &Tensor) -> Result<Vec<Vec<f32>>> {
-    Ok(model.forward(pixels)?.to_vec2::<f32>()?)
 }

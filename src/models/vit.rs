@@ -162,13 +162,13 @@ impl Config {
                 return Err(format!("{name} must be positive"));
             }
         }
-        if self.image_size % self.patch_size != 0 {
+        if !self.image_size.is_multiple_of(self.patch_size) {
             return Err(format!(
                 "image_size {} is not divisible by patch_size {}",
                 self.image_size, self.patch_size
             ));
         }
-        if self.hidden_size % self.num_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_heads) {
             return Err(format!(
                 "hidden_size {} is not divisible by num_heads {}",
                 self.hidden_size, self.num_heads
@@ -183,7 +183,7 @@ impl Config {
         if !(self.crop_pct > 0.0 && self.crop_pct.is_finite()) {
             return Err(format!("crop_pct {} must be positive", self.crop_pct));
         }
-        if self.std.iter().any(|s| *s == 0.0) {
+        if self.std.contains(&0.0) {
             return Err("std must not contain 0".into());
         }
         for (name, list) in [
