@@ -7,7 +7,11 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(name = "tokenformer", version, about = "TokenFormer models on candle: download, run, evaluate")]
+#[command(
+    name = "tokenformer",
+    version,
+    about = "TokenFormer models on candle: download, run, evaluate"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -24,6 +28,19 @@ enum Command {
     /// The model registry.
     #[command(subcommand)]
     Zoo(cli::zoo::ZooCommand),
+    /// Evaluate: Pile perplexity, zero-shot tasks, merging shard results.
+    #[command(subcommand)]
+    Eval(EvalCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum EvalCommand {
+    /// Perplexity of documents (the Pile's val/test.jsonl.zst, .jsonl, .txt), overall and per subset.
+    Pile(cli::eval_lm::PileArgs),
+    /// Zero-shot accuracy on lambada, hellaswag, piqa, arc_easy, arc_challenge or winogrande.
+    Tasks(cli::eval_lm::TasksArgs),
+    /// Combine the --json results of --shard runs into those of one whole run.
+    Merge(cli::eval_lm::MergeArgs),
 }
 
 fn main() {
@@ -40,5 +57,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Score(a) => cli::lm::score_cmd(a),
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Zoo(c) => cli::zoo::run(c),
+        Command::Eval(EvalCommand::Pile(a)) => cli::eval_lm::pile_cmd(a),
+        Command::Eval(EvalCommand::Tasks(a)) => cli::eval_lm::tasks_cmd(a),
+        Command::Eval(EvalCommand::Merge(a)) => cli::eval_lm::merge_cmd(a),
     }
 }
