@@ -369,6 +369,9 @@ pub struct PileProgress {
 /// Windows waiting to be scored in one sorted, batched pass.
 const PENDING_BATCHES: usize = 32;
 
+/// A document line: its number and (text, pile_set_name), or why it is bad.
+type DocLine = (usize, std::result::Result<(String, Option<String>), String>);
+
 /// Evaluates the documents of `path` (streamed) with `scorer`.
 pub fn evaluate(
     scorer: &Scorer,
@@ -389,9 +392,7 @@ pub fn evaluate(
     let position = file.position.clone();
     let size = file.size;
     let where_ = |line: usize| format!("{} line {line}", path.display());
-    let mut docs: Box<
-        dyn Iterator<Item = Result<(usize, std::result::Result<(String, Option<String>), String>)>>,
-    > = if file.is_text {
+    let mut docs: Box<dyn Iterator<Item = Result<DocLine>>> = if file.is_text {
         let mut reader = file.reader;
         let mut raw = Vec::new();
         reader
