@@ -6,11 +6,11 @@
 pub mod checkpoint;
 pub mod error;
 pub mod eval;
-pub mod generate;
 pub mod hub;
 pub mod loader;
 pub mod models;
 pub mod pattention;
+pub mod generate;
 pub mod scoring;
 pub mod zoo;
 

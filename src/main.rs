@@ -7,11 +7,7 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "tokenformer",
-    version,
-    about = "TokenFormer models on candle: download, run, evaluate"
-)]
+#[command(name = "tokenformer", version, about = "TokenFormer models on candle: download, run, evaluate")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
