@@ -104,6 +104,7 @@ pub struct Scorer<'m> {
     rotary: Rotary,
     max_length: usize,
     greedy: bool,
+    batch_tokens: usize,
 }
 
 impl<'m> Scorer<'m> {
@@ -124,12 +125,22 @@ impl<'m> Scorer<'m> {
             rotary,
             max_length,
             greedy: false,
+            batch_tokens: max_length,
         })
     }
 
     /// Also compute `is_greedy` (costs one argmax per scored position).
     pub fn with_greedy(mut self, greedy: bool) -> Self {
         self.greedy = greedy;
+        self
+    }
+
+    /// Caps a batch at `tokens` padded input tokens (at least one request):
+    /// full-length windows go alone, short ones are packed. On CPU one
+    /// full window already fills the matmuls, and the attention buffers grow
+    /// with batch × length².
+    pub fn with_batch_tokens(mut self, tokens: usize) -> Self {
+        self.batch_tokens = tokens.max(1);
         self
     }
 
@@ -240,9 +251,10 @@ impl<'m> Scorer<'m> {
         Ok(out)
     }
 
-    /// Scores all `requests`, `batch_size` at a time, longest inputs first so
-    /// that a batch holds similar lengths (little padding); `progress` gets the
-    /// number of scored tokens after each batch. Results are in input order.
+    /// Scores all `requests`, up to `batch_size` (and the token cap) at a
+    /// time, longest inputs first so that a batch holds similar lengths
+    /// (little padding); `progress` gets the number of scored tokens after
+    /// each batch. Results are in input order.
     pub fn score_all(
         &self,
         requests: &[Request],
@@ -260,7 +272,13 @@ impl<'m> Scorer<'m> {
             };
             requests.len()
         ];
-        for chunk in order.chunks(batch_size) {
+        let mut at = 0;
+        while at < order.len() {
+            // Sorted longest first: the chunk's first input sets its padded length.
+            let padded = len(&requests[order[at]]).saturating_sub(1).max(1);
+            let fit = (self.batch_tokens / padded).clamp(1, batch_size);
+            let chunk = &order[at..(at + fit).min(order.len())];
+            at += chunk.len();
             let batch: Vec<&Request> = chunk.iter().map(|&i| &requests[i]).collect();
             let scored = self.score_batch(&batch)?;
             for (&i, s) in chunk.iter().zip(scored) {

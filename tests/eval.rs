@@ -2,7 +2,7 @@
 //! lm-evaluation-harness's rules, checked by brute force on a tiny random
 //! model with a 16-token context (so documents span several windows).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use candle_core::{DType, Device, Tensor};
@@ -152,6 +152,11 @@ fn tiny_model_dir(dir: &Path) {
     cfg.proj_tokens = 20;
     cfg.ffn_tokens = 48;
     cfg.max_position_embeddings = MAX_POS;
+    random_model_dir(dir, &cfg);
+}
+
+/// Writes random weights for `cfg` (scales keep activations in a sane range).
+fn random_model_dir(dir: &Path, cfg: &Config) {
     let d = cfg.hidden_size;
     let mut t = Tensors::new();
     let mut seed = 1;
@@ -312,7 +317,8 @@ fn opts(method: Method, batch: usize) -> PileOptions {
 }
 
 fn run(f: &Fixture, path: &Path, o: &PileOptions) -> tokenformer::Result<PileTotals> {
-    let scorer = Scorer::new(&f.model, None)?;
+    // No token cap: `batch` windows of mixed lengths really share a padded pass.
+    let scorer = Scorer::new(&f.model, None)?.with_batch_tokens(1 << 20);
     pile::evaluate(&scorer, &f.tok, path, o, |_| {})
 }
 
@@ -609,6 +615,72 @@ fn bad_input_is_reported() {
     assert!(run(&f, &write("ok.jsonl", good.as_bytes()), &so).is_err());
 }
 
+/// Not a test: writes a random full-size TokenFormer-150M folder to
+/// $TOKENFORMER_BENCH_DIR for timing `eval pile` (`cargo test --release
+/// --test eval -- --ignored write_random_150m`).
+#[test]
+#[ignore]
+fn write_random_150m() {
+    let dir =
+        PathBuf::from(std::env::var("TOKENFORMER_BENCH_DIR").expect("set TOKENFORMER_BENCH_DIR"));
+    std::fs::create_dir_all(&dir).unwrap();
+    random_model_dir(&dir, &Config::released(12, 768, 12));
+}
+
+/// The scoring core on the official-format fixture reproduces PyTorch's
+/// per-token log-probs and greedy argmax (expected.json), in one padded batch.
+#[test]
+fn scorer_matches_official_reference() {
+    let files = loader::locate(
+        "tests/fixtures/official-lm-tiny/pytorch_model.bin",
+        &LocateOptions::default(),
+    )
+    .unwrap();
+    let model = loader::load_lm(&files, &Device::Cpu).unwrap();
+    let e: Value = serde_json::from_str(
+        &std::fs::read_to_string("tests/fixtures/official-lm-tiny/expected.json").unwrap(),
+    )
+    .unwrap();
+    let ids: Vec<u32> = e["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let lp: Vec<f64> = e["next_token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let argmax: Vec<u32> = e["argmax"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let scorer = Scorer::new(&model, None).unwrap().with_greedy(true);
+    // Each request scores token k+1.. of a prefix; a short one pads the batch.
+    let reqs: Vec<Request> = [5usize, 20, ids.len() - 1, 1]
+        .iter()
+        .map(|&k| req(&ids[..k], &ids[k..(k + 7).min(ids.len())]))
+        .collect();
+    let refs: Vec<&Request> = reqs.iter().collect();
+    let got = scorer.score_batch(&refs).unwrap();
+    for (r, g) in reqs.iter().zip(&got) {
+        let k = r.context.len();
+        let expect: f64 = lp[k - 1..k - 1 + r.continuation.len()].iter().sum();
+        assert!(close(g.logprob, expect, 1e-4), "{} vs {expect}", g.logprob);
+        let greedy = (k..k + r.continuation.len()).all(|j| argmax[j - 1] == ids[j]);
+        assert_eq!(g.is_greedy, greedy);
+    }
+    // A continuation equal to the greedy path is greedy.
+    let g = scorer
+        .score_batch(&[&req(&ids[..10], &[argmax[9]])])
+        .unwrap();
+    assert!(g[0].is_greedy);
+}
+
 // ---------- tasks ----------
 
 fn ex(task: Task, line: &str) -> tasks::Example {
@@ -720,6 +792,12 @@ fn encode_pair_like_harness() {
     assert_eq!([r.context.clone(), r.continuation.clone()].concat(), whole);
     // Empty context: the prefix token.
     let r = encode_pair(&tok, 0, "", " alone").unwrap();
+    assert_eq!(
+        (r.context, r.continuation),
+        (vec![0], encode(&tok, " alone"))
+    );
+    // A whitespace-only context counts as empty; its spaces join the continuation.
+    let r = encode_pair(&tok, 0, " ", "alone").unwrap();
     assert_eq!(
         (r.context, r.continuation),
         (vec![0], encode(&tok, " alone"))

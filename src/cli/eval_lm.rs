@@ -50,8 +50,11 @@ pub struct PileArgs {
     #[arg(long)]
     pub max_length: Option<usize>,
     /// Windows per forward pass (from many documents; results do not depend on it).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 8)]
     pub batch_size: usize,
+    /// At most this many (padded) tokens per forward pass (default: the window length).
+    #[arg(long)]
+    pub max_batch_tokens: Option<usize>,
     /// Only documents with this meta.pile_set_name (e.g. "Pile-CC", "ArXiv").
     #[arg(long)]
     pub subset: Option<String>,
@@ -102,6 +105,9 @@ pub struct TasksArgs {
     /// Requests per forward pass.
     #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
+    /// At most this many (padded) tokens per forward pass (default: 2048).
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: usize,
     /// Only the first N documents.
     #[arg(long)]
     pub limit: Option<usize>,
@@ -160,6 +166,7 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
     let model = loader::load_lm(&files, &Device::Cpu)?;
     let scorer = Scorer::new(&model, a.max_length)?;
     let max_len = scorer.max_length();
+    let scorer = scorer.with_batch_tokens(a.max_batch_tokens.unwrap_or(max_len));
     let method = match a.method {
         MethodArg::Rolling => Method::Rolling,
         MethodArg::Strided => Method::Strided {
@@ -212,8 +219,18 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
     Ok(())
 }
 
+/// Four decimals, or scientific notation for the huge perplexities of untrained models.
 fn fmt_opt(x: Option<f64>) -> String {
-    x.map_or_else(|| "-".into(), |v| format!("{v:.4}"))
+    x.map_or_else(
+        || "-".into(),
+        |v| {
+            if v.abs() < 1e6 {
+                format!("{v:.4}")
+            } else {
+                format!("{v:.3e}")
+            }
+        },
+    )
 }
 
 fn print_pile(r: &PileReport) {
@@ -281,7 +298,9 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
     let files = a.model.locate()?;
     let tokenizer = loader::load_tokenizer(&files)?;
     let model = loader::load_lm(&files, &Device::Cpu)?;
-    let scorer = Scorer::new(&model, a.max_length)?.with_greedy(a.task == Task::Lambada);
+    let scorer = Scorer::new(&model, a.max_length)?
+        .with_greedy(a.task == Task::Lambada)
+        .with_batch_tokens(a.max_batch_tokens);
     let opts = TaskOptions {
         batch_size: a.batch_size.max(1),
         limit: a.limit,

@@ -325,8 +325,10 @@ pub fn encode_pair(
     context: &str,
     continuation: &str,
 ) -> Result<Request> {
-    if context.is_empty() {
-        let cont = encode(tok, continuation)?;
+    // A whitespace-only context has no tokens: treated as empty (the
+    // harness would score from no context at all, which a causal LM cannot).
+    if context.trim_end_matches(py_isspace).is_empty() {
+        let cont = encode(tok, &format!("{context}{continuation}"))?;
         return Ok(if cont.first() == Some(&prefix) {
             Request {
                 context: cont[..1].to_vec(),
