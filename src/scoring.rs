@@ -95,8 +95,9 @@ pub struct Loglikelihood {
 }
 
 /// Output-layer rows per chunk: bounds the logits buffer to rows × vocab floats
-/// (≈100 MB for the GPT-NeoX vocabulary) whatever the batch.
-const HEAD_ROWS: usize = 512;
+/// whatever the batch; 128 × 50k floats (26 MB) stays under glibc's mmap
+/// threshold, so the buffer is reused instead of page-faulted in each time.
+const HEAD_ROWS: usize = 128;
 
 /// The batched scoring core over one model.
 pub struct Scorer<'m> {
