@@ -32,7 +32,7 @@ enum Command {
     Zoo(cli::zoo::ZooCommand),
     /// Top-5 ImageNet classes and probabilities of images.
     Classify(cli::vision::ClassifyArgs),
-    /// Benchmark evaluations.
+    /// Evaluate: Pile perplexity, zero-shot tasks, ImageNet, merging shard results.
     #[command(subcommand)]
     Eval(EvalCommand),
 }
@@ -41,6 +41,12 @@ enum Command {
 enum EvalCommand {
     /// Top-1/top-5 of an image classifier on an ImageNet-style folder (timm eval preprocessing).
     Imagenet(cli::vision::ImagenetArgs),
+    /// Perplexity of documents (the Pile's val/test.jsonl.zst, .jsonl, .txt), overall and per subset.
+    Pile(cli::eval_lm::PileArgs),
+    /// Zero-shot accuracy on lambada, hellaswag, piqa, arc_easy, arc_challenge or winogrande.
+    Tasks(cli::eval_lm::TasksArgs),
+    /// Combine the --json results of --shard runs into those of one whole run.
+    Merge(cli::eval_lm::MergeArgs),
 }
 
 fn main() {
@@ -61,6 +67,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(a) => cli::bench::run(a),
         Command::Classify(a) => cli::vision::classify_cmd(a),
         Command::Eval(EvalCommand::Imagenet(a)) => cli::vision::imagenet_cmd(a),
+        Command::Eval(EvalCommand::Pile(a)) => cli::eval_lm::pile_cmd(a),
+        Command::Eval(EvalCommand::Tasks(a)) => cli::eval_lm::tasks_cmd(a),
+        Command::Eval(EvalCommand::Merge(a)) => cli::eval_lm::merge_cmd(a),
     }
 }
 

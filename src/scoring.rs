@@ -1,11 +1,21 @@
-//! Log-likelihood scoring: per-position log p(next token), used by `score`
-//! and (batched) by the evaluation commands.
+//! Log-likelihood scoring: per-position log p(next token) of one sequence
+//! (`tokenformer score`), and the batched scoring core of the evaluations:
+//! log p(continuation | context) for many (context, continuation) token pairs,
+//! with lm-evaluation-harness's truncation and greedy check
+//! (<https://github.com/EleutherAI/lm-evaluation-harness>, `HFLM._loglikelihood_tokens`).
+//!
+//! Batches are right-padded: under the causal mask a real token never attends
+//! to a later (pad) position, so padding cannot change a score. Only the scored
+//! positions go through the output layer, in row chunks, and their
+//! log-softmax is reduced to the target's value (and argmax) without
+//! materialising a log-probability tensor.
 
-use candle_core::{Tensor, D};
+use candle_core::{DType, Storage, Tensor, D};
+use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::models::tokenformer::TokenFormerLm;
+use crate::models::tokenformer::{AttentionMode, Rotary, TokenFormerLm};
 
 /// Per-position scores of one sequence of ids.
 #[derive(Clone, Debug, Serialize)]
@@ -68,4 +78,256 @@ pub fn logsumexp(x: &Tensor) -> Result<Tensor> {
         .sum_keepdim(D::Minus1)?
         .log()?;
     Ok((s + max)?.squeeze(D::Minus1)?)
+}
+
+/// One scoring request in tokens, as the harness's `(context_enc, continuation_enc)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub context: Vec<u32>,
+    pub continuation: Vec<u32>,
+}
+
+/// log p(continuation | context) and whether greedy decoding would produce it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Loglikelihood {
+    pub logprob: f64,
+    /// Every continuation token is the argmax (first index on ties, as torch).
+    pub is_greedy: bool,
+}
+
+/// Output-layer rows per chunk: bounds the logits buffer to rows × vocab floats
+/// whatever the batch; 128 × 50k floats (26 MB) stays under glibc's mmap
+/// threshold, so the buffer is reused instead of page-faulted in each time.
+const HEAD_ROWS: usize = 128;
+
+/// The batched scoring core over one model.
+pub struct Scorer<'m> {
+    model: &'m TokenFormerLm,
+    rotary: Rotary,
+    max_length: usize,
+    greedy: bool,
+    batch_tokens: usize,
+}
+
+impl<'m> Scorer<'m> {
+    /// `max_length` defaults to the model's maximum positions (the harness's
+    /// `max_length` for GPT-NeoX-style configs).
+    pub fn new(model: &'m TokenFormerLm, max_length: Option<usize>) -> Result<Self> {
+        let cfg = model.config();
+        let max = cfg.max_position_embeddings;
+        let max_length = max_length.unwrap_or(max);
+        if max_length == 0 || max_length > max {
+            return Err(Error::input(format!(
+                "max length {max_length} must be between 1 and the model's {max} positions"
+            )));
+        }
+        let rotary = Rotary::new(cfg.rotary_dims(), cfg.rotary_base, max, model.device())?;
+        Ok(Self {
+            model,
+            rotary,
+            max_length,
+            greedy: false,
+            batch_tokens: max_length,
+        })
+    }
+
+    /// Also compute `is_greedy` (costs one argmax per scored position).
+    pub fn with_greedy(mut self, greedy: bool) -> Self {
+        self.greedy = greedy;
+        self
+    }
+
+    /// Caps a batch at `tokens` padded input tokens (at least one request):
+    /// full-length windows go alone, short ones are packed. On CPU one
+    /// full window already fills the matmuls, and the attention buffers grow
+    /// with batch × length².
+    pub fn with_batch_tokens(mut self, tokens: usize) -> Self {
+        self.batch_tokens = tokens.max(1);
+        self
+    }
+
+    pub fn max_length(&self) -> usize {
+        self.max_length
+    }
+
+    pub fn model(&self) -> &TokenFormerLm {
+        self.model
+    }
+
+    /// The model input of a request: `(context + continuation)[-(L+1):][:-1]`,
+    /// the harness's left truncation; the continuation is its last positions.
+    pub fn model_input(&self, r: &Request) -> Result<Vec<u32>> {
+        if r.continuation.len() > self.max_length {
+            return Err(Error::input(format!(
+                "a continuation of {} tokens does not fit the maximum length {}",
+                r.continuation.len(),
+                self.max_length
+            )));
+        }
+        if r.context.is_empty() && !r.continuation.is_empty() {
+            return Err(Error::input(
+                "a request needs at least one context token (use the EOS id as prefix)",
+            ));
+        }
+        let total = r.context.len() + r.continuation.len();
+        let start = total.saturating_sub(self.max_length + 1);
+        Ok(r.context
+            .iter()
+            .chain(&r.continuation)
+            .skip(start)
+            .take(total - start - 1)
+            .copied()
+            .collect())
+    }
+
+    /// Scores `requests` in one padded forward pass.
+    pub fn score_batch(&self, requests: &[&Request]) -> Result<Vec<Loglikelihood>> {
+        let mut out = vec![
+            Loglikelihood {
+                logprob: 0.0,
+                is_greedy: true,
+            };
+            requests.len()
+        ];
+        let live: Vec<usize> = (0..requests.len())
+            .filter(|&i| !requests[i].continuation.is_empty())
+            .collect();
+        if live.is_empty() {
+            return Ok(out);
+        }
+        let inputs = live
+            .iter()
+            .map(|&i| self.model_input(requests[i]))
+            .collect::<Result<Vec<_>>>()?;
+        let t_max = inputs.iter().map(Vec::len).max().unwrap_or(0);
+        let b = inputs.len();
+        let mut ids = vec![0u32; b * t_max];
+        // Rows of the flattened [b·t, d] hidden states that predict a scored
+        // token, their targets, and the request each belongs to.
+        let mut rows = Vec::new();
+        let mut targets = Vec::new();
+        let mut owner = Vec::new();
+        for (k, (inp, &i)) in inputs.iter().zip(&live).enumerate() {
+            ids[k * t_max..k * t_max + inp.len()].copy_from_slice(inp);
+            let cont = &requests[i].continuation;
+            let first = inp.len() - cont.len();
+            for (j, &tok) in cont.iter().enumerate() {
+                rows.push((k * t_max + first + j) as u32);
+                targets.push(tok);
+                owner.push(k);
+            }
+        }
+        let dev = self.model.device();
+        let ids = Tensor::from_vec(ids, (b, t_max), dev)?;
+        let mut x = self.model.embed(&ids)?;
+        for layer in self.model.layers() {
+            let mode = AttentionMode::Causal {
+                rotary: &self.rotary,
+                offset: 0,
+                cache: None,
+            };
+            x = layer.forward(&x, mode)?;
+        }
+        let d = x.dim(D::Minus1)?;
+        let hidden = x.reshape((b * t_max, d))?;
+        let mut logprob = vec![0f64; b];
+        let mut greedy = vec![true; b];
+        for start in (0..rows.len()).step_by(HEAD_ROWS) {
+            let end = (start + HEAD_ROWS).min(rows.len());
+            let sel = Tensor::new(&rows[start..end], dev)?;
+            let h = hidden.index_select(&sel, 0)?.unsqueeze(0)?;
+            let logits = self.model.head(&h)?.squeeze(0)?.to_dtype(DType::F32)?;
+            let picked = target_logprobs(&logits, &targets[start..end], self.greedy)?;
+            for (r, (lp, is_max)) in picked.into_iter().enumerate() {
+                let k = owner[start + r];
+                logprob[k] += lp;
+                greedy[k] &= is_max;
+            }
+        }
+        for (k, &i) in live.iter().enumerate() {
+            out[i] = Loglikelihood {
+                logprob: logprob[k],
+                is_greedy: greedy[k],
+            };
+        }
+        Ok(out)
+    }
+
+    /// Scores all `requests`, up to `batch_size` (and the token cap) at a
+    /// time, longest inputs first so that a batch holds similar lengths
+    /// (little padding); `progress` gets the number of scored tokens after
+    /// each batch. Results are in input order.
+    pub fn score_all(
+        &self,
+        requests: &[Request],
+        batch_size: usize,
+        mut progress: impl FnMut(usize),
+    ) -> Result<Vec<Loglikelihood>> {
+        let batch_size = batch_size.max(1);
+        let mut order: Vec<usize> = (0..requests.len()).collect();
+        let len = |r: &Request| (r.context.len() + r.continuation.len()).min(self.max_length + 1);
+        order.sort_by_key(|&i| std::cmp::Reverse(len(&requests[i])));
+        let mut out = vec![
+            Loglikelihood {
+                logprob: 0.0,
+                is_greedy: true,
+            };
+            requests.len()
+        ];
+        let mut at = 0;
+        while at < order.len() {
+            // Sorted longest first: the chunk's first input sets its padded length.
+            let padded = len(&requests[order[at]]).saturating_sub(1).max(1);
+            let fit = (self.batch_tokens / padded).clamp(1, batch_size);
+            let chunk = &order[at..(at + fit).min(order.len())];
+            at += chunk.len();
+            let batch: Vec<&Request> = chunk.iter().map(|&i| &requests[i]).collect();
+            let scored = self.score_batch(&batch)?;
+            for (&i, s) in chunk.iter().zip(scored) {
+                out[i] = s;
+            }
+            progress(batch.iter().map(|r| r.continuation.len()).sum());
+        }
+        Ok(out)
+    }
+}
+
+/// For each row of `logits` [n, vocab]: log-softmax at the target and whether
+/// the target is the (first) argmax. f64 accumulation of the partition sum.
+fn target_logprobs(logits: &Tensor, targets: &[u32], greedy: bool) -> Result<Vec<(f64, bool)>> {
+    let (n, vocab) = logits.dims2()?;
+    let logits = logits.contiguous()?;
+    let compute = |data: &[f32]| -> Vec<(f64, bool)> {
+        data.par_chunks(vocab)
+            .zip(targets.par_iter())
+            .map(|(row, &t)| {
+                let mut max = f32::NEG_INFINITY;
+                let mut arg = 0usize;
+                for (j, &v) in row.iter().enumerate() {
+                    if v > max {
+                        max = v;
+                        arg = j;
+                    }
+                }
+                let sum: f64 = row.iter().map(|&v| (v - max).exp() as f64).sum();
+                let lp = (row[t as usize] - max) as f64 - sum.ln();
+                let is_max = !greedy || arg == t as usize;
+                (lp, is_max)
+            })
+            .collect()
+    };
+    if let Some(&bad) = targets.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::input(format!(
+            "token id {bad} is outside the vocabulary (size {vocab})"
+        )));
+    }
+    let (storage, layout) = logits.storage_and_layout();
+    if let (Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+        let data = &cpu.as_slice::<f32>()?[a..b];
+        debug_assert_eq!(data.len(), n * vocab);
+        return Ok(compute(data));
+    }
+    drop(storage);
+    let data = logits.flatten_all()?.to_vec1::<f32>()?;
+    Ok(compute(&data))
 }

@@ -1,1 +1,405 @@
-//! Placeholder: filled in by its issue.
+//! `tokenformer eval pile | tasks | merge`: language-model evaluation with
+//! lm-evaluation-harness's methods
+//! (<https://github.com/EleutherAI/lm-evaluation-harness>) and Hugging Face's
+//! strided perplexity (<https://huggingface.co/docs/transformers/perplexity>).
+//! The methods live in `tokenformer::eval`; this is arguments, progress and
+//! output.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::Value;
+use tokenformer::eval::pile::{self, Method, PileOptions, PileReport, RunInfo, Shard};
+use tokenformer::eval::tasks::{self, Task, TaskOptions, TaskReport};
+use tokenformer::loader;
+use tokenformer::scoring::Scorer;
+
+use super::ModelArgs;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum MethodArg {
+    /// lm-evaluation-harness `loglikelihood_rolling`: disjoint windows, every token scored once.
+    Rolling,
+    /// Hugging Face's fixed-length strided windows (no prefix token).
+    Strided,
+}
+
+#[derive(Args, Debug)]
+#[command(
+    after_help = "JSONL lines are {\"text\": ..., \"meta\": {\"pile_set_name\": ...}} (meta optional); \
+a .txt (or .txt.zst) file is one document. Perplexities are corpus-level: \
+word_perplexity = exp(-Σll/Σwords), words = len(re.split(r\"\\s+\", text)); byte_perplexity and \
+bits_per_byte over UTF-8 bytes; token_perplexity over scored tokens."
+)]
+pub struct PileArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The Pile's val/test.jsonl.zst, or any .jsonl, .jsonl.zst or .txt file (streamed).
+    #[arg(long)]
+    pub data: PathBuf,
+    #[arg(long, value_enum, default_value = "rolling")]
+    pub method: MethodArg,
+    /// Strided: tokens between window starts (default 512, at most the window length).
+    #[arg(long)]
+    pub stride: Option<usize>,
+    /// Window length in tokens (default: the model's maximum positions).
+    #[arg(long)]
+    pub max_length: Option<usize>,
+    /// Windows per forward pass (from many documents; results do not depend on it).
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: usize,
+    /// At most this many (padded) tokens per forward pass (default: the window length).
+    #[arg(long)]
+    pub max_batch_tokens: Option<usize>,
+    /// Only documents with this meta.pile_set_name (e.g. "Pile-CC", "ArXiv").
+    #[arg(long)]
+    pub subset: Option<String>,
+    /// Only the first N (selected) documents.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Evaluate the deterministic I-th of N parts of the documents (I/N, 0-based); combine with `eval merge`.
+    #[arg(long)]
+    pub shard: Option<Shard>,
+    /// Skip and count malformed lines (bad JSON, no text, invalid UTF-8) instead of failing.
+    #[arg(long)]
+    pub skip_bad: bool,
+    /// Write every number to this JSON file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+fn tasks_help() -> String {
+    let mut s =
+        String::from("Expected JSONL fields per task (original release or Hugging Face export):\n");
+    for t in Task::ALL {
+        s.push_str(&format!("  {:<14} {}\n", t.name(), t.fields()));
+    }
+    s.push_str(
+        "Metrics as lm-evaluation-harness: acc (argmax of summed log-likelihood of \" \" + choice), \
+acc_norm (divided by the choice's characters), their standard errors; lambada: acc (greedy target) and perplexity.",
+    );
+    s
+}
+
+#[derive(Args, Debug)]
+#[command(after_help = tasks_help())]
+pub struct TasksArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// lambada, hellaswag, piqa, arc_easy, arc_challenge or winogrande.
+    #[arg(long)]
+    pub task: Task,
+    /// The task's JSONL file (.jsonl or .jsonl.zst).
+    #[arg(long)]
+    pub data: PathBuf,
+    /// PIQA: the answers file (valid-labels.lst, one 0/1 per line) when lines have no "label".
+    #[arg(long)]
+    pub labels: Option<PathBuf>,
+    /// Maximum tokens per input (default: the model's maximum positions); longer inputs lose their left side.
+    #[arg(long)]
+    pub max_length: Option<usize>,
+    /// Requests per forward pass.
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+    /// At most this many (padded) tokens per forward pass (default: 2048).
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// Only the first N documents.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Evaluate the deterministic I-th of N parts of the documents (I/N); combine with `eval merge`.
+    #[arg(long)]
+    pub shard: Option<Shard>,
+    /// Skip and count malformed lines instead of failing.
+    #[arg(long)]
+    pub skip_bad: bool,
+    /// Write every number to this JSON file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct MergeArgs {
+    /// `--json` results of `eval pile`/`eval tasks` (or ImageNet) shard runs.
+    #[arg(required = true, num_args = 1..)]
+    pub results: Vec<PathBuf>,
+    /// Write the merged result to this JSON file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// The data file's sha256, hashed on another thread while the model runs.
+fn spawn_sha256(path: &Path) -> std::thread::JoinHandle<tokenformer::Result<String>> {
+    let p = path.to_path_buf();
+    std::thread::spawn(move || pile::sha256_file(&p))
+}
+
+fn progress_bar(len: u64, unit: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template(&format!(
+            "{{elapsed_precise}} [{{bar:30}}] {{percent:>3}}% {unit} {{msg}} ETA {{eta}}"
+        ))
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    pb.enable_steady_tick(Duration::from_millis(500));
+    pb
+}
+
+fn write_json(path: &Path, v: &impl serde::Serialize) -> Result<()> {
+    let text = serde_json::to_string_pretty(v)?;
+    std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
+}
+
+pub fn pile_cmd(a: PileArgs) -> Result<()> {
+    if !a.data.exists() {
+        bail!("{}: no such file", a.data.display());
+    }
+    let sha = spawn_sha256(&a.data);
+    let files = a.model.locate()?;
+    let tokenizer = loader::load_tokenizer(&files)?;
+    let model = loader::load_lm(&files, &Device::Cpu)?;
+    let scorer = Scorer::new(&model, a.max_length)?;
+    let max_len = scorer.max_length();
+    let scorer = scorer.with_batch_tokens(a.max_batch_tokens.unwrap_or(max_len));
+    let method = match a.method {
+        MethodArg::Rolling => Method::Rolling,
+        MethodArg::Strided => Method::Strided {
+            stride: a.stride.unwrap_or(512.min(max_len)),
+        },
+    };
+    let opts = PileOptions {
+        method,
+        batch_size: a.batch_size.max(1),
+        subset: a.subset.clone(),
+        limit: a.limit,
+        shard: a.shard.unwrap_or(Shard::WHOLE),
+        skip_bad: a.skip_bad,
+        prefix_token: model.config().eos_token_id,
+    };
+    let by_docs = a.limit.map(|l| l.div_ceil(opts.shard.count) as u64);
+    let pb = progress_bar(
+        by_docs.unwrap_or(std::fs::metadata(&a.data)?.len()),
+        if by_docs.is_some() { "docs" } else { "of file" },
+    );
+    let start = Instant::now();
+    let totals = pile::evaluate(&scorer, &tokenizer, &a.data, &opts, |p| {
+        pb.set_position(if by_docs.is_some() {
+            p.documents
+        } else {
+            p.file_position
+        });
+        let secs = start.elapsed().as_secs_f64().max(1e-9);
+        pb.set_message(format!(
+            "{} docs, {} tokens, {:.0} tok/s",
+            p.documents,
+            p.tokens,
+            p.tokens as f64 / secs
+        ));
+    })?;
+    let elapsed = start.elapsed().as_secs_f64();
+    pb.finish_and_clear();
+    let info = RunInfo {
+        model: files.source.clone(),
+        data: a.data.display().to_string(),
+        data_sha256: sha.join().expect("sha256 thread")?,
+        max_length: max_len,
+        elapsed_seconds: elapsed,
+    };
+    let report = PileReport::new(info, &opts, &totals);
+    print_pile(&report);
+    if let Some(p) = &a.json {
+        write_json(p, &report)?;
+    }
+    Ok(())
+}
+
+/// Four decimals, or scientific notation for the huge perplexities of untrained models.
+fn fmt_opt(x: Option<f64>) -> String {
+    x.map_or_else(
+        || "-".into(),
+        |v| {
+            if v.abs() < 1e6 {
+                format!("{v:.4}")
+            } else {
+                format!("{v:.3e}")
+            }
+        },
+    )
+}
+
+fn print_pile(r: &PileReport) {
+    println!(
+        "{} on {} (method {}, max_length {}{}{})",
+        r.model,
+        r.data,
+        r.method,
+        r.max_length,
+        r.stride
+            .map(|s| format!(", stride {s}"))
+            .unwrap_or_default(),
+        r.shard
+            .as_ref()
+            .map(|s| format!(", shard {s}"))
+            .unwrap_or_default(),
+    );
+    println!(
+        "{:<22} {:>8} {:>12} {:>11} {:>12} {:>11} {:>11} {:>9} {:>10}",
+        "subset", "docs", "tokens", "words", "bytes", "word_ppl", "byte_ppl", "bpb", "token_ppl"
+    );
+    let row = |name: &str, m: &pile::Metrics| {
+        println!(
+            "{:<22} {:>8} {:>12} {:>11} {:>12} {:>11} {:>11} {:>9} {:>10}",
+            name,
+            m.counts.documents,
+            m.counts.tokens,
+            m.counts.words,
+            m.counts.bytes,
+            fmt_opt(m.word_perplexity),
+            fmt_opt(m.byte_perplexity),
+            fmt_opt(m.bits_per_byte),
+            fmt_opt(m.token_perplexity)
+        )
+    };
+    for (k, m) in &r.subsets {
+        row(k, m);
+    }
+    row("overall", &r.metrics);
+    if r.skipped_lines > 0 {
+        println!("skipped {} bad line(s)", r.skipped_lines);
+    }
+    println!(
+        "loglikelihood {:.4}  elapsed {:.1}s  {:.1} tokens/s",
+        r.metrics.counts.loglikelihood, r.elapsed_seconds, r.tokens_per_second
+    );
+}
+
+pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
+    if !a.data.exists() {
+        bail!("{}: no such file", a.data.display());
+    }
+    let sha = spawn_sha256(&a.data);
+    let labels = match &a.labels {
+        Some(p) => Some(
+            std::fs::read_to_string(p)
+                .with_context(|| format!("reading {}", p.display()))?
+                .lines()
+                .map(|l| l.trim().to_string())
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>(),
+        ),
+        None => None,
+    };
+    let files = a.model.locate()?;
+    let tokenizer = loader::load_tokenizer(&files)?;
+    let model = loader::load_lm(&files, &Device::Cpu)?;
+    let scorer = Scorer::new(&model, a.max_length)?
+        .with_greedy(a.task == Task::Lambada)
+        .with_batch_tokens(a.max_batch_tokens);
+    let opts = TaskOptions {
+        batch_size: a.batch_size.max(1),
+        limit: a.limit,
+        shard: a.shard.unwrap_or(Shard::WHOLE),
+        skip_bad: a.skip_bad,
+        prefix_token: model.config().eos_token_id,
+    };
+    let pb = progress_bar(0, "tokens");
+    let start = Instant::now();
+    let counts = tasks::evaluate(
+        &scorer,
+        &tokenizer,
+        a.task,
+        &a.data,
+        labels.as_deref(),
+        &opts,
+        |done, total| {
+            pb.set_length(total);
+            pb.set_position(done);
+            let secs = start.elapsed().as_secs_f64().max(1e-9);
+            pb.set_message(format!("{:.0} tok/s", done as f64 / secs));
+        },
+    )?;
+    pb.finish_and_clear();
+    let mut report = TaskReport {
+        kind: TaskReport::KIND.into(),
+        task: a.task.name().into(),
+        model: files.source.clone(),
+        data: a.data.display().to_string(),
+        data_sha256: sha.join().expect("sha256 thread")?,
+        labels: a.labels.as_ref().map(|p| p.display().to_string()),
+        max_length: scorer.max_length(),
+        limit: a.limit,
+        shard: a.shard.map(|s| s.to_string()),
+        merged_shards: None,
+        batch_size: opts.batch_size,
+        counts: Default::default(),
+        acc: None,
+        acc_stderr: None,
+        acc_norm: None,
+        acc_norm_stderr: None,
+        perplexity: None,
+        elapsed_seconds: start.elapsed().as_secs_f64(),
+    };
+    report.set_counts(a.task, counts);
+    print_task(&report);
+    if let Some(p) = &a.json {
+        write_json(p, &report)?;
+    }
+    Ok(())
+}
+
+fn print_task(r: &TaskReport) {
+    let pm = |v: Option<f64>, e: Option<f64>| match (v, e) {
+        (Some(v), Some(e)) => format!("{v:.4} ± {e:.4}"),
+        (Some(v), None) => format!("{v:.4}"),
+        _ => "-".into(),
+    };
+    println!(
+        "{} on {} ({} documents{})",
+        r.task,
+        r.model,
+        r.counts.documents,
+        r.shard
+            .as_ref()
+            .map(|s| format!(", shard {s}"))
+            .unwrap_or_default()
+    );
+    println!("  acc        {}", pm(r.acc, r.acc_stderr));
+    if r.acc_norm.is_some() {
+        println!("  acc_norm   {}", pm(r.acc_norm, r.acc_norm_stderr));
+    }
+    if let Some(p) = r.perplexity {
+        println!("  perplexity {p:.4}");
+    }
+    if r.counts.skipped_lines > 0 {
+        println!("  skipped {} bad line(s)", r.counts.skipped_lines);
+    }
+}
+
+pub fn merge_cmd(a: MergeArgs) -> Result<()> {
+    let parts = a
+        .results
+        .iter()
+        .map(|p| {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            serde_json::from_str::<Value>(&text)
+                .with_context(|| format!("{}: not JSON", p.display()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let merged = tokenformer::eval::merge::merge_results(&parts)?;
+    match merged.get("kind").and_then(Value::as_str) {
+        Some(PileReport::KIND) => print_pile(&serde_json::from_value(merged.clone())?),
+        Some(TaskReport::KIND) => print_task(&serde_json::from_value(merged.clone())?),
+        _ => println!("{}", serde_json::to_string_pretty(&merged)?),
+    }
+    if let Some(p) = &a.json {
+        write_json(p, &merged)?;
+    }
+    Ok(())
+}

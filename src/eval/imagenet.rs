@@ -290,6 +290,17 @@ pub fn merge_results(parts: &[Value]) -> Result<Value> {
             shards.push(s);
         }
     }
+    // Like the Pile merge: the result must be that of one whole run.
+    if let Some(Some(n)) = &shard_count {
+        let expected: usize = n.parse().unwrap_or(0);
+        if shards.len() != expected {
+            return Err(Error::input(format!(
+                "{} of {n} shards given ({}): all of them are needed for the whole run",
+                shards.len(),
+                shards.join(", ")
+            )));
+        }
+    }
     let sum = |f: fn(&ImagenetResult) -> usize| parts.iter().map(f).sum::<usize>();
     let images = sum(|p| p.images);
     let (c1, c5) = (sum(|p| p.correct_top1), sum(|p| p.correct_top5));

@@ -1,3 +1,8 @@
-//! Evaluations of the models on benchmark data; each returns a serde result
-//! that `tokenformer eval merge` can combine across `--shard`s.
+//! Evaluations: Pile perplexity, the zero-shot language tasks, ImageNet
+//! top-1/top-5, and merging the results of `--shard` runs. Each returns a
+//! serde result with a `kind` that `tokenformer eval merge` dispatches on.
+
 pub mod imagenet;
+pub mod merge;
+pub mod pile;
+pub mod tasks;

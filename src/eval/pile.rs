@@ -1,0 +1,699 @@
+//! Corpus perplexity of documents (the Pile's `val/test.jsonl.zst`, any
+//! `.jsonl[.zst]`, or a `.txt` as one document), streamed line by line.
+//!
+//! Methods follow lm-evaluation-harness exactly
+//! (<https://github.com/EleutherAI/lm-evaluation-harness>): `rolling` is
+//! `loglikelihood_rolling` = `get_rolling_token_windows(context_len=1)` +
+//! `make_disjoint_window`, with the EOS id as prefix token; the metrics are its
+//! perplexity-task aggregations (`weighted_perplexity` over words and bytes,
+//! `bits_per_byte`; words = `len(re.split(r"\s+", text))`). `strided` is Hugging
+//! Face's "Perplexity of fixed-length models"
+//! (<https://huggingface.co/docs/transformers/perplexity>), per document.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+use crate::scoring::{Request, Scorer};
+
+/// Python's `str.isspace()`, which is what `\s` matches in a `re` str
+/// pattern; wider than Unicode White_Space by U+001C..U+001F.
+pub fn py_isspace(c: char) -> bool {
+    matches!(
+        c,
+        '\t'..='\r'
+            | '\u{1c}'..='\u{1f}'
+            | ' '
+            | '\u{85}'
+            | '\u{a0}'
+            | '\u{1680}'
+            | '\u{2000}'..='\u{200a}'
+            | '\u{2028}'
+            | '\u{2029}'
+            | '\u{202f}'
+            | '\u{205f}'
+            | '\u{3000}'
+    )
+}
+
+/// `len(re.split(r"\s+", text))`: one more piece than whitespace runs, so
+/// leading/trailing whitespace adds an empty piece and "" counts 1.
+pub fn count_words(text: &str) -> u64 {
+    let mut runs = 0u64;
+    let mut in_space = false;
+    for c in text.chars() {
+        let s = py_isspace(c);
+        if s && !in_space {
+            runs += 1;
+        }
+        in_space = s;
+    }
+    runs + 1
+}
+
+/// How documents longer than one window are scored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Method {
+    /// Disjoint windows, every token scored once (the harness).
+    Rolling,
+    /// Windows every `stride` tokens, no prefix token (Hugging Face's guide).
+    Strided { stride: usize },
+}
+
+impl Method {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Method::Rolling => "rolling",
+            Method::Strided { .. } => "strided",
+        }
+    }
+}
+
+/// The harness's rolling windows as disjoint (context, continuation) pairs:
+/// the first `max_len` tokens given `[prefix]`, then each next `max_len` tokens
+/// given the one preceding token, the last partial window right-aligned to a
+/// full `max_len` input (its extra tokens become context).
+pub fn rolling_windows(tokens: &[u32], prefix: u32, max_len: usize) -> Vec<Request> {
+    assert!(max_len >= 1, "max_len must be positive");
+    let n = tokens.len();
+    let mut out = Vec::with_capacity(n.div_ceil(max_len));
+    if n == 0 {
+        return out;
+    }
+    let first = max_len.min(n);
+    out.push(Request {
+        context: vec![prefix],
+        continuation: tokens[..first].to_vec(),
+    });
+    let mut predicted = first;
+    while predicted < n {
+        let len = (n - predicted).min(max_len);
+        let end = predicted + len;
+        // Input tokens[end-max_len-1 .. end-1]; disjoint: context ends at end-len.
+        out.push(Request {
+            context: tokens[end - max_len - 1..end - len].to_vec(),
+            continuation: tokens[end - len..end].to_vec(),
+        });
+        predicted += len;
+    }
+    out
+}
+
+/// Hugging Face's strided windows: inputs `tokens[begin..begin+max_len]` for
+/// begin = 0, S, 2S, ... until one reaches the end; each scores its tokens
+/// after the previous window's end (never its own first token).
+pub fn strided_windows(tokens: &[u32], max_len: usize, stride: usize) -> Vec<Request> {
+    assert!(
+        max_len >= 1 && (1..=max_len).contains(&stride),
+        "1 <= stride <= max_len"
+    );
+    let n = tokens.len();
+    let mut out = Vec::new();
+    let mut prev_end = 0;
+    let mut begin = 0;
+    while begin < n {
+        let end = (begin + max_len).min(n);
+        let first_scored = prev_end.max(begin + 1);
+        if first_scored < end {
+            out.push(Request {
+                context: tokens[begin..first_scored].to_vec(),
+                continuation: tokens[first_scored..end].to_vec(),
+            });
+        }
+        prev_end = end;
+        if end == n {
+            break;
+        }
+        begin += stride;
+    }
+    out
+}
+
+/// `--shard I/N`: the documents whose index among the selected ones is I mod N.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shard {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl Shard {
+    pub const WHOLE: Shard = Shard { index: 0, count: 1 };
+    pub fn owns(&self, k: usize) -> bool {
+        k % self.count == self.index
+    }
+}
+
+impl std::str::FromStr for Shard {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let bad = || format!("shard `{s}` is not I/N with 0 <= I < N (e.g. 0/4)");
+        let (i, n) = s.split_once('/').ok_or_else(bad)?;
+        let (index, count): (usize, usize) = (
+            i.trim().parse().map_err(|_| bad())?,
+            n.trim().parse().map_err(|_| bad())?,
+        );
+        if count == 0 || index >= count {
+            return Err(bad());
+        }
+        Ok(Shard { index, count })
+    }
+}
+
+impl std::fmt::Display for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.index, self.count)
+    }
+}
+
+/// Counts a reader's compressed input position (for progress and ETA).
+struct Counting<R> {
+    inner: R,
+    read: Arc<AtomicU64>,
+}
+
+impl<R: Read> Read for Counting<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.read.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// A data file opened for streaming: decompressed if `.zst`.
+pub struct DataFile {
+    pub path: PathBuf,
+    pub reader: Box<dyn BufRead + Send>,
+    /// Bytes of the file (compressed) read so far.
+    pub position: Arc<AtomicU64>,
+    /// The file's size in bytes.
+    pub size: u64,
+    /// `.txt` (or `.txt.zst`): the whole file is one document.
+    pub is_text: bool,
+}
+
+impl DataFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let size = file.metadata().map_err(|e| Error::io(path, e))?.len();
+        let position = Arc::new(AtomicU64::new(0));
+        let counting = Counting {
+            inner: file,
+            read: position.clone(),
+        };
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_lowercase())
+            .unwrap_or_default();
+        let (stem, zst) = match name.strip_suffix(".zst") {
+            Some(s) => (s.to_string(), true),
+            None => (name.clone(), false),
+        };
+        let reader: Box<dyn BufRead + Send> = if zst {
+            let dec = zstd::Decoder::new(counting).map_err(|e| Error::io(path, e))?;
+            Box::new(BufReader::with_capacity(1 << 20, dec))
+        } else {
+            Box::new(BufReader::with_capacity(1 << 20, counting))
+        };
+        Ok(Self {
+            path: path.to_path_buf(),
+            reader,
+            position,
+            size,
+            is_text: stem.ends_with(".txt"),
+        })
+    }
+}
+
+/// One non-blank line of a JSON-lines file: its 1-based number and either the
+/// parsed value or why it is bad (invalid UTF-8, malformed JSON).
+pub type Line = (usize, std::result::Result<Value, String>);
+
+/// Iterates the non-blank lines of a JSON-lines stream; I/O and decompression
+/// failures are errors, bad lines are reported to the caller.
+pub struct JsonLines {
+    file: DataFile,
+    line: usize,
+    buf: Vec<u8>,
+}
+
+impl JsonLines {
+    pub fn new(file: DataFile) -> Self {
+        Self {
+            file,
+            line: 0,
+            buf: Vec::new(),
+        }
+    }
+    pub fn position(&self) -> Arc<AtomicU64> {
+        self.file.position.clone()
+    }
+}
+
+impl Iterator for JsonLines {
+    type Item = Result<Line>;
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            self.buf.clear();
+            match self.file.reader.read_until(b'\n', &mut self.buf) {
+                Ok(0) => return None,
+                Ok(_) => {}
+                Err(e) => return Some(Err(Error::io(&self.file.path, e))),
+            }
+            self.line += 1;
+            let text = match std::str::from_utf8(&self.buf) {
+                Ok(t) => t,
+                Err(e) => {
+                    let msg = format!("invalid UTF-8 at byte {} of the line", e.valid_up_to());
+                    return Some(Ok((self.line, Err(msg))));
+                }
+            };
+            if text.trim().is_empty() {
+                continue;
+            }
+            let parsed =
+                serde_json::from_str::<Value>(text).map_err(|e| format!("malformed JSON: {e}"));
+            return Some(Ok((self.line, parsed)));
+        }
+    }
+}
+
+/// Scored log-likelihood and the sizes it is normalised by.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Counts {
+    /// Σ log-likelihood of the scored tokens (natural log).
+    pub loglikelihood: f64,
+    pub documents: u64,
+    /// Scored tokens.
+    pub tokens: u64,
+    pub words: u64,
+    /// UTF-8 bytes.
+    pub bytes: u64,
+}
+
+impl Counts {
+    pub fn add(&mut self, o: &Counts) {
+        self.loglikelihood += o.loglikelihood;
+        self.documents += o.documents;
+        self.tokens += o.tokens;
+        self.words += o.words;
+        self.bytes += o.bytes;
+    }
+    /// The metrics; a ratio over a zero count is `None`.
+    pub fn metrics(&self) -> Metrics {
+        let per = |n: u64| (n > 0).then(|| -self.loglikelihood / n as f64);
+        Metrics {
+            counts: self.clone(),
+            word_perplexity: per(self.words).map(f64::exp),
+            byte_perplexity: per(self.bytes).map(f64::exp),
+            bits_per_byte: per(self.bytes).map(|x| x / std::f64::consts::LN_2),
+            token_perplexity: per(self.tokens).map(f64::exp),
+        }
+    }
+}
+
+/// Counts plus the perplexities derived from them (the JSON fields).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Metrics {
+    #[serde(flatten)]
+    pub counts: Counts,
+    pub word_perplexity: Option<f64>,
+    pub byte_perplexity: Option<f64>,
+    pub bits_per_byte: Option<f64>,
+    pub token_perplexity: Option<f64>,
+}
+
+/// What to evaluate and how.
+#[derive(Clone, Debug)]
+pub struct PileOptions {
+    pub method: Method,
+    pub batch_size: usize,
+    /// Only documents whose `meta.pile_set_name` is this.
+    pub subset: Option<String>,
+    /// Only the first N (selected) documents.
+    pub limit: Option<usize>,
+    pub shard: Shard,
+    /// Skip (and count) bad lines instead of failing.
+    pub skip_bad: bool,
+    /// The token the first rolling window is conditioned on (EOS for GPT-NeoX).
+    pub prefix_token: u32,
+}
+
+/// Totals of one evaluation (or of merged shards).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PileTotals {
+    pub overall: Counts,
+    pub subsets: BTreeMap<String, Counts>,
+    /// Bad lines skipped under `skip_bad` (each counted by one shard only).
+    pub skipped_lines: u64,
+}
+
+/// Progress after each scored batch.
+#[derive(Clone, Copy, Debug)]
+pub struct PileProgress {
+    pub tokens: u64,
+    /// Documents of this shard scored (interpolated within a pass).
+    pub documents: u64,
+    /// Bytes of the data file read so far, of `file_size`.
+    pub file_position: u64,
+    pub file_size: u64,
+}
+
+/// Windows waiting to be scored in one sorted, batched pass.
+const PENDING_BATCHES: usize = 32;
+
+/// A document line: its number and (text, pile_set_name), or why it is bad.
+type DocLine = (usize, std::result::Result<(String, Option<String>), String>);
+
+/// Evaluates the documents of `path` (streamed) with `scorer`.
+pub fn evaluate(
+    scorer: &Scorer,
+    tokenizer: &tokenizers::Tokenizer,
+    path: &Path,
+    opts: &PileOptions,
+    mut progress: impl FnMut(PileProgress),
+) -> Result<PileTotals> {
+    let max_len = scorer.max_length();
+    if let Method::Strided { stride } = opts.method {
+        if stride == 0 || stride > max_len {
+            return Err(Error::input(format!(
+                "stride {stride} must be between 1 and the window length {max_len}"
+            )));
+        }
+    }
+    let file = DataFile::open(path)?;
+    let position = file.position.clone();
+    let size = file.size;
+    let where_ = |line: usize| format!("{} line {line}", path.display());
+    let mut docs: Box<dyn Iterator<Item = Result<DocLine>>> = if file.is_text {
+        let mut reader = file.reader;
+        let mut raw = Vec::new();
+        reader
+            .read_to_end(&mut raw)
+            .map_err(|e| Error::io(path, e))?;
+        if raw.is_empty() {
+            return Err(Error::input(format!(
+                "{}: the file is empty",
+                path.display()
+            )));
+        }
+        let doc = String::from_utf8(raw)
+            .map(|t| (t, None))
+            .map_err(|e| format!("invalid UTF-8 at byte {}", e.utf8_error().valid_up_to()));
+        if let Err(e) = &doc {
+            return Err(Error::input(format!("{}: {e}", path.display())));
+        }
+        Box::new(std::iter::once(Ok((1, doc))))
+    } else {
+        Box::new(JsonLines::new(file).map(|r| r.map(|(line, v)| (line, v.and_then(pile_document)))))
+    };
+
+    let mut totals = PileTotals::default();
+    let mut subset_ids: Vec<Option<String>> = Vec::new();
+    let mut per_subset: Vec<Counts> = Vec::new();
+    let mut pending: Vec<Request> = Vec::new();
+    let mut pending_owner: Vec<usize> = Vec::new();
+    let mut selected = 0usize;
+    let mut lines_seen = 0usize;
+    let mut read_documents = 0u64;
+    let mut done = PileProgress {
+        tokens: 0,
+        documents: 0,
+        file_position: 0,
+        file_size: size,
+    };
+
+    let flush = |pending: &mut Vec<Request>,
+                 owner: &mut Vec<usize>,
+                 per_subset: &mut Vec<Counts>,
+                 done: &mut PileProgress,
+                 read_documents: u64,
+                 progress: &mut dyn FnMut(PileProgress)|
+     -> Result<()> {
+        if pending.is_empty() {
+            done.documents = read_documents;
+            done.file_position = position.load(Ordering::Relaxed);
+            return Ok(());
+        }
+        // Progress between reads is interpolated by scored tokens.
+        let (pos0, docs0) = (done.file_position, done.documents);
+        let (pos1, docs1) = (position.load(Ordering::Relaxed), read_documents);
+        let total: usize = pending.iter().map(|r| r.continuation.len()).sum();
+        let mut scored_here = 0usize;
+        let scored = scorer.score_all(pending, opts.batch_size, |n| {
+            scored_here += n;
+            let f = scored_here as f64 / total.max(1) as f64;
+            done.tokens += n as u64;
+            done.file_position = pos0 + ((pos1.saturating_sub(pos0)) as f64 * f) as u64;
+            done.documents = docs0 + ((docs1 - docs0) as f64 * f) as u64;
+            progress(*done);
+        })?;
+        for ((s, r), &o) in scored.iter().zip(pending.iter()).zip(owner.iter()) {
+            per_subset[o].loglikelihood += s.logprob;
+            per_subset[o].tokens += r.continuation.len() as u64;
+        }
+        done.file_position = pos1;
+        done.documents = docs1;
+        pending.clear();
+        owner.clear();
+        progress(*done);
+        Ok(())
+    };
+
+    for item in docs.by_ref() {
+        let (line, doc) = item?;
+        lines_seen += 1;
+        let (text, subset) = match doc {
+            Ok(d) => d,
+            Err(reason) => {
+                if !opts.skip_bad {
+                    return Err(Error::input(format!(
+                        "{}: {reason} (pass --skip-bad to skip and count bad lines)",
+                        where_(line)
+                    )));
+                }
+                if opts.shard.owns(line) {
+                    totals.skipped_lines += 1;
+                }
+                continue;
+            }
+        };
+        if opts.subset.is_some() && opts.subset != subset {
+            continue;
+        }
+        if opts.limit.is_some_and(|l| selected >= l) {
+            break;
+        }
+        let k = selected;
+        selected += 1;
+        if !opts.shard.owns(k) {
+            continue;
+        }
+        let owner = match subset_ids.iter().position(|s| *s == subset) {
+            Some(i) => i,
+            None => {
+                subset_ids.push(subset);
+                per_subset.push(Counts::default());
+                subset_ids.len() - 1
+            }
+        };
+        let c = &mut per_subset[owner];
+        c.documents += 1;
+        c.words += count_words(&text);
+        c.bytes += text.len() as u64;
+        read_documents += 1;
+        let ids = tokenizer
+            .encode_fast(text.as_str(), false)
+            .map_err(|e| Error::input(format!("{}: cannot tokenize: {e}", where_(line))))?
+            .get_ids()
+            .to_vec();
+        drop(text);
+        let windows = match opts.method {
+            Method::Rolling => rolling_windows(&ids, opts.prefix_token, max_len),
+            Method::Strided { stride } => strided_windows(&ids, max_len, stride),
+        };
+        pending_owner.extend(std::iter::repeat_n(owner, windows.len()));
+        pending.extend(windows);
+        if pending.len() >= opts.batch_size.max(1) * PENDING_BATCHES {
+            flush(
+                &mut pending,
+                &mut pending_owner,
+                &mut per_subset,
+                &mut done,
+                read_documents,
+                &mut progress,
+            )?;
+        }
+    }
+    flush(
+        &mut pending,
+        &mut pending_owner,
+        &mut per_subset,
+        &mut done,
+        read_documents,
+        &mut progress,
+    )?;
+
+    if lines_seen == 0 {
+        return Err(Error::input(format!(
+            "{}: the file is empty (no JSON lines)",
+            path.display()
+        )));
+    }
+    if selected == 0 && totals.skipped_lines == 0 && !opts.skip_bad {
+        return Err(Error::input(match &opts.subset {
+            Some(s) => format!("{}: no document has pile_set_name `{s}`", path.display()),
+            None => format!("{}: no documents", path.display()),
+        }));
+    }
+    for (name, c) in subset_ids.into_iter().zip(per_subset) {
+        totals.overall.add(&c);
+        if let Some(name) = name {
+            totals.subsets.entry(name).or_default().add(&c);
+        }
+    }
+    Ok(totals)
+}
+
+/// `text` and `meta.pile_set_name` of a Pile line, or why it is not one.
+fn pile_document(v: Value) -> std::result::Result<(String, Option<String>), String> {
+    let Value::Object(mut m) = v else {
+        return Err("not a JSON object".into());
+    };
+    let subset = m
+        .get("meta")
+        .and_then(|meta| meta.get("pile_set_name"))
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    match m.remove("text") {
+        Some(Value::String(t)) => Ok((t, subset)),
+        Some(_) => Err("field `text` is not a string".into()),
+        None => Err("no `text` field".into()),
+    }
+}
+
+/// Hex sha256 of a file (read in 1 MiB blocks).
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// `--json` of `eval pile` (and of `eval merge` over its shards).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PileReport {
+    /// Always `"pile"`; `eval merge` dispatches on it.
+    pub kind: String,
+    /// The model as resolved (`repo@revision` or a path).
+    pub model: String,
+    pub data: String,
+    pub data_sha256: String,
+    pub method: String,
+    pub max_length: usize,
+    /// Strided only.
+    pub stride: Option<usize>,
+    /// Rolling only: the token the first window is conditioned on.
+    pub prefix_token: Option<u32>,
+    pub subset: Option<String>,
+    pub limit: Option<usize>,
+    /// `I/N` of a shard; `None` for a whole run or a merge.
+    pub shard: Option<String>,
+    /// How many shard results a merge combined (absent for a run).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged_shards: Option<usize>,
+    pub batch_size: usize,
+    pub skipped_lines: u64,
+    #[serde(flatten)]
+    pub metrics: Metrics,
+    pub subsets: BTreeMap<String, Metrics>,
+    /// Seconds of evaluation (a merge: the sum over shards).
+    pub elapsed_seconds: f64,
+    /// Scored tokens per second of `elapsed_seconds`.
+    pub tokens_per_second: f64,
+}
+
+/// Run settings recorded in a report.
+#[derive(Clone, Debug)]
+pub struct RunInfo {
+    pub model: String,
+    pub data: String,
+    pub data_sha256: String,
+    pub max_length: usize,
+    pub elapsed_seconds: f64,
+}
+
+impl PileReport {
+    pub const KIND: &'static str = "pile";
+
+    pub fn new(info: RunInfo, opts: &PileOptions, totals: &PileTotals) -> Self {
+        let mut r = Self {
+            kind: Self::KIND.into(),
+            model: info.model,
+            data: info.data,
+            data_sha256: info.data_sha256,
+            method: opts.method.name().into(),
+            max_length: info.max_length,
+            stride: match opts.method {
+                Method::Strided { stride } => Some(stride),
+                Method::Rolling => None,
+            },
+            prefix_token: (opts.method == Method::Rolling).then_some(opts.prefix_token),
+            subset: opts.subset.clone(),
+            limit: opts.limit,
+            shard: (opts.shard != Shard::WHOLE).then(|| opts.shard.to_string()),
+            merged_shards: None,
+            batch_size: opts.batch_size,
+            skipped_lines: 0,
+            metrics: Counts::default().metrics(),
+            subsets: BTreeMap::new(),
+            elapsed_seconds: info.elapsed_seconds,
+            tokens_per_second: 0.0,
+        };
+        r.set_totals(totals);
+        r
+    }
+
+    /// Replaces every number derived from the totals.
+    pub fn set_totals(&mut self, t: &PileTotals) {
+        self.skipped_lines = t.skipped_lines;
+        self.metrics = t.overall.metrics();
+        self.subsets = t
+            .subsets
+            .iter()
+            .map(|(k, c)| (k.clone(), c.metrics()))
+            .collect();
+        self.tokens_per_second = if self.elapsed_seconds > 0.0 {
+            t.overall.tokens as f64 / self.elapsed_seconds
+        } else {
+            0.0
+        };
+    }
+
+    /// The totals this report was made from.
+    pub fn totals(&self) -> PileTotals {
+        PileTotals {
+            overall: self.metrics.counts.clone(),
+            subsets: self
+                .subsets
+                .iter()
+                .map(|(k, m)| (k.clone(), m.counts.clone()))
+                .collect(),
+            skipped_lines: self.skipped_lines,
+        }
+    }
+}

@@ -1,0 +1,564 @@
+//! Zero-shot tasks of the TokenFormer paper's Table 1, formatted and scored
+//! as lm-evaluation-harness does
+//! (<https://github.com/EleutherAI/lm-evaluation-harness>, `lm_eval/tasks/`
+//! {lambada/lambada_openai, hellaswag, piqa, arc, winogrande} and
+//! `TemplateLM._encode_pair` / `loglikelihood`): the same prompts, the
+//! same context/continuation token split, `acc` = argmax of summed
+//! log-likelihood, `acc_norm` = argmax of log-likelihood / characters of the
+//! choice, the stderr of a mean as the harness's `mean_stderr`.
+//!
+//! Input is each task's public JSONL, in the original release or the Hugging
+//! Face `datasets` export ([`Task::fields`]).
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::pile::{py_isspace, DataFile, JsonLines, Shard};
+use crate::error::{Error, Result};
+use crate::scoring::{Request, Scorer};
+
+/// A zero-shot task.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Task {
+    Lambada,
+    Hellaswag,
+    Piqa,
+    ArcEasy,
+    ArcChallenge,
+    Winogrande,
+}
+
+impl std::str::FromStr for Task {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Ok(match s.to_ascii_lowercase().replace('-', "_").as_str() {
+            "lambada" | "lambada_openai" => Task::Lambada,
+            "hellaswag" => Task::Hellaswag,
+            "piqa" => Task::Piqa,
+            "arc_easy" => Task::ArcEasy,
+            "arc_challenge" => Task::ArcChallenge,
+            "winogrande" => Task::Winogrande,
+            _ => {
+                return Err(format!(
+                    "unknown task `{s}` (expected lambada, hellaswag, piqa, arc_easy, arc_challenge or winogrande)"
+                ))
+            }
+        })
+    }
+}
+
+impl Task {
+    pub const ALL: [Task; 6] = [
+        Task::Lambada,
+        Task::Hellaswag,
+        Task::Piqa,
+        Task::ArcEasy,
+        Task::ArcChallenge,
+        Task::Winogrande,
+    ];
+
+    /// The harness's task name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Task::Lambada => "lambada_openai",
+            Task::Hellaswag => "hellaswag",
+            Task::Piqa => "piqa",
+            Task::ArcEasy => "arc_easy",
+            Task::ArcChallenge => "arc_challenge",
+            Task::Winogrande => "winogrande",
+        }
+    }
+
+    /// The JSONL fields each line must have (for `--help` and errors).
+    pub fn fields(&self) -> &'static str {
+        match self {
+            Task::Lambada => {
+                r#"{"text"} (lambada_test.jsonl; the target is the last space-separated word)"#
+            }
+            Task::Hellaswag => {
+                r#"{"activity_label", "ctx_a", "ctx_b", "endings": [4], "label": 0-3 or "0"-"3"}"#
+            }
+            Task::Piqa => {
+                r#"{"goal", "sol1", "sol2", "label": 0|1} or, without "label", --labels valid-labels.lst"#
+            }
+            Task::ArcEasy | Task::ArcChallenge => {
+                r#"{"question": {"stem", "choices": [{"text", "label"}]}, "answerKey"} or HF {"question", "choices": {"text": [], "label": []}, "answerKey"}"#
+            }
+            Task::Winogrande => {
+                r#"{"sentence" (one "_"), "option1", "option2", "answer": "1"|"2"}"#
+            }
+        }
+    }
+
+    /// Whether the task reports `acc_norm` (winogrande and lambada do not).
+    pub fn has_acc_norm(&self) -> bool {
+        !matches!(self, Task::Lambada | Task::Winogrande)
+    }
+}
+
+/// One document as the harness builds its requests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Example {
+    /// (context, continuation) strings: one per choice, or lambada's one.
+    pub requests: Vec<(String, String)>,
+    /// Index of the right choice (0 for lambada).
+    pub gold: usize,
+    /// The choices without the target delimiter: their character counts
+    /// normalise `acc_norm`.
+    pub choices: Vec<String>,
+}
+
+fn field<'a>(doc: &'a Value, name: &str) -> std::result::Result<&'a Value, String> {
+    doc.get(name).ok_or_else(|| format!("no `{name}` field"))
+}
+
+fn string<'a>(doc: &'a Value, name: &str) -> std::result::Result<&'a str, String> {
+    field(doc, name)?
+        .as_str()
+        .ok_or_else(|| format!("field `{name}` is not a string"))
+}
+
+/// A label that may be a number or a numeric string (HF exports differ).
+fn index(v: &Value, name: &str) -> std::result::Result<usize, String> {
+    match v {
+        Value::Number(n) => n.as_u64().map(|x| x as usize),
+        Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }
+    .ok_or_else(|| format!("field `{name}` is not a label index: {v}"))
+}
+
+/// Python's `str.strip()`.
+fn py_strip(s: &str) -> &str {
+    s.trim_matches(py_isspace)
+}
+
+/// Python's `str.capitalize()`: first character title-cased, the rest lower-cased.
+pub fn py_capitalize(s: &str) -> String {
+    let mut chars = s.chars();
+    let Some(first) = chars.next() else {
+        return String::new();
+    };
+    let mut out = String::with_capacity(s.len());
+    match first {
+        // The four Latin digraphs have a distinct title case.
+        'Ǆ' | 'ǅ' | 'ǆ' => out.push('ǅ'),
+        'Ǉ' | 'ǈ' | 'ǉ' => out.push('ǈ'),
+        'Ǌ' | 'ǋ' | 'ǌ' => out.push('ǋ'),
+        'Ǳ' | 'ǲ' | 'ǳ' => out.push('ǲ'),
+        c => {
+            // Title case of an expanding character (ß → Ss): upper then lower.
+            for (i, u) in c.to_uppercase().enumerate() {
+                if i == 0 {
+                    out.push(u);
+                } else {
+                    out.extend(u.to_lowercase());
+                }
+            }
+        }
+    }
+    out.push_str(&chars.as_str().to_lowercase());
+    out
+}
+
+/// HellaSwag's cleaning (harness `hellaswag/utils.py::preprocess`): strip,
+/// " [title]" → ". ", drop `[...]` (WikiHow artefacts), "  " → " ".
+pub fn hellaswag_preprocess(text: &str) -> String {
+    static BRACKETS: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let re = BRACKETS.get_or_init(|| regex::Regex::new(r"\[.*?\]").expect("valid regex"));
+    let t = py_strip(text).replace(" [title]", ". ");
+    re.replace_all(&t, "").replace("  ", " ")
+}
+
+/// The harness's requests for one JSONL document. `label` is PIQA's answer
+/// from a separate labels file.
+pub fn build_example(
+    task: Task,
+    doc: &Value,
+    label: Option<&str>,
+) -> std::result::Result<Example, String> {
+    let mc = |context: String, choices: Vec<String>, gold: usize| {
+        if gold >= choices.len() {
+            return Err(format!(
+                "label {gold} is out of range for {} choices",
+                choices.len()
+            ));
+        }
+        Ok(Example {
+            requests: choices
+                .iter()
+                .map(|c| (context.clone(), format!(" {c}")))
+                .collect(),
+            gold,
+            choices,
+        })
+    };
+    match task {
+        Task::Lambada => {
+            let text = string(doc, "text")?;
+            let (context, last) = match text.rsplit_once(' ') {
+                Some((c, l)) => (c, l),
+                None => ("", text),
+            };
+            Ok(Example {
+                requests: vec![(context.to_string(), format!(" {last}"))],
+                gold: 0,
+                choices: vec![],
+            })
+        }
+        Task::Hellaswag => {
+            let ctx = format!(
+                "{} {}",
+                string(doc, "ctx_a")?,
+                py_capitalize(string(doc, "ctx_b")?)
+            );
+            let query = hellaswag_preprocess(&format!("{}: {ctx}", string(doc, "activity_label")?));
+            let endings = field(doc, "endings")?
+                .as_array()
+                .ok_or("field `endings` is not a list")?
+                .iter()
+                .map(|e| {
+                    e.as_str()
+                        .map(hellaswag_preprocess)
+                        .ok_or("an ending is not a string")
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            mc(query, endings, index(field(doc, "label")?, "label")?)
+        }
+        Task::Piqa => {
+            let context = format!("Question: {}\nAnswer:", string(doc, "goal")?);
+            let choices = vec![
+                string(doc, "sol1")?.to_string(),
+                string(doc, "sol2")?.to_string(),
+            ];
+            let gold = match (doc.get("label"), label) {
+                (_, Some(l)) => index(&Value::String(l.into()), "label (labels file)")?,
+                (Some(v), None) => index(v, "label")?,
+                (None, None) => {
+                    return Err("no `label` field: pass --labels valid-labels.lst".into())
+                }
+            };
+            mc(context, choices, gold)
+        }
+        Task::ArcEasy | Task::ArcChallenge => {
+            let q = field(doc, "question")?;
+            let (stem, texts, labels) = match q {
+                Value::String(s) => {
+                    let ch = field(doc, "choices")?;
+                    let list = |k: &str| -> std::result::Result<Vec<String>, String> {
+                        field(ch, k)?
+                            .as_array()
+                            .ok_or(format!("`choices.{k}` is not a list"))?
+                            .iter()
+                            .map(|v| {
+                                v.as_str()
+                                    .map(str::to_string)
+                                    .ok_or(format!("a `choices.{k}` is not a string"))
+                            })
+                            .collect()
+                    };
+                    (s.as_str(), list("text")?, list("label")?)
+                }
+                Value::Object(_) => {
+                    let stem = string(q, "stem")?;
+                    let ch = field(q, "choices")?
+                        .as_array()
+                        .ok_or("`question.choices` is not a list")?;
+                    let mut texts = Vec::new();
+                    let mut labels = Vec::new();
+                    for c in ch {
+                        texts.push(string(c, "text")?.to_string());
+                        labels.push(string(c, "label")?.to_string());
+                    }
+                    (stem, texts, labels)
+                }
+                _ => return Err("field `question` is neither a string nor an object".into()),
+            };
+            let key = string(doc, "answerKey")?;
+            let gold = labels
+                .iter()
+                .position(|l| l == key)
+                .ok_or_else(|| format!("answerKey `{key}` is not among the labels {labels:?}"))?;
+            mc(format!("Question: {stem}\nAnswer:"), texts, gold)
+        }
+        Task::Winogrande => {
+            let sentence = string(doc, "sentence")?;
+            let blank = sentence.find('_').ok_or("`sentence` has no `_` blank")?;
+            let rest = py_strip(&sentence[blank + 1..]);
+            let options = [string(doc, "option1")?, string(doc, "option2")?];
+            let gold = match field(doc, "answer")? {
+                Value::String(s) if s == "1" => 0,
+                Value::String(s) if s == "2" => 1,
+                Value::Number(n) if n.as_u64() == Some(1) => 0,
+                Value::Number(n) if n.as_u64() == Some(2) => 1,
+                v => return Err(format!("field `answer` is not \"1\" or \"2\": {v}")),
+            };
+            Ok(Example {
+                requests: options
+                    .iter()
+                    .map(|o| (format!("{}{o}", &sentence[..blank]), format!(" {rest}")))
+                    .collect(),
+                gold,
+                choices: vec![],
+            })
+        }
+    }
+}
+
+fn encode(tok: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
+    Ok(tok
+        .encode_fast(text, false)
+        .map_err(|e| Error::input(format!("cannot tokenize {text:?}: {e}")))?
+        .get_ids()
+        .to_vec())
+}
+
+/// Context/continuation tokens as the harness: trailing whitespace of the
+/// context moves into the continuation; the continuation is the tokens of
+/// context+continuation after those of the context; an empty context becomes
+/// the prefix token (or the continuation's first token if it is that token).
+pub fn encode_pair(
+    tok: &tokenizers::Tokenizer,
+    prefix: u32,
+    context: &str,
+    continuation: &str,
+) -> Result<Request> {
+    // A whitespace-only context has no tokens: treated as empty (the
+    // harness would score from no context at all, which a causal LM cannot).
+    if context.trim_end_matches(py_isspace).is_empty() {
+        let cont = encode(tok, &format!("{context}{continuation}"))?;
+        return Ok(if cont.first() == Some(&prefix) {
+            Request {
+                context: cont[..1].to_vec(),
+                continuation: cont[1..].to_vec(),
+            }
+        } else {
+            Request {
+                context: vec![prefix],
+                continuation: cont,
+            }
+        });
+    }
+    let trimmed = context.trim_end_matches(py_isspace);
+    let moved = format!("{}{continuation}", &context[trimmed.len()..]);
+    let whole = encode(tok, &format!("{trimmed}{moved}"))?;
+    let ctx = encode(tok, trimmed)?;
+    let split = ctx.len().min(whole.len());
+    Ok(Request {
+        context: ctx,
+        continuation: whole[split..].to_vec(),
+    })
+}
+
+/// What to evaluate and how.
+#[derive(Clone, Debug)]
+pub struct TaskOptions {
+    pub batch_size: usize,
+    pub limit: Option<usize>,
+    pub shard: Shard,
+    pub skip_bad: bool,
+    pub prefix_token: u32,
+}
+
+/// Sums from which every metric is recomputed (and merged across shards).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TaskCounts {
+    pub documents: u64,
+    /// Documents whose argmax log-likelihood choice (lambada: greedy target) is right.
+    pub correct: u64,
+    /// Documents right under length-normalised log-likelihood.
+    pub correct_norm: u64,
+    /// Σ target log-likelihood (lambada's perplexity).
+    pub loglikelihood: f64,
+    pub skipped_lines: u64,
+}
+
+impl TaskCounts {
+    pub fn add(&mut self, o: &TaskCounts) {
+        self.documents += o.documents;
+        self.correct += o.correct;
+        self.correct_norm += o.correct_norm;
+        self.loglikelihood += o.loglikelihood;
+        self.skipped_lines += o.skipped_lines;
+    }
+}
+
+/// The harness's `mean_stderr` of a 0/1 metric: sample std / √n =
+/// √(p(1−p)/(n−1)); undefined for n < 2.
+pub fn acc_stderr(correct: u64, n: u64) -> Option<f64> {
+    (n >= 2).then(|| {
+        let p = correct as f64 / n as f64;
+        (p * (1.0 - p) / (n - 1) as f64).sqrt()
+    })
+}
+
+/// numpy's argmax: the first maximum, NaN counting as the maximum.
+fn argmax(xs: &[f64]) -> usize {
+    if let Some(i) = xs.iter().position(|x| x.is_nan()) {
+        return i;
+    }
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Reads the task's documents (this shard's), scores them, and counts.
+/// `labels` are PIQA's separate answers, one per document line.
+pub fn evaluate(
+    scorer: &Scorer,
+    tokenizer: &tokenizers::Tokenizer,
+    task: Task,
+    path: &Path,
+    labels: Option<&[String]>,
+    opts: &TaskOptions,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<TaskCounts> {
+    let mut counts = TaskCounts::default();
+    let mut examples = Vec::new();
+    let mut k = 0usize;
+    let mut lines = 0usize;
+    for item in JsonLines::new(DataFile::open(path)?) {
+        let (line, value) = item?;
+        lines += 1;
+        let label = match labels {
+            Some(l) => Some(l.get(lines - 1).map(String::as_str).ok_or_else(|| {
+                Error::input(format!(
+                    "{} line {line}: the labels file has only {} lines",
+                    path.display(),
+                    l.len()
+                ))
+            })?),
+            None => None,
+        };
+        match value.and_then(|v| build_example(task, &v, label)) {
+            Ok(ex) => {
+                if opts.limit.is_some_and(|l| k >= l) {
+                    break;
+                }
+                if opts.shard.owns(k) {
+                    examples.push(ex);
+                }
+                k += 1;
+            }
+            Err(reason) if opts.skip_bad => {
+                if opts.shard.owns(line) {
+                    counts.skipped_lines += 1;
+                }
+                let _ = reason;
+            }
+            Err(reason) => {
+                return Err(Error::input(format!(
+                    "{} line {line}: {reason}; {} expects {} (pass --skip-bad to skip and count bad lines)",
+                    path.display(),
+                    task.name(),
+                    task.fields()
+                )))
+            }
+        }
+    }
+    if lines == 0 {
+        return Err(Error::input(format!(
+            "{}: the file is empty (no JSON lines)",
+            path.display()
+        )));
+    }
+    if let Some(l) = labels {
+        if opts.limit.is_none() && l.len() != lines {
+            return Err(Error::input(format!(
+                "{} has {lines} documents but the labels file has {} lines",
+                path.display(),
+                l.len()
+            )));
+        }
+    }
+    let mut requests = Vec::new();
+    for ex in &examples {
+        for (c, x) in &ex.requests {
+            requests.push(encode_pair(tokenizer, opts.prefix_token, c, x)?);
+        }
+    }
+    let total: u64 = requests.iter().map(|r| r.continuation.len() as u64).sum();
+    let mut done = 0u64;
+    let scored = scorer.score_all(&requests, opts.batch_size, |n| {
+        done += n as u64;
+        progress(done, total);
+    })?;
+    let mut at = 0;
+    for ex in &examples {
+        let res = &scored[at..at + ex.requests.len()];
+        at += ex.requests.len();
+        counts.documents += 1;
+        if task == Task::Lambada {
+            counts.loglikelihood += res[0].logprob;
+            counts.correct += res[0].is_greedy as u64;
+            continue;
+        }
+        let lls: Vec<f64> = res.iter().map(|r| r.logprob).collect();
+        counts.correct += (argmax(&lls) == ex.gold) as u64;
+        if task.has_acc_norm() {
+            let norm: Vec<f64> = lls
+                .iter()
+                .zip(&ex.choices)
+                .map(|(ll, c)| ll / c.chars().count() as f64)
+                .collect();
+            counts.correct_norm += (argmax(&norm) == ex.gold) as u64;
+        }
+    }
+    Ok(counts)
+}
+
+/// `--json` of `eval tasks` (and of `eval merge` over its shards).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TaskReport {
+    /// Always `"tasks"`; `eval merge` dispatches on it.
+    pub kind: String,
+    pub task: String,
+    pub model: String,
+    pub data: String,
+    pub data_sha256: String,
+    pub labels: Option<String>,
+    pub max_length: usize,
+    pub limit: Option<usize>,
+    pub shard: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged_shards: Option<usize>,
+    pub batch_size: usize,
+    #[serde(flatten)]
+    pub counts: TaskCounts,
+    pub acc: Option<f64>,
+    pub acc_stderr: Option<f64>,
+    pub acc_norm: Option<f64>,
+    pub acc_norm_stderr: Option<f64>,
+    /// Lambada: exp(−mean target log-likelihood).
+    pub perplexity: Option<f64>,
+    pub elapsed_seconds: f64,
+}
+
+impl TaskReport {
+    pub const KIND: &'static str = "tasks";
+
+    /// Recomputes every metric from `counts`.
+    pub fn set_counts(&mut self, task: Task, counts: TaskCounts) {
+        let n = counts.documents;
+        let rate = |c: u64| (n > 0).then(|| c as f64 / n as f64);
+        self.acc = rate(counts.correct);
+        self.acc_stderr = acc_stderr(counts.correct, n);
+        (self.acc_norm, self.acc_norm_stderr) = if task.has_acc_norm() {
+            (
+                rate(counts.correct_norm),
+                acc_stderr(counts.correct_norm, n),
+            )
+        } else {
+            (None, None)
+        };
+        self.perplexity =
+            (task == Task::Lambada && n > 0).then(|| (-counts.loglikelihood / n as f64).exp());
+        self.counts = counts;
+    }
+}

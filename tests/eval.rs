@@ -1,0 +1,1046 @@
+//! Language evaluation (`tokenformer eval pile | tasks | merge`) against
+//! lm-evaluation-harness's rules, checked by brute force on a tiny random
+//! model with a 16-token context (so documents span several windows).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Value};
+use tokenformer::checkpoint::{write_safetensors, Tensors};
+use tokenformer::eval::merge::{merge_pile, merge_results};
+use tokenformer::eval::pile::{
+    self, count_words, rolling_windows, strided_windows, Method, PileOptions, PileReport,
+    PileTotals, RunInfo, Shard,
+};
+use tokenformer::eval::tasks::{self, build_example, encode_pair, Task, TaskOptions};
+use tokenformer::loader::{self, LocateOptions};
+use tokenformer::models::tokenformer::{Config, TokenFormerLm};
+use tokenformer::scoring::{Request, Scorer};
+
+const MAX_POS: usize = 16;
+const TOKENIZER: &str = "tests/fixtures/gpt-neox-20b-tokenizer.json";
+
+fn req(context: &[u32], continuation: &[u32]) -> Request {
+    Request {
+        context: context.to_vec(),
+        continuation: continuation.to_vec(),
+    }
+}
+
+// ---------- window construction ----------
+
+#[test]
+fn rolling_windows_issue_example() {
+    let toks: Vec<u32> = (0..10).collect();
+    let w = rolling_windows(&toks, 99, 4);
+    assert_eq!(
+        w,
+        vec![
+            req(&[99], &[0, 1, 2, 3]),
+            req(&[3], &[4, 5, 6, 7]),
+            req(&[5, 6, 7], &[8, 9])
+        ]
+    );
+}
+
+#[test]
+fn rolling_windows_edge_cases() {
+    // Shorter than one window: one window given the prefix.
+    assert_eq!(
+        rolling_windows(&[7, 8, 9], 0, 4),
+        vec![req(&[0], &[7, 8, 9])]
+    );
+    // Exactly one window.
+    assert_eq!(
+        rolling_windows(&[7, 8, 9, 10], 0, 4),
+        vec![req(&[0], &[7, 8, 9, 10])]
+    );
+    // Exactly two windows: the second is conditioned on one token.
+    assert_eq!(
+        rolling_windows(&[1, 2, 3, 4, 5, 6, 7, 8], 0, 4),
+        vec![req(&[0], &[1, 2, 3, 4]), req(&[4], &[5, 6, 7, 8])]
+    );
+    // One token past a window: right-aligned to a full input of 4 tokens.
+    assert_eq!(
+        rolling_windows(&[1, 2, 3, 4, 5], 0, 4),
+        vec![req(&[0], &[1, 2, 3, 4]), req(&[1, 2, 3, 4], &[5])]
+    );
+    // Empty text: nothing to score.
+    assert!(rolling_windows(&[], 0, 4).is_empty());
+    // Window of one token.
+    assert_eq!(
+        rolling_windows(&[5, 6], 0, 1),
+        vec![req(&[0], &[5]), req(&[5], &[6])]
+    );
+}
+
+#[test]
+fn strided_windows_follow_hf_guide() {
+    let toks: Vec<u32> = (0..10).collect();
+    // max 4, stride 2: windows [0,4) [2,6) [4,8) [6,10); each scores what is new.
+    assert_eq!(
+        strided_windows(&toks, 4, 2),
+        vec![
+            req(&[0], &[1, 2, 3]),
+            req(&[2, 3], &[4, 5]),
+            req(&[4, 5], &[6, 7]),
+            req(&[6, 7], &[8, 9])
+        ]
+    );
+    // stride = max: the first token of every window is not scored.
+    assert_eq!(
+        strided_windows(&toks, 4, 4),
+        vec![
+            req(&[0], &[1, 2, 3]),
+            req(&[4], &[5, 6, 7]),
+            req(&[8], &[9])
+        ]
+    );
+    assert!(strided_windows(&[3], 4, 2).is_empty());
+    assert!(strided_windows(&[], 4, 2).is_empty());
+    assert_eq!(
+        strided_windows(&[3, 4, 5, 6], 4, 2),
+        vec![req(&[3], &[4, 5, 6])]
+    );
+}
+
+#[test]
+fn words_follow_python_re_split() {
+    // len(re.split(r"\s+", s)) in CPython.
+    assert_eq!(count_words(""), 1);
+    assert_eq!(count_words("   "), 2);
+    assert_eq!(count_words("a"), 1);
+    assert_eq!(count_words(" a  b\n"), 4);
+    assert_eq!(count_words("a\u{1c}b\u{a0}c\u{3000}d"), 4);
+    assert_eq!(count_words("a\u{200b}b"), 1);
+}
+
+#[test]
+fn shard_parsing() {
+    assert_eq!(
+        "2/4".parse::<Shard>().unwrap(),
+        Shard { index: 2, count: 4 }
+    );
+    assert!("4/4".parse::<Shard>().is_err());
+    assert!("1/0".parse::<Shard>().is_err());
+    assert!("x".parse::<Shard>().is_err());
+}
+
+// ---------- a tiny model ----------
+
+/// Deterministic pseudo-normal values (sum of uniforms), scaled.
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut u = move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((s >> 40) as f32) / (1u64 << 24) as f32
+    };
+    (0..n)
+        .map(|_| ((0..4).map(|_| u()).sum::<f32>() - 2.0) * scale)
+        .collect()
+}
+
+/// A random canonical model folder (config.json, model.safetensors, tokenizer.json).
+fn tiny_model_dir(dir: &Path) {
+    let mut cfg = Config::released(2, 32, 2);
+    cfg.qkv_tokens = 24;
+    cfg.proj_tokens = 20;
+    cfg.ffn_tokens = 48;
+    cfg.max_position_embeddings = MAX_POS;
+    random_model_dir(dir, &cfg);
+}
+
+/// Writes random weights for `cfg` (scales keep activations in a sane range).
+fn random_model_dir(dir: &Path, cfg: &Config) {
+    let d = cfg.hidden_size;
+    let mut t = Tensors::new();
+    let mut seed = 1;
+    let mut add = |name: String, shape: (usize, usize), scale: f32| {
+        seed += 1;
+        let v = values(shape.0 * shape.1, seed, scale);
+        t.insert(name, Tensor::from_vec(v, shape, &Device::Cpu).unwrap());
+    };
+    add("word_embeddings.weight".into(), (cfg.vocab_size, d), 1.0);
+    for i in 0..cfg.num_layers {
+        for (m, n) in [
+            ("attention.query", cfg.qkv_tokens),
+            ("attention.key", cfg.qkv_tokens),
+            ("attention.value", cfg.qkv_tokens),
+            ("attention.proj", cfg.proj_tokens),
+            ("mlp", cfg.ffn_tokens),
+        ] {
+            add(format!("layers.{i}.{m}.key_param_tokens"), (n, d), 0.5);
+            add(format!("layers.{i}.{m}.value_param_tokens"), (n, d), 0.5);
+        }
+    }
+    t.insert(
+        "final_norm.weight".into(),
+        Tensor::ones(d, DType::F32, &Device::Cpu).unwrap(),
+    );
+    t.insert(
+        "final_norm.bias".into(),
+        Tensor::zeros(d, DType::F32, &Device::Cpu).unwrap(),
+    );
+    write_safetensors(dir, &t, u64::MAX).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string(&cfg).unwrap(),
+    )
+    .unwrap();
+    std::fs::copy(TOKENIZER, dir.join("tokenizer.json")).unwrap();
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    model: TokenFormerLm,
+    tok: tokenizers::Tokenizer,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model");
+    std::fs::create_dir(&path).unwrap();
+    tiny_model_dir(&path);
+    let files = loader::locate(path.to_str().unwrap(), &LocateOptions::default()).unwrap();
+    let model = loader::load_lm(&files, &Device::Cpu).unwrap();
+    let tok = loader::load_tokenizer(&files).unwrap();
+    Fixture {
+        _dir: dir,
+        model,
+        tok,
+    }
+}
+
+fn encode(tok: &tokenizers::Tokenizer, s: &str) -> Vec<u32> {
+    tok.encode(s, false).unwrap().get_ids().to_vec()
+}
+
+/// log p(target | context), one forward pass on exactly `context`.
+fn brute(model: &TokenFormerLm, context: &[u32], target: u32) -> f64 {
+    let ids = Tensor::new(context, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits = model.forward(&ids, None).unwrap().squeeze(0).unwrap();
+    let row: Vec<f64> = logits
+        .get(context.len() - 1)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|&x| x as f64)
+        .collect();
+    let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+    row[target as usize] - lse
+}
+
+/// The rolling rule stated directly: token i of block k = i / L is
+/// conditioned on tokens[end-L-1 .. i], end = min((k+1)L, n); block 0 on EOS.
+fn brute_rolling(model: &TokenFormerLm, t: &[u32], l: usize) -> f64 {
+    (0..t.len())
+        .map(|i| {
+            let ctx: Vec<u32> = if i < l {
+                std::iter::once(0).chain(t[..i].iter().copied()).collect()
+            } else {
+                let end = ((i / l + 1) * l).min(t.len());
+                t[end - l - 1..i].to_vec()
+            };
+            brute(model, &ctx, t[i])
+        })
+        .sum()
+}
+
+/// Hugging Face's strided loop, one token at a time.
+fn brute_strided(model: &TokenFormerLm, t: &[u32], l: usize, stride: usize) -> (f64, u64) {
+    let (mut ll, mut n, mut prev_end, mut begin) = (0.0, 0, 0, 0);
+    while begin < t.len() {
+        let end = (begin + l).min(t.len());
+        let trg_len = end - prev_end;
+        for j in (end - trg_len).max(begin + 1)..end {
+            ll += brute(model, &t[begin..j], t[j]);
+            n += 1;
+        }
+        prev_end = end;
+        if end == t.len() {
+            break;
+        }
+        begin += stride;
+    }
+    (ll, n)
+}
+
+const WORDS: [&str; 16] = [
+    "the", "cat", "sat", "on", "mat", "and", "dog", "ran", "to", "house", "big", "red", "tree",
+    "water", "book", "night",
+];
+
+/// Documents of 0..=40 words (one-token words: exact window boundaries).
+fn documents() -> Vec<String> {
+    let mut docs = Vec::new();
+    for (k, n) in [0usize, 1, 3, 15, 16, 17, 32, 40, 7, 33].iter().enumerate() {
+        let words: Vec<&str> = (0..*n)
+            .map(|i| WORDS[(i * 7 + k * 3) % WORDS.len()])
+            .collect();
+        docs.push(words.join(" "));
+    }
+    docs.push("  Leading and trailing\twhitespace, punctuation; ünïcödé… 123 \n".into());
+    docs
+}
+
+fn write_jsonl(path: &Path, docs: &[String]) {
+    let lines: Vec<String> = docs
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            json!({"text": d, "meta": {"pile_set_name": format!("doc{i:02}")}}).to_string()
+        })
+        .collect();
+    std::fs::write(path, lines.join("\n") + "\n").unwrap();
+}
+
+fn opts(method: Method, batch: usize) -> PileOptions {
+    PileOptions {
+        method,
+        batch_size: batch,
+        subset: None,
+        limit: None,
+        shard: Shard::WHOLE,
+        skip_bad: false,
+        prefix_token: 0,
+    }
+}
+
+fn run(f: &Fixture, path: &Path, o: &PileOptions) -> tokenformer::Result<PileTotals> {
+    // No token cap: `batch` windows of mixed lengths really share a padded pass.
+    let scorer = Scorer::new(&f.model, None)?.with_batch_tokens(1 << 20);
+    pile::evaluate(&scorer, &f.tok, path, o, |_| {})
+}
+
+fn close(a: f64, b: f64, tol: f64) -> bool {
+    (a - b).abs() <= tol * a.abs().max(b.abs()).max(1.0)
+}
+
+#[test]
+fn pile_matches_brute_force_and_is_batch_invariant() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let docs = documents();
+    let data = dir.path().join("docs.jsonl");
+    write_jsonl(&data, &docs);
+    let toks: Vec<Vec<u32>> = docs.iter().map(|d| encode(&f.tok, d)).collect();
+    assert!(toks.iter().any(|t| t.len() == MAX_POS) && toks.iter().any(|t| t.len() == 2 * MAX_POS));
+    assert!(toks
+        .iter()
+        .any(|t| t.len() > 2 * MAX_POS && t.len() % MAX_POS != 0));
+
+    let rolling = run(&f, &data, &opts(Method::Rolling, 8)).unwrap();
+    let strided = run(&f, &data, &opts(Method::Strided { stride: 5 }, 8)).unwrap();
+    let strided_full = run(&f, &data, &opts(Method::Strided { stride: MAX_POS }, 3)).unwrap();
+    let mut total = 0.0;
+    for (i, (d, t)) in docs.iter().zip(&toks).enumerate() {
+        let c = &rolling.subsets[&format!("doc{i:02}")];
+        let expect = brute_rolling(&f.model, t, MAX_POS);
+        total += expect;
+        assert!(
+            close(c.loglikelihood, expect, 1e-4),
+            "doc {i}: {} vs {expect}",
+            c.loglikelihood
+        );
+        assert_eq!(c.tokens, t.len() as u64);
+        assert_eq!(c.words, count_words(d));
+        assert_eq!(c.bytes, d.len() as u64);
+        assert_eq!(c.documents, 1);
+        for (res, stride) in [(&strided, 5), (&strided_full, MAX_POS)] {
+            let (ll, n) = brute_strided(&f.model, t, MAX_POS, stride);
+            let c = &res.subsets[&format!("doc{i:02}")];
+            assert!(
+                close(c.loglikelihood, ll, 1e-4),
+                "strided {stride} doc {i}: {} vs {ll}",
+                c.loglikelihood
+            );
+            assert_eq!(c.tokens, n);
+        }
+    }
+    assert!(close(rolling.overall.loglikelihood, total, 1e-4));
+    assert_eq!(rolling.overall.documents, docs.len() as u64);
+
+    // Batch size does not change the numbers.
+    let one = run(&f, &data, &opts(Method::Rolling, 1)).unwrap();
+    assert!(close(
+        one.overall.loglikelihood,
+        rolling.overall.loglikelihood,
+        1e-5
+    ));
+    for (k, c) in &one.subsets {
+        assert!(
+            close(c.loglikelihood, rolling.subsets[k].loglikelihood, 1e-5),
+            "{k}"
+        );
+        assert_eq!(c.tokens, rolling.subsets[k].tokens);
+    }
+
+    // The metrics are the harness's aggregations of these sums.
+    let m = rolling.overall.metrics();
+    let (ll, c) = (rolling.overall.loglikelihood, &rolling.overall);
+    assert!(close(
+        m.word_perplexity.unwrap(),
+        (-ll / c.words as f64).exp(),
+        1e-12
+    ));
+    assert!(close(
+        m.bits_per_byte.unwrap(),
+        -ll / c.bytes as f64 / 2f64.ln(),
+        1e-12
+    ));
+    assert!(close(
+        m.token_perplexity.unwrap(),
+        (-ll / c.tokens as f64).exp(),
+        1e-12
+    ));
+}
+
+#[test]
+fn zstd_shards_limit_subset() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let docs = documents();
+    let data = dir.path().join("docs.jsonl");
+    write_jsonl(&data, &docs);
+    let zst = dir.path().join("docs.jsonl.zst");
+    std::fs::write(
+        &zst,
+        zstd::encode_all(&std::fs::read(&data).unwrap()[..], 3).unwrap(),
+    )
+    .unwrap();
+    let o = opts(Method::Rolling, 4);
+    let plain = run(&f, &data, &o).unwrap();
+    assert_eq!(run(&f, &zst, &o).unwrap(), plain);
+
+    // Shards + merge = one run.
+    let info = |secs| RunInfo {
+        model: "m".into(),
+        data: "d".into(),
+        data_sha256: "x".into(),
+        max_length: MAX_POS,
+        elapsed_seconds: secs,
+    };
+    let whole = PileReport::new(info(3.0), &o, &plain);
+    let parts: Vec<PileReport> = (0..3)
+        .map(|i| {
+            let so = PileOptions {
+                shard: Shard { index: i, count: 3 },
+                ..o.clone()
+            };
+            let t = run(&f, &zst, &so).unwrap();
+            assert!(t.overall.documents < plain.overall.documents);
+            PileReport::new(info(1.0), &so, &t)
+        })
+        .collect();
+    let merged = merge_pile(&parts).unwrap();
+    let t = merged.totals();
+    assert_eq!(t.overall.tokens, plain.overall.tokens);
+    assert_eq!(t.overall.words, plain.overall.words);
+    assert_eq!(t.overall.documents, plain.overall.documents);
+    assert!(close(
+        t.overall.loglikelihood,
+        plain.overall.loglikelihood,
+        1e-7
+    ));
+    assert!(close(
+        merged.metrics.word_perplexity.unwrap(),
+        whole.metrics.word_perplexity.unwrap(),
+        1e-7
+    ));
+    assert_eq!(
+        merged.subsets.keys().collect::<Vec<_>>(),
+        whole.subsets.keys().collect::<Vec<_>>()
+    );
+    assert_eq!(merged.shard, None);
+    // Through the JSON dispatcher too; incomplete or duplicated shard sets are refused.
+    let vals: Vec<Value> = parts
+        .iter()
+        .map(|p| serde_json::to_value(p).unwrap())
+        .collect();
+    let m2: PileReport = serde_json::from_value(merge_results(&vals).unwrap()).unwrap();
+    assert_eq!(m2, merged);
+    assert!(merge_results(&vals[..2]).is_err());
+    assert!(merge_results(&[
+        vals[0].clone(),
+        vals[0].clone(),
+        vals[1].clone(),
+        vals[2].clone()
+    ])
+    .is_err());
+    // An ImageNet result is dispatched to the ImageNet merge, which wants its counts.
+    let img = json!({"kind": "imagenet"});
+    assert!(merge_results(&[img]).is_err());
+
+    // --subset and --limit select before sharding.
+    let sub = run(
+        &f,
+        &data,
+        &PileOptions {
+            subset: Some("doc07".into()),
+            ..o.clone()
+        },
+    )
+    .unwrap();
+    assert_eq!(sub.overall, plain.subsets["doc07"]);
+    let lim = run(
+        &f,
+        &data,
+        &PileOptions {
+            limit: Some(4),
+            ..o.clone()
+        },
+    )
+    .unwrap();
+    let expect: u64 = (0..4)
+        .map(|i| plain.subsets[&format!("doc{i:02}")].tokens)
+        .sum();
+    assert_eq!((lim.overall.documents, lim.overall.tokens), (4, expect));
+    assert!(run(
+        &f,
+        &data,
+        &PileOptions {
+            subset: Some("nope".into()),
+            ..o
+        }
+    )
+    .is_err());
+}
+
+#[test]
+fn txt_is_one_document() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let text = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen\n";
+    let p = dir.path().join("a.txt");
+    std::fs::write(&p, text).unwrap();
+    let r = run(&f, &p, &opts(Method::Rolling, 2)).unwrap();
+    let t = encode(&f.tok, text);
+    assert_eq!(
+        (r.overall.documents, r.overall.tokens, r.overall.words),
+        (1, t.len() as u64, 18)
+    );
+    assert!(close(
+        r.overall.loglikelihood,
+        brute_rolling(&f.model, &t, MAX_POS),
+        1e-4
+    ));
+    assert!(r.subsets.is_empty());
+}
+
+#[test]
+fn bad_input_is_reported() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let o = opts(Method::Rolling, 2);
+    let write = |name: &str, bytes: &[u8]| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    };
+    let good = r#"{"text": "hello world"}"#;
+    let cases: [(&str, Vec<u8>, &str); 4] = [
+        (
+            "malformed.jsonl",
+            format!("{good}\n\n{{\"text\": \"oops\"\n{good}\n").into_bytes(),
+            "line 3: malformed JSON",
+        ),
+        (
+            "notext.jsonl",
+            format!("{good}\n{{\"txt\": \"x\"}}\n").into_bytes(),
+            "line 2: no `text` field",
+        ),
+        (
+            "nonstring.jsonl",
+            format!("{{\"text\": 5}}\n{good}\n").into_bytes(),
+            "line 1: field `text` is not a string",
+        ),
+        (
+            "utf8.jsonl",
+            [good.as_bytes(), b"\n{\"text\": \"a\xff\"}\n"].concat(),
+            "line 2: invalid UTF-8",
+        ),
+    ];
+    for (name, bytes, msg) in &cases {
+        let p = write(name, bytes);
+        let e = run(&f, &p, &o).unwrap_err().to_string();
+        assert!(e.contains(msg), "{name}: {e}");
+        let skipped = run(
+            &f,
+            &p,
+            &PileOptions {
+                skip_bad: true,
+                ..o.clone()
+            },
+        )
+        .unwrap();
+        assert_eq!(skipped.skipped_lines, 1, "{name}");
+        let n_good = String::from_utf8_lossy(bytes).matches(good).count() as u64;
+        assert_eq!(skipped.overall.documents, n_good, "{name}");
+    }
+    let empty = write("empty.jsonl", b"");
+    assert!(run(&f, &empty, &o)
+        .unwrap_err()
+        .to_string()
+        .contains("empty"));
+    let blank = write("blank.jsonl", b"\n  \n");
+    assert!(run(&f, &blank, &o)
+        .unwrap_err()
+        .to_string()
+        .contains("empty"));
+    let txt = write("bad.txt", b"ok \xc3\x28");
+    assert!(run(&f, &txt, &o)
+        .unwrap_err()
+        .to_string()
+        .contains("invalid UTF-8"));
+    let zst = write("broken.jsonl.zst", b"\x28\xb5\x2f\xfd garbage");
+    assert!(run(&f, &zst, &o).is_err());
+    let so = opts(
+        Method::Strided {
+            stride: MAX_POS + 1,
+        },
+        2,
+    );
+    assert!(run(&f, &write("ok.jsonl", good.as_bytes()), &so).is_err());
+}
+
+/// Not a test: writes a random full-size TokenFormer-150M folder to
+/// $TOKENFORMER_BENCH_DIR for timing `eval pile` (`cargo test --release
+/// --test eval -- --ignored write_random_150m`).
+#[test]
+#[ignore]
+fn write_random_150m() {
+    let dir =
+        PathBuf::from(std::env::var("TOKENFORMER_BENCH_DIR").expect("set TOKENFORMER_BENCH_DIR"));
+    std::fs::create_dir_all(&dir).unwrap();
+    random_model_dir(&dir, &Config::released(12, 768, 12));
+}
+
+/// The scoring core on the official-format fixture reproduces PyTorch's
+/// per-token log-probs and greedy argmax (expected.json), in one padded batch.
+#[test]
+fn scorer_matches_official_reference() {
+    let files = loader::locate(
+        "tests/fixtures/official-lm-tiny/pytorch_model.bin",
+        &LocateOptions::default(),
+    )
+    .unwrap();
+    let model = loader::load_lm(&files, &Device::Cpu).unwrap();
+    let e: Value = serde_json::from_str(
+        &std::fs::read_to_string("tests/fixtures/official-lm-tiny/expected.json").unwrap(),
+    )
+    .unwrap();
+    let ids: Vec<u32> = e["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let lp: Vec<f64> = e["next_token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let argmax: Vec<u32> = e["argmax"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let scorer = Scorer::new(&model, None).unwrap().with_greedy(true);
+    // Each request scores token k+1.. of a prefix; a short one pads the batch.
+    let reqs: Vec<Request> = [5usize, 20, ids.len() - 1, 1]
+        .iter()
+        .map(|&k| req(&ids[..k], &ids[k..(k + 7).min(ids.len())]))
+        .collect();
+    let refs: Vec<&Request> = reqs.iter().collect();
+    let got = scorer.score_batch(&refs).unwrap();
+    for (r, g) in reqs.iter().zip(&got) {
+        let k = r.context.len();
+        let expect: f64 = lp[k - 1..k - 1 + r.continuation.len()].iter().sum();
+        assert!(close(g.logprob, expect, 1e-4), "{} vs {expect}", g.logprob);
+        let greedy = (k..k + r.continuation.len()).all(|j| argmax[j - 1] == ids[j]);
+        assert_eq!(g.is_greedy, greedy);
+    }
+    // A continuation equal to the greedy path is greedy.
+    let g = scorer
+        .score_batch(&[&req(&ids[..10], &[argmax[9]])])
+        .unwrap();
+    assert!(g[0].is_greedy);
+}
+
+// ---------- tasks ----------
+
+fn ex(task: Task, line: &str) -> tasks::Example {
+    build_example(task, &serde_json::from_str(line).unwrap(), None).unwrap()
+}
+
+fn pairs(e: &tasks::Example) -> Vec<(&str, &str)> {
+    e.requests
+        .iter()
+        .map(|(a, b)| (a.as_str(), b.as_str()))
+        .collect()
+}
+
+#[test]
+fn task_formats() {
+    let e = ex(Task::Lambada, r#"{"text": "He said that it was his  dog"}"#);
+    assert_eq!(pairs(&e), [("He said that it was his ", " dog")]);
+    let e = ex(Task::Lambada, r#"{"text": "alone"}"#);
+    assert_eq!(pairs(&e), [("", " alone")]);
+
+    let hs = r#"{"ind": 4, "activity_label": "Removing ice from car", "ctx_a": "Then, the man writes over the snow covering the window of a car, and a woman wearing winter clothes smiles.", "ctx_b": "then", "ctx": "...", "split": "val", "split_type": "indomain", "endings": [", the man adds wax to the windshield and cuts it.", " [title] A person board skiing [step] The man puts on skis.", "  the man continues removing the snow on his car.  ", "x [header] y [title] z"], "label": "3", "source_id": "s"}"#;
+    let e = ex(Task::Hellaswag, hs);
+    let q = "Removing ice from car: Then, the man writes over the snow covering the window of a car, and a woman wearing winter clothes smiles. Then";
+    assert_eq!(e.requests[0].0, q);
+    let conts: Vec<&str> = e.requests.iter().map(|r| r.1.as_str()).collect();
+    assert_eq!(
+        conts,
+        [
+            " , the man adds wax to the windshield and cuts it.",
+            // strip() first, so the leading " [title]" is just removed (Python gives the same).
+            "  A person board skiing The man puts on skis.",
+            " the man continues removing the snow on his car.",
+            " x y. z"
+        ]
+    );
+    assert_eq!(e.choices[1], " A person board skiing The man puts on skis.");
+    assert_eq!(e.gold, 3);
+    assert_eq!(tasks::py_capitalize("hELLO World"), "Hello world");
+    assert_eq!(tasks::py_capitalize("ßa"), "Ssa");
+    assert_eq!(tasks::py_capitalize(""), "");
+
+    let e = ex(
+        Task::Piqa,
+        r#"{"goal": "Make tea", "sol1": "Boil water.", "sol2": "Freeze water.", "label": 0}"#,
+    );
+    assert_eq!(
+        pairs(&e),
+        [
+            ("Question: Make tea\nAnswer:", " Boil water."),
+            ("Question: Make tea\nAnswer:", " Freeze water.")
+        ]
+    );
+    let no_label: Value =
+        serde_json::from_str(r#"{"goal": "g", "sol1": "a", "sol2": "b"}"#).unwrap();
+    assert!(build_example(Task::Piqa, &no_label, None)
+        .unwrap_err()
+        .contains("--labels"));
+    assert_eq!(
+        build_example(Task::Piqa, &no_label, Some("1"))
+            .unwrap()
+            .gold,
+        1
+    );
+
+    let orig = r#"{"id": "q1", "question": {"stem": "Which is a gas?", "choices": [{"text": "ice", "label": "A"}, {"text": "steam", "label": "B"}, {"text": "rock", "label": "C"}]}, "answerKey": "B"}"#;
+    let hf = r#"{"id": "q1", "question": "Which is a gas?", "choices": {"text": ["ice", "steam", "rock"], "label": ["1", "2", "3"]}, "answerKey": "2"}"#;
+    for line in [orig, hf] {
+        let e = ex(Task::ArcEasy, line);
+        assert_eq!(
+            e.requests[1],
+            ("Question: Which is a gas?\nAnswer:".into(), " steam".into())
+        );
+        assert_eq!((e.requests.len(), e.gold), (3, 1));
+    }
+
+    let e = ex(
+        Task::Winogrande,
+        r#"{"qID": "x", "sentence": "Sarah was a much better surgeon than Maria so _ always got the harder cases.", "option1": "Sarah", "option2": "Maria", "answer": "1"}"#,
+    );
+    assert_eq!(
+        pairs(&e),
+        [
+            (
+                "Sarah was a much better surgeon than Maria so Sarah",
+                " always got the harder cases."
+            ),
+            (
+                "Sarah was a much better surgeon than Maria so Maria",
+                " always got the harder cases."
+            )
+        ]
+    );
+    assert_eq!(e.gold, 0);
+    let bad: Value = serde_json::from_str(
+        r#"{"sentence": "no blank", "option1": "a", "option2": "b", "answer": "1"}"#,
+    )
+    .unwrap();
+    assert!(build_example(Task::Winogrande, &bad, None).is_err());
+}
+
+#[test]
+fn encode_pair_like_harness() {
+    let tok = tokenizers::Tokenizer::from_file(TOKENIZER).unwrap();
+    // Trailing space of the context moves to the continuation.
+    let r = encode_pair(&tok, 0, "He said that it was his ", " dog").unwrap();
+    assert_eq!(r.context, encode(&tok, "He said that it was his"));
+    let whole = encode(&tok, "He said that it was his  dog");
+    assert_eq!(r.continuation, whole[r.context.len()..].to_vec());
+    assert_eq!([r.context.clone(), r.continuation.clone()].concat(), whole);
+    // Empty context: the prefix token.
+    let r = encode_pair(&tok, 0, "", " alone").unwrap();
+    assert_eq!(
+        (r.context, r.continuation),
+        (vec![0], encode(&tok, " alone"))
+    );
+    // A whitespace-only context counts as empty; its spaces join the continuation.
+    let r = encode_pair(&tok, 0, " ", "alone").unwrap();
+    assert_eq!(
+        (r.context, r.continuation),
+        (vec![0], encode(&tok, " alone"))
+    );
+    // A continuation starting with the prefix token keeps it as context.
+    let r = encode_pair(&tok, 0, "", "<|endoftext|>hi").unwrap();
+    assert_eq!(r.context, vec![0]);
+    assert_eq!(r.continuation, encode(&tok, "hi"));
+}
+
+#[test]
+fn tasks_score_like_brute_force_and_merge() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let lines = [
+        r#"{"goal": "Make tea", "sol1": "Boil water.", "sol2": "Freeze the water now.", "label": 0}"#,
+        r#"{"goal": "Open a jar", "sol1": "Twist the lid.", "sol2": "Sing.", "label": 1}"#,
+        r#"{"goal": "Dry hair", "sol1": "Use a towel.", "sol2": "Use a cup of water.", "label": "0"}"#,
+    ];
+    let data = dir.path().join("piqa.jsonl");
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let scorer = Scorer::new(&f.model, None).unwrap();
+    let o = TaskOptions {
+        batch_size: 3,
+        limit: None,
+        shard: Shard::WHOLE,
+        skip_bad: false,
+        prefix_token: 0,
+    };
+    let counts = tasks::evaluate(&scorer, &f.tok, Task::Piqa, &data, None, &o, |_, _| {}).unwrap();
+    let (mut acc, mut acc_norm) = (0, 0);
+    for l in &lines {
+        let e = ex(Task::Piqa, l);
+        let lls: Vec<f64> = e
+            .requests
+            .iter()
+            .map(|(c, x)| {
+                let r = encode_pair(&f.tok, 0, c, x).unwrap();
+                let all = [r.context.clone(), r.continuation.clone()].concat();
+                // The harness's left truncation: the input is the last L+1 tokens minus one.
+                let first = all.len().saturating_sub(MAX_POS + 1);
+                (all.len() - r.continuation.len()..all.len())
+                    .map(|j| brute(&f.model, &all[first..j], all[j]))
+                    .sum()
+            })
+            .collect();
+        let best = |v: &[f64]| (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b });
+        acc += (best(&lls) == e.gold) as u64;
+        let norm: Vec<f64> = lls
+            .iter()
+            .zip(&e.choices)
+            .map(|(l, c)| l / c.chars().count() as f64)
+            .collect();
+        acc_norm += (best(&norm) == e.gold) as u64;
+    }
+    assert_eq!(
+        (counts.documents, counts.correct, counts.correct_norm),
+        (3, acc, acc_norm)
+    );
+    // The harness's mean_stderr of [1, 1, 0]: sample std / sqrt(n).
+    let (mu, xs) = (2.0 / 3.0, [1.0, 1.0, 0.0f64]);
+    let sample_std = (xs.iter().map(|x| (x - mu) * (x - mu)).sum::<f64>() / 2.0).sqrt();
+    assert!(close(
+        tasks::acc_stderr(2, 3).unwrap(),
+        sample_std / 3f64.sqrt(),
+        1e-12
+    ));
+
+    // Lambada: greedy + loglikelihood; shards merge to the whole.
+    let lam = dir.path().join("lambada.jsonl");
+    std::fs::write(&lam, "{\"text\": \"the cat sat on the mat\"}\n{\"text\": \"a dog ran to the house\"}\n{\"text\": \"night\"}\n").unwrap();
+    let greedy = Scorer::new(&f.model, None).unwrap().with_greedy(true);
+    let whole = tasks::evaluate(&greedy, &f.tok, Task::Lambada, &lam, None, &o, |_, _| {}).unwrap();
+    let r = encode_pair(&f.tok, 0, "the cat sat on the", " mat").unwrap();
+    let all = [r.context.clone(), r.continuation.clone()].concat();
+    let ll0: f64 = (r.context.len()..all.len())
+        .map(|j| brute(&f.model, &all[..j], all[j]))
+        .sum();
+    let first = tasks::evaluate(
+        &greedy,
+        &f.tok,
+        Task::Lambada,
+        &lam,
+        None,
+        &TaskOptions {
+            limit: Some(1),
+            ..o.clone()
+        },
+        |_, _| {},
+    )
+    .unwrap();
+    assert!(close(first.loglikelihood, ll0, 1e-4));
+    let mut reports = Vec::new();
+    for i in 0..2 {
+        let so = TaskOptions {
+            shard: Shard { index: i, count: 2 },
+            ..o.clone()
+        };
+        let c =
+            tasks::evaluate(&greedy, &f.tok, Task::Lambada, &lam, None, &so, |_, _| {}).unwrap();
+        let mut rep = tasks::TaskReport {
+            kind: "tasks".into(),
+            task: "lambada_openai".into(),
+            model: "m".into(),
+            data: "d".into(),
+            data_sha256: "s".into(),
+            labels: None,
+            max_length: MAX_POS,
+            limit: None,
+            shard: Some(format!("{i}/2")),
+            merged_shards: None,
+            batch_size: 3,
+            counts: Default::default(),
+            acc: None,
+            acc_stderr: None,
+            acc_norm: None,
+            acc_norm_stderr: None,
+            perplexity: None,
+            elapsed_seconds: 1.0,
+        };
+        rep.set_counts(Task::Lambada, c);
+        reports.push(serde_json::to_value(rep).unwrap());
+    }
+    let merged = merge_results(&reports).unwrap();
+    assert_eq!(merged["documents"], json!(3));
+    assert_eq!(merged["correct"], json!(whole.correct));
+    let ppl = (-whole.loglikelihood / 3.0).exp();
+    let got = merged["perplexity"].as_f64().unwrap();
+    assert!(close(got, ppl, 1e-6), "{got} vs {ppl}");
+}
+
+// ---------- the command line ----------
+
+fn cli(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_tokenformer"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn cli_pile_json_shards_merge_and_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    tiny_model_dir(&model);
+    let data = dir.path().join("docs.jsonl");
+    write_jsonl(&data, &documents());
+    let (m, d) = (model.to_str().unwrap(), data.to_str().unwrap());
+    let out_path = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let whole = out_path("whole.json");
+    let o = cli(&[
+        "eval",
+        "pile",
+        "--model",
+        m,
+        "--data",
+        d,
+        "--json",
+        &whole,
+        "--batch-size",
+        "3",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let w: Value = serde_json::from_str(&std::fs::read_to_string(&whole).unwrap()).unwrap();
+    for k in [
+        "kind",
+        "model",
+        "data_sha256",
+        "method",
+        "loglikelihood",
+        "documents",
+        "tokens",
+        "words",
+        "bytes",
+        "word_perplexity",
+        "byte_perplexity",
+        "bits_per_byte",
+        "token_perplexity",
+        "subsets",
+        "elapsed_seconds",
+        "tokens_per_second",
+    ] {
+        assert!(w.get(k).is_some(), "missing {k}");
+    }
+    assert_eq!(w["kind"], "pile");
+    assert_eq!(w["data_sha256"].as_str().unwrap().len(), 64);
+    assert!(w["subsets"]["doc05"]["word_perplexity"].as_f64().unwrap() > 0.0);
+
+    let mut shards = Vec::new();
+    for i in 0..2 {
+        let p = out_path(&format!("s{i}.json"));
+        let s = format!("{i}/2");
+        let o = cli(&[
+            "eval", "pile", "--model", m, "--data", d, "--shard", &s, "--json", &p,
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        shards.push(p);
+    }
+    let merged = out_path("merged.json");
+    let o = cli(&["eval", "merge", &shards[0], &shards[1], "--json", &merged]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mg: Value = serde_json::from_str(&std::fs::read_to_string(&merged).unwrap()).unwrap();
+    for k in ["documents", "tokens", "words", "bytes"] {
+        assert_eq!(mg[k], w[k], "{k}");
+    }
+    for k in [
+        "loglikelihood",
+        "word_perplexity",
+        "byte_perplexity",
+        "bits_per_byte",
+    ] {
+        assert!(
+            close(mg[k].as_f64().unwrap(), w[k].as_f64().unwrap(), 1e-7),
+            "{k}"
+        );
+    }
+    let subsets = |v: &Value| {
+        v["subsets"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(subsets(&mg), subsets(&w));
+
+    // Bad input: non-zero exit, the line named.
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"text\": \"a\"}\nnot json\n").unwrap();
+    let o = cli(&[
+        "eval",
+        "pile",
+        "--model",
+        m,
+        "--data",
+        bad.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("line 2"));
+
+    // Tasks: --help names the fields.
+    let o = cli(&["eval", "tasks", "--help"]);
+    let help = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        help.contains("activity_label") && help.contains("answerKey") && help.contains("option1")
+    );
+}
