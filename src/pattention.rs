@@ -144,7 +144,7 @@ impl Pattention {
     pub fn scores(&self, x: &Tensor) -> Result<Tensor> {
         let d_in = x.dim(D::Minus1)?;
         let rows = x.elem_count() / d_in.max(1);
-        x.reshape((rows, d_in))?.matmul(&self.key.t()?)
+        crate::kernels::matmul_nt(&x.reshape((rows, d_in))?, &self.key)
     }
 }
 
@@ -154,6 +154,6 @@ impl Module for Pattention {
         let mut out_shape = x.dims().to_vec();
         *out_shape.last_mut().expect("rank >= 1") = self.value.dim(1)?;
         let w = crate::kernels::theta(&self.scores(x)?, self.activation, self.scale_tokens)?;
-        w.matmul(&self.value)?.reshape(out_shape)
+        crate::kernels::matmul_nn(&w, &self.value)?.reshape(out_shape)
     }
 }

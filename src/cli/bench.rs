@@ -14,6 +14,9 @@ pub struct BenchArgs {
     /// Skip the ViT-B/16 image benchmark.
     #[arg(long)]
     pub skip_vit: bool,
+    /// Run only these parts (comma-separated): prefill, decode, pattention, matmul, vit.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
     /// Print one JSON object (the peer's field names).
     #[arg(long)]
     pub json: bool,
@@ -23,7 +26,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let cfg = bench::lm_config(&a.config)
         .ok_or_else(|| anyhow!("unknown --config `{}` (150m, 450m, 900m, 1.5b)", a.config))?;
     let dev = Device::Cpu;
-    let out = bench::run_lm(&a.config, &cfg, &dev)?;
+    let out = bench::run_lm(&a.config, &cfg, &dev, &a.only)?;
     if a.json {
         println!("{}", serde_json::to_string(&out)?);
     } else {

@@ -535,7 +535,7 @@ impl TokenFormerLm {
         let (b, t, d) = h.dims3()?;
         let h = self.final_norm.forward(h)?.reshape((b * t, d))?;
         let out = self.final_linear.as_ref().unwrap_or(&self.word_embeddings);
-        h.matmul(&out.t()?)?.reshape((b, t, self.cfg.vocab_size))
+        crate::kernels::matmul_nt(&h, out)?.reshape((b, t, self.cfg.vocab_size))
     }
 
     /// Logits [b, t, vocab] for ids [b, t]. With a cache, positions continue
