@@ -7,6 +7,7 @@ use candle_core::{Device, Tensor};
 use serde_json::Value;
 use tokenformer::loader::{self, ModelFiles};
 use tokenformer::models::tokenformer as lm;
+use tokenformer::models::vit::VisionTransformer;
 
 use crate::probe;
 
@@ -50,7 +51,9 @@ impl Family {
             Self::Language => {
                 loader::lm_config(config, origin)?;
             }
-            Self::Vision => vision_unavailable()?,
+            Self::Vision => {
+                loader::vit_config(config, origin)?;
+            }
         }
         Ok(())
     }
@@ -59,11 +62,26 @@ impl Family {
     pub fn probe_logits(self, files: &ModelFiles, device: &Device) -> Result<Tensor> {
         match self {
             Self::Language => probe::lm_logits(&loader::load_lm(files, device)?),
-            Self::Vision => vision_unavailable(),
+            Self::Vision => vit_logits(&loader::load_vit(files, device)?),
         }
     }
 }
 
-fn vision_unavailable<T>() -> Result<T> {
-    bail!("this build has no TokenFormer vision model to check the result with")
+/// A deterministic image [1, C, S, S] in the range of normalised pixels (about ±2).
+pub fn probe_pixels(channels: usize, size: usize, device: &Device) -> Result<Tensor> {
+    let n = channels * size * size;
+    let v: Vec<f32> = (0..n)
+        .map(|i| {
+            let x = i as f32;
+            (x * 0.37).sin() + 0.8 * (x * 0.011).cos()
+        })
+        .collect();
+    Ok(Tensor::from_vec(v, (1, channels, size, size), device)?)
+}
+
+/// Class logits [num_classes] of an image classifier on the probe image.
+fn vit_logits(model: &VisionTransformer) -> Result<Tensor> {
+    let cfg = model.config();
+    let pixels = probe_pixels(cfg.num_channels, cfg.image_size, model.device())?;
+    Ok(model.forward(&pixels)?.squeeze(0)?)
 }
