@@ -7,7 +7,7 @@ use candle_core::{Device, Tensor};
 use serde_json::Value;
 use tokenformer::loader::{self, ModelFiles};
 use tokenformer::models::tokenformer as lm;
-use tokenformer::models::vit::VisionTransformer;
+use tokenformer::models::vit::{self, VisionTransformer};
 
 use crate::probe;
 
@@ -17,16 +17,17 @@ pub enum Family {
     Vision,
 }
 
-/// The vision classifier's `architecture` value.
-pub const VIT_ARCHITECTURE: &str = "tokenformer-vit";
-
 impl Family {
     pub fn of(config: &Value, origin: &str) -> Result<Self> {
         match loader::architecture(config) {
             lm::ARCHITECTURE => Ok(Self::Language),
-            VIT_ARCHITECTURE => Ok(Self::Vision),
+            vit::ARCHITECTURE => Ok(Self::Vision),
             "" => bail!("{origin}: config has no `architecture`"),
-            other => bail!("{origin}: architecture `{other}` is not supported here (expected `{}` or `{VIT_ARCHITECTURE}`)", lm::ARCHITECTURE),
+            other => bail!(
+                "{origin}: architecture `{other}` is not supported here (expected `{}` or `{}`)",
+                lm::ARCHITECTURE,
+                vit::ARCHITECTURE
+            ),
         }
     }
 
@@ -67,21 +68,9 @@ impl Family {
     }
 }
 
-/// A deterministic image [1, C, S, S] in the range of normalised pixels (about ±2).
-pub fn probe_pixels(channels: usize, size: usize, device: &Device) -> Result<Tensor> {
-    let n = channels * size * size;
-    let v: Vec<f32> = (0..n)
-        .map(|i| {
-            let x = i as f32;
-            (x * 0.37).sin() + 0.8 * (x * 0.011).cos()
-        })
-        .collect();
-    Ok(Tensor::from_vec(v, (1, channels, size, size), device)?)
-}
-
 /// Class logits [num_classes] of an image classifier on the probe image.
 fn vit_logits(model: &VisionTransformer) -> Result<Tensor> {
     let cfg = model.config();
-    let pixels = probe_pixels(cfg.num_channels, cfg.image_size, model.device())?;
+    let pixels = probe::probe_pixels(cfg.num_channels, cfg.image_size, model.device())?;
     Ok(model.forward(&pixels)?.squeeze(0)?)
 }
