@@ -39,7 +39,7 @@ pub struct GenerateArgs {
 
 /// What `generate` runs: a merged model with its preprocessed image, or a language model.
 enum Generator {
-    WithImage(VisionLanguageModel, Tensor),
+    WithImage(Box<VisionLanguageModel>, Tensor),
     Text(TokenFormerLm),
 }
 
@@ -82,7 +82,7 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
             let model = loader::load_vl(&files, &dev)?;
             let transform = EvalTransform::from_config(model.vision().config());
             let pixels = transform.batch(vec![transform.load(path)?], &dev)?;
-            Generator::WithImage(model, pixels)
+            Generator::WithImage(Box::new(model), pixels)
         }
         None => Generator::Text(loader::load_lm(&files, &dev)?),
     };
