@@ -1,12 +1,14 @@
 //! Text generation with a KV cache: the prompt is run once, then one token per
 //! step. Sampling follows Hugging Face transformers' conventions: temperature,
-//! then top-k, then top-p (nucleus), greedy when temperature is 0.
+//! then top-k, then top-p (nucleus), greedy when temperature is 0. A merged
+//! vision-language model generates the same way after an image.
 
 use candle_core::{DType, Tensor, D};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use crate::error::{Error, Result};
 use crate::models::tokenformer::{Cache, TokenFormerLm};
+use crate::models::vl::VisionLanguageModel;
 
 #[derive(Clone, Debug)]
 pub struct SamplingParams {
@@ -103,9 +105,56 @@ pub fn generate(
     prompt: &[u32],
     max_new_tokens: usize,
     params: SamplingParams,
-    mut on_token: impl FnMut(u32) -> Result<()>,
+    on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
-    let cfg = model.config();
+    let mut cache = Cache::new(model.config());
+    decode(model, prompt, max_new_tokens, params, on_token, |ids| {
+        let input = Tensor::new(ids, model.device())?.unsqueeze(0)?;
+        model.forward(&input, Some(&mut cache))
+    })
+}
+
+/// [`generate`] after an image: the mixed sequence [image tokens; prompt] of a
+/// merged vision-language model, then text tokens one by one from its cache.
+/// `pixels` is one preprocessed image [1, C, H, W].
+pub fn generate_with_image(
+    model: &VisionLanguageModel,
+    pixels: &Tensor,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    params: SamplingParams,
+    on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<Vec<u32>> {
+    if pixels.dim(0)? != 1 {
+        return Err(Error::input(format!(
+            "generation takes one image, got a batch of {}",
+            pixels.dim(0)?
+        )));
+    }
+    let text = model.language();
+    let mut cache = model.new_cache();
+    let mut image = Some(pixels);
+    decode(text, prompt, max_new_tokens, params, on_token, |ids| {
+        let input = Tensor::new(ids, text.device())?.unsqueeze(0)?;
+        // The image enters with the prompt, once; later steps read it from the cache.
+        let (_, logits) = model.forward_mixed(image.take(), &input, Some(&mut cache))?;
+        Ok(logits)
+    })
+}
+
+/// The decode loop every model shares: `step` runs the model on the new ids
+/// (the whole prompt first, then one token at a time, keeping its own cache)
+/// and returns their logits [1, t, vocab]; `text` gives the vocabulary,
+/// context length and EOS.
+fn decode(
+    text: &TokenFormerLm,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    params: SamplingParams,
+    mut on_token: impl FnMut(u32) -> Result<()>,
+    mut step: impl FnMut(&[u32]) -> candle_core::Result<Tensor>,
+) -> Result<Vec<u32>> {
+    let cfg = text.config();
     if prompt.is_empty() {
         return Err(Error::input("the prompt is empty: give at least one token"));
     }
@@ -116,14 +165,13 @@ pub fn generate(
             prompt.len()
         )));
     }
-    model.check_ids(prompt)?;
+    text.check_ids(prompt)?;
     let budget = max_new_tokens.min(max - prompt.len());
-    let mut cache = Cache::new(cfg);
     let mut sampler = Sampler::new(params);
     let mut out = Vec::with_capacity(budget);
-    let mut input = Tensor::new(prompt, model.device())?.unsqueeze(0)?;
+    let mut input = prompt.to_vec();
     for _ in 0..budget {
-        let logits = model.forward(&input, Some(&mut cache))?;
+        let logits = step(&input)?;
         let last = logits.squeeze(0)?.get(logits.dim(1)? - 1)?;
         let next = sampler.sample(&last.to_dtype(DType::F32)?.to_vec1::<f32>()?);
         out.push(next);
@@ -131,7 +179,7 @@ pub fn generate(
         if next == cfg.eos_token_id {
             break;
         }
-        input = Tensor::new(&[next], model.device())?.unsqueeze(0)?;
+        input = vec![next];
     }
     Ok(out)
 }

@@ -7,6 +7,7 @@ use candle_core::{Device, Tensor};
 use serde_json::Value;
 use tokenformer::loader::{self, ModelFiles};
 use tokenformer::models::tokenformer as lm;
+use tokenformer::models::vit::{self, VisionTransformer};
 
 use crate::probe;
 
@@ -16,16 +17,17 @@ pub enum Family {
     Vision,
 }
 
-/// The vision classifier's `architecture` value.
-pub const VIT_ARCHITECTURE: &str = "tokenformer-vit";
-
 impl Family {
     pub fn of(config: &Value, origin: &str) -> Result<Self> {
         match loader::architecture(config) {
             lm::ARCHITECTURE => Ok(Self::Language),
-            VIT_ARCHITECTURE => Ok(Self::Vision),
+            vit::ARCHITECTURE => Ok(Self::Vision),
             "" => bail!("{origin}: config has no `architecture`"),
-            other => bail!("{origin}: architecture `{other}` is not supported here (expected `{}` or `{VIT_ARCHITECTURE}`)", lm::ARCHITECTURE),
+            other => bail!(
+                "{origin}: architecture `{other}` is not supported here (expected `{}` or `{}`)",
+                lm::ARCHITECTURE,
+                vit::ARCHITECTURE
+            ),
         }
     }
 
@@ -50,7 +52,9 @@ impl Family {
             Self::Language => {
                 loader::lm_config(config, origin)?;
             }
-            Self::Vision => vision_unavailable()?,
+            Self::Vision => {
+                loader::vit_config(config, origin)?;
+            }
         }
         Ok(())
     }
@@ -59,11 +63,14 @@ impl Family {
     pub fn probe_logits(self, files: &ModelFiles, device: &Device) -> Result<Tensor> {
         match self {
             Self::Language => probe::lm_logits(&loader::load_lm(files, device)?),
-            Self::Vision => vision_unavailable(),
+            Self::Vision => vit_logits(&loader::load_vit(files, device)?),
         }
     }
 }
 
-fn vision_unavailable<T>() -> Result<T> {
-    bail!("this build has no TokenFormer vision model to check the result with")
+/// Class logits [num_classes] of an image classifier on the probe image.
+fn vit_logits(model: &VisionTransformer) -> Result<Tensor> {
+    let cfg = model.config();
+    let pixels = probe::probe_pixels(cfg.num_channels, cfg.image_size, model.device())?;
+    Ok(model.forward(&pixels)?.squeeze(0)?)
 }

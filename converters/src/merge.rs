@@ -16,6 +16,7 @@ use tokenformer::card::ModelCard;
 use tokenformer::checkpoint;
 use tokenformer::loader;
 use tokenformer::models::vl::{self, VisionLanguageModel};
+use tokenformer::models::{tokenformer as lm, vit};
 
 use crate::output::{check_not_input, Staging};
 use crate::probe;
@@ -89,10 +90,10 @@ pub fn run(a: MergeArgs) -> Result<()> {
     }
     let vw = loader::read_weights(&vfiles, Some(DType::F32), &dev)?;
     let lw = loader::read_weights(&lfiles, Some(DType::F32), &dev)?;
-    if loader::architecture(&vw.config) != "tokenformer-vit" {
+    if loader::architecture(&vw.config) != vit::ARCHITECTURE {
         bail!("--vision {}: architecture `{}` is not a TokenFormer image classifier (`tokenformer-vit`)", a.vision, loader::architecture(&vw.config));
     }
-    if loader::architecture(&lw.config) != "tokenformer-lm" {
+    if loader::architecture(&lw.config) != lm::ARCHITECTURE {
         bail!("--language {}: architecture `{}` is not a TokenFormer language model (`tokenformer-lm`)", a.language, loader::architecture(&lw.config));
     }
     let vcfg = loader::vit_config(&vw.config, &vw.path)?;

@@ -9,12 +9,13 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use clap::Args;
 use serde_json::{json, Map, Value};
 use tokenformer::card::{self, ModelCard};
 use tokenformer::hub::{self, PublishOptions, RepoRef};
 use tokenformer::loader;
+use tokenformer::models::{tokenformer as lm, vit, vl};
 
 use crate::probe;
 
@@ -122,30 +123,80 @@ fn validate(dir: &Path) -> Result<String> {
             dir.display()
         ),
     };
+    let dev = Device::Cpu;
     match loader::architecture(&config) {
-        "tokenformer-lm" => {
-            let model = loader::load_lm(&files, &Device::Cpu)?;
-            let logits = probe::lm_logits(&model)?;
-            let finite = logits
-                .flatten_all()?
-                .to_vec1::<f32>()?
-                .iter()
-                .all(|v| v.is_finite());
-            if !finite {
-                bail!("the probe forward pass gives non-finite logits");
-            }
-            if files.tokenizer.is_none() {
-                println!(
-                    "warning: no tokenizer.json in {}: users will need --tokenizer",
-                    dir.display()
-                );
-            }
+        lm::ARCHITECTURE => {
+            let model = loader::load_lm(&files, &dev)?;
+            check_finite(&probe::lm_logits(&model)?, "")?;
+            warn_no_tokenizer(&files, dir);
             Ok(format!(
-                "tokenformer-lm, {} layers, probe forward ok",
+                "{}, {} layers, probe forward ok",
+                lm::ARCHITECTURE,
                 model.config().num_layers
             ))
         }
-        other => bail!("cannot validate architecture `{other}` yet"),
+        vit::ARCHITECTURE => {
+            let model = loader::load_vit(&files, &dev)?;
+            let cfg = model.config();
+            let pixels = probe::probe_pixels(cfg.num_channels, cfg.image_size, &dev)?;
+            check_finite(&model.forward(&pixels)?, "")?;
+            Ok(format!(
+                "{}, {} layers, {} classes, probe forward ok",
+                vit::ARCHITECTURE,
+                cfg.num_layers,
+                cfg.num_classes
+            ))
+        }
+        vl::ARCHITECTURE => {
+            // The mixed sequence exercises both routes and the shared attention at once.
+            let model = loader::load_vl(&files, &dev)?;
+            let (v, l) = (model.vision().config(), model.language().config());
+            let pixels = probe::probe_pixels(v.num_channels, v.image_size, &dev)?;
+            let ids = probe::probe_ids(l.vocab_size, l.max_position_embeddings);
+            let ids = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
+            let (image, text) = model.forward_mixed(Some(&pixels), &ids, None)?;
+            if let Some(image) = image {
+                check_finite(&image, " (image)")?;
+            }
+            check_finite(&text, " (text)")?;
+            warn_no_tokenizer(&files, dir);
+            Ok(format!(
+                "{}, {} layers, {} bridge tokens, mixed probe forward ok",
+                vl::ARCHITECTURE,
+                l.num_layers,
+                model.config().bridge_tokens
+            ))
+        }
+        "" => bail!("{}: config.json has no `architecture`", dir.display()),
+        other => bail!(
+            "{}: cannot validate architecture `{other}` (expected {}, {} or {})",
+            dir.display(),
+            lm::ARCHITECTURE,
+            vit::ARCHITECTURE,
+            vl::ARCHITECTURE
+        ),
+    }
+}
+
+/// A model that publishes NaN logits is broken however well its files load.
+fn check_finite(logits: &Tensor, what: &str) -> Result<()> {
+    let finite = logits
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .all(|v| v.is_finite());
+    if !finite {
+        bail!("the probe forward pass gives non-finite logits{what}");
+    }
+    Ok(())
+}
+
+fn warn_no_tokenizer(files: &loader::ModelFiles, dir: &Path) {
+    if files.tokenizer.is_none() {
+        println!(
+            "warning: no tokenizer.json in {}: users will need --tokenizer",
+            dir.display()
+        );
     }
 }
 
@@ -154,8 +205,8 @@ fn refresh_card(old: &str, dir: &Path, repo: &RepoRef, results: &[Value]) -> Res
     let (mut meta, body) = card::parse(old);
     let config = loader::read_json(&dir.join(loader::CONFIG_FILE))?;
     let pipeline = match loader::architecture(&config) {
-        "tokenformer-vit" => "image-classification",
-        "tokenformer-vl" => "image-text-to-text",
+        vit::ARCHITECTURE => "image-classification",
+        vl::ARCHITECTURE => "image-text-to-text",
         _ => "text-generation",
     };
     let fresh = ModelCard::new(repo.name.clone(), pipeline);

@@ -983,3 +983,125 @@ fn untied_f32_models_with_other_activations_export_and_grow_exactly() {
     let d = max_diff(&lm_logits(s(&src), &ids), &lm_logits(s(&soft), &ids));
     assert!(d > 1e-4, "{d}");
 }
+
+fn vit_logits(model: &str, pixels: &Tensor) -> Tensor {
+    let files = loader::locate(model, &LocateOptions::default()).expect("locate");
+    let m = loader::load_vit(&files, &Device::Cpu).expect("load");
+    m.forward(pixels).unwrap()
+}
+
+/// The converters' probe image (converters/src/probe.rs), recomputed here so
+/// the test can check the shift the tool reports on the same input.
+fn vit_probe_pixels(channels: usize, size: usize) -> Tensor {
+    let n = channels * size * size;
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 40) as f32 / (1u32 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect();
+    Tensor::from_vec(v, (1, channels, size, size), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn grow_vision_keep_is_exact_grow_reports_the_real_shift_and_ladders_compose() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pixels = candle_core::safetensors::load(
+        fixtures().join("vit-tiny-imagenet/pixels.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap()
+    .remove("pixels")
+    .unwrap();
+    let before = hash_tree(&vit_dir());
+    let original = vit_logits(s(&vit_dir()), &pixels);
+
+    let keep = tmp.path().join("keep");
+    let stdout = ok(&[
+        "grow",
+        "--model",
+        s(&vit_dir()),
+        "--out",
+        s(&keep),
+        "--qkv-tokens",
+        "30",
+        "--proj-tokens",
+        "24",
+        "--ffn-tokens",
+        "64",
+    ]);
+    assert!(stdout.contains("Looks ok!"), "{stdout}");
+    let d = max_diff(&original, &vit_logits(s(&keep), &pixels));
+    assert!(
+        d <= 1e-5,
+        "vision keep + zero keys changed the logits by {d}"
+    );
+    let cfg = config(&keep);
+    assert_eq!(
+        cfg["pattention_scale_tokens"],
+        serde_json::json!({"qkv": 24, "proj": 20, "ffn": 48})
+    );
+    assert_eq!(cfg["num_classes"], 10, "other config keys are kept");
+    assert_eq!(card(&keep)["pipeline_tag"], "image-classification");
+    let (old, new) = (tensors(s(&vit_dir())), tensors(s(&keep)));
+    assert_eq!(
+        bits(&old["patch_embed.weight"]),
+        bits(&new["patch_embed.weight"])
+    );
+    assert_eq!(new["layers.1.mlp.value_param_tokens"].dims(), &[64, 32]);
+
+    // Ladder: grow the grown model again; still the original function.
+    let twice = tmp.path().join("twice");
+    ok(&[
+        "grow",
+        "--model",
+        s(&keep),
+        "--out",
+        s(&twice),
+        "--qkv-tokens",
+        "40",
+        "--ffn-tokens",
+        "80",
+    ]);
+    let d = max_diff(&original, &vit_logits(s(&twice), &pixels));
+    assert!(d <= 1e-5, "twice grown vision model differs by {d}");
+
+    let grown = tmp.path().join("grow");
+    ok(&[
+        "grow",
+        "--model",
+        s(&vit_dir()),
+        "--out",
+        s(&grown),
+        "--qkv-tokens",
+        "30",
+        "--proj-tokens",
+        "24",
+        "--ffn-tokens",
+        "64",
+        "--scale",
+        "grow",
+    ]);
+    assert!(config(&grown).get("pattention_scale_tokens").is_none());
+    let d = max_diff(&original, &vit_logits(s(&grown), &pixels));
+    assert!(
+        d > 1e-3,
+        "--scale grow should change the vision logits, shift {d}"
+    );
+    let probe = vit_probe_pixels(3, 32);
+    let real = max_diff(
+        &vit_logits(s(&vit_dir()), &probe),
+        &vit_logits(s(&grown), &probe),
+    );
+    let reported = card(&grown)["tokenformer_growth"]["probe_max_abs_logit_diff"]
+        .as_f64()
+        .unwrap() as f32;
+    assert!(
+        (reported - real).abs() <= 1e-6 * real.max(1.0),
+        "card says {reported}, real shift {real}"
+    );
+    assert_eq!(hash_tree(&vit_dir()), before, "the input was modified");
+}

@@ -248,3 +248,91 @@ fn failing_server_leaves_the_folder_untouched() {
     );
     assert!(!ok && err.contains("config.json"), "{err}");
 }
+
+/// Copies a model folder (flat) so a test can publish or break it without touching the fixture.
+fn copy_folder(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+    }
+}
+
+#[test]
+fn publish_validates_vision_and_vision_language_folders() {
+    let hub = FakeHub::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+    let vit = tmp.path().join("vit");
+    copy_folder(&fixtures.join("vit-tiny-imagenet/vit-tiny"), &vit);
+    let before = folder_hashes(&vit);
+    let home = tmp.path().join("hf");
+    let dry = |dir: &Path| {
+        convert(
+            &[
+                "publish",
+                "--model",
+                dir.to_str().unwrap(),
+                "--repo",
+                "me/vision",
+                "--dry-run",
+            ],
+            &hub.endpoint(),
+            &home,
+        )
+    };
+
+    // The classifier loads, runs the probe image and is listed with its real hashes.
+    let (ok, out, err) = dry(&vit);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("tokenformer-vit, 2 layers, 10 classes, probe forward ok"),
+        "{out}"
+    );
+    assert!(out.contains(&before["model.safetensors"]), "{out}");
+    assert!(!hub.has_repo("me/vision"));
+    assert_eq!(folder_hashes(&vit), before, "a dry run changed the folder");
+
+    // A classifier whose config disagrees with its tensors is refused before anything else.
+    let broken = tmp.path().join("broken");
+    copy_folder(&vit, &broken);
+    let cfg = std::fs::read_to_string(broken.join("config.json")).unwrap();
+    std::fs::write(
+        broken.join("config.json"),
+        cfg.replace("\"ffn_tokens\": 48", "\"ffn_tokens\": 50"),
+    )
+    .unwrap();
+    let (ok, out, err) = dry(&broken);
+    assert!(
+        !ok && err.starts_with("error: ") && !err.contains("panicked"),
+        "{err}"
+    );
+    assert!(!out.contains("would upload"), "{out}");
+
+    // A merged vision-language folder is validated with a mixed forward pass.
+    let vlm = tmp.path().join("vl");
+    let (ok, _, err) = convert(
+        &[
+            "merge",
+            "--vision",
+            vit.to_str().unwrap(),
+            "--language",
+            fixture().join("pytorch_model.bin").to_str().unwrap(),
+            "--bridge-tokens",
+            "4",
+            "--out",
+            vlm.to_str().unwrap(),
+        ],
+        &hub.endpoint(),
+        &home,
+    );
+    assert!(ok, "{err}");
+    let (ok, out, err) = dry(&vlm);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("tokenformer-vl, 2 layers, 4 bridge tokens, mixed probe forward ok"),
+        "{out}"
+    );
+    let readme = out.lines().find(|l| l.contains("README.md")).unwrap_or("");
+    assert!(readme.contains("sha256"), "{out}");
+}

@@ -4,10 +4,13 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use clap::Args;
-use tokenformer::generate::{generate, SamplingParams};
+use tokenformer::generate::{generate, generate_with_image, SamplingParams};
 use tokenformer::loader;
+use tokenformer::models::tokenformer::TokenFormerLm;
+use tokenformer::models::vl::{self, VisionLanguageModel};
+use tokenformer::vision::EvalTransform;
 
 use super::ModelArgs;
 
@@ -29,12 +32,34 @@ pub struct GenerateArgs {
     pub top_p: Option<f64>,
     #[arg(long, default_value_t = 299_792_458)]
     pub seed: u64,
+    /// An image to condition on (tokenformer-vl models): the sequence is [image tokens; prompt].
+    #[arg(long, value_name = "IMG")]
+    pub image: Option<PathBuf>,
+}
+
+/// What `generate` runs: a merged model with its preprocessed image, or a language model.
+enum Generator {
+    WithImage(Box<VisionLanguageModel>, Tensor),
+    Text(TokenFormerLm),
 }
 
 pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     let files = a.model.locate()?;
+    // Known before any weights are read, so a wrong --image fails fast.
+    let arch = match &files.config {
+        loader::ConfigSource::Json { value, .. } => loader::architecture(value).to_string(),
+        loader::ConfigSource::OfficialYml(_) => {
+            tokenformer::models::tokenformer::ARCHITECTURE.into()
+        }
+    };
+    if a.image.is_some() && arch != vl::ARCHITECTURE {
+        bail!(
+            "--image needs a vision-language model (`{}`), but {} is `{arch}`: merge one with `tokenformer-convert merge`",
+            vl::ARCHITECTURE,
+            files.source
+        );
+    }
     let tokenizer = loader::load_tokenizer(&files)?;
-    let model = loader::load_lm(&files, &Device::Cpu)?;
     if a.prompt.is_empty() {
         bail!("the prompt is empty: pass --prompt TEXT");
     }
@@ -49,14 +74,29 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         top_p: a.top_p,
         seed: a.seed,
     };
+    let dev = Device::Cpu;
+    // Image + text runs the merged model; text alone runs a language model
+    // (a merged model's language route when the folder is tokenformer-vl).
+    let model = match &a.image {
+        Some(path) => {
+            let model = loader::load_vl(&files, &dev)?;
+            let transform = EvalTransform::from_config(model.vision().config());
+            let pixels = transform.batch(vec![transform.load(path)?], &dev)?;
+            Generator::WithImage(Box::new(model), pixels)
+        }
+        None => Generator::Text(loader::load_lm(&files, &dev)?),
+    };
+    let eos = match &model {
+        Generator::WithImage(m, _) => m.language().config().eos_token_id,
+        Generator::Text(m) => m.config().eos_token_id,
+    };
     let mut stdout = std::io::stdout().lock();
     write!(stdout, "{}", a.prompt)?;
     stdout.flush()?;
     // Decode the growing suffix so multi-token characters print correctly.
     let mut generated: Vec<u32> = Vec::new();
     let mut printed = 0usize;
-    let eos = model.config().eos_token_id;
-    generate(&model, &prompt, a.max_new_tokens, params, |tok| {
+    let on_token = |tok: u32| {
         if tok == eos {
             return Ok(());
         }
@@ -68,8 +108,14 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
             printed = text.len();
         }
         Ok(())
-    })?;
-    writeln!(stdout)?;
+    };
+    match &model {
+        Generator::WithImage(m, pixels) => {
+            generate_with_image(m, pixels, &prompt, a.max_new_tokens, params, on_token)?
+        }
+        Generator::Text(m) => generate(m, &prompt, a.max_new_tokens, params, on_token)?,
+    };
+    writeln!(std::io::stdout())?;
     Ok(())
 }
 

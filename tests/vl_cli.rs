@@ -1,0 +1,203 @@
+//! `tokenformer generate --image` on a merged vision-language model built from
+//! the shipped fixtures (official-lm-tiny + vit-tiny): the binary's greedy
+//! continuation equals the mixed forward pass [image tokens; text tokens]
+//! recomputed from scratch at every step, and text-only generation on the
+//! merged folder is the source language model's.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use tokenformer::loader;
+use tokenformer::models::vl::{self, VisionLanguageModel};
+use tokenformer::vision::EvalTransform;
+
+const PROMPT: &str = "A photo of a fish in the";
+const NEW_TOKENS: usize = 6;
+
+fn weights(spec: &Path) -> loader::LoadedWeights {
+    let files = loader::locate(spec.to_str().unwrap(), &Default::default()).unwrap();
+    loader::read_weights(&files, Some(DType::F32), &Device::Cpu).unwrap()
+}
+
+/// Writes the merged model (random bridge values, zero bridge keys) into `dir`.
+fn write_vl_folder(dir: &Path) {
+    let vw = weights(&common::fixtures().join("vit-tiny-imagenet/vit-tiny"));
+    let lw = weights(&common::lm_fixture().join("pytorch_model.bin"));
+    let vcfg = loader::vit_config(&vw.config, &vw.path).unwrap();
+    let lcfg = loader::lm_config(&lw.config, &lw.path).unwrap();
+    let cfg = vl::Config::merged(&vcfg, &lcfg, 8).unwrap();
+    let mut seed = 10u64;
+    let tensors = vl::assemble(&cfg, &vw.tensors, &lw.tensors, |_, r, c| {
+        seed += 1;
+        Ok(common::randn(
+            &mut rand::SeedableRng::seed_from_u64(seed),
+            &[r, c],
+            0.5,
+        ))
+    })
+    .unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&cfg).unwrap(),
+    )
+    .unwrap();
+    tokenformer::checkpoint::write_safetensors(dir, &tensors, u64::MAX).unwrap();
+    std::fs::copy(common::tokenizer_fixture(), dir.join("tokenizer.json")).unwrap();
+}
+
+fn image() -> PathBuf {
+    common::fixtures().join("vit-tiny-imagenet/val/n01443537/a.JPEG")
+}
+
+/// Greedy continuation without any cache: the whole sequence is run again
+/// for every new token, so a cache or routing bug in the CLI path would show.
+fn greedy_uncached(
+    model: &VisionLanguageModel,
+    pixels: Option<&Tensor>,
+    prompt: &[u32],
+) -> Vec<u32> {
+    let eos = model.language().config().eos_token_id;
+    let mut ids = prompt.to_vec();
+    let mut out = vec![];
+    for _ in 0..NEW_TOKENS {
+        let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let (_, logits) = model.forward_mixed(pixels, &input, None).unwrap();
+        let last = logits.squeeze(0).unwrap().get(ids.len() - 1).unwrap();
+        let next = last.argmax(0).unwrap().to_scalar::<u32>().unwrap();
+        out.push(next);
+        if next == eos {
+            break;
+        }
+        ids.push(next);
+    }
+    out
+}
+
+fn generate(model: &str, extra: &[&str]) -> String {
+    let n = NEW_TOKENS.to_string();
+    let mut args = vec![
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        &n,
+    ];
+    args.extend_from_slice(extra);
+    let (out, stdout, stderr) = common::tokenformer(&args);
+    assert!(out.status.success(), "{args:?}: {stderr}");
+    stdout
+}
+
+#[test]
+fn generate_with_an_image_equals_the_mixed_forward_and_text_only_equals_the_lm() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("vl");
+    write_vl_folder(&dir);
+    let files = loader::locate(dir.to_str().unwrap(), &Default::default()).unwrap();
+    let model = loader::load_vl(&files, &Device::Cpu).unwrap();
+    let tokenizer = loader::load_tokenizer(&files).unwrap();
+    let prompt = tokenizer.encode(PROMPT, false).unwrap().get_ids().to_vec();
+    let transform = EvalTransform::from_config(model.vision().config());
+    let pixels = transform
+        .batch(vec![transform.load(&image()).unwrap()], &Device::Cpu)
+        .unwrap();
+
+    let with_image = greedy_uncached(&model, Some(&pixels), &prompt);
+    let text_only = greedy_uncached(&model, None, &prompt);
+    assert_eq!(with_image.len(), NEW_TOKENS, "{with_image:?}");
+    assert_ne!(
+        with_image, text_only,
+        "the image should change the continuation"
+    );
+    let expected = format!(
+        "{PROMPT}{}\n",
+        tokenizer.decode(&with_image, false).unwrap()
+    );
+
+    // The binary: KV cache, image first, greedy by default.
+    let image = image();
+    let got = generate(dir.to_str().unwrap(), &["--image", image.to_str().unwrap()]);
+    assert_eq!(got, expected);
+
+    // The library entry point the CLI uses returns the same ids.
+    let ids = tokenformer::generate::generate_with_image(
+        &model,
+        &pixels,
+        &prompt,
+        NEW_TOKENS,
+        Default::default(),
+        |_| Ok(()),
+    )
+    .unwrap();
+    assert_eq!(ids, with_image);
+
+    // Without --image the merged folder generates as the source language model.
+    let lm = common::lm_fixture().join("pytorch_model.bin");
+    let tok = common::tokenizer_fixture();
+    let from_lm = generate(
+        lm.to_str().unwrap(),
+        &["--tokenizer", tok.to_str().unwrap()],
+    );
+    let from_vl = generate(dir.to_str().unwrap(), &[]);
+    assert_eq!(from_vl, from_lm);
+    assert_eq!(
+        from_vl,
+        format!("{PROMPT}{}\n", tokenizer.decode(&text_only, false).unwrap())
+    );
+}
+
+#[test]
+fn image_with_a_language_model_or_an_unreadable_image_is_a_clear_error() {
+    let lm = common::lm_fixture().join("pytorch_model.bin");
+    let tok = common::tokenizer_fixture();
+    let image = image();
+    let res = common::tokenformer(&[
+        "generate",
+        "--model",
+        lm.to_str().unwrap(),
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--prompt",
+        PROMPT,
+        "--image",
+        image.to_str().unwrap(),
+    ]);
+    common::assert_clean_failure(&res, &["--image", "tokenformer-vl", "tokenformer-lm"]);
+
+    let vit = common::fixtures().join("vit-tiny-imagenet/vit-tiny");
+    let res = common::tokenformer(&[
+        "generate",
+        "--model",
+        vit.to_str().unwrap(),
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--prompt",
+        PROMPT,
+        "--image",
+        image.to_str().unwrap(),
+    ]);
+    common::assert_clean_failure(&res, &["--image", "tokenformer-vit"]);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("vl");
+    write_vl_folder(&dir);
+    let missing = tmp.path().join("missing.jpg");
+    let res = common::tokenformer(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        PROMPT,
+        "--image",
+        missing.to_str().unwrap(),
+    ]);
+    common::assert_clean_failure(&res, &["missing.jpg"]);
+}
