@@ -176,7 +176,12 @@ pub fn load_random(cfg: &Config, device: &Device) -> Result<(TokenFormerLm, f64,
 
 /// Runs the language-model benchmarks of `bench`; `only` (if non-empty)
 /// restricts them to these names: load, prefill, decode, pattention, matmul.
-pub fn run_lm(name: &str, cfg: &Config, device: &Device, only: &[String]) -> Result<Map<String, Value>> {
+pub fn run_lm(
+    name: &str,
+    cfg: &Config,
+    device: &Device,
+    only: &[String],
+) -> Result<Map<String, Value>> {
     let want = |k: &str| only.is_empty() || only.iter().any(|o| o == k);
     let mut out = Map::new();
     out.insert("peer".into(), json!("tokenformer-candle"));
@@ -192,18 +197,27 @@ pub fn run_lm(name: &str, cfg: &Config, device: &Device, only: &[String]) -> Res
         for (b, s) in [(1, 2048), (4, 512)] {
             let s = s.min(cfg.max_position_embeddings);
             let tps = prefill(&model, b, s)?;
-            out.insert(format!("prefill_b{b}_s{s}_tokens_per_s"), json!(round(tps, 1)));
+            out.insert(
+                format!("prefill_b{b}_s{s}_tokens_per_s"),
+                json!(round(tps, 1)),
+            );
         }
     }
     if want("decode") {
-        out.insert("decode_tokens_per_s".into(), json!(round(decode(&model, 512, 64)?, 2)));
+        out.insert(
+            "decode_tokens_per_s".into(),
+            json!(round(decode(&model, 512, 64)?, 2)),
+        );
     }
     if want("pattention") {
         let g = pattention_gflops(2048, cfg.hidden_size, cfg.ffn_tokens, device)?;
         out.insert("pattention_gflops".into(), json!(round(g, 1)));
     }
     if want("matmul") {
-        out.insert("matmul_f32_gflops".into(), json!(round(matmul_gflops(device)?, 1)));
+        out.insert(
+            "matmul_f32_gflops".into(),
+            json!(round(matmul_gflops(device)?, 1)),
+        );
     }
     out.insert(
         "peak_rss_mb".into(),

@@ -52,7 +52,8 @@ fn sum_sq(row: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail.iter().map(|v| v * v).sum::<f32>()
 }
 
-fn theta_row(src: &[f32], dst: &mut [f32], activation: Activation, n: f32) {
+#[inline(always)]
+fn theta_row_generic(src: &[f32], dst: &mut [f32], activation: Activation, n: f32) {
     const MIN_NORM: f32 = 1e-30;
     match activation {
         Activation::L2NormGelu => {
@@ -79,6 +80,47 @@ fn theta_row(src: &[f32], dst: &mut [f32], activation: Activation, n: f32) {
             dst.iter_mut().for_each(|d| *d *= f);
         }
     }
+}
+
+#[inline(always)]
+fn axpy_generic(a: f32, x: &[f32], y: &mut [f32]) {
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o += a * v;
+    }
+}
+
+/// The same loops compiled for AVX2+FMA / AVX-512 and chosen at run time: the
+/// default x86-64 target only has SSE2, which halves these bandwidth- and
+/// erf-bound loops. The bodies are the generic ones, so results do not depend
+/// on the CPU beyond float rounding.
+macro_rules! dispatch {
+    ($(fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $generic:ident;)*) => {$(
+        #[inline]
+        fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn v4($($arg: $ty),*) $(-> $ret)? { $generic($($arg),*) }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn v3($($arg: $ty),*) $(-> $ret)? { $generic($($arg),*) }
+                if is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has the features the function is compiled for.
+                    return unsafe { v4($($arg),*) };
+                }
+                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                    // SAFETY: as above.
+                    return unsafe { v3($($arg),*) };
+                }
+            }
+            $generic($($arg),*)
+        }
+    )*};
+}
+
+dispatch! {
+    fn dot(a: &[f32], b: &[f32]) -> f32 = dot_generic;
+    fn axpy(a: f32, x: &[f32], y: &mut [f32]) = axpy_generic;
+    fn theta_row(src: &[f32], dst: &mut [f32], activation: Activation, n: f32) = theta_row_generic;
 }
 
 struct ThetaOp {
@@ -221,13 +263,31 @@ mod tests {
             let w = Tensor::randn(0f32, 1.0, (300, 77), &dev).unwrap();
             let a = matmul_nt(&x, &w).unwrap();
             let b = x.matmul(&w.t().unwrap().contiguous().unwrap()).unwrap();
-            let d: f32 = (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap();
+            let d: f32 = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar()
+                .unwrap();
             assert!(d < 1e-4, "nt m={m}: {d}");
             let s = Tensor::randn(0f32, 1.0, (m, 300), &dev).unwrap();
             let a = matmul_nn(&s, &w).unwrap();
             let b = s.matmul(&w).unwrap();
             assert_eq!(a.dims(), &[m, 77]);
-            let d: f32 = (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap();
+            let d: f32 = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar()
+                .unwrap();
             assert!(d < 1e-4, "nn m={m}: {d}");
         }
     }
@@ -311,7 +371,7 @@ mod tests {
 pub const SMALL_ROWS: usize = 8;
 
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let (ta, tb) = (ca.remainder(), cb.remainder());
@@ -341,8 +401,17 @@ impl candle_core::CustomOp2 for MatmulNt {
     fn name(&self) -> &'static str {
         "matmul-nt-small"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (x, w) = (f32_slice(s1, l1, "matmul-nt")?, f32_slice(s2, l2, "matmul-nt")?);
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w) = (
+            f32_slice(s1, l1, "matmul-nt")?,
+            f32_slice(s2, l2, "matmul-nt")?,
+        );
         let (m, k) = l1.shape().dims2()?;
         let (n, _) = l2.shape().dims2()?;
         // out is [m, n]; compute it transposed ([n, m]) so each task owns whole weight rows.
@@ -373,8 +442,17 @@ impl candle_core::CustomOp2 for MatmulNn {
     fn name(&self) -> &'static str {
         "matmul-nn-small"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (x, w) = (f32_slice(s1, l1, "matmul-nn")?, f32_slice(s2, l2, "matmul-nn")?);
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w) = (
+            f32_slice(s1, l1, "matmul-nn")?,
+            f32_slice(s2, l2, "matmul-nn")?,
+        );
         let (m, n) = l1.shape().dims2()?;
         let (_, k) = l2.shape().dims2()?;
         const BLOCK: usize = 256;
@@ -387,9 +465,7 @@ impl candle_core::CustomOp2 for MatmulNn {
                     for i in 0..m {
                         let a = x[i * n + j];
                         if a != 0.0 {
-                            for (o, &v) in acc[i * k..(i + 1) * k].iter_mut().zip(row) {
-                                *o += a * v;
-                            }
+                            axpy(a, row, &mut acc[i * k..(i + 1) * k]);
                         }
                     }
                 }

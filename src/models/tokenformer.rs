@@ -121,7 +121,7 @@ impl Config {
                 return Err(format!("{name} must be positive"));
             }
         }
-        if self.hidden_size % self.num_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_heads) {
             return Err(format!(
                 "hidden_size {} is not divisible by num_heads {}",
                 self.hidden_size, self.num_heads
@@ -130,7 +130,7 @@ impl Config {
         if !(0.0..=1.0).contains(&self.rotary_pct) {
             return Err(format!("rotary_pct {} is not in [0, 1]", self.rotary_pct));
         }
-        if self.rotary_dims() % 2 != 0 {
+        if !self.rotary_dims().is_multiple_of(2) {
             return Err(format!(
                 "rotary dims int({} * {}) must be even",
                 self.rotary_pct,
