@@ -395,3 +395,36 @@ fn other_configurations_match_the_reference() {
     c.rotary_pct = 0.5;
     check_against_reference(c, 33, 3);
 }
+
+#[test]
+fn long_prefill_in_query_blocks_equals_short_chunks() {
+    // 700 tokens take the blocked causal path (blocks of 256 query rows);
+    // chunks of 200 through the KV cache take the plain path.
+    let cfg = tiny_config(97, 1024);
+    let tensors = random_lm_tensors(&cfg, 11);
+    let dir = tempfile::tempdir().unwrap();
+    write_lm_folder(dir.path(), &cfg, &tensors);
+    let files = loader::locate(dir.path().to_str().unwrap(), &Default::default()).unwrap();
+    let model = loader::load_lm(&files, &Device::Cpu).unwrap();
+    let ids: Vec<u32> = (0..700u32).map(|i| (i * 37 + 5) % 97).collect();
+    let input = |s: &[u32]| Tensor::new(s, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let full = model
+        .forward(&input(&ids), None)
+        .unwrap()
+        .squeeze(0)
+        .unwrap();
+    let mut cache = Cache::new(&cfg);
+    for start in (0..ids.len()).step_by(200) {
+        let part = &ids[start..(start + 200).min(ids.len())];
+        let got = model
+            .forward(&input(part), Some(&mut cache))
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
+        let want = full.narrow(0, start, part.len()).unwrap();
+        let diff = f32s(&(got - want).unwrap().abs().unwrap())
+            .into_iter()
+            .fold(0.0, f32::max);
+        assert!(diff < 1e-3, "chunk at {start}: {diff}");
+    }
+}

@@ -231,6 +231,9 @@ impl Rotary {
     }
 }
 
+/// Query rows per block of a long causal prefill (see [`Attention::attend`]).
+const CAUSAL_BLOCK: usize = 256;
+
 /// How a block's token-token attention is masked and positioned.
 pub enum AttentionMode<'a> {
     /// Language: causal, rotary positions from `offset`, optional KV cache.
@@ -297,15 +300,31 @@ impl Attention {
         let (b, _, t, _) = q.dims4()?;
         // Scaling q (t·d values) is cheaper than scaling the t·T scores.
         let q = (q * (1.0 / (self.head_dim as f64).sqrt()))?;
-        let scores = q.matmul(&k.t()?)?;
-        let probs = if causal {
-            crate::kernels::causal_softmax(&scores)?
+        let out = if causal && t > CAUSAL_BLOCK {
+            // Long causal prefill: query blocks only look at the keys they may
+            // see, which skips the masked half of q·kᵀ and keeps the score
+            // tensor small ([h, block, keys] instead of [h, t, keys]).
+            let past = k.dim(2)? - t;
+            let mut parts = Vec::with_capacity(t.div_ceil(CAUSAL_BLOCK));
+            for start in (0..t).step_by(CAUSAL_BLOCK) {
+                let len = CAUSAL_BLOCK.min(t - start);
+                let keys = past + start + len;
+                let qb = q.narrow(2, start, len)?.contiguous()?;
+                let kb = k.narrow(2, 0, keys)?;
+                let probs = crate::kernels::causal_softmax(&qb.matmul(&kb.t()?)?)?;
+                parts.push(probs.matmul(&v.narrow(2, 0, keys)?.contiguous()?)?);
+            }
+            Tensor::cat(&parts, 2)?
         } else {
-            candle_nn::ops::softmax_last_dim(&scores)?
+            let scores = q.matmul(&k.t()?)?;
+            let probs = if causal {
+                crate::kernels::causal_softmax(&scores)?
+            } else {
+                candle_nn::ops::softmax_last_dim(&scores)?
+            };
+            probs.matmul(v)?
         };
-        probs
-            .matmul(v)?
-            .transpose(1, 2)?
+        out.transpose(1, 2)?
             .reshape((b, t, self.num_heads * self.head_dim))
     }
 
