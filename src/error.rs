@@ -26,13 +26,20 @@ pub enum Error {
     /// Bad user input (empty prompt, too-long context, unknown model name, ...).
     #[error("{0}")]
     Input(String),
+    /// Boxed: Hub errors are large and would bloat every `Result`.
     #[error(transparent)]
-    Hub(#[from] crate::hub::HubError),
+    Hub(Box<crate::hub::HubError>),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<crate::hub::HubError> for Error {
+    fn from(e: crate::hub::HubError) -> Self {
+        Error::Hub(Box::new(e))
+    }
+}
 
 impl Error {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {

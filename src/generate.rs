@@ -167,6 +167,14 @@ fn decode(
     }
     text.check_ids(prompt)?;
     let budget = max_new_tokens.min(max - prompt.len());
+    if budget < max_new_tokens {
+        // Stopping at the context is the honest alternative to positions the
+        // model was never trained on; say so rather than stop silently.
+        eprintln!(
+            "note: generating at most {budget} tokens: the prompt has {} and the model's context is {max} positions",
+            prompt.len()
+        );
+    }
     let mut sampler = Sampler::new(params);
     let mut out = Vec::with_capacity(budget);
     let mut input = prompt.to_vec();

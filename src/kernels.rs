@@ -134,13 +134,7 @@ impl CustomOp1 for ThetaOp {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(data) = storage else {
-            candle_core::bail!("theta kernel: f32 only")
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("theta kernel: contiguous input only")
-        };
-        let src = &data[start..end];
+        let src = f32_slice(storage, layout, "theta kernel")?;
         let n = layout.dims().last().copied().unwrap_or(1).max(1);
         let mut dst = vec![0f32; src.len()];
         let scale = self.scale_tokens as f32;
@@ -177,15 +171,9 @@ impl CustomOp1 for CausalSoftmax {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(data) = storage else {
-            candle_core::bail!("causal softmax: f32 only")
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("causal softmax: contiguous input only")
-        };
+        let src = f32_slice(storage, layout, "causal softmax")?;
         let dims = layout.dims();
         let (t, total) = (dims[dims.len() - 2], dims[dims.len() - 1]);
-        let src = &data[start..end];
         let mut dst = vec![0f32; src.len()];
         let past = self.past;
         dst.par_chunks_mut(total)
@@ -224,145 +212,6 @@ pub fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
         .collect();
     let mask = Tensor::from_vec(mask, (t, total), scores.device())?.to_dtype(scores.dtype())?;
     candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::Device;
-
-    /// erf by its Taylor series in f64 (accurate to ~1e-9 for |x| ≤ 4.5) and 1 beyond.
-    fn erf_ref(x: f64) -> f64 {
-        if x.abs() > 4.5 {
-            return x.signum();
-        }
-        let (mut term, mut sum, mut n) = (x, x, 0.0);
-        while term.abs() > 1e-17 {
-            n += 1.0;
-            term *= -x * x / n;
-            sum += term / (2.0 * n + 1.0);
-        }
-        sum * 2.0 / std::f64::consts::PI.sqrt()
-    }
-
-    #[test]
-    fn erf_is_accurate() {
-        let mut worst = 0f64;
-        for i in -6000..=6000 {
-            let x = i as f64 / 1000.0;
-            worst = worst.max((erf_f32(x as f32) as f64 - erf_ref(x)).abs());
-        }
-        assert!(worst < 5e-7, "max |erf error| {worst}");
-    }
-
-    #[test]
-    fn small_row_matmuls_equal_gemm() {
-        let dev = Device::Cpu;
-        for m in [1, 3, 8] {
-            let x = Tensor::randn(0f32, 1.0, (m, 77), &dev).unwrap();
-            let w = Tensor::randn(0f32, 1.0, (300, 77), &dev).unwrap();
-            let a = matmul_nt(&x, &w).unwrap();
-            let b = x.matmul(&w.t().unwrap().contiguous().unwrap()).unwrap();
-            let d: f32 = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
-            assert!(d < 1e-4, "nt m={m}: {d}");
-            let s = Tensor::randn(0f32, 1.0, (m, 300), &dev).unwrap();
-            let a = matmul_nn(&s, &w).unwrap();
-            let b = s.matmul(&w).unwrap();
-            assert_eq!(a.dims(), &[m, 77]);
-            let d: f32 = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
-            assert!(d < 1e-4, "nn m={m}: {d}");
-        }
-    }
-
-    #[test]
-    fn fused_kernels_equal_tensor_ops() {
-        let dev = Device::Cpu;
-        let s = (Tensor::randn(0f32, 1.0, (37, 53), &dev).unwrap() * 3.0).unwrap();
-        for act in [
-            Activation::L2NormGelu,
-            Activation::GeluL2Norm,
-            Activation::Softmax,
-        ] {
-            let a = theta(&s, act, 40).unwrap();
-            let b = pattention::theta(&s, act, 40).unwrap();
-            let d: f32 = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
-            assert!(d < 1e-5, "{act:?}: {d}");
-        }
-        // An all-zero row gives zeros, not NaN.
-        let z = theta(
-            &Tensor::zeros((2, 8), candle_core::DType::F32, &dev).unwrap(),
-            Activation::L2NormGelu,
-            8,
-        )
-        .unwrap();
-        assert_eq!(
-            z.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            vec![0.0; 16]
-        );
-
-        let sc = Tensor::randn(0f32, 1.0, (2, 3, 5, 9), &dev).unwrap();
-        let a = causal_softmax(&sc).unwrap();
-        let b = causal_softmax(
-            &sc.t()
-                .unwrap()
-                .t()
-                .unwrap()
-                .broadcast_add(&Tensor::zeros(1, candle_core::DType::F32, &dev).unwrap())
-                .unwrap()
-                .to_dtype(candle_core::DType::F64)
-                .unwrap(),
-        )
-        .unwrap();
-        let d: f64 = (a.to_dtype(candle_core::DType::F64).unwrap() - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap();
-        assert!(d < 1e-6, "causal softmax {d}");
-        // Row 0 of a 5-query block after 4 cached keys sees exactly 5 keys.
-        let row: Vec<f32> = a
-            .get(0)
-            .unwrap()
-            .get(0)
-            .unwrap()
-            .get(0)
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        assert!(row[..5].iter().all(|&p| p > 0.0) && row[5..].iter().all(|&p| p == 0.0));
-    }
 }
 
 /// Rows at or below which the matrix-vector kernels beat a packed gemm:
@@ -507,5 +356,144 @@ pub fn matmul_nn(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         x.apply_op2_no_bwd(w, &MatmulNn)
     } else {
         x.matmul(w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// erf by its Taylor series in f64 (accurate to ~1e-9 for |x| ≤ 4.5) and 1 beyond.
+    fn erf_ref(x: f64) -> f64 {
+        if x.abs() > 4.5 {
+            return x.signum();
+        }
+        let (mut term, mut sum, mut n) = (x, x, 0.0);
+        while term.abs() > 1e-17 {
+            n += 1.0;
+            term *= -x * x / n;
+            sum += term / (2.0 * n + 1.0);
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    }
+
+    #[test]
+    fn erf_is_accurate() {
+        let mut worst = 0f64;
+        for i in -6000..=6000 {
+            let x = i as f64 / 1000.0;
+            worst = worst.max((erf_f32(x as f32) as f64 - erf_ref(x)).abs());
+        }
+        assert!(worst < 5e-7, "max |erf error| {worst}");
+    }
+
+    #[test]
+    fn small_row_matmuls_equal_gemm() {
+        let dev = Device::Cpu;
+        for m in [1, 3, 8] {
+            let x = Tensor::randn(0f32, 1.0, (m, 77), &dev).unwrap();
+            let w = Tensor::randn(0f32, 1.0, (300, 77), &dev).unwrap();
+            let a = matmul_nt(&x, &w).unwrap();
+            let b = x.matmul(&w.t().unwrap().contiguous().unwrap()).unwrap();
+            let d: f32 = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            assert!(d < 1e-4, "nt m={m}: {d}");
+            let s = Tensor::randn(0f32, 1.0, (m, 300), &dev).unwrap();
+            let a = matmul_nn(&s, &w).unwrap();
+            let b = s.matmul(&w).unwrap();
+            assert_eq!(a.dims(), &[m, 77]);
+            let d: f32 = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            assert!(d < 1e-4, "nn m={m}: {d}");
+        }
+    }
+
+    #[test]
+    fn fused_kernels_equal_tensor_ops() {
+        let dev = Device::Cpu;
+        let s = (Tensor::randn(0f32, 1.0, (37, 53), &dev).unwrap() * 3.0).unwrap();
+        for act in [
+            Activation::L2NormGelu,
+            Activation::GeluL2Norm,
+            Activation::Softmax,
+        ] {
+            let a = theta(&s, act, 40).unwrap();
+            let b = pattention::theta(&s, act, 40).unwrap();
+            let d: f32 = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            assert!(d < 1e-5, "{act:?}: {d}");
+        }
+        // An all-zero row gives zeros, not NaN.
+        let z = theta(
+            &Tensor::zeros((2, 8), candle_core::DType::F32, &dev).unwrap(),
+            Activation::L2NormGelu,
+            8,
+        )
+        .unwrap();
+        assert_eq!(
+            z.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![0.0; 16]
+        );
+
+        let sc = Tensor::randn(0f32, 1.0, (2, 3, 5, 9), &dev).unwrap();
+        let a = causal_softmax(&sc).unwrap();
+        let b = causal_softmax(
+            &sc.t()
+                .unwrap()
+                .t()
+                .unwrap()
+                .broadcast_add(&Tensor::zeros(1, candle_core::DType::F32, &dev).unwrap())
+                .unwrap()
+                .to_dtype(candle_core::DType::F64)
+                .unwrap(),
+        )
+        .unwrap();
+        let d: f64 = (a.to_dtype(candle_core::DType::F64).unwrap() - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap();
+        assert!(d < 1e-6, "causal softmax {d}");
+        // Row 0 of a 5-query block after 4 cached keys sees exactly 5 keys.
+        let row: Vec<f32> = a
+            .get(0)
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(row[..5].iter().all(|&p| p > 0.0) && row[5..].iter().all(|&p| p == 0.0));
     }
 }

@@ -79,7 +79,7 @@ pub fn locate(spec: &str, opts: &LocateOptions) -> Result<ModelFiles> {
 }
 
 fn hub_err(e: hub::HubError) -> Error {
-    Error::Hub(e)
+    Error::Hub(Box::new(e))
 }
 
 /// Paths of the files in a Hub repo.

@@ -1,7 +1,6 @@
 //! `tokenformer-convert publish` against a local imitation of the Hub.
 
 #[path = "../../tests/common/hub_server.rs"]
-#[allow(dead_code)]
 mod hub_server;
 
 use std::collections::BTreeMap;

@@ -40,7 +40,7 @@ pub struct GenerateArgs {
 /// What `generate` runs: a merged model with its preprocessed image, or a language model.
 enum Generator {
     WithImage(Box<VisionLanguageModel>, Tensor),
-    Text(TokenFormerLm),
+    Text(Box<TokenFormerLm>),
 }
 
 pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
@@ -84,7 +84,7 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
             let pixels = transform.batch(vec![transform.load(path)?], &dev)?;
             Generator::WithImage(Box::new(model), pixels)
         }
-        None => Generator::Text(loader::load_lm(&files, &dev)?),
+        None => Generator::Text(Box::new(loader::load_lm(&files, &dev)?)),
     };
     let eos = match &model {
         Generator::WithImage(m, _) => m.language().config().eos_token_id,
