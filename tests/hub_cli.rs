@@ -178,3 +178,63 @@ fn missing_repo_or_file_is_a_clear_error() {
     );
     assert_clean_failure(&r, &["someone/other"]);
 }
+
+#[test]
+fn readme_command_downloads_a_full_size_150m_and_generates() {
+    // The README's main command against a local Hub that serves a full-size
+    // TokenFormer-150M in the official format (random fp16 weights) and the
+    // GPT-NeoX-20B tokenizer.
+    let cfg = tokenformer::bench::lm_config("150m").unwrap();
+    let tensors = tokenformer::bench::random_lm_tensors(
+        &cfg,
+        candle_core::DType::F16,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let official: Vec<(String, candle_core::Tensor)> = tensors
+        .iter()
+        .map(|(k, t)| {
+            (
+                tokenformer::checkpoint::official::to_official(k, cfg.num_layers).unwrap(),
+                t.clone(),
+            )
+        })
+        .collect();
+    drop(tensors);
+    let tmp = tempfile::tempdir().unwrap();
+    let bin = tmp.path().join("pytorch_model.bin");
+    tokenformer::checkpoint::torch_zip::write_state_dict(&bin, &official, Default::default())
+        .unwrap();
+    drop(official);
+    let hub = FakeHub::start();
+    hub.add_repo(
+        "Haiyang-W/TokenFormer-150M",
+        &[("pytorch_model.bin", &read(&bin))],
+    );
+    std::fs::remove_file(&bin).unwrap();
+    hub.add_repo(
+        "EleutherAI/gpt-neox-20b",
+        &[("tokenizer.json", &read(&tokenizer_fixture()))],
+    );
+    let home = tmp.path().join("hf");
+    let args = [
+        "generate",
+        "--model",
+        "tokenformer-150m",
+        "--prompt",
+        "The capital of France is",
+        "--max-new-tokens",
+        "4",
+    ];
+    let (out, online, err) = cli(&hub.endpoint(), &home, false, &args);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        online.starts_with("The capital of France is")
+            && online.trim_end().len() > "The capital of France is".len(),
+        "{online}"
+    );
+    // Offline from the cache, greedy: the same continuation.
+    let (out, offline, err) = cli(&hub.endpoint(), &home, true, &args);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(offline, online);
+}
