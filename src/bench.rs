@@ -213,6 +213,12 @@ pub fn run_lm(
         let g = pattention_gflops(2048, cfg.hidden_size, cfg.ffn_tokens, device)?;
         out.insert("pattention_gflops".into(), json!(round(g, 1)));
     }
+    if want("vit") {
+        out.insert(
+            "vit_b16_images_per_s".into(),
+            json!(round(vit_b16_images_per_s(device)?, 2)),
+        );
+    }
     if want("matmul") {
         out.insert(
             "matmul_f32_gflops".into(),
@@ -224,6 +230,70 @@ pub fn run_lm(
         json!(peak_rss_mb().map(|p| round(p, 1))),
     );
     Ok(out)
+}
+
+/// ViT-B/16 images/s at batch 32, 224² (the zoo's TokenFormer-B/16 shape,
+/// random weights with the peer's statistics, mean pooling, 1000 classes).
+pub fn vit_b16_images_per_s(device: &Device) -> Result<f64> {
+    use crate::models::vit;
+    let entry = crate::zoo::find("tokenformer-b-16").expect("zoo entry tokenformer-b-16");
+    let cfg: vit::Config = serde_json::from_value(entry.config.clone())
+        .map_err(|e| crate::Error::config("zoo/models.json", e))?;
+    let d = cfg.hidden_size;
+    let p = cfg.patch_size;
+    let lm_like = Config {
+        num_layers: cfg.num_layers,
+        qkv_tokens: cfg.qkv_tokens,
+        proj_tokens: cfg.proj_tokens,
+        ffn_tokens: cfg.ffn_tokens,
+        vocab_size: 1,
+        ..Config::released(cfg.num_layers, d, cfg.num_heads)
+    };
+    let mut t = random_lm_tensors(&lm_like, DType::F32, device)?;
+    t.retain(|k, _| k.starts_with("layers."));
+    let r = |shape: &[usize], std: f32| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, std, shape, device)?)
+    };
+    t.insert(
+        "patch_embed.weight".into(),
+        r(&[d, cfg.num_channels, p, p], 0.02)?,
+    );
+    t.insert(
+        "patch_embed.bias".into(),
+        Tensor::zeros(d, DType::F32, device)?,
+    );
+    t.insert("cls_token".into(), r(&[1, 1, d], 0.02)?);
+    t.insert("pos_embed".into(), r(&[1, cfg.num_patches() + 1, d], 0.02)?);
+    t.insert(
+        "fc_norm.weight".into(),
+        Tensor::ones(d, DType::F32, device)?,
+    );
+    t.insert("fc_norm.bias".into(), Tensor::zeros(d, DType::F32, device)?);
+    t.insert(
+        "final_norm.weight".into(),
+        Tensor::ones(d, DType::F32, device)?,
+    );
+    t.insert(
+        "final_norm.bias".into(),
+        Tensor::zeros(d, DType::F32, device)?,
+    );
+    t.insert("head.weight".into(), r(&[cfg.num_classes, d], 0.02)?);
+    t.insert(
+        "head.bias".into(),
+        Tensor::zeros(cfg.num_classes, DType::F32, device)?,
+    );
+    let model = vit::VisionTransformer::new(&cfg, checkpoint::var_builder(t, device))?;
+    let x = Tensor::randn(
+        0f32,
+        1.0,
+        (32, cfg.num_channels, cfg.image_size, cfg.image_size),
+        device,
+    )?;
+    let secs = timed(|| {
+        model.forward(&x)?;
+        Ok(())
+    })?;
+    Ok(32.0 / secs)
 }
 
 pub fn round(x: f64, digits: i32) -> f64 {

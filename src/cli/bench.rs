@@ -26,7 +26,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let cfg = bench::lm_config(&a.config)
         .ok_or_else(|| anyhow!("unknown --config `{}` (150m, 450m, 900m, 1.5b)", a.config))?;
     let dev = Device::Cpu;
-    let out = bench::run_lm(&a.config, &cfg, &dev, &a.only)?;
+    let mut only = a.only.clone();
+    if a.skip_vit {
+        if only.is_empty() {
+            only = ["load", "prefill", "decode", "pattention", "matmul"]
+                .map(String::from)
+                .to_vec();
+        }
+        only.retain(|o| o != "vit");
+    }
+    let out = bench::run_lm(&a.config, &cfg, &dev, &only)?;
     if a.json {
         println!("{}", serde_json::to_string(&out)?);
     } else {
