@@ -1,5 +1,5 @@
 //! The image classifier and its ImageNet evaluation against Pillow + PyTorch
-//! fixtures (`tests/fixtures/vit-tiny-imagenet`, from `../shared`) and
+//! fixtures (`tests/fixtures/vit-tiny-imagenet`, copied from the shared data) and
 //! Pillow-made images in the modes it converts specially
 //! (`tests/fixtures/vision-pillow`, see its `make_fixtures.py`).
 

@@ -101,26 +101,20 @@ impl Config {
 
     /// Checks what serde cannot: divisibility and non-zero sizes.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.architecture != ARCHITECTURE {
-            return Err(format!(
-                "architecture is `{}`, expected `{ARCHITECTURE}`",
-                self.architecture
-            ));
-        }
-        for (name, v) in [
-            ("hidden_size", self.hidden_size),
-            ("num_layers", self.num_layers),
-            ("num_heads", self.num_heads),
-            ("qkv_tokens", self.qkv_tokens),
-            ("proj_tokens", self.proj_tokens),
-            ("ffn_tokens", self.ffn_tokens),
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-        ] {
-            if v == 0 {
-                return Err(format!("{name} must be positive"));
-            }
-        }
+        check_sizes(
+            &self.architecture,
+            ARCHITECTURE,
+            &[
+                ("hidden_size", self.hidden_size),
+                ("num_layers", self.num_layers),
+                ("num_heads", self.num_heads),
+                ("qkv_tokens", self.qkv_tokens),
+                ("proj_tokens", self.proj_tokens),
+                ("ffn_tokens", self.ffn_tokens),
+                ("vocab_size", self.vocab_size),
+                ("max_position_embeddings", self.max_position_embeddings),
+            ],
+        )?;
         if !self.hidden_size.is_multiple_of(self.num_heads) {
             return Err(format!(
                 "hidden_size {} is not divisible by num_heads {}",
@@ -156,6 +150,22 @@ impl Config {
             activation: self.pattention_activation,
             scale_tokens: self.pattention_scale_tokens,
         }
+    }
+}
+
+/// The checks every config shares: the architecture name, and sizes that
+/// must be positive (serde accepts 0).
+pub fn check_sizes(
+    found: &str,
+    expected: &str,
+    sizes: &[(&str, usize)],
+) -> std::result::Result<(), String> {
+    if found != expected {
+        return Err(format!("architecture is `{found}`, expected `{expected}`"));
+    }
+    match sizes.iter().find(|(_, v)| *v == 0) {
+        Some((name, _)) => Err(format!("{name} must be positive")),
+        None => Ok(()),
     }
 }
 

@@ -140,28 +140,22 @@ impl Config {
 
     /// Checks what serde cannot: divisibility, positive sizes, list lengths.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.architecture != ARCHITECTURE {
-            return Err(format!(
-                "architecture is `{}`, expected `{ARCHITECTURE}`",
-                self.architecture
-            ));
-        }
-        for (name, v) in [
-            ("image_size", self.image_size),
-            ("patch_size", self.patch_size),
-            ("num_channels", self.num_channels),
-            ("hidden_size", self.hidden_size),
-            ("num_layers", self.num_layers),
-            ("num_heads", self.num_heads),
-            ("qkv_tokens", self.qkv_tokens),
-            ("proj_tokens", self.proj_tokens),
-            ("ffn_tokens", self.ffn_tokens),
-            ("num_classes", self.num_classes),
-        ] {
-            if v == 0 {
-                return Err(format!("{name} must be positive"));
-            }
-        }
+        crate::models::tokenformer::check_sizes(
+            &self.architecture,
+            ARCHITECTURE,
+            &[
+                ("image_size", self.image_size),
+                ("patch_size", self.patch_size),
+                ("num_channels", self.num_channels),
+                ("hidden_size", self.hidden_size),
+                ("num_layers", self.num_layers),
+                ("num_heads", self.num_heads),
+                ("qkv_tokens", self.qkv_tokens),
+                ("proj_tokens", self.proj_tokens),
+                ("ffn_tokens", self.ffn_tokens),
+                ("num_classes", self.num_classes),
+            ],
+        )?;
         if !self.image_size.is_multiple_of(self.patch_size) {
             return Err(format!(
                 "image_size {} is not divisible by patch_size {}",
