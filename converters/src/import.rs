@@ -828,19 +828,7 @@ fn import_gpt_neox(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     );
     card.section("Mapping", mapping_text(&map));
     card.section("Fidelity", fidelity_markdown(&report));
-    card.section(
-        "Not representable",
-        report
-            .not_representable
-            .iter()
-            .map(|s| format!("- {s}"))
-            .collect::<Vec<_>>()
-            .join("\n"),
-    );
-    card.write(out)?;
-    let out = staging.commit()?;
-    println!("wrote {}", out.display());
-    Ok(())
+    finish(card, &report, staging)
 }
 
 fn import_vit(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
@@ -999,19 +987,7 @@ fn import_vit(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     );
     card.section("Mapping", mapping_text(&map));
     card.section("Fidelity", fidelity_markdown(&report) + if a.probe_pixels.is_none() { " The probe images are seeded synthetic patterns, not photographs: pass --probe-pixels for a real-image probe." } else { "" });
-    card.section(
-        "Not representable",
-        report
-            .not_representable
-            .iter()
-            .map(|s| format!("- {s}"))
-            .collect::<Vec<_>>()
-            .join("\n"),
-    );
-    card.write(out)?;
-    let out = staging.commit()?;
-    println!("wrote {}", out.display());
-    Ok(())
+    finish(card, &report, staging)
 }
 
 /// Seeded smooth images in normalised units: a few random plane waves per
@@ -1145,4 +1121,19 @@ fn print_report(r: &Report) {
     for n in &r.not_representable {
         println!("note: {n}");
     }
+}
+
+/// What both imports end with: the unrepresentable parts listed in the card,
+/// the card written, and the staged folder moved into place.
+fn finish(mut card: ModelCard, report: &Report, staging: Staging) -> Result<()> {
+    let items: Vec<String> = report
+        .not_representable
+        .iter()
+        .map(|s| format!("- {s}"))
+        .collect();
+    card.section("Not representable", items.join("\n"));
+    card.write(staging.path())?;
+    let out = staging.commit()?;
+    println!("wrote {}", out.display());
+    Ok(())
 }
