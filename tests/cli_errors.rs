@@ -25,6 +25,11 @@ fn tiny_folder(
     std::fs::copy(tokenizer_fixture(), dir.join("tokenizer.json")).unwrap();
 }
 
+/// `score --model MODEL --ids 1,2,3`: the probe every loading case uses.
+fn score_123(model: &str) -> (std::process::Output, String, String) {
+    tokenformer(&["score", "--model", model, "--ids", "1,2,3"])
+}
+
 #[test]
 fn truncated_official_bin() {
     let dir = tempfile::tempdir().unwrap();
@@ -36,7 +41,7 @@ fn truncated_official_bin() {
         dir.path().join("config.yml"),
     )
     .unwrap();
-    let r = tokenformer(&["score", "--model", bin.to_str().unwrap(), "--ids", "1,2,3"]);
+    let r = score_123(bin.to_str().unwrap());
     assert_clean_failure(&r, &["pytorch_model.bin"]);
 }
 
@@ -47,22 +52,10 @@ fn corrupt_safetensors() {
     let st = dir.path().join("model.safetensors");
     let bytes = std::fs::read(&st).unwrap();
     std::fs::write(&st, &bytes[..bytes.len() - 100]).unwrap();
-    let r = tokenformer(&[
-        "score",
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--ids",
-        "1,2,3",
-    ]);
+    let r = score_123(dir.path().to_str().unwrap());
     assert_clean_failure(&r, &["model.safetensors"]);
     std::fs::write(&st, b"not a safetensors file at all").unwrap();
-    let r = tokenformer(&[
-        "score",
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--ids",
-        "1,2,3",
-    ]);
+    let r = score_123(dir.path().to_str().unwrap());
     assert_clean_failure(&r, &["model.safetensors"]);
 }
 
@@ -70,13 +63,7 @@ fn corrupt_safetensors() {
 fn shape_that_does_not_match_the_config() {
     let dir = tempfile::tempdir().unwrap();
     tiny_folder(dir.path(), |cfg, _| cfg["qkv_tokens"] = 30.into());
-    let r = tokenformer(&[
-        "score",
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--ids",
-        "1,2,3",
-    ]);
+    let r = score_123(dir.path().to_str().unwrap());
     assert_clean_failure(
         &r,
         &[
@@ -93,13 +80,7 @@ fn missing_tensor() {
     tiny_folder(dir.path(), |_, t| {
         t.remove("layers.1.mlp.value_param_tokens");
     });
-    let r = tokenformer(&[
-        "score",
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--ids",
-        "1,2,3",
-    ]);
+    let r = score_123(dir.path().to_str().unwrap());
     assert_clean_failure(&r, &["layers.1.mlp.value_param_tokens"]);
 }
 
@@ -107,13 +88,7 @@ fn missing_tensor() {
 fn extra_tensor_means_the_config_is_wrong() {
     let dir = tempfile::tempdir().unwrap();
     tiny_folder(dir.path(), |cfg, _| cfg["num_layers"] = 1.into());
-    let r = tokenformer(&[
-        "score",
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--ids",
-        "1,2,3",
-    ]);
+    let r = score_123(dir.path().to_str().unwrap());
     assert_clean_failure(&r, &["layers.1.", "not used by the config"]);
 }
 
@@ -123,13 +98,7 @@ fn unknown_activation() {
     tiny_folder(dir.path(), |cfg, _| {
         cfg["pattention_activation"] = "relu_l1".into()
     });
-    let r = tokenformer(&[
-        "score",
-        "--model",
-        dir.path().to_str().unwrap(),
-        "--ids",
-        "1,2,3",
-    ]);
+    let r = score_123(dir.path().to_str().unwrap());
     assert_clean_failure(&r, &["config.json", "relu_l1"]);
     // The same in an official yml.
     let y = tempfile::tempdir().unwrap();
@@ -142,13 +111,7 @@ fn unknown_activation() {
         y.path().join("pytorch_model.bin"),
     )
     .unwrap();
-    let r = tokenformer(&[
-        "score",
-        "--model",
-        y.path().to_str().unwrap(),
-        "--ids",
-        "1,2,3",
-    ]);
+    let r = score_123(y.path().to_str().unwrap());
     assert_clean_failure(&r, &["config.yml", "relu_l1"]);
 }
 
