@@ -241,9 +241,6 @@ impl Rotary {
     }
 }
 
-/// Query rows per block of a long causal prefill (see [`Attention::attend`]).
-const CAUSAL_BLOCK: usize = 256;
-
 /// How a block's token-token attention is masked and positioned.
 pub enum AttentionMode<'a> {
     /// Language: causal, rotary positions from `offset`, optional KV cache.
@@ -284,12 +281,12 @@ impl Attention {
         })
     }
 
-    /// [b, t, d] → [b, h, t, head_dim].
+    /// [b, t, d] → [b, h, t, head_dim], as a strided view (the attention
+    /// kernel reads it in place).
     fn split_heads(&self, x: &Tensor) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         x.reshape((b, t, self.num_heads, self.head_dim))?
-            .transpose(1, 2)?
-            .contiguous()
+            .transpose(1, 2)
     }
 
     /// q, k, v [b, h, t, head_dim] of a normalised x [b, t, d], before
@@ -307,35 +304,7 @@ impl Attention {
     /// input of the output projection. `causal`: query i of the last t sees
     /// keys up to its own position (everything cached before it included).
     pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
-        let (b, _, t, _) = q.dims4()?;
-        // Scaling q (t·d values) is cheaper than scaling the t·T scores.
-        let q = (q * (1.0 / (self.head_dim as f64).sqrt()))?;
-        let out = if causal && t > CAUSAL_BLOCK {
-            // Long causal prefill: query blocks only look at the keys they may
-            // see, which skips the masked half of q·kᵀ and keeps the score
-            // tensor small ([h, block, keys] instead of [h, t, keys]).
-            let past = k.dim(2)? - t;
-            let mut parts = Vec::with_capacity(t.div_ceil(CAUSAL_BLOCK));
-            for start in (0..t).step_by(CAUSAL_BLOCK) {
-                let len = CAUSAL_BLOCK.min(t - start);
-                let keys = past + start + len;
-                let qb = q.narrow(2, start, len)?.contiguous()?;
-                let kb = k.narrow(2, 0, keys)?;
-                let probs = crate::kernels::causal_softmax(&qb.matmul(&kb.t()?)?)?;
-                parts.push(probs.matmul(&v.narrow(2, 0, keys)?.contiguous()?)?);
-            }
-            Tensor::cat(&parts, 2)?
-        } else {
-            let scores = q.matmul(&k.t()?)?;
-            let probs = if causal {
-                crate::kernels::causal_softmax(&scores)?
-            } else {
-                candle_nn::ops::softmax_last_dim(&scores)?
-            };
-            probs.matmul(v)?
-        };
-        out.transpose(1, 2)?
-            .reshape((b, t, self.num_heads * self.head_dim))
+        crate::kernels::attention(q, k, v, causal)
     }
 
     pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {

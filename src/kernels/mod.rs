@@ -9,6 +9,9 @@ use rayon::prelude::*;
 
 use crate::pattention::{self, Activation};
 
+mod attention;
+pub use attention::attention;
+
 /// erf(x) for f32 as a clamped odd rational function (max abs error ≈ 3e-7
 /// on all of R, checked in the tests), branch-free so it vectorises. Plain
 /// `*`/`+` on purpose: without a target FMA, `mul_add` is a libm call.
@@ -29,6 +32,25 @@ pub fn erf_f32(x: f32) -> f32 {
     q = q * x2 + -7.373_329e-3;
     q = q * x2 + -1.426_474e-2;
     x * p / q
+}
+
+/// eˣ for f32 (Cephes' `expf` reduction and polynomial, ≈1 ulp), branch-free
+/// so softmax rows vectorise instead of calling libm per element. Inputs are
+/// clamped to [−87, 88]: below, the result is ~1e-38 rather than 0.
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    let x = x.clamp(-87.0, 88.0);
+    // Round x·log2(e) to the nearest integer n with the 1.5·2²³ trick.
+    let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+    let mut p = 1.987_569_1e-4_f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let e = p * r * r + r + 1.0;
+    e * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 /// Exact (erf) GELU.
@@ -70,16 +92,35 @@ fn theta_row_generic(src: &[f32], dst: &mut [f32], activation: Activation, n: f3
             dst.iter_mut().for_each(|d| *d *= f);
         }
         Activation::Softmax => {
-            let max = src.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d = (s - max).exp();
-                sum += *d;
-            }
-            let f = n / sum;
-            dst.iter_mut().for_each(|d| *d *= f);
+            dst.copy_from_slice(src);
+            softmax_row_generic(dst, src.len());
+            dst.iter_mut().for_each(|d| *d *= n);
         }
     }
+}
+
+/// In-place softmax of `row[..valid]`; entries from `valid` on become 0
+/// (the causal mask).
+#[inline(always)]
+fn softmax_row_generic(row: &mut [f32], valid: usize) {
+    let (live, masked) = row.split_at_mut(valid);
+    let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut acc = [0f32; 16];
+    let mut chunks = live.chunks_exact_mut(16);
+    for c in &mut chunks {
+        for k in 0..16 {
+            c[k] = exp_f32(c[k] - max);
+            acc[k] += c[k];
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for v in chunks.into_remainder() {
+        *v = exp_f32(*v - max);
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    live.iter_mut().for_each(|v| *v *= inv);
+    masked.fill(0.0);
 }
 
 #[inline(always)]
@@ -121,6 +162,7 @@ dispatch! {
     fn dot(a: &[f32], b: &[f32]) -> f32 = dot_generic;
     fn axpy(a: f32, x: &[f32], y: &mut [f32]) = axpy_generic;
     fn theta_row(src: &[f32], dst: &mut [f32], activation: Activation, n: f32) = theta_row_generic;
+    fn softmax_row(row: &mut [f32], valid: usize) = softmax_row_generic;
 }
 
 struct ThetaOp {
@@ -180,16 +222,8 @@ impl CustomOp1 for CausalSoftmax {
             .zip(src.par_chunks(total))
             .enumerate()
             .for_each(|(r, (d, s))| {
-                let valid = (past + r % t + 1).min(total);
-                let (s, d) = (&s[..valid], &mut d[..valid]);
-                let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for (o, &v) in d.iter_mut().zip(s) {
-                    *o = (v - max).exp();
-                    sum += *o;
-                }
-                let inv = 1.0 / sum;
-                d.iter_mut().for_each(|o| *o *= inv);
+                d.copy_from_slice(s);
+                softmax_row(d, (past + r % t + 1).min(total));
             });
         Ok((CpuStorage::F32(dst), layout.shape().clone()))
     }
@@ -362,7 +396,7 @@ pub fn matmul_nn(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{DType, Device};
 
     /// erf by its Taylor series in f64 (accurate to ~1e-9 for |x| ≤ 4.5) and 1 beyond.
     fn erf_ref(x: f64) -> f64 {
@@ -396,6 +430,73 @@ mod tests {
             worst = worst.max((erf_f32(x as f32) as f64 - erf_ref(x)).abs());
         }
         assert!(worst < 5e-7, "max |erf error| {worst}");
+    }
+
+    #[test]
+    fn exp_is_accurate() {
+        let mut worst = 0f64;
+        for i in -87_000..=88_000 {
+            let x = i as f64 / 1000.0;
+            let e = (x as f32) as f64;
+            worst = worst.max((exp_f32(x as f32) as f64 / e.exp() - 1.0).abs());
+        }
+        assert!(worst < 3e-7, "max relative exp error {worst}");
+    }
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+        let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
+        d.abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    /// The fused kernel against plain f64 tensor ops: several query blocks,
+    /// cached keys before the queries, and q/k/v as head-transposed views.
+    #[test]
+    fn fused_attention_equals_reference() {
+        let (b, h, t, past, hd) = (2, 3, 300, 20, 16);
+        let heads = |rows: usize, salt: f32| {
+            (spread((b, rows, h, hd)) + salt as f64)
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+        };
+        let q = heads(t, 0.1);
+        let (k, v) = (heads(past + t, -0.2), heads(past + t, 0.3));
+        assert!(!q.is_contiguous());
+        for causal in [true, false] {
+            let got = attention(&q, &k, &v, causal).unwrap();
+            let f = |x: &Tensor| x.to_dtype(DType::F64).unwrap().contiguous().unwrap();
+            let scores = (f(&q).matmul(&f(&k).t().unwrap()).unwrap() / (hd as f64).sqrt()).unwrap();
+            let mask: Vec<f64> = (0..t)
+                .flat_map(|i| {
+                    (0..past + t).map(move |j| {
+                        if causal && j > past + i {
+                            f64::NEG_INFINITY
+                        } else {
+                            0.0
+                        }
+                    })
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (t, past + t), &Device::Cpu).unwrap();
+            let p =
+                candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap()).unwrap();
+            let want = p
+                .matmul(&f(&v))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .reshape((b, t, h * hd))
+                .unwrap();
+            let d = max_abs_diff(&got, &want);
+            assert!(d < 1e-5, "causal={causal}: {d}");
+        }
     }
 
     #[test]
