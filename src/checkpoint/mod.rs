@@ -192,14 +192,56 @@ fn convert(t: Tensor, dtype: Option<DType>, device: &Device) -> candle_core::Res
     t.to_device(device)
 }
 
-/// A VarBuilder over loaded tensors (they already have the compute dtype).
+/// A VarBuilder over loaded tensors (they already have the compute dtype)
+/// that hands each tensor over to the model instead of keeping a reference:
+/// a layer that re-lays-out its weights (Pattention's transposed keys) frees
+/// the original at once, so loading never holds two copies of the weights.
 pub fn var_builder(tensors: Tensors, device: &Device) -> candle_nn::VarBuilder<'static> {
     let dtype = tensors.values().next().map_or(DType::F32, |t| t.dtype());
-    candle_nn::VarBuilder::from_tensors(
-        tensors.into_iter().collect::<HashMap<_, _>>(),
-        dtype,
-        device,
-    )
+    let backend = HandOver(std::sync::Mutex::new(tensors.into_iter().collect()));
+    candle_nn::VarBuilder::from_backend(Box::new(backend), dtype, device.clone())
+}
+
+/// The tensors not yet taken by the model being built.
+struct HandOver(std::sync::Mutex<HashMap<String, Tensor>>);
+
+impl HandOver {
+    fn take(&self, name: &str) -> candle_core::Result<Tensor> {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        map.remove(name)
+            .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.into() }.bt())
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for HandOver {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.take(name)?;
+        if t.shape() != &s {
+            return Err(candle_core::Error::UnexpectedShape {
+                msg: format!("shape mismatch for {name}"),
+                expected: s,
+                got: t.shape().clone(),
+            }
+            .bt());
+        }
+        t.to_device(dev)?.to_dtype(dtype)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.take(name)?.to_device(dev)?.to_dtype(dtype)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        map.contains_key(name)
+    }
 }
 
 /// Writes `tensors` into `dir` as `model.safetensors`, or as shards of at most
