@@ -163,25 +163,79 @@ pub fn read_safetensors(
 ) -> Result<Tensors> {
     let mut out = Tensors::new();
     for path in files {
-        let st =
-            unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }.map_err(|e| {
-                Error::checkpoint(path, format!("not a readable safetensors file: {e}"))
-            })?;
-        for (name, _) in st.tensors() {
-            let t = st
-                .load(&name, device)
-                .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
-            let t = convert(t, dtype, device)
-                .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
-            if out.insert(name.clone(), t).is_some() {
-                return Err(Error::checkpoint(
-                    path,
-                    format!("tensor `{name}` appears in two shards"),
-                ));
-            }
-        }
+        read_safetensors_file(path, dtype, device, &mut out)?;
     }
     Ok(out)
+}
+
+/// Header sizes above this are not a safetensors file (the format's own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// One file, read with positioned reads in file order rather than mapped:
+/// a mapping's pages count as resident memory once touched, so mapping an
+/// fp16 file while building its f32 copy would peak at both. This way the
+/// peak is the converted weights plus one tensor in flight.
+fn read_safetensors_file(
+    path: &Path,
+    dtype: Option<DType>,
+    device: &Device,
+    out: &mut Tensors,
+) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let bad =
+        |msg: String| Error::checkpoint(path, format!("not a readable safetensors file: {msg}"));
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    let read_at =
+        |buf: &mut [u8], at: u64| file.read_exact_at(buf, at).map_err(|e| Error::io(path, e));
+    let mut n = [0u8; 8];
+    if len < 8 {
+        return Err(bad(format!(
+            "{len} bytes is shorter than the header size field"
+        )));
+    }
+    read_at(&mut n, 0)?;
+    let header_len = u64::from_le_bytes(n);
+    if header_len > MAX_HEADER_BYTES || 8 + header_len > len {
+        return Err(bad(format!(
+            "header of {header_len} bytes in a {len}-byte file"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    read_at(&mut header, 8)?;
+    let meta: safetensors::tensor::Metadata =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
+    let mut infos: Vec<_> = meta.tensors().into_iter().collect();
+    infos.sort_by_key(|(_, i)| i.data_offsets.0);
+    let data_start = 8 + header_len;
+    for (name, info) in infos {
+        let tensor_err = |msg: String| Error::checkpoint(path, format!("tensor `{name}`: {msg}"));
+        let (start, end) = info.data_offsets;
+        let elems: usize = info.shape.iter().product();
+        let bytes = elems * info.dtype.bitsize() / 8;
+        if end < start || end - start != bytes || data_start + end as u64 > len {
+            return Err(tensor_err(format!(
+                "data offsets {start}..{end} do not hold {bytes} bytes of {:?} {:?} in a {len}-byte file",
+                info.dtype, info.shape
+            )));
+        }
+        let stored = DType::try_from(info.dtype).map_err(|e| tensor_err(e.to_string()))?;
+        let t = {
+            let mut buf = vec![0u8; bytes];
+            read_at(&mut buf, data_start + start as u64)?;
+            Tensor::from_raw_buffer(&buf, stored, &info.shape, &Device::Cpu)
+        };
+        let t = t
+            .and_then(|t| convert(t, dtype, device))
+            .map_err(|e| tensor_err(e.to_string()))?;
+        if out.insert(name.clone(), t).is_some() {
+            return Err(Error::checkpoint(
+                path,
+                format!("tensor `{name}` appears in two shards"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn convert(t: Tensor, dtype: Option<DType>, device: &Device) -> candle_core::Result<Tensor> {
