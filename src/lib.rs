@@ -3,6 +3,7 @@
 //! evaluation. Paper: <https://arxiv.org/abs/2410.23168>; official code:
 //! <https://github.com/Haiyang-W/TokenFormer>.
 
+pub mod alloc;
 pub mod bench;
 pub mod card;
 pub mod checkpoint;

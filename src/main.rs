@@ -6,6 +6,9 @@ mod cli;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
+#[global_allocator]
+static ALLOC: tokenformer::alloc::HugePages = tokenformer::alloc::HugePages;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "tokenformer",
