@@ -40,8 +40,11 @@ pub fn erf_f32(x: f32) -> f32 {
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
-    // Round x·log2(e) to the nearest integer n with the 1.5·2²³ trick.
-    let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+    // Round x·log2(e) to the nearest integer n with the 1.5·2²³ trick: the
+    // sum's low mantissa bits then hold n itself, so 2ⁿ is built with integer
+    // ops on those bits (a float→int cast would not vectorise).
+    let shifted = x * std::f32::consts::LOG2_E + 12_582_912.0;
+    let n = shifted - 12_582_912.0;
     let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
     let mut p = 1.987_569_1e-4_f32;
     p = p * r + 1.398_199_9e-3;
@@ -50,7 +53,7 @@ pub fn exp_f32(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let e = p * r * r + r + 1.0;
-    e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    e * f32::from_bits(shifted.to_bits().wrapping_sub(0x4B40_0000 - 127) << 23)
 }
 
 /// Exact (erf) GELU.
@@ -99,12 +102,29 @@ fn theta_row_generic(src: &[f32], dst: &mut [f32], activation: Activation, n: f3
     }
 }
 
+/// The largest value, with 16 running maxima so it vectorises (a fold over
+/// `f32::max` is a serial chain of NaN-aware compares).
+#[inline(always)]
+fn max_of(row: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let chunks = row.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for k in 0..16 {
+            acc[k] = if c[k] > acc[k] { c[k] } else { acc[k] };
+        }
+    }
+    tail.iter()
+        .chain(&acc)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
 /// In-place softmax of `row[..valid]`; entries from `valid` on become 0
 /// (the causal mask).
 #[inline(always)]
 fn softmax_row_generic(row: &mut [f32], valid: usize) {
     let (live, masked) = row.split_at_mut(valid);
-    let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = max_of(live);
     let mut acc = [0f32; 16];
     let mut chunks = live.chunks_exact_mut(16);
     for c in &mut chunks {
