@@ -231,6 +231,12 @@ impl Rotary {
         let (_, _, t, hd) = x.dims4()?;
         let cos = self.cos.narrow(0, offset, t)?;
         let sin = self.sin.narrow(0, offset, t)?;
+        if x.device().is_cpu() && x.dtype() == DType::F32 {
+            // One fused pass in the projections' own [b, t, h, hd] layout
+            // (a free view when x came from `split_heads`).
+            let rows = x.transpose(1, 2)?.contiguous()?;
+            return crate::kernels::rotary(&rows, &cos, &sin, self.dims)?.transpose(1, 2);
+        }
         let rot = x.narrow(D::Minus1, 0, self.dims)?.contiguous()?;
         let rot = candle_nn::rotary_emb::rope(&rot, &cos, &sin)?;
         if self.dims == hd {
