@@ -148,23 +148,29 @@ pub fn matmul_gflops(device: &Device) -> Result<f64> {
     Ok(2.0 * 2048f64.powi(3) / secs / 1e9)
 }
 
-/// Writes random fp16 weights as a model folder (like a converted release),
-/// then times loading it for f32 compute; returns (model, seconds, peak MB
-/// during the load).
-pub fn load_random(cfg: &Config, device: &Device) -> Result<(TokenFormerLm, f64, Option<f64>)> {
+/// Writes random fp16 weights as a model folder (like a converted release).
+pub fn write_random(cfg: &Config, device: &Device) -> Result<tempfile::TempDir> {
     let dir = tempfile::tempdir().map_err(|e| crate::Error::io(std::env::temp_dir(), e))?;
-    {
-        let t = random_lm_tensors(cfg, DType::F16, device)?;
-        let cfg_path = dir.path().join(crate::loader::CONFIG_FILE);
-        std::fs::write(&cfg_path, serde_json::to_string(cfg).expect("serialisable"))
-            .map_err(|e| crate::Error::io(&cfg_path, e))?;
-        checkpoint::write_safetensors(dir.path(), &t, checkpoint::DEFAULT_SHARD_BYTES)?;
-    }
+    let t = random_lm_tensors(cfg, DType::F16, device)?;
+    let cfg_path = dir.path().join(crate::loader::CONFIG_FILE);
+    std::fs::write(&cfg_path, serde_json::to_string(cfg).expect("serialisable"))
+        .map_err(|e| crate::Error::io(&cfg_path, e))?;
+    checkpoint::write_safetensors(dir.path(), &t, checkpoint::DEFAULT_SHARD_BYTES)?;
+    Ok(dir)
+}
+
+/// Times loading a model folder with weight matrices kept in `weights`
+/// precision; returns (model, seconds, peak MB during the load).
+pub fn load_timed(
+    dir: &std::path::Path,
+    weights: DType,
+    device: &Device,
+) -> Result<(TokenFormerLm, f64, Option<f64>)> {
     let base = peak_rss_mb();
     let reset = reset_peak_rss();
     let start = Instant::now();
-    let files = crate::loader::locate(&dir.path().display().to_string(), &Default::default())?;
-    let model = crate::loader::load_lm(&files, device)?;
+    let files = crate::loader::locate(&dir.display().to_string(), &Default::default())?;
+    let model = crate::loader::load_lm_as(&files, device, weights)?;
     let secs = start.elapsed().as_secs_f64();
     let peak = if reset {
         peak_rss_mb()
@@ -175,7 +181,8 @@ pub fn load_random(cfg: &Config, device: &Device) -> Result<(TokenFormerLm, f64,
 }
 
 /// Runs the language-model benchmarks of `bench`; `only` (if non-empty)
-/// restricts them to these names: load, prefill, decode, pattention, matmul.
+/// restricts them to these names: load, prefill, decode, decode_f16,
+/// pattention, matmul.
 pub fn run_lm(
     name: &str,
     cfg: &Config,
@@ -190,7 +197,8 @@ pub fn run_lm(
         "threads".into(),
         json!(candle_core::utils::get_num_threads()),
     );
-    let (model, load_s, peak) = load_random(cfg, device)?;
+    let dir = write_random(cfg, device)?;
+    let (model, load_s, peak) = load_timed(dir.path(), DType::F32, device)?;
     out.insert("load_seconds".into(), json!(round(load_s, 3)));
     out.insert("load_peak_rss_mb".into(), json!(peak.map(|p| round(p, 1))));
     if want("prefill") {
@@ -207,6 +215,20 @@ pub fn run_lm(
         out.insert(
             "decode_tokens_per_s".into(),
             json!(round(decode(&model, 512, 64)?, 2)),
+        );
+    }
+    if want("decode_f16") {
+        // Beyond the peer: the same checkpoint with f16 weight matrices (f32 compute).
+        drop(model);
+        let (half, load_s, peak) = load_timed(dir.path(), DType::F16, device)?;
+        out.insert("load_f16_weights_seconds".into(), json!(round(load_s, 3)));
+        out.insert(
+            "load_f16_weights_peak_rss_mb".into(),
+            json!(peak.map(|p| round(p, 1))),
+        );
+        out.insert(
+            "decode_f16_weights_tokens_per_s".into(),
+            json!(round(decode(&half, 512, 64)?, 2)),
         );
     }
     if want("pattention") {

@@ -436,11 +436,22 @@ pub fn check_all_used(names: &[String], path: &Path, used: impl Fn(&str) -> bool
     ))
 }
 
-/// Loads a language model by name, f32 compute on `device`.
+/// Loads a language model by name, f32 weights and compute on `device`.
 pub fn load_lm(files: &ModelFiles, device: &Device) -> Result<TokenFormerLm> {
-    let w = read_weights(files, Some(DType::F32), device)?;
+    load_lm_as(files, device, DType::F32)
+}
+
+/// Loads a language model keeping its weight matrices in `weights` precision:
+/// f32, or f16 for half the memory and half the bytes read per decoded
+/// token. Compute is f32 either way, so an fp16 checkpoint (every released
+/// one) gives the same results in both.
+pub fn load_lm_as(files: &ModelFiles, device: &Device, weights: DType) -> Result<TokenFormerLm> {
+    let mut w = read_weights(files, Some(weights), device)?;
     // Text-only input to a merged vision-language model is its language route.
     if architecture(&w.config) == vl::ARCHITECTURE {
+        for t in w.tensors.values_mut() {
+            *t = t.to_dtype(DType::F32)?;
+        }
         return Ok(build_vl(w, device)?.language().clone());
     }
     if architecture(&w.config) != tokenformer::ARCHITECTURE {

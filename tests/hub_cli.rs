@@ -92,13 +92,10 @@ fn download_load_score_then_offline() {
     let text = expected_lm()["text"].as_str().unwrap().to_string();
     let want: Vec<f64> =
         serde_json::from_value(expected_lm()["next_token_logprobs"].clone()).unwrap();
-    let score = |model: &str, offline: bool| {
-        let (out, stdout, err) = cli(
-            &endpoint,
-            &home,
-            offline,
-            &["score", "--model", model, "--text", &text, "--json"],
-        );
+    let score_with = |model: &str, offline: bool, extra: &[&str]| {
+        let mut args = vec!["score", "--model", model, "--text", &text, "--json"];
+        args.extend_from_slice(extra);
+        let (out, stdout, err) = cli(&endpoint, &home, offline, &args);
         assert!(out.status.success(), "{model} offline={offline}: {err}");
         let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
         let got: Vec<f64> = serde_json::from_value(v["next_token_logprobs"].clone()).unwrap();
@@ -107,6 +104,7 @@ fn download_load_score_then_offline() {
             assert!((a - b).abs() < 1e-4, "{model}: {a} vs {b}");
         }
     };
+    let score = |model: &str, offline: bool| score_with(model, offline, &[]);
     score("someone/tiny-tokenformer", false);
     score("someone/tiny-official@main", false);
     // The standard huggingface_hub cache layout.
@@ -131,6 +129,8 @@ fn download_load_score_then_offline() {
     hub.clear_requests();
     score("someone/tiny-tokenformer", true);
     score("someone/tiny-official", true);
+    // f16 weight matrices, f32 compute: the same PyTorch numbers.
+    score_with("someone/tiny-official", true, &["--weight-dtype", "f16"]);
     assert!(
         hub.requests().is_empty(),
         "offline mode made requests: {:?}",

@@ -117,6 +117,35 @@ fn kv_cache_decoding_equals_full_forward() {
 }
 
 #[test]
+fn f16_weights_give_the_f32_results_for_an_fp16_checkpoint() {
+    // The fixture is fp16, so keeping the weights in f16 loses nothing: the
+    // prefill (gemm on widened weights) and one-token decoding (the f16
+    // streaming kernels) must reproduce the f32-weight model.
+    let (files, wide) = fixture_model();
+    let half = loader::load_lm_as(&files, &Device::Cpu, candle_core::DType::F16).unwrap();
+    assert_eq!(half.layers()[0].mlp.key().dtype(), candle_core::DType::F16);
+    let ids: Vec<u32> = (0..24).map(|i| (i * 7919 + 3) % 50_000).collect();
+    let input = |s: &[u32]| Tensor::new(s, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let max_diff = |a: Tensor, b: Tensor| {
+        f32s(&(a - b).unwrap().abs().unwrap())
+            .into_iter()
+            .fold(0.0, f32::max)
+    };
+    let full = wide.forward(&input(&ids), None).unwrap();
+    let d = max_diff(half.forward(&input(&ids), None).unwrap(), full.clone());
+    assert!(d < 1e-5, "prefill: {d}");
+    let (mut c16, mut c32) = (Cache::new(half.config()), Cache::new(wide.config()));
+    for (i, &id) in ids.iter().enumerate() {
+        let a = half.forward(&input(&[id]), Some(&mut c16)).unwrap();
+        let b = wide.forward(&input(&[id]), Some(&mut c32)).unwrap();
+        let d = max_diff(a.clone(), b);
+        assert!(d < 1e-5, "decode step {i}: {d}");
+        let want = full.narrow(1, i, 1).unwrap();
+        assert!(max_diff(a, want) < 1e-4, "decode step {i} vs prefill");
+    }
+}
+
+#[test]
 fn official_bin_and_converted_weights_load_identically() {
     // The .bin read with the official name map, written as safetensors, read back: bit-identical.
     let (tensors, ignored) = tokenformer::checkpoint::read_official_bin(
@@ -398,8 +427,8 @@ fn other_configurations_match_the_reference() {
 
 #[test]
 fn long_prefill_in_query_blocks_equals_short_chunks() {
-    // 700 tokens take the blocked causal path (blocks of 256 query rows);
-    // chunks of 200 through the KV cache take the plain path.
+    // 700 tokens span several 128-query blocks of the fused attention;
+    // chunks of 200 through the KV cache attend with cached keys first.
     let cfg = tiny_config(97, 1024);
     let tensors = random_lm_tensors(&cfg, 11);
     let dir = tempfile::tempdir().unwrap();

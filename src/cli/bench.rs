@@ -14,7 +14,7 @@ pub struct BenchArgs {
     /// Skip the ViT-B/16 image benchmark.
     #[arg(long)]
     pub skip_vit: bool,
-    /// Run only these parts (comma-separated): prefill, decode, pattention, matmul, vit.
+    /// Run only these parts (comma-separated): prefill, decode, decode_f16, pattention, matmul, vit.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Print one JSON object (the peer's field names).
@@ -29,9 +29,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut only = a.only.clone();
     if a.skip_vit {
         if only.is_empty() {
-            only = ["load", "prefill", "decode", "pattention", "matmul"]
-                .map(String::from)
-                .to_vec();
+            only = [
+                "load",
+                "prefill",
+                "decode",
+                "decode_f16",
+                "pattention",
+                "matmul",
+            ]
+            .map(String::from)
+            .to_vec();
         }
         only.retain(|o| o != "vit");
     }

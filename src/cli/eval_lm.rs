@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
@@ -18,7 +17,7 @@ use tokenformer::eval::tasks::{self, Task, TaskOptions, TaskReport};
 use tokenformer::loader;
 use tokenformer::scoring::Scorer;
 
-use super::ModelArgs;
+use super::{ModelArgs, WeightArgs};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum MethodArg {
@@ -38,6 +37,8 @@ bits_per_byte over UTF-8 bytes; token_perplexity over scored tokens."
 pub struct PileArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub weights: WeightArgs,
     /// The Pile's val/test.jsonl.zst, or any .jsonl, .jsonl.zst or .txt file (streamed).
     #[arg(long)]
     pub data: PathBuf,
@@ -90,6 +91,8 @@ acc_norm (divided by the choice's characters), their standard errors; lambada: a
 pub struct TasksArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub weights: WeightArgs,
     /// lambada, hellaswag, piqa, arc_easy, arc_challenge or winogrande.
     #[arg(long)]
     pub task: Task,
@@ -163,7 +166,7 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
     let sha = spawn_sha256(&a.data);
     let files = a.model.locate()?;
     let tokenizer = loader::load_tokenizer(&files)?;
-    let model = loader::load_lm(&files, &Device::Cpu)?;
+    let model = a.weights.load_lm(&files)?;
     let scorer = Scorer::new(&model, a.max_length)?;
     let max_len = scorer.max_length();
     let scorer = scorer.with_batch_tokens(a.max_batch_tokens.unwrap_or(max_len));
@@ -297,7 +300,7 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
     };
     let files = a.model.locate()?;
     let tokenizer = loader::load_tokenizer(&files)?;
-    let model = loader::load_lm(&files, &Device::Cpu)?;
+    let model = a.weights.load_lm(&files)?;
     let scorer = Scorer::new(&model, a.max_length)?
         .with_greedy(a.task == Task::Lambada)
         .with_batch_tokens(a.max_batch_tokens);

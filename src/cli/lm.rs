@@ -12,12 +12,14 @@ use tokenformer::models::tokenformer::TokenFormerLm;
 use tokenformer::models::vl::{self, VisionLanguageModel};
 use tokenformer::vision::EvalTransform;
 
-use super::ModelArgs;
+use super::{ModelArgs, WeightArgs};
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub weights: WeightArgs,
     /// The text to continue.
     #[arg(long, short)]
     pub prompt: String,
@@ -84,7 +86,7 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
             let pixels = transform.batch(vec![transform.load(path)?], &dev)?;
             Generator::WithImage(Box::new(model), pixels)
         }
-        None => Generator::Text(Box::new(loader::load_lm(&files, &dev)?)),
+        None => Generator::Text(Box::new(a.weights.load_lm(&files)?)),
     };
     let eos = match &model {
         Generator::WithImage(m, _) => m.language().config().eos_token_id,
@@ -123,6 +125,8 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
 pub struct ScoreArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub weights: WeightArgs,
     /// Text to score.
     #[arg(long, conflicts_with_all = ["file", "ids"])]
     pub text: Option<String>,
@@ -159,7 +163,7 @@ pub fn score_cmd(a: ScoreArgs) -> Result<()> {
         (None, Some(ids)) => (ids, None),
         (None, None) => bail!("give --text, --file or --ids"),
     };
-    let model = loader::load_lm(&files, &Device::Cpu)?;
+    let model = a.weights.load_lm(&files)?;
     let s = tokenformer::scoring::score_ids(&model, &ids)?;
     if a.json {
         println!("{}", serde_json::to_string(&s)?);

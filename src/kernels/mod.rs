@@ -4,7 +4,7 @@
 //! Both are row-parallel with rayon and fall back to plain tensor ops for
 //! other devices, dtypes or layouts, so results never depend on the path.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::pattention::{self, Activation};
@@ -344,6 +344,47 @@ fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]>
     Ok(&d[a..b])
 }
 
+mod half_kernels;
+
+/// A weight matrix in its stored precision. Half-precision rows are widened
+/// to f32 just before use, so the arithmetic is f32 either way and decoding
+/// reads half the bytes.
+enum Weights<'a> {
+    F32(&'a [f32]),
+    F16(&'a [half::f16]),
+}
+
+impl<'a> Weights<'a> {
+    fn of(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<Self> {
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("{what}: contiguous weights only")
+        };
+        match s {
+            CpuStorage::F32(d) => Ok(Self::F32(&d[a..b])),
+            CpuStorage::F16(d) => Ok(Self::F16(&d[a..b])),
+            _ => candle_core::bail!("{what}: f32 or f16 weights only"),
+        }
+    }
+
+    /// x · (row j of width k).
+    #[inline]
+    fn dot(&self, j: usize, k: usize, x: &[f32]) -> f32 {
+        match self {
+            Self::F32(w) => dot(x, &w[j * k..(j + 1) * k]),
+            Self::F16(w) => half_kernels::dot(x, &w[j * k..(j + 1) * k]),
+        }
+    }
+
+    /// y += a · (row j of width k).
+    #[inline]
+    fn axpy(&self, j: usize, k: usize, a: f32, y: &mut [f32]) {
+        match self {
+            Self::F32(w) => axpy(a, &w[j * k..(j + 1) * k], y),
+            Self::F16(w) => half_kernels::axpy(a, &w[j * k..(j + 1) * k], y),
+        }
+    }
+}
+
 /// x [m, k] · wᵀ for w [n, k]: every output is a dot product with a weight
 /// row, read once, in parallel over the rows of w.
 struct MatmulNt;
@@ -359,19 +400,16 @@ impl candle_core::CustomOp2 for MatmulNt {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, w) = (
-            f32_slice(s1, l1, "matmul-nt")?,
-            f32_slice(s2, l2, "matmul-nt")?,
-        );
+        let x = f32_slice(s1, l1, "matmul-nt")?;
+        let w = Weights::of(s2, l2, "matmul-nt")?;
         let (m, k) = l1.shape().dims2()?;
         let (n, _) = l2.shape().dims2()?;
         // out is [m, n]; compute it transposed ([n, m]) so each task owns whole weight rows.
         let mut t = vec![0f32; n * m];
         t.par_chunks_mut(m * 64).enumerate().for_each(|(c, out)| {
             for (r, o) in out.chunks_mut(m).enumerate() {
-                let row = &w[(c * 64 + r) * k..(c * 64 + r + 1) * k];
                 for (i, oi) in o.iter_mut().enumerate() {
-                    *oi = dot(&x[i * k..(i + 1) * k], row);
+                    *oi = w.dot(c * 64 + r, k, &x[i * k..(i + 1) * k]);
                 }
             }
         });
@@ -400,10 +438,8 @@ impl candle_core::CustomOp2 for MatmulNn {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, w) = (
-            f32_slice(s1, l1, "matmul-nn")?,
-            f32_slice(s2, l2, "matmul-nn")?,
-        );
+        let x = f32_slice(s1, l1, "matmul-nn")?;
+        let w = Weights::of(s2, l2, "matmul-nn")?;
         let (m, n) = l1.shape().dims2()?;
         let (_, k) = l2.shape().dims2()?;
         const BLOCK: usize = 256;
@@ -412,11 +448,10 @@ impl candle_core::CustomOp2 for MatmulNn {
             .map(|b| {
                 let mut acc = vec![0f32; m * k];
                 for j in b * BLOCK..((b + 1) * BLOCK).min(n) {
-                    let row = &w[j * k..(j + 1) * k];
                     for i in 0..m {
                         let a = x[i * n + j];
                         if a != 0.0 {
-                            axpy(a, row, &mut acc[i * k..(i + 1) * k]);
+                            w.axpy(j, k, a, &mut acc[i * k..(i + 1) * k]);
                         }
                     }
                 }
@@ -435,29 +470,37 @@ impl candle_core::CustomOp2 for MatmulNn {
 
 fn small_ok(x: &Tensor, w: &Tensor) -> bool {
     x.device().is_cpu()
-        && x.dtype() == candle_core::DType::F32
-        && w.dtype() == candle_core::DType::F32
+        && x.dtype() == DType::F32
+        && matches!(w.dtype(), DType::F32 | DType::F16)
         && x.is_contiguous()
         && w.is_contiguous()
         && x.rank() == 2
         && x.dim(0).is_ok_and(|m| m <= SMALL_ROWS)
 }
 
-/// x [m, k] · wᵀ (w [n, k]); the streaming kernel for few rows, gemm otherwise.
+/// Half-precision weights widened for gemm (compute-bound there, so the
+/// one-off conversion costs little next to the product).
+fn as_f32(w: &Tensor) -> Result<Tensor> {
+    w.to_dtype(DType::F32)
+}
+
+/// x [m, k] · wᵀ (w [n, k], f32 or f16); the streaming kernel for few rows,
+/// gemm otherwise. The result is f32.
 pub fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if small_ok(x, w) {
         x.apply_op2_no_bwd(w, &MatmulNt)
     } else {
-        x.matmul(&w.t()?)
+        x.matmul(&as_f32(w)?.t()?)
     }
 }
 
-/// x [m, n] · w (w [n, k]); the streaming kernel for few rows, gemm otherwise.
+/// x [m, n] · w (w [n, k], f32 or f16); the streaming kernel for few rows,
+/// gemm otherwise. The result is f32.
 pub fn matmul_nn(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if small_ok(x, w) {
         x.apply_op2_no_bwd(w, &MatmulNn)
     } else {
-        x.matmul(w)
+        x.matmul(&as_f32(w)?)
     }
 }
 

@@ -454,7 +454,9 @@ impl Cache {
     }
 }
 
-/// The TokenFormer causal language model.
+/// The TokenFormer causal language model. The VarBuilder's dtype is the
+/// precision its weight matrices are kept in (f32, or f16 to halve memory and
+/// decode traffic); activations and arithmetic are f32 either way.
 #[derive(Clone, Debug)]
 pub struct TokenFormerLm {
     word_embeddings: Tensor,
@@ -476,7 +478,9 @@ impl TokenFormerLm {
         let layers = (0..cfg.num_layers)
             .map(|i| Block::new(&block, vb.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
-        let final_norm = candle_nn::layer_norm(d, cfg.norm_eps, vb.pp("final_norm"))?;
+        // Norms compute in f32 whatever precision the weight matrices are kept in.
+        let final_norm =
+            candle_nn::layer_norm(d, cfg.norm_eps, vb.pp("final_norm").set_dtype(DType::F32))?;
         let final_linear = if cfg.tie_word_embeddings {
             None
         } else {
@@ -531,6 +535,7 @@ impl TokenFormerLm {
         let (b, t) = ids.dims2()?;
         self.word_embeddings
             .index_select(&ids.flatten_all()?, 0)?
+            .to_dtype(DType::F32)?
             .reshape((b, t, self.cfg.hidden_size))
     }
 
