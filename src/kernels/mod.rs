@@ -119,6 +119,29 @@ fn max_of(row: &[f32]) -> f32 {
         .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
+#[inline(always)]
+fn max_and_exp_sum_generic(row: &[f32]) -> (f32, f64) {
+    let max = max_of(row);
+    let whole = row.len() / 16 * 16;
+    let mut sum = 0f64;
+    // f32 lanes, flushed to f64 every 4096 values to keep the sum exact enough
+    // for a vocabulary-sized row.
+    for block in row[..whole].chunks(4096) {
+        let mut acc = [0f32; 16];
+        for c in block.chunks_exact(16) {
+            for k in 0..16 {
+                acc[k] += exp_f32(c[k] - max);
+            }
+        }
+        sum += acc.iter().map(|&v| v as f64).sum::<f64>();
+    }
+    sum += row[whole..]
+        .iter()
+        .map(|&v| exp_f32(v - max) as f64)
+        .sum::<f64>();
+    (max, sum)
+}
+
 /// In-place softmax of `row[..valid]`; entries from `valid` on become 0
 /// (the causal mask).
 #[inline(always)]
@@ -183,6 +206,7 @@ dispatch! {
     fn axpy(a: f32, x: &[f32], y: &mut [f32]) = axpy_generic;
     fn theta_row(src: &[f32], dst: &mut [f32], activation: Activation, n: f32) = theta_row_generic;
     fn softmax_row(row: &mut [f32], valid: usize) = softmax_row_generic;
+    fn max_and_exp_sum_inner(row: &[f32]) -> (f32, f64) = max_and_exp_sum_generic;
 }
 
 struct ThetaOp {
@@ -266,6 +290,12 @@ pub fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
         .collect();
     let mask = Tensor::from_vec(mask, (t, total), scores.device())?.to_dtype(scores.dtype())?;
     candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)
+}
+
+/// The row's maximum and Σ exp(v − max): a log-softmax's two reductions,
+/// vectorised (the output layer's rows are vocabulary-sized).
+pub fn max_and_exp_sum(row: &[f32]) -> (f32, f64) {
+    max_and_exp_sum_inner(row)
 }
 
 /// GPT-NeoX rotary embedding (rotate-half) of the first `dims` features of
