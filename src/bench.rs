@@ -254,9 +254,9 @@ pub fn run_lm(
     Ok(out)
 }
 
-/// ViT-B/16 images/s at batch 32, 224² (the zoo's TokenFormer-B/16 shape,
-/// random weights with the peer's statistics, mean pooling, 1000 classes).
-pub fn vit_b16_images_per_s(device: &Device) -> Result<f64> {
+/// The zoo's TokenFormer-B/16 config with random weights of the peer's
+/// statistics (mean pooling, 1000 classes).
+pub fn random_vit_b16(device: &Device) -> Result<(crate::models::vit::Config, Tensors)> {
     use crate::models::vit;
     let entry = crate::zoo::find("tokenformer-b-16").expect("zoo entry tokenformer-b-16");
     let cfg: vit::Config = serde_json::from_value(entry.config.clone())
@@ -276,35 +276,32 @@ pub fn vit_b16_images_per_s(device: &Device) -> Result<f64> {
     let r = |shape: &[usize], std: f32| -> Result<Tensor> {
         Ok(Tensor::randn(0f32, std, shape, device)?)
     };
+    let zeros = |n: usize| Tensor::zeros(n, DType::F32, device);
+    let ones = |n: usize| Tensor::ones(n, DType::F32, device);
     t.insert(
         "patch_embed.weight".into(),
         r(&[d, cfg.num_channels, p, p], 0.02)?,
     );
-    t.insert(
-        "patch_embed.bias".into(),
-        Tensor::zeros(d, DType::F32, device)?,
-    );
+    t.insert("patch_embed.bias".into(), zeros(d)?);
     t.insert("cls_token".into(), r(&[1, 1, d], 0.02)?);
     t.insert("pos_embed".into(), r(&[1, cfg.num_patches() + 1, d], 0.02)?);
-    t.insert(
-        "fc_norm.weight".into(),
-        Tensor::ones(d, DType::F32, device)?,
-    );
-    t.insert("fc_norm.bias".into(), Tensor::zeros(d, DType::F32, device)?);
-    t.insert(
-        "final_norm.weight".into(),
-        Tensor::ones(d, DType::F32, device)?,
-    );
-    t.insert(
-        "final_norm.bias".into(),
-        Tensor::zeros(d, DType::F32, device)?,
-    );
+    // The head's norm: `fc_norm` after mean pooling, `final_norm` before the class token.
+    let norm = match cfg.pool {
+        vit::Pool::Mean => "fc_norm",
+        vit::Pool::Cls => "final_norm",
+    };
+    t.insert(format!("{norm}.weight"), ones(d)?);
+    t.insert(format!("{norm}.bias"), zeros(d)?);
     t.insert("head.weight".into(), r(&[cfg.num_classes, d], 0.02)?);
-    t.insert(
-        "head.bias".into(),
-        Tensor::zeros(cfg.num_classes, DType::F32, device)?,
-    );
-    let model = vit::VisionTransformer::new(&cfg, checkpoint::var_builder(t, device))?;
+    t.insert("head.bias".into(), zeros(cfg.num_classes)?);
+    Ok((cfg, t))
+}
+
+/// ViT-B/16 images/s at batch 32, 224² on [`random_vit_b16`] weights.
+pub fn vit_b16_images_per_s(device: &Device) -> Result<f64> {
+    let (cfg, t) = random_vit_b16(device)?;
+    let model =
+        crate::models::vit::VisionTransformer::new(&cfg, checkpoint::var_builder(t, device))?;
     let x = Tensor::randn(
         0f32,
         1.0,
