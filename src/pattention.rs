@@ -160,7 +160,7 @@ impl Module for Pattention {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut out_shape = x.dims().to_vec();
         *out_shape.last_mut().expect("rank >= 1") = self.value.dim(1)?;
-        let w = crate::kernels::theta(&self.scores(x)?, self.activation, self.scale_tokens)?;
+        let w = crate::kernels::theta_owned(self.scores(x)?, self.activation, self.scale_tokens)?;
         crate::kernels::matmul_nn(&w, &self.value)?.reshape(out_shape)
     }
 }

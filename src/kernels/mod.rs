@@ -77,27 +77,23 @@ fn sum_sq(row: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail.iter().map(|v| v * v).sum::<f32>()
 }
 
+/// Θ of one score row, in place.
 #[inline(always)]
-fn theta_row_generic(src: &[f32], dst: &mut [f32], activation: Activation, n: f32) {
+fn theta_row_generic(row: &mut [f32], activation: Activation, n: f32) {
     const MIN_NORM: f32 = 1e-30;
     match activation {
         Activation::L2NormGelu => {
-            let f = n.sqrt() / sum_sq(src).sqrt().max(MIN_NORM);
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d = gelu_erf_f32(s * f);
-            }
+            let f = n.sqrt() / sum_sq(row).sqrt().max(MIN_NORM);
+            row.iter_mut().for_each(|v| *v = gelu_erf_f32(*v * f));
         }
         Activation::GeluL2Norm => {
-            for (d, &s) in dst.iter_mut().zip(src) {
-                *d = gelu_erf_f32(s);
-            }
-            let f = n.sqrt() / sum_sq(dst).sqrt().max(MIN_NORM);
-            dst.iter_mut().for_each(|d| *d *= f);
+            row.iter_mut().for_each(|v| *v = gelu_erf_f32(*v));
+            let f = n.sqrt() / sum_sq(row).sqrt().max(MIN_NORM);
+            row.iter_mut().for_each(|v| *v *= f);
         }
         Activation::Softmax => {
-            dst.copy_from_slice(src);
-            softmax_row_generic(dst, src.len());
-            dst.iter_mut().for_each(|d| *d *= n);
+            softmax_row_generic(row, row.len());
+            row.iter_mut().for_each(|v| *v *= n);
         }
     }
 }
@@ -204,7 +200,7 @@ macro_rules! dispatch {
 dispatch! {
     fn dot(a: &[f32], b: &[f32]) -> f32 = dot_generic;
     fn axpy(a: f32, x: &[f32], y: &mut [f32]) = axpy_generic;
-    fn theta_row(src: &[f32], dst: &mut [f32], activation: Activation, n: f32) = theta_row_generic;
+    fn theta_row(row: &mut [f32], activation: Activation, n: f32) = theta_row_generic;
     fn softmax_row(row: &mut [f32], valid: usize) = softmax_row_generic;
     fn max_and_exp_sum_inner(row: &[f32]) -> (f32, f64) = max_and_exp_sum_generic;
 }
@@ -214,35 +210,68 @@ struct ThetaOp {
     scale_tokens: usize,
 }
 
+impl ThetaOp {
+    fn apply(&self, rows: &mut [f32], n: usize) {
+        let scale = self.scale_tokens as f32;
+        rows.par_chunks_mut(n)
+            .for_each(|r| theta_row(r, self.activation, scale));
+    }
+}
+
 impl CustomOp1 for ThetaOp {
     fn name(&self) -> &'static str {
         "pattention-theta"
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let src = f32_slice(storage, layout, "theta kernel")?;
-        let n = layout.dims().last().copied().unwrap_or(1).max(1);
-        let mut dst = vec![0f32; src.len()];
-        let scale = self.scale_tokens as f32;
-        dst.par_chunks_mut(n)
-            .zip(src.par_chunks(n))
-            .for_each(|(d, s)| theta_row(s, d, self.activation, scale));
-        Ok((CpuStorage::F32(dst), layout.shape().clone()))
+        let mut out = f32_slice(storage, layout, "theta kernel")?.to_vec();
+        self.apply(&mut out, layout.dims().last().copied().unwrap_or(1).max(1));
+        Ok((CpuStorage::F32(out), layout.shape().clone()))
     }
+}
+
+impl candle_core::InplaceOp1 for ThetaOp {
+    fn name(&self) -> &'static str {
+        "pattention-theta-in-place"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        let n = layout.dims().last().copied().unwrap_or(1).max(1);
+        let (CpuStorage::F32(d), Some((a, b))) = (storage, layout.contiguous_offsets()) else {
+            candle_core::bail!("theta kernel: contiguous f32 only")
+        };
+        self.apply(&mut d[a..b], n);
+        Ok(())
+    }
+}
+
+fn fused_ok(scores: &Tensor) -> bool {
+    scores.device().is_cpu() && scores.dtype() == DType::F32 && scores.is_contiguous()
 }
 
 /// Θ over the last axis; the fused kernel for contiguous f32 CPU tensors.
 pub fn theta(scores: &Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
-    if scores.device().is_cpu()
-        && scores.dtype() == candle_core::DType::F32
-        && scores.is_contiguous()
-    {
+    if fused_ok(scores) {
         scores.apply_op1_no_bwd(&ThetaOp {
             activation,
             scale_tokens,
         })
     } else {
         pattention::theta(scores, activation, scale_tokens)
+    }
+}
+
+/// Θ of scores nobody else holds (a fresh matmul output): computed in the
+/// scores' own buffer on the CPU, saving a scores-sized allocation.
+pub fn theta_owned(scores: Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
+    if fused_ok(&scores) {
+        scores.inplace_op1(&ThetaOp {
+            activation,
+            scale_tokens,
+        })?;
+        Ok(scores)
+    } else {
+        pattention::theta(&scores, activation, scale_tokens)
     }
 }
 
