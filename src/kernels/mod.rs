@@ -1,8 +1,10 @@
 //! Fused CPU kernels for the hot loops that candle would otherwise run as
-//! several single-threaded element-wise passes: Θ (normalise + GELU over the
-//! token-parameter scores) and the causal softmax of token-token attention.
-//! Both are row-parallel with rayon and fall back to plain tensor ops for
-//! other devices, dtypes or layouts, so results never depend on the path.
+//! several single-threaded passes or copies: Θ (normalise + GELU over the
+//! token-parameter scores), softmax, rotary embeddings, token-token attention
+//! ([`attention`]), and the matrix-vector products of decoding (f32 or f16
+//! weights, [`half_kernels`]). They are row-parallel with rayon, compiled
+//! for AVX2/AVX-512 and chosen at run time, and fall back to plain tensor ops
+//! for other devices, dtypes or layouts, so results never depend on the path.
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -676,31 +678,13 @@ mod tests {
             let w = spread((300, 77));
             let a = matmul_nt(&x, &w).unwrap();
             let b = x.matmul(&w.t().unwrap().contiguous().unwrap()).unwrap();
-            let d: f32 = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
+            let d = max_abs_diff(&a, &b);
             assert!(d < 1e-4, "nt m={m}: {d}");
             let s = spread((m, 300));
             let a = matmul_nn(&s, &w).unwrap();
             let b = s.matmul(&w).unwrap();
             assert_eq!(a.dims(), &[m, 77]);
-            let d: f32 = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
+            let d = max_abs_diff(&a, &b);
             assert!(d < 1e-4, "nn m={m}: {d}");
         }
     }
@@ -716,16 +700,7 @@ mod tests {
         ] {
             let a = theta(&s, act, 40).unwrap();
             let b = pattention::theta(&s, act, 40).unwrap();
-            let d: f32 = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
+            let d = max_abs_diff(&a, &b);
             assert!(d < 1e-5, "{act:?}: {d}");
         }
         // An all-zero row gives zeros, not NaN.
