@@ -1,7 +1,9 @@
 //! Throughput benchmarks on random weights of the real sizes (no download):
-//! prefill, KV-cache decode, a single Pattention layer, and load time / peak
-//! memory. Field names follow the PyTorch peer (`bench/torch_baseline.py` of
-//! the shared data) so the two JSON outputs can be compared key by key.
+//! prefill, KV-cache decode (f32 weights, and f16 weights with f32 compute),
+//! a single Pattention layer, ViT-B/16 images/s, and load time / peak memory.
+//! Field names follow the PyTorch peer (`bench/torch_baseline.py` of the
+//! shared data) so the two JSON outputs can be compared key by key; like the
+//! peer, each figure is the second of two runs.
 
 use std::time::Instant;
 
