@@ -6,7 +6,7 @@
 //! for AVX2/AVX-512 and chosen at run time, and fall back to plain tensor ops
 //! for other devices, dtypes or layouts, so results never depend on the path.
 
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::pattention::{self, Activation};
@@ -220,18 +220,6 @@ impl ThetaOp {
     }
 }
 
-impl CustomOp1 for ThetaOp {
-    fn name(&self) -> &'static str {
-        "pattention-theta"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let mut out = f32_slice(storage, layout, "theta kernel")?.to_vec();
-        self.apply(&mut out, layout.dims().last().copied().unwrap_or(1).max(1));
-        Ok((CpuStorage::F32(out), layout.shape().clone()))
-    }
-}
-
 impl candle_core::InplaceOp1 for ThetaOp {
     fn name(&self) -> &'static str {
         "pattention-theta-in-place"
@@ -251,20 +239,9 @@ fn fused_ok(scores: &Tensor) -> bool {
     scores.device().is_cpu() && scores.dtype() == DType::F32 && scores.is_contiguous()
 }
 
-/// Θ over the last axis; the fused kernel for contiguous f32 CPU tensors.
-pub fn theta(scores: &Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
-    if fused_ok(scores) {
-        scores.apply_op1_no_bwd(&ThetaOp {
-            activation,
-            scale_tokens,
-        })
-    } else {
-        pattention::theta(scores, activation, scale_tokens)
-    }
-}
-
-/// Θ of scores nobody else holds (a fresh matmul output): computed in the
-/// scores' own buffer on the CPU, saving a scores-sized allocation.
+/// Θ over the last axis of scores nobody else holds (a fresh matmul
+/// output): the fused kernel works in the scores' own buffer for contiguous
+/// f32 CPU tensors, saving a scores-sized allocation.
 pub fn theta_owned(scores: Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
     if fused_ok(&scores) {
         scores.inplace_op1(&ThetaOp {
@@ -277,45 +254,14 @@ pub fn theta_owned(scores: Tensor, activation: Activation, scale_tokens: usize) 
     }
 }
 
-struct CausalSoftmax {
-    /// Keys before the first query (the KV-cache length).
-    past: usize,
-}
-
-impl CustomOp1 for CausalSoftmax {
-    fn name(&self) -> &'static str {
-        "causal-softmax"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let src = f32_slice(storage, layout, "causal softmax")?;
-        let dims = layout.dims();
-        let (t, total) = (dims[dims.len() - 2], dims[dims.len() - 1]);
-        let mut dst = vec![0f32; src.len()];
-        let past = self.past;
-        dst.par_chunks_mut(total)
-            .zip(src.par_chunks(total))
-            .enumerate()
-            .for_each(|(r, (d, s))| {
-                d.copy_from_slice(s);
-                softmax_row(d, (past + r % t + 1).min(total));
-            });
-        Ok((CpuStorage::F32(dst), layout.shape().clone()))
-    }
-}
-
 /// Softmax over the last axis of scores [.., t, total] where query i (of the
 /// last t) may see keys 0..=past+i, past = total − t; masked entries are 0.
+/// Plain tensor ops: the path of devices and dtypes the fused attention
+/// kernel does not take.
 pub fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
     let dims = scores.dims();
     let (t, total) = (dims[dims.len() - 2], dims[dims.len() - 1]);
     let past = total - t;
-    if scores.device().is_cpu()
-        && scores.dtype() == candle_core::DType::F32
-        && scores.is_contiguous()
-    {
-        return scores.apply_op1_no_bwd(&CausalSoftmax { past });
-    }
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
         .collect();
@@ -698,14 +644,14 @@ mod tests {
             Activation::GeluL2Norm,
             Activation::Softmax,
         ] {
-            let a = theta(&s, act, 40).unwrap();
+            let a = theta_owned(s.copy().unwrap(), act, 40).unwrap();
             let b = pattention::theta(&s, act, 40).unwrap();
             let d = max_abs_diff(&a, &b);
             assert!(d < 1e-5, "{act:?}: {d}");
         }
         // An all-zero row gives zeros, not NaN.
-        let z = theta(
-            &Tensor::zeros((2, 8), candle_core::DType::F32, &dev).unwrap(),
+        let z = theta_owned(
+            Tensor::zeros((2, 8), candle_core::DType::F32, &dev).unwrap(),
             Activation::L2NormGelu,
             8,
         )
