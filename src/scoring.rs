@@ -233,11 +233,13 @@ impl<'m> Scorer<'m> {
         let hidden = x.reshape((b * t_max, d))?;
         let mut logprob = vec![0f64; b];
         let mut greedy = vec![true; b];
+        // Widened once for all chunks (a no-op for f32 weights).
+        let output_matrix = self.model.output_matrix().to_dtype(DType::F32)?;
         for start in (0..rows.len()).step_by(HEAD_ROWS) {
             let end = (start + HEAD_ROWS).min(rows.len());
             let sel = Tensor::new(&rows[start..end], dev)?;
             let h = hidden.index_select(&sel, 0)?.unsqueeze(0)?;
-            let logits = self.model.head(&h)?.squeeze(0)?.to_dtype(DType::F32)?;
+            let logits = self.model.head_with(&h, &output_matrix)?.squeeze(0)?;
             let picked = target_logprobs(&logits, &targets[start..end], self.greedy)?;
             for (r, (lp, is_max)) in picked.into_iter().enumerate() {
                 let k = owner[start + r];

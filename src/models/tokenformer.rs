@@ -541,9 +541,20 @@ impl TokenFormerLm {
 
     /// Final norm and output projection: hidden [b, t, d] → logits [b, t, vocab].
     pub fn head(&self, h: &Tensor) -> Result<Tensor> {
+        self.head_with(h, self.output_matrix())
+    }
+
+    /// The output projection [vocab, d] in its stored precision.
+    pub fn output_matrix(&self) -> &Tensor {
+        self.final_linear.as_ref().unwrap_or(&self.word_embeddings)
+    }
+
+    /// [`Self::head`] against `out`, the output matrix or a copy of it in
+    /// another precision: a caller running the head on many row chunks widens
+    /// f16 weights once instead of once per chunk.
+    pub fn head_with(&self, h: &Tensor, out: &Tensor) -> Result<Tensor> {
         let (b, t, d) = h.dims3()?;
         let h = self.final_norm.forward(h)?.reshape((b * t, d))?;
-        let out = self.final_linear.as_ref().unwrap_or(&self.word_embeddings);
         crate::kernels::matmul_nt(&h, out)?.reshape((b, t, self.cfg.vocab_size))
     }
 
