@@ -3,7 +3,7 @@
 //! logit difference.
 
 use anyhow::Result;
-use candle_core::{Device, Tensor, D};
+use candle_core::{Tensor, D};
 use tokenformer::models::tokenformer::TokenFormerLm;
 
 /// A deterministic token sequence spread over the vocabulary.
@@ -20,23 +20,8 @@ pub fn probe_ids(vocab: usize, max_positions: usize) -> Vec<u32> {
         .collect()
 }
 
-/// A random-looking but fixed image [1, C, S, S] of normalised pixels,
-/// uniform in [-2, 2) (about the range of ImageNet-normalised values), so a
-/// vision model's probe exercises every patch and channel differently.
-pub fn probe_pixels(channels: usize, size: usize, device: &Device) -> Result<Tensor> {
-    let n = channels * size * size;
-    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            // The top 24 bits as a uniform in [0, 1), exactly representable in f32.
-            ((x >> 40) as f32 / (1u32 << 24) as f32) * 4.0 - 2.0
-        })
-        .collect();
-    Ok(Tensor::from_vec(v, (1, channels, size, size), device)?)
-}
+/// The fixed probe image, shared with the tests that check the reported shift.
+pub use tokenformer::vision::probe_pixels;
 
 /// Logits [t, vocab] of a language model on the probe sequence.
 pub fn lm_logits(model: &TokenFormerLm) -> Result<Tensor> {

@@ -990,22 +990,6 @@ fn vit_logits(model: &str, pixels: &Tensor) -> Tensor {
     m.forward(pixels).unwrap()
 }
 
-/// The converters' probe image (converters/src/probe.rs), recomputed here so
-/// the test can check the shift the tool reports on the same input.
-fn vit_probe_pixels(channels: usize, size: usize) -> Tensor {
-    let n = channels * size * size;
-    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 40) as f32 / (1u32 << 24) as f32) * 4.0 - 2.0
-        })
-        .collect();
-    Tensor::from_vec(v, (1, channels, size, size), &Device::Cpu).unwrap()
-}
-
 #[test]
 fn grow_vision_keep_is_exact_grow_reports_the_real_shift_and_ladders_compose() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1091,7 +1075,8 @@ fn grow_vision_keep_is_exact_grow_reports_the_real_shift_and_ladders_compose() {
         d > 1e-3,
         "--scale grow should change the vision logits, shift {d}"
     );
-    let probe = vit_probe_pixels(3, 32);
+    // The converters' probe image, so the shift checked is the one the tool reports.
+    let probe = tokenformer::vision::probe_pixels(3, 32, &Device::Cpu).unwrap();
     let real = max_diff(
         &vit_logits(s(&vit_dir()), &probe),
         &vit_logits(s(&grown), &probe),
