@@ -176,9 +176,10 @@ fn axpy_generic(a: f32, x: &[f32], y: &mut [f32]) {
 /// erf-bound loops. The bodies are the generic ones, so results do not depend
 /// on the CPU beyond float rounding.
 macro_rules! dispatch {
-    ($(fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $generic:ident;)*) => {$(
+    ($($(#[$doc:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $generic:ident;)*) => {$(
+        $(#[$doc])*
         #[inline]
-        fn $name($($arg: $ty),*) $(-> $ret)? {
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
@@ -204,7 +205,9 @@ dispatch! {
     fn axpy(a: f32, x: &[f32], y: &mut [f32]) = axpy_generic;
     fn theta_row(row: &mut [f32], activation: Activation, n: f32) = theta_row_generic;
     fn softmax_row(row: &mut [f32], valid: usize) = softmax_row_generic;
-    fn max_and_exp_sum_inner(row: &[f32]) -> (f32, f64) = max_and_exp_sum_generic;
+    /// The row's maximum and Σ exp(v − max): a log-softmax's two reductions,
+    /// vectorised (the output layer's rows are vocabulary-sized).
+    pub fn max_and_exp_sum(row: &[f32]) -> (f32, f64) = max_and_exp_sum_generic;
 }
 
 struct ThetaOp {
@@ -267,12 +270,6 @@ pub fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
         .collect();
     let mask = Tensor::from_vec(mask, (t, total), scores.device())?.to_dtype(scores.dtype())?;
     candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)
-}
-
-/// The row's maximum and Σ exp(v − max): a log-softmax's two reductions,
-/// vectorised (the output layer's rows are vocabulary-sized).
-pub fn max_and_exp_sum(row: &[f32]) -> (f32, f64) {
-    max_and_exp_sum_inner(row)
 }
 
 /// GPT-NeoX rotary embedding (rotate-half) of the first `dims` features of
