@@ -210,6 +210,33 @@ impl RawCheckpoint {
         Ok(t)
     }
 
+    /// A LayerNorm's `{prefix}.weight` and `{prefix}.bias`, both [d].
+    pub fn take_norm(&mut self, prefix: &str, d: usize) -> Result<Norm> {
+        Ok(Norm {
+            weight: self.take(&format!("{prefix}.weight"), &[d])?,
+            bias: self.take(&format!("{prefix}.bias"), &[d])?,
+        })
+    }
+
+    /// A linear layer's `{prefix}.weight` [out, inp] and `{prefix}.bias`
+    /// [out], which may be absent unless `bias_required`.
+    pub fn take_dense(
+        &mut self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        bias_required: bool,
+    ) -> Result<Dense> {
+        let weight = self.take(&format!("{prefix}.weight"), &[out, inp])?;
+        let bias_name = format!("{prefix}.bias");
+        let bias = if bias_required || self.tensors.contains_key(&bias_name) {
+            Some(self.take(&bias_name, &[out])?)
+        } else {
+            None
+        };
+        Ok(Dense { weight, bias })
+    }
+
     /// Fails on tensors no name map took (so nothing is dropped silently);
     /// returns the ignorable buffers that were left.
     pub fn finish(&mut self, is_buffer: impl Fn(&str) -> bool) -> Result<Vec<String>> {

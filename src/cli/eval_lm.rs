@@ -59,7 +59,14 @@ pub struct PileArgs {
     /// Only documents with this meta.pile_set_name (e.g. "Pile-CC", "ArXiv").
     #[arg(long)]
     pub subset: Option<String>,
-    /// Only the first N (selected) documents.
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+/// What part of the data to evaluate and where the numbers go (both commands).
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Only the first N documents (of those --subset selects, for `eval pile`).
     #[arg(long)]
     pub limit: Option<usize>,
     /// Evaluate the deterministic I-th of N parts of the documents (I/N, 0-based); combine with `eval merge`.
@@ -111,18 +118,8 @@ pub struct TasksArgs {
     /// At most this many (padded) tokens per forward pass (default: 2048).
     #[arg(long, default_value_t = 2048)]
     pub max_batch_tokens: usize,
-    /// Only the first N documents.
-    #[arg(long)]
-    pub limit: Option<usize>,
-    /// Evaluate the deterministic I-th of N parts of the documents (I/N); combine with `eval merge`.
-    #[arg(long)]
-    pub shard: Option<Shard>,
-    /// Skip and count malformed lines instead of failing.
-    #[arg(long)]
-    pub skip_bad: bool,
-    /// Write every number to this JSON file.
-    #[arg(long)]
-    pub json: Option<PathBuf>,
+    #[command(flatten)]
+    pub run: RunArgs,
 }
 
 #[derive(Args, Debug)]
@@ -180,12 +177,12 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
         method,
         batch_size: a.batch_size.max(1),
         subset: a.subset.clone(),
-        limit: a.limit,
-        shard: a.shard.unwrap_or(Shard::WHOLE),
-        skip_bad: a.skip_bad,
+        limit: a.run.limit,
+        shard: a.run.shard.unwrap_or(Shard::WHOLE),
+        skip_bad: a.run.skip_bad,
         prefix_token: model.config().eos_token_id,
     };
-    let by_docs = a.limit.map(|l| l.div_ceil(opts.shard.count) as u64);
+    let by_docs = a.run.limit.map(|l| l.div_ceil(opts.shard.count) as u64);
     let pb = progress_bar(
         by_docs.unwrap_or(std::fs::metadata(&a.data)?.len()),
         if by_docs.is_some() { "docs" } else { "of file" },
@@ -216,7 +213,7 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
     };
     let report = PileReport::new(info, &opts, &totals);
     print_pile(&report);
-    if let Some(p) = &a.json {
+    if let Some(p) = &a.run.json {
         write_json(p, &report)?;
     }
     Ok(())
@@ -306,9 +303,9 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
         .with_batch_tokens(a.max_batch_tokens);
     let opts = TaskOptions {
         batch_size: a.batch_size.max(1),
-        limit: a.limit,
-        shard: a.shard.unwrap_or(Shard::WHOLE),
-        skip_bad: a.skip_bad,
+        limit: a.run.limit,
+        shard: a.run.shard.unwrap_or(Shard::WHOLE),
+        skip_bad: a.run.skip_bad,
         prefix_token: model.config().eos_token_id,
     };
     let pb = progress_bar(0, "tokens");
@@ -336,8 +333,8 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
         data_sha256: sha.join().expect("sha256 thread")?,
         labels: a.labels.as_ref().map(|p| p.display().to_string()),
         max_length: scorer.max_length(),
-        limit: a.limit,
-        shard: a.shard.map(|s| s.to_string()),
+        limit: a.run.limit,
+        shard: a.run.shard.map(|s| s.to_string()),
         merged_shards: None,
         batch_size: opts.batch_size,
         counts: Default::default(),
@@ -350,7 +347,7 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
     };
     report.set_counts(a.task, counts);
     print_task(&report);
-    if let Some(p) = &a.json {
+    if let Some(p) = &a.run.json {
         write_json(p, &report)?;
     }
     Ok(())

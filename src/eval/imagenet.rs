@@ -79,6 +79,15 @@ pub struct ImagenetResult {
 }
 
 /// Percent, 0 for an empty count (JSON has no NaN).
+/// Images per second, 0 for no time.
+fn rate(images: usize, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        images as f64 / seconds
+    } else {
+        0.0
+    }
+}
+
 fn percent(correct: usize, total: usize) -> f64 {
     if total == 0 {
         0.0
@@ -208,11 +217,7 @@ pub fn evaluate(
         unreadable: unreadable_files.len(),
         unreadable_files,
         seconds,
-        images_per_second: if seconds > 0.0 {
-            images as f64 / seconds
-        } else {
-            0.0
-        },
+        images_per_second: rate(images, seconds),
         batch_size,
         limit: opts.limit,
         shard: opts.shard.map(|(i, n)| format!("{i}/{n}")),
@@ -324,11 +329,7 @@ pub fn merge_results(parts: &[Value]) -> Result<Value> {
         unreadable: sum(|p| p.unreadable),
         unreadable_files,
         seconds,
-        images_per_second: if seconds > 0.0 {
-            images as f64 / seconds
-        } else {
-            0.0
-        },
+        images_per_second: rate(images, seconds),
         batch_size: first.batch_size,
         limit: first.limit,
         shard: None,

@@ -369,6 +369,56 @@ pub struct PileProgress {
 /// Windows waiting to be scored in one sorted, batched pass.
 const PENDING_BATCHES: usize = 32;
 
+/// Windows read but not yet scored, and the progress reported so far.
+struct Pending<'a> {
+    scorer: &'a Scorer<'a>,
+    batch_size: usize,
+    /// Bytes of the data file read, updated by the reader.
+    position: Arc<AtomicU64>,
+    windows: Vec<Request>,
+    /// Per window, the index of its document's subset.
+    owners: Vec<usize>,
+    done: PileProgress,
+}
+
+impl Pending<'_> {
+    /// Scores the pending windows into `per_subset`; `read_documents` is how
+    /// many documents the windows so far come from.
+    fn flush(
+        &mut self,
+        read_documents: u64,
+        per_subset: &mut [Counts],
+        progress: &mut impl FnMut(PileProgress),
+    ) -> Result<()> {
+        let (pos0, docs0) = (self.done.file_position, self.done.documents);
+        let (pos1, docs1) = (self.position.load(Ordering::Relaxed), read_documents);
+        if !self.windows.is_empty() {
+            // Progress between reads is interpolated by scored tokens.
+            let total: usize = self.windows.iter().map(|r| r.continuation.len()).sum();
+            let mut scored_here = 0usize;
+            let done = &mut self.done;
+            let scored = self.scorer.score_all(&self.windows, self.batch_size, |n| {
+                scored_here += n;
+                let f = scored_here as f64 / total.max(1) as f64;
+                done.tokens += n as u64;
+                done.file_position = pos0 + (pos1.saturating_sub(pos0) as f64 * f) as u64;
+                done.documents = docs0 + ((docs1 - docs0) as f64 * f) as u64;
+                progress(*done);
+            })?;
+            for ((s, r), &o) in scored.iter().zip(&self.windows).zip(&self.owners) {
+                per_subset[o].loglikelihood += s.logprob;
+                per_subset[o].tokens += r.continuation.len() as u64;
+            }
+            self.windows.clear();
+            self.owners.clear();
+        }
+        self.done.file_position = pos1;
+        self.done.documents = docs1;
+        progress(self.done);
+        Ok(())
+    }
+}
+
 /// A document line: its number and (text, pile_set_name), or why it is bad.
 type DocLine = (usize, std::result::Result<(String, Option<String>), String>);
 
@@ -418,54 +468,22 @@ pub fn evaluate(
     let mut totals = PileTotals::default();
     let mut subset_ids: Vec<Option<String>> = Vec::new();
     let mut per_subset: Vec<Counts> = Vec::new();
-    let mut pending: Vec<Request> = Vec::new();
-    let mut pending_owner: Vec<usize> = Vec::new();
+    let mut pending = Pending {
+        scorer,
+        batch_size: opts.batch_size,
+        position,
+        windows: Vec::new(),
+        owners: Vec::new(),
+        done: PileProgress {
+            tokens: 0,
+            documents: 0,
+            file_position: 0,
+            file_size: size,
+        },
+    };
     let mut selected = 0usize;
     let mut lines_seen = 0usize;
     let mut read_documents = 0u64;
-    let mut done = PileProgress {
-        tokens: 0,
-        documents: 0,
-        file_position: 0,
-        file_size: size,
-    };
-
-    let flush = |pending: &mut Vec<Request>,
-                 owner: &mut Vec<usize>,
-                 per_subset: &mut Vec<Counts>,
-                 done: &mut PileProgress,
-                 read_documents: u64,
-                 progress: &mut dyn FnMut(PileProgress)|
-     -> Result<()> {
-        if pending.is_empty() {
-            done.documents = read_documents;
-            done.file_position = position.load(Ordering::Relaxed);
-            return Ok(());
-        }
-        // Progress between reads is interpolated by scored tokens.
-        let (pos0, docs0) = (done.file_position, done.documents);
-        let (pos1, docs1) = (position.load(Ordering::Relaxed), read_documents);
-        let total: usize = pending.iter().map(|r| r.continuation.len()).sum();
-        let mut scored_here = 0usize;
-        let scored = scorer.score_all(pending, opts.batch_size, |n| {
-            scored_here += n;
-            let f = scored_here as f64 / total.max(1) as f64;
-            done.tokens += n as u64;
-            done.file_position = pos0 + ((pos1.saturating_sub(pos0)) as f64 * f) as u64;
-            done.documents = docs0 + ((docs1 - docs0) as f64 * f) as u64;
-            progress(*done);
-        })?;
-        for ((s, r), &o) in scored.iter().zip(pending.iter()).zip(owner.iter()) {
-            per_subset[o].loglikelihood += s.logprob;
-            per_subset[o].tokens += r.continuation.len() as u64;
-        }
-        done.file_position = pos1;
-        done.documents = docs1;
-        pending.clear();
-        owner.clear();
-        progress(*done);
-        Ok(())
-    };
 
     for item in docs.by_ref() {
         let (line, doc) = item?;
@@ -519,27 +537,15 @@ pub fn evaluate(
             Method::Rolling => rolling_windows(&ids, opts.prefix_token, max_len),
             Method::Strided { stride } => strided_windows(&ids, max_len, stride),
         };
-        pending_owner.extend(std::iter::repeat_n(owner, windows.len()));
-        pending.extend(windows);
-        if pending.len() >= opts.batch_size.max(1) * PENDING_BATCHES {
-            flush(
-                &mut pending,
-                &mut pending_owner,
-                &mut per_subset,
-                &mut done,
-                read_documents,
-                &mut progress,
-            )?;
+        pending
+            .owners
+            .extend(std::iter::repeat_n(owner, windows.len()));
+        pending.windows.extend(windows);
+        if pending.windows.len() >= opts.batch_size.max(1) * PENDING_BATCHES {
+            pending.flush(read_documents, &mut per_subset, &mut progress)?;
         }
     }
-    flush(
-        &mut pending,
-        &mut pending_owner,
-        &mut per_subset,
-        &mut done,
-        read_documents,
-        &mut progress,
-    )?;
+    pending.flush(read_documents, &mut per_subset, &mut progress)?;
 
     if lines_seen == 0 {
         return Err(Error::input(format!(

@@ -389,13 +389,16 @@ impl<'a> Weights<'a> {
     }
 }
 
-/// x [m, k] · wᵀ for w [n, k]: every output is a dot product with a weight
-/// row, read once, in parallel over the rows of w.
-struct MatmulNt;
+/// The matrix products of decoding, where the weights are read once and not
+/// packed: `x · wᵀ` when `transposed` (w [n, k], dot products with weight
+/// rows), else `x · w` (w [n, k], weighted sums of weight rows).
+struct SmallMatmul {
+    transposed: bool,
+}
 
-impl candle_core::CustomOp2 for MatmulNt {
+impl candle_core::CustomOp2 for SmallMatmul {
     fn name(&self) -> &'static str {
-        "matmul-nt-small"
+        "matmul-small"
     }
     fn cpu_fwd(
         &self,
@@ -404,72 +407,69 @@ impl candle_core::CustomOp2 for MatmulNt {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(s1, l1, "matmul-nt")?;
-        let w = Weights::of(s2, l2, "matmul-nt")?;
-        let (m, k) = l1.shape().dims2()?;
-        let (n, _) = l2.shape().dims2()?;
-        // out is [m, n]; compute it transposed ([n, m]) so each task owns whole weight rows.
-        let mut t = vec![0f32; n * m];
-        t.par_chunks_mut(m * 64).enumerate().for_each(|(c, out)| {
-            for (r, o) in out.chunks_mut(m).enumerate() {
-                for (i, oi) in o.iter_mut().enumerate() {
-                    *oi = w.dot(c * 64 + r, k, &x[i * k..(i + 1) * k]);
-                }
-            }
-        });
-        let mut out = vec![0f32; m * n];
-        for j in 0..n {
-            for i in 0..m {
-                out[i * n + j] = t[j * m + i];
-            }
-        }
-        Ok((CpuStorage::F32(out), Shape::from((m, n))))
+        let x = f32_slice(s1, l1, "matmul-small")?;
+        let w = Weights::of(s2, l2, "matmul-small")?;
+        let (m, _) = l1.shape().dims2()?;
+        let (n, k) = l2.shape().dims2()?;
+        Ok(if self.transposed {
+            (
+                CpuStorage::F32(matmul_nt_rows(x, &w, m, n, k)),
+                Shape::from((m, n)),
+            )
+        } else {
+            (
+                CpuStorage::F32(matmul_nn_rows(x, &w, m, n, k)),
+                Shape::from((m, k)),
+            )
+        })
     }
 }
 
-/// x [m, n] · w for w [n, k]: a weighted sum of weight rows, split over
-/// threads by blocks of rows with per-block partial sums.
-struct MatmulNn;
-
-impl candle_core::CustomOp2 for MatmulNn {
-    fn name(&self) -> &'static str {
-        "matmul-nn-small"
+/// x [m, k] · wᵀ: each task owns whole weight rows, so the result is built
+/// transposed ([n, m]) and turned around at the end.
+fn matmul_nt_rows(x: &[f32], w: &Weights, m: usize, n: usize, k: usize) -> Vec<f32> {
+    let mut t = vec![0f32; n * m];
+    t.par_chunks_mut(m * 64).enumerate().for_each(|(c, out)| {
+        for (r, o) in out.chunks_mut(m).enumerate() {
+            for (i, oi) in o.iter_mut().enumerate() {
+                *oi = w.dot(c * 64 + r, k, &x[i * k..(i + 1) * k]);
+            }
+        }
+    });
+    let mut out = vec![0f32; m * n];
+    for j in 0..n {
+        for i in 0..m {
+            out[i * n + j] = t[j * m + i];
+        }
     }
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(s1, l1, "matmul-nn")?;
-        let w = Weights::of(s2, l2, "matmul-nn")?;
-        let (m, n) = l1.shape().dims2()?;
-        let (_, k) = l2.shape().dims2()?;
-        const BLOCK: usize = 256;
-        let out = (0..n.div_ceil(BLOCK))
-            .into_par_iter()
-            .map(|b| {
-                let mut acc = vec![0f32; m * k];
-                for j in b * BLOCK..((b + 1) * BLOCK).min(n) {
-                    for i in 0..m {
-                        let a = x[i * n + j];
-                        if a != 0.0 {
-                            w.axpy(j, k, a, &mut acc[i * k..(i + 1) * k]);
-                        }
+    out
+}
+
+/// x [m, n] · w: split over threads by blocks of weight rows, each with its
+/// own partial sums, added up at the end.
+fn matmul_nn_rows(x: &[f32], w: &Weights, m: usize, n: usize, k: usize) -> Vec<f32> {
+    const BLOCK: usize = 256;
+    (0..n.div_ceil(BLOCK))
+        .into_par_iter()
+        .map(|b| {
+            let mut acc = vec![0f32; m * k];
+            for j in b * BLOCK..((b + 1) * BLOCK).min(n) {
+                for i in 0..m {
+                    let a = x[i * n + j];
+                    if a != 0.0 {
+                        w.axpy(j, k, a, &mut acc[i * k..(i + 1) * k]);
                     }
                 }
-                acc
-            })
-            .reduce(
-                || vec![0f32; m * k],
-                |mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                    a
-                },
-            );
-        Ok((CpuStorage::F32(out), Shape::from((m, k))))
-    }
+            }
+            acc
+        })
+        .reduce(
+            || vec![0f32; m * k],
+            |mut a, b| {
+                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                a
+            },
+        )
 }
 
 fn small_ok(x: &Tensor, w: &Tensor) -> bool {
@@ -492,7 +492,7 @@ fn as_f32(w: &Tensor) -> Result<Tensor> {
 /// gemm otherwise. The result is f32.
 pub fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if small_ok(x, w) {
-        x.apply_op2_no_bwd(w, &MatmulNt)
+        x.apply_op2_no_bwd(w, &SmallMatmul { transposed: true })
     } else {
         x.matmul(&as_f32(w)?.t()?)
     }
@@ -502,7 +502,7 @@ pub fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// gemm otherwise. The result is f32.
 pub fn matmul_nn(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if small_ok(x, w) {
-        x.apply_op2_no_bwd(w, &MatmulNn)
+        x.apply_op2_no_bwd(w, &SmallMatmul { transposed: false })
     } else {
         x.matmul(&as_f32(w)?)
     }

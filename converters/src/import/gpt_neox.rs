@@ -133,14 +133,8 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<NeoxSource> {
     let mut layers = Vec::with_capacity(cfg.num_layers);
     for i in 0..cfg.num_layers {
         let p = format!("gpt_neox.layers.{i}");
-        let mut norm = |n: &str| -> Result<Norm> {
-            Ok(Norm {
-                weight: raw.take(&format!("{p}.{n}.weight"), &[d])?,
-                bias: raw.take(&format!("{p}.{n}.bias"), &[d])?,
-            })
-        };
-        let ln1 = norm("input_layernorm")?;
-        let ln2 = norm("post_attention_layernorm")?;
+        let ln1 = raw.take_norm(&format!("{p}.input_layernorm"), d)?;
+        let ln2 = raw.take_norm(&format!("{p}.post_attention_layernorm"), d)?;
         let qkv_w = raw.take(
             &format!("{p}.attention.query_key_value.weight"),
             &[3 * d, d],
@@ -148,12 +142,8 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<NeoxSource> {
         let qkv_b = raw.take(&format!("{p}.attention.query_key_value.bias"), &[3 * d])?;
         let [qw, kw, vw] = split_fused(&qkv_w, cfg.num_heads, d)?;
         let [qb, kb, vb] = split_fused(&qkv_b, cfg.num_heads, d)?;
-        let mut dense = |n: &str, out: usize, inp: usize| -> Result<Dense> {
-            Ok(Dense {
-                weight: raw.take(&format!("{p}.{n}.weight"), &[out, inp])?,
-                bias: Some(raw.take(&format!("{p}.{n}.bias"), &[out])?),
-            })
-        };
+        let mut dense =
+            |n: &str, out: usize, inp: usize| raw.take_dense(&format!("{p}.{n}"), out, inp, true);
         layers.push(SourceLayer {
             ln1,
             query: Dense {

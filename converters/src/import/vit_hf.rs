@@ -10,7 +10,7 @@
 use anyhow::{bail, Result};
 use serde_json::Value;
 
-use super::{Dense, Norm, RawCheckpoint, SourceBody, SourceLayer, VitSource};
+use super::{Norm, RawCheckpoint, SourceBody, SourceLayer, VitSource};
 
 fn usize_key(c: &Value, key: &str, origin: &str, default: Option<usize>) -> Result<usize> {
     match (c.get(key).and_then(Value::as_u64), default) {
@@ -106,23 +106,11 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
     let mut layers = Vec::with_capacity(layers_n);
     for i in 0..layers_n {
         let p = format!("vit.encoder.layer.{i}");
-        let norm = |raw: &mut RawCheckpoint, n: &str| -> Result<Norm> {
-            Ok(Norm {
-                weight: raw.take(&format!("{p}.{n}.weight"), &[d])?,
-                bias: raw.take(&format!("{p}.{n}.bias"), &[d])?,
-            })
-        };
+        let norm = |raw: &mut RawCheckpoint, n: &str| raw.take_norm(&format!("{p}.{n}"), d);
         let ln1 = norm(raw, "layernorm_before")?;
         let ln2 = norm(raw, "layernorm_after")?;
-        let dense = |raw: &mut RawCheckpoint, n: &str, out: usize, inp: usize| -> Result<Dense> {
-            let weight = raw.take(&format!("{p}.{n}.weight"), &[out, inp])?;
-            let bname = format!("{p}.{n}.bias");
-            let bias = if raw.tensors.contains_key(&bname) {
-                Some(raw.take(&bname, &[out])?)
-            } else {
-                None
-            };
-            Ok(Dense { weight, bias })
+        let dense = |raw: &mut RawCheckpoint, n: &str, out: usize, inp: usize| {
+            raw.take_dense(&format!("{p}.{n}"), out, inp, false)
         };
         layers.push(SourceLayer {
             ln1,

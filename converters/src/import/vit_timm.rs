@@ -102,23 +102,11 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
     let mut layers = Vec::with_capacity(layers_n);
     for i in 0..layers_n {
         let p = format!("blocks.{i}");
-        let norm = |raw: &mut RawCheckpoint, n: &str| -> Result<Norm> {
-            Ok(Norm {
-                weight: raw.take(&format!("{p}.{n}.weight"), &[d])?,
-                bias: raw.take(&format!("{p}.{n}.bias"), &[d])?,
-            })
-        };
+        let norm = |raw: &mut RawCheckpoint, n: &str| raw.take_norm(&format!("{p}.{n}"), d);
         let ln1 = norm(raw, "norm1")?;
         let ln2 = norm(raw, "norm2")?;
-        let dense = |raw: &mut RawCheckpoint, n: &str, out: usize, inp: usize| -> Result<Dense> {
-            let weight = raw.take(&format!("{p}.{n}.weight"), &[out, inp])?;
-            let bname = format!("{p}.{n}.bias");
-            let bias = if raw.tensors.contains_key(&bname) {
-                Some(raw.take(&bname, &[out])?)
-            } else {
-                None
-            };
-            Ok(Dense { weight, bias })
+        let dense = |raw: &mut RawCheckpoint, n: &str, out: usize, inp: usize| {
+            raw.take_dense(&format!("{p}.{n}"), out, inp, false)
         };
         let qkv = dense(raw, "attn.qkv", 3 * d, d)?;
         let part = |j: usize| -> Result<Dense> {
