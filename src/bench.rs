@@ -40,13 +40,7 @@ pub fn random_lm_tensors(cfg: &Config, dtype: DType, device: &Device) -> Result<
         r((cfg.vocab_size, d), 0.02)?,
     );
     for i in 0..cfg.num_layers {
-        for (m, n) in [
-            ("attention.query", cfg.qkv_tokens),
-            ("attention.key", cfg.qkv_tokens),
-            ("attention.value", cfg.qkv_tokens),
-            ("attention.proj", cfg.proj_tokens),
-            ("mlp", cfg.ffn_tokens),
-        ] {
+        for (m, n) in cfg.pattentions() {
             t.insert(format!("layers.{i}.{m}.key_param_tokens"), r((n, d), 1.0)?);
             t.insert(
                 format!("layers.{i}.{m}.value_param_tokens"),

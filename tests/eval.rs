@@ -167,13 +167,7 @@ fn random_model_dir(dir: &Path, cfg: &Config) {
     };
     add("word_embeddings.weight".into(), (cfg.vocab_size, d), 1.0);
     for i in 0..cfg.num_layers {
-        for (m, n) in [
-            ("attention.query", cfg.qkv_tokens),
-            ("attention.key", cfg.qkv_tokens),
-            ("attention.value", cfg.qkv_tokens),
-            ("attention.proj", cfg.proj_tokens),
-            ("mlp", cfg.ffn_tokens),
-        ] {
+        for (m, n) in cfg.pattentions() {
             add(format!("layers.{i}.{m}.key_param_tokens"), (n, d), 0.5);
             add(format!("layers.{i}.{m}.value_param_tokens"), (n, d), 0.5);
         }

@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use common::*;
 use tokenformer::checkpoint::Tensors;
 use tokenformer::loader::{self, LocateOptions};
-use tokenformer::models::tokenformer::{Cache, Config, ScaleTokens};
+use tokenformer::models::tokenformer::{Cache, Config, ScaleTokens, TokenFormerLm};
 use tokenformer::pattention::Activation;
 use tokenformer::scoring::score_ids;
 
@@ -60,11 +60,7 @@ fn official_fixture_matches_pytorch() {
     assert_eq!(&s.argmax[..], &am[..s.argmax.len()]);
 
     // logits of vocabulary ids 0..8 at every position
-    let input = Tensor::new(ids.as_slice(), &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let logits = model.forward(&input, None).unwrap().squeeze(0).unwrap();
+    let logits = full_logits(&model, &ids);
     let first8: Vec<Vec<f32>> = serde_json::from_value(exp["logits_first8"].clone()).unwrap();
     for (t, row) in first8.iter().enumerate() {
         let got = f32s(&logits.get(t).unwrap().narrow(0, 0, 8).unwrap());
@@ -78,17 +74,7 @@ fn official_fixture_matches_pytorch() {
 fn kv_cache_decoding_equals_full_forward() {
     let (_, model) = fixture_model();
     let ids: Vec<u32> = (0..40).map(|i| (i * 997 + 13) % 50_000).collect();
-    let full = model
-        .forward(
-            &Tensor::new(ids.as_slice(), &Device::Cpu)
-                .unwrap()
-                .unsqueeze(0)
-                .unwrap(),
-            None,
-        )
-        .unwrap()
-        .squeeze(0)
-        .unwrap();
+    let full = full_logits(&model, &ids);
     let mut cache = Cache::new(model.config());
     // A 7-token prefill chunk, then a 3-token chunk, then one token at a time.
     let mut pos = 0;
@@ -373,18 +359,7 @@ fn check_against_reference(cfg: Config, n_tokens: usize, seed: u64) {
     let ids: Vec<u32> = (0..n_tokens as u32)
         .map(|i| (i * 31 + 7) % cfg.vocab_size as u32)
         .collect();
-    let got = model
-        .forward(
-            &Tensor::new(ids.as_slice(), &Device::Cpu)
-                .unwrap()
-                .unsqueeze(0)
-                .unwrap(),
-            None,
-        )
-        .unwrap()
-        .squeeze(0)
-        .unwrap();
-    let got = mat(&got);
+    let got = mat(&full_logits(&model, &ids));
     let want = reference_logits(&cfg, &tensors, &ids);
     let mut worst = 0.0f64;
     for (g, w) in got.iter().zip(&want) {
@@ -456,4 +431,13 @@ fn long_prefill_in_query_blocks_equals_short_chunks() {
             .fold(0.0, f32::max);
         assert!(diff < 1e-3, "chunk at {start}: {diff}");
     }
+}
+
+/// Logits [t, vocab] of one sequence, without a cache.
+fn full_logits(model: &TokenFormerLm, ids: &[u32]) -> Tensor {
+    let input = Tensor::new(ids, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    model.forward(&input, None).unwrap().squeeze(0).unwrap()
 }

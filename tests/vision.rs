@@ -598,21 +598,8 @@ fn cls_and_mean_pooling_match_an_independent_reference() {
         let pixels = Tensor::from_vec(v, (3, 3, 24, 24), &Device::Cpu).unwrap();
         let ours = model.forward(&pixels).unwrap();
         let want = reference_forward(&cfg, &t, &pixels);
-        let err = (ours - &want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        let scale = want
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let err = max_abs(&(ours - &want).unwrap());
+        let scale = max_abs(&want);
         assert!(scale > 0.1, "degenerate reference");
         assert!(err < 1e-4, "{pool:?}: max error {err}");
         // The other pool's norm in the checkpoint is a config/checkpoint mismatch.
@@ -735,4 +722,8 @@ fn bench_b16_batch32() {
         s,
         32.0 / s
     );
+}
+
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs().unwrap().max_all().unwrap().to_scalar().unwrap()
 }

@@ -57,31 +57,20 @@ fn classify_json_has_top5_with_names_and_probabilities() {
 fn sharded_runs_merge_into_the_whole_run() {
     let dir = tempfile::tempdir().unwrap();
     let p = |n: &str| dir.path().join(n).display().to_string();
-    let (o, _, e) = tokenformer(&[
-        "eval",
-        "imagenet",
-        "--model",
-        &vit(),
-        "--data",
-        &val(),
-        "--json",
-        &p("all.json"),
-    ]);
-    assert!(o.status.success(), "{e}");
-    for i in 0..2 {
-        let shard = format!("{i}/2");
-        let (o, _, e) = tokenformer(&[
-            "eval",
-            "imagenet",
-            "--model",
-            &vit(),
-            "--data",
-            &val(),
-            "--shard",
-            &shard,
-            "--json",
-            &p(&format!("s{i}.json")),
-        ]);
+    // The whole run, then shards 0/2 and 1/2.
+    for (shard, out) in [
+        (None, "all.json"),
+        (Some("0/2"), "s0.json"),
+        (Some("1/2"), "s1.json"),
+    ] {
+        let (model, data, json) = (vit(), val(), p(out));
+        let mut args = vec![
+            "eval", "imagenet", "--model", &model, "--data", &data, "--json", &json,
+        ];
+        if let Some(s) = shard {
+            args.extend(["--shard", s]);
+        }
+        let (o, _, e) = tokenformer(&args);
         assert!(o.status.success(), "{e}");
     }
     let (o, _, e) = tokenformer(&[

@@ -59,6 +59,10 @@ fn fixture(bridge: usize, bridge_std: f32) -> Fixture {
     }
 }
 
+fn abs_sum(t: &Tensor) -> f32 {
+    t.abs().unwrap().sum_all().unwrap().to_scalar().unwrap()
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
         .unwrap()
@@ -88,29 +92,11 @@ fn each_modality_reproduces_its_source_with_random_bridge_values() {
     let bridge_values = f.tensors["layers.1.mlp.value_param_tokens"]
         .narrow(0, g.ffn.vision + g.ffn.language, 16)
         .unwrap();
-    assert!(
-        bridge_values
-            .abs()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-            > 1.0
-    );
+    assert!(abs_sum(&bridge_values) > 1.0);
     let bridge_keys = f.tensors["layers.1.mlp.key_param_tokens"]
         .narrow(0, g.ffn.vision + g.ffn.language, 16)
         .unwrap();
-    assert_eq!(
-        bridge_keys
-            .abs()
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap(),
-        0.0
-    );
+    assert_eq!(abs_sum(&bridge_keys), 0.0);
 
     // Text only: the language model's scores.
     let a = tokenformer::scoring::score_ids(f.vl.language(), &f.ids).unwrap();

@@ -159,32 +159,24 @@ fn image_with_a_language_model_or_an_unreadable_image_is_a_clear_error() {
     let lm = common::lm_fixture().join("pytorch_model.bin");
     let tok = common::tokenizer_fixture();
     let image = image();
-    let res = common::tokenformer(&[
-        "generate",
-        "--model",
-        lm.to_str().unwrap(),
-        "--tokenizer",
-        tok.to_str().unwrap(),
-        "--prompt",
-        PROMPT,
-        "--image",
-        image.to_str().unwrap(),
-    ]);
-    common::assert_clean_failure(&res, &["--image", "tokenformer-vl", "tokenformer-lm"]);
-
     let vit = common::fixtures().join("vit-tiny-imagenet/vit-tiny");
-    let res = common::tokenformer(&[
-        "generate",
-        "--model",
-        vit.to_str().unwrap(),
-        "--tokenizer",
-        tok.to_str().unwrap(),
-        "--prompt",
-        PROMPT,
-        "--image",
-        image.to_str().unwrap(),
-    ]);
-    common::assert_clean_failure(&res, &["--image", "tokenformer-vit"]);
+    for (model, named) in [
+        (&lm, &["--image", "tokenformer-vl", "tokenformer-lm"][..]),
+        (&vit, &["--image", "tokenformer-vit"][..]),
+    ] {
+        let res = common::tokenformer(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--prompt",
+            PROMPT,
+            "--image",
+            image.to_str().unwrap(),
+        ]);
+        common::assert_clean_failure(&res, named);
+    }
 
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("vl");

@@ -16,6 +16,7 @@ use candle_core::{Device, Tensor};
 use clap::{Args, ValueEnum};
 use tokenformer::checkpoint::{official, torch_zip};
 use tokenformer::loader::{self, LocateOptions};
+use tokenformer::models::tokenformer::PATTENTIONS;
 
 use crate::family::Family;
 use crate::grow::input_paths;
@@ -63,16 +64,9 @@ fn official_order(name: &str) -> (usize, usize) {
         .and_then(|i| i.parse().ok())
         .unwrap_or(usize::MAX);
     let tail = parts.next().unwrap_or("");
-    const BLOCK: [&str; 5] = [
-        "attention.query",
-        "attention.key",
-        "attention.value",
-        "attention.proj",
-        "mlp",
-    ];
     let rank = match tail.rsplit_once('.') {
         Some((module, param)) => {
-            let m = BLOCK.iter().position(|b| *b == module).unwrap_or(0);
+            let m = PATTENTIONS.iter().position(|b| *b == module).unwrap_or(0);
             2 * m + usize::from(param == "value_param_tokens" || param == "bias")
         }
         None => 0,

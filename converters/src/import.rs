@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 use tokenformer::card::ModelCard;
 use tokenformer::checkpoint::{self, Tensors};
 use tokenformer::loader;
-use tokenformer::models::tokenformer::{self as lm, Rotary, ScaleTokens};
+use tokenformer::models::tokenformer::{self as lm, Rotary, ScaleTokens, PATTENTIONS};
 use tokenformer::pattention::{Activation, Pattention};
 
 use crate::output::{check_not_input, Staging};
@@ -538,13 +538,7 @@ fn import_layer(
     };
     let p = format!("layers.{i}");
     let mut tensors = vec![];
-    for (name, kv) in [
-        ("attention.query", q),
-        ("attention.key", k),
-        ("attention.value", v),
-        ("attention.proj", o),
-        ("mlp", f),
-    ] {
+    for (name, kv) in PATTENTIONS.into_iter().zip([q, k, v, o, f]) {
         tensors.push((format!("{p}.{name}.key_param_tokens"), kv.0));
         tensors.push((format!("{p}.{name}.value_param_tokens"), kv.1));
     }

@@ -36,6 +36,16 @@ fn default_true() -> bool {
     true
 }
 
+/// The Pattention modules of every layer (`layers.{i}.{name}`), in
+/// checkpoint order.
+pub const PATTENTIONS: [&str; 5] = [
+    "attention.query",
+    "attention.key",
+    "attention.value",
+    "attention.proj",
+    "mlp",
+];
+
 /// `config.json` of a canonical language-model folder.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -97,6 +107,18 @@ impl Config {
 
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_heads
+    }
+
+    /// [`PATTENTIONS`] with their parameter-token counts.
+    pub fn pattentions(&self) -> [(&'static str, usize); 5] {
+        let [q, k, v, o, f] = PATTENTIONS;
+        [
+            (q, self.qkv_tokens),
+            (k, self.qkv_tokens),
+            (v, self.qkv_tokens),
+            (o, self.proj_tokens),
+            (f, self.ffn_tokens),
+        ]
     }
 
     /// Checks what serde cannot: divisibility and non-zero sizes.

@@ -52,13 +52,7 @@ pub fn random_lm_tensors(cfg: &Config, seed: u64) -> Tensors {
         randn(&mut rng, &[cfg.vocab_size, d], 1.0),
     );
     for i in 0..cfg.num_layers {
-        for (m, n) in [
-            ("attention.query", cfg.qkv_tokens),
-            ("attention.key", cfg.qkv_tokens),
-            ("attention.value", cfg.qkv_tokens),
-            ("attention.proj", cfg.proj_tokens),
-            ("mlp", cfg.ffn_tokens),
-        ] {
+        for (m, n) in cfg.pattentions() {
             // Key std 1/√d keeps the scores O(1), as in trained models.
             let key_std = 1.0 / (d as f32).sqrt();
             t.insert(
