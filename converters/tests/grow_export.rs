@@ -3,66 +3,28 @@
 //! scaling must keep the function exactly when promised (arXiv 2410.23168
 //! §3.5), and the official export must round-trip bit for bit.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
+use common::{
+    bits, cmd, config_u64s, fails_cleanly, fixture_pixels, lm_bin, lm_fixture, load_lm, load_vit,
+    locate, max_diff, official_args, ok, run, s, vit_dir,
+};
 use serde_json::Value;
 use tokenformer::checkpoint::{self, torch_zip};
-use tokenformer::loader::{self, LocateOptions};
+use tokenformer::loader;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+/// `grow --model <model> --out <out>`, then the whitespace-separated `flags`.
+fn grow_args(model: &Path, out: &Path, flags: &str) -> Vec<String> {
+    cmd(&["grow", "--model", s(model), "--out", s(out)], flags)
 }
 
-fn lm_bin() -> PathBuf {
-    fixtures().join("official-lm-tiny/pytorch_model.bin")
-}
-
-fn vit_dir() -> PathBuf {
-    fixtures().join("vit-tiny-imagenet/vit-tiny")
-}
-
-fn convert(args: &[&str]) -> Output {
-    convert_env(args, &[])
-}
-
-fn convert_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_tokenformer-convert"));
-    c.args(args);
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.output().expect("run tokenformer-convert")
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = convert(args);
-    let (out, err) = (
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr),
-    );
-    assert!(o.status.success(), "{args:?} failed:\n{out}\n{err}");
-    out.into_owned()
-}
-
-/// Runs a command that must fail cleanly; returns its stderr.
-fn fails(args: &[&str]) -> String {
-    let o = convert(args);
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(!o.status.success(), "{args:?} should have failed");
-    assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
-    assert!(
-        err.starts_with("error: "),
-        "{args:?}: not a clean error: {err}"
-    );
-    assert!(!err.contains("panicked"), "{err}");
-    err
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
+/// `export --model <model> --out <out>`, then the whitespace-separated `flags`.
+fn export_args(model: &Path, out: &Path, flags: &str) -> Vec<String> {
+    cmd(&["export", "--model", s(model), "--out", s(out)], flags)
 }
 
 /// The converters' probe sequence (converters/src/probe.rs), so the test can
@@ -87,54 +49,72 @@ fn test_ids(vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-fn lm_logits(model: &str, ids: &[u32]) -> Tensor {
-    let dev = Device::Cpu;
-    let files = loader::locate(model, &LocateOptions::default()).expect("locate");
-    let m = loader::load_lm(&files, &dev).expect("load");
-    let input = Tensor::new(ids, &dev).unwrap().unsqueeze(0).unwrap();
-    m.forward(&input, None).unwrap().squeeze(0).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
+fn lm_logits(model: &Path, ids: &[u32]) -> Tensor {
+    let input = Tensor::new(ids, &Device::Cpu)
         .unwrap()
-        .abs()
+        .unsqueeze(0)
+        .unwrap();
+    load_lm(model)
+        .forward(&input, None)
         .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(D::Minus1)
-        .unwrap()
-        .to_scalar::<f32>()
+        .squeeze(0)
         .unwrap()
 }
 
-fn tensors(model: &str) -> checkpoint::Tensors {
-    let files = loader::locate(model, &LocateOptions::default()).unwrap();
-    loader::read_weights(&files, None, &Device::Cpu)
+/// How far model `b`'s logits on `ids` are from model `a`'s (max absolute difference).
+fn lm_shift(a: &Path, b: &Path, ids: &[u32]) -> f32 {
+    max_diff(&lm_logits(a, ids), &lm_logits(b, ids))
+}
+
+fn vit_logits(model: &Path, pixels: &Tensor) -> Tensor {
+    load_vit(model).forward(pixels).unwrap()
+}
+
+fn tensors(model: &Path) -> checkpoint::Tensors {
+    loader::read_weights(&locate(model), None, &Device::Cpu)
         .unwrap()
         .tensors
 }
 
-fn bits(t: &Tensor) -> Vec<u32> {
-    // Every f16/bf16 value is exact in f32, so equal f32 bits mean equal stored bits.
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
+fn config(dir: &Path) -> Value {
+    common::read_json(&dir.join("config.json"))
 }
 
-fn config(dir: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap()
+/// The token counts of both tiny fixtures (LM and ViT): growth keeps them as the
+/// scale constants so that the grown model computes the same function.
+fn fixture_token_counts() -> Value {
+    serde_json::json!({"qkv": 24, "proj": 20, "ffn": 48})
 }
 
 /// The front matter of a model card.
 fn card(dir: &Path) -> serde_json::Map<String, Value> {
     tokenformer::card::parse(&std::fs::read_to_string(dir.join("README.md")).unwrap()).0
+}
+
+/// The logit shift a grown model's card reports for the probe input.
+fn card_shift(dir: &Path) -> f64 {
+    card(dir)["tokenformer_growth"]["probe_max_abs_logit_diff"]
+        .as_f64()
+        .unwrap()
+}
+
+/// The number the tool printed after `marker` on stdout (its measured shift).
+fn printed_shift(stdout: &str, marker: &str) -> f32 {
+    stdout
+        .lines()
+        .find_map(|l| l.split(marker).nth(1))
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no shift printed: {stdout}"))
+}
+
+/// Asserts that a shift the tool reported (`what`: where it said so) is the real
+/// one, to `tol` relative to the larger of the shift and 1.
+fn assert_same_shift(what: &str, reported: f32, real: f32, tol: f32) {
+    assert!(
+        (reported - real).abs() <= tol * real.max(1.0),
+        "{what} {reported}, real shift {real}"
+    );
 }
 
 /// FNV-1a over every file under `p`, to prove an input was not touched.
@@ -173,55 +153,27 @@ fn visible_entries(dir: &Path) -> Vec<String> {
 fn grow_keep_with_zero_keys_is_exact_from_the_bin_and_from_a_converted_folder() {
     let tmp = tempfile::tempdir().unwrap();
     let canonical = tmp.path().join("canonical");
-    ok(&[
-        "official",
-        "--input",
-        s(&lm_bin()),
-        "--config",
-        s(&fixtures().join("official-lm-tiny/config.yml")),
-        "--out",
-        s(&canonical),
-    ]);
-    let before_inputs = hash_tree(&fixtures().join("official-lm-tiny"));
-    let original = lm_logits(s(&lm_bin()), &test_ids(50304));
+    ok(&official_args(&canonical, ""));
+    let before_inputs = hash_tree(&lm_fixture());
+    let original = lm_logits(&lm_bin(), &test_ids(50304));
     for (i, src) in [lm_bin(), canonical.clone()].iter().enumerate() {
         let out = tmp.path().join(format!("grown{i}"));
-        let stdout = ok(&[
-            "grow",
-            "--model",
-            s(src),
-            "--out",
-            s(&out),
-            "--qkv-tokens",
-            "30",
-            "--proj-tokens",
-            "26",
-            "--ffn-tokens",
-            "64",
-            "--seed",
-            "3",
-        ]);
+        let flags = "--qkv-tokens 30 --proj-tokens 26 --ffn-tokens 64 --seed 3";
+        let stdout = ok(&grow_args(src, &out, flags));
         assert!(stdout.contains("Looks ok!"), "{stdout}");
-        let grown = lm_logits(s(&out), &test_ids(50304));
+        let grown = lm_logits(&out, &test_ids(50304));
         let d = max_diff(&original, &grown);
         assert!(d <= 1e-5, "keep + zero keys changed the logits by {d}");
 
         let cfg = config(&out);
         assert_eq!(
-            (
-                cfg["qkv_tokens"].as_u64(),
-                cfg["proj_tokens"].as_u64(),
-                cfg["ffn_tokens"].as_u64()
-            ),
-            (Some(30), Some(26), Some(64))
+            config_u64s(&cfg, ["qkv_tokens", "proj_tokens", "ffn_tokens"]),
+            [Some(30), Some(26), Some(64)]
         );
-        assert_eq!(
-            cfg["pattention_scale_tokens"],
-            serde_json::json!({"qkv": 24, "proj": 20, "ffn": 48})
-        );
+        assert_eq!(cfg["pattention_scale_tokens"], fixture_token_counts());
 
         // Old tokens first and untouched, new keys zero, new values random; dtype kept.
-        let (old, new) = (tensors(s(src)), tensors(s(&out)));
+        let (old, new) = (tensors(src), tensors(&out));
         assert_eq!(old.len(), new.len());
         for (name, o) in &old {
             let n = &new[name];
@@ -257,14 +209,11 @@ fn grow_keep_with_zero_keys_is_exact_from_the_bin_and_from_a_converted_folder() 
                 assert!(abs_max > 0.0, "{name}: new values must be initialised");
             }
         }
-        let c = card(&out);
-        let reported = c["tokenformer_growth"]["probe_max_abs_logit_diff"]
-            .as_f64()
-            .unwrap();
+        let reported = card_shift(&out);
         assert!(reported <= 1e-5, "reported {reported}");
     }
     assert_eq!(
-        hash_tree(&fixtures().join("official-lm-tiny")),
+        hash_tree(&lm_fixture()),
         before_inputs,
         "the input was modified"
     );
@@ -273,64 +222,28 @@ fn grow_keep_with_zero_keys_is_exact_from_the_bin_and_from_a_converted_folder() 
 #[test]
 fn grow_scale_grow_changes_the_function_and_reports_the_real_shift() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("grown");
-    let stdout = ok(&[
-        "grow",
-        "--model",
-        s(&lm_bin()),
-        "--out",
-        s(&out),
-        "--qkv-tokens",
-        "40",
-        "--ffn-tokens",
-        "96",
-        "--scale",
-        "grow",
-    ]);
+    let (bin, out) = (lm_bin(), tmp.path().join("grown"));
+    let flags = "--qkv-tokens 40 --ffn-tokens 96 --scale grow";
+    let stdout = ok(&grow_args(&bin, &out, flags));
     assert!(
         config(&out).get("pattention_scale_tokens").is_none(),
         "constants equal the counts: no field"
     );
     let ids = probe_ids(50304, 2048);
-    let real = max_diff(&lm_logits(s(&lm_bin()), &ids), &lm_logits(s(&out), &ids));
+    let real = lm_shift(&bin, &out, &ids);
     assert!(
         real > 1e-2,
         "--scale grow should change the logits, shift {real}"
     );
-    let reported = card(&out)["tokenformer_growth"]["probe_max_abs_logit_diff"]
-        .as_f64()
-        .unwrap() as f32;
-    assert!(
-        (reported - real).abs() <= 1e-6 * real.max(1.0),
-        "card says {reported}, real shift {real}"
-    );
-    let printed: f32 = stdout
-        .lines()
-        .find_map(|l| l.split("grown model = ").nth(1))
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no shift printed: {stdout}"));
-    assert!(
-        (printed - real).abs() <= 1e-5 * real.max(1.0),
-        "printed {printed}, real {real}"
-    );
+    assert_same_shift("card says", card_shift(&out) as f32, real, 1e-6);
+    let printed = printed_shift(&stdout, "grown model = ");
+    assert_same_shift("printed", printed, real, 1e-5);
 
     // Same growth with --scale keep, but random keys: also a change, and different from the above.
     let keep = tmp.path().join("keep-normal");
-    ok(&[
-        "grow",
-        "--model",
-        s(&lm_bin()),
-        "--out",
-        s(&keep),
-        "--qkv-tokens",
-        "40",
-        "--key-init",
-        "normal",
-        "--key-std",
-        "0.5",
-    ]);
-    let shift = max_diff(&lm_logits(s(&lm_bin()), &ids), &lm_logits(s(&keep), &ids));
+    let flags = "--qkv-tokens 40 --key-init normal --key-std 0.5";
+    ok(&grow_args(&bin, &keep, flags));
+    let shift = lm_shift(&bin, &keep, &ids);
     assert!(
         shift > 1e-3,
         "normal keys should change the function, shift {shift}"
@@ -341,43 +254,18 @@ fn grow_scale_grow_changes_the_function_and_reports_the_real_shift() {
 fn grown_twice_along_a_ladder_still_equals_the_original() {
     let tmp = tempfile::tempdir().unwrap();
     let (a, b) = (tmp.path().join("step1"), tmp.path().join("step2"));
-    ok(&[
-        "grow",
-        "--model",
-        s(&lm_bin()),
-        "--out",
-        s(&a),
-        "--qkv-tokens",
-        "30",
-        "--ffn-tokens",
-        "60",
-    ]);
-    ok(&[
-        "grow",
-        "--model",
-        s(&a),
-        "--out",
-        s(&b),
-        "--qkv-tokens",
-        "40",
-        "--proj-tokens",
-        "32",
-        "--ffn-tokens",
-        "80",
-        "--seed",
-        "9",
-    ]);
-    let cfg = config(&b);
+    ok(&grow_args(&lm_bin(), &a, "--qkv-tokens 30 --ffn-tokens 60"));
+    let flags = "--qkv-tokens 40 --proj-tokens 32 --ffn-tokens 80 --seed 9";
+    ok(&grow_args(&a, &b, flags));
     // The constants are the original model's, not the intermediate step's.
     assert_eq!(
-        cfg["pattention_scale_tokens"],
-        serde_json::json!({"qkv": 24, "proj": 20, "ffn": 48})
+        config(&b)["pattention_scale_tokens"],
+        fixture_token_counts()
     );
-    let ids = test_ids(50304);
-    let d = max_diff(&lm_logits(s(&lm_bin()), &ids), &lm_logits(s(&b), &ids));
+    let d = lm_shift(&lm_bin(), &b, &test_ids(50304));
     assert!(d <= 1e-5, "twice grown differs by {d}");
     assert_eq!(
-        tensors(s(&b))["layers.1.mlp.key_param_tokens"].dims(),
+        tensors(&b)["layers.1.mlp.key_param_tokens"].dims(),
         &[80, 32]
     );
 }
@@ -385,49 +273,18 @@ fn grown_twice_along_a_ladder_still_equals_the_original() {
 #[test]
 fn grow_refuses_what_it_cannot_do_without_writing() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("out");
-    let err = fails(&[
-        "grow",
-        "--model",
-        s(&lm_bin()),
-        "--out",
-        s(&out),
-        "--qkv-tokens",
-        "16",
-    ]);
+    let (bin, out) = (lm_bin(), tmp.path().join("out"));
+    let err = fails_cleanly(&grow_args(&bin, &out, "--qkv-tokens 16"));
     assert!(err.contains("qkv_tokens") && err.contains("24"), "{err}");
-    let err = fails(&[
-        "grow",
-        "--model",
-        s(&lm_bin()),
-        "--out",
-        s(&out),
-        "--preset",
-        "354M",
-    ]);
+    let err = fails_cleanly(&grow_args(&bin, &out, "--preset 354M"));
     assert!(
         err.contains("tokenformer-ladder-354m") && err.contains("hidden_size"),
         "{err}"
     );
-    let err = fails(&[
-        "grow",
-        "--model",
-        s(&lm_bin()),
-        "--out",
-        s(&out),
-        "--preset",
-        "3B",
-    ]);
+    let err = fails_cleanly(&grow_args(&bin, &out, "--preset 3B"));
     assert!(err.contains("unknown preset"), "{err}");
-    let err = fails(&[
-        "grow",
-        "--model",
-        s(&tmp.path().join("nope")),
-        "--out",
-        s(&out),
-        "--qkv-tokens",
-        "30",
-    ]);
+    let nope = tmp.path().join("nope");
+    let err = fails_cleanly(&grow_args(&nope, &out, "--qkv-tokens 30"));
     assert!(err.contains("nope"), "{err}");
     assert!(!out.exists());
     assert!(
@@ -441,39 +298,12 @@ fn grow_refuses_what_it_cannot_do_without_writing() {
 fn grow_writes_shards_with_an_index_that_load_back_the_same() {
     let tmp = tempfile::tempdir().unwrap();
     let (one, sharded) = (tmp.path().join("one"), tmp.path().join("sharded"));
-    let common = [
-        "--qkv-tokens",
-        "32",
-        "--ffn-tokens",
-        "64",
-        "--seed",
-        "5",
-        "--dtype",
-        "f32",
-    ];
-    ok(&[
-        &["grow", "--model", s(&lm_bin()), "--out", s(&one)][..],
-        &common,
-    ]
-    .concat());
-    ok(&[
-        &[
-            "grow",
-            "--model",
-            s(&lm_bin()),
-            "--out",
-            s(&sharded),
-            "--max-shard-size",
-            "64KB",
-        ][..],
-        &common,
-    ]
-    .concat());
+    let flags = "--qkv-tokens 32 --ffn-tokens 64 --seed 5 --dtype f32";
+    ok(&grow_args(&lm_bin(), &one, flags));
+    let shard_flags = format!("--max-shard-size 64KB {flags}");
+    ok(&grow_args(&lm_bin(), &sharded, &shard_flags));
     assert!(!sharded.join("model.safetensors").exists());
-    let index: Value = serde_json::from_str(
-        &std::fs::read_to_string(sharded.join("model.safetensors.index.json")).unwrap(),
-    )
-    .unwrap();
+    let index = common::read_json(&sharded.join("model.safetensors.index.json"));
     let files: std::collections::BTreeSet<&str> = index["weight_map"]
         .as_object()
         .unwrap()
@@ -493,68 +323,38 @@ fn grow_writes_shards_with_an_index_that_load_back_the_same() {
     }
     // The official converter shards the same way.
     let official = tmp.path().join("official-sharded");
-    ok(&[
-        "official",
-        "--input",
-        s(&lm_bin()),
-        "--config",
-        s(&fixtures().join("official-lm-tiny/config.yml")),
-        "--out",
-        s(&official),
-        "--max-shard-size",
-        "10KB",
-    ]);
+    ok(&official_args(&official, "--max-shard-size 10KB"));
     assert!(official.join("model.safetensors.index.json").is_file());
-    let (o, src) = (tensors(s(&official)), tensors(s(&lm_bin())));
+    let (o, src) = (tensors(&official), tensors(&lm_bin()));
     assert_eq!(o.keys().collect::<Vec<_>>(), src.keys().collect::<Vec<_>>());
     assert!(o
         .iter()
         .all(|(n, t)| bits(t) == bits(&src[n]) && t.dtype() == src[n].dtype()));
 
-    let (a, b) = (tensors(s(&one)), tensors(s(&sharded)));
+    let (a, b) = (tensors(&one), tensors(&sharded));
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     for (name, t) in &a {
         assert_eq!(t.dtype(), DType::F32, "--dtype f32: {name}");
         assert_eq!(bits(t), bits(&b[name]), "{name}");
     }
-    let ids = test_ids(50304);
-    assert_eq!(
-        max_diff(&lm_logits(s(&one), &ids), &lm_logits(s(&sharded), &ids)),
-        0.0
-    );
+    assert_eq!(lm_shift(&one, &sharded, &test_ids(50304)), 0.0);
 }
 
 #[test]
 fn export_round_trips_bit_identically_and_loads_with_the_same_logits() {
     let tmp = tempfile::tempdir().unwrap();
     let canonical = tmp.path().join("canonical");
-    ok(&[
-        "official",
-        "--input",
-        s(&lm_bin()),
-        "--config",
-        s(&fixtures().join("official-lm-tiny/config.yml")),
-        "--out",
-        s(&canonical),
-    ]);
+    ok(&official_args(&canonical, ""));
     let before = hash_tree(&canonical);
     std::fs::create_dir(tmp.path().join("export")).unwrap();
     let bin = tmp.path().join("export/pytorch_model.bin");
-    let stdout = ok(&[
-        "export",
-        "--model",
-        s(&canonical),
-        "--format",
-        "official",
-        "--out",
-        s(&bin),
-    ]);
+    let stdout = ok(&export_args(&canonical, &bin, "--format official"));
     assert!(stdout.contains("Looks ok!"), "{stdout}");
     assert!(bin.with_extension("yml").is_file());
     assert_eq!(hash_tree(&canonical), before, "the input was modified");
 
     // Read back with the project's official reader: same names, dtypes and bits.
-    let src = tensors(s(&canonical));
+    let src = tensors(&canonical);
     let (back, ignored) = checkpoint::read_official_bin(&bin, 2, None, &Device::Cpu).unwrap();
     assert!(ignored.is_empty(), "{ignored:?}");
     assert_eq!(
@@ -572,25 +372,12 @@ fn export_round_trips_bit_identically_and_loads_with_the_same_logits() {
         assert_eq!(bits(&back[name]), bits(t), "{name}");
     }
     // The exported .bin + yml is a loadable model with identical logits.
-    let ids = test_ids(50304);
-    assert_eq!(
-        max_diff(&lm_logits(s(&canonical), &ids), &lm_logits(s(&bin), &ids)),
-        0.0
-    );
+    assert_eq!(lm_shift(&canonical, &bin, &test_ids(50304)), 0.0);
 
     // Existing output is refused without --force, replaced with it.
-    let err = fails(&["export", "--model", s(&canonical), "--out", s(&bin)]);
+    let err = fails_cleanly(&export_args(&canonical, &bin, ""));
     assert!(err.contains("--force"), "{err}");
-    ok(&[
-        "export",
-        "--model",
-        s(&canonical),
-        "--out",
-        s(&bin),
-        "--force",
-        "--dtype",
-        "bf16",
-    ]);
+    ok(&export_args(&canonical, &bin, "--force --dtype bf16"));
     let (bf, _) = checkpoint::read_official_bin(&bin, 2, None, &Device::Cpu).unwrap();
     assert!(bf.values().all(|t| t.dtype() == DType::BF16));
     assert_eq!(visible_entries(&tmp.path().join("export")).len(), 2);
@@ -600,71 +387,30 @@ fn export_round_trips_bit_identically_and_loads_with_the_same_logits() {
 fn export_refuses_a_function_change_unless_allowed_and_then_reports_it() {
     let tmp = tempfile::tempdir().unwrap();
     let grown = tmp.path().join("grown");
-    ok(&[
-        "grow",
-        "--model",
-        s(&lm_bin()),
-        "--out",
-        s(&grown),
-        "--qkv-tokens",
-        "48",
-        "--ffn-tokens",
-        "96",
-    ]);
+    let flags = "--qkv-tokens 48 --ffn-tokens 96";
+    ok(&grow_args(&lm_bin(), &grown, flags));
     let bin = tmp.path().join("grown.bin");
-    let err = fails(&["export", "--model", s(&grown), "--out", s(&bin)]);
+    let err = fails_cleanly(&export_args(&grown, &bin, ""));
     assert!(
         err.contains("--allow-function-change") && err.contains("√n"),
         "{err}"
     );
     assert!(!bin.exists() && !bin.with_extension("yml").exists());
 
-    let stdout = ok(&[
-        "export",
-        "--model",
-        s(&grown),
-        "--out",
-        s(&bin),
-        "--allow-function-change",
-    ]);
+    let stdout = ok(&export_args(&grown, &bin, "--allow-function-change"));
     let ids = probe_ids(50304, 2048);
-    let real = max_diff(&lm_logits(s(&grown), &ids), &lm_logits(s(&bin), &ids));
+    let real = lm_shift(&grown, &bin, &ids);
     assert!(
         real > 1e-2,
         "dropping the constants must change the function: {real}"
     );
-    let printed: f32 = stdout
-        .lines()
-        .find_map(|l| l.split("official export = ").nth(1))
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no shift printed: {stdout}"));
-    assert!(
-        (printed - real).abs() <= 1e-5 * real.max(1.0),
-        "printed {printed}, real {real}"
-    );
+    let printed = printed_shift(&stdout, "official export = ");
+    assert_same_shift("printed", printed, real, 1e-5);
     // The export computes what `--scale grow` (same seed) would have produced: n = token count.
     let official_like = tmp.path().join("scale-grow");
-    ok(&[
-        "grow",
-        "--model",
-        s(&lm_bin()),
-        "--out",
-        s(&official_like),
-        "--qkv-tokens",
-        "48",
-        "--ffn-tokens",
-        "96",
-        "--scale",
-        "grow",
-    ]);
-    assert_eq!(
-        max_diff(
-            &lm_logits(s(&official_like), &ids),
-            &lm_logits(s(&bin), &ids)
-        ),
-        0.0
-    );
+    let scale_grow = format!("{flags} --scale grow");
+    ok(&grow_args(&lm_bin(), &official_like, &scale_grow));
+    assert_eq!(lm_shift(&official_like, &bin, &ids), 0.0);
     let yml = std::fs::read_to_string(bin.with_extension("yml")).unwrap();
     assert!(
         yml.contains("\"qkv_slot_num\": 48") && yml.contains("\"ffn_slot_num\": 96"),
@@ -675,23 +421,12 @@ fn export_refuses_a_function_change_unless_allowed_and_then_reports_it() {
 #[test]
 fn export_refuses_vision_models_and_bad_targets() {
     let tmp = tempfile::tempdir().unwrap();
-    let err = fails(&[
-        "export",
-        "--model",
-        s(&vit_dir()),
-        "--out",
-        s(&tmp.path().join("vit.bin")),
-    ]);
+    let err = fails_cleanly(&export_args(&vit_dir(), &tmp.path().join("vit.bin"), ""));
     assert!(err.contains("no official checkpoint format"), "{err}");
-    let err = fails(&[
-        "export",
-        "--model",
-        s(&lm_bin()),
-        "--out",
-        s(&tmp.path().join("model.safetensors")),
-    ]);
+    let safetensors = tmp.path().join("model.safetensors");
+    let err = fails_cleanly(&export_args(&lm_bin(), &safetensors, ""));
     assert!(err.contains(".bin"), "{err}");
-    let err = fails(&["export", "--model", s(&lm_bin()), "--out", s(&lm_bin())]);
+    let err = fails_cleanly(&export_args(&lm_bin(), &lm_bin(), ""));
     assert!(err.contains("overwrite the input"), "{err}");
     assert!(visible_entries(tmp.path()).is_empty());
 }
@@ -703,42 +438,17 @@ fn converters_refuse_non_empty_output_and_replace_it_with_force() {
     std::fs::create_dir(&out).unwrap();
     std::fs::write(out.join("keep.txt"), "mine").unwrap();
     for args in [
-        vec![
-            "grow",
-            "--model",
-            s(&lm_bin()),
-            "--out",
-            s(&out),
-            "--qkv-tokens",
-            "30",
-        ],
-        vec![
-            "official",
-            "--input",
-            s(&lm_bin()),
-            "--config",
-            s(&fixtures().join("official-lm-tiny/config.yml")),
-            "--out",
-            s(&out),
-        ],
+        grow_args(&lm_bin(), &out, "--qkv-tokens 30"),
+        official_args(&out, ""),
     ] {
-        let err = fails(&args);
+        let err = fails_cleanly(&args);
         assert!(err.contains("--force"), "{err}");
         assert_eq!(
             std::fs::read_to_string(out.join("keep.txt")).unwrap(),
             "mine"
         );
     }
-    ok(&[
-        "grow",
-        "--model",
-        s(&lm_bin()),
-        "--out",
-        s(&out),
-        "--qkv-tokens",
-        "30",
-        "--force",
-    ]);
+    ok(&grow_args(&lm_bin(), &out, "--qkv-tokens 30 --force"));
     assert!(!out.join("keep.txt").exists());
     assert_eq!(config(&out)["qkv_tokens"], 30);
     // Only the finished folder is left: no staging folders, no moved-aside old one.
@@ -748,78 +458,34 @@ fn converters_refuse_non_empty_output_and_replace_it_with_force() {
 #[test]
 fn an_invalid_output_path_or_a_kill_leaves_no_output() {
     let tmp = tempfile::tempdir().unwrap();
+    let bin = lm_bin();
     let file = tmp.path().join("a-file");
     std::fs::write(&file, "x").unwrap();
     let under_file = file.join("out");
     let bin_under_file = file.join("m.bin");
+    let proc_dir = Path::new("/proc/self/tokenformer-grow-out");
+    let proc_bin = Path::new("/proc/self/tokenformer-export.bin");
     for args in [
-        vec![
-            "grow",
-            "--model",
-            s(&lm_bin()),
-            "--out",
-            s(&under_file),
-            "--qkv-tokens",
-            "30",
-        ],
-        vec![
-            "grow",
-            "--model",
-            s(&lm_bin()),
-            "--out",
-            "/proc/self/tokenformer-grow-out",
-            "--qkv-tokens",
-            "30",
-        ],
-        vec![
-            "export",
-            "--model",
-            s(&lm_bin()),
-            "--out",
-            s(&bin_under_file),
-        ],
-        vec![
-            "export",
-            "--model",
-            s(&lm_bin()),
-            "--out",
-            "/proc/self/tokenformer-export.bin",
-        ],
-        vec![
-            "official",
-            "--input",
-            s(&lm_bin()),
-            "--config",
-            s(&fixtures().join("official-lm-tiny/config.yml")),
-            "--out",
-            s(&under_file),
-        ],
+        grow_args(&bin, &under_file, "--qkv-tokens 30"),
+        grow_args(&bin, proc_dir, "--qkv-tokens 30"),
+        export_args(&bin, &bin_under_file, ""),
+        export_args(&bin, proc_bin, ""),
+        official_args(&under_file, ""),
     ] {
-        fails(&args);
+        fails_cleanly(&args);
     }
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "x");
     assert_eq!(visible_entries(tmp.path()), ["a-file"]);
 
     // A process killed just before the final rename leaves no --out behind.
     let out = tmp.path().join("killed");
-    let bin = tmp.path().join("killed.bin");
+    let killed_bin = tmp.path().join("killed.bin");
     let env = [("TOKENFORMER_CONVERT_ABORT_BEFORE_COMMIT", "1")];
-    let o = convert_env(
-        &[
-            "grow",
-            "--model",
-            s(&lm_bin()),
-            "--out",
-            s(&out),
-            "--qkv-tokens",
-            "30",
-        ],
-        &env,
-    );
+    let o = run(&grow_args(&bin, &out, "--qkv-tokens 30"), &env);
     assert_eq!(o.status.code(), Some(137));
-    let o = convert_env(&["export", "--model", s(&lm_bin()), "--out", s(&bin)], &env);
+    let o = run(&export_args(&bin, &killed_bin, ""), &env);
     assert_eq!(o.status.code(), Some(137));
-    assert!(!out.exists() && !bin.exists() && !bin.with_extension("yml").exists());
+    assert!(!out.exists() && !killed_bin.exists() && !killed_bin.with_extension("yml").exists());
     assert!(visible_entries(tmp.path())
         .iter()
         .all(|n| n == "a-file" || n.starts_with('.')));
@@ -924,16 +590,15 @@ fn untied_f32_models_with_other_activations_export_and_grow_exactly() {
         }
     }
     checkpoint::write_safetensors(&src, &t, checkpoint::DEFAULT_SHARD_BYTES).unwrap();
-    std::fs::write(
-        src.join("config.json"),
-        serde_json::to_string(&cfg).unwrap(),
-    )
-    .unwrap();
+    let write_config = |cfg: &Config| {
+        std::fs::write(src.join("config.json"), serde_json::to_string(cfg).unwrap()).unwrap()
+    };
+    write_config(&cfg);
     let ids: Vec<u32> = (0..30).map(|i| (i * 5 + 1) % 96).collect();
-    let original = lm_logits(s(&src), &ids);
+    let original = lm_logits(&src, &ids);
 
     let bin = tmp.path().join("untied.bin");
-    ok(&["export", "--model", s(&src), "--out", s(&bin)]);
+    ok(&export_args(&src, &bin, ""));
     assert!(std::fs::read_to_string(bin.with_extension("yml"))
         .unwrap()
         .contains("\"no_weight_tying\": true"));
@@ -942,95 +607,47 @@ fn untied_f32_models_with_other_activations_export_and_grow_exactly() {
     assert!(back
         .iter()
         .all(|(n, x)| x.dtype() == DType::F32 && bits(x) == bits(&t[n])));
-    assert_eq!(max_diff(&original, &lm_logits(s(&bin), &ids)), 0.0);
+    assert_eq!(max_diff(&original, &lm_logits(&bin, &ids)), 0.0);
 
     let grown = tmp.path().join("grown");
-    ok(&[
-        "grow",
-        "--model",
-        s(&bin),
-        "--out",
-        s(&grown),
-        "--qkv-tokens",
-        "20",
-        "--proj-tokens",
-        "11",
-        "--ffn-tokens",
-        "33",
-    ]);
-    let d = max_diff(&original, &lm_logits(s(&grown), &ids));
+    let flags = "--qkv-tokens 20 --proj-tokens 11 --ffn-tokens 33";
+    ok(&grow_args(&bin, &grown, flags));
+    let d = max_diff(&original, &lm_logits(&grown, &ids));
     assert!(d <= 1e-5, "{d}");
-    assert_eq!(tensors(s(&grown))["final_linear.weight"].dims(), &[96, 16]);
+    assert_eq!(tensors(&grown)["final_linear.weight"].dims(), &[96, 16]);
 
     // Softmax Θ gives zero keys weight too: growth runs, says so, and reports the shift.
     cfg.pattention_activation = Activation::Softmax;
-    std::fs::write(
-        src.join("config.json"),
-        serde_json::to_string(&cfg).unwrap(),
-    )
-    .unwrap();
+    write_config(&cfg);
     let soft = tmp.path().join("softmax");
-    let stdout = ok(&[
-        "grow",
-        "--model",
-        s(&src),
-        "--out",
-        s(&soft),
-        "--ffn-tokens",
-        "40",
-    ]);
+    let stdout = ok(&grow_args(&src, &soft, "--ffn-tokens 40"));
     assert!(stdout.contains("softmax"), "{stdout}");
-    let d = max_diff(&lm_logits(s(&src), &ids), &lm_logits(s(&soft), &ids));
+    let d = lm_shift(&src, &soft, &ids);
     assert!(d > 1e-4, "{d}");
-}
-
-fn vit_logits(model: &str, pixels: &Tensor) -> Tensor {
-    let files = loader::locate(model, &LocateOptions::default()).expect("locate");
-    let m = loader::load_vit(&files, &Device::Cpu).expect("load");
-    m.forward(pixels).unwrap()
 }
 
 #[test]
 fn grow_vision_keep_is_exact_grow_reports_the_real_shift_and_ladders_compose() {
     let tmp = tempfile::tempdir().unwrap();
-    let pixels = candle_core::safetensors::load(
-        fixtures().join("vit-tiny-imagenet/pixels.safetensors"),
-        &Device::Cpu,
-    )
-    .unwrap()
-    .remove("pixels")
-    .unwrap();
-    let before = hash_tree(&vit_dir());
-    let original = vit_logits(s(&vit_dir()), &pixels);
+    let vit = vit_dir();
+    let pixels = fixture_pixels();
+    let before = hash_tree(&vit);
+    let original = vit_logits(&vit, &pixels);
 
     let keep = tmp.path().join("keep");
-    let stdout = ok(&[
-        "grow",
-        "--model",
-        s(&vit_dir()),
-        "--out",
-        s(&keep),
-        "--qkv-tokens",
-        "30",
-        "--proj-tokens",
-        "24",
-        "--ffn-tokens",
-        "64",
-    ]);
+    let flags = "--qkv-tokens 30 --proj-tokens 24 --ffn-tokens 64";
+    let stdout = ok(&grow_args(&vit, &keep, flags));
     assert!(stdout.contains("Looks ok!"), "{stdout}");
-    let d = max_diff(&original, &vit_logits(s(&keep), &pixels));
+    let d = max_diff(&original, &vit_logits(&keep, &pixels));
     assert!(
         d <= 1e-5,
         "vision keep + zero keys changed the logits by {d}"
     );
     let cfg = config(&keep);
-    assert_eq!(
-        cfg["pattention_scale_tokens"],
-        serde_json::json!({"qkv": 24, "proj": 20, "ffn": 48})
-    );
+    assert_eq!(cfg["pattention_scale_tokens"], fixture_token_counts());
     assert_eq!(cfg["num_classes"], 10, "other config keys are kept");
     assert_eq!(card(&keep)["pipeline_tag"], "image-classification");
-    let (old, new) = (tensors(s(&vit_dir())), tensors(s(&keep)));
+    let (old, new) = (tensors(&vit), tensors(&keep));
     assert_eq!(
         bits(&old["patch_embed.weight"]),
         bits(&new["patch_embed.weight"])
@@ -1039,54 +656,21 @@ fn grow_vision_keep_is_exact_grow_reports_the_real_shift_and_ladders_compose() {
 
     // Ladder: grow the grown model again; still the original function.
     let twice = tmp.path().join("twice");
-    ok(&[
-        "grow",
-        "--model",
-        s(&keep),
-        "--out",
-        s(&twice),
-        "--qkv-tokens",
-        "40",
-        "--ffn-tokens",
-        "80",
-    ]);
-    let d = max_diff(&original, &vit_logits(s(&twice), &pixels));
+    ok(&grow_args(&keep, &twice, "--qkv-tokens 40 --ffn-tokens 80"));
+    let d = max_diff(&original, &vit_logits(&twice, &pixels));
     assert!(d <= 1e-5, "twice grown vision model differs by {d}");
 
     let grown = tmp.path().join("grow");
-    ok(&[
-        "grow",
-        "--model",
-        s(&vit_dir()),
-        "--out",
-        s(&grown),
-        "--qkv-tokens",
-        "30",
-        "--proj-tokens",
-        "24",
-        "--ffn-tokens",
-        "64",
-        "--scale",
-        "grow",
-    ]);
+    ok(&grow_args(&vit, &grown, &format!("{flags} --scale grow")));
     assert!(config(&grown).get("pattention_scale_tokens").is_none());
-    let d = max_diff(&original, &vit_logits(s(&grown), &pixels));
+    let d = max_diff(&original, &vit_logits(&grown, &pixels));
     assert!(
         d > 1e-3,
         "--scale grow should change the vision logits, shift {d}"
     );
     // The converters' probe image, so the shift checked is the one the tool reports.
     let probe = tokenformer::vision::probe_pixels(3, 32, &Device::Cpu).unwrap();
-    let real = max_diff(
-        &vit_logits(s(&vit_dir()), &probe),
-        &vit_logits(s(&grown), &probe),
-    );
-    let reported = card(&grown)["tokenformer_growth"]["probe_max_abs_logit_diff"]
-        .as_f64()
-        .unwrap() as f32;
-    assert!(
-        (reported - real).abs() <= 1e-6 * real.max(1.0),
-        "card says {reported}, real shift {real}"
-    );
-    assert_eq!(hash_tree(&vit_dir()), before, "the input was modified");
+    let real = max_diff(&vit_logits(&vit, &probe), &vit_logits(&grown, &probe));
+    assert_same_shift("card says", card_shift(&grown) as f32, real, 1e-6);
+    assert_eq!(hash_tree(&vit), before, "the input was modified");
 }

@@ -5,15 +5,18 @@
 //! timm's `vision_transformer.py`; the TokenFormer side is
 //! <https://arxiv.org/abs/2410.23168>.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use candle_core::{DType, Device, Module, Tensor, D};
+use common::{
+    bits, config_u64s, fails, fixture_pixels, lm_fixture, load_lm, load_vit, locate, max_diff,
+    merge_args, official_args, ok, read_json, s, values, vit_dir,
+};
 use serde_json::{json, Value};
 use tokenformer::pattention::{Activation, Pattention};
-
-const BIN: &str = env!("CARGO_BIN_EXE_tokenformer-convert");
 
 /// A small deterministic normal generator (xorshift + Box-Muller).
 struct Rng(u64);
@@ -53,69 +56,33 @@ fn load(dir: &Path) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap()
 }
 
-fn read_json(p: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+/// `import --from <from> --input <input> --out <out>`.
+fn import_args<'a>(from: &'a str, input: &'a Path, out: &'a Path) -> Vec<&'a str> {
+    vec![
+        "import",
+        "--from",
+        from,
+        "--input",
+        s(input),
+        "--out",
+        s(out),
+    ]
 }
 
-fn convert(args: &[&str]) -> std::process::Output {
-    Command::new(BIN).args(args).output().unwrap()
-}
-
-fn ok(o: &std::process::Output) -> String {
-    let out = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(
-        o.status.success(),
-        "failed: {}\n{}",
-        String::from_utf8_lossy(&o.stderr),
-        out
-    );
-    out
-}
-
-fn fails(o: &std::process::Output) -> String {
-    assert!(
-        !o.status.success(),
-        "should have failed: {}",
-        String::from_utf8_lossy(&o.stdout)
-    );
-    let e = String::from_utf8_lossy(&o.stderr).to_string();
-    assert!(!e.contains("panicked"), "panicked: {e}");
-    e
-}
-
-/// The f32 bit patterns (f16/bf16 widen exactly).
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_bits())
-        .collect()
-}
-
+/// Relative error ‖a − b‖ / ‖b‖, computed in f64.
 fn rel(a: &Tensor, b: &Tensor) -> f64 {
-    let a = a.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
-    let b = b.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
-    let n = (&a - &b)
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
-        .sqrt();
-    n / b
-        .sqr()
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap()
-        .sqrt()
+    let f64s = |t: &Tensor| t.flatten_all().unwrap().to_dtype(DType::F64).unwrap();
+    let norm = |t: &Tensor| {
+        t.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+            .sqrt()
+    };
+    let (a, b) = (f64s(a), f64s(b));
+    norm(&(&a - &b).unwrap()) / norm(&b)
 }
 
 // ---------------------------------------------------------------- GPT-NeoX
@@ -128,6 +95,16 @@ struct Neox {
     vocab: usize,
     parallel: bool,
 }
+
+/// The usual tiny GPT-NeoX; tests change a field or two with `..TINY_NEOX`.
+const TINY_NEOX: Neox = Neox {
+    d: 16,
+    heads: 2,
+    layers: 2,
+    m: 48,
+    vocab: 96,
+    parallel: true,
+};
 
 fn neox_config(n: &Neox) -> Value {
     json!({
@@ -365,51 +342,28 @@ fn close(a: f64, b: f64, tol: f64) -> bool {
 
 #[test]
 fn import_gpt_neox_copies_maps_and_reports_honest_fidelity() {
-    let n = Neox {
-        d: 16,
-        heads: 2,
-        layers: 2,
-        m: 48,
-        vocab: 96,
-        parallel: true,
-    };
+    let n = TINY_NEOX;
     let root = tmp();
     let src = root.path().join("pythia-tiny");
     let w = neox_tensors(&n, 7, true);
     write_model(&src, &neox_config(&n), &w);
     let out = root.path().join("imported");
-    let stdout = ok(&convert(&[
-        "import",
-        "--from",
-        "gpt-neox",
-        "--input",
-        src.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]));
+    let stdout = ok(&import_args("gpt-neox", &src, &out));
     assert!(stdout.contains("perplexity on the probe"), "{stdout}");
 
     // Config: same width, depth, heads, vocabulary, rotary; untied head kept.
     let cfg = read_json(&out.join("config.json"));
     assert_eq!(cfg["architecture"], "tokenformer-lm");
     assert_eq!(
-        (
-            cfg["hidden_size"].as_u64(),
-            cfg["num_layers"].as_u64(),
-            cfg["num_heads"].as_u64()
-        ),
-        (Some(16), Some(2), Some(2))
+        config_u64s(&cfg, ["hidden_size", "num_layers", "num_heads"]),
+        [Some(16), Some(2), Some(2)]
     );
     assert_eq!(cfg["vocab_size"], 96);
     assert_eq!(cfg["rotary_pct"], 0.5);
     assert_eq!(cfg["tie_word_embeddings"], false);
     assert_eq!(
-        (
-            cfg["qkv_tokens"].as_u64(),
-            cfg["proj_tokens"].as_u64(),
-            cfg["ffn_tokens"].as_u64()
-        ),
-        (Some(64), Some(64), Some(48 + 64))
+        config_u64s(&cfg, ["qkv_tokens", "proj_tokens", "ffn_tokens"]),
+        [Some(64), Some(64), Some(48 + 64)]
     );
     let scale = cfg["pattention_scale_tokens"]["qkv"].as_u64().unwrap() as usize;
 
@@ -504,9 +458,7 @@ fn import_gpt_neox_copies_maps_and_reports_honest_fidelity() {
         ),
         "{e2e} vs {seq_ppl}"
     );
-    let files = tokenformer::loader::locate(out.to_str().unwrap(), &Default::default()).unwrap();
-    let model = tokenformer::loader::load_lm(&files, &Device::Cpu).unwrap();
-    let imp = tokenformer::scoring::score_ids(&model, &ids)
+    let imp = tokenformer::scoring::score_ids(&load_lm(&out), &ids)
         .unwrap()
         .perplexity;
     assert!(close(e2e["import_perplexity"].as_f64().unwrap(), imp, 1e-5));
@@ -528,26 +480,14 @@ fn import_gpt_neox_without_mlp_input_bias_is_near_exact() {
     // Sequential residual and no pre-activation bias: only the output projection's
     // input scale is approximate, so the import tracks the source closely.
     let n = Neox {
-        d: 16,
-        heads: 2,
-        layers: 2,
-        m: 48,
-        vocab: 96,
         parallel: false,
+        ..TINY_NEOX
     };
     let root = tmp();
     let src = root.path().join("neox");
     write_model(&src, &neox_config(&n), &neox_tensors(&n, 11, false));
     let out = root.path().join("imp");
-    ok(&convert(&[
-        "import",
-        "--from",
-        "gpt-neox",
-        "--input",
-        src.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]));
+    ok(&import_args("gpt-neox", &src, &out));
     let report = read_json(&out.join("import_report.json"));
     for l in report["layers"].as_array().unwrap() {
         for k in ["query", "key", "value", "mlp"] {
@@ -563,32 +503,20 @@ fn import_gpt_neox_without_mlp_input_bias_is_near_exact() {
 #[test]
 fn import_bad_inputs_fail_clearly_and_write_nothing() {
     let n = Neox {
-        d: 16,
-        heads: 2,
         layers: 1,
         m: 32,
         vocab: 64,
-        parallel: true,
+        ..TINY_NEOX
     };
     let root = tmp();
     let out = root.path().join("out");
-    let run = |src: &Path| {
-        convert(&[
-            "import",
-            "--from",
-            "gpt-neox",
-            "--input",
-            src.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ])
-    };
+    let import_fails = |src: &Path| fails(&import_args("gpt-neox", src, &out));
 
     let mut w = neox_tensors(&n, 3, true);
     w.remove("gpt_neox.layers.0.mlp.dense_4h_to_h.weight");
     let missing = root.path().join("missing");
     write_model(&missing, &neox_config(&n), &w);
-    let e = fails(&run(&missing));
+    let e = import_fails(&missing);
     assert!(
         e.contains("gpt_neox.layers.0.mlp.dense_4h_to_h.weight"),
         "{e}"
@@ -598,7 +526,7 @@ fn import_bad_inputs_fail_clearly_and_write_nothing() {
     cfg["hidden_size"] = json!(32);
     let wide = root.path().join("wide");
     write_model(&wide, &cfg, &neox_tensors(&n, 3, true));
-    let e = fails(&run(&wide));
+    let e = import_fails(&wide);
     assert!(
         e.contains("gpt_neox.embed_in.weight") && e.contains("shape"),
         "{e}"
@@ -611,18 +539,18 @@ fn import_bad_inputs_fail_clearly_and_write_nothing() {
         Tensor::zeros((4, 16), DType::F32, &Device::Cpu).unwrap(),
     );
     write_model(&other, &neox_config(&n), &t);
-    let e = fails(&run(&other));
+    let e = import_fails(&other);
     assert!(e.contains("not a transformers GPT-NeoX checkpoint"), "{e}");
 
     let mut cfg = neox_config(&n);
     cfg["model_type"] = json!("llama");
     let llama = root.path().join("llama");
     write_model(&llama, &cfg, &neox_tensors(&n, 3, true));
-    assert!(fails(&run(&llama)).contains("llama"));
+    assert!(import_fails(&llama).contains("llama"));
 
     let empty = root.path().join("nothing");
     std::fs::create_dir_all(&empty).unwrap();
-    assert!(fails(&run(&empty)).contains("config.json"));
+    assert!(import_fails(&empty).contains("config.json"));
     assert!(!out.exists(), "no output may be written on failure");
     let leftovers: Vec<PathBuf> = std::fs::read_dir(root.path())
         .unwrap()
@@ -741,10 +669,8 @@ fn vit_timm_from_hf(hf: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
     t
 }
 
-/// An independent ViT classifier forward (class-token pooling): logits [b, classes].
-fn vit_hf_logits(w: &HashMap<String, Tensor>, pixels: &Tensor, eps: f64) -> Tensor {
-    let (b, d, heads) = (pixels.dim(0).unwrap(), 16, 2);
-    let hd = d / heads;
+/// The transformers ViT embeddings (patches, class token, positions): [b, 5, 16].
+fn vit_hf_embed(w: &HashMap<String, Tensor>, pixels: &Tensor) -> Tensor {
     let x = pixels
         .conv2d(
             &w["vit.embeddings.patch_embeddings.projection.weight"],
@@ -762,12 +688,19 @@ fn vit_hf_logits(w: &HashMap<String, Tensor>, pixels: &Tensor, eps: f64) -> Tens
         .broadcast_add(&w["vit.embeddings.patch_embeddings.projection.bias"])
         .unwrap();
     let cls = w["vit.embeddings.cls_token"]
-        .broadcast_as((b, 1, d))
+        .broadcast_as((pixels.dim(0).unwrap(), 1, 16))
         .unwrap();
-    let mut x = Tensor::cat(&[&cls, &x], 1)
+    Tensor::cat(&[&cls, &x], 1)
         .unwrap()
         .broadcast_add(&w["vit.embeddings.position_embeddings"])
-        .unwrap();
+        .unwrap()
+}
+
+/// An independent ViT classifier forward (class-token pooling): logits [b, classes].
+fn vit_hf_logits(w: &HashMap<String, Tensor>, pixels: &Tensor, eps: f64) -> Tensor {
+    let (b, d, heads) = (pixels.dim(0).unwrap(), 16, 2);
+    let hd = d / heads;
+    let mut x = vit_hf_embed(w, pixels);
     for i in 0..2 {
         let g = |s: &str| &w[&format!("vit.encoder.layer.{i}.{s}")];
         let l = |x: &Tensor, n: &str| {
@@ -846,35 +779,19 @@ fn import_vit_transformers_and_timm_layouts() {
 
     let (out_hf, out_timm) = (root.path().join("tf-hf"), root.path().join("tf-timm"));
     for (src, out) in [(&hf, &out_hf), (&timm, &out_timm)] {
-        ok(&convert(&[
-            "import",
-            "--from",
-            "vit",
-            "--input",
-            src.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--probe-pixels",
-            px.to_str().unwrap(),
-        ]));
+        let mut args = import_args("vit", src, out);
+        args.extend(["--probe-pixels", s(&px)]);
+        ok(&args);
     }
     let cfg = read_json(&out_hf.join("config.json"));
     assert_eq!(cfg["architecture"], "tokenformer-vit");
     assert_eq!(
-        (
-            cfg["hidden_size"].as_u64(),
-            cfg["num_layers"].as_u64(),
-            cfg["num_heads"].as_u64()
-        ),
-        (Some(16), Some(2), Some(2))
+        config_u64s(&cfg, ["hidden_size", "num_layers", "num_heads"]),
+        [Some(16), Some(2), Some(2)]
     );
     assert_eq!(
-        (
-            cfg["image_size"].as_u64(),
-            cfg["patch_size"].as_u64(),
-            cfg["num_classes"].as_u64()
-        ),
-        (Some(16), Some(8), Some(5))
+        config_u64s(&cfg, ["image_size", "patch_size", "num_classes"]),
+        [Some(16), Some(8), Some(5)]
     );
     assert_eq!(cfg["pool"], "cls");
     assert_eq!(cfg["class_names"], json!(["a", "b", "c", "d", "e"]));
@@ -917,30 +834,9 @@ fn import_vit_transformers_and_timm_layouts() {
     // Reported numbers = direct computation.
     let report = read_json(&out_hf.join("import_report.json"));
     let scale = cfg["pattention_scale_tokens"]["qkv"].as_u64().unwrap() as usize;
-    let x = pixels
-        .conv2d(
-            &w["vit.embeddings.patch_embeddings.projection.weight"],
-            0,
-            8,
-            1,
-            1,
-        )
+    let u = standardise(&vit_hf_embed(&w, &pixels), 1e-12)
+        .reshape((30, 16))
         .unwrap();
-    let x = x
-        .flatten_from(2)
-        .unwrap()
-        .transpose(1, 2)
-        .unwrap()
-        .broadcast_add(&w["vit.embeddings.patch_embeddings.projection.bias"])
-        .unwrap();
-    let cls = w["vit.embeddings.cls_token"]
-        .broadcast_as((6, 1, 16))
-        .unwrap();
-    let x = Tensor::cat(&[&cls, &x], 1)
-        .unwrap()
-        .broadcast_add(&w["vit.embeddings.position_embeddings"])
-        .unwrap();
-    let u = standardise(&x, 1e-12).reshape((30, 16)).unwrap();
     let g = |s: &str| &w[&format!("vit.encoder.layer.0.{s}")];
     let h = affine(&u, g("layernorm_before.weight"), g("layernorm_before.bias"));
     let want = lin(
@@ -960,11 +856,7 @@ fn import_vit_transformers_and_timm_layouts() {
     );
     assert!(e < 1e-4);
     let src = vit_hf_logits(&w, &pixels, 1e-12);
-    let files = tokenformer::loader::locate(out_hf.to_str().unwrap(), &Default::default()).unwrap();
-    let imp = tokenformer::loader::load_vit(&files, &Device::Cpu)
-        .unwrap()
-        .forward(&pixels)
-        .unwrap();
+    let imp = load_vit(&out_hf).forward(&pixels).unwrap();
     let (a, b) = (
         src.argmax(D::Minus1).unwrap().to_vec1::<u32>().unwrap(),
         imp.argmax(D::Minus1).unwrap().to_vec1::<u32>().unwrap(),
@@ -993,51 +885,20 @@ fn import_vit_transformers_and_timm_layouts() {
             Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap(),
         )]),
     );
-    let e = fails(&convert(&[
-        "import",
-        "--from",
-        "vit",
-        "--input",
-        other.to_str().unwrap(),
-        "--out",
-        root.path().join("x").to_str().unwrap(),
-    ]));
+    let e = fails(&import_args("vit", &other, &root.path().join("x")));
     assert!(e.contains("unknown ViT layout"), "{e}");
 }
 
 // ---------------------------------------------------------------- merge
 
-fn repo_fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
-}
-
 #[test]
 fn merge_shared_fixtures_reproduces_each_source() {
     let root = tmp();
     let lm = root.path().join("lm");
-    let official = repo_fixtures().join("official-lm-tiny");
-    ok(&convert(&[
-        "official",
-        "--input",
-        official.join("pytorch_model.bin").to_str().unwrap(),
-        "--config",
-        official.join("config.yml").to_str().unwrap(),
-        "--out",
-        lm.to_str().unwrap(),
-    ]));
-    let vit = repo_fixtures().join("vit-tiny-imagenet/vit-tiny");
+    ok(&official_args(&lm, ""));
+    let vit = vit_dir();
     let out = root.path().join("vl");
-    let stdout = ok(&convert(&[
-        "merge",
-        "--vision",
-        vit.to_str().unwrap(),
-        "--language",
-        lm.to_str().unwrap(),
-        "--bridge-tokens",
-        "8",
-        "--out",
-        out.to_str().unwrap(),
-    ]));
+    let stdout = ok(&merge_args(&vit, &lm, "8", &out));
     assert!(stdout.matches("Looks ok!").count() == 3, "{stdout}");
 
     let cfg = read_json(&out.join("config.json"));
@@ -1067,22 +928,14 @@ fn merge_shared_fixtures_reproduces_each_source() {
         bits(&q.narrow(0, 24, 24).unwrap()),
         bits(&l["layers.1.attention.query.key_param_tokens"])
     );
-    assert!(q
-        .narrow(0, 48, 8)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
+    assert!(values(&q.narrow(0, 48, 8).unwrap())
         .iter()
         .all(|&x| x == 0.0));
-    let bv = t["layers.1.mlp.value_param_tokens"]
-        .narrow(0, 96, 8)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
+    let bv = values(
+        &t["layers.1.mlp.value_param_tokens"]
+            .narrow(0, 96, 8)
+            .unwrap(),
+    );
     assert!(
         bv.iter().filter(|&&x| x != 0.0).count() > 200,
         "bridge values must be random"
@@ -1090,38 +943,17 @@ fn merge_shared_fixtures_reproduces_each_source() {
 
     // score on text = the LM's, classify on images = the classifier's.
     let dev = Device::Cpu;
-    let locate =
-        |p: &Path| tokenformer::loader::locate(p.to_str().unwrap(), &Default::default()).unwrap();
     let ids: Vec<u32> =
-        serde_json::from_value(read_json(&official.join("expected.json"))["ids"].clone()).unwrap();
-    let a = tokenformer::scoring::score_ids(
-        &tokenformer::loader::load_lm(&locate(&out), &dev).unwrap(),
-        &ids,
-    )
-    .unwrap();
-    let b = tokenformer::scoring::score_ids(
-        &tokenformer::loader::load_lm(&locate(&lm), &dev).unwrap(),
-        &ids,
-    )
-    .unwrap();
+        serde_json::from_value(read_json(&lm_fixture().join("expected.json"))["ids"].clone())
+            .unwrap();
+    let a = tokenformer::scoring::score_ids(&load_lm(&out), &ids).unwrap();
+    let b = tokenformer::scoring::score_ids(&load_lm(&lm), &ids).unwrap();
     for (x, y) in a.next_token_logprobs.iter().zip(&b.next_token_logprobs) {
         assert!((x - y).abs() <= 1e-5);
     }
-    let pixels = candle_core::safetensors::load(
-        repo_fixtures().join("vit-tiny-imagenet/pixels.safetensors"),
-        &dev,
-    )
-    .unwrap()
-    .remove("pixels")
-    .unwrap();
-    let li = tokenformer::loader::load_vit(&locate(&out), &dev)
-        .unwrap()
-        .forward(&pixels)
-        .unwrap();
-    let lv = tokenformer::loader::load_vit(&locate(&vit), &dev)
-        .unwrap()
-        .forward(&pixels)
-        .unwrap();
+    let pixels = fixture_pixels();
+    let li = load_vit(&out).forward(&pixels).unwrap();
+    let lv = load_vit(&vit).forward(&pixels).unwrap();
     assert!(rel(&li, &lv) < 1e-6);
     let vl = tokenformer::loader::load_vl(&locate(&out), &dev).unwrap();
     let (mixed, _) = vl
@@ -1131,16 +963,7 @@ fn merge_shared_fixtures_reproduces_each_source() {
             None,
         )
         .unwrap();
-    let d = (mixed.unwrap() - lv.narrow(0, 2, 1).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let d = max_diff(&mixed.unwrap(), &lv.narrow(0, 2, 1).unwrap());
     assert!(d <= 1e-5, "mixed-mode image logits moved by {d}");
 }
 
@@ -1148,51 +971,21 @@ fn merge_shared_fixtures_reproduces_each_source() {
 fn merge_refuses_mismatched_or_wrong_models() {
     let root = tmp();
     let n = Neox {
-        d: 16,
-        heads: 2,
-        layers: 2,
         m: 32,
         vocab: 64,
         parallel: false,
+        ..TINY_NEOX
     };
     let src = root.path().join("neox");
     write_model(&src, &neox_config(&n), &neox_tensors(&n, 2, true));
     let lm16 = root.path().join("lm16");
-    ok(&convert(&[
-        "import",
-        "--from",
-        "gpt-neox",
-        "--input",
-        src.to_str().unwrap(),
-        "--out",
-        lm16.to_str().unwrap(),
-    ]));
-    let vit = repo_fixtures().join("vit-tiny-imagenet/vit-tiny");
+    ok(&import_args("gpt-neox", &src, &lm16));
+    let vit = vit_dir();
     let out = root.path().join("vl");
-    let e = fails(&convert(&[
-        "merge",
-        "--vision",
-        vit.to_str().unwrap(),
-        "--language",
-        lm16.to_str().unwrap(),
-        "--bridge-tokens",
-        "4",
-        "--out",
-        out.to_str().unwrap(),
-    ]));
+    let e = fails(&merge_args(&vit, &lm16, "4", &out));
     assert!(e.contains("hidden_size 32") && e.contains("16"), "{e}");
     // Swapped roles: a language model given as --vision.
-    let e = fails(&convert(&[
-        "merge",
-        "--vision",
-        lm16.to_str().unwrap(),
-        "--language",
-        vit.to_str().unwrap(),
-        "--bridge-tokens",
-        "4",
-        "--out",
-        out.to_str().unwrap(),
-    ]));
+    let e = fails(&merge_args(&lm16, &vit, "4", &out));
     assert!(
         e.contains("--vision") && e.contains("tokenformer-lm"),
         "{e}"

@@ -1,19 +1,26 @@
 //! `tokenformer-convert official` on the shipped official-format fixture.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
+use std::path::Path;
+use std::process::Output;
+
+use common::{lm_bin, load_lm, official_args, ok, run, s};
 use sha2::{Digest, Sha256};
 
-fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/official-lm-tiny")
-}
-
-fn convert(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_tokenformer-convert"))
-        .args(args)
-        .output()
-        .unwrap()
+/// `official` on the fixture's .bin with the 150M zoo config, which does not fit it.
+fn official_with_zoo_150m(out: &Path) -> Output {
+    let bin = lm_bin();
+    let args = [
+        "official",
+        "--input",
+        s(&bin),
+        "--zoo",
+        "tokenformer-150m",
+        "--out",
+        s(out),
+    ];
+    run(&args, &[])
 }
 
 fn sha(p: &Path) -> String {
@@ -24,19 +31,9 @@ fn sha(p: &Path) -> String {
 fn converts_checks_itself_and_loads_with_the_same_numbers() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("tiny");
-    let bin = fixture().join("pytorch_model.bin");
+    let bin = lm_bin();
     let before = sha(&bin);
-    let o = convert(&[
-        "official",
-        "--input",
-        bin.to_str().unwrap(),
-        "--config",
-        fixture().join("config.yml").to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = ok(&official_args(&out, ""));
     assert!(
         stdout.contains("= 0.000e0") && stdout.contains("Looks ok!"),
         "{stdout}"
@@ -49,17 +46,7 @@ fn converts_checks_itself_and_loads_with_the_same_numbers() {
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
 
     // The folder scores exactly like the official checkpoint.
-    let dev = candle_core::Device::Cpu;
-    let a = tokenformer::loader::load_lm(
-        &tokenformer::loader::locate(bin.to_str().unwrap(), &Default::default()).unwrap(),
-        &dev,
-    )
-    .unwrap();
-    let b = tokenformer::loader::load_lm(
-        &tokenformer::loader::locate(out.to_str().unwrap(), &Default::default()).unwrap(),
-        &dev,
-    )
-    .unwrap();
+    let (a, b) = (load_lm(&bin), load_lm(&out));
     let ids: Vec<u32> = (0..30).map(|i| i * 1601 % 50_000).collect();
     let (sa, sb) = (
         tokenformer::scoring::score_ids(&a, &ids).unwrap(),
@@ -71,15 +58,7 @@ fn converts_checks_itself_and_loads_with_the_same_numbers() {
     assert!(infos.iter().all(|t| t.dtype == "f16"), "{infos:?}");
 
     // A second run refuses to overwrite; --force replaces.
-    let o = convert(&[
-        "official",
-        "--input",
-        bin.to_str().unwrap(),
-        "--zoo",
-        "tokenformer-150m",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let o = official_with_zoo_150m(&out);
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("refusing to overwrite"));
 }
@@ -89,15 +68,7 @@ fn wrong_config_is_refused_and_nothing_is_written() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("bad");
     // The 150M config does not fit the tiny checkpoint.
-    let o = convert(&[
-        "official",
-        "--input",
-        fixture().join("pytorch_model.bin").to_str().unwrap(),
-        "--zoo",
-        "tokenformer-150m",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let o = official_with_zoo_150m(&out);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(

@@ -1,31 +1,30 @@
 //! `tokenformer-convert publish` against a local imitation of the Hub.
 
+mod common;
 #[path = "../../tests/common/hub_server.rs"]
 mod hub_server;
 
 use std::collections::BTreeMap;
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
+use common::{lm_bin, load_lm, merge_args, official_args, run, s, values, vit_dir};
 use hub_server::FakeHub;
 use sha2::{Digest, Sha256};
 
 const TOKEN: &str = "hf_test_secret_token_123";
 
-fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/official-lm-tiny")
-}
-
-fn convert(args: &[&str], endpoint: &str, home: &Path) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_tokenformer-convert"))
-        .args(args)
-        .env("HF_ENDPOINT", endpoint)
-        .env("HF_HOME", home)
-        .env("HF_TOKEN", TOKEN)
-        .env("NO_PROXY", "127.0.0.1")
-        .env("TOKENFORMER_HUB_RETRIES", "0")
-        .output()
-        .unwrap();
+/// Runs the converter against the hub at `endpoint` with `home` as its cache;
+/// returns (succeeded, stdout, stderr).
+fn convert<S: AsRef<OsStr>>(args: &[S], endpoint: &str, home: &Path) -> (bool, String, String) {
+    let env = [
+        ("HF_ENDPOINT", endpoint),
+        ("HF_HOME", s(home)),
+        ("HF_TOKEN", TOKEN),
+        ("NO_PROXY", "127.0.0.1"),
+        ("TOKENFORMER_HUB_RETRIES", "0"),
+    ];
+    let o = run(args, &env);
     (
         o.status.success(),
         String::from_utf8_lossy(&o.stdout).into(),
@@ -46,21 +45,21 @@ fn folder_hashes(dir: &Path) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// `publish --model <model> --repo <repo>` plus `flags`, against the hub at `endpoint`.
+fn publish(
+    model: &Path,
+    repo: &str,
+    flags: &[&str],
+    endpoint: &str,
+    home: &Path,
+) -> (bool, String, String) {
+    let args = [&["publish", "--model", s(model), "--repo", repo][..], flags].concat();
+    convert(&args, endpoint, home)
+}
+
 fn converted(tmp: &Path, hub: &str) -> PathBuf {
     let out = tmp.join("model");
-    let (ok, _, err) = convert(
-        &[
-            "official",
-            "--input",
-            fixture().join("pytorch_model.bin").to_str().unwrap(),
-            "--config",
-            fixture().join("config.yml").to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-        ],
-        hub,
-        &tmp.join("hf"),
-    );
+    let (ok, _, err) = convert(&official_args(&out, ""), hub, &tmp.join("hf"));
     assert!(ok, "{err}");
     out
 }
@@ -77,20 +76,10 @@ fn publish_then_download_gives_the_same_model() {
     )
     .unwrap();
     let before = folder_hashes(&model);
+    let (endpoint, home) = (hub.endpoint(), tmp.path().join("hf"));
 
     // Dry run: lists sha256s that match the files, uploads nothing.
-    let (ok, out, err) = convert(
-        &[
-            "publish",
-            "--model",
-            model.to_str().unwrap(),
-            "--repo",
-            "me/tiny",
-            "--dry-run",
-        ],
-        &hub.endpoint(),
-        &tmp.path().join("hf"),
-    );
+    let (ok, out, err) = publish(&model, "me/tiny", &["--dry-run"], &endpoint, &home);
     assert!(ok, "{err}");
     assert!(
         out.contains(&before["model.safetensors"]) && out.contains(&before["config.json"]),
@@ -99,19 +88,8 @@ fn publish_then_download_gives_the_same_model() {
     assert!(!hub.has_repo("me/tiny"));
     assert_eq!(folder_hashes(&model), before);
 
-    let (ok, out, err) = convert(
-        &[
-            "publish",
-            "--model",
-            model.to_str().unwrap(),
-            "--repo",
-            "me/tiny",
-            "--results",
-            results.to_str().unwrap(),
-        ],
-        &hub.endpoint(),
-        &tmp.path().join("hf"),
-    );
+    let flags = ["--results", s(&results)];
+    let (ok, out, err) = publish(&model, "me/tiny", &flags, &endpoint, &home);
     assert!(ok, "{err}");
     let head = hub.head("me/tiny", "main").unwrap();
     assert!(out.contains(&head), "commit URL in {out}");
@@ -158,33 +136,10 @@ fn publish_then_download_gives_the_same_model() {
     let b = tokenformer::checkpoint::read_safetensors(&[paths[1].clone()], None, &dev).unwrap();
     assert_eq!(a.len(), b.len());
     for (k, t) in &a {
-        let (x, y) = (
-            t.flatten_all()
-                .unwrap()
-                .to_dtype(candle_core::DType::F32)
-                .unwrap(),
-            b[k].flatten_all()
-                .unwrap()
-                .to_dtype(candle_core::DType::F32)
-                .unwrap(),
-        );
-        assert_eq!(
-            x.to_vec1::<f32>().unwrap(),
-            y.to_vec1::<f32>().unwrap(),
-            "{k}"
-        );
+        assert_eq!(values(t), values(&b[k]), "{k}");
     }
     let dl = paths[0].parent().unwrap();
-    let m1 = tokenformer::loader::load_lm(
-        &tokenformer::loader::locate(model.to_str().unwrap(), &Default::default()).unwrap(),
-        &dev,
-    )
-    .unwrap();
-    let m2 = tokenformer::loader::load_lm(
-        &tokenformer::loader::locate(dl.to_str().unwrap(), &Default::default()).unwrap(),
-        &dev,
-    )
-    .unwrap();
+    let (m1, m2) = (load_lm(&model), load_lm(dl));
     let ids = [5u32, 17, 900, 31_000, 2];
     let s1 = tokenformer::scoring::score_ids(&m1, &ids).unwrap();
     let s2 = tokenformer::scoring::score_ids(&m2, &ids).unwrap();
@@ -197,18 +152,9 @@ fn failing_server_leaves_the_folder_untouched() {
     let tmp = tempfile::tempdir().unwrap();
     let model = converted(tmp.path(), &hub.endpoint());
     let before = folder_hashes(&model);
+    let (endpoint, home) = (hub.endpoint(), tmp.path().join("hf"));
     hub.fail_all(500);
-    let (ok, _, err) = convert(
-        &[
-            "publish",
-            "--model",
-            model.to_str().unwrap(),
-            "--repo",
-            "me/tiny",
-        ],
-        &hub.endpoint(),
-        &tmp.path().join("hf"),
-    );
+    let (ok, _, err) = publish(&model, "me/tiny", &[], &endpoint, &home);
     assert!(
         !ok && err.contains("me/tiny") && !err.contains("panicked"),
         "{err}"
@@ -216,35 +162,14 @@ fn failing_server_leaves_the_folder_untouched() {
     assert!(!err.contains(TOKEN));
     assert_eq!(folder_hashes(&model), before);
     // Refused connection.
-    let endpoint = hub.endpoint();
     hub.stop();
-    let (ok, _, err) = convert(
-        &[
-            "publish",
-            "--model",
-            model.to_str().unwrap(),
-            "--repo",
-            "me/tiny",
-        ],
-        &endpoint,
-        &tmp.path().join("hf"),
-    );
+    let (ok, _, err) = publish(&model, "me/tiny", &[], &endpoint, &home);
     assert!(!ok && !err.contains("panicked"), "{err}");
     assert_eq!(folder_hashes(&model), before);
     // A folder that is not a model is refused before any network use.
     let empty = tmp.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
-    let (ok, _, err) = convert(
-        &[
-            "publish",
-            "--model",
-            empty.to_str().unwrap(),
-            "--repo",
-            "me/x",
-        ],
-        &endpoint,
-        &tmp.path().join("hf2"),
-    );
+    let (ok, _, err) = publish(&empty, "me/x", &[], &endpoint, &tmp.path().join("hf2"));
     assert!(!ok && err.contains("config.json"), "{err}");
 }
 
@@ -261,25 +186,11 @@ fn copy_folder(from: &Path, to: &Path) {
 fn publish_validates_vision_and_vision_language_folders() {
     let hub = FakeHub::start();
     let tmp = tempfile::tempdir().unwrap();
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
     let vit = tmp.path().join("vit");
-    copy_folder(&fixtures.join("vit-tiny-imagenet/vit-tiny"), &vit);
+    copy_folder(&vit_dir(), &vit);
     let before = folder_hashes(&vit);
-    let home = tmp.path().join("hf");
-    let dry = |dir: &Path| {
-        convert(
-            &[
-                "publish",
-                "--model",
-                dir.to_str().unwrap(),
-                "--repo",
-                "me/vision",
-                "--dry-run",
-            ],
-            &hub.endpoint(),
-            &home,
-        )
-    };
+    let (endpoint, home) = (hub.endpoint(), tmp.path().join("hf"));
+    let dry = |dir: &Path| publish(dir, "me/vision", &["--dry-run"], &endpoint, &home);
 
     // The classifier loads, runs the probe image and is listed with its real hashes.
     let (ok, out, err) = dry(&vit);
@@ -310,21 +221,7 @@ fn publish_validates_vision_and_vision_language_folders() {
 
     // A merged vision-language folder is validated with a mixed forward pass.
     let vlm = tmp.path().join("vl");
-    let (ok, _, err) = convert(
-        &[
-            "merge",
-            "--vision",
-            vit.to_str().unwrap(),
-            "--language",
-            fixture().join("pytorch_model.bin").to_str().unwrap(),
-            "--bridge-tokens",
-            "4",
-            "--out",
-            vlm.to_str().unwrap(),
-        ],
-        &hub.endpoint(),
-        &home,
-    );
+    let (ok, _, err) = convert(&merge_args(&vit, &lm_bin(), "4", &vlm), &endpoint, &home);
     assert!(ok, "{err}");
     let (ok, out, err) = dry(&vlm);
     assert!(ok, "{err}");
