@@ -6,19 +6,8 @@ use anyhow::Result;
 use candle_core::{Tensor, D};
 use tokenformer::models::tokenformer::TokenFormerLm;
 
-/// A deterministic token sequence spread over the vocabulary.
-pub fn probe_ids(vocab: usize, max_positions: usize) -> Vec<u32> {
-    let n = 24.min(max_positions).max(1);
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % vocab as u64) as u32
-        })
-        .collect()
-}
+/// The probe token sequence, shared with the tests that check the reported shift.
+pub use tokenformer::scoring::probe_ids;
 
 /// The fixed probe image, shared with the tests that check the reported shift.
 pub use tokenformer::vision::probe_pixels;

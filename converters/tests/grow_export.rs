@@ -16,6 +16,7 @@ use common::{
 use serde_json::Value;
 use tokenformer::checkpoint::{self, torch_zip};
 use tokenformer::loader;
+use tokenformer::scoring::probe_ids;
 
 /// `grow --model <model> --out <out>`, then the whitespace-separated `flags`.
 fn grow_args(model: &Path, out: &Path, flags: &str) -> Vec<String> {
@@ -25,21 +26,6 @@ fn grow_args(model: &Path, out: &Path, flags: &str) -> Vec<String> {
 /// `export --model <model> --out <out>`, then the whitespace-separated `flags`.
 fn export_args(model: &Path, out: &Path, flags: &str) -> Vec<String> {
     cmd(&["export", "--model", s(model), "--out", s(out)], flags)
-}
-
-/// The converters' probe sequence (converters/src/probe.rs), so the test can
-/// recompute on the same input the shift the tool reports.
-fn probe_ids(vocab: usize, max_positions: usize) -> Vec<u32> {
-    let n = 24.min(max_positions).max(1);
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % vocab as u64) as u32
-        })
-        .collect()
 }
 
 /// A different, longer input of our own for the equality checks.
