@@ -78,7 +78,6 @@ pub struct ImagenetResult {
     pub merged_shards: Vec<String>,
 }
 
-/// Percent, 0 for an empty count (JSON has no NaN).
 /// Images per second, 0 for no time.
 fn rate(images: usize, seconds: f64) -> f64 {
     if seconds > 0.0 {
@@ -88,6 +87,7 @@ fn rate(images: usize, seconds: f64) -> f64 {
     }
 }
 
+/// Percent, 0 for an empty count (JSON has no NaN).
 fn percent(correct: usize, total: usize) -> f64 {
     if total == 0 {
         0.0
