@@ -15,6 +15,7 @@ pub mod kernels;
 pub mod loader;
 pub mod models;
 pub mod pattention;
+pub mod probe;
 pub mod scoring;
 pub mod vision;
 pub mod zoo;

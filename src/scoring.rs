@@ -327,18 +327,3 @@ fn target_logprobs(logits: &Tensor, targets: &[u32], greedy: bool) -> Result<Vec
     let data = logits.flatten_all()?.to_vec1::<f32>()?;
     Ok(compute(&data))
 }
-
-/// A deterministic token sequence spread over the vocabulary: the input the
-/// converters run the source and the result on to report their difference.
-pub fn probe_ids(vocab: usize, max_positions: usize) -> Vec<u32> {
-    let n = 24.min(max_positions).max(1);
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-    (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % vocab as u64) as u32
-        })
-        .collect()
-}

@@ -6,11 +6,9 @@ use anyhow::Result;
 use candle_core::{Tensor, D};
 use tokenformer::models::tokenformer::TokenFormerLm;
 
-/// The probe token sequence, shared with the tests that check the reported shift.
-pub use tokenformer::scoring::probe_ids;
-
-/// The fixed probe image, shared with the tests that check the reported shift.
-pub use tokenformer::vision::probe_pixels;
+/// The probe inputs live in the library, so the tests that check the
+/// reported shift run on the same ones.
+pub use tokenformer::probe::{probe_ids, probe_pixels};
 
 /// Logits [t, vocab] of a language model on the probe sequence.
 pub fn lm_logits(model: &TokenFormerLm) -> Result<Tensor> {

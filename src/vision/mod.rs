@@ -227,26 +227,3 @@ impl ClassLabels {
         self.names.as_ref()?.get(i).map(String::as_str)
     }
 }
-
-/// A random-looking but fixed image [1, C, S, S] of normalised pixels,
-/// uniform in [-2, 2) (about the range of ImageNet-normalised values), so a
-/// vision model's probe exercises every patch and channel differently. The
-/// converters' self-check input.
-pub fn probe_pixels(
-    channels: usize,
-    size: usize,
-    device: &candle_core::Device,
-) -> candle_core::Result<candle_core::Tensor> {
-    let n = channels * size * size;
-    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            // The top 24 bits as a uniform in [0, 1), exactly representable in f32.
-            ((x >> 40) as f32 / (1u32 << 24) as f32) * 4.0 - 2.0
-        })
-        .collect();
-    candle_core::Tensor::from_vec(v, (1, channels, size, size), device)
-}
