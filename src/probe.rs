@@ -26,15 +26,21 @@ pub fn probe_ids(vocab: usize, max_positions: usize) -> Vec<u32> {
         .collect()
 }
 
-/// A random-looking image [1, C, S, S] of normalised pixels, uniform in
-/// [-2, 2) (about the range of ImageNet-normalised values), so a vision
-/// model's probe exercises every patch and channel differently.
-pub fn probe_pixels(channels: usize, size: usize, device: &Device) -> Result<Tensor> {
-    let n = channels * size * size;
+/// `images` random-looking images [images, C, S, S] of normalised pixels,
+/// uniform in [-2, 2) (about the range of ImageNet-normalised values), so a
+/// vision model's probe exercises every patch and channel differently. The
+/// first image is the same whatever `images` is.
+pub fn probe_pixels(
+    images: usize,
+    channels: usize,
+    size: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let n = images * channels * size * size;
     let v: Vec<f32> = lcg(0x2545_F491_4F6C_DD1D)
         .take(n)
         // The top 24 bits as a uniform in [0, 1), exactly representable in f32.
         .map(|x| ((x >> 40) as f32 / (1u32 << 24) as f32) * 4.0 - 2.0)
         .collect();
-    Tensor::from_vec(v, (1, channels, size, size), device)
+    Tensor::from_vec(v, (images, channels, size, size), device)
 }

@@ -71,6 +71,6 @@ impl Family {
 /// Class logits [num_classes] of an image classifier on the probe image.
 fn vit_logits(model: &VisionTransformer) -> Result<Tensor> {
     let cfg = model.config();
-    let pixels = probe::probe_pixels(cfg.num_channels, cfg.image_size, model.device())?;
+    let pixels = probe::probe_pixels(1, cfg.num_channels, cfg.image_size, model.device())?;
     Ok(model.forward(&pixels)?.squeeze(0)?)
 }

@@ -117,7 +117,7 @@ pub fn run(a: MergeArgs) -> Result<()> {
     let input = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
     let lm_ref = language.forward(&input, None)?;
     let text_diff = probe::max_abs_diff(&merged.language().forward(&input, None)?, &lm_ref)?;
-    let pixels = probe_pixels(&vcfg, &dev)?;
+    let pixels = probe::probe_pixels(2, vcfg.num_channels, vcfg.image_size, &dev)?;
     let vit_ref = vision.forward(&pixels)?;
     let image_diff = probe::max_abs_diff(&merged.vision().forward(&pixels)?, &vit_ref)?;
     let (mixed_img, _) = merged.forward_mixed(Some(&pixels.narrow(0, 0, 1)?), &input, None)?;
@@ -188,15 +188,4 @@ pub fn run(a: MergeArgs) -> Result<()> {
     let out = staging.commit()?;
     println!("wrote {}", out.display());
     Ok(())
-}
-
-/// Seeded pixels in normalised units for the merge check.
-fn probe_pixels(cfg: &tokenformer::models::vit::Config, dev: &Device) -> Result<Tensor> {
-    let n = cfg.num_channels * cfg.image_size * cfg.image_size;
-    Ok(seeded_normal(7, "probe-pixels", 2, n, 1.0, dev)?.reshape((
-        2,
-        cfg.num_channels,
-        cfg.image_size,
-        cfg.image_size,
-    ))?)
 }

@@ -138,7 +138,7 @@ fn validate(dir: &Path) -> Result<String> {
         vit::ARCHITECTURE => {
             let model = loader::load_vit(&files, &dev)?;
             let cfg = model.config();
-            let pixels = probe::probe_pixels(cfg.num_channels, cfg.image_size, &dev)?;
+            let pixels = probe::probe_pixels(1, cfg.num_channels, cfg.image_size, &dev)?;
             check_finite(&model.forward(&pixels)?, "")?;
             Ok(format!(
                 "{}, {} layers, {} classes, probe forward ok",
@@ -151,7 +151,7 @@ fn validate(dir: &Path) -> Result<String> {
             // The mixed sequence exercises both routes and the shared attention at once.
             let model = loader::load_vl(&files, &dev)?;
             let (v, l) = (model.vision().config(), model.language().config());
-            let pixels = probe::probe_pixels(v.num_channels, v.image_size, &dev)?;
+            let pixels = probe::probe_pixels(1, v.num_channels, v.image_size, &dev)?;
             let ids = probe::probe_ids(l.vocab_size, l.max_position_embeddings);
             let ids = Tensor::new(ids.as_slice(), &dev)?.unsqueeze(0)?;
             let (image, text) = model.forward_mixed(Some(&pixels), &ids, None)?;

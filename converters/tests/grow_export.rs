@@ -655,7 +655,7 @@ fn grow_vision_keep_is_exact_grow_reports_the_real_shift_and_ladders_compose() {
         "--scale grow should change the vision logits, shift {d}"
     );
     // The converters' probe image, so the shift checked is the one the tool reports.
-    let probe = tokenformer::probe::probe_pixels(3, 32, &Device::Cpu).unwrap();
+    let probe = tokenformer::probe::probe_pixels(1, 3, 32, &Device::Cpu).unwrap();
     let real = max_diff(&vit_logits(&vit, &probe), &vit_logits(&grown, &probe));
     assert_same_shift("card says", card_shift(&grown) as f32, real, 1e-6);
     assert_eq!(hash_tree(&vit), before, "the input was modified");
