@@ -11,6 +11,7 @@ model="${1:-150m}"
 peer="${2:-../shared/bench/torch_baseline.py}"
 runs="${RUNS:-1}"
 cargo build --release --quiet
+sync  # nothing left for the kernel to write back during the timed runs
 results=()
 for _ in $(seq "$runs"); do
     results+=("$(./target/release/tokenformer bench --config "$model" --json)")
