@@ -152,14 +152,6 @@ pub fn write_random(cfg: &Config, device: &Device) -> Result<tempfile::TempDir> 
     std::fs::write(&cfg_path, serde_json::to_string(cfg).expect("serialisable"))
         .map_err(|e| crate::Error::io(&cfg_path, e))?;
     checkpoint::write_safetensors(dir.path(), &t, checkpoint::DEFAULT_SHARD_BYTES)?;
-    // Flushed now: left dirty, the ~300 MB would be written back by the kernel
-    // 30 s later, in the middle of a timed run.
-    for entry in std::fs::read_dir(dir.path()).map_err(|e| crate::Error::io(dir.path(), e))? {
-        let path = entry.map_err(|e| crate::Error::io(dir.path(), e))?.path();
-        std::fs::File::open(&path)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| crate::Error::io(&path, e))?;
-    }
     Ok(dir)
 }
 

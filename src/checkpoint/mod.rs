@@ -299,7 +299,10 @@ impl candle_nn::var_builder::SimpleBackend for HandOver {
 }
 
 /// Writes `tensors` into `dir` as `model.safetensors`, or as shards of at most
-/// `max_shard_bytes` with an index when they do not fit in one.
+/// `max_shard_bytes` with an index when they do not fit in one. The shards
+/// are on disk when it returns (as the torch zip writer's archive is): the
+/// converters rename their output into place only after, and `bench` times
+/// nothing while the kernel is still writing hundreds of MB back.
 pub fn write_safetensors(
     dir: &Path,
     tensors: &Tensors,
@@ -334,6 +337,9 @@ pub fn write_safetensors(
             &path,
         )
         .map_err(|e| Error::checkpoint(&path, format!("cannot write: {e}")))?;
+        std::fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| Error::io(&path, e))?;
         for (name, _) in shard {
             weight_map.insert((*name).clone(), file.clone());
         }

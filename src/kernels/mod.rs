@@ -379,14 +379,18 @@ impl<'a> Weights<'a> {
         }
     }
 
+    /// Bytes in a row of width k.
+    fn row_bytes(&self, k: usize) -> usize {
+        match self {
+            Self::F32(_) => 4 * k,
+            Self::F16(_) => 2 * k,
+        }
+    }
+
     /// How many rows ahead of the one in use to prefetch: [`PREFETCH_BYTES`]
     /// worth, at least one.
     fn rows_ahead(&self, k: usize) -> usize {
-        let row = match self {
-            Self::F32(_) => 4 * k,
-            Self::F16(_) => 2 * k,
-        };
-        PREFETCH_BYTES.div_ceil(row.max(1))
+        PREFETCH_BYTES.div_ceil(self.row_bytes(k).max(1))
     }
 
     /// Asks for row j, if there is one, to be brought into L1.
@@ -396,12 +400,12 @@ impl<'a> Weights<'a> {
         {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             let rows = j * k..(j + 1) * k;
-            let row = match self {
-                Self::F32(w) => w.get(rows).map(|r| (r.as_ptr().cast::<i8>(), 4 * k)),
-                Self::F16(w) => w.get(rows).map(|r| (r.as_ptr().cast::<i8>(), 2 * k)),
+            let start = match self {
+                Self::F32(w) => w.get(rows).map(|r| r.as_ptr().cast::<i8>()),
+                Self::F16(w) => w.get(rows).map(|r| r.as_ptr().cast::<i8>()),
             };
-            let Some((start, bytes)) = row else { return };
-            for off in (0..bytes).step_by(64) {
+            let Some(start) = start else { return };
+            for off in (0..self.row_bytes(k)).step_by(64) {
                 // SAFETY: the address is inside the row (and a prefetch is
                 // only a hint that never faults).
                 unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(off)) };
