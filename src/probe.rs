@@ -1,9 +1,10 @@
 //! The fixed inputs the converters run a source model and its conversion on
 //! to report how far apart they are (Hugging Face's "Looks ok!" check in
 //! their conversion scripts): a token sequence and an image, both from one
-//! seeded linear congruential generator so they are the same on every machine.
+//! seeded linear congruential generator so they are the same on every machine,
+//! and the one measure of "how far apart" that the converters and tests share.
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor, D};
 
 /// Knuth's MMIX LCG from `seed`: a deterministic stream of 64-bit states.
 fn lcg(seed: u64) -> impl Iterator<Item = u64> {
@@ -43,4 +44,13 @@ pub fn probe_pixels(
         .map(|x| ((x >> 40) as f32 / (1u32 << 24) as f32) * 4.0 - 2.0)
         .collect();
     Tensor::from_vec(v, (images, channels, size, size), device)
+}
+
+/// max |a − b| over all elements (both f32, same shape).
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    (a - b)?
+        .abs()?
+        .flatten_all()?
+        .max(D::Minus1)?
+        .to_scalar::<f32>()
 }

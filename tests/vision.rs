@@ -3,6 +3,8 @@
 //! Pillow-made images in the modes it converts specially
 //! (`tests/fixtures/vision-pillow`, see its `make_fixtures.py`).
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -14,9 +16,7 @@ use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::vit::{self, VisionTransformer};
 use tokenformer::vision::{self, dataset, resample::Filter, EvalTransform};
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
+use common::fixtures;
 
 fn tiny() -> PathBuf {
     fixtures().join("vit-tiny-imagenet")

@@ -5,7 +5,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use tokenformer::checkpoint::Tensors;
 use tokenformer::loader;
 use tokenformer::models::vl::{self, VisionLanguageModel};
@@ -64,16 +64,7 @@ fn abs_sum(t: &Tensor) -> f32 {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(D::Minus1)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    tokenformer::probe::max_abs_diff(a, b).unwrap()
 }
 
 fn ids_tensor(ids: &[u32]) -> Tensor {

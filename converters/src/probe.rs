@@ -3,12 +3,12 @@
 //! logit difference.
 
 use anyhow::Result;
-use candle_core::{Tensor, D};
+use candle_core::Tensor;
 use tokenformer::models::tokenformer::TokenFormerLm;
 
 /// The probe inputs live in the library, so the tests that check the
 /// reported shift run on the same ones.
-pub use tokenformer::probe::{probe_ids, probe_pixels};
+pub use tokenformer::probe::{max_abs_diff, probe_ids, probe_pixels};
 
 /// Logits [t, vocab] of a language model on the probe sequence.
 pub fn lm_logits(model: &TokenFormerLm) -> Result<Tensor> {
@@ -16,15 +16,6 @@ pub fn lm_logits(model: &TokenFormerLm) -> Result<Tensor> {
     let ids = probe_ids(cfg.vocab_size, cfg.max_position_embeddings);
     let input = Tensor::new(ids.as_slice(), model.device())?.unsqueeze(0)?;
     Ok(model.forward(&input, None)?.squeeze(0)?)
-}
-
-/// max |a − b| over all elements.
-pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    Ok((a - b)?
-        .abs()?
-        .flatten_all()?
-        .max(D::Minus1)?
-        .to_scalar::<f32>()?)
 }
 
 /// Prints the comparison and says whether it is within `tolerance`.

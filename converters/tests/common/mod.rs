@@ -9,7 +9,7 @@ use std::fmt::Debug;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 use tokenformer::loader::{self, ModelFiles};
 use tokenformer::models::tokenformer::TokenFormerLm;
@@ -175,16 +175,7 @@ pub fn bits(t: &Tensor) -> Vec<u32> {
 
 /// The largest absolute elementwise difference.
 pub fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(D::Minus1)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    tokenformer::probe::max_abs_diff(a, b).unwrap()
 }
 
 /// The model files at a local path, found the way the CLI finds them.
