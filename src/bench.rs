@@ -133,6 +133,38 @@ pub fn pattention_gflops(rows: usize, d: usize, n: usize, device: &Device) -> Re
     Ok(4.0 * (rows * d * n) as f64 / secs / 1e9)
 }
 
+/// The machine's streaming read bandwidth in GB/s: all threads summing a
+/// 256 MiB buffer (over twice the L3 of the development machine), best of
+/// five passes. It is the ceiling decode runs against.
+pub fn memory_read_gb_per_s() -> f64 {
+    use rayon::prelude::*;
+    let buf: Vec<f32> = (0..64usize << 20).map(|i| (i % 7) as f32).collect();
+    let mut best = f64::INFINITY;
+    let mut check = 0f32;
+    for _ in 0..5 {
+        let t = Instant::now();
+        check += buf
+            .par_chunks(1 << 20)
+            .map(crate::kernels::sum)
+            .sum::<f32>();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    // The sums are used, so the reads cannot be optimised away.
+    std::hint::black_box(check);
+    (buf.len() * 4) as f64 / best / 1e9
+}
+
+/// Bytes one decode step reads with f32 weights at context `position`: every
+/// Pattention key and value matrix, the output matrix, and the cached keys
+/// and values of all layers (norms and the one embedding row are noise).
+pub fn decode_bytes_per_token(cfg: &Config, position: usize) -> f64 {
+    let d = cfg.hidden_size;
+    let tokens: usize = cfg.pattentions().iter().map(|(_, n)| n).sum();
+    let weights = cfg.num_layers * 2 * tokens * d + cfg.vocab_size * d;
+    let kv = cfg.num_layers * 2 * position * d;
+    (4 * (weights + kv)) as f64
+}
+
 /// f32 matmul GFLOP/s at 2048³: the machine's ceiling for reference.
 pub fn matmul_gflops(device: &Device) -> Result<f64> {
     let a = Tensor::randn(0f32, 1.0, (2048, 2048), device)?;
@@ -200,6 +232,9 @@ pub fn run_lm(
         "threads".into(),
         json!(candle_core::utils::get_num_threads()),
     );
+    // Measured first, while nothing else is resident, so its buffer does not
+    // raise the peak memory reported at the end.
+    let read_bw = want("decode").then(memory_read_gb_per_s);
     let dir = write_random(cfg, device)?;
     let (model, load_s, peak) = load_timed(dir.path(), DType::F32, device)?;
     out.insert("load_seconds".into(), json!(round(load_s, 3)));
@@ -214,10 +249,22 @@ pub fn run_lm(
             );
         }
     }
-    if want("decode") {
+    if let Some(bw) = read_bw {
+        let (prompt, steps) = (512, 64);
+        let tps = decode(&model, prompt, steps)?;
+        // The average context over the timed steps.
+        let bytes = decode_bytes_per_token(cfg, prompt + steps / 2);
+        let limit = bw * 1e9 / bytes;
+        out.insert("decode_tokens_per_s".into(), json!(round(tps, 2)));
+        out.insert("memory_read_gb_per_s".into(), json!(round(bw, 1)));
+        out.insert("decode_mb_per_token".into(), json!(round(bytes / 1e6, 1)));
         out.insert(
-            "decode_tokens_per_s".into(),
-            json!(round(decode(&model, 512, 64)?, 2)),
+            "decode_bandwidth_limit_tokens_per_s".into(),
+            json!(round(limit, 2)),
+        );
+        out.insert(
+            "decode_fraction_of_limit".into(),
+            json!(round(tps / limit, 2)),
         );
     }
     if want("decode_f16") {
@@ -321,4 +368,19 @@ pub fn vit_b16_images_per_s(device: &Device) -> Result<f64> {
 pub fn round(x: f64, digits: i32) -> f64 {
     let f = 10f64.powi(digits);
     (x * f).round() / f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_reads_every_weight_matrix_and_the_cache() {
+        // TokenFormer-150M: 12 layers, d 768, 3×768 qkv + 768 proj + 3072 ffn
+        // parameter tokens with a key and a value matrix each, a 50304×768
+        // output matrix, and at context 544 a 12×2×544×768 KV cache; f32.
+        let cfg = lm_config("150m").unwrap();
+        let floats = 12 * 2 * (3 * 768 + 768 + 3072) * 768 + 50_304 * 768 + 12 * 2 * 544 * 768;
+        assert_eq!(decode_bytes_per_token(&cfg, 544), (4 * floats) as f64);
+    }
 }

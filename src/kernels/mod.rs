@@ -208,6 +208,8 @@ dispatch! {
     /// The row's maximum and Σ exp(v − max): a log-softmax's two reductions,
     /// vectorised (the output layer's rows are vocabulary-sized).
     pub fn max_and_exp_sum(row: &[f32]) -> (f32, f64) = max_and_exp_sum_generic;
+    /// Σ a, vectorised: the streaming read the benchmark measures bandwidth with.
+    pub fn sum(a: &[f32]) -> f32 = sum_generic;
 }
 
 struct ThetaOp {
@@ -336,6 +338,19 @@ fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     acc.iter().sum::<f32>() + ta.iter().zip(tb).map(|(x, y)| x * y).sum::<f32>()
+}
+
+fn sum_generic(a: &[f32]) -> f32 {
+    // Four vectors of partial sums, so the adds' latency never limits the read.
+    let mut acc = [0f32; 64];
+    let c = a.chunks_exact(64);
+    let tail = c.remainder();
+    for x in c {
+        for k in 0..64 {
+            acc[k] += x[k];
+        }
+    }
+    acc.iter().sum::<f32>() + tail.iter().sum::<f32>()
 }
 
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
@@ -746,5 +761,17 @@ mod tests {
             .to_vec1()
             .unwrap();
         assert!(row[..5].iter().all(|&p| p > 0.0) && row[5..].iter().all(|&p| p == 0.0));
+    }
+
+    #[test]
+    fn sum_matches_f64_sum() {
+        // Lengths around the 64-wide chunks, so the tail is exercised too.
+        for n in [0, 1, 63, 64, 65, 1000, 4099] {
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 8.0)
+                .collect();
+            let want: f64 = v.iter().map(|&x| x as f64).sum();
+            assert!((sum(&v) as f64 - want).abs() < 1e-3, "n={n}");
+        }
     }
 }
