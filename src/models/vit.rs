@@ -319,8 +319,7 @@ impl VisionTransformer {
             .permute((0, 2, 4, 1, 3, 5))?
             .contiguous()?
             .reshape((b * gh * gw, c * p * p))?;
-        patches
-            .matmul(&self.patch_weight_t)?
+        crate::kernels::matmul_nn(&patches, &self.patch_weight_t)?
             .broadcast_add(&self.patch_bias)?
             .reshape((b, gh * gw, self.cfg.hidden_size))
     }
