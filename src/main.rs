@@ -54,6 +54,7 @@ enum EvalCommand {
 
 fn main() {
     quiet_backtraces();
+    tokenformer::alloc::keep_freed_memory();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");

@@ -208,6 +208,7 @@ fn read_safetensors_file(
     let mut infos: Vec<_> = meta.tensors().into_iter().collect();
     infos.sort_by_key(|(_, i)| i.data_offsets.0);
     let data_start = 8 + header_len;
+    let mut scratch = Scratch::default();
     for (name, info) in infos {
         let tensor_err = |msg: String| Error::checkpoint(path, format!("tensor `{name}`: {msg}"));
         let (start, end) = info.data_offsets;
@@ -220,13 +221,10 @@ fn read_safetensors_file(
             )));
         }
         let stored = DType::try_from(info.dtype).map_err(|e| tensor_err(e.to_string()))?;
-        let t = {
-            let mut buf = vec![0u8; bytes];
-            read_at(&mut buf, data_start + start as u64)?;
-            Tensor::from_raw_buffer(&buf, stored, &info.shape, &Device::Cpu)
-        };
-        let t = t
-            .and_then(|t| convert(t, dtype, device))
+        let buf = scratch.bytes(bytes);
+        read_at(buf, data_start + start as u64)?;
+        let t = decode(buf, stored, &info.shape, dtype)
+            .and_then(|t| t.to_device(device))
             .map_err(|e| tensor_err(e.to_string()))?;
         if out.insert(name.clone(), t).is_some() {
             return Err(Error::checkpoint(
@@ -236,6 +234,52 @@ fn read_safetensors_file(
         }
     }
     Ok(())
+}
+
+/// One read buffer for all tensors of a file. Reusing it matters because the
+/// `tokenformer` binary keeps freed memory (see `alloc::keep_freed_memory`):
+/// a fresh buffer per tensor would leave holes that count as resident.
+#[derive(Default)]
+struct Scratch(Vec<u64>);
+
+impl Scratch {
+    /// `n` bytes, 8-byte aligned so they can be viewed as any float type.
+    fn bytes(&mut self, n: usize) -> &mut [u8] {
+        if self.0.len() * 8 < n {
+            self.0 = vec![0; n.div_ceil(8)];
+        }
+        &mut bytemuck::cast_slice_mut(&mut self.0)[..n]
+    }
+}
+
+/// Builds a tensor of `target` dtype from stored little-endian bytes. Half
+/// floats widen straight into the f32 result (no intermediate half tensor),
+/// so the only allocation is the tensor that is kept.
+fn decode(
+    buf: &[u8],
+    stored: DType,
+    shape: &[usize],
+    target: Option<DType>,
+) -> candle_core::Result<Tensor> {
+    use half::slice::HalfFloatSliceExt;
+    let widen = |convert: &dyn Fn(&mut [f32])| {
+        let mut out = vec![0f32; buf.len() / 2];
+        convert(&mut out);
+        Tensor::from_vec(out, shape, &Device::Cpu)
+    };
+    match (stored, target) {
+        (DType::F16, Some(DType::F32)) => {
+            widen(&|out| bytemuck::cast_slice::<u8, half::f16>(buf).convert_to_f32_slice(out))
+        }
+        (DType::BF16, Some(DType::F32)) => {
+            widen(&|out| bytemuck::cast_slice::<u8, half::bf16>(buf).convert_to_f32_slice(out))
+        }
+        _ => convert(
+            Tensor::from_raw_buffer(buf, stored, shape, &Device::Cpu)?,
+            target,
+            &Device::Cpu,
+        ),
+    }
 }
 
 fn convert(t: Tensor, dtype: Option<DType>, device: &Device) -> candle_core::Result<Tensor> {
@@ -359,4 +403,57 @@ pub fn write_safetensors(
         written.push(path);
     }
     Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every stored dtype read as f32 (the widening fast path for f16 and
+    /// bf16, candle's conversion otherwise) and as stored equals candle's own
+    /// conversion of the same values, across shards and a growing buffer.
+    #[test]
+    fn safetensors_read_converts_exactly_like_candle() -> Result<()> {
+        let dev = Device::Cpu;
+        let base = Tensor::randn(0f32, 3.0, (37, 5), &dev)?;
+        let mut tensors = Tensors::new();
+        tensors.insert(
+            "small_f16".into(),
+            base.narrow(0, 0, 3)?.to_dtype(DType::F16)?,
+        );
+        tensors.insert("f16".into(), base.to_dtype(DType::F16)?);
+        tensors.insert("bf16".into(), base.to_dtype(DType::BF16)?);
+        tensors.insert("f32".into(), base.clone());
+        tensors.insert("f64".into(), base.to_dtype(DType::F64)?);
+        let dir = tempfile::tempdir().map_err(|e| Error::io(std::env::temp_dir(), e))?;
+        let files: Vec<_> = write_safetensors(dir.path(), &tensors, 1000)?
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        assert!(files.len() > 1, "expected several shards");
+        for target in [None, Some(DType::F32)] {
+            let read = read_safetensors(&files, target, &dev)?;
+            assert_eq!(read.len(), tensors.len());
+            for (name, want) in &tensors {
+                let want = match target {
+                    Some(d) => want.to_dtype(d)?,
+                    None => want.clone(),
+                };
+                let got = &read[name];
+                assert_eq!(
+                    (got.dtype(), got.dims()),
+                    (want.dtype(), want.dims()),
+                    "{name}"
+                );
+                let (got, want) = (got.to_dtype(DType::F64)?, want.to_dtype(DType::F64)?);
+                let diff = (got - want)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f64>()?;
+                assert_eq!(diff, 0.0, "{name} read as {target:?}");
+            }
+        }
+        Ok(())
+    }
 }
