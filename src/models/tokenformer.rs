@@ -583,13 +583,20 @@ impl TokenFormerLm {
     /// Logits [b, t, vocab] for ids [b, t]. With a cache, positions continue
     /// from the cached length and the new keys/values are appended to it.
     pub fn forward(&self, ids: &Tensor, cache: Option<&mut Cache>) -> Result<Tensor> {
-        // Run on a rayon worker: every parallel kernel called from outside the
-        // pool puts the caller to sleep and wakes it again, ~130 times per
-        // decoded token; from inside, the calls just fork and join.
-        rayon::scope(|_| self.forward_in_pool(ids, cache))
+        // Decode steps run on a rayon worker: every parallel kernel called
+        // from outside the pool puts the caller to sleep and wakes it again,
+        // ~130 times per token (a tenth of decode); from inside, the calls
+        // just fork and join. Larger inputs stay on the calling thread, whose
+        // malloc arena keeps freed activations (see `alloc::keep_freed_memory`;
+        // a worker's arena would map and unmap its large blocks every time).
+        if ids.elem_count() <= crate::kernels::SMALL_ROWS {
+            rayon::scope(|_| self.forward_here(ids, cache))
+        } else {
+            self.forward_here(ids, cache)
+        }
     }
 
-    fn forward_in_pool(&self, ids: &Tensor, mut cache: Option<&mut Cache>) -> Result<Tensor> {
+    fn forward_here(&self, ids: &Tensor, mut cache: Option<&mut Cache>) -> Result<Tensor> {
         let (_, t) = ids.dims2()?;
         let offset = cache.as_ref().map_or(0, |c| c.len());
         let max = self.cfg.max_position_embeddings;
