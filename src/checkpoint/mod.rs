@@ -224,7 +224,7 @@ fn read_safetensors_file(
         let buf = scratch.bytes(bytes);
         read_at(buf, data_start + start as u64)?;
         let t = decode(buf, stored, &info.shape, dtype)
-            .and_then(|t| t.to_device(device))
+            .and_then(|t| convert(t, dtype, device))
             .map_err(|e| tensor_err(e.to_string()))?;
         if out.insert(name.clone(), t).is_some() {
             return Err(Error::checkpoint(
@@ -252,9 +252,10 @@ impl Scratch {
     }
 }
 
-/// Builds a tensor of `target` dtype from stored little-endian bytes. Half
-/// floats widen straight into the f32 result (no intermediate half tensor),
-/// so the only allocation is the tensor that is kept.
+/// The tensor of stored little-endian bytes. Half floats bound for f32 widen
+/// straight into the f32 result (no intermediate half tensor), so the only
+/// allocation is the tensor that is kept; anything else comes back as stored,
+/// for [`convert`].
 fn decode(
     buf: &[u8],
     stored: DType,
@@ -262,24 +263,12 @@ fn decode(
     target: Option<DType>,
 ) -> candle_core::Result<Tensor> {
     use half::slice::HalfFloatSliceExt;
-    let widen = |convert: &dyn Fn(&mut [f32])| {
-        let mut out = vec![0f32; buf.len() / 2];
-        convert(&mut out);
-        Tensor::from_vec(out, shape, &Device::Cpu)
+    let widened = match (stored, target) {
+        (DType::F16, Some(DType::F32)) => bytemuck::cast_slice::<u8, half::f16>(buf).to_f32_vec(),
+        (DType::BF16, Some(DType::F32)) => bytemuck::cast_slice::<u8, half::bf16>(buf).to_f32_vec(),
+        _ => return Tensor::from_raw_buffer(buf, stored, shape, &Device::Cpu),
     };
-    match (stored, target) {
-        (DType::F16, Some(DType::F32)) => {
-            widen(&|out| bytemuck::cast_slice::<u8, half::f16>(buf).convert_to_f32_slice(out))
-        }
-        (DType::BF16, Some(DType::F32)) => {
-            widen(&|out| bytemuck::cast_slice::<u8, half::bf16>(buf).convert_to_f32_slice(out))
-        }
-        _ => convert(
-            Tensor::from_raw_buffer(buf, stored, shape, &Device::Cpu)?,
-            target,
-            &Device::Cpu,
-        ),
-    }
+    Tensor::from_vec(widened, shape, &Device::Cpu)
 }
 
 fn convert(t: Tensor, dtype: Option<DType>, device: &Device) -> candle_core::Result<Tensor> {
