@@ -492,12 +492,22 @@ pub fn run(a: GrowArgs) -> Result<()> {
     Ok(())
 }
 
-/// The files a model was read from (none of them may be written).
+/// The files a model was read from, and its folder unless it was named as one file: none
+/// of them may be written into.
 pub fn input_paths(files: &loader::ModelFiles) -> Vec<PathBuf> {
     let mut v = match &files.weights {
         loader::Weights::Safetensors(p) => p.clone(),
         loader::Weights::OfficialBin(p) => vec![p.clone()],
     };
+    // A model named as a folder (or found in the Hub cache) owns its whole folder; one
+    // named as a single weights file owns only its files.
+    if !Path::new(&files.source).is_file() {
+        let folders: Vec<PathBuf> = v
+            .iter()
+            .filter_map(|p| p.parent().map(Path::to_path_buf))
+            .collect();
+        v.extend(folders);
+    }
     if let loader::ConfigSource::OfficialYml(y) = &files.config {
         v.push(y.clone());
     }

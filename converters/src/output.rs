@@ -37,6 +37,7 @@ impl Staging {
 
     /// Moves the finished folder to `out` (replacing it only if `--force` allowed that).
     pub fn commit(self) -> Result<PathBuf> {
+        default_permissions(self.tmp.path())?;
         let tmp = self.tmp.keep();
         if self.out.exists() {
             let old = tmp.with_extension("old");
@@ -90,16 +91,60 @@ pub fn check_target(out: &Path, force: bool) -> Result<()> {
     Ok(())
 }
 
-/// Fails if `out` would be inside (or be) the input, so the input is never modified.
+/// Fails if `out` is, holds or lies inside `input`, so the input is never modified (nor
+/// gains files). Paths are compared after resolving links, also for an `out` that does not
+/// exist yet.
 pub fn check_not_input(out: &Path, input: &Path) -> Result<()> {
-    let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
-    let (o, i) = (canon(out), canon(input));
-    if o == i || i.starts_with(&o) {
+    let (o, i) = (resolve(out)?, resolve(input)?);
+    if o.starts_with(&i) || i.starts_with(&o) {
         bail!(
-            "--out {} would overwrite the input {}",
+            "--out {} would write into the input {} (converters never modify their input; choose a folder outside it)",
             out.display(),
             input.display()
         );
+    }
+    Ok(())
+}
+
+/// The absolute path `p` names: its deepest existing ancestor canonicalised, the rest
+/// appended (refusing `..` there, which could climb out again after a link).
+fn resolve(p: &Path) -> Result<PathBuf> {
+    let abs = std::path::absolute(p).with_context(|| format!("cannot resolve {}", p.display()))?;
+    let mut rest = Vec::new();
+    let mut base = abs.as_path();
+    loop {
+        if let Ok(c) = std::fs::canonicalize(base) {
+            let mut out = c;
+            for part in rest.iter().rev() {
+                out.push(part);
+            }
+            return Ok(out);
+        }
+        match (base.parent(), base.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                base = parent;
+            }
+            _ => bail!(
+                "cannot resolve {} (it has a '..' after a missing folder)",
+                p.display()
+            ),
+        }
+    }
+}
+
+/// Every file and folder under `root` (and `root`) gets the mode a plain create would
+/// give it: the staging folder and safetensors' temporary files are private.
+fn default_permissions(root: &Path) -> Result<()> {
+    tokenformer::checkpoint::set_default_permissions(root)?;
+    for entry in std::fs::read_dir(root).with_context(|| format!("listing {}", root.display()))? {
+        let entry = entry?;
+        let ty = entry.file_type()?;
+        if ty.is_dir() {
+            default_permissions(&entry.path())?;
+        } else if ty.is_file() {
+            tokenformer::checkpoint::set_default_permissions(&entry.path())?;
+        }
     }
     Ok(())
 }

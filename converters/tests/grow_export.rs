@@ -441,6 +441,70 @@ fn converters_refuse_non_empty_output_and_replace_it_with_force() {
     assert_eq!(visible_entries(tmp.path()), ["out"]);
 }
 
+/// Runs `tokenformer-convert` under umask 027 (through `sh`, which sets it for the child).
+fn run_with_umask_027(args: &[String]) {
+    let o = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("umask 027 && exec \"$0\" \"$@\"")
+        .arg(env!("CARGO_BIN_EXE_tokenformer-convert"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+fn mode(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+}
+
+#[test]
+fn converters_never_write_into_their_input_and_outputs_follow_the_umask() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lm = tmp.path().join("lm");
+    run_with_umask_027(&official_args(&lm, ""));
+    // Every written file and folder follows the umask (the weights were 0600, the folder 0700).
+    for f in ["model.safetensors", "config.json", "README.md"] {
+        assert_eq!(mode(&lm.join(f)), 0o640, "{f}");
+    }
+    assert_eq!(mode(&lm), 0o750);
+    let grown = tmp.path().join("grown");
+    run_with_umask_027(&grow_args(&lm, &grown, "--qkv-tokens 30"));
+    assert_eq!(mode(&grown.join("model.safetensors")), 0o640);
+    assert_eq!(mode(&grown), 0o750);
+    let bin = tmp.path().join("x.bin");
+    run_with_umask_027(&export_args(&lm, &bin, ""));
+    assert_eq!(
+        (mode(&bin), mode(&bin.with_extension("yml"))),
+        (0o640, 0o640)
+    );
+
+    // --out inside the model folder, equal to it, through a link to it, or with `..`.
+    let before = hash_tree(&lm);
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&lm, &link).unwrap();
+    let dotdot = tmp.path().join("grown/../lm/sub");
+    for args in [
+        export_args(&lm, &lm.join("x.bin"), ""),
+        export_args(&lm, &lm.join("sub/x.bin"), ""),
+        grow_args(&lm, &lm.join("sub"), "--qkv-tokens 30"),
+        grow_args(&lm, &lm, "--qkv-tokens 30 --force"),
+        grow_args(&lm, &link.join("sub"), "--qkv-tokens 30"),
+        grow_args(&link, &lm.join("sub"), "--qkv-tokens 30"),
+        grow_args(&lm, &dotdot, "--qkv-tokens 30"),
+    ] {
+        let err = fails_cleanly(&args);
+        assert!(
+            err.contains("would write into the input"),
+            "{args:?}: {err}"
+        );
+    }
+    assert_eq!(hash_tree(&lm), before);
+    let mut entries = visible_entries(&lm);
+    entries.sort();
+    assert_eq!(entries, ["README.md", "config.json", "model.safetensors"]);
+}
+
 #[test]
 fn an_invalid_output_path_or_a_kill_leaves_no_output() {
     let tmp = tempfile::tempdir().unwrap();

@@ -370,6 +370,9 @@ pub fn write_safetensors(
             &path,
         )
         .map_err(|e| Error::checkpoint(&path, format!("cannot write: {e}")))?;
+        // safetensors writes through a 0600 temporary file; give it the mode every
+        // other file gets.
+        set_default_permissions(&path)?;
         std::fs::File::open(&path)
             .and_then(|f| f.sync_all())
             .map_err(|e| Error::io(&path, e))?;
@@ -392,6 +395,36 @@ pub fn write_safetensors(
         written.push(path);
     }
     Ok(written)
+}
+
+/// The process umask, read from `/proc/self/status` (no race with other threads, unlike
+/// calling `umask` twice); 0o022 where that is not available.
+pub fn umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Umask:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .unwrap_or(0o022)
+}
+
+/// Gives `path` the mode a plain `create`/`create_dir` would have given it (0o666 or 0o777
+/// less the umask): temporary files and folders are created 0600/0700, and a file
+/// renamed out of them keeps that.
+pub fn set_default_permissions(path: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let meta = std::fs::symlink_metadata(path).map_err(|e| Error::io(path, e))?;
+        let base = if meta.is_dir() { 0o777 } else { 0o666 };
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(base & !umask()))
+            .map_err(|e| Error::io(path, e))?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
 }
 
 #[cfg(test)]
