@@ -174,7 +174,10 @@ mod tests {
         // A symlink to it is refused the same way; a folder too.
         let link = dir.path().join("link.png");
         std::os::unix::fs::symlink(&fifo, &link).unwrap();
-        assert!(open_regular(&link).unwrap_err().to_string().contains("FIFO"));
+        assert!(open_regular(&link)
+            .unwrap_err()
+            .to_string()
+            .contains("FIFO"));
         assert!(open_regular(dir.path())
             .unwrap_err()
             .to_string()

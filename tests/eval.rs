@@ -1233,7 +1233,14 @@ fn a_nan_model_is_an_error_naming_the_document() {
     // The commands fail cleanly and name the document.
     let m = model_dir.to_str().unwrap();
     for args in [
-        vec!["eval", "pile", "--model", m, "--data", data.to_str().unwrap()],
+        vec![
+            "eval",
+            "pile",
+            "--model",
+            m,
+            "--data",
+            data.to_str().unwrap(),
+        ],
         vec![
             "eval",
             "tasks",
@@ -1372,7 +1379,10 @@ fn edited(parts: &[Value], edit: impl FnOnce(&mut Value)) -> Vec<Value> {
 fn merge_refuses_shards_of_different_runs() {
     let t = task_shards();
     let merged = merge_results(&t).unwrap();
-    assert_eq!((merged["documents"].clone(), merged["correct"].clone()), (json!(20), json!(13)));
+    assert_eq!(
+        (merged["documents"].clone(), merged["correct"].clone()),
+        (json!(20), json!(13))
+    );
     assert_eq!(merged["model_commit"], json!("a".repeat(40)));
     for (key, value, needle) in [
         ("model_commit", json!("c".repeat(40)), "model commit"),
@@ -1475,7 +1485,11 @@ fn imagenet_merge_refuses_mismatches_and_impossible_counts() {
     let good = vec![shard(0), shard(1)];
     let m = merge_results(&good).unwrap();
     assert_eq!(
-        (m["images"].clone(), m["correct_top5"].clone(), m["unreadable"].clone()),
+        (
+            m["images"].clone(),
+            m["correct_top5"].clone(),
+            m["unreadable"].clone()
+        ),
         (json!(20), json!(14), json!(2))
     );
     for (key, value, needle) in [
@@ -1486,7 +1500,11 @@ fn imagenet_merge_refuses_mismatches_and_impossible_counts() {
         ("correct_top1", json!(8), "impossible"),
         ("correct_top5", json!(11), "impossible"),
         ("unreadable", json!(5), "impossible"),
-        ("images", json!(-1), "not a `tokenformer eval imagenet` result"),
+        (
+            "images",
+            json!(-1),
+            "not a `tokenformer eval imagenet` result",
+        ),
         ("shard", json!("2/2"), "shard `2/2`"),
         ("shard", json!("0/2"), "appears twice"),
         ("shard", json!("1/3"), "different --shard counts"),

@@ -820,12 +820,7 @@ fn images_above_the_pixel_limit_are_unreadable_not_decoded() {
     )
     .unwrap();
     assert!(res[0].1.is_ok());
-    assert!(res[1]
-        .1
-        .as_ref()
-        .unwrap_err()
-        .to_string()
-        .contains("limit"));
+    assert!(res[1].1.as_ref().unwrap_err().to_string().contains("limit"));
 }
 
 #[cfg(unix)]

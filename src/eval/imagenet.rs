@@ -19,8 +19,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::models::vit::{probabilities, VisionTransformer};
 use crate::eval::pile::{sha256_file, Shard};
+use crate::models::vit::{probabilities, VisionTransformer};
 use crate::vision::{dataset, top_k, ClassLabels, DecodeLimits, EvalTransform};
 
 pub const KIND: &str = "imagenet";
@@ -353,7 +353,9 @@ pub fn merge_results(parts: &[Value]) -> Result<Value> {
             (Some(s), true) => vec![s],
             (None, false) => p.merged_shards.iter().collect(),
             (Some(_), false) => {
-                return Err(bad("both `shard` and `merged_shards`: not a result of this tool".into()))
+                return Err(bad(
+                    "both `shard` and `merged_shards`: not a result of this tool".into(),
+                ))
             }
             (None, true) => {
                 return Err(bad("not a --shard run, nothing to merge it with".into()));

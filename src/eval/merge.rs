@@ -116,7 +116,11 @@ pub(crate) fn check_shard_set(shards: &[Shard]) -> Result<usize> {
             "{} of {n} shards given: all of them are needed for the whole run; missing {}{}",
             seen.len(),
             missing.join(", "),
-            if n - seen.len() > missing.len() { ", ..." } else { "" }
+            if n - seen.len() > missing.len() {
+                ", ..."
+            } else {
+                ""
+            }
         )));
     }
     Ok(n)
@@ -160,7 +164,8 @@ fn check_seconds(i: usize, s: f64) -> Result<()> {
 /// One Pile result's counts: each possible, the subsets within the whole.
 fn check_pile_counts(i: usize, p: &PileReport) -> Result<()> {
     let t = p.totals();
-    let impossible = |msg: String| Error::input(format!("result #{}: impossible counts: {msg}", i + 1));
+    let impossible =
+        |msg: String| Error::input(format!("result #{}: impossible counts: {msg}", i + 1));
     let one = |name: &str, c: &Counts| -> Result<()> {
         check_loglikelihood(i, name, c.loglikelihood)?;
         if c.words < c.documents {

@@ -290,7 +290,11 @@ enum LineEnd {
 
 /// `read_until(b'\n')` that keeps at most `max` bytes of a line (without its
 /// newline) in `buf`: a longer line is consumed to its end but not stored.
-fn read_line_bounded(r: &mut dyn BufRead, buf: &mut Vec<u8>, max: usize) -> std::io::Result<LineEnd> {
+fn read_line_bounded(
+    r: &mut dyn BufRead,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<LineEnd> {
     buf.clear();
     let mut total = 0u64;
     let mut too_long = false;

@@ -70,7 +70,9 @@ impl DecodeLimits {
     /// Refuses a header's dimensions above the limit (or empty ones).
     pub fn check(&self, width: u64, height: u64) -> std::result::Result<(), String> {
         if width == 0 || height == 0 {
-            return Err(format!("the header says {width}x{height} pixels: an empty image"));
+            return Err(format!(
+                "the header says {width}x{height} pixels: an empty image"
+            ));
         }
         let pixels = width.saturating_mul(height);
         if pixels > self.max_pixels {
