@@ -377,7 +377,7 @@ fn mutated_images_decode_or_fail_cleanly() {
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         // The fixture itself decodes.
         vision::decode_bytes_with(&original, &small).unwrap();
-        for k in 0..110 {
+        for k in 0..150 {
             let mut b = original.clone();
             let mut what = Vec::new();
             for _ in 0..1 + rng.below(3) {
@@ -499,7 +499,7 @@ fn mutated_jsonl_and_zst_read_or_fail_cleanly() {
     let zst = zstd::encode_all(&text[..], 3).unwrap();
     let mut rng = Rng(0x0F0F_5EED_0000_0014);
     let mut report = Report::default();
-    for k in 0..700 {
+    for k in 0..1000 {
         let mut b = text.clone();
         let mut what = Vec::new();
         for _ in 0..1 + rng.below(3) {
@@ -513,6 +513,14 @@ fn mutated_jsonl_and_zst_read_or_fail_cleanly() {
         std::fs::write(&p, &b).unwrap();
         let case = format!("jsonl #{k} [{}]", what.join(", "));
         report.run(&case, || read_all(&p, 4096));
+        if k % 10 == 3 {
+            // The same bytes as a `.txt` document.
+            let t = dir.path().join(format!("case{k}.txt"));
+            std::fs::write(&t, &b).unwrap();
+            report.run(&format!("{case} as .txt"), || {
+                pile::evaluate(&scorer, &tok, &t, &popts(false), |_| {})
+            });
+        }
         if k % 5 == 0 {
             report.run(&format!("{case} eval pile"), || {
                 pile::evaluate(&scorer, &tok, &p, &popts(k % 10 == 0), |_| {})
@@ -522,7 +530,7 @@ fn mutated_jsonl_and_zst_read_or_fail_cleanly() {
             });
         }
     }
-    for k in 0..700 {
+    for k in 0..1000 {
         let mut b = zst.clone();
         let mut what = Vec::new();
         for _ in 0..1 + rng.below(2) {

@@ -159,7 +159,17 @@ pub fn classify_cmd(a: ClassifyArgs) -> Result<()> {
         }
     }
     if failed > 0 {
-        bail!("{failed} of {} image(s) could not be read", results.len());
+        // The reasons again on stderr, for when stdout goes to a file or a pipe.
+        let reasons: Vec<String> = results
+            .iter()
+            .filter_map(|(_, r)| r.as_ref().err().map(|e| format!("  {e}")))
+            .take(10)
+            .collect();
+        bail!(
+            "{failed} of {} image(s) could not be read:\n{}",
+            results.len(),
+            reasons.join("\n")
+        );
     }
     Ok(())
 }

@@ -196,7 +196,7 @@ impl<R: Read> Read for Counting<R> {
 
 /// The default longest line (a `.txt`: document) read, in bytes: far above
 /// the Pile's documents (a few MB at most, JSON-escaped), and it bounds the
-/// tokenizer's memory, which is over a hundred times the text's size.
+/// tokenizer's memory, a large multiple of the text's size (README, Evaluation).
 pub const DEFAULT_MAX_LINE_BYTES: usize = 16 << 20;
 
 /// The largest zstd window accepted (2^27 = 128 MiB, zstd's own default
