@@ -10,10 +10,10 @@
 //! Face's "Perplexity of fixed-length models"
 //! (<https://huggingface.co/docs/transformers/perplexity>), per document.
 //!
-//! Reading is bounded: a line (a `.txt`: the whole document) longer than
-//! [`PileOptions::max_line_bytes`] is never held in memory (the reader skips
-//! to its end) and is a bad line, an error naming it or, with `skip_bad`,
-//! skipped and counted; the `.zst` decoder accepts windows of at most
+//! Reading is bounded: a line longer than [`PileOptions::max_line_bytes`] is
+//! never held in memory (the reader skips to its end) and is a bad line, an
+//! error naming it or, with `skip_bad`, skipped and counted; a `.txt` longer
+//! than the limit (one document) is an error; the `.zst` decoder accepts windows of at most
 //! 2^[`MAX_ZSTD_WINDOW_LOG`] bytes; only regular files are opened. A
 //! non-finite log-likelihood (a model that outputs NaN) is an error naming
 //! the document, never a number in the report.
@@ -264,7 +264,7 @@ impl DataFile {
     pub fn read_document(&mut self) -> Result<Vec<u8>> {
         let mut raw = Vec::new();
         (&mut self.reader)
-            .take(self.max_line_bytes as u64 + 1)
+            .take((self.max_line_bytes as u64).saturating_add(1))
             .read_to_end(&mut raw)
             .map_err(|e| Error::io(&self.path, e))?;
         if raw.len() > self.max_line_bytes {

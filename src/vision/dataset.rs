@@ -73,7 +73,7 @@ fn read_dir_sorted(dir: &Path) -> Result<Vec<std::fs::DirEntry>> {
     for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
         out.push(entry.map_err(|e| Error::io(dir, e))?);
     }
-    out.sort_by_key(|e| e.path());
+    out.sort_by_cached_key(|e| e.path());
     Ok(out)
 }
 
