@@ -9,6 +9,7 @@ pub mod card;
 pub mod checkpoint;
 pub mod error;
 pub mod eval;
+pub mod fsutil;
 pub mod generate;
 pub mod hub;
 pub mod kernels;

@@ -57,6 +57,16 @@ pub fn score_ids(model: &TokenFormerLm, ids: &[u32]) -> Result<SequenceScore> {
     let targets = Tensor::new(&ids[1..], model.device())?.unsqueeze(1)?;
     let picked = logits.gather(&targets, 1)?.squeeze(1)?;
     let lp = (picked - &lse)?.to_vec1::<f32>()?;
+    if let Some(t) = lp.iter().position(|x| !x.is_finite()) {
+        return Err(Error::input(format!(
+            "the log-probability of token {} (id {}) given the {} before it is {}: the model \
+             outputs non-finite values (NaN or infinity), so the text has no score",
+            t + 1,
+            ids[t + 1],
+            t + 1,
+            lp[t]
+        )));
+    }
     let argmax = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
     let nll = -lp.iter().map(|&x| x as f64).sum::<f64>();
     Ok(SequenceScore {

@@ -157,6 +157,21 @@ fn tiny_model_dir(dir: &Path) {
 
 /// Writes random weights for `cfg` (scales keep activations in a sane range).
 fn random_model_dir(dir: &Path, cfg: &Config) {
+    model_dir_with_norm(dir, cfg, 1.0);
+}
+
+/// The tiny model with every final-norm weight NaN: it outputs NaN logits.
+fn nan_model_dir(dir: &Path) {
+    let mut cfg = Config::released(2, 32, 2);
+    cfg.qkv_tokens = 24;
+    cfg.proj_tokens = 20;
+    cfg.ffn_tokens = 48;
+    cfg.max_position_embeddings = MAX_POS;
+    model_dir_with_norm(dir, &cfg, f32::NAN);
+}
+
+/// Random weights for `cfg`, the final norm's weights all `norm`.
+fn model_dir_with_norm(dir: &Path, cfg: &Config, norm: f32) {
     let d = cfg.hidden_size;
     let mut t = Tensors::new();
     let mut seed = 1;
@@ -174,7 +189,7 @@ fn random_model_dir(dir: &Path, cfg: &Config) {
     }
     t.insert(
         "final_norm.weight".into(),
-        Tensor::ones(d, DType::F32, &Device::Cpu).unwrap(),
+        Tensor::full(norm, d, &Device::Cpu).unwrap(),
     );
     t.insert(
         "final_norm.bias".into(),
@@ -307,6 +322,7 @@ fn opts(method: Method, batch: usize) -> PileOptions {
         shard: Shard::WHOLE,
         skip_bad: false,
         prefix_token: 0,
+        max_line_bytes: pile::DEFAULT_MAX_LINE_BYTES,
     }
 }
 
@@ -419,6 +435,8 @@ fn zstd_shards_limit_subset() {
     // Shards + merge = one run.
     let info = |secs| RunInfo {
         model: "m".into(),
+        model_commit: None,
+        weight_dtype: None,
         data: "d".into(),
         data_sha256: "x".into(),
         max_length: MAX_POS,
@@ -818,6 +836,7 @@ fn tasks_score_like_brute_force_and_merge() {
         shard: Shard::WHOLE,
         skip_bad: false,
         prefix_token: 0,
+        max_line_bytes: pile::DEFAULT_MAX_LINE_BYTES,
     };
     let counts = tasks::evaluate(&scorer, &f.tok, Task::Piqa, &data, None, &o, |_, _| {}).unwrap();
     let (mut acc, mut acc_norm) = (0, 0);
@@ -894,9 +913,13 @@ fn tasks_score_like_brute_force_and_merge() {
             kind: "tasks".into(),
             task: "lambada_openai".into(),
             model: "m".into(),
+            model_commit: None,
+            weight_dtype: None,
             data: "d".into(),
             data_sha256: "s".into(),
             labels: None,
+            labels_sha256: None,
+            max_line_bytes: None,
             max_length: MAX_POS,
             limit: None,
             shard: Some(format!("{i}/2")),
@@ -1037,4 +1060,456 @@ fn cli_pile_json_shards_merge_and_errors() {
     assert!(
         help.contains("activity_label") && help.contains("answerKey") && help.contains("option1")
     );
+}
+
+// ---------- hardening: long lines, NaN models, merging untrusted results ----------
+
+/// A lambada-style file of three lines whose middle one is `long` bytes of text.
+fn with_long_line(long: usize) -> String {
+    let good = r#"{"text": "the cat sat on the mat"}"#;
+    let body = "ab ".repeat(long / 3);
+    format!("{good}\n{{\"text\": \"{body}\"}}\n{good}\n")
+}
+
+#[test]
+fn long_lines_are_named_or_skipped_and_counted() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let text = with_long_line(3000);
+    let plain = dir.path().join("long.jsonl");
+    std::fs::write(&plain, &text).unwrap();
+    let zst = dir.path().join("long.jsonl.zst");
+    std::fs::write(&zst, zstd::encode_all(text.as_bytes(), 3).unwrap()).unwrap();
+    let limited = PileOptions {
+        max_line_bytes: 1000,
+        ..opts(Method::Rolling, 2)
+    };
+    for p in [&plain, &zst] {
+        let name = p.file_name().unwrap().to_str().unwrap();
+        let e = run(&f, p, &limited).unwrap_err().to_string();
+        assert!(
+            e.contains(name) && e.contains("line 2") && e.contains("limit of 1000 bytes"),
+            "{e}"
+        );
+        let skipped = run(
+            &f,
+            p,
+            &PileOptions {
+                skip_bad: true,
+                ..limited.clone()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            (skipped.skipped_lines, skipped.overall.documents),
+            (1, 2),
+            "{name}"
+        );
+        // Under the default limit the line is an ordinary document.
+        let all = run(&f, p, &opts(Method::Rolling, 2)).unwrap();
+        assert_eq!((all.skipped_lines, all.overall.documents), (0, 3));
+    }
+    // The limit is on the line's bytes without its newline: exactly at it passes.
+    let good = r#"{"text": "hello world"}"#;
+    let exact = dir.path().join("exact.jsonl");
+    std::fs::write(&exact, format!("{good}\n{good}")).unwrap();
+    let at = |n: usize| {
+        run(
+            &f,
+            &exact,
+            &PileOptions {
+                max_line_bytes: n,
+                ..opts(Method::Rolling, 2)
+            },
+        )
+    };
+    assert_eq!(at(good.len()).unwrap().overall.documents, 2);
+    assert!(at(good.len() - 1)
+        .unwrap_err()
+        .to_string()
+        .contains("line 1"));
+    // A .txt is one document: longer than the limit is an error.
+    let txt = dir.path().join("doc.txt");
+    std::fs::write(&txt, "word ".repeat(400)).unwrap();
+    let e = run(&f, &txt, &limited).unwrap_err().to_string();
+    assert!(e.contains("doc.txt") && e.contains("limit of 1000"), "{e}");
+
+    // Tasks read lines the same way.
+    let lam = dir.path().join("lambada.jsonl");
+    std::fs::write(&lam, with_long_line(3000)).unwrap();
+    let scorer = Scorer::new(&f.model, None).unwrap().with_greedy(true);
+    let o = TaskOptions {
+        batch_size: 4,
+        limit: None,
+        shard: Shard::WHOLE,
+        skip_bad: false,
+        prefix_token: 0,
+        max_line_bytes: 1000,
+    };
+    let e = tasks::evaluate(&scorer, &f.tok, Task::Lambada, &lam, None, &o, |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("line 2") && e.contains("limit of 1000"), "{e}");
+    let c = tasks::evaluate(
+        &scorer,
+        &f.tok,
+        Task::Lambada,
+        &lam,
+        None,
+        &TaskOptions {
+            skip_bad: true,
+            ..o
+        },
+        |_, _| {},
+    )
+    .unwrap();
+    assert_eq!((c.documents, c.skipped_lines), (2, 1));
+}
+
+#[cfg(unix)]
+#[test]
+fn a_fifo_as_data_is_refused_without_blocking() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("data.jsonl");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    // Opening a FIFO for reading would block until a writer appears.
+    let e = run(&f, &fifo, &opts(Method::Rolling, 2))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("data.jsonl") && e.contains("FIFO"), "{e}");
+    assert!(pile::sha256_file(&fifo).is_err());
+}
+
+#[test]
+fn a_nan_model_is_an_error_naming_the_document() {
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = dir.path().join("nan");
+    std::fs::create_dir(&model_dir).unwrap();
+    nan_model_dir(&model_dir);
+    let files = loader::locate(model_dir.to_str().unwrap(), &LocateOptions::default()).unwrap();
+    let model = loader::load_lm(&files, &Device::Cpu).unwrap();
+    let tok = loader::load_tokenizer(&files).unwrap();
+
+    let data = dir.path().join("docs.jsonl");
+    write_jsonl(&data, &["the cat sat".to_string(), "a dog ran".to_string()]);
+    let scorer = Scorer::new(&model, None).unwrap();
+    let e = pile::evaluate(&scorer, &tok, &data, &opts(Method::Rolling, 2), |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("docs.jsonl line 1") && e.contains("non-finite"),
+        "{e}"
+    );
+
+    let piqa = dir.path().join("piqa.jsonl");
+    std::fs::write(
+        &piqa,
+        "{\"goal\": \"Make tea\", \"sol1\": \"Boil water.\", \"sol2\": \"Freeze it.\", \"label\": 0}\n",
+    )
+    .unwrap();
+    let o = TaskOptions {
+        batch_size: 2,
+        limit: None,
+        shard: Shard::WHOLE,
+        skip_bad: false,
+        prefix_token: 0,
+        max_line_bytes: pile::DEFAULT_MAX_LINE_BYTES,
+    };
+    let e = tasks::evaluate(&scorer, &tok, Task::Piqa, &piqa, None, &o, |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("piqa.jsonl line 1") && e.contains("non-finite"),
+        "{e}"
+    );
+    let e = tokenformer::scoring::score_ids(&model, &[1, 2, 3])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("token 1") && e.contains("non-finite"), "{e}");
+
+    // The commands fail cleanly and name the document.
+    let m = model_dir.to_str().unwrap();
+    for args in [
+        vec![
+            "eval",
+            "pile",
+            "--model",
+            m,
+            "--data",
+            data.to_str().unwrap(),
+        ],
+        vec![
+            "eval",
+            "tasks",
+            "--model",
+            m,
+            "--task",
+            "piqa",
+            "--data",
+            piqa.to_str().unwrap(),
+        ],
+    ] {
+        let o = cli(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("line 1") && err.contains("non-finite") && !err.contains("panicked"),
+            "{err}"
+        );
+    }
+    let text = dir.path().join("prompt.txt");
+    std::fs::write(&text, "the cat sat on the mat").unwrap();
+    let o = cli(&["score", "--model", m, "--file", text.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("prompt.txt") && err.contains("non-finite"),
+        "{err}"
+    );
+}
+
+/// Two task shards of one run, as JSON.
+fn task_shards() -> Vec<Value> {
+    (0..2u64)
+        .map(|i| {
+            let mut rep = tasks::TaskReport {
+                kind: "tasks".into(),
+                task: "piqa".into(),
+                model: "acme/m@main".into(),
+                model_commit: Some("a".repeat(40)),
+                weight_dtype: Some("f32".into()),
+                data: "piqa.jsonl".into(),
+                data_sha256: "d".repeat(64),
+                labels: Some("valid-labels.lst".into()),
+                labels_sha256: Some("1".repeat(64)),
+                max_line_bytes: Some(1000),
+                max_length: MAX_POS,
+                limit: None,
+                shard: Some(format!("{i}/2")),
+                merged_shards: None,
+                batch_size: 3,
+                counts: Default::default(),
+                acc: None,
+                acc_stderr: None,
+                acc_norm: None,
+                acc_norm_stderr: None,
+                perplexity: None,
+                elapsed_seconds: 1.0,
+            };
+            rep.set_counts(
+                Task::Piqa,
+                tasks::TaskCounts {
+                    documents: 10,
+                    correct: 6 + i,
+                    correct_norm: 5,
+                    loglikelihood: 0.0,
+                    skipped_lines: 0,
+                },
+            );
+            serde_json::to_value(rep).unwrap()
+        })
+        .collect()
+}
+
+/// Two Pile shards of one run, as JSON.
+fn pile_shards() -> Vec<Value> {
+    (0..2)
+        .map(|i| {
+            let o = PileOptions {
+                shard: Shard { index: i, count: 2 },
+                ..opts(Method::Strided { stride: 8 }, 2)
+            };
+            let totals = PileTotals {
+                overall: pile::Counts {
+                    loglikelihood: -100.0,
+                    documents: 4,
+                    tokens: 40,
+                    words: 30,
+                    bytes: 150,
+                },
+                subsets: [(
+                    "Pile-CC".to_string(),
+                    pile::Counts {
+                        loglikelihood: -50.0,
+                        documents: 2,
+                        tokens: 20,
+                        words: 15,
+                        bytes: 75,
+                    },
+                )]
+                .into(),
+                skipped_lines: 0,
+            };
+            let info = RunInfo {
+                model: "acme/m@main".into(),
+                model_commit: Some("b".repeat(40)),
+                weight_dtype: Some("f16".into()),
+                data: "val.jsonl.zst".into(),
+                data_sha256: "e".repeat(64),
+                max_length: MAX_POS,
+                elapsed_seconds: 2.0,
+            };
+            serde_json::to_value(PileReport::new(info, &o, &totals)).unwrap()
+        })
+        .collect()
+}
+
+/// Merging `parts` fails with a message containing `needle`.
+fn refused(parts: &[Value], needle: &str) {
+    match merge_results(parts) {
+        Ok(_) => panic!("merge accepted shards that should be refused ({needle})"),
+        Err(e) => {
+            let e = e.to_string();
+            assert!(e.contains(needle), "expected {needle:?} in: {e}");
+        }
+    }
+}
+
+/// `parts` with `edit` applied to the second one.
+fn edited(parts: &[Value], edit: impl FnOnce(&mut Value)) -> Vec<Value> {
+    let mut v = parts.to_vec();
+    edit(&mut v[1]);
+    v
+}
+
+#[test]
+fn merge_refuses_shards_of_different_runs() {
+    let t = task_shards();
+    let merged = merge_results(&t).unwrap();
+    assert_eq!(
+        (merged["documents"].clone(), merged["correct"].clone()),
+        (json!(20), json!(13))
+    );
+    assert_eq!(merged["model_commit"], json!("a".repeat(40)));
+    for (key, value, needle) in [
+        ("model_commit", json!("c".repeat(40)), "model commit"),
+        ("model_commit", Value::Null, "model commit"),
+        ("labels_sha256", json!("2".repeat(64)), "labels file sha256"),
+        ("data_sha256", json!("f".repeat(64)), "data_sha256"),
+        ("weight_dtype", json!("f16"), "weight dtype"),
+        ("task", json!("arc_easy"), "task"),
+        ("max_length", json!(8), "max_length"),
+        ("max_line_bytes", json!(2000), "max_line_bytes"),
+        ("model", json!("acme/other@main"), "model"),
+    ] {
+        refused(&edited(&t, |v| v[key] = value.clone()), needle);
+    }
+    let p = pile_shards();
+    assert_eq!(merge_results(&p).unwrap()["documents"], json!(8));
+    for (key, value, needle) in [
+        ("stride", json!(4), "stride"),
+        ("method", json!("rolling"), "method"),
+        ("model_commit", json!("c".repeat(40)), "model commit"),
+        ("weight_dtype", json!("f32"), "weight dtype"),
+        ("data_sha256", json!("0".repeat(64)), "data_sha256"),
+    ] {
+        refused(&edited(&p, |v| v[key] = value.clone()), needle);
+    }
+}
+
+#[test]
+fn merge_refuses_impossible_counts_and_shard_ids() {
+    let t = task_shards();
+    for (key, value, needle) in [
+        ("correct", json!(11), "impossible"),
+        ("correct_norm", json!(11), "impossible"),
+        ("correct", json!(-1), "not a valid result"),
+        ("documents", json!(2.5), "not a valid result"),
+        ("documents", json!("10"), "not a valid result"),
+        ("loglikelihood", json!(3.0), "impossible"),
+        ("elapsed_seconds", json!(-1.0), "impossible"),
+    ] {
+        refused(&edited(&t, |v| v[key] = value.clone()), needle);
+    }
+    let p = pile_shards();
+    for (edit, needle) in [
+        (json!({"words": 1}), "words"),
+        (json!({"loglikelihood": 5.0}), "impossible"),
+        (json!({"tokens": 0}), "0 tokens"),
+        (json!({"tokens": -3}), "not a valid result"),
+    ] {
+        refused(
+            &edited(&p, |v| {
+                for (k, x) in edit.as_object().unwrap() {
+                    v[k] = x.clone();
+                }
+            }),
+            needle,
+        );
+    }
+    // A subset larger than the whole.
+    refused(
+        &edited(&p, |v| v["subsets"]["Pile-CC"]["documents"] = json!(9)),
+        "subsets",
+    );
+    // Shard ids: malformed, out of range, repeated, missing, absurd N.
+    for (shards, needle) in [
+        (["0/2", "2/2"], "shard `2/2`"),
+        (["0/2", "x/2"], "shard `x/2`"),
+        (["0/2", "1/0"], "shard `1/0`"),
+        (["0/2", "0/2"], "appears twice"),
+        (["0/2", "1/3"], "different --shard counts"),
+        (["0/3", "1/3"], "missing 2/3"),
+        (
+            ["0/18446744073709551615", "1/18446744073709551615"],
+            "2 of 18446744073709551615 shards",
+        ),
+    ] {
+        let mut v = t.clone();
+        v[0]["shard"] = json!(shards[0]);
+        v[1]["shard"] = json!(shards[1]);
+        refused(&v, needle);
+    }
+    refused(
+        &edited(&t, |v| v["shard"] = Value::Null),
+        "not from a --shard run",
+    );
+}
+
+#[test]
+fn imagenet_merge_refuses_mismatches_and_impossible_counts() {
+    let shard = |i: usize| {
+        json!({
+            "kind": "imagenet", "model": "acme/vit@main", "model_commit": "a".repeat(40),
+            "data": "val", "data_sha256": "d".repeat(64), "label_source": "x",
+            "labels_sha256": "1".repeat(64), "max_image_pixels": 50_000_000u64,
+            "images": 10, "correct_top1": 4, "correct_top5": 7, "top1": 40.0, "top5": 70.0,
+            "unreadable": 1, "unreadable_files": [format!("val/n1/{i}.JPEG")],
+            "seconds": 1.0, "images_per_second": 10.0, "batch_size": 32,
+            "shard": format!("{i}/2")
+        })
+    };
+    let good = vec![shard(0), shard(1)];
+    let m = merge_results(&good).unwrap();
+    assert_eq!(
+        (
+            m["images"].clone(),
+            m["correct_top5"].clone(),
+            m["unreadable"].clone()
+        ),
+        (json!(20), json!(14), json!(2))
+    );
+    for (key, value, needle) in [
+        ("labels_sha256", json!("2".repeat(64)), "labels file sha256"),
+        ("model_commit", json!("c".repeat(40)), "model commit"),
+        ("data_sha256", json!("0".repeat(64)), "data listing"),
+        ("max_image_pixels", json!(1000), "pixel limit"),
+        ("correct_top1", json!(8), "impossible"),
+        ("correct_top5", json!(11), "impossible"),
+        ("unreadable", json!(5), "impossible"),
+        (
+            "images",
+            json!(-1),
+            "not a `tokenformer eval imagenet` result",
+        ),
+        ("shard", json!("2/2"), "shard `2/2`"),
+        ("shard", json!("0/2"), "appears twice"),
+        ("shard", json!("1/3"), "different --shard counts"),
+    ] {
+        refused(&edited(&good, |v| v[key] = value.clone()), needle);
+    }
+    refused(&good[..1], "1 of 2 shards");
 }

@@ -727,3 +727,172 @@ fn bench_b16_batch32() {
 fn max_abs(t: &Tensor) -> f32 {
     t.abs().unwrap().max_all().unwrap().to_scalar().unwrap()
 }
+
+// ---- hardening: pixel limits, links, FIFOs ----
+
+/// CRC-32 (IEEE) as PNG chunks use it.
+fn crc32(data: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &x in data {
+        c ^= x as u32;
+        for _ in 0..8 {
+            c = if c & 1 != 0 {
+                0xEDB8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
+
+/// A fixture JPEG whose frame header claims `w`×`h` pixels.
+fn jpeg_claiming(w: u16, h: u16) -> Vec<u8> {
+    let mut b = std::fs::read(tiny().join("val/n01518878/d.JPEG")).unwrap();
+    let sof = b
+        .windows(2)
+        .position(|x| x[0] == 0xFF && (0xC0..=0xC2).contains(&x[1]))
+        .unwrap();
+    b[sof + 5..sof + 7].copy_from_slice(&h.to_be_bytes());
+    b[sof + 7..sof + 9].copy_from_slice(&w.to_be_bytes());
+    b
+}
+
+/// A fixture PNG whose header claims `w`×`h` pixels (with a valid CRC).
+fn png_claiming(w: u32, h: u32) -> Vec<u8> {
+    let mut b = std::fs::read(fixtures().join("vision-pillow/small.png")).unwrap();
+    b[16..20].copy_from_slice(&w.to_be_bytes());
+    b[20..24].copy_from_slice(&h.to_be_bytes());
+    let crc = crc32(&b[12..29]);
+    b[29..33].copy_from_slice(&crc.to_be_bytes());
+    b
+}
+
+#[test]
+fn images_above_the_pixel_limit_are_unreadable_not_decoded() {
+    let model = load(&tiny().join("vit-tiny"));
+    let dir = tempfile::tempdir().unwrap();
+    let class = dir.path().join("n01443537");
+    std::fs::create_dir(&class).unwrap();
+    let a = class.join("a.JPEG");
+    std::fs::copy(tiny().join("val/n01443537/a.JPEG"), &a).unwrap();
+    std::fs::write(class.join("bomb.JPEG"), jpeg_claiming(65500, 65500)).unwrap();
+    std::fs::write(class.join("bomb.png"), png_claiming(65500, 65500)).unwrap();
+    // 64 megapixels: under the image crate's own 512 MiB default, above ours.
+    std::fs::write(class.join("big.png"), png_claiming(8000, 8000)).unwrap();
+    let r = imagenet::evaluate(&model, "m", dir.path(), &Options::default()).unwrap();
+    assert_eq!((r.images, r.unreadable), (1, 3), "{:?}", r.unreadable_files);
+    for f in ["bomb.JPEG", "bomb.png", "big.png"] {
+        assert!(r.unreadable_files.iter().any(|u| u.ends_with(f)), "{f}");
+        let e = vision::open_rgb(&class.join(f)).unwrap_err().to_string();
+        assert!(e.contains(f) && e.contains("limit"), "{e}");
+    }
+    let e = vision::open_rgb(&class.join("bomb.JPEG"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("65500x65500"), "{e}");
+    assert_eq!(r.max_image_pixels, Some(50_000_000));
+
+    // The limit is configurable and exact: w*h passes, w*h - 1 does not.
+    let img = vision::open_rgb(&a).unwrap();
+    let n = (img.width * img.height) as u64;
+    assert!(vision::open_rgb_with(&a, &vision::DecodeLimits::new(n)).is_ok());
+    let e = vision::open_rgb_with(&a, &vision::DecodeLimits::new(n - 1))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("a.JPEG") && e.contains("limit"), "{e}");
+    let png = tiny().join("val/n01443537/b.png");
+    let p = vision::open_rgb(&png).unwrap();
+    let pn = (p.width * p.height) as u64;
+    assert!(vision::open_rgb_with(&png, &vision::DecodeLimits::new(pn - 1)).is_err());
+    let low = Options {
+        max_image_pixels: n - 1,
+        ..Options::default()
+    };
+    let r = imagenet::evaluate(&model, "m", dir.path(), &low).unwrap();
+    assert_eq!((r.images, r.unreadable), (0, 4));
+    let res = imagenet::classify_files_with(
+        &model,
+        &[a.clone(), class.join("bomb.JPEG")],
+        5,
+        8,
+        &vision::DecodeLimits::default(),
+    )
+    .unwrap();
+    assert!(res[0].1.is_ok());
+    assert!(res[1].1.as_ref().unwrap_err().to_string().contains("limit"));
+}
+
+#[cfg(unix)]
+#[test]
+fn folders_are_walked_once_and_only_regular_files_are_opened() {
+    use std::os::unix::fs::symlink;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("val");
+    let class = root.join("n01443537");
+    std::fs::create_dir_all(&class).unwrap();
+    std::fs::copy(tiny().join("val/n01443537/a.JPEG"), class.join("a.JPEG")).unwrap();
+    // Loops back to the root, to the folder itself, and the same folder by another path.
+    symlink("..", class.join("loop")).unwrap();
+    symlink(".", class.join("self")).unwrap();
+    symlink("../n01443537", class.join("again")).unwrap();
+    // A second class folder that is a link to the first one.
+    symlink("n01443537", root.join("n01491361")).unwrap();
+    // A link to a regular file is followed; a dangling one is unreadable.
+    symlink(
+        tiny().join("val/n01491361/c.JPEG").canonicalize().unwrap(),
+        class.join("link.JPEG"),
+    )
+    .unwrap();
+    symlink("/nonexistent/x.png", class.join("dangling.png")).unwrap();
+    // A FIFO with an image name: opening it for reading would block forever.
+    let fifo = class.join("fifo.JPEG");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+
+    let names = |v: &[PathBuf]| -> Vec<String> {
+        v.iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect()
+    };
+    let under = dataset::images_under(&class).unwrap();
+    assert_eq!(
+        names(&under),
+        ["a.JPEG", "dangling.png", "fifo.JPEG", "link.JPEG"]
+    );
+    let ds = dataset::list(&root, None, None).unwrap();
+    assert_eq!(ds.samples.len(), 4);
+    assert!(ds.samples.iter().all(|s| s.label == 0));
+    for skipped in ["loop", "self", "again", "n01491361"] {
+        assert!(
+            ds.skipped
+                .iter()
+                .any(|s| s.contains(&format!("/{skipped}:"))),
+            "{skipped} in {:?}",
+            ds.skipped
+        );
+    }
+    let e = vision::open_rgb(&fifo).unwrap_err().to_string();
+    assert!(e.contains("fifo.JPEG") && e.contains("FIFO"), "{e}");
+
+    // The evaluation finishes (on a thread, so a hang fails the test instead
+    // of stalling it), counts each image once and lists the unreadable ones.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let root2 = root.clone();
+    std::thread::spawn(move || {
+        let model = load(&tiny().join("vit-tiny"));
+        let _ = tx.send(imagenet::evaluate(&model, "m", &root2, &Options::default()));
+    });
+    let r = rx
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .expect("eval imagenet hung on the FIFO")
+        .unwrap();
+    assert_eq!((r.images, r.unreadable), (2, 2), "{:?}", r.unreadable_files);
+    assert!(r.unreadable_files.iter().any(|f| f.ends_with("fifo.JPEG")));
+    assert!(r
+        .unreadable_files
+        .iter()
+        .any(|f| f.ends_with("dangling.png")));
+    assert_eq!(r.skipped_folders.len(), 4);
+}

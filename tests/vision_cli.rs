@@ -102,3 +102,190 @@ fn sharded_runs_merge_into_the_whole_run() {
     let r = tokenformer(&["eval", "merge", &p("s0.json")]);
     assert_clean_failure(&r, &[]);
 }
+
+/// A fixture JPEG whose frame header claims 65500×65500 pixels (9 KB that
+/// would decode to 12 GB).
+fn bomb_jpeg() -> Vec<u8> {
+    let mut b = std::fs::read(fixtures().join("vit-tiny-imagenet/val/n01518878/d.JPEG")).unwrap();
+    let sof = b
+        .windows(2)
+        .position(|x| x[0] == 0xFF && (0xC0..=0xC2).contains(&x[1]))
+        .unwrap();
+    b[sof + 5..sof + 9].copy_from_slice(&[0xFF, 0xDC, 0xFF, 0xDC]);
+    b
+}
+
+/// Runs `tokenformer` with one extra environment variable.
+fn tokenformer_env(args: &[&str], key: &str, value: &str) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_tokenformer"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .env(key, value)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn classify_refuses_images_above_the_pixel_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let bomb = dir.path().join("bomb.JPEG");
+    std::fs::write(&bomb, bomb_jpeg()).unwrap();
+    let (out, stdout, err) = tokenformer(&["classify", "--model", &vit(), bomb.to_str().unwrap()]);
+    assert_clean_failure(
+        &(out, stdout.clone(), err),
+        &["could not be read", "bomb.JPEG", "65500x65500", "limit"],
+    );
+    assert!(
+        stdout.contains("bomb.JPEG") && stdout.contains("65500x65500") && stdout.contains("limit"),
+        "{stdout}"
+    );
+    // The limit is a flag and an environment variable.
+    let img = fixtures().join("vit-tiny-imagenet/val/n01443537/a.JPEG");
+    let img = img.to_str().unwrap();
+    let r = tokenformer(&[
+        "classify",
+        "--model",
+        &vit(),
+        "--max-image-pixels",
+        "100",
+        img,
+    ]);
+    assert_clean_failure(&r, &["could not be read"]);
+    assert!(r.1.contains("limit of 100 pixels"), "{}", r.1);
+    let o = tokenformer_env(
+        &["classify", "--model", &vit(), img],
+        "TOKENFORMER_MAX_IMAGE_PIXELS",
+        "100",
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("limit of 100 pixels"));
+    let (o, _, e) = tokenformer(&[
+        "classify",
+        "--model",
+        &vit(),
+        "--max-image-pixels",
+        "1000000000",
+        img,
+    ]);
+    assert!(o.status.success(), "{e}");
+}
+
+#[cfg(unix)]
+#[test]
+fn eval_imagenet_lists_bombs_and_fifos_as_unreadable() {
+    let dir = tempfile::tempdir().unwrap();
+    let val = dir.path().join("val");
+    for (class, files) in [
+        ("n01443537", &["a.JPEG", "b.png"][..]),
+        ("n01491361", &["c.JPEG"][..]),
+        ("n01518878", &["d.JPEG", "e.JPEG"][..]),
+    ] {
+        std::fs::create_dir_all(val.join(class)).unwrap();
+        for f in files {
+            std::fs::copy(
+                fixtures().join("vit-tiny-imagenet/val").join(class).join(f),
+                val.join(class).join(f),
+            )
+            .unwrap();
+        }
+    }
+    std::fs::write(val.join("n01443537/bomb.JPEG"), bomb_jpeg()).unwrap();
+    let fifo = val.join("n01491361/x.JPEG");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let json = dir.path().join("r.json");
+    let (o, stdout, e) = tokenformer(&[
+        "eval",
+        "imagenet",
+        "--model",
+        &vit(),
+        "--data",
+        val.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert!(o.status.success(), "{e}");
+    assert!(
+        stdout.contains("bomb.JPEG") && stdout.contains("x.JPEG"),
+        "{stdout}"
+    );
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r["images"], 5);
+    assert_eq!(r["unreadable"], 2);
+    assert_eq!(r["top5"], 60.0);
+    assert_eq!(r["max_image_pixels"], 50_000_000);
+    assert_eq!(r["data_sha256"].as_str().unwrap().len(), 64);
+    assert_eq!(r["model_commit"], Value::Null);
+}
+
+/// Runs `tokenformer` against a fake Hub with its own cache.
+fn hub_cli(hub: &str, home: &std::path::Path, args: &[&str]) -> (std::process::Output, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenformer"))
+        .args(args)
+        .env("HF_ENDPOINT", hub)
+        .env("HF_HOME", home)
+        .env("NO_PROXY", "127.0.0.1")
+        .env_remove("HF_TOKEN")
+        .env("HF_HUB_OFFLINE", "0")
+        .env("TOKENFORMER_HUB_RETRIES", "0")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, err)
+}
+
+#[test]
+fn results_record_the_resolved_commit_and_merge_refuses_two_commits() {
+    let hub = common::hub_server::FakeHub::start();
+    let vit_dir = fixtures().join("vit-tiny-imagenet/vit-tiny");
+    let first = hub.add_folder("acme/vit-tiny", "main", &vit_dir);
+    let home = tempfile::tempdir().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).display().to_string();
+    let run = |shard: &str, out: &str| {
+        let (o, e) = hub_cli(
+            &hub.endpoint(),
+            home.path(),
+            &[
+                "eval",
+                "imagenet",
+                "--model",
+                "acme/vit-tiny",
+                "--data",
+                &val(),
+                "--shard",
+                shard,
+                "--json",
+                &p(out),
+                "--quiet",
+            ],
+        );
+        assert!(o.status.success(), "{e}");
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(p(out)).unwrap()).unwrap();
+        v
+    };
+    let s0 = run("0/2", "s0.json");
+    assert_eq!(s0["model"], "acme/vit-tiny@main");
+    assert_eq!(s0["model_commit"], Value::String(first.clone()));
+    // `main` moves on between the two shards: the second runs another commit.
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&vit_dir)
+        .unwrap()
+        .map(|e| {
+            let path = e.unwrap().path();
+            (
+                path.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&path).unwrap(),
+            )
+        })
+        .collect();
+    files.push(("README.md".into(), b"changed".to_vec()));
+    let borrowed: Vec<(&str, &[u8])> = files.iter().map(|(n, b)| (n.as_str(), &b[..])).collect();
+    let second = hub.add_commit("acme/vit-tiny", "main", &borrowed);
+    assert_ne!(first, second);
+    let s1 = run("1/2", "s1.json");
+    assert_eq!(s1["model_commit"], Value::String(second.clone()));
+    let r = tokenformer(&["eval", "merge", &p("s0.json"), &p("s1.json")]);
+    assert_clean_failure(&r, &["model commit", &first, &second]);
+}

@@ -8,11 +8,13 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
-use tokenformer::eval::pile::{self, Method, PileOptions, PileReport, RunInfo, Shard};
+use tokenformer::eval::pile::{
+    self, Method, PileOptions, PileReport, RunInfo, Shard, DEFAULT_MAX_LINE_BYTES,
+};
 use tokenformer::eval::tasks::{self, Task, TaskOptions, TaskReport};
 use tokenformer::loader;
 use tokenformer::scoring::Scorer;
@@ -72,9 +74,12 @@ pub struct RunArgs {
     /// Evaluate the deterministic I-th of N parts of the documents (I/N, 0-based); combine with `eval merge`.
     #[arg(long)]
     pub shard: Option<Shard>,
-    /// Skip and count malformed lines (bad JSON, no text, invalid UTF-8) instead of failing.
+    /// Skip and count bad lines (bad JSON, no text, invalid UTF-8, longer than --max-line-bytes) instead of failing.
     #[arg(long)]
     pub skip_bad: bool,
+    /// Longest line (a .txt: document) read, in bytes; a longer one is a bad line.
+    #[arg(long, env = "TOKENFORMER_MAX_LINE_BYTES", default_value_t = DEFAULT_MAX_LINE_BYTES)]
+    pub max_line_bytes: usize,
     /// Write every number to this JSON file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -151,15 +156,27 @@ fn progress_bar(len: u64, unit: &str) -> ProgressBar {
     pb
 }
 
+/// `f32` or `f16`, as the result files record it.
+fn dtype_name(w: &WeightArgs) -> Option<String> {
+    w.weight_dtype
+        .to_possible_value()
+        .map(|v| v.get_name().to_string())
+}
+
+/// Largest result file `eval merge` reads (an ImageNet shard lists its
+/// unreadable files; 50,000 paths are a few MB).
+const MAX_RESULT_FILE_BYTES: u64 = 256 << 20;
+
+/// Largest `--labels` file read (PIQA's is 4 KB).
+const MAX_LABELS_FILE_BYTES: u64 = 256 << 20;
+
 fn write_json(path: &Path, v: &impl serde::Serialize) -> Result<()> {
     let text = serde_json::to_string_pretty(v)?;
     std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
 }
 
 pub fn pile_cmd(a: PileArgs) -> Result<()> {
-    if !a.data.exists() {
-        bail!("{}: no such file", a.data.display());
-    }
+    tokenformer::fsutil::regular_metadata(&a.data)?;
     let sha = spawn_sha256(&a.data);
     let files = a.model.locate()?;
     let tokenizer = loader::load_tokenizer(&files)?;
@@ -181,6 +198,7 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
         shard: a.run.shard.unwrap_or(Shard::WHOLE),
         skip_bad: a.run.skip_bad,
         prefix_token: model.config().eos_token_id,
+        max_line_bytes: a.run.max_line_bytes,
     };
     let by_docs = a.run.limit.map(|l| l.div_ceil(opts.shard.count) as u64);
     let pb = progress_bar(
@@ -206,6 +224,8 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
     pb.finish_and_clear();
     let info = RunInfo {
         model: files.source.clone(),
+        model_commit: tokenformer::eval::model_commit(&files),
+        weight_dtype: dtype_name(&a.weights),
         data: a.data.display().to_string(),
         data_sha256: sha.join().expect("sha256 thread")?,
         max_length: max_len,
@@ -233,10 +253,18 @@ fn fmt_opt(x: Option<f64>) -> String {
     )
 }
 
+/// ` (commit X)` when the model came from the Hub cache.
+fn commit_note(c: &Option<String>) -> String {
+    c.as_ref()
+        .map(|c| format!(" (commit {c})"))
+        .unwrap_or_default()
+}
+
 fn print_pile(r: &PileReport) {
     println!(
-        "{} on {} (method {}, max_length {}{}{})",
+        "{}{} on {} (method {}, max_length {}{}{})",
         r.model,
+        commit_note(&r.model_commit),
         r.data,
         r.method,
         r.max_length,
@@ -280,20 +308,19 @@ fn print_pile(r: &PileReport) {
 }
 
 pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
-    if !a.data.exists() {
-        bail!("{}: no such file", a.data.display());
-    }
+    tokenformer::fsutil::regular_metadata(&a.data)?;
     let sha = spawn_sha256(&a.data);
-    let labels = match &a.labels {
-        Some(p) => Some(
-            std::fs::read_to_string(p)
-                .with_context(|| format!("reading {}", p.display()))?
+    let (labels, labels_sha256) = match &a.labels {
+        Some(p) => {
+            let text = tokenformer::fsutil::read_to_string_bounded(p, MAX_LABELS_FILE_BYTES)?;
+            let lines = text
                 .lines()
                 .map(|l| l.trim().to_string())
                 .filter(|l| !l.is_empty())
-                .collect::<Vec<_>>(),
-        ),
-        None => None,
+                .collect::<Vec<_>>();
+            (Some(lines), Some(pile::sha256_file(p)?))
+        }
+        None => (None, None),
     };
     let files = a.model.locate()?;
     let tokenizer = loader::load_tokenizer(&files)?;
@@ -307,6 +334,7 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
         shard: a.run.shard.unwrap_or(Shard::WHOLE),
         skip_bad: a.run.skip_bad,
         prefix_token: model.config().eos_token_id,
+        max_line_bytes: a.run.max_line_bytes,
     };
     let pb = progress_bar(0, "tokens");
     let start = Instant::now();
@@ -329,9 +357,13 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
         kind: TaskReport::KIND.into(),
         task: a.task.name().into(),
         model: files.source.clone(),
+        model_commit: tokenformer::eval::model_commit(&files),
+        weight_dtype: dtype_name(&a.weights),
         data: a.data.display().to_string(),
         data_sha256: sha.join().expect("sha256 thread")?,
         labels: a.labels.as_ref().map(|p| p.display().to_string()),
+        labels_sha256,
+        max_line_bytes: Some(a.run.max_line_bytes),
         max_length: scorer.max_length(),
         limit: a.run.limit,
         shard: a.run.shard.map(|s| s.to_string()),
@@ -360,9 +392,10 @@ fn print_task(r: &TaskReport) {
         _ => "-".into(),
     };
     println!(
-        "{} on {} ({} documents{})",
+        "{} on {}{} ({} documents{})",
         r.task,
         r.model,
+        commit_note(&r.model_commit),
         r.counts.documents,
         r.shard
             .as_ref()
@@ -386,13 +419,20 @@ pub fn merge_cmd(a: MergeArgs) -> Result<()> {
         .results
         .iter()
         .map(|p| {
-            let text =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let text = tokenformer::fsutil::read_to_string_bounded(p, MAX_RESULT_FILE_BYTES)?;
             serde_json::from_str::<Value>(&text)
                 .with_context(|| format!("{}: not JSON", p.display()))
         })
         .collect::<Result<Vec<_>>>()?;
-    let merged = tokenformer::eval::merge::merge_results(&parts)?;
+    let merged = tokenformer::eval::merge::merge_results(&parts).with_context(|| {
+        let names: Vec<String> = a
+            .results
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("#{} {}", i + 1, p.display()))
+            .collect();
+        format!("merging {}", names.join(", "))
+    })?;
     match merged.get("kind").and_then(Value::as_str) {
         Some(PileReport::KIND) => print_pile(&serde_json::from_value(merged.clone())?),
         Some(TaskReport::KIND) => print_task(&serde_json::from_value(merged.clone())?),

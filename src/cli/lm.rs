@@ -145,9 +145,11 @@ pub fn score_cmd(a: ScoreArgs) -> Result<()> {
     let files = a.model.locate()?;
     let text = match (&a.text, &a.file) {
         (Some(t), _) => Some(t.clone()),
-        (None, Some(f)) => {
-            Some(std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?)
-        }
+        // Bounded and regular files only: a FIFO or a huge file cannot hang or exhaust memory.
+        (None, Some(f)) => Some(tokenformer::fsutil::read_to_string_bounded(
+            f,
+            tokenformer::eval::pile::DEFAULT_MAX_LINE_BYTES as u64,
+        )?),
         _ => None,
     };
     let (ids, tokenizer) = match (text, a.ids) {
@@ -164,7 +166,10 @@ pub fn score_cmd(a: ScoreArgs) -> Result<()> {
         (None, None) => bail!("give --text, --file or --ids"),
     };
     let model = a.weights.load_lm(&files)?;
-    let s = tokenformer::scoring::score_ids(&model, &ids)?;
+    let s = tokenformer::scoring::score_ids(&model, &ids).with_context(|| match &a.file {
+        Some(f) => format!("scoring {}", f.display()),
+        None => "scoring the input".to_string(),
+    })?;
     if a.json {
         println!("{}", serde_json::to_string(&s)?);
         return Ok(());

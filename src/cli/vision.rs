@@ -9,7 +9,8 @@ use candle_core::Device;
 use clap::Args;
 use tokenformer::eval::imagenet;
 use tokenformer::loader;
-use tokenformer::vision::dataset;
+use tokenformer::vision::decode::DEFAULT_MAX_PIXELS;
+use tokenformer::vision::{dataset, DecodeLimits};
 
 use super::ModelArgs;
 
@@ -37,6 +38,9 @@ pub struct ImagenetArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Images above this many pixels (width × height, read from the header) are listed as unreadable, not decoded.
+    #[arg(long, env = "TOKENFORMER_MAX_IMAGE_PIXELS", default_value_t = DEFAULT_MAX_PIXELS)]
+    pub max_image_pixels: u64,
 }
 
 pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
@@ -52,13 +56,18 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
         limit: a.limit,
         shard,
         progress: !a.quiet,
+        max_image_pixels: a.max_image_pixels,
+        model_commit: tokenformer::eval::model_commit(&files),
     };
     let r = imagenet::evaluate(&model, &files.source, &a.data, &opts)?;
     let shard_note = r
         .shard
         .as_ref()
         .map_or(String::new(), |s| format!(" (shard {s})"));
-    println!("model:  {}", r.model);
+    match &r.model_commit {
+        Some(c) => println!("model:  {} (commit {c})", r.model),
+        None => println!("model:  {}", r.model),
+    }
     println!(
         "data:   {}{shard_note}, labels from {}",
         r.data, r.label_source
@@ -77,6 +86,9 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
         for f in &r.unreadable_files {
             println!("  {f}");
         }
+    }
+    for s in &r.skipped_folders {
+        eprintln!("warning: {s}");
     }
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&r)?;
@@ -97,12 +109,16 @@ pub struct ClassifyArgs {
     pub json: bool,
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
+    /// Images above this many pixels (width × height, read from the header) are refused, not decoded.
+    #[arg(long, env = "TOKENFORMER_MAX_IMAGE_PIXELS", default_value_t = DEFAULT_MAX_PIXELS)]
+    pub max_image_pixels: u64,
 }
 
 pub fn classify_cmd(a: ClassifyArgs) -> Result<()> {
     let files = a.model.locate()?;
     let model = loader::load_vit(&files, &Device::Cpu)?;
-    let results = imagenet::classify_files(&model, &a.images, 5, a.batch_size)?;
+    let limits = DecodeLimits::new(a.max_image_pixels);
+    let results = imagenet::classify_files_with(&model, &a.images, 5, a.batch_size, &limits)?;
     let failed = results.iter().filter(|(_, r)| r.is_err()).count();
     if a.json {
         /// One image of `classify --json`, fields in this order.
@@ -143,7 +159,17 @@ pub fn classify_cmd(a: ClassifyArgs) -> Result<()> {
         }
     }
     if failed > 0 {
-        bail!("{failed} of {} image(s) could not be read", results.len());
+        // The reasons again on stderr, for when stdout goes to a file or a pipe.
+        let reasons: Vec<String> = results
+            .iter()
+            .filter_map(|(_, r)| r.as_ref().err().map(|e| format!("  {e}")))
+            .take(10)
+            .collect();
+        bail!(
+            "{failed} of {} image(s) could not be read:\n{}",
+            results.len(),
+            reasons.join("\n")
+        );
     }
     Ok(())
 }

@@ -5,7 +5,9 @@
 //! Images are decoded and resized on a separate rayon pool one batch ahead of
 //! the model (a bounded channel), so preprocessing overlaps the forward pass.
 //! Accuracy is exact: counts over every readable image, as timm's
-//! `validate.py` reports it; unreadable files are listed and counted apart.
+//! `validate.py` reports it; unreadable files are listed and counted apart
+//! (among them images above the pixel limit, and entries that are not
+//! regular files, which are never opened).
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -17,8 +19,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::eval::pile::{sha256_file, Shard};
 use crate::models::vit::{probabilities, VisionTransformer};
-use crate::vision::{dataset, top_k, ClassLabels, EvalTransform};
+use crate::vision::{dataset, top_k, ClassLabels, DecodeLimits, EvalTransform};
 
 pub const KIND: &str = "imagenet";
 
@@ -34,6 +37,10 @@ pub struct Options {
     pub shard: Option<(usize, usize)>,
     /// Show a progress bar on stderr.
     pub progress: bool,
+    /// Images above this many pixels are unreadable (not decoded).
+    pub max_image_pixels: u64,
+    /// The commit the model's files come from, recorded in the result.
+    pub model_commit: Option<String>,
 }
 
 impl Default for Options {
@@ -44,6 +51,8 @@ impl Default for Options {
             limit: None,
             shard: None,
             progress: false,
+            max_image_pixels: crate::vision::decode::DEFAULT_MAX_PIXELS,
+            model_commit: None,
         }
     }
 }
@@ -54,8 +63,21 @@ pub struct ImagenetResult {
     /// Always `"imagenet"`.
     pub kind: String,
     pub model: String,
+    /// The Hub commit the model's files come from (none for a local folder).
+    #[serde(default)]
+    pub model_commit: Option<String>,
     pub data: String,
+    /// sha256 of the listing of every image (relative path, size, label)
+    /// before `--limit` and `--shard`: see [`dataset::Dataset::listing_sha256`].
+    #[serde(default)]
+    pub data_sha256: Option<String>,
     pub label_source: String,
+    /// sha256 of the `--labels` file, if one was given.
+    #[serde(default)]
+    pub labels_sha256: Option<String>,
+    /// The pixel limit above which images were counted unreadable.
+    #[serde(default)]
+    pub max_image_pixels: Option<u64>,
     /// Images classified (readable ones).
     pub images: usize,
     pub correct_top1: usize,
@@ -65,6 +87,9 @@ pub struct ImagenetResult {
     pub top5: f64,
     pub unreadable: usize,
     pub unreadable_files: Vec<String>,
+    /// Folders not walked twice (symlink loops, second links), with why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped_folders: Vec<String>,
     pub seconds: f64,
     pub images_per_second: f64,
     pub batch_size: usize,
@@ -117,6 +142,9 @@ pub fn evaluate(
             cfg.num_classes
         )));
     }
+    let data_sha256 = ds.listing_sha256(data);
+    let labels_sha256 = opts.labels.as_deref().map(sha256_file).transpose()?;
+    let limits = DecodeLimits::new(opts.max_image_pixels);
     let mut samples = ds.samples;
     if let Some(l) = opts.limit {
         samples.truncate(l);
@@ -152,14 +180,14 @@ pub fn evaluate(
         // Two batches in flight: one being preprocessed while the model runs the other.
         let (tx, rx) = mpsc::sync_channel::<Prepared>(1);
         let chunks: Vec<&[dataset::Sample]> = samples.chunks(batch_size).collect();
-        let transform = &transform;
+        let (transform, limits) = (&transform, &limits);
         let pool = &pool;
         scope.spawn(move || {
             for chunk in chunks {
                 let prepared: Prepared = pool.install(|| {
                     chunk
                         .par_iter()
-                        .map(|s| (s.clone(), transform.load(&s.path)))
+                        .map(|s| (s.clone(), transform.load_with(&s.path, limits)))
                         .collect()
                 });
                 if tx.send(prepared).is_err() {
@@ -207,8 +235,12 @@ pub fn evaluate(
     Ok(ImagenetResult {
         kind: KIND.into(),
         model: model_name.into(),
+        model_commit: opts.model_commit.clone(),
         data: data.display().to_string(),
+        data_sha256: Some(data_sha256),
         label_source: ds.label_source,
+        labels_sha256,
+        max_image_pixels: Some(opts.max_image_pixels),
         images,
         correct_top1: correct1,
         correct_top5: correct5,
@@ -216,6 +248,7 @@ pub fn evaluate(
         top5: percent(correct5, images),
         unreadable: unreadable_files.len(),
         unreadable_files,
+        skipped_folders: ds.skipped,
         seconds,
         images_per_second: rate(images, seconds),
         batch_size,
@@ -227,7 +260,10 @@ pub fn evaluate(
 
 /// Combines the results of `--shard I/N` runs into what one whole run reports:
 /// counts are summed and the accuracies recomputed from them. `seconds` is the
-/// summed compute time and `images_per_second` the rate per process.
+/// summed compute time and `images_per_second` the rate per process. Shards
+/// must agree on the model (and its commit), the data listing, the labels
+/// file, `--limit` and the pixel limit, have consistent counts, and be I/N of
+/// one N, each once, all present.
 pub fn merge_results(parts: &[Value]) -> Result<Value> {
     let parts: Vec<ImagenetResult> = parts
         .iter()
@@ -244,96 +280,130 @@ pub fn merge_results(parts: &[Value]) -> Result<Value> {
     let first = parts
         .first()
         .ok_or_else(|| Error::input("no imagenet results to merge"))?;
-    let mut shards: Vec<String> = Vec::new();
-    let mut shard_count = None;
+    let mut shards: Vec<Shard> = Vec::new();
     for (i, p) in parts.iter().enumerate() {
+        let bad = |msg: String| Error::input(format!("imagenet result #{}: {msg}", i + 1));
         if p.kind != KIND {
-            return Err(Error::input(format!(
-                "result #{}: kind `{}`, expected `{KIND}`",
-                i + 1,
-                p.kind
-            )));
+            return Err(bad(format!("kind `{}`, expected `{KIND}`", p.kind)));
         }
-        for (what, a, b) in [
-            ("model", &p.model, &first.model),
-            ("data", &p.data, &first.data),
-        ] {
-            if a != b {
-                return Err(Error::input(format!(
-                    "result #{}: {what} `{a}` differs from `{b}`",
-                    i + 1
-                )));
-            }
+        let differs = |what: &str, a: String, b: String| {
+            bad(format!(
+                "{what} {a} differs from {b} of result #1: shards of different runs cannot be merged"
+            ))
+        };
+        if p.model != first.model {
+            return Err(differs("model", p.model.clone(), first.model.clone()));
+        }
+        let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "(none)".into());
+        if p.model_commit != first.model_commit {
+            return Err(differs(
+                "model commit",
+                opt(&p.model_commit),
+                opt(&first.model_commit),
+            ));
+        }
+        if p.data_sha256 != first.data_sha256 {
+            return Err(differs(
+                "data listing sha256",
+                opt(&p.data_sha256),
+                opt(&first.data_sha256),
+            ));
+        }
+        if p.data_sha256.is_none() && p.data != first.data {
+            return Err(differs("data", p.data.clone(), first.data.clone()));
+        }
+        if p.labels_sha256 != first.labels_sha256 {
+            return Err(differs(
+                "labels file sha256",
+                opt(&p.labels_sha256),
+                opt(&first.labels_sha256),
+            ));
         }
         if p.limit != first.limit {
-            return Err(Error::input(format!(
-                "result #{}: --limit differs between the shards",
-                i + 1
+            return Err(differs(
+                "--limit",
+                format!("{:?}", p.limit),
+                format!("{:?}", first.limit),
+            ));
+        }
+        if p.max_image_pixels != first.max_image_pixels {
+            return Err(differs(
+                "pixel limit",
+                format!("{:?}", p.max_image_pixels),
+                format!("{:?}", first.max_image_pixels),
+            ));
+        }
+        if p.correct_top1 > p.correct_top5 || p.correct_top5 > p.images {
+            return Err(bad(format!(
+                "impossible counts: correct_top1 {} <= correct_top5 {} <= images {} does not hold",
+                p.correct_top1, p.correct_top5, p.images
             )));
         }
-        let own: Vec<String> = match (&p.shard, p.merged_shards.is_empty()) {
-            (Some(s), _) => vec![s.clone()],
-            (None, false) => p.merged_shards.clone(),
+        if p.unreadable != p.unreadable_files.len() {
+            return Err(bad(format!(
+                "impossible counts: unreadable {} but {} unreadable files listed",
+                p.unreadable,
+                p.unreadable_files.len()
+            )));
+        }
+        if !(p.seconds.is_finite() && p.seconds >= 0.0) {
+            return Err(bad(format!("impossible time: seconds {}", p.seconds)));
+        }
+        let own: Vec<&String> = match (&p.shard, p.merged_shards.is_empty()) {
+            (Some(s), true) => vec![s],
+            (None, false) => p.merged_shards.iter().collect(),
+            (Some(_), false) => {
+                return Err(bad(
+                    "both `shard` and `merged_shards`: not a result of this tool".into(),
+                ))
+            }
             (None, true) => {
-                return Err(Error::input(format!(
-                    "result #{}: not a --shard run, nothing to merge it with",
-                    i + 1
-                )))
+                return Err(bad("not a --shard run, nothing to merge it with".into()));
             }
         };
         for s in own {
-            let n = s.split_once('/').map(|(_, n)| n.to_string());
-            if shard_count.get_or_insert_with(|| n.clone()) != &n {
-                return Err(Error::input(format!(
-                    "result #{}: shard {s} has a different N",
-                    i + 1
-                )));
-            }
-            if shards.contains(&s) {
-                return Err(Error::input(format!("shard {s} appears twice")));
-            }
-            shards.push(s);
+            shards.push(s.parse().map_err(|e: String| bad(e))?);
         }
     }
-    // Like the Pile merge: the result must be that of one whole run.
-    if let Some(Some(n)) = &shard_count {
-        let expected: usize = n.parse().unwrap_or(0);
-        if shards.len() != expected {
-            return Err(Error::input(format!(
-                "{} of {n} shards given ({}): all of them are needed for the whole run",
-                shards.len(),
-                shards.join(", ")
-            )));
-        }
-    }
-    let sum = |f: fn(&ImagenetResult) -> usize| parts.iter().map(f).sum::<usize>();
-    let images = sum(|p| p.images);
-    let (c1, c5) = (sum(|p| p.correct_top1), sum(|p| p.correct_top5));
+    let n = super::merge::check_shard_set(&shards)?;
+    let sum = |f: fn(&ImagenetResult) -> usize| -> Result<usize> {
+        parts
+            .iter()
+            .try_fold(0usize, |acc, p| acc.checked_add(f(p)))
+            .ok_or_else(|| Error::input("the shards' counts overflow"))
+    };
+    let images = sum(|p| p.images)?;
+    let (c1, c5) = (sum(|p| p.correct_top1)?, sum(|p| p.correct_top5)?);
     let seconds: f64 = parts.iter().map(|p| p.seconds).sum();
     let mut unreadable_files: Vec<String> = parts
         .iter()
         .flat_map(|p| p.unreadable_files.clone())
         .collect();
     unreadable_files.sort();
-    shards.sort_by_key(|s| s.split('/').next().and_then(|i| i.parse::<usize>().ok()));
+    shards.sort_by_key(|s| s.index);
     let merged = ImagenetResult {
         kind: KIND.into(),
         model: first.model.clone(),
+        model_commit: first.model_commit.clone(),
         data: first.data.clone(),
+        data_sha256: first.data_sha256.clone(),
         label_source: first.label_source.clone(),
+        labels_sha256: first.labels_sha256.clone(),
+        max_image_pixels: first.max_image_pixels,
         images,
         correct_top1: c1,
         correct_top5: c5,
         top1: percent(c1, images),
         top5: percent(c5, images),
-        unreadable: sum(|p| p.unreadable),
+        unreadable: unreadable_files.len(),
         unreadable_files,
+        skipped_folders: first.skipped_folders.clone(),
         seconds,
         images_per_second: rate(images, seconds),
         batch_size: first.batch_size,
         limit: first.limit,
         shard: None,
-        merged_shards: shards,
+        merged_shards: (0..n).map(|i| format!("{i}/{n}")).collect(),
     };
     Ok(serde_json::to_value(merged).expect("serialisable"))
 }
@@ -349,20 +419,35 @@ pub struct Prediction {
     pub prob: f32,
 }
 
-/// The top-`k` classes of each image, or why it could not be read. Images
-/// are preprocessed in parallel and run in batches of `batch_size`.
+/// [`classify_files_with`] with the default decode limits.
 pub fn classify_files(
     model: &VisionTransformer,
     files: &[PathBuf],
     k: usize,
     batch_size: usize,
 ) -> Result<Vec<(PathBuf, Result<Vec<Prediction>>)>> {
+    classify_files_with(model, files, k, batch_size, &DecodeLimits::default())
+}
+
+/// The top-`k` classes of each image, or why it could not be read (an image
+/// above `limits` is not decoded). Images are preprocessed in parallel and
+/// run in batches of `batch_size`.
+pub fn classify_files_with(
+    model: &VisionTransformer,
+    files: &[PathBuf],
+    k: usize,
+    batch_size: usize,
+    limits: &DecodeLimits,
+) -> Result<Vec<(PathBuf, Result<Vec<Prediction>>)>> {
     let cfg = model.config();
     let transform = EvalTransform::from_config(cfg);
     let classes = ClassLabels::for_config(cfg);
     let mut out = Vec::with_capacity(files.len());
     for chunk in files.chunks(batch_size.max(1)) {
-        let loaded: Vec<Result<Vec<f32>>> = chunk.par_iter().map(|p| transform.load(p)).collect();
+        let loaded: Vec<Result<Vec<f32>>> = chunk
+            .par_iter()
+            .map(|p| transform.load_with(p, limits))
+            .collect();
         let ok: Vec<Vec<f32>> = loaded
             .iter()
             .filter_map(|r| r.as_ref().ok().cloned())

@@ -9,9 +9,16 @@
 //! `bits_per_byte`; words = `len(re.split(r"\s+", text))`). `strided` is Hugging
 //! Face's "Perplexity of fixed-length models"
 //! (<https://huggingface.co/docs/transformers/perplexity>), per document.
+//!
+//! Reading is bounded: a line longer than [`PileOptions::max_line_bytes`] is
+//! never held in memory (the reader skips to its end) and is a bad line, an
+//! error naming it or, with `skip_bad`, skipped and counted; a `.txt` longer
+//! than the limit (one document) is an error; the `.zst` decoder accepts windows of at most
+//! 2^[`MAX_ZSTD_WINDOW_LOG`] bytes; only regular files are opened. A
+//! non-finite log-likelihood (a model that outputs NaN) is an error naming
+//! the document, never a number in the report.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -187,6 +194,16 @@ impl<R: Read> Read for Counting<R> {
     }
 }
 
+/// The default longest line (a `.txt`: document) read, in bytes: far above
+/// the Pile's documents (a few MB at most, JSON-escaped), and it bounds the
+/// tokenizer's memory, a large multiple of the text's size (README, Evaluation).
+pub const DEFAULT_MAX_LINE_BYTES: usize = 16 << 20;
+
+/// The largest zstd window accepted (2^27 = 128 MiB, zstd's own default
+/// bound; `zstd --long` up to 27 stays readable): a frame cannot make the
+/// decoder allocate more.
+pub const MAX_ZSTD_WINDOW_LOG: u32 = 27;
+
 /// A data file opened for streaming: decompressed if `.zst`.
 pub struct DataFile {
     pub path: PathBuf,
@@ -197,11 +214,20 @@ pub struct DataFile {
     pub size: u64,
     /// `.txt` (or `.txt.zst`): the whole file is one document.
     pub is_text: bool,
+    /// Lines (a `.txt`: the document) longer than this are bad lines.
+    pub max_line_bytes: usize,
 }
 
 impl DataFile {
+    /// Opens `path` with the default line limit.
     pub fn open(path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        Self::open_with(path, DEFAULT_MAX_LINE_BYTES)
+    }
+
+    /// Opens `path` (a regular file only) for streaming; lines longer than
+    /// `max_line_bytes` will be reported as bad lines.
+    pub fn open_with(path: &Path, max_line_bytes: usize) -> Result<Self> {
+        let file = crate::fsutil::open_regular(path)?;
         let size = file.metadata().map_err(|e| Error::io(path, e))?.len();
         let position = Arc::new(AtomicU64::new(0));
         let counting = Counting {
@@ -217,7 +243,9 @@ impl DataFile {
             None => (name.clone(), false),
         };
         let reader: Box<dyn BufRead + Send> = if zst {
-            let dec = zstd::Decoder::new(counting).map_err(|e| Error::io(path, e))?;
+            let mut dec = zstd::Decoder::new(counting).map_err(|e| Error::io(path, e))?;
+            dec.window_log_max(MAX_ZSTD_WINDOW_LOG)
+                .map_err(|e| Error::io(path, e))?;
             Box::new(BufReader::with_capacity(1 << 20, dec))
         } else {
             Box::new(BufReader::with_capacity(1 << 20, counting))
@@ -228,12 +256,86 @@ impl DataFile {
             position,
             size,
             is_text: stem.ends_with(".txt"),
+            max_line_bytes,
         })
+    }
+
+    /// The whole stream as one document (a `.txt`), at most `max_line_bytes`.
+    pub fn read_document(&mut self) -> Result<Vec<u8>> {
+        let mut raw = Vec::new();
+        (&mut self.reader)
+            .take((self.max_line_bytes as u64).saturating_add(1))
+            .read_to_end(&mut raw)
+            .map_err(|e| Error::io(&self.path, e))?;
+        if raw.len() > self.max_line_bytes {
+            return Err(Error::input(format!(
+                "{}: the document is longer than the limit of {} bytes (--max-line-bytes)",
+                self.path.display(),
+                self.max_line_bytes
+            )));
+        }
+        Ok(raw)
+    }
+}
+
+/// How a bounded line read ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LineEnd {
+    Eof,
+    Line,
+    /// The line had this many bytes (newline included), above the limit; its
+    /// bytes were read and dropped.
+    TooLong(u64),
+}
+
+/// `read_until(b'\n')` that keeps at most `max` bytes of a line (without its
+/// newline) in `buf`: a longer line is consumed to its end but not stored.
+fn read_line_bounded(
+    r: &mut dyn BufRead,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<LineEnd> {
+    buf.clear();
+    let mut total = 0u64;
+    let mut too_long = false;
+    loop {
+        let avail = match r.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if avail.is_empty() {
+            return Ok(match (total, too_long) {
+                (0, _) => LineEnd::Eof,
+                (_, false) => LineEnd::Line,
+                (n, true) => LineEnd::TooLong(n),
+            });
+        }
+        let newline = avail.iter().position(|&b| b == b'\n');
+        let n = newline.map_or(avail.len(), |i| i + 1);
+        total += n as u64;
+        if !too_long {
+            let content = buf.len() + n - usize::from(newline.is_some());
+            if content > max {
+                too_long = true;
+                buf.clear();
+            } else {
+                buf.extend_from_slice(&avail[..n]);
+            }
+        }
+        r.consume(n);
+        if newline.is_some() {
+            return Ok(if too_long {
+                LineEnd::TooLong(total)
+            } else {
+                LineEnd::Line
+            });
+        }
     }
 }
 
 /// One non-blank line of a JSON-lines file: its 1-based number and either the
-/// parsed value or why it is bad (invalid UTF-8, malformed JSON).
+/// parsed value or why it is bad (too long, invalid UTF-8, malformed JSON).
 pub type Line = (usize, std::result::Result<Value, String>);
 
 /// Iterates the non-blank lines of a JSON-lines stream; I/O and decompression
@@ -261,13 +363,19 @@ impl Iterator for JsonLines {
     type Item = Result<Line>;
     fn next(&mut self) -> Option<Self::Item> {
         loop {
-            self.buf.clear();
-            match self.file.reader.read_until(b'\n', &mut self.buf) {
-                Ok(0) => return None,
-                Ok(_) => {}
+            let max = self.file.max_line_bytes;
+            let end = match read_line_bounded(&mut self.file.reader, &mut self.buf, max) {
+                Ok(LineEnd::Eof) => return None,
+                Ok(end) => end,
                 Err(e) => return Some(Err(Error::io(&self.file.path, e))),
-            }
+            };
             self.line += 1;
+            if let LineEnd::TooLong(n) = end {
+                let msg = format!(
+                    "line of {n} bytes, longer than the limit of {max} bytes (--max-line-bytes)"
+                );
+                return Some(Ok((self.line, Err(msg))));
+            }
             let text = match std::str::from_utf8(&self.buf) {
                 Ok(t) => t,
                 Err(e) => {
@@ -344,6 +452,8 @@ pub struct PileOptions {
     pub skip_bad: bool,
     /// The token the first rolling window is conditioned on (EOS for GPT-NeoX).
     pub prefix_token: u32,
+    /// Lines (a `.txt`: the document) longer than this many bytes are bad lines.
+    pub max_line_bytes: usize,
 }
 
 /// Totals of one evaluation (or of merged shards).
@@ -378,6 +488,9 @@ struct Pending<'a> {
     windows: Vec<Request>,
     /// Per window, the index of its document's subset.
     owners: Vec<usize>,
+    /// Per window, its document's line in the data file.
+    lines: Vec<usize>,
+    path: &'a Path,
     done: PileProgress,
 }
 
@@ -405,18 +518,36 @@ impl Pending<'_> {
                 done.documents = docs0 + ((docs1 - docs0) as f64 * f) as u64;
                 progress(*done);
             })?;
-            for ((s, r), &o) in scored.iter().zip(&self.windows).zip(&self.owners) {
+            for (((s, r), &o), &line) in scored
+                .iter()
+                .zip(&self.windows)
+                .zip(&self.owners)
+                .zip(&self.lines)
+            {
+                if !s.logprob.is_finite() {
+                    return Err(non_finite(self.path, line, s.logprob));
+                }
                 per_subset[o].loglikelihood += s.logprob;
                 per_subset[o].tokens += r.continuation.len() as u64;
             }
             self.windows.clear();
             self.owners.clear();
+            self.lines.clear();
         }
         self.done.file_position = pos1;
         self.done.documents = docs1;
         progress(self.done);
         Ok(())
     }
+}
+
+/// The error for a document whose log-likelihood is NaN or infinite.
+pub(crate) fn non_finite(path: &Path, line: usize, value: f64) -> Error {
+    Error::input(format!(
+        "{} line {line}: the document's log-likelihood is {value}: the model outputs non-finite \
+         values (NaN or infinity), so no perplexity or accuracy can be computed",
+        path.display()
+    ))
 }
 
 /// A document line: its number and (text, pile_set_name), or why it is bad.
@@ -438,16 +569,12 @@ pub fn evaluate(
             )));
         }
     }
-    let file = DataFile::open(path)?;
+    let mut file = DataFile::open_with(path, opts.max_line_bytes)?;
     let position = file.position.clone();
     let size = file.size;
     let where_ = |line: usize| format!("{} line {line}", path.display());
     let mut docs: Box<dyn Iterator<Item = Result<DocLine>>> = if file.is_text {
-        let mut reader = file.reader;
-        let mut raw = Vec::new();
-        reader
-            .read_to_end(&mut raw)
-            .map_err(|e| Error::io(path, e))?;
+        let raw = file.read_document()?;
         if raw.is_empty() {
             return Err(Error::input(format!(
                 "{}: the file is empty",
@@ -474,6 +601,8 @@ pub fn evaluate(
         position,
         windows: Vec::new(),
         owners: Vec::new(),
+        lines: Vec::new(),
+        path,
         done: PileProgress {
             tokens: 0,
             documents: 0,
@@ -540,6 +669,9 @@ pub fn evaluate(
         pending
             .owners
             .extend(std::iter::repeat_n(owner, windows.len()));
+        pending
+            .lines
+            .extend(std::iter::repeat_n(line, windows.len()));
         pending.windows.extend(windows);
         if pending.windows.len() >= opts.batch_size.max(1) * PENDING_BATCHES {
             pending.flush(read_documents, &mut per_subset, &mut progress)?;
@@ -587,7 +719,7 @@ fn pile_document(v: Value) -> std::result::Result<(String, Option<String>), Stri
 
 /// Hex sha256 of a file (read in 1 MiB blocks).
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut f = crate::fsutil::open_regular(path)?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
@@ -607,8 +739,17 @@ pub struct PileReport {
     pub kind: String,
     /// The model as resolved (`repo@revision` or a path).
     pub model: String,
+    /// The Hub commit the model's files come from (none for a local folder).
+    #[serde(default)]
+    pub model_commit: Option<String>,
+    /// `f32` or `f16` (`--weight-dtype`).
+    #[serde(default)]
+    pub weight_dtype: Option<String>,
     pub data: String,
     pub data_sha256: String,
+    /// The line limit of the run (`--max-line-bytes`).
+    #[serde(default)]
+    pub max_line_bytes: Option<usize>,
     pub method: String,
     pub max_length: usize,
     /// Strided only.
@@ -637,6 +778,8 @@ pub struct PileReport {
 #[derive(Clone, Debug)]
 pub struct RunInfo {
     pub model: String,
+    pub model_commit: Option<String>,
+    pub weight_dtype: Option<String>,
     pub data: String,
     pub data_sha256: String,
     pub max_length: usize,
@@ -650,8 +793,11 @@ impl PileReport {
         let mut r = Self {
             kind: Self::KIND.into(),
             model: info.model,
+            model_commit: info.model_commit,
+            weight_dtype: info.weight_dtype,
             data: info.data,
             data_sha256: info.data_sha256,
+            max_line_bytes: Some(opts.max_line_bytes),
             method: opts.method.name().into(),
             max_length: info.max_length,
             stride: match opts.method {

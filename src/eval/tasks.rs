@@ -360,6 +360,8 @@ pub struct TaskOptions {
     pub shard: Shard,
     pub skip_bad: bool,
     pub prefix_token: u32,
+    /// Lines longer than this many bytes are bad lines.
+    pub max_line_bytes: usize,
 }
 
 /// Sums from which every metric is recomputed (and merged across shards).
@@ -394,7 +396,8 @@ pub fn acc_stderr(correct: u64, n: u64) -> Option<f64> {
     })
 }
 
-/// numpy's argmax: the first maximum, NaN counting as the maximum.
+/// numpy's argmax: the first maximum, NaN counting as the maximum (scores
+/// are checked to be finite before, so this is only numpy's tie rule).
 fn argmax(xs: &[f64]) -> usize {
     if let Some(i) = xs.iter().position(|x| x.is_nan()) {
         return i;
@@ -423,7 +426,7 @@ pub fn evaluate(
     let mut examples = Vec::new();
     let mut k = 0usize;
     let mut lines = 0usize;
-    for item in JsonLines::new(DataFile::open(path)?) {
+    for item in JsonLines::new(DataFile::open_with(path, opts.max_line_bytes)?) {
         let (line, value) = item?;
         lines += 1;
         let label = match labels {
@@ -442,7 +445,7 @@ pub fn evaluate(
                     break;
                 }
                 if opts.shard.owns(k) {
-                    examples.push(ex);
+                    examples.push((line, ex));
                 }
                 k += 1;
             }
@@ -478,7 +481,7 @@ pub fn evaluate(
         }
     }
     let mut requests = Vec::new();
-    for ex in &examples {
+    for (_, ex) in &examples {
         for (c, x) in &ex.requests {
             requests.push(encode_pair(tokenizer, opts.prefix_token, c, x)?);
         }
@@ -490,9 +493,12 @@ pub fn evaluate(
         progress(done, total);
     })?;
     let mut at = 0;
-    for ex in &examples {
+    for (line, ex) in &examples {
         let res = &scored[at..at + ex.requests.len()];
         at += ex.requests.len();
+        if let Some(bad) = res.iter().find(|r| !r.logprob.is_finite()) {
+            return Err(super::pile::non_finite(path, *line, bad.logprob));
+        }
         counts.documents += 1;
         if task == Task::Lambada {
             counts.loglikelihood += res[0].logprob;
@@ -520,9 +526,21 @@ pub struct TaskReport {
     pub kind: String,
     pub task: String,
     pub model: String,
+    /// The Hub commit the model's files come from (none for a local folder).
+    #[serde(default)]
+    pub model_commit: Option<String>,
+    /// `f32` or `f16` (`--weight-dtype`).
+    #[serde(default)]
+    pub weight_dtype: Option<String>,
     pub data: String,
     pub data_sha256: String,
     pub labels: Option<String>,
+    /// sha256 of the `--labels` file.
+    #[serde(default)]
+    pub labels_sha256: Option<String>,
+    /// The line limit of the run (`--max-line-bytes`).
+    #[serde(default)]
+    pub max_line_bytes: Option<usize>,
     pub max_length: usize,
     pub limit: Option<usize>,
     pub shard: Option<String>,

@@ -2,11 +2,25 @@
 //! layout (torchvision `ImageFolder`), or a flat folder with a label file —
 //! the Kaggle `LOC_val_solution.csv` (`ImageId,PredictionString`, the first
 //! token of the prediction string is the wnid) or `file label_index` lines.
+//!
+//! Folders are walked with symbolic links followed, but each folder (by
+//! device and inode) is entered once: a link back to an ancestor (a loop) or
+//! a second link to a folder already walked is skipped and reported in
+//! [`Dataset::skipped`], so no image is counted twice. Entries with an image
+//! extension that are not regular files (FIFOs, sockets, devices, dangling
+//! links) are listed like any image and are never opened: decoding refuses
+//! them (see [`crate::fsutil::open_regular`]), so an evaluation lists them as
+//! unreadable.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
+use sha2::{Digest, Sha256};
+
 use crate::error::{Error, Result};
+
+/// Largest label file read (`LOC_val_solution.csv` of ImageNet is 2 MB).
+pub const MAX_LABELS_FILE_BYTES: u64 = 256 << 20;
 
 /// File extensions read as images (case-insensitive).
 pub const IMAGE_EXTENSIONS: &[&str] = &["jpg", "jpeg", "png", "webp"];
@@ -24,6 +38,28 @@ pub struct Dataset {
     pub samples: Vec<Sample>,
     /// Where the class indices came from, for reports.
     pub label_source: String,
+    /// Folders not walked because they were walked already (a symlink loop
+    /// or a second link to the same folder), with why.
+    pub skipped: Vec<String>,
+}
+
+impl Dataset {
+    /// sha256 of the listing: one line `relative path, size in bytes, label`
+    /// per sample, in order (size `-` when it cannot be read). Two runs agree
+    /// on it when they saw the same files with the same labels.
+    pub fn listing_sha256(&self, root: &Path) -> String {
+        let mut h = Sha256::new();
+        for s in &self.samples {
+            let rel = s.path.strip_prefix(root).unwrap_or(&s.path);
+            let size = std::fs::metadata(&s.path).map_or("-".to_string(), |m| m.len().to_string());
+            h.update(format!("{}\t{size}\t{}\n", rel.display(), s.label).as_bytes());
+        }
+        hex(&h.finalize())
+    }
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 pub fn is_image(path: &Path) -> bool {
@@ -32,26 +68,105 @@ pub fn is_image(path: &Path) -> bool {
         .is_some_and(|e| IMAGE_EXTENSIONS.iter().any(|x| x.eq_ignore_ascii_case(e)))
 }
 
-fn read_dir_sorted(dir: &Path) -> Result<Vec<PathBuf>> {
+fn read_dir_sorted(dir: &Path) -> Result<Vec<std::fs::DirEntry>> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        out.push(entry.map_err(|e| Error::io(dir, e))?.path());
+        out.push(entry.map_err(|e| Error::io(dir, e))?);
     }
-    out.sort();
+    out.sort_by_cached_key(|e| e.path());
     Ok(out)
 }
 
-/// Image files under `dir`, recursively, sorted (as `ImageFolder` walks a class).
-pub fn images_under(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
-    for p in read_dir_sorted(dir)? {
-        if p.is_dir() {
-            out.extend(images_under(&p)?);
-        } else if is_image(&p) {
-            out.push(p);
+/// A folder's identity: device and inode.
+#[cfg(unix)]
+fn folder_id(meta: &std::fs::Metadata) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    (meta.dev(), meta.ino())
+}
+
+#[cfg(not(unix))]
+fn folder_id(_meta: &std::fs::Metadata) -> (u64, u64) {
+    (0, 0)
+}
+
+/// A directory entry as the walk sees it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Folder,
+    Repeat,
+    Other,
+}
+
+/// A walk over folders that enters each folder once.
+struct Walker {
+    seen: HashSet<(u64, u64)>,
+    skipped: Vec<String>,
+}
+
+impl Walker {
+    /// Starts at `root`, which counts as walked.
+    fn new(root: &Path) -> Result<Self> {
+        let meta = std::fs::metadata(root).map_err(|e| Error::io(root, e))?;
+        Ok(Self {
+            seen: HashSet::from([folder_id(&meta)]),
+            skipped: Vec::new(),
+        })
+    }
+
+    /// What `entry` is: a folder not walked before (symlinks followed), a
+    /// folder walked before (recorded in `skipped`), or anything else.
+    fn classify(&mut self, entry: &std::fs::DirEntry) -> Kind {
+        let path = entry.path();
+        let Ok(ft) = entry.file_type() else {
+            return Kind::Other;
+        };
+        if !ft.is_dir() && !ft.is_symlink() {
+            return Kind::Other;
+        }
+        let meta = if ft.is_symlink() {
+            std::fs::metadata(&path)
+        } else {
+            entry.metadata()
+        };
+        match meta {
+            Ok(m) if m.is_dir() => {
+                if cfg!(unix) && !self.seen.insert(folder_id(&m)) {
+                    self.skipped.push(format!(
+                        "{}: a folder already walked (a symlink loop or a second link to it), skipped",
+                        path.display()
+                    ));
+                    Kind::Repeat
+                } else {
+                    Kind::Folder
+                }
+            }
+            _ => Kind::Other,
         }
     }
-    Ok(out)
+
+    /// Image files under `dir`, recursively, sorted (as `ImageFolder` walks a class).
+    fn images_under(&mut self, dir: &Path) -> Result<Vec<PathBuf>> {
+        let mut out = Vec::new();
+        for entry in read_dir_sorted(dir)? {
+            let p = entry.path();
+            match self.classify(&entry) {
+                Kind::Folder => out.extend(self.images_under(&p)?),
+                Kind::Repeat => {}
+                Kind::Other => {
+                    if is_image(&p) {
+                        out.push(p);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Image files under `dir`, recursively, sorted, each folder walked once
+/// (see the module's notes on links).
+pub fn images_under(dir: &Path) -> Result<Vec<PathBuf>> {
+    Walker::new(dir)?.images_under(dir)
 }
 
 /// Lists `dir`. Without `labels`, `dir` holds one folder per class named by
@@ -62,10 +177,12 @@ pub fn list(dir: &Path, labels: Option<&Path>, class_wnids: Option<&[String]>) -
     if !dir.is_dir() {
         return Err(Error::input(format!("{}: not a folder", dir.display())));
     }
-    let ds = match labels {
-        None => list_class_folders(dir, class_wnids)?,
-        Some(l) => list_with_labels(dir, l, class_wnids)?,
+    let mut walker = Walker::new(dir)?;
+    let mut ds = match labels {
+        None => list_class_folders(dir, class_wnids, &mut walker)?,
+        Some(l) => list_with_labels(dir, l, class_wnids, &mut walker)?,
     };
+    ds.skipped = walker.skipped;
     if ds.samples.is_empty() {
         return Err(Error::input(format!(
             "{}: no images found (looked for {} files{})",
@@ -89,10 +206,14 @@ fn index_of(class_wnids: &[String]) -> HashMap<&str, usize> {
         .collect()
 }
 
-fn list_class_folders(dir: &Path, class_wnids: Option<&[String]>) -> Result<Dataset> {
+fn list_class_folders(
+    dir: &Path,
+    class_wnids: Option<&[String]>,
+    walker: &mut Walker,
+) -> Result<Dataset> {
     let folders: Vec<PathBuf> = read_dir_sorted(dir)?
         .into_iter()
-        .filter(|p| p.is_dir())
+        .filter_map(|e| (walker.classify(&e) == Kind::Folder).then(|| e.path()))
         .collect();
     let names: Vec<String> = folders
         .iter()
@@ -115,7 +236,7 @@ fn list_class_folders(dir: &Path, class_wnids: Option<&[String]>) -> Result<Data
     };
     let mut samples = Vec::new();
     for (folder, name) in folders.iter().zip(&names) {
-        let images = images_under(folder)?;
+        let images = walker.images_under(folder)?;
         if images.is_empty() {
             continue;
         }
@@ -131,11 +252,17 @@ fn list_class_folders(dir: &Path, class_wnids: Option<&[String]>) -> Result<Data
     Ok(Dataset {
         samples,
         label_source,
+        skipped: Vec::new(),
     })
 }
 
-fn list_with_labels(dir: &Path, labels: &Path, class_wnids: Option<&[String]>) -> Result<Dataset> {
-    let text = std::fs::read_to_string(labels).map_err(|e| Error::io(labels, e))?;
+fn list_with_labels(
+    dir: &Path,
+    labels: &Path,
+    class_wnids: Option<&[String]>,
+    walker: &mut Walker,
+) -> Result<Dataset> {
+    let text = crate::fsutil::read_to_string_bounded(labels, MAX_LABELS_FILE_BYTES)?;
     let bad = |line: usize, msg: &str| Error::input(format!("{}:{line}: {msg}", labels.display()));
     // Key: file name, or file stem for the CSV (its ImageIds have no extension).
     let mut by_key: HashMap<String, usize> = HashMap::new();
@@ -209,7 +336,7 @@ fn list_with_labels(dir: &Path, labels: &Path, class_wnids: Option<&[String]>) -
         }
     }
     let mut samples = Vec::new();
-    for path in images_under(dir)? {
+    for path in walker.images_under(dir)? {
         let name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -239,6 +366,7 @@ fn list_with_labels(dir: &Path, labels: &Path, class_wnids: Option<&[String]>) -
     Ok(Dataset {
         samples,
         label_source,
+        skipped: Vec::new(),
     })
 }
 

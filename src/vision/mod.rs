@@ -18,7 +18,7 @@ use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::models::vit::{Config, Interpolation};
-pub use decode::{decode_bytes, open_rgb};
+pub use decode::{decode_bytes, decode_bytes_with, open_rgb, open_rgb_with, DecodeLimits};
 use resample::Filter;
 
 /// An 8-bit RGB image, rows of interleaved R, G, B.
@@ -130,9 +130,14 @@ impl EvalTransform {
         Ok(out)
     }
 
-    /// Reads, decodes and preprocesses one file.
+    /// Reads, decodes and preprocesses one file (default decode limits).
     pub fn load(&self, path: &Path) -> Result<Vec<f32>> {
-        let img = open_rgb(path)?;
+        self.load_with(path, &DecodeLimits::default())
+    }
+
+    /// Reads, decodes (within `limits`) and preprocesses one file.
+    pub fn load_with(&self, path: &Path, limits: &DecodeLimits) -> Result<Vec<f32>> {
+        let img = open_rgb_with(path, limits)?;
         self.apply(&img)
             .map_err(|e| Error::input(format!("{}: {e}", path.display())))
     }
