@@ -17,6 +17,7 @@ pub mod models;
 pub mod pattention;
 pub mod probe;
 pub mod scoring;
+pub mod train;
 pub mod vision;
 pub mod zoo;
 
