@@ -184,7 +184,7 @@ impl TokenWindows {
                         Some((text.to_string(), true))
                     }
                 },
-                Docs::Text(f) => read_chunk(f)?.map(|(t, last)| (t, last)),
+                Docs::Text(f) => read_chunk(f)?,
             };
             match text {
                 None => {
