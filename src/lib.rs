@@ -18,6 +18,7 @@ pub mod models;
 pub mod pattention;
 pub mod probe;
 pub mod scoring;
+pub mod train;
 pub mod vision;
 pub mod zoo;
 

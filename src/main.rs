@@ -35,6 +35,8 @@ enum Command {
     Zoo(cli::zoo::ZooCommand),
     /// Top-5 ImageNet classes and probabilities of images.
     Classify(cli::vision::ClassifyArgs),
+    /// Train a language model on text (from a checkpoint or fresh weights).
+    Train(cli::train::TrainArgs),
     /// Evaluate: Pile perplexity, zero-shot tasks, ImageNet, merging shard results.
     #[command(subcommand)]
     Eval(EvalCommand),
@@ -70,6 +72,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Zoo(c) => cli::zoo::run(c),
         Command::Bench(a) => cli::bench::run(a),
         Command::Classify(a) => cli::vision::classify_cmd(a),
+        Command::Train(a) => cli::train::run(a),
         Command::Eval(EvalCommand::Imagenet(a)) => cli::vision::imagenet_cmd(a),
         Command::Eval(EvalCommand::Pile(a)) => cli::eval_lm::pile_cmd(a),
         Command::Eval(EvalCommand::Tasks(a)) => cli::eval_lm::tasks_cmd(a),

@@ -4,6 +4,7 @@ pub mod bench;
 pub mod eval_lm;
 pub mod inspect;
 pub mod lm;
+pub mod train;
 pub mod vision;
 pub mod zoo;
 

@@ -244,6 +244,12 @@ impl Rotary {
         })
     }
 
+    /// Rotated features per head, and the cos/sin tables [max_positions, dims/2]
+    /// (the training path rotates with plain, differentiable tensor ops).
+    pub fn tables(&self) -> (usize, &Tensor, &Tensor) {
+        (self.dims, &self.cos, &self.sin)
+    }
+
     /// Rotates the first `dims` features of x [b, h, t, head_dim] for positions
     /// offset..offset+t (rotate-half layout, not interleaved pairs).
     pub fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {

@@ -1,0 +1,389 @@
+//! `tokenformer train`: train a language model on text, from a checkpoint or from a
+//! fresh initialisation, with checkpoints, resume, held-out evaluation, `metrics.jsonl`
+//! and a progress bar.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use tokenformer::card::ModelCard;
+use tokenformer::loader::{self, LocateOptions};
+use tokenformer::models::tokenformer::Config;
+use tokenformer::train::trainer::{self, TrainOptions};
+use tokenformer::train::{lm::init_tensors, LmTrainer, Split, TokenWindows, TrainableLm};
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// Model to start from: zoo name, Hub repo or local folder/file (or --init).
+    #[arg(long, short, conflicts_with_all = ["init", "resume"])]
+    pub model: Option<String>,
+    /// Start from fresh weights for this config.json (official init, --seed).
+    #[arg(long, conflicts_with = "resume")]
+    pub init: Option<PathBuf>,
+    /// Continue the run of this checkpoint (or of the newest checkpoint in this folder)
+    /// with its recorded settings; --steps may extend it.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Training text: .txt (one document), .jsonl or .jsonl.zst (`text` field). Repeatable.
+    #[arg(long, required = true)]
+    pub data: Vec<PathBuf>,
+    /// Held-out text for validation (same formats).
+    #[arg(long, conflicts_with = "val_fraction")]
+    pub val_data: Option<PathBuf>,
+    /// Hold out this fraction of the training documents for validation instead.
+    #[arg(long)]
+    pub val_fraction: Option<f64>,
+    /// Validation windows evaluated at most (the first ones of the held-out text).
+    #[arg(long, default_value_t = 64)]
+    pub val_windows: usize,
+    /// Output folder: checkpoint-NNNNNN/ folders and metrics.jsonl.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// tokenizer.json (needed with --init; default: the model's).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Optimiser steps in all (default 1000; with --resume, the run's own count unless
+    /// this extends it).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 6e-4)]
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay.
+    #[arg(long, default_value_t = 6e-5)]
+    pub min_lr: f64,
+    /// Steps of linear warm-up.
+    #[arg(long, default_value_t = 10)]
+    pub warmup_steps: u64,
+    /// AdamW betas, `B1,B2`.
+    #[arg(long, default_value = "0.9,0.95")]
+    pub betas: String,
+    /// AdamW epsilon.
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
+    /// Decoupled weight decay (matrices only; norms are not decayed).
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    /// Global gradient-norm bound (0 = no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip_grad: f64,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: usize,
+    /// Micro-batches per optimiser step.
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
+    /// Tokens per training sequence.
+    #[arg(long, default_value_t = 256)]
+    pub seq_len: usize,
+    /// Seed of the fresh initialisation (--init).
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
+    /// What trains: `all`, or comma-separated tensor-name globs (`layers.*.mlp.*`).
+    #[arg(long, default_value = "all")]
+    pub train: String,
+    /// Save a checkpoint every N steps (and always at the end).
+    #[arg(long, default_value_t = 500)]
+    pub save_every: u64,
+    /// Evaluate on the held-out text every N steps (and at the end).
+    #[arg(long, default_value_t = 100)]
+    pub eval_every: u64,
+    /// Keep only the newest K checkpoints (0 = keep all).
+    #[arg(long, default_value_t = 0)]
+    pub keep_last: usize,
+    /// Print a JSON summary on stdout at the end.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_betas(s: &str) -> Result<(f64, f64)> {
+    let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+    let [a, b] = parts.as_slice() else {
+        bail!("--betas takes two numbers, `B1,B2`, got {s:?}")
+    };
+    Ok((
+        a.parse().with_context(|| format!("--betas {s:?}"))?,
+        b.parse().with_context(|| format!("--betas {s:?}"))?,
+    ))
+}
+
+/// Training FLOPs per token: 6 per weight of every matrix product (Pattention keys and
+/// values, the output projection), plus the attention scores and mixing over a causal
+/// window (fwd + bwd).
+pub fn flops_per_token(cfg: &Config, seq_len: usize) -> f64 {
+    let d = cfg.hidden_size as f64;
+    let pattention: f64 = cfg
+        .pattentions()
+        .iter()
+        .map(|(_, n)| 2.0 * *n as f64 * d)
+        .sum::<f64>()
+        * cfg.num_layers as f64;
+    let head = cfg.vocab_size as f64 * d;
+    let attention = 6.0 * cfg.num_layers as f64 * seq_len as f64 * d;
+    6.0 * (pattention + head) + attention
+}
+
+pub fn run(a: TrainArgs) -> Result<()> {
+    let dev = Device::Cpu;
+    let (betas_1, betas_2) = parse_betas(&a.betas)?;
+    let train_globs: Vec<String> = if a.train.trim() == "all" {
+        vec!["*".into()]
+    } else {
+        a.train
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect()
+    };
+    let mut opts = TrainOptions {
+        steps: a.steps.unwrap_or(1000),
+        batch_size: a.batch_size,
+        grad_accum: a.grad_accum,
+        seq_len: a.seq_len,
+        lr: a.lr,
+        min_lr: a.min_lr,
+        warmup_steps: a.warmup_steps,
+        beta1: betas_1,
+        beta2: betas_2,
+        eps: a.eps,
+        weight_decay: a.weight_decay,
+        clip_grad: a.clip_grad,
+        seed: a.seed,
+        train: train_globs,
+    };
+
+    // Where the weights, config and tokenizer come from.
+    let (cfg, tensors, tokenizer_path, resume, source) = if let Some(dir) = &a.resume {
+        let ckpt = trainer::resume_dir(dir)?;
+        let (state, moments) = trainer::read_resume_state(&ckpt)?;
+        let files = loader::locate(&ckpt.display().to_string(), &LocateOptions::default())?;
+        let w = loader::read_weights(&files, Some(DType::F32), &dev)?;
+        let cfg = loader::lm_config(&w.config, &w.config_path)?;
+        let steps = a.steps.unwrap_or(0).max(state.options.steps);
+        opts = TrainOptions {
+            steps,
+            ..state.options.clone()
+        };
+        let tok = a.tokenizer.clone().or(files.tokenizer.clone());
+        (
+            cfg,
+            w.tensors,
+            tok,
+            Some((state, moments)),
+            ckpt.display().to_string(),
+        )
+    } else if let Some(init) = &a.init {
+        let value = loader::read_json(init)?;
+        let cfg = loader::lm_config(&value, init)?;
+        let t = init_tensors(&cfg, a.seed, &dev)?;
+        (
+            cfg,
+            t,
+            a.tokenizer.clone(),
+            None,
+            format!("fresh weights for {}", init.display()),
+        )
+    } else if let Some(m) = &a.model {
+        let files = loader::locate(
+            m,
+            &LocateOptions {
+                tokenizer: a.tokenizer.clone(),
+                progress: true,
+                ..Default::default()
+            },
+        )?;
+        let w = loader::read_weights(&files, Some(DType::F32), &dev)?;
+        if loader::architecture(&w.config) != tokenformer::models::tokenformer::ARCHITECTURE {
+            bail!(
+                "{m}: `train` trains language models (`tokenformer-lm`) so far; this is `{}`",
+                loader::architecture(&w.config)
+            );
+        }
+        let cfg = loader::lm_config(&w.config, &w.config_path)?;
+        (
+            cfg,
+            w.tensors,
+            files.tokenizer.clone(),
+            None,
+            files.source.clone(),
+        )
+    } else {
+        bail!("name what to train: --model M, --init config.json or --resume DIR");
+    };
+    let tokenizer_path =
+        tokenizer_path.context("no tokenizer.json for this model: pass --tokenizer PATH")?;
+    let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+        .map_err(|e| anyhow::anyhow!("tokenizer {}: {e}", tokenizer_path.display()))?;
+    let eos = cfg.eos_token_id;
+
+    let split = match a.val_fraction {
+        Some(f) => Split::Train {
+            every: Split::every_for(f)?,
+        },
+        None => Split::All,
+    };
+    let data = TokenWindows::new(a.data.clone(), tokenizer.clone(), eos, opts.seq_len, split)?;
+    let mut val = Vec::new();
+    let val_source = match (&a.val_data, a.val_fraction) {
+        (Some(p), _) => Some((vec![p.clone()], Split::All)),
+        (None, Some(f)) => Some((
+            a.data.clone(),
+            Split::Validation {
+                every: Split::every_for(f)?,
+            },
+        )),
+        _ => None,
+    };
+    if let Some((files, split)) = val_source {
+        let mut s = TokenWindows::new(files, tokenizer.clone(), eos, opts.seq_len, split)?;
+        while val.len() < a.val_windows && s.epoch() == 0 {
+            let w = s.next_window()?;
+            if s.epoch() == 0 {
+                val.push(w);
+            }
+        }
+    }
+
+    let model = TrainableLm::new(&cfg, &tensors, DType::F32, &dev)?;
+    drop(tensors);
+    let mut t = LmTrainer::new(model, data, opts.clone(), resume)?;
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let tokenizer_bytes = std::fs::read(&tokenizer_path)
+        .with_context(|| format!("reading {}", tokenizer_path.display()))?;
+    let mut metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(a.out.join("metrics.jsonl"))
+        .with_context(|| format!("opening {}", a.out.join("metrics.jsonl").display()))?;
+    let fpt = flops_per_token(&cfg, opts.seq_len);
+
+    let start_step = t.step_count();
+    let bar = ProgressBar::new(opts.steps);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
+        )
+        .expect("valid template"),
+    );
+    bar.set_position(start_step);
+    let started = Instant::now();
+    let mut last = None;
+    let mut last_val = None;
+    let mut last_ckpt = None;
+    while !t.done() {
+        let r = t.step()?;
+        let secs = started.elapsed().as_secs_f64();
+        let tokens_run = (r.step - start_step) as f64
+            * (opts.batch_size * opts.grad_accum * opts.seq_len) as f64;
+        let mut line = json!({
+            "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
+            "tokens": r.tokens, "flops": fpt * r.tokens as f64,
+        });
+        let end = t.done();
+        if !val.is_empty() && (r.step % a.eval_every.max(1) == 0 || end) {
+            let v = t.evaluate(&val, opts.batch_size)?;
+            line["val_loss"] = json!(v);
+            line["val_perplexity"] = json!(v.exp());
+            last_val = Some(v);
+        }
+        writeln!(metrics, "{line}").context("writing metrics.jsonl")?;
+        bar.set_message(format!(
+            "loss {:.4}{}  {:.0} tok/s",
+            r.loss,
+            last_val.map_or(String::new(), |v| format!("  val {v:.4}")),
+            tokens_run / secs.max(1e-9)
+        ));
+        bar.set_position(r.step);
+        if r.step % a.save_every.max(1) == 0 || end {
+            let card = card(&cfg, &t, &source, &a.data, last_val);
+            let dir = t.save(
+                &a.out,
+                &[
+                    ("tokenizer.json", tokenizer_bytes.clone()),
+                    ("README.md", card.into_bytes()),
+                ],
+            )?;
+            if a.keep_last > 0 {
+                trainer::prune(&a.out, a.keep_last)?;
+            }
+            last_ckpt = Some(dir);
+            if std::env::var("TOKENFORMER_TRAIN_ABORT_AFTER_STEP")
+                .is_ok_and(|v| v == r.step.to_string())
+            {
+                // Test hook: a run killed right after this checkpoint.
+                std::process::exit(137);
+            }
+        }
+        last = Some(r);
+    }
+    bar.finish_and_clear();
+    let secs = started.elapsed().as_secs_f64();
+    let Some(r) = last else {
+        bail!(
+            "nothing to do: the run already has its {} steps (raise --steps)",
+            opts.steps
+        );
+    };
+    let ckpt = last_ckpt.expect("saved at the end");
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "steps": r.step, "train_loss": r.loss, "val_loss": last_val,
+                "val_perplexity": last_val.map(f64::exp), "tokens": r.tokens,
+                "seconds": secs, "checkpoint": ckpt,
+            })
+        );
+    } else {
+        eprintln!(
+            "trained to step {} (loss {:.4}{}) in {secs:.1} s; saved {}",
+            r.step,
+            r.loss,
+            last_val.map_or(String::new(), |v| format!(", validation {v:.4}")),
+            ckpt.display()
+        );
+    }
+    Ok(())
+}
+
+/// The model card of a checkpoint: how it was trained.
+fn card(cfg: &Config, t: &LmTrainer, source: &str, data: &[PathBuf], val: Option<f64>) -> String {
+    let o = t.options();
+    let mut c = ModelCard::new(
+        "TokenFormer language model (trained with tokenformer)",
+        "text-generation",
+    );
+    let files: Vec<String> = data.iter().map(|p| name(p)).collect();
+    let mut body = format!(
+        "Started from {source}; {} of {} steps on {}.\n\n\
+         | setting | value |\n|---|---|\n\
+         | sequence length × batch × accumulation | {} × {} × {} |\n\
+         | learning rate | {} → {} (warm-up {} steps, cosine) |\n\
+         | AdamW | betas {}, {}, eps {}, weight decay {} (matrices only) |\n\
+         | gradient clipping | {} |\n| trained tensors | {} |\n| shape | {} layers, d {}, {} heads, tokens {}/{}/{} |\n",
+        t.step_count(), o.steps, files.join(", "), o.seq_len, o.batch_size, o.grad_accum,
+        o.lr, o.min_lr, o.warmup_steps, o.beta1, o.beta2, o.eps, o.weight_decay, o.clip_grad,
+        o.train.join(", "), cfg.num_layers, cfg.hidden_size, cfg.num_heads,
+        cfg.qkv_tokens, cfg.proj_tokens, cfg.ffn_tokens,
+    );
+    if let Some(v) = val {
+        body.push_str(&format!(
+            "\nValidation loss {v:.4} (perplexity {:.2}).\n",
+            v.exp()
+        ));
+    }
+    c.section("Training", body);
+    c.render()
+}
+
+fn name(p: &Path) -> String {
+    p.file_name().map_or_else(
+        || p.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}

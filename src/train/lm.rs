@@ -1,0 +1,309 @@
+//! The TokenFormer language model as plain, differentiable tensor ops over trainable
+//! [`Var`]s, with the semantics of [`crate::models::tokenformer::TokenFormerLm`]: pre-norm
+//! blocks with a non-parametric LayerNorm, Pattention q/k/v/proj and feed-forward,
+//! causal attention with GPT-NeoX partial rotary embeddings, a final LayerNorm and tied
+//! (or untied) output logits.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+
+use crate::checkpoint::Tensors;
+use crate::models::tokenformer::{Config, Rotary};
+use crate::pattention::Activation;
+
+/// The smallest L2 norm Θ divides by, as in the inference path (an all-zero score row
+/// normalises to zeros instead of the official 0/0).
+const MIN_NORM: f64 = 1e-30;
+
+/// A language model whose every tensor is a [`Var`] (trainable or not: the optimiser
+/// decides which it updates), in f32 or f64.
+pub struct TrainableLm {
+    cfg: Config,
+    params: BTreeMap<String, Var>,
+    rotary: Rotary,
+    dtype: DType,
+}
+
+impl TrainableLm {
+    /// Wraps canonical-name tensors (converted to `dtype`) as variables. Every tensor the
+    /// config needs must be present with its shape, and none may be left over.
+    pub fn new(cfg: &Config, tensors: &Tensors, dtype: DType, device: &Device) -> Result<Self> {
+        if let Err(e) = cfg.validate() {
+            candle_core::bail!("invalid config: {e}")
+        }
+        let mut params = BTreeMap::new();
+        for (name, shape) in expected_shapes(cfg) {
+            let Some(t) = tensors.get(&name) else {
+                candle_core::bail!("missing tensor `{name}`")
+            };
+            if t.dims() != shape.as_slice() {
+                candle_core::bail!(
+                    "tensor `{name}` has shape {:?}, expected {shape:?}",
+                    t.dims()
+                )
+            }
+            let t = t.to_device(device)?.to_dtype(dtype)?;
+            params.insert(name, Var::from_tensor(&t)?);
+        }
+        if let Some(extra) = tensors.keys().find(|k| !params.contains_key(*k)) {
+            candle_core::bail!("tensor `{extra}` is not used by this config")
+        }
+        let rotary = Rotary::new(
+            cfg.rotary_dims(),
+            cfg.rotary_base,
+            cfg.max_position_embeddings,
+            device,
+        )?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            params,
+            rotary,
+            dtype,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Every variable by canonical name.
+    pub fn params(&self) -> &BTreeMap<String, Var> {
+        &self.params
+    }
+
+    /// The current values, by canonical name (for saving).
+    pub fn tensors(&self) -> Tensors {
+        self.params
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect()
+    }
+
+    fn p(&self, name: &str) -> Result<&Tensor> {
+        match self.params.get(name) {
+            Some(v) => Ok(v.as_tensor()),
+            None => candle_core::bail!("missing tensor `{name}`"),
+        }
+    }
+
+    /// Logits [b, t, vocab] of ids [b, t].
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let cfg = &self.cfg;
+        if t > cfg.max_position_embeddings {
+            candle_core::bail!(
+                "sequence of {t} tokens exceeds the model's maximum of {} positions",
+                cfg.max_position_embeddings
+            )
+        }
+        let d = cfg.hidden_size;
+        let emb = self.p("word_embeddings.weight")?;
+        let mut x = emb
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, d))?;
+        let mask = causal_mask(t, self.dtype, ids.device())?;
+        let (cos, sin) = self.rotary_tables(t)?;
+        for i in 0..cfg.num_layers {
+            let h = layer_norm(&x, cfg.norm_eps)?;
+            let attn = self.attention(i, &h, &mask, &cos, &sin)?;
+            x = (x + attn)?;
+            let h = layer_norm(&x, cfg.norm_eps)?;
+            x = (&x + self.pattention(&format!("layers.{i}.mlp"), &h, self.scale(4))?)?;
+        }
+        let h = layer_norm(&x, cfg.norm_eps)?
+            .broadcast_mul(self.p("final_norm.weight")?)?
+            .broadcast_add(self.p("final_norm.bias")?)?;
+        let out = if cfg.tie_word_embeddings {
+            emb
+        } else {
+            self.p("final_linear.weight")?
+        };
+        h.reshape((b * t, d))?
+            .matmul(&out.t()?)?
+            .reshape((b, t, cfg.vocab_size))
+    }
+
+    /// Mean next-token cross-entropy of ids [b, t+1]: positions 0..t predict 1..=t.
+    pub fn loss(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t1) = ids.dims2()?;
+        if t1 < 2 {
+            candle_core::bail!("a training sequence needs at least 2 tokens, got {t1}")
+        }
+        let logits = self.forward(&ids.narrow(1, 0, t1 - 1)?)?;
+        let targets = ids.narrow(1, 1, t1 - 1)?;
+        candle_nn::loss::cross_entropy(
+            &logits.reshape((b * (t1 - 1), self.cfg.vocab_size))?,
+            &targets.flatten_all()?,
+        )
+    }
+
+    /// The √n constant of the k-th Pattention of a block (q, k, v, proj, mlp).
+    fn scale(&self, k: usize) -> usize {
+        let cfg = &self.cfg;
+        let (tokens, fixed) = match k {
+            0..=2 => (cfg.qkv_tokens, cfg.pattention_scale_tokens.map(|s| s.qkv)),
+            3 => (cfg.proj_tokens, cfg.pattention_scale_tokens.map(|s| s.proj)),
+            _ => (cfg.ffn_tokens, cfg.pattention_scale_tokens.map(|s| s.ffn)),
+        };
+        fixed.unwrap_or(tokens)
+    }
+
+    /// Θ(x·Kᵀ)·V for the Pattention under `prefix`.
+    fn pattention(&self, prefix: &str, x: &Tensor, scale_tokens: usize) -> Result<Tensor> {
+        let k = self.p(&format!("{prefix}.key_param_tokens"))?;
+        let v = self.p(&format!("{prefix}.value_param_tokens"))?;
+        let scores = x.broadcast_matmul(&k.t()?)?;
+        theta(&scores, self.cfg.pattention_activation, scale_tokens)?.broadcast_matmul(v)
+    }
+
+    fn attention(
+        &self,
+        i: usize,
+        h: &Tensor,
+        mask: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Tensor> {
+        let (b, t, d) = h.dims3()?;
+        let heads = self.cfg.num_heads;
+        let hd = d / heads;
+        let split = |name: &str| -> Result<Tensor> {
+            self.pattention(&format!("layers.{i}.attention.{name}"), h, self.scale(0))?
+                .reshape((b, t, heads, hd))?
+                .transpose(1, 2)
+        };
+        let q = self.rotate(&split("query")?, cos, sin)?;
+        let k = self.rotate(&split("key")?, cos, sin)?;
+        let v = split("value")?.contiguous()?;
+        let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?
+            .broadcast_add(mask)?;
+        let out = softmax_last(&scores)?
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, t, d))?;
+        self.pattention(&format!("layers.{i}.attention.proj"), &out, self.scale(3))
+    }
+
+    /// cos/sin [t, rotary_dims] for positions 0..t, both halves (rotate-half layout).
+    fn rotary_tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
+        let (_, cos, sin) = self.rotary.tables();
+        let full = |x: &Tensor| -> Result<Tensor> {
+            let x = x.narrow(0, 0, t)?.to_dtype(self.dtype)?;
+            Tensor::cat(&[&x, &x], D::Minus1)
+        };
+        Ok((full(cos)?, full(sin)?))
+    }
+
+    /// GPT-NeoX rotary on the first rotary_dims features of x [b, h, t, hd].
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (dims, _, _) = self.rotary.tables();
+        if dims == 0 {
+            return Ok(x.clone());
+        }
+        let hd = x.dim(D::Minus1)?;
+        let half = dims / 2;
+        let rot = x.narrow(D::Minus1, 0, dims)?;
+        let (x1, x2) = (
+            rot.narrow(D::Minus1, 0, half)?,
+            rot.narrow(D::Minus1, half, half)?,
+        );
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        let rot = (rot.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?;
+        if dims == hd {
+            return Ok(rot);
+        }
+        Tensor::cat(&[&rot, &x.narrow(D::Minus1, dims, hd - dims)?], D::Minus1)
+    }
+}
+
+/// Canonical tensor names and shapes of a language-model config.
+pub fn expected_shapes(cfg: &Config) -> Vec<(String, Vec<usize>)> {
+    let d = cfg.hidden_size;
+    let mut v = vec![(
+        "word_embeddings.weight".to_string(),
+        vec![cfg.vocab_size, d],
+    )];
+    for i in 0..cfg.num_layers {
+        for (m, n) in cfg.pattentions() {
+            v.push((format!("layers.{i}.{m}.key_param_tokens"), vec![n, d]));
+            v.push((format!("layers.{i}.{m}.value_param_tokens"), vec![n, d]));
+        }
+    }
+    v.push(("final_norm.weight".into(), vec![d]));
+    v.push(("final_norm.bias".into(), vec![d]));
+    if !cfg.tie_word_embeddings {
+        v.push(("final_linear.weight".into(), vec![cfg.vocab_size, d]));
+    }
+    v
+}
+
+/// Θ over the last axis, as [`crate::pattention::theta`] computes it, in plain ops.
+pub fn theta(scores: &Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
+    let n = scale_tokens as f64;
+    let l2 = |s: &Tensor| -> Result<Tensor> {
+        let norm = s
+            .sqr()?
+            .sum_keepdim(D::Minus1)?
+            .sqrt()?
+            .clamp(MIN_NORM, f64::INFINITY)?;
+        s.broadcast_div(&(norm / n.sqrt())?)
+    };
+    match activation {
+        Activation::L2NormGelu => l2(scores)?.gelu_erf(),
+        Activation::GeluL2Norm => l2(&scores.gelu_erf()?),
+        Activation::Softmax => softmax_last(scores)? * n,
+    }
+}
+
+/// Softmax over the last axis, the row maximum subtracted first.
+fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// LayerNorm without weight and bias over the last axis (biased variance, as torch).
+fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let centred = x.broadcast_sub(&mean)?;
+    let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
+    centred.broadcast_div(&(var + eps)?.sqrt()?)
+}
+
+/// 0 on and below the diagonal, -inf above: [t, t].
+fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let v: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(v, (t, t), device)?.to_dtype(dtype)
+}
+
+/// Fresh weights for `cfg` as the official code initialises them: embeddings, keys and
+/// values N(0, 0.02) (and the untied output matrix likewise), the final norm's weight 1
+/// and bias 0. Deterministic for a seed.
+pub fn init_tensors(cfg: &Config, seed: u64, device: &Device) -> Result<Tensors> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut normal = |shape: &[usize]| -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                // Box-Muller from two uniforms in (0, 1].
+                let u1: f64 = 1.0 - rng.random::<f64>();
+                let u2: f64 = rng.random();
+                ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos() * 0.02) as f32
+            })
+            .collect();
+        Tensor::from_vec(v, shape, device)
+    };
+    let mut t = Tensors::new();
+    for (name, shape) in expected_shapes(cfg) {
+        let value = match name.as_str() {
+            "final_norm.weight" => Tensor::ones(shape.as_slice(), DType::F32, device)?,
+            "final_norm.bias" => Tensor::zeros(shape.as_slice(), DType::F32, device)?,
+            _ => normal(&shape)?,
+        };
+        t.insert(name, value);
+    }
+    Ok(t)
+}

@@ -1,0 +1,16 @@
+//! Training on CPU: a differentiable forward of the language model, AdamW with the
+//! official parameter groups, the learning-rate schedule and gradient clipping.
+//!
+//! The inference path runs fused kernels that have no backward pass; the training
+//! path computes the same function with plain candle tensor ops, which candle's
+//! autograd differentiates. Both read the same canonical tensor names.
+
+pub mod data;
+pub mod lm;
+pub mod optim;
+pub mod trainer;
+
+pub use data::{Split, TokenWindows};
+pub use lm::TrainableLm;
+pub use optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
+pub use trainer::{LmTrainer, StepReport, TrainOptions, TrainerState};

@@ -1,0 +1,444 @@
+//! The language-model training loop: micro-batches of packed windows, gradient
+//! accumulation, clipping, AdamW on the selected tensors, the schedule, held-out
+//! evaluation, and checkpoints that a later run resumes exactly.
+//!
+//! A checkpoint is `checkpoint-{step:06}/` in the output folder: a canonical model folder
+//! (loadable by every command) plus `optimizer.safetensors` (AdamW moments) and
+//! `trainer_state.json`. It is written into a temporary folder and renamed into place,
+//! so a kill at any moment leaves the previous checkpoints intact.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use super::data::TokenWindows;
+use super::lm::TrainableLm;
+use super::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule, Moments};
+use crate::checkpoint::{self, Tensors};
+use crate::error::{Error, Result};
+
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const STATE_FILE: &str = "trainer_state.json";
+const CHECKPOINT_PREFIX: &str = "checkpoint-";
+
+/// Everything that decides a run's numbers; recorded in every checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainOptions {
+    pub steps: u64,
+    pub batch_size: usize,
+    pub grad_accum: usize,
+    pub seq_len: usize,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Global gradient-norm bound; 0 = no clipping.
+    pub clip_grad: f64,
+    pub seed: u64,
+    /// Tensor-name globs of what trains (`*` = everything); the rest stays frozen.
+    pub train: Vec<String>,
+}
+
+impl TrainOptions {
+    pub fn schedule(&self) -> LrSchedule {
+        LrSchedule {
+            lr: self.lr,
+            min_lr: self.min_lr,
+            warmup: self.warmup_steps,
+            total: self.steps,
+        }
+    }
+
+    pub fn adamw(&self) -> AdamWConfig {
+        AdamWConfig {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+        }
+    }
+
+    /// Checks what would otherwise fail late or silently.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::input(m));
+        if self.steps == 0 || self.batch_size == 0 || self.grad_accum == 0 || self.seq_len < 1 {
+            return bad(
+                "--steps, --batch-size, --grad-accum and --seq-len must be positive".into(),
+            );
+        }
+        for (name, v) in [
+            ("--lr", self.lr),
+            ("--min-lr", self.min_lr),
+            ("--eps", self.eps),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return bad(format!("{name} must be a non-negative number, got {v}"));
+            }
+        }
+        if self.min_lr > self.lr {
+            return bad(format!(
+                "--min-lr {} is above --lr {}",
+                self.min_lr, self.lr
+            ));
+        }
+        for (name, b) in [("first", self.beta1), ("second", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return bad(format!("the {name} beta must be in [0, 1), got {b}"));
+            }
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(format!(
+                "--weight-decay must be non-negative, got {}",
+                self.weight_decay
+            ));
+        }
+        if !(self.clip_grad.is_finite() && self.clip_grad >= 0.0) {
+            return bad(format!(
+                "--clip-grad must be non-negative, got {}",
+                self.clip_grad
+            ));
+        }
+        if self.train.is_empty() {
+            return bad("--train selects nothing".into());
+        }
+        Ok(())
+    }
+}
+
+/// What `trainer_state.json` holds besides the options.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub step: u64,
+    pub tokens: u64,
+    /// Training windows consumed from the data stream.
+    pub data_position: u64,
+    pub options: TrainOptions,
+}
+
+/// One optimiser step's numbers.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepReport {
+    pub step: u64,
+    pub lr: f64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub tokens: u64,
+}
+
+/// A language model being trained.
+pub struct LmTrainer {
+    model: TrainableLm,
+    opt: AdamW,
+    data: TokenWindows,
+    opts: TrainOptions,
+    trained: Vec<String>,
+    step: u64,
+    tokens: u64,
+    device: Device,
+}
+
+impl LmTrainer {
+    /// Starts (or, with `state`, resumes) training `model` on `data`. `moments` are a
+    /// checkpoint's optimiser moments.
+    pub fn new(
+        model: TrainableLm,
+        mut data: TokenWindows,
+        opts: TrainOptions,
+        resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
+    ) -> Result<Self> {
+        opts.validate()?;
+        let globs = opts
+            .train
+            .iter()
+            .map(|p| {
+                globset::Glob::new(p)
+                    .map(|g| g.compile_matcher())
+                    .map_err(|e| Error::input(format!("--train {p:?}: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let selected: BTreeMap<String, Var> = model
+            .params()
+            .iter()
+            .filter(|(name, _)| globs.iter().any(|g| g.is_match(name.as_str())))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        if selected.is_empty() {
+            return Err(Error::input(format!(
+                "--train {} matches no tensor of the model",
+                opts.train.join(",")
+            )));
+        }
+        let trained = selected.keys().cloned().collect();
+        let mut opt = AdamW::new(selected, opts.adamw())?;
+        let (mut step, mut tokens) = (0, 0);
+        if let Some((state, moments)) = resume {
+            opt.restore(state.step, moments)?;
+            data.skip(state.data_position)?;
+            step = state.step;
+            tokens = state.tokens;
+        }
+        let device = model
+            .params()
+            .values()
+            .next()
+            .map_or(Device::Cpu, |v| v.device().clone());
+        Ok(Self {
+            model,
+            opt,
+            data,
+            opts,
+            trained,
+            step,
+            tokens,
+            device,
+        })
+    }
+
+    pub fn model(&self) -> &TrainableLm {
+        &self.model
+    }
+
+    /// Names of the tensors that train.
+    pub fn trained(&self) -> &[String] {
+        &self.trained
+    }
+
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    pub fn options(&self) -> &TrainOptions {
+        &self.opts
+    }
+
+    /// Whether every step has been taken.
+    pub fn done(&self) -> bool {
+        self.step >= self.opts.steps
+    }
+
+    fn batch(&mut self) -> Result<Tensor> {
+        let mut ids = Vec::with_capacity(self.opts.batch_size * (self.opts.seq_len + 1));
+        for _ in 0..self.opts.batch_size {
+            ids.extend(self.data.next_window()?);
+        }
+        Ok(Tensor::from_vec(
+            ids,
+            (self.opts.batch_size, self.opts.seq_len + 1),
+            &self.device,
+        )?)
+    }
+
+    /// One optimiser step over `grad_accum` micro-batches.
+    pub fn step(&mut self) -> Result<StepReport> {
+        let accum = self.opts.grad_accum;
+        let mut sums: HashMap<String, Tensor> = HashMap::new();
+        let mut store = None;
+        let mut loss_sum = 0.0;
+        for _ in 0..accum {
+            let ids = self.batch()?;
+            let loss = self.model.loss(&ids)?;
+            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let grads = (loss / accum as f64)?.backward()?;
+            if accum > 1 {
+                for name in &self.trained {
+                    if let Some(g) = grads.get(self.model.params()[name].as_tensor()) {
+                        let sum = match sums.remove(name) {
+                            Some(prev) => (prev + g)?,
+                            None => g.clone(),
+                        };
+                        sums.insert(name.clone(), sum);
+                    }
+                }
+            }
+            store = Some(grads);
+        }
+        let mut store = store.expect("at least one micro-batch");
+        for (name, g) in sums {
+            store.insert(self.model.params()[&name].as_tensor(), g);
+        }
+        let loss = loss_sum / accum as f64;
+        if !loss.is_finite() {
+            return Err(Error::input(format!(
+                "the training loss is {loss} at step {}: lower --lr or check the data",
+                self.step + 1
+            )));
+        }
+        let vars: Vec<&Var> = self
+            .trained
+            .iter()
+            .map(|n| &self.model.params()[n])
+            .collect();
+        let grad_norm = clip_grad_norm(&mut store, vars.iter().copied(), self.opts.clip_grad)?;
+        let lr = self.opts.schedule().at(self.step);
+        self.opt.step(&store, lr)?;
+        self.step += 1;
+        self.tokens += (self.opts.batch_size * accum * self.opts.seq_len) as u64;
+        Ok(StepReport {
+            step: self.step,
+            lr,
+            loss,
+            grad_norm,
+            tokens: self.tokens,
+        })
+    }
+
+    /// Mean next-token loss over `windows` (each `seq_len + 1` tokens), `batch` at a time.
+    pub fn evaluate(&self, windows: &[Vec<u32>], batch: usize) -> Result<f64> {
+        let mut sum = 0.0;
+        for chunk in windows.chunks(batch.max(1)) {
+            let t = chunk[0].len();
+            let flat: Vec<u32> = chunk.iter().flatten().copied().collect();
+            let ids = Tensor::from_vec(flat, (chunk.len(), t), &self.device)?;
+            let loss = self
+                .model
+                .loss(&ids)?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
+            sum += loss * chunk.len() as f64;
+        }
+        Ok(sum / windows.len().max(1) as f64)
+    }
+
+    /// The state a checkpoint records now.
+    pub fn state(&self) -> TrainerState {
+        TrainerState {
+            step: self.step,
+            tokens: self.tokens,
+            data_position: self.data.position(),
+            options: self.opts.clone(),
+        }
+    }
+
+    /// Writes `checkpoint-{step}` into `out` atomically: the model folder (config,
+    /// weights, the `extra` files such as the tokenizer and a model card) plus optimiser
+    /// and trainer state. Returns its path.
+    pub fn save(&self, out: &Path, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
+        std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+        let name = format!("{CHECKPOINT_PREFIX}{:06}", self.step);
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!(".{name}.partial-"))
+            .tempdir_in(out)
+            .map_err(|e| Error::io(out, e))?;
+        let dir = tmp.path();
+        let config = serde_json::to_string_pretty(self.model.config()).expect("serialisable");
+        write(dir, "config.json", config.as_bytes())?;
+        checkpoint::write_safetensors(dir, &self.model.tensors(), checkpoint::DEFAULT_SHARD_BYTES)?;
+        let mut moments = Tensors::new();
+        for (k, m) in self.opt.moments() {
+            moments.insert(format!("m.{k}"), m.m.clone());
+            moments.insert(format!("v.{k}"), m.v.clone());
+        }
+        let opt_path = dir.join(OPTIMIZER_FILE);
+        safetensors::serialize_to_file(&moments, None, &opt_path)
+            .map_err(|e| Error::checkpoint(&opt_path, format!("cannot write: {e}")))?;
+        checkpoint::set_default_permissions(&opt_path)?;
+        let state = serde_json::to_string_pretty(&self.state()).expect("serialisable");
+        write(dir, STATE_FILE, state.as_bytes())?;
+        for (file, bytes) in extra {
+            write(dir, file, bytes)?;
+        }
+        for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+            let p = entry.map_err(|e| Error::io(dir, e))?.path();
+            std::fs::File::open(&p)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| Error::io(&p, e))?;
+        }
+        checkpoint::set_default_permissions(dir)?;
+        if std::env::var_os("TOKENFORMER_TRAIN_ABORT_IN_SAVE").is_some() {
+            // Test hook: die like a killed process would, with the checkpoint half placed.
+            std::process::exit(137);
+        }
+        let target = out.join(&name);
+        let kept = tmp.keep();
+        if target.exists() {
+            std::fs::remove_dir_all(&target).map_err(|e| Error::io(&target, e))?;
+        }
+        std::fs::rename(&kept, &target).map_err(|e| Error::io(&target, e))?;
+        Ok(target)
+    }
+}
+
+fn write(dir: &Path, file: &str, bytes: &[u8]) -> Result<()> {
+    let p = dir.join(file);
+    std::fs::write(&p, bytes).map_err(|e| Error::io(&p, e))
+}
+
+/// The checkpoints in `out`, oldest first (only complete ones: partial folders are hidden
+/// and never renamed into place).
+pub fn checkpoints(out: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut v = Vec::new();
+    let rd = match std::fs::read_dir(out) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(v),
+        Err(e) => return Err(Error::io(out, e)),
+    };
+    for entry in rd {
+        let entry = entry.map_err(|e| Error::io(out, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(step) = name
+            .strip_prefix(CHECKPOINT_PREFIX)
+            .and_then(|s| s.parse::<u64>().ok())
+        {
+            v.push((step, entry.path()));
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
+/// Removes all but the newest `keep` checkpoints.
+pub fn prune(out: &Path, keep: usize) -> Result<()> {
+    let all = checkpoints(out)?;
+    for (_, p) in all.iter().take(all.len().saturating_sub(keep)) {
+        std::fs::remove_dir_all(p).map_err(|e| Error::io(p, e))?;
+    }
+    Ok(())
+}
+
+/// The checkpoint to resume from: `dir` itself if it holds trainer state, else its
+/// newest checkpoint.
+pub fn resume_dir(dir: &Path) -> Result<PathBuf> {
+    if dir.join(STATE_FILE).is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    checkpoints(dir)?
+        .pop()
+        .map(|(_, p)| p)
+        .ok_or_else(|| Error::input(format!("{}: no checkpoint to resume from", dir.display())))
+}
+
+/// Reads a checkpoint's trainer state and optimiser moments.
+pub fn read_resume_state(dir: &Path) -> Result<(TrainerState, BTreeMap<String, Moments>)> {
+    let sp = dir.join(STATE_FILE);
+    let text = std::fs::read_to_string(&sp).map_err(|e| Error::io(&sp, e))?;
+    let state: TrainerState = serde_json::from_str(&text).map_err(|e| Error::config(&sp, e))?;
+    let op = dir.join(OPTIMIZER_FILE);
+    let tensors =
+        checkpoint::read_safetensors(std::slice::from_ref(&op), Some(DType::F32), &Device::Cpu)?;
+    let mut moments: BTreeMap<String, (Option<Tensor>, Option<Tensor>)> = BTreeMap::new();
+    for (k, t) in tensors {
+        if let Some(n) = k.strip_prefix("m.") {
+            moments.entry(n.to_string()).or_default().0 = Some(t);
+        } else if let Some(n) = k.strip_prefix("v.") {
+            moments.entry(n.to_string()).or_default().1 = Some(t);
+        } else {
+            return Err(Error::checkpoint(&op, format!("unexpected tensor `{k}`")));
+        }
+    }
+    let moments = moments
+        .into_iter()
+        .map(|(k, pair)| match pair {
+            (Some(m), Some(v)) => Ok((k, Moments { m, v })),
+            _ => Err(Error::checkpoint(
+                &op,
+                format!("`{k}` lacks its first or second moment"),
+            )),
+        })
+        .collect::<Result<_>>()?;
+    Ok((state, moments))
+}

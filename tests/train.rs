@@ -1,0 +1,444 @@
+//! The training path against PyTorch autograd (tests/fixtures/official-lm-tiny/
+//! train_step.json: one AdamW step of the official model on the fixture), against the
+//! inference forward, and each Θ variant's gradient against central finite differences.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::{lm_fixture, random_lm_tensors, tiny_config};
+use serde_json::Value;
+use tokenformer::checkpoint::official::to_official;
+use tokenformer::loader::{self, LocateOptions};
+use tokenformer::models::tokenformer::{Config, ScaleTokens};
+use tokenformer::pattention::Activation;
+use tokenformer::train::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule, TrainableLm};
+
+fn fixture() -> (Config, tokenformer::checkpoint::Tensors) {
+    let files = loader::locate(
+        lm_fixture().join("pytorch_model.bin").to_str().unwrap(),
+        &LocateOptions::default(),
+    )
+    .unwrap();
+    let w = loader::read_weights(&files, Some(DType::F32), &Device::Cpu).unwrap();
+    (loader::lm_config(&w.config, &w.path).unwrap(), w.tensors)
+}
+
+fn expected(file: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(lm_fixture().join(file)).unwrap()).unwrap()
+}
+
+fn fixture_ids() -> Tensor {
+    let ids: Vec<u32> = expected("expected.json")["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let n = ids.len();
+    Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap()
+}
+
+fn first8(t: &Tensor) -> Vec<f64> {
+    let v: Vec<f64> = t
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    v[..8.min(v.len())].to_vec()
+}
+
+fn assert_rel(what: &str, got: f64, want: f64, tol: f64) {
+    assert!(
+        (got - want).abs() <= tol * want.abs(),
+        "{what}: {got} vs PyTorch {want} (relative {:e})",
+        (got - want).abs() / want.abs()
+    );
+}
+
+fn assert_abs(what: &str, got: &[f64], want: &Value, tol: f64) {
+    let want: Vec<f64> = want
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() <= tol, "{what}[{i}]: {g} vs PyTorch {w}");
+    }
+}
+
+#[test]
+fn one_training_step_matches_pytorch_autograd_and_adamw() {
+    let (cfg, tensors) = fixture();
+    let want = expected("train_step.json");
+    let model = TrainableLm::new(&cfg, &tensors, DType::F32, &Device::Cpu).unwrap();
+    let loss = model.loss(&fixture_ids()).unwrap();
+    let loss_value = loss.to_scalar::<f32>().unwrap() as f64;
+    assert_rel("loss", loss_value, want["loss"].as_f64().unwrap(), 1e-5);
+
+    let mut grads = loss.backward().unwrap();
+    let raw: Vec<(String, f64, Vec<f64>)> = model
+        .params()
+        .iter()
+        .map(|(name, var)| {
+            let g = grads
+                .get(var.as_tensor())
+                .unwrap_or_else(|| panic!("no gradient reached {name}"));
+            let sq = g.to_dtype(DType::F64).unwrap().sqr().unwrap();
+            let norm = sq.sum_all().unwrap().to_scalar::<f64>().unwrap().sqrt();
+            (name.clone(), norm, first8(g))
+        })
+        .collect();
+    let norm = clip_grad_norm(&mut grads, model.params().values(), 1.0).unwrap();
+    assert_rel(
+        "global norm",
+        norm,
+        want["grad_global_norm_before_clip"].as_f64().unwrap(),
+        1e-5,
+    );
+    // The fixture's gradients are the clipped ones. Their norms add up to 1.0000454, not
+    // 1: PyTorch clipped with its f32 total norm, 4.5e-5 below the global norm it
+    // reports. So the fixture's values are unclipped with the coefficient they imply
+    // (the global norm over the norm of the clipped gradients) before comparing.
+    let want_norms = want["grad_norm"].as_object().unwrap();
+    assert_eq!(want_norms.len(), model.params().len());
+    let want_total = want_norms
+        .values()
+        .map(|v| v.as_f64().unwrap().powi(2))
+        .sum::<f64>()
+        .sqrt();
+    let unclip = norm / want_total;
+    for (name, raw_norm, raw_first8) in &raw {
+        let official = to_official(name, cfg.num_layers).unwrap();
+        let want_norm = want_norms[&official].as_f64().unwrap() * unclip;
+        assert_rel(&official, *raw_norm, want_norm, 1e-5);
+        let want_first8: Vec<Value> = want["grad_first8"][&official]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| (v.as_f64().unwrap() * unclip).into())
+            .collect();
+        assert_abs(&official, raw_first8, &Value::from(want_first8), 1e-6);
+    }
+    let cfg_opt = AdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.01,
+    };
+    let mut opt = AdamW::new(model.params().clone(), cfg_opt).unwrap();
+    opt.step(&grads, 1e-3).unwrap();
+    for (name, var) in model.params() {
+        let official = to_official(name, cfg.num_layers).unwrap();
+        assert_abs(
+            &format!("{official} after the step"),
+            &first8(var.as_tensor()),
+            &want["after_step_first8"][&official],
+            1e-6,
+        );
+    }
+}
+
+#[test]
+fn the_training_forward_computes_the_inference_forward() {
+    let (cfg, tensors) = fixture();
+    let ids = fixture_ids();
+    let train = TrainableLm::new(&cfg, &tensors, DType::F32, &Device::Cpu).unwrap();
+    let vb = tokenformer::checkpoint::var_builder(tensors, &Device::Cpu);
+    let infer = tokenformer::models::tokenformer::TokenFormerLm::new(&cfg, vb).unwrap();
+    let a = train.forward(&ids).unwrap();
+    let b = infer.forward(&ids, None).unwrap();
+    let diff = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 2e-4, "max |Δ logit| {diff}");
+}
+
+/// d loss / d θ by central differences in f64, against autograd, for a few entries of
+/// every tensor of a small model.
+fn check_gradients(cfg: &Config, seed: u64) {
+    let tensors = random_lm_tensors(cfg, seed);
+    let dev = Device::Cpu;
+    let ids = Tensor::new(&[[1u32, 5, 9, 3, 7, 2, 11, 4]], &dev).unwrap();
+    let model = TrainableLm::new(cfg, &tensors, DType::F64, &dev).unwrap();
+    let grads = model.loss(&ids).unwrap().backward().unwrap();
+    let loss_at = |name: &str, idx: usize, delta: f64| -> f64 {
+        let mut t = model.tensors();
+        let flat: Vec<f64> = t[name].flatten_all().unwrap().to_vec1().unwrap();
+        let mut flat = flat;
+        flat[idx] += delta;
+        let shape = t[name].dims().to_vec();
+        t.insert(name.into(), Tensor::from_vec(flat, shape, &dev).unwrap());
+        TrainableLm::new(cfg, &t, DType::F64, &dev)
+            .unwrap()
+            .loss(&ids)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    };
+    let h = 1e-6;
+    for (name, var) in model.params() {
+        let g: Vec<f64> = grads
+            .get(var.as_tensor())
+            .unwrap_or_else(|| panic!("no gradient reached {name}"))
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        // The entries with the largest gradients (the embedding rows of unused ids have none).
+        let mut order: Vec<usize> = (0..g.len()).collect();
+        order.sort_by(|&a, &b| g[b].abs().total_cmp(&g[a].abs()));
+        for &i in order.iter().take(3) {
+            let fd = (loss_at(name, i, h) - loss_at(name, i, -h)) / (2.0 * h);
+            assert!(
+                (fd - g[i]).abs() <= 1e-6 + 1e-5 * fd.abs(),
+                "{:?} {name}[{i}]: autograd {} vs finite difference {fd}",
+                cfg.pattention_activation,
+                g[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn every_theta_variant_has_the_gradient_of_finite_differences() {
+    for (k, activation) in [
+        Activation::L2NormGelu,
+        Activation::GeluL2Norm,
+        Activation::Softmax,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut cfg = tiny_config(16, 16);
+        cfg.hidden_size = 8;
+        cfg.num_heads = 2;
+        cfg.qkv_tokens = 6;
+        cfg.proj_tokens = 5;
+        cfg.ffn_tokens = 7;
+        cfg.rotary_pct = 0.5;
+        cfg.pattention_activation = activation;
+        if k == 1 {
+            // A grown model's fixed √n constants, and a separate output matrix.
+            cfg.pattention_scale_tokens = Some(ScaleTokens {
+                qkv: 4,
+                proj: 3,
+                ffn: 5,
+            });
+            cfg.tie_word_embeddings = false;
+        }
+        check_gradients(&cfg, 7 + k as u64);
+    }
+}
+
+#[test]
+fn the_schedule_warms_up_linearly_then_decays_by_cosine_to_the_minimum() {
+    let s = LrSchedule {
+        lr: 1e-3,
+        min_lr: 1e-4,
+        warmup: 10,
+        total: 110,
+    };
+    assert!((s.at(0) - 1e-4).abs() < 1e-12);
+    assert!((s.at(9) - 1e-3).abs() < 1e-12);
+    assert!((s.at(10) - 1e-3).abs() < 1e-12);
+    // Halfway through the decay: the mean of lr and min_lr.
+    assert!((s.at(60) - 5.5e-4).abs() < 1e-12);
+    assert!((s.at(110) - 1e-4).abs() < 1e-12);
+    assert!((s.at(500) - 1e-4).abs() < 1e-12);
+}
+
+fn tokenformer_train(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_tokenformer"));
+    c.arg("train").args(args).env("HF_HUB_OFFLINE", "1");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().unwrap()
+}
+
+fn ok(o: &std::process::Output) -> String {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A tiny config for training tests, written into `dir`.
+fn init_config(dir: &std::path::Path) -> std::path::PathBuf {
+    let mut cfg = tiny_config(50304, 64);
+    cfg.hidden_size = 32;
+    cfg.num_heads = 2;
+    let p = dir.join("init.json");
+    std::fs::write(&p, serde_json::to_string(&cfg).unwrap()).unwrap();
+    p
+}
+
+fn metrics(out: &std::path::Path) -> Vec<Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn weights(dir: &std::path::Path) -> tokenformer::checkpoint::Tensors {
+    let files = loader::locate(dir.to_str().unwrap(), &LocateOptions::default()).unwrap();
+    loader::read_weights(&files, None, &Device::Cpu)
+        .unwrap()
+        .tensors
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+fn train_args<'a>(init: &'a str, out: &'a str, text: &'a str, steps: &'a str) -> Vec<&'a str> {
+    vec![
+        "--init",
+        init,
+        "--data",
+        text,
+        "--out",
+        out,
+        "--tokenizer",
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/gpt-neox-20b-tokenizer.json"
+        ),
+        "--steps",
+        steps,
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "5",
+        "--seed",
+        "3",
+    ]
+}
+
+fn text() -> String {
+    concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/train-text.txt").to_string()
+}
+
+#[test]
+fn training_a_tiny_model_on_a_short_text_lowers_its_loss_far_below_the_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let init = init_config(tmp.path());
+    let out = tmp.path().join("run");
+    let (i, o, t) = (init.to_str().unwrap(), out.to_str().unwrap(), text());
+    let mut args = train_args(i, o, &t, "150");
+    args.extend(["--val-data", &t, "--eval-every", "50", "--json"]);
+    let summary: Value = serde_json::from_str(&ok(&tokenformer_train(&args, &[]))).unwrap();
+    let m = metrics(&out);
+    assert_eq!(m.len(), 150);
+    let first = m[0]["loss"].as_f64().unwrap();
+    // Fresh weights predict every one of the 50,304 ids about equally: ln 50304 = 10.83.
+    assert!((first - 50304f64.ln()).abs() < 0.1, "first loss {first}");
+    let val = summary["val_loss"].as_f64().unwrap();
+    assert!(
+        val < 0.5 * first,
+        "validation loss {val} after 150 steps, start {first}"
+    );
+    assert_eq!(summary["steps"], 150);
+    assert_eq!(summary["tokens"], 150 * 4 * 32);
+    // The checkpoint is a model folder every command loads, with its card.
+    let ckpt = out.join("checkpoint-000150");
+    let lm = loader::load_lm(
+        &loader::locate(ckpt.to_str().unwrap(), &LocateOptions::default()).unwrap(),
+        &Device::Cpu,
+    )
+    .unwrap();
+    assert_eq!(lm.config().hidden_size, 32);
+    let card = std::fs::read_to_string(ckpt.join("README.md")).unwrap();
+    assert!(card.contains("150 of 150 steps"), "{card}");
+}
+
+#[test]
+fn a_resumed_run_equals_an_uninterrupted_one_and_a_kill_in_save_keeps_the_last_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let init = init_config(tmp.path());
+    let (whole, parts) = (tmp.path().join("whole"), tmp.path().join("parts"));
+    let t = text();
+    let i = init.to_str().unwrap();
+    let mut a = train_args(i, whole.to_str().unwrap(), &t, "8");
+    a.extend(["--save-every", "4"]);
+    ok(&tokenformer_train(&a, &[]));
+
+    let mut b = train_args(i, parts.to_str().unwrap(), &t, "8");
+    b.extend(["--save-every", "4"]);
+    let o = tokenformer_train(&b, &[("TOKENFORMER_TRAIN_ABORT_AFTER_STEP", "4")]);
+    assert_eq!(o.status.code(), Some(137));
+    // Killed while placing the next checkpoint: the step-4 one is untouched and loads.
+    let resume = [
+        "--resume",
+        parts.to_str().unwrap(),
+        "--data",
+        &t,
+        "--out",
+        parts.to_str().unwrap(),
+    ];
+    let o = tokenformer_train(&resume, &[("TOKENFORMER_TRAIN_ABORT_IN_SAVE", "1")]);
+    assert_eq!(o.status.code(), Some(137));
+    let names: Vec<String> = std::fs::read_dir(&parts)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    assert!(
+        names.contains(&"checkpoint-000004".to_string())
+            && !names.contains(&"checkpoint-000008".to_string()),
+        "{names:?}"
+    );
+    weights(&parts.join("checkpoint-000004"));
+    // Resumed from step 4 (its metrics lines for 5..8 were written by the killed run
+    // too, so compare the final state and the last lines).
+    std::fs::remove_file(parts.join("metrics.jsonl")).unwrap();
+    ok(&tokenformer_train(&resume, &[]));
+    let (w, p) = (metrics(&whole), metrics(&parts));
+    assert_eq!(p.len(), 4);
+    for (x, y) in w[4..].iter().zip(&p) {
+        assert_eq!(x, y, "step {}", x["step"]);
+    }
+    let (ww, pw) = (
+        weights(&whole.join("checkpoint-000008")),
+        weights(&parts.join("checkpoint-000008")),
+    );
+    for (name, t) in &ww {
+        assert_eq!(bits(t), bits(&pw[name]), "{name}");
+    }
+}
+
+#[test]
+fn frozen_tensors_stay_bit_identical_and_the_selected_ones_train() {
+    let tmp = tempfile::tempdir().unwrap();
+    let init = init_config(tmp.path());
+    let out = tmp.path().join("run");
+    let t = text();
+    let mut a = train_args(init.to_str().unwrap(), out.to_str().unwrap(), &t, "3");
+    a.extend(["--train", "layers.1.mlp.*,final_norm.bias"]);
+    ok(&tokenformer_train(&a, &[]));
+    let cfg: Config = serde_json::from_str(&std::fs::read_to_string(&init).unwrap()).unwrap();
+    let start = tokenformer::train::lm::init_tensors(&cfg, 3, &Device::Cpu).unwrap();
+    let end = weights(&out.join("checkpoint-000003"));
+    for (name, t) in &start {
+        let trained = name.starts_with("layers.1.mlp.") || name == "final_norm.bias";
+        assert_eq!(bits(t) != bits(&end[name]), trained, "{name}");
+    }
+}
