@@ -157,7 +157,10 @@ mod tests {
         let bomb = "---\na: &a [x, x, x]\nb: [*a, *a, *a]\n---\n\n# T\n";
         assert!(parse(bomb).unwrap_err().contains("anchors"));
         let alias = "---\nlicense: *x\n---\nbody";
-        assert!(parse(alias).unwrap_err().contains("aliases"));
+        let e = parse(alias).unwrap_err();
+        assert!(e.contains("anchor"), "{e}");
+        let alias = "---\nx: &a 1\nlicense: *a\n---\nbody";
+        assert!(parse(alias).unwrap_err().contains("anchors"));
         assert!(parse("---\nlicense: [unclosed\n---\nbody").is_err());
         assert!(parse("---\n- a list\n---\nbody").is_err());
         let (meta, body) = parse("no front matter").unwrap();

@@ -296,15 +296,12 @@ impl Pickle {
         self
     }
     /// `name: _rebuild_tensor_v2(storage(key, class, numel), offset, shape, stride, False, OrderedDict())`.
+    /// `storage`: (key, storage class, numel); `view`: (offset, shape, stride).
     fn tensor(
         &mut self,
         name: &str,
-        key: &str,
-        class: &str,
-        numel: i64,
-        offset: i64,
-        shape: &[i64],
-        stride: &[i64],
+        (key, class, numel): (&str, &str, i64),
+        (offset, shape, stride): (i64, &[i64], &[i64]),
     ) -> &mut Self {
         self.str(name)
             .global("torch._utils", "_rebuild_tensor_v2")
@@ -441,6 +438,7 @@ struct Tally {
     panics: Vec<String>,
     silent: Vec<String>,
     slowest: Duration,
+    slowest_case: String,
 }
 
 impl Tally {
@@ -458,7 +456,11 @@ impl Tally {
     ) {
         let t0 = Instant::now();
         let out = run_case(f);
-        self.slowest = self.slowest.max(t0.elapsed());
+        let took = t0.elapsed();
+        if took > self.slowest {
+            self.slowest = took;
+            self.slowest_case = case.chars().take(200).collect();
+        }
         self.tried += 1;
         match out {
             Outcome::Ok if must_fail => self.silent.push(format!("{case}: loaded")),
@@ -484,6 +486,7 @@ impl Tally {
 
     fn check(&self, area: &str) {
         println!("{}", self.row(area));
+        println!("  slowest: {}", self.slowest_case);
         assert!(
             self.panics.is_empty(),
             "{area}: {} panic(s), e.g. {:?}",
@@ -497,7 +500,11 @@ impl Tally {
             &self.silent[..self.silent.len().min(5)]
         );
         // No case may take anywhere near a hang.
-        assert!(self.slowest < Duration::from_secs(10), "{area}: a case took {:?}", self.slowest);
+        assert!(
+            self.slowest < Duration::from_secs(10),
+            "{area}: a case took {:?}",
+            self.slowest
+        );
     }
 }
 
@@ -552,17 +559,50 @@ fn mutate_pickle(rng: &mut Rng, p: &[u8]) -> Vec<u8> {
         4 => {
             // Insert opcodes, some with arguments.
             const OPS: &[&[u8]] = &[
-                b"(", b")", b"]", b"}", b"t", b"l", b"d", b"a", b"e", b"s", b"u", b"R", b"b",
-                b"Q", b"N", b"0", b"1", b"2", b"\x85", b"\x86", b"\x87", b"\x88", b"\x89",
-                b"q\x00", b"h\x00", b"h\x07", b"r\xff\xff\xff\xff", b"j\xff\xff\xff\x7f",
-                b"K\xff", b"J\xff\xff\xff\xff", b"\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x7f",
-                b"X\xff\xff\xff\xff", b"\x94", b"\x93", b"\x81", b"cos\nsystem\n",
-                b"ctorch\nFloatStorage\n", b".",
+                b"(",
+                b")",
+                b"]",
+                b"}",
+                b"t",
+                b"l",
+                b"d",
+                b"a",
+                b"e",
+                b"s",
+                b"u",
+                b"R",
+                b"b",
+                b"Q",
+                b"N",
+                b"0",
+                b"1",
+                b"2",
+                b"\x85",
+                b"\x86",
+                b"\x87",
+                b"\x88",
+                b"\x89",
+                b"q\x00",
+                b"h\x00",
+                b"h\x07",
+                b"r\xff\xff\xff\xff",
+                b"j\xff\xff\xff\x7f",
+                b"K\xff",
+                b"J\xff\xff\xff\xff",
+                b"\x8a\x08\xff\xff\xff\xff\xff\xff\xff\x7f",
+                b"X\xff\xff\xff\xff",
+                b"\x94",
+                b"\x93",
+                b"\x81",
+                b"cos\nsystem\n",
+                b"ctorch\nFloatStorage\n",
+                b".",
             ];
             let at = rng.below(n);
-            let mut ins = Vec::new();
+            let mut ins: Vec<u8> = Vec::new();
             for _ in 0..1 + rng.below(4) {
-                ins.extend_from_slice(*rng.pick(OPS));
+                let op: &&[u8] = rng.pick(OPS);
+                ins.extend_from_slice(op);
             }
             b.splice(at..at, ins);
         }
@@ -578,7 +618,11 @@ fn mutate_pickle(rng: &mut Rng, p: &[u8]) -> Vec<u8> {
                 .filter(|&(a, w)| a + w <= n)
                 .collect();
             if let Some(&(at, w)) = (!sites.is_empty()).then(|| rng.pick(&sites)) {
-                let max = if w == 8 { u64::MAX } else { (1u64 << (8 * w)) - 1 };
+                let max = if w == 8 {
+                    u64::MAX
+                } else {
+                    (1u64 << (8 * w)) - 1
+                };
                 let v = field_value(rng, get_le(&b, at, w), max);
                 put_le(&mut b, at, w, v);
             }
@@ -586,7 +630,9 @@ fn mutate_pickle(rng: &mut Rng, p: &[u8]) -> Vec<u8> {
         6 => {
             // Replace one byte by a random opcode.
             let i = rng.below(n);
-            b[i] = *rng.pick(b"()]}tladsuRbQN012q h j K M J X c \x80\x85\x86\x87\x88\x89\x8a\x8c\x93\x94\x95");
+            b[i] = *rng.pick(
+                b"()]}tladsuRbQN012q h j K M J X c \x80\x85\x86\x87\x88\x89\x8a\x8c\x93\x94\x95",
+            );
         }
         _ => {
             // Swap two 16-byte windows (reorders opcodes).
@@ -606,7 +652,10 @@ fn fuzz_official_checkpoint() {
     let mut rng = Rng(fuzz_seed());
     let orig = std::fs::read(lm_fixture().join("pytorch_model.bin")).unwrap();
     let (entries, eocd) = zip_entries(&orig);
-    let pkl = entries.iter().find(|e| e.name.ends_with("data.pkl")).unwrap();
+    let pkl = entries
+        .iter()
+        .find(|e| e.name.ends_with("data.pkl"))
+        .unwrap();
     let pickle = orig[pkl.data.clone()].to_vec();
     let records: Vec<(String, Vec<u8>)> = entries
         .iter()
@@ -643,38 +692,91 @@ fn fuzz_official_checkpoint() {
         let at = e.data.start + rng.below(e.data.len());
         let mut b = orig.clone();
         b[at] ^= rng.nonzero_byte();
-        case(&mut tally, format!("flip byte {at} in `{}`", e.name), &b, true);
+        case(
+            &mut tally,
+            format!("flip byte {at} in `{}`", e.name),
+            &b,
+            true,
+        );
     }
     for _ in 0..100 * scale {
         // Flips anywhere (headers, padding, directory).
         let mut b = orig.clone();
         let at = orig.len() - 1 - rng.below(orig.len().min(8192));
         b[at] ^= rng.nonzero_byte();
-        case(&mut tally, format!("flip byte {at} near the end"), &b, false);
+        case(
+            &mut tally,
+            format!("flip byte {at} near the end"),
+            &b,
+            false,
+        );
     }
     // Header fields: (offset in the header, width).
     const LOCAL: &[(usize, usize)] = &[
-        (0, 4), (4, 2), (6, 2), (8, 2), (14, 4), (18, 4), (22, 4), (26, 2), (28, 2),
+        (0, 4),
+        (4, 2),
+        (6, 2),
+        (8, 2),
+        (14, 4),
+        (18, 4),
+        (22, 4),
+        (26, 2),
+        (28, 2),
     ];
     const CENTRAL: &[(usize, usize)] = &[
-        (0, 4), (6, 2), (8, 2), (10, 2), (16, 4), (20, 4), (24, 4), (28, 2), (30, 2),
-        (32, 2), (34, 2), (42, 4),
+        (0, 4),
+        (6, 2),
+        (8, 2),
+        (10, 2),
+        (16, 4),
+        (20, 4),
+        (24, 4),
+        (28, 2),
+        (30, 2),
+        (32, 2),
+        (34, 2),
+        (42, 4),
     ];
-    const EOCD: &[(usize, usize)] = &[(0, 4), (4, 2), (6, 2), (8, 2), (10, 2), (12, 4), (16, 4), (20, 2)];
+    const EOCD: &[(usize, usize)] = &[
+        (0, 4),
+        (4, 2),
+        (6, 2),
+        (8, 2),
+        (10, 2),
+        (12, 4),
+        (16, 4),
+        (20, 2),
+    ];
     for _ in 0..300 * scale {
         let mut b = orig.clone();
         let (base, (off, w), what) = match rng.below(3) {
             0 => {
                 let e = rng.pick(&entries);
-                (e.local, *rng.pick(LOCAL), format!("local header of `{}`", e.name))
+                (
+                    e.local,
+                    *rng.pick(LOCAL),
+                    format!("local header of `{}`", e.name),
+                )
             }
             1 => {
                 let e = rng.pick(&entries);
-                (e.central, *rng.pick(CENTRAL), format!("central header of `{}`", e.name))
+                (
+                    e.central,
+                    *rng.pick(CENTRAL),
+                    format!("central header of `{}`", e.name),
+                )
             }
-            _ => (eocd, *rng.pick(EOCD), "end of central directory".to_string()),
+            _ => (
+                eocd,
+                *rng.pick(EOCD),
+                "end of central directory".to_string(),
+            ),
         };
-        let max = if w == 4 { u32::MAX as u64 } else { u16::MAX as u64 };
+        let max = if w == 4 {
+            u32::MAX as u64
+        } else {
+            u16::MAX as u64
+        };
         let v = field_value(&mut rng, get_le(&b, base + off, w), max);
         put_le(&mut b, base + off, w, v);
         case(&mut tally, format!("{what}: field +{off} = {v}"), &b, false);
@@ -686,7 +788,14 @@ fn fuzz_official_checkpoint() {
         let recs: Vec<(String, Vec<u8>)> = records
             .iter()
             .map(|(n, data)| {
-                (n.clone(), if n.ends_with("data.pkl") { p.clone() } else { data.clone() })
+                (
+                    n.clone(),
+                    if n.ends_with("data.pkl") {
+                        p.clone()
+                    } else {
+                        data.clone()
+                    },
+                )
             })
             .collect();
         let name = format!("pickle mutation ({} bytes)", p.len());
@@ -697,9 +806,28 @@ fn fuzz_official_checkpoint() {
 
 /// Numbers and YAML constructs that a config must survive.
 const NASTY_NUMBERS: &[&str] = &[
-    "0", "-1", "1", "2", "3", "1000000000", "4294967296", "4611686018427387904",
-    "18446744073709551616", "1e309", "-1e-5", "0.0", "1e-300", ".nan", ".inf", "-.inf", "NaN",
-    "\"7\"", "null", "[]", "{}", "True",
+    "0",
+    "-1",
+    "1",
+    "2",
+    "3",
+    "1000000000",
+    "4294967296",
+    "4611686018427387904",
+    "18446744073709551616",
+    "1e309",
+    "-1e-5",
+    "0.0",
+    "1e-300",
+    ".nan",
+    ".inf",
+    "-.inf",
+    "NaN",
+    "\"7\"",
+    "null",
+    "[]",
+    "{}",
+    "True",
 ];
 
 #[test]
@@ -745,17 +873,27 @@ fn fuzz_official_config() {
             _ => {
                 // YAML features a config never needs.
                 let inserts = [
-                    "&a ", "*a", "!!python/object/apply:os.system ", "[[[[[[[[", "{{{{", "? ",
-                    "!!binary ", "%YAML 1.1\n", "---\n", "...\n", "<<: *a\n",
+                    "&a ",
+                    "*a",
+                    "!!python/object/apply:os.system ",
+                    "[[[[[[[[",
+                    "{{{{",
+                    "? ",
+                    "!!binary ",
+                    "%YAML 1.1\n",
+                    "---\n",
+                    "...\n",
+                    "<<: *a\n",
                 ];
                 let at = rng.below(orig.len());
                 format!("{}{}{}", &orig[..at], rng.pick(&inserts), &orig[at..]).into_bytes()
             }
         };
         std::fs::write(&yml, &text).unwrap();
-        tally.record(&format!("yml case {i}: {:?}", String::from_utf8_lossy(&text)), || {
-            load_lm(&bin)
-        });
+        tally.record(
+            &format!("yml case {i}: {:?}", String::from_utf8_lossy(&text)),
+            || load_lm(&bin),
+        );
     }
     tally.check("configs: official .yml");
 }
@@ -771,7 +909,10 @@ fn fuzz_vit_safetensors_and_config() {
     let header = std::str::from_utf8(&st[8..8 + hlen]).unwrap().to_string();
     let data = st[8 + hlen..].to_vec();
     let d = vit_copy();
-    let (st_path, cfg_path) = (d.path().join("model.safetensors"), d.path().join("config.json"));
+    let (st_path, cfg_path) = (
+        d.path().join("model.safetensors"),
+        d.path().join("config.json"),
+    );
     let mut tally = Tally::default();
     let case = |tally: &mut Tally, name: String, bytes: &[u8]| {
         std::fs::write(&st_path, bytes).unwrap();
@@ -817,8 +958,15 @@ fn fuzz_vit_safetensors_and_config() {
                     .collect();
                 let (s, e) = *rng.pick(&nums);
                 let v = *rng.pick(&[
-                    "0", "1", "4294967296", "18446744073709551615", "18446744073709551616",
-                    "9223372036854775807", "-1", "1e3", "4611686018427387904",
+                    "0",
+                    "1",
+                    "4294967296",
+                    "18446744073709551615",
+                    "18446744073709551616",
+                    "9223372036854775807",
+                    "-1",
+                    "1e3",
+                    "4611686018427387904",
                 ]);
                 with_header(&format!("{}{}{}", &header[..s], v, &header[e..]), &data)
             }
@@ -843,10 +991,25 @@ fn fuzz_vit_safetensors_and_config() {
     // config.json: every key set to nasty values, removed, or the text broken.
     let keys: Vec<String> = cfg.as_object().unwrap().keys().cloned().collect();
     let nasty: Vec<Value> = vec![
-        json!(0), json!(-1), json!(1), json!(3), json!(1_000_000_000u64), json!(u64::MAX),
-        json!(4_294_967_296u64), json!(-1e-5), json!(1e-300), json!(1e300), json!(0.0),
-        json!(2.5), json!(null), json!("x"), json!([]), json!([0.0, 0.0, 0.0]),
-        json!([-1.0, 1e-30, 1e30]), Value::Array(vec![json!("n01440764"); 10]), json!({}),
+        json!(0),
+        json!(-1),
+        json!(1),
+        json!(3),
+        json!(1_000_000_000u64),
+        json!(u64::MAX),
+        json!(4_294_967_296u64),
+        json!(-1e-5),
+        json!(1e-300),
+        json!(1e300),
+        json!(0.0),
+        json!(2.5),
+        json!(null),
+        json!("x"),
+        json!([]),
+        json!([0.0, 0.0, 0.0]),
+        json!([-1.0, 1e-30, 1e30]),
+        Value::Array(vec![json!("n01440764"); 10]),
+        json!({}),
     ];
     for i in 0..400 * scale {
         let text = match i % 4 {
@@ -869,7 +1032,9 @@ fn fuzz_vit_safetensors_and_config() {
             }
         };
         std::fs::write(&cfg_path, &text).unwrap();
-        tally.record(&format!("config.json case {i}: {text}"), || load_vit(d.path()));
+        tally.record(&format!("config.json case {i}: {text}"), || {
+            load_vit(d.path())
+        });
     }
     tally.check("checkpoints + configs: ViT .safetensors / config.json");
 }
@@ -885,7 +1050,10 @@ fn pickles_naming_other_globals_are_refused_and_nothing_runs() {
     // os.system("touch ...") via GLOBAL + REDUCE (protocol 2).
     let mut p = Pickle::new();
     p.global("os", "system").str(&cmd).op(b"\x85R.");
-    expect_err(load_bin(&torch_zip(&p.0, &[])), &["`os.system`", "not allowed"]);
+    expect_err(
+        load_bin(&torch_zip(&p.0, &[])),
+        &["`os.system`", "not allowed"],
+    );
     // posix.system inside an otherwise valid state dict.
     let p = Pickle::state_dict(|p| {
         p.str("x").global("posix", "system").str(&cmd).op(b"\x85R");
@@ -951,7 +1119,10 @@ fn pickle_bombs_and_short_arguments_end_in_clean_errors() {
     expect_err(load_bin(&torch_zip(&p.0, &[])), &["contains no tensors"]);
     let mut p = Pickle::new();
     p.op(b"}j\xfe\xff\xff\xff.");
-    expect_err(load_bin(&torch_zip(&p.0, &[])), &["memo entry 4294967294 was never stored"]);
+    expect_err(
+        load_bin(&torch_zip(&p.0, &[])),
+        &["memo entry 4294967294 was never stored"],
+    );
     // Billion laughs: doubling a tuple 100 times through the memo.
     let mut p = Pickle::new();
     p.op(b"]q\x00");
@@ -986,20 +1157,27 @@ fn pickle_bombs_and_short_arguments_end_in_clean_errors() {
         );
     }
     let p = Pickle::state_dict(|p| {
-        p.str("w").global("torch._utils", "_rebuild_parameter").op(b"(NtR");
+        p.str("w")
+            .global("torch._utils", "_rebuild_parameter")
+            .op(b"(NtR");
     });
-    expect_err(load_bin(&torch_zip(&p, &[])), &["_rebuild_parameter", "takes 3"]);
+    expect_err(
+        load_bin(&torch_zip(&p, &[])),
+        &["_rebuild_parameter", "takes 3"],
+    );
     assert_no_large_allocation("pickle bombs");
 }
 
 #[test]
 fn tensor_views_are_checked_against_their_storage_records() {
     let f32s = "FloatStorage";
-    let cases: Vec<(Vec<u8>, Vec<(&str, usize)>, &str)> = vec![
+    // (pickle, storage records (key, bytes), expected error)
+    type Case<'a> = (Vec<u8>, Vec<(&'a str, usize)>, &'a str);
+    let cases: Vec<Case> = vec![
         // 1000 elements of a 10-element storage.
         (
             Pickle::state_dict(|p| {
-                p.tensor("w", "0", f32s, 10, 0, &[1000], &[1]);
+                p.tensor("w", ("0", f32s, 10), (0, &[1000], &[1]));
             }),
             vec![("0", 40)],
             "but its storage only 10",
@@ -1007,7 +1185,7 @@ fn tensor_views_are_checked_against_their_storage_records() {
         // A view past the end through its offset and strides.
         (
             Pickle::state_dict(|p| {
-                p.tensor("w", "0", f32s, 10, 8, &[2, 2], &[2, 1]);
+                p.tensor("w", ("0", f32s, 10), (8, &[2, 2], &[2, 1]));
             }),
             vec![("0", 40)],
             "reaches past the end",
@@ -1015,7 +1193,11 @@ fn tensor_views_are_checked_against_their_storage_records() {
         // A storage whose record is smaller than it says.
         (
             Pickle::state_dict(|p| {
-                p.tensor("w", "0", f32s, 1 << 40, 0, &[1 << 20, 1 << 20], &[1 << 20, 1]);
+                p.tensor(
+                    "w",
+                    ("0", f32s, 1 << 40),
+                    (0, &[1 << 20, 1 << 20], &[1 << 20, 1]),
+                );
             }),
             vec![("0", 40)],
             "declares 1099511627776",
@@ -1023,7 +1205,7 @@ fn tensor_views_are_checked_against_their_storage_records() {
         // Shapes whose product overflows.
         (
             Pickle::state_dict(|p| {
-                p.tensor("w", "0", f32s, 10, 0, &[1 << 40, 1 << 40], &[1, 1]);
+                p.tensor("w", ("0", f32s, 10), (0, &[1 << 40, 1 << 40], &[1, 1]));
             }),
             vec![("0", 40)],
             "too many elements",
@@ -1031,7 +1213,7 @@ fn tensor_views_are_checked_against_their_storage_records() {
         // A storage key that tries to name another record.
         (
             Pickle::state_dict(|p| {
-                p.tensor("w", "../data.pkl", f32s, 10, 0, &[10], &[1]);
+                p.tensor("w", ("../data.pkl", f32s, 10), (0, &[10], &[1]));
             }),
             vec![("0", 40)],
             "not a record name",
@@ -1039,7 +1221,7 @@ fn tensor_views_are_checked_against_their_storage_records() {
         // A missing record.
         (
             Pickle::state_dict(|p| {
-                p.tensor("w", "7", f32s, 10, 0, &[10], &[1]);
+                p.tensor("w", ("7", f32s, 10), (0, &[10], &[1]));
             }),
             vec![("0", 40)],
             "record `archive/data/7` is missing",
@@ -1047,7 +1229,7 @@ fn tensor_views_are_checked_against_their_storage_records() {
         // Negative sizes.
         (
             Pickle::state_dict(|p| {
-                p.tensor("w", "0", f32s, 10, 0, &[-1], &[1]);
+                p.tensor("w", ("0", f32s, 10), (0, &[-1], &[1]));
             }),
             vec![("0", 40)],
             "not a non-negative integer",
@@ -1059,16 +1241,13 @@ fn tensor_views_are_checked_against_their_storage_records() {
     }
     // A transposed (non-contiguous) view is read element by element.
     let pickle = Pickle::state_dict(|p| {
-        p.tensor("t", "0", f32s, 6, 0, &[3, 2], &[1, 3]);
+        p.tensor("t", ("0", f32s, 6), (0, &[3, 2], &[1, 3]));
     });
     let values: Vec<u8> = [1f32, 2., 3., 4., 5., 6.]
         .iter()
         .flat_map(|v| v.to_le_bytes())
         .collect();
-    let bytes = zip_records(&[
-        ("a/data.pkl".into(), pickle),
-        ("a/data/0".into(), values),
-    ]);
+    let bytes = zip_records(&[("a/data.pkl".into(), pickle), ("a/data/0".into(), values)]);
     let d = tempfile::tempdir().unwrap();
     let bin = d.path().join("t.bin");
     std::fs::write(&bin, bytes).unwrap();
@@ -1084,7 +1263,11 @@ fn tensor_views_are_checked_against_their_storage_records() {
 fn a_changed_weight_byte_fails_the_crc_check() {
     let orig = std::fs::read(lm_fixture().join("pytorch_model.bin")).unwrap();
     let (entries, _) = zip_entries(&orig);
-    for name in ["pytorch_model/data/0", "pytorch_model/data/21", "pytorch_model/data.pkl"] {
+    for name in [
+        "pytorch_model/data/0",
+        "pytorch_model/data/21",
+        "pytorch_model/data.pkl",
+    ] {
         let e = entries.iter().find(|e| e.name == name).unwrap();
         let mut b = orig.clone();
         // One bit of one weight (or of a string in the pickle).
@@ -1116,7 +1299,7 @@ h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]\ni: &i [*h,*h,*h,*h,*h,*h,*h,*h,*h]\n";
     assert!(e.contains("config.yml"), "{e}");
     // An alias alone (to an anchor-free document it is still an error).
     std::fs::write(&yml, "num_layers: *x\n").unwrap();
-    expect_err(load_lm(&d.path().join("pytorch_model.bin")), &["aliases"]);
+    expect_err(load_lm(&d.path().join("pytorch_model.bin")), &["anchor"]);
     assert_no_large_allocation("yaml bomb");
 }
 
@@ -1145,8 +1328,16 @@ fn language_model_config_values_out_of_range_are_refused_by_name() {
     // The folder loads as made.
     load_lm(lm_folder(|_| {}).path()).unwrap();
     let cases: Vec<(&str, Value, &str)> = vec![
-        ("max_position_embeddings", json!(1_000_000_000u64), "allowed 1..=1048576"),
-        ("max_position_embeddings", json!(1u64 << 62), "allowed 1..=1048576"),
+        (
+            "max_position_embeddings",
+            json!(1_000_000_000u64),
+            "allowed 1..=1048576",
+        ),
+        (
+            "max_position_embeddings",
+            json!(1u64 << 62),
+            "allowed 1..=1048576",
+        ),
         ("max_position_embeddings", json!(0), "allowed 1..="),
         ("rotary_base", json!(0.0), "rotary_base"),
         ("rotary_base", json!(-10000.0), "rotary_base"),
@@ -1177,15 +1368,38 @@ fn language_model_config_values_out_of_range_are_refused_by_name() {
     let yml = d.path().join("config.yml");
     let text = std::fs::read_to_string(&yml).unwrap();
     for (from, to, key) in [
-        ("\"max_position_embeddings\": 2048", "\"max_position_embeddings\": 1000000000", "max_position_embeddings"),
-        ("\"rotary_pct\": 0.25", "\"rotary_pct\": 0.25, \"rotary_emb_base\": -1", "rotary_emb_base"),
-        ("\"rotary_pct\": 0.25", "\"rotary_pct\": 0.25, \"layernorm_epsilon\": -0.00001", "layernorm_epsilon"),
-        ("\"num_attention_heads\": 2", "\"num_attention_heads\": 0", "num_attention_heads"),
-        ("\"num_layers\": 2", "\"num_layers\": 4611686018427387904", "num_layers"),
+        (
+            "\"max_position_embeddings\": 2048",
+            "\"max_position_embeddings\": 1000000000",
+            "max_position_embeddings",
+        ),
+        (
+            "\"rotary_pct\": 0.25",
+            "\"rotary_pct\": 0.25, \"rotary_emb_base\": -1",
+            "rotary_emb_base",
+        ),
+        (
+            "\"rotary_pct\": 0.25",
+            "\"rotary_pct\": 0.25, \"layernorm_epsilon\": -0.00001",
+            "layernorm_epsilon",
+        ),
+        (
+            "\"num_attention_heads\": 2",
+            "\"num_attention_heads\": 0",
+            "num_attention_heads",
+        ),
+        (
+            "\"num_layers\": 2",
+            "\"num_layers\": 4611686018427387904",
+            "num_layers",
+        ),
     ] {
         assert!(text.contains(from));
         std::fs::write(&yml, text.replace(from, to)).unwrap();
-        expect_err(load_lm(&d.path().join("pytorch_model.bin")), &[key, "config.yml"]);
+        expect_err(
+            load_lm(&d.path().join("pytorch_model.bin")),
+            &[key, "config.yml"],
+        );
     }
 }
 
@@ -1233,13 +1447,23 @@ fn shard_names_outside_the_model_folder_are_refused() {
     let src = lm_folder(|_| {});
     std::fs::copy(src.path().join("config.json"), dir.join("config.json")).unwrap();
     // A decoy outside the folder: the real weights, which would load.
-    std::fs::copy(src.path().join("model.safetensors"), base.path().join("x.safetensors")).unwrap();
+    std::fs::copy(
+        src.path().join("model.safetensors"),
+        base.path().join("x.safetensors"),
+    )
+    .unwrap();
     let outside = tempfile::tempdir().unwrap();
-    std::fs::copy(src.path().join("model.safetensors"), outside.path().join("w.safetensors"))
-        .unwrap();
+    std::fs::copy(
+        src.path().join("model.safetensors"),
+        outside.path().join("w.safetensors"),
+    )
+    .unwrap();
     std::os::unix::fs::symlink(outside.path(), dir.join("sub")).unwrap();
-    std::os::unix::fs::symlink(outside.path().join("w.safetensors"), dir.join("link.safetensors"))
-        .unwrap();
+    std::os::unix::fs::symlink(
+        outside.path().join("w.safetensors"),
+        dir.join("link.safetensors"),
+    )
+    .unwrap();
     let index = |shard: &str| {
         json!({"metadata": {}, "weight_map": {"word_embeddings.weight": shard}}).to_string()
     };
@@ -1259,7 +1483,11 @@ fn shard_names_outside_the_model_folder_are_refused() {
     }
     // A shard inside the folder (here in a real subfolder) is fine.
     std::fs::create_dir(dir.join("shards")).unwrap();
-    std::fs::copy(src.path().join("model.safetensors"), dir.join("shards/a.safetensors")).unwrap();
+    std::fs::copy(
+        src.path().join("model.safetensors"),
+        dir.join("shards/a.safetensors"),
+    )
+    .unwrap();
     let w = loader::read_weights(
         &loader::locate(src.path().to_str().unwrap(), &LocateOptions::default()).unwrap(),
         None,
@@ -1286,7 +1514,11 @@ fn shard_names_outside_the_model_folder_are_refused() {
 fn inspect_refuses_a_shape_its_storage_cannot_hold() {
     // 2^31 × 2^31 (4.6e18 "parameters") over a 40-byte storage.
     let pickle = Pickle::state_dict(|p| {
-        p.tensor("huge", "0", "FloatStorage", 10, 0, &[1 << 31, 1 << 31], &[1 << 31, 1]);
+        p.tensor(
+            "huge",
+            ("0", "FloatStorage", 10),
+            (0, &[1 << 31, 1 << 31], &[1 << 31, 1]),
+        );
     });
     let d = tempfile::tempdir().unwrap();
     let bin = d.path().join("pytorch_model.bin");

@@ -84,7 +84,9 @@ pub fn shard_path(dir: &Path, name: &str) -> std::result::Result<PathBuf, String
         .split('/')
         .any(|c| c.is_empty() || c == "." || c == "..")
     {
-        return refuse("has an empty, `.` or `..` component: shards must be inside the model folder");
+        return refuse(
+            "has an empty, `.` or `..` component: shards must be inside the model folder",
+        );
     }
     let path = dir.join(name);
     let Ok(real) = path.canonicalize() else {
@@ -115,7 +117,12 @@ pub fn shard_path(dir: &Path, name: &str) -> std::result::Result<PathBuf, String
 /// regular file (a FIFO would block) or is larger than `limit` bytes.
 pub fn read_text(path: &Path, limit: u64) -> Result<String> {
     use std::io::Read;
-    let invalid = |msg: String| Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidData, msg));
+    let invalid = |msg: String| {
+        Error::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::InvalidData, msg),
+        )
+    };
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
     if !meta.is_file() {
         return Err(invalid("not a regular file".into()));

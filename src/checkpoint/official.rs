@@ -115,8 +115,8 @@ pub fn load_yaml(text: &str) -> std::result::Result<Option<yaml_rust2::Yaml>, St
             ));
         }
     }
-    let docs = yaml_rust2::YamlLoader::load_from_str(text)
-        .map_err(|e| format!("not valid YAML: {e}"))?;
+    let docs =
+        yaml_rust2::YamlLoader::load_from_str(text).map_err(|e| format!("not valid YAML: {e}"))?;
     Ok(docs.into_iter().next())
 }
 

@@ -249,7 +249,7 @@ fn check_depth(depth: usize) -> Result<(), String> {
 }
 
 fn pairs(items: Vec<Value>) -> Result<Vec<(Value, Value)>, String> {
-    if items.len() % 2 != 0 {
+    if !items.len().is_multiple_of(2) {
         return Err(format!("{} items cannot be key/value pairs", items.len()));
     }
     let mut out = Vec::with_capacity(items.len() / 2);
@@ -328,7 +328,9 @@ impl<'a> Machine<'a> {
     /// A `\n`-terminated line of a text opcode (`GLOBAL`).
     fn line(&mut self) -> Result<&'a str, String> {
         let rest = self.data.get(self.pos..).unwrap_or_default();
-        let window = rest.get(..rest.len().min(MAX_GLOBAL_LINE + 1)).unwrap_or(rest);
+        let window = rest
+            .get(..rest.len().min(MAX_GLOBAL_LINE + 1))
+            .unwrap_or(rest);
         let n = window
             .iter()
             .position(|&b| b == b'\n')
@@ -470,7 +472,9 @@ impl<'a> Machine<'a> {
             0x80 => {
                 let v = self.u8()?;
                 if !(2..=5).contains(&v) {
-                    return Err(format!("protocol {v} is not one torch.save writes (2 to 5)"));
+                    return Err(format!(
+                        "protocol {v} is not one torch.save writes (2 to 5)"
+                    ));
                 }
             }
             0x95 => {
@@ -644,7 +648,10 @@ impl<'a> Machine<'a> {
                     // parameter's state: neither matters for the weights.
                     Value::Dict(_) | Value::Tensor(_) => {}
                     other => {
-                        return Err(format!("BUILD (setting the state of) a {} is not allowed", other.kind()))
+                        return Err(format!(
+                            "BUILD (setting the state of) a {} is not allowed",
+                            other.kind()
+                        ))
                     }
                 }
             }
@@ -778,8 +785,9 @@ fn rebuild_tensor(g: Global, a: &[Value]) -> Result<Value, String> {
         }
     };
     let offset = match a.get(1) {
-        Some(Value::Int(i)) => u64::try_from(*i)
-            .map_err(|_| format!("`{f}` storage offset {i} is negative"))?,
+        Some(Value::Int(i)) => {
+            u64::try_from(*i).map_err(|_| format!("`{f}` storage offset {i} is negative"))?
+        }
         other => {
             return Err(format!(
                 "`{f}` argument 2 (storage offset) is a {}",
@@ -1065,7 +1073,8 @@ mod tests {
     #[test]
     fn a_storage_declared_twice_differently_is_refused() {
         let tensor = |class: &str, numel: u8| {
-            let mut p = b"ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storagectorch\n".to_vec();
+            let mut p =
+                b"ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storagectorch\n".to_vec();
             p.extend_from_slice(class.as_bytes());
             p.extend_from_slice(b"\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK");
             p.push(numel);

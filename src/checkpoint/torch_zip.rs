@@ -452,9 +452,7 @@ impl TorchReader {
             let start = f
                 .data_start()
                 .ok_or_else(|| bad(format!("record `{name}` has no data offset")))?;
-            if f.compressed_size() != size
-                || start.checked_add(size).is_none_or(|end| end > len)
-            {
+            if f.compressed_size() != size || start.checked_add(size).is_none_or(|end| end > len) {
                 return Err(bad(format!(
                     "record `{name}` ({size} bytes at {start}) does not fit in the {len}-byte file"
                 )));
@@ -499,6 +497,15 @@ impl TorchReader {
             check_crc(path, name, &rec, &buf)?;
             Ok(buf)
         };
+        // The small records beside the pickle (version, byteorder, ...) are
+        // checked too: a changed byte anywhere but in a tensor nobody reads
+        // means the file is damaged.
+        let data_prefix = format!("{prefix}data/");
+        for (name, rec) in &records {
+            if !name.starts_with(&data_prefix) && name != *pkl_name && rec.size <= 1 << 16 {
+                read_record(name, 1 << 16)?;
+            }
+        }
         let byteorder = format!("{prefix}byteorder");
         if records.contains_key(&byteorder) {
             let order = read_record(&byteorder, 16)?;
@@ -528,8 +535,8 @@ impl TorchReader {
                     t.storage_key, t.storage_numel, t.dtype, rec.size
                 )));
             }
-            let offset = check_view(&t.shape, &t.stride, t.offset, t.storage_numel)
-                .map_err(tensor_err)?;
+            let offset =
+                check_view(&t.shape, &t.stride, t.offset, t.storage_numel).map_err(tensor_err)?;
             storages.insert(t.storage_key.clone(), rec);
             tensors.push(StoredTensor {
                 name: t.name,
@@ -567,8 +574,9 @@ impl TorchReader {
         device: &Device,
     ) -> Result<Tensors> {
         let path = self.path.as_path();
-        let mut by_record: BTreeMap<u64, (&str, Record, Vec<(&StoredTensor, String)>)> =
-            BTreeMap::new();
+        // Record start → (storage key, record, its tensors with new names).
+        type Wanted<'a> = (&'a str, Record, Vec<(&'a StoredTensor, String)>);
+        let mut by_record: BTreeMap<u64, Wanted> = BTreeMap::new();
         for t in &self.tensors {
             let Some(new_name) = rename(&t.name) else {
                 continue;
@@ -693,7 +701,12 @@ fn view_bytes<'a>(
         return record.get(start..end).ok_or_else(out_of_range);
     }
     let dst = gathered.bytes(n.checked_mul(es).ok_or_else(out_of_range)?);
-    let dims: Vec<(usize, usize)> = t.shape.iter().copied().zip(t.stride.iter().copied()).collect();
+    let dims: Vec<(usize, usize)> = t
+        .shape
+        .iter()
+        .copied()
+        .zip(t.stride.iter().copied())
+        .collect();
     let mut idx = vec![0usize; dims.len()];
     let mut src = t.offset;
     for out in dst.chunks_exact_mut(es) {
@@ -728,7 +741,10 @@ mod tests {
     #[test]
     fn written_state_dicts_read_back_exactly() {
         let dev = Device::Cpu;
-        let base = Tensor::arange(0f32, 24.0, &dev).unwrap().reshape((4, 6)).unwrap();
+        let base = Tensor::arange(0f32, 24.0, &dev)
+            .unwrap()
+            .reshape((4, 6))
+            .unwrap();
         let tensors: Vec<(String, Tensor)> = [
             ("f16", base.to_dtype(DType::F16).unwrap()),
             ("bf16", base.to_dtype(DType::BF16).unwrap()),
@@ -756,9 +772,18 @@ mod tests {
                         Some(d) => want.to_dtype(d).unwrap(),
                         None => want.clone(),
                     };
-                    assert_eq!((got.dtype(), got.dims()), (want.dtype(), want.dims()), "{name}");
+                    assert_eq!(
+                        (got.dtype(), got.dims()),
+                        (want.dtype(), want.dims()),
+                        "{name}"
+                    );
                     let flat = |t: &Tensor| -> Vec<f64> {
-                        t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+                        t.flatten_all()
+                            .unwrap()
+                            .to_dtype(DType::F64)
+                            .unwrap()
+                            .to_vec1()
+                            .unwrap()
                     };
                     assert_eq!(flat(got), flat(&want), "{name} as {target:?}");
                 }

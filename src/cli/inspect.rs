@@ -132,7 +132,11 @@ mod tests {
 
     #[test]
     fn parameter_count_is_exact_or_an_error_naming_the_tensor() {
-        let ok = [info("a", &[50_304, 768]), info("b", &[3, 0, 7]), info("c", &[])];
+        let ok = [
+            info("a", &[50_304, 768]),
+            info("b", &[3, 0, 7]),
+            info("c", &[]),
+        ];
         assert_eq!(parameter_count(&ok).unwrap(), 50_304 * 768 + 1);
         // 2^32 · 2^32 overflows a product; 2^63 + 2^63 overflows the sum.
         let e = parameter_count(&[info("big", &[1 << 32, 1 << 32])]).unwrap_err();

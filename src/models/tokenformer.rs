@@ -146,7 +146,8 @@ impl Config {
         )?;
         check_range(
             "max_position_embeddings × hidden_size (one layer's KV cache)",
-            self.max_position_embeddings.saturating_mul(self.hidden_size),
+            self.max_position_embeddings
+                .saturating_mul(self.hidden_size),
             1,
             MAX_CACHE_VALUES,
         )?;
