@@ -198,8 +198,11 @@ impl Config {
 pub mod limits {
     pub const MAX_HIDDEN_SIZE: usize = 1 << 16;
     pub const MAX_LAYERS: usize = 1 << 10;
-    /// Parameter tokens of one Pattention layer (also a √n constant).
+    /// Parameter tokens of one Pattention layer.
     pub const MAX_TOKENS: usize = 1 << 24;
+    /// A √n constant (`pattention_scale_tokens`): only a number, but one that
+    /// converts to f64 exactly (imported models use 2·d·10⁶).
+    pub const MAX_SCALE_TOKENS: usize = 1 << 53;
     pub const MAX_VOCAB: usize = 1 << 24;
     pub const MAX_POSITIONS: usize = 1 << 20;
     /// Positions × hidden size: one layer's preallocated KV cache (batch 1).
@@ -263,14 +266,14 @@ pub fn check_tokens(
     ffn: usize,
     scale: Option<ScaleTokens>,
 ) -> std::result::Result<(), String> {
-    use limits::MAX_TOKENS;
+    use limits::{MAX_SCALE_TOKENS, MAX_TOKENS};
     check_range("qkv_tokens", qkv, 1, MAX_TOKENS)?;
     check_range("proj_tokens", proj, 1, MAX_TOKENS)?;
     check_range("ffn_tokens", ffn, 1, MAX_TOKENS)?;
     if let Some(s) = scale {
-        check_range("pattention_scale_tokens.qkv", s.qkv, 1, MAX_TOKENS)?;
-        check_range("pattention_scale_tokens.proj", s.proj, 1, MAX_TOKENS)?;
-        check_range("pattention_scale_tokens.ffn", s.ffn, 1, MAX_TOKENS)?;
+        check_range("pattention_scale_tokens.qkv", s.qkv, 1, MAX_SCALE_TOKENS)?;
+        check_range("pattention_scale_tokens.proj", s.proj, 1, MAX_SCALE_TOKENS)?;
+        check_range("pattention_scale_tokens.ffn", s.ffn, 1, MAX_SCALE_TOKENS)?;
     }
     Ok(())
 }
