@@ -241,11 +241,17 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
             let idx = hub::download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress)
                 .map_err(hub_err)?;
             let dir = idx[0].parent().expect("file in a folder").to_path_buf();
-            want.extend(
-                checkpoint::safetensors_files(&dir)?
-                    .iter()
-                    .filter_map(|p| p.file_name().map(|f| f.to_string_lossy().into_owned())),
-            );
+            // The shard names as the index gives them (checked to stay inside
+            // the folder), so what is downloaded is what is read.
+            for p in checkpoint::safetensors_files(&dir)? {
+                let rel = p.strip_prefix(&dir).map_err(|_| {
+                    Error::checkpoint(
+                        &idx[0],
+                        format!("shard {} is outside the folder", p.display()),
+                    )
+                })?;
+                want.push(rel.to_string_lossy().into_owned());
+            }
         } else {
             want.push(checkpoint::SAFETENSORS_FILE.into());
         }

@@ -21,11 +21,16 @@ pub fn to_canonical(name: &str, num_layers: usize) -> Option<String> {
     let idx: usize = idx.parse().ok()?;
     match (idx, tail) {
         (0, "word_embeddings.weight") => Some("word_embeddings.weight".into()),
-        (i, t) if (2..num_layers + 2).contains(&i) && is_block_tensor(t) => {
+        // Index arithmetic on the file's numbers without overflow.
+        (i, t) if i.checked_sub(2).is_some_and(|l| l < num_layers) && is_block_tensor(t) => {
             Some(format!("layers.{}.{t}", i - 2))
         }
-        (i, t @ ("norm.weight" | "norm.bias")) if i == num_layers + 3 => Some(format!("final_{t}")),
-        (i, "final_linear.weight") if i == num_layers + 4 => Some("final_linear.weight".into()),
+        (i, t @ ("norm.weight" | "norm.bias")) if i.checked_sub(3) == Some(num_layers) => {
+            Some(format!("final_{t}"))
+        }
+        (i, "final_linear.weight") if i.checked_sub(4) == Some(num_layers) => {
+            Some("final_linear.weight".into())
+        }
         _ => None,
     }
 }
@@ -330,6 +335,13 @@ mod tests {
             None
         );
         assert_eq!(to_canonical("sequential.2.attention.dense.weight", l), None);
+        // Numbers from a file never overflow the index arithmetic.
+        let huge = format!("sequential.{}.final_linear.weight", usize::MAX);
+        assert_eq!(to_canonical(&huge, usize::MAX), None);
+        assert_eq!(
+            to_canonical("sequential.1.mlp.key_param_tokens", usize::MAX),
+            None
+        );
     }
 
     #[test]
