@@ -245,8 +245,11 @@ pub fn read_safetensors(
     Ok(out)
 }
 
-/// Header sizes above this are not a safetensors file (the format's own limit).
-const MAX_HEADER_BYTES: u64 = 100_000_000;
+/// The largest safetensors header read. The format allows 100 MB; real
+/// headers are a few MB at most (about 150 bytes a tensor), and this bound
+/// keeps the parsed header (a crafted one can be a long list of shape
+/// numbers) within a few hundred MB.
+const MAX_HEADER_BYTES: u64 = 64 << 20;
 
 /// One tensor of a safetensors header, checked against the file.
 struct SafetensorsEntry {
