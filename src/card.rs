@@ -63,21 +63,26 @@ impl ModelCard {
     }
 }
 
-/// Splits a README into (front matter as JSON, body); no front matter → empty map.
-pub fn parse(text: &str) -> (Map<String, Value>, String) {
+/// Splits a README into (front matter as JSON, body); no front matter → empty
+/// map. Front matter that is not a YAML mapping, or uses anchors/aliases
+/// (see [`crate::checkpoint::official::load_yaml`]), is an error rather than
+/// dropped, so refreshing a card never loses what it said.
+pub fn parse(text: &str) -> std::result::Result<(Map<String, Value>, String), String> {
     let Some(rest) = text.strip_prefix("---\n") else {
-        return (Map::new(), text.to_string());
+        return Ok((Map::new(), text.to_string()));
     };
-    let Some(end) = rest.find("\n---\n") else {
-        return (Map::new(), text.to_string());
+    let Some((front, body)) = rest.split_once("\n---\n") else {
+        return Ok((Map::new(), text.to_string()));
     };
-    let meta = yaml_rust2::YamlLoader::load_from_str(&rest[..end])
-        .ok()
-        .and_then(|d| d.into_iter().next())
+    let meta = match crate::checkpoint::official::load_yaml(front)
+        .map_err(|e| format!("front matter: {e}"))?
         .map(yaml_to_json)
-        .and_then(|v| v.as_object().cloned())
-        .unwrap_or_default();
-    (meta, rest[end + 5..].trim_start().to_string())
+    {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(m)) => m,
+        Some(_) => return Err("front matter is not a mapping of keys".into()),
+    };
+    Ok((meta, body.trim_start().to_string()))
 }
 
 fn yaml_to_json(y: yaml_rust2::Yaml) -> Value {
@@ -139,9 +144,26 @@ mod tests {
         c.set("base_model", json!("Haiyang-W/TokenFormer-150M"));
         c.set("model-index", json!([{"name": "m", "results": [{"metrics": [{"type": "perplexity", "value": 10.5}]}]}]));
         c.section("Conversion", "max |Δ logit| = 0");
-        let (meta, body) = parse(&c.render());
+        let (meta, body) = parse(&c.render()).unwrap();
         assert_eq!(Value::Object(meta), Value::Object(c.metadata.clone()));
         assert!(body.starts_with("# T\n"));
         assert!(body.contains("max |Δ logit| = 0"));
+    }
+
+    /// Front matter that cannot be read is an error, not silently dropped
+    /// (publish would otherwise replace it); anchors and aliases are refused.
+    #[test]
+    fn unreadable_front_matter_is_an_error() {
+        let bomb = "---\na: &a [x, x, x]\nb: [*a, *a, *a]\n---\n\n# T\n";
+        assert!(parse(bomb).unwrap_err().contains("anchors"));
+        let alias = "---\nlicense: *x\n---\nbody";
+        let e = parse(alias).unwrap_err();
+        assert!(e.contains("anchor"), "{e}");
+        let alias = "---\nx: &a 1\nlicense: *a\n---\nbody";
+        assert!(parse(alias).unwrap_err().contains("anchors"));
+        assert!(parse("---\nlicense: [unclosed\n---\nbody").is_err());
+        assert!(parse("---\n- a list\n---\nbody").is_err());
+        let (meta, body) = parse("no front matter").unwrap();
+        assert!(meta.is_empty() && body == "no front matter");
     }
 }

@@ -101,8 +101,11 @@ fn config_source_from_path(p: &Path) -> Result<ConfigSource> {
     }
 }
 
+/// The largest config.json read (with 1000 class names one is about 60 KB).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
 pub fn read_json(p: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(p).map_err(|e| Error::io(p, e))?;
+    let text = checkpoint::read_text(p, MAX_CONFIG_BYTES)?;
     serde_json::from_str(&text).map_err(|e| Error::config(p, format!("not valid JSON: {e}")))
 }
 
@@ -238,11 +241,17 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
             let idx = hub::download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress)
                 .map_err(hub_err)?;
             let dir = idx[0].parent().expect("file in a folder").to_path_buf();
-            want.extend(
-                checkpoint::safetensors_files(&dir)?
-                    .iter()
-                    .filter_map(|p| p.file_name().map(|f| f.to_string_lossy().into_owned())),
-            );
+            // The shard names as the index gives them (checked to stay inside
+            // the folder), so what is downloaded is what is read.
+            for p in checkpoint::safetensors_files(&dir)? {
+                let rel = p.strip_prefix(&dir).map_err(|_| {
+                    Error::checkpoint(
+                        &idx[0],
+                        format!("shard {} is outside the folder", p.display()),
+                    )
+                })?;
+                want.push(rel.to_string_lossy().into_owned());
+            }
         } else {
             want.push(checkpoint::SAFETENSORS_FILE.into());
         }
@@ -326,24 +335,30 @@ pub fn read_weights(
 ) -> Result<LoadedWeights> {
     match &files.weights {
         Weights::OfficialBin(bin) => {
-            let (num_layers, fixed) = match &files.config {
-                ConfigSource::Json { value, .. } => (
-                    value.get("num_layers").and_then(Value::as_u64).unwrap_or(0) as usize,
-                    Some(value.clone()),
-                ),
+            // The config is checked before the weights are read: its layer
+            // count maps the official names.
+            let (num_layers, settings) = match &files.config {
+                ConfigSource::Json { value, path } => {
+                    let origin = path.clone().unwrap_or_else(|| PathBuf::from(&files.source));
+                    match lm_config(value, &origin) {
+                        Ok(cfg) => (cfg.num_layers, None),
+                        Err(e) if architecture(value) == tokenformer::ARCHITECTURE => {
+                            return Err(e)
+                        }
+                        // Refused as "not a language model" once read.
+                        Err(_) => (0, None),
+                    }
+                }
                 ConfigSource::OfficialYml(y) => {
-                    let text = std::fs::read_to_string(y).map_err(|e| Error::io(y, e))?;
-                    let m = official::parse_yml(&text, y)?;
-                    (
-                        m.get("num_layers").and_then(Value::as_u64).unwrap_or(0) as usize,
-                        None,
-                    )
+                    let m = official::read_yml(y)?;
+                    // vocab_size comes from the checkpoint; 1 stands in for it.
+                    let cfg = official::config_from_settings(&m, y, 1)?;
+                    (cfg.num_layers, Some((m, y)))
                 }
             };
             let (tensors, ignored) = checkpoint::read_official_bin(bin, num_layers, dtype, device)?;
-            let config = match (fixed, &files.config) {
-                (Some(v), _) => v,
-                (None, ConfigSource::OfficialYml(y)) => {
+            let config = match (settings, &files.config) {
+                (Some((m, y)), _) => {
                     let vocab = tensors
                         .get("word_embeddings.weight")
                         .ok_or_else(|| {
@@ -353,10 +368,13 @@ pub fn read_weights(
                             )
                         })?
                         .dim(0)?;
-                    serde_json::to_value(official::config_from_yml(y, vocab)?)
-                        .expect("serialisable")
+                    serde_json::to_value(official::config_from_settings(&m, y, vocab)?)
+                        .map_err(|e| Error::config(y, e))?
                 }
-                _ => unreachable!("fixed is Some for Json"),
+                (None, ConfigSource::Json { value, .. }) => value.clone(),
+                (None, ConfigSource::OfficialYml(y)) => {
+                    return Err(Error::config(y, "the official config was not read"))
+                }
             };
             let config_path = match &files.config {
                 ConfigSource::Json { path: Some(p), .. } => p.clone(),
@@ -491,7 +509,7 @@ pub fn vit_config(value: &Value, origin: &Path) -> Result<vit::Config> {
 
 /// Builds the image classifier from loaded weights; errors name the checkpoint.
 pub fn build_vit(w: LoadedWeights, device: &Device) -> Result<VisionTransformer> {
-    let cfg = vit_config(&w.config, &w.path)?;
+    let cfg = vit_config(&w.config, &w.config_path)?;
     let names: Vec<String> = w.tensors.keys().cloned().collect();
     let vb = checkpoint::var_builder(w.tensors, device);
     let model = VisionTransformer::new(&cfg, vb).map_err(|e| Error::checkpoint(&w.path, e))?;

@@ -160,19 +160,10 @@ impl RawCheckpoint {
             let files = bin_files(dir)?;
             let mut out = Tensors::new();
             for f in &files {
-                let pth = candle_core::pickle::PthTensors::new(f, None).with_context(|| {
-                    format!("{}: not a readable PyTorch checkpoint", f.display())
-                })?;
-                let mut names: Vec<String> = pth.tensor_infos().keys().cloned().collect();
-                names.sort();
-                for n in names {
-                    let t = pth
-                        .get(&n)
-                        .with_context(|| format!("{}: tensor `{n}`", f.display()))?
-                        .ok_or_else(|| {
-                            anyhow!("{}: tensor `{n}` is listed but absent", f.display())
-                        })?;
-                    out.insert(n, t.to_dtype(DType::F32)?);
+                for (n, t) in checkpoint::read_torch_bin(f, Some(DType::F32), &dev)? {
+                    if out.insert(n.clone(), t).is_some() {
+                        bail!("{}: tensor `{n}` appears in two files", f.display());
+                    }
                 }
             }
             (files, out)
@@ -268,7 +259,12 @@ fn bin_files(dir: &Path) -> Result<Vec<PathBuf>> {
             .collect();
         files.sort();
         files.dedup();
-        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+        return files
+            .iter()
+            .map(|f| {
+                checkpoint::shard_path(dir, f).map_err(|e| anyhow!("{}: {e}", index.display()))
+            })
+            .collect();
     }
     let single = dir.join("pytorch_model.bin");
     if single.exists() {

@@ -202,7 +202,8 @@ fn warn_no_tokenizer(files: &loader::ModelFiles, dir: &Path) {
 
 /// The README with refreshed front matter; the body is kept if there was one.
 fn refresh_card(old: &str, dir: &Path, repo: &RepoRef, results: &[Value]) -> Result<String> {
-    let (mut meta, body) = card::parse(old);
+    let (mut meta, body) = card::parse(old)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", dir.join("README.md").display()))?;
     let config = loader::read_json(&dir.join(loader::CONFIG_FILE))?;
     let pipeline = match loader::architecture(&config) {
         vit::ARCHITECTURE => "image-classification",

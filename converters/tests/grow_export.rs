@@ -74,7 +74,9 @@ fn fixture_token_counts() -> Value {
 
 /// The front matter of a model card.
 fn card(dir: &Path) -> serde_json::Map<String, Value> {
-    tokenformer::card::parse(&std::fs::read_to_string(dir.join("README.md")).unwrap()).0
+    tokenformer::card::parse(&std::fs::read_to_string(dir.join("README.md")).unwrap())
+        .unwrap()
+        .0
 }
 
 /// The logit shift a grown model's card reports for the probe input.

@@ -103,7 +103,7 @@ fn publish_then_download_gives_the_same_model() {
         std::fs::read(model.join("model.safetensors")).unwrap()
     );
     let readme = String::from_utf8(files["README.md"].clone()).unwrap();
-    let (meta, _) = tokenformer::card::parse(&readme);
+    let (meta, _) = tokenformer::card::parse(&readme).unwrap();
     assert_eq!(
         meta["model-index"][0]["results"][0]["metrics"][0]["value"],
         12.5

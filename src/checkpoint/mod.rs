@@ -1,10 +1,13 @@
 //! Reading and writing weights: official `pytorch_model.bin` (torch zip
-//! pickle, via `candle_core::pickle`) and Hugging Face style safetensors
-//! (single file, or shards with `model.safetensors.index.json`, 5 GB shards as
-//! `huggingface_hub` does). Name maps live in one module per format
-//! ([`official`]); everything else works on canonical names.
+//! pickle, read by our own restricted pickle reader, [`torch_zip`]) and
+//! Hugging Face style safetensors (single file, or shards with
+//! `model.safetensors.index.json`, 5 GB shards as `huggingface_hub` does).
+//! Name maps live in one module per format ([`official`]); everything else
+//! works on canonical names. Every size, offset and name read from a file is
+//! checked before it is used.
 
 pub mod official;
+mod pickle;
 pub mod torch_zip;
 
 use std::collections::{BTreeMap, HashMap};
@@ -31,18 +34,25 @@ pub struct ShardIndex {
     pub weight_map: BTreeMap<String, String>,
 }
 
+/// The largest `model.safetensors.index.json` read (real ones are a few
+/// hundred KB).
+pub const MAX_INDEX_BYTES: u64 = 64 << 20;
+
 /// The safetensors files of a model folder: the single file, or the shards
-/// listed by the index.
+/// listed by the index (each confined to the folder, see [`shard_path`]).
 pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join(SAFETENSORS_INDEX);
     if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+        let text = read_text(&index, MAX_INDEX_BYTES)?;
         let idx: ShardIndex = serde_json::from_str(&text)
             .map_err(|e| Error::checkpoint(&index, format!("bad shard index: {e}")))?;
         let mut files: Vec<_> = idx.weight_map.values().collect();
         files.sort();
         files.dedup();
-        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+        return files
+            .into_iter()
+            .map(|f| shard_path(dir, f).map_err(|e| Error::checkpoint(&index, e)))
+            .collect();
     }
     let single = dir.join(SAFETENSORS_FILE);
     if single.exists() {
@@ -54,6 +64,82 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     ))
 }
 
+/// The path of a shard named by an index, confined to the model folder: a
+/// relative name of plain components (no `..`, `.`, empty component, absolute
+/// path or backslash), and, if it exists, a file that resolves inside the
+/// folder. In a Hub cache snapshot (`.../snapshots/<commit>/`) files are
+/// links into the repo's `blobs/`, which is allowed as well.
+pub fn shard_path(dir: &Path, name: &str) -> std::result::Result<PathBuf, String> {
+    let refuse = |why: &str| Err(format!("shard file name {name:?} {why}"));
+    if name.is_empty() {
+        return refuse("is empty");
+    }
+    if name.contains('\\') || name.contains('\0') {
+        return refuse("contains a backslash or NUL");
+    }
+    if name.starts_with('/') {
+        return refuse("is an absolute path");
+    }
+    if name
+        .split('/')
+        .any(|c| c.is_empty() || c == "." || c == "..")
+    {
+        return refuse(
+            "has an empty, `.` or `..` component: shards must be inside the model folder",
+        );
+    }
+    let path = dir.join(name);
+    let Ok(real) = path.canonicalize() else {
+        // Not there (yet): the name alone cannot leave the folder; reading
+        // it later resolves the path again.
+        return Ok(path);
+    };
+    let root = dir
+        .canonicalize()
+        .map_err(|e| format!("{}: {e}", dir.display()))?;
+    let hub_blobs = root
+        .parent()
+        .filter(|p| p.file_name().is_some_and(|n| n == "snapshots"))
+        .and_then(Path::parent)
+        .map(|repo| repo.join("blobs"));
+    if real.starts_with(&root) || hub_blobs.is_some_and(|b| real.starts_with(b)) {
+        Ok(path)
+    } else {
+        Err(format!(
+            "shard file {name:?} resolves to {}, outside the model folder {}",
+            real.display(),
+            root.display()
+        ))
+    }
+}
+
+/// A small text file (config, index), refusing anything that is not a
+/// regular file (a FIFO would block) or is larger than `limit` bytes.
+pub fn read_text(path: &Path, limit: u64) -> Result<String> {
+    use std::io::Read;
+    let invalid = |msg: String| {
+        Error::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::InvalidData, msg),
+        )
+    };
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if !meta.is_file() {
+        return Err(invalid("not a regular file".into()));
+    }
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut text = String::new();
+    file.take(limit.saturating_add(1))
+        .read_to_string(&mut text)
+        .map_err(|e| Error::io(path, e))?;
+    if text.len() as u64 > limit {
+        return Err(invalid(format!(
+            "larger than the {limit} bytes accepted for this file"
+        )));
+    }
+    Ok(text)
+}
+
 /// Name, dtype and shape of one stored tensor (for `inspect`).
 #[derive(Debug, Clone, Serialize)]
 pub struct TensorInfo {
@@ -62,31 +148,28 @@ pub struct TensorInfo {
     pub shape: Vec<usize>,
 }
 
-/// Lists the tensors of a `.bin` or `.safetensors` file without loading them.
+/// Lists the tensors of a `.bin` or `.safetensors` file without loading
+/// them; the file's structure (record sizes, CRC of the pickle, data offsets
+/// against the file size) is checked as when loading.
 pub fn tensor_infos(path: &Path) -> Result<Vec<TensorInfo>> {
     let mut out = if is_pickle(path) {
-        let pth = candle_core::pickle::PthTensors::new(path, None).map_err(|e| {
-            Error::checkpoint(path, format!("not a readable PyTorch checkpoint: {e}"))
-        })?;
-        pth.tensor_infos()
+        torch_zip::TorchReader::open(path)?
+            .tensors()
             .iter()
-            .map(|(name, ti)| TensorInfo {
-                name: name.clone(),
-                dtype: format!("{:?}", ti.dtype).to_lowercase(),
-                shape: ti.layout.shape().dims().to_vec(),
+            .map(|t| TensorInfo {
+                name: t.name.clone(),
+                dtype: format!("{:?}", t.dtype).to_lowercase(),
+                shape: t.shape.clone(),
             })
             .collect::<Vec<_>>()
     } else {
-        let st =
-            unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }.map_err(|e| {
-                Error::checkpoint(path, format!("not a readable safetensors file: {e}"))
-            })?;
-        st.tensors()
-            .into_iter()
-            .map(|(name, view)| TensorInfo {
-                name,
-                dtype: format!("{:?}", view.dtype()).to_lowercase(),
-                shape: view.shape().to_vec(),
+        let st = SafetensorsFile::open(path)?;
+        st.tensors
+            .iter()
+            .map(|t| TensorInfo {
+                name: t.name.clone(),
+                dtype: format!("{:?}", t.dtype).to_lowercase(),
+                shape: t.shape.clone(),
             })
             .collect()
     };
@@ -111,31 +194,25 @@ pub fn read_official_bin(
     dtype: Option<DType>,
     device: &Device,
 ) -> Result<(Tensors, Vec<String>)> {
-    let pth = candle_core::pickle::PthTensors::new(path, None)
-        .map_err(|e| Error::checkpoint(path, format!("not a readable PyTorch checkpoint: {e}")))?;
-    let mut names: Vec<String> = pth.tensor_infos().keys().cloned().collect();
-    names.sort();
-    if names.is_empty() {
+    let bin = torch_zip::TorchReader::open(path)?;
+    if bin.tensors().is_empty() {
         return Err(Error::checkpoint(path, "contains no tensors"));
     }
-    let mut out = Tensors::new();
-    let mut ignored = Vec::new();
-    for name in names {
-        let Some(canonical) = official::to_canonical(&name, num_layers) else {
-            ignored.push(name);
-            continue;
-        };
-        let t = pth
-            .get(&name)
-            .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?
-            .ok_or_else(|| {
-                Error::checkpoint(path, format!("tensor `{name}` is listed but absent"))
-            })?;
-        let t = convert(t, dtype, device)
-            .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
-        out.insert(canonical, t);
-    }
+    let ignored = bin
+        .tensors()
+        .iter()
+        .filter(|t| official::to_canonical(&t.name, num_layers).is_none())
+        .map(|t| t.name.clone())
+        .collect();
+    let out = bin.read(|n| official::to_canonical(n, num_layers), dtype, device)?;
     Ok((out, ignored))
+}
+
+/// Reads every tensor of a torch zip checkpoint (a `pytorch_model.bin` of
+/// any state dict) under its own name, converted to `dtype`.
+pub fn read_torch_bin(path: &Path, dtype: Option<DType>, device: &Device) -> Result<Tensors> {
+    let bin = torch_zip::TorchReader::open(path)?;
+    bin.read(|n| Some(n.to_string()), dtype, device)
 }
 
 /// Number of transformer layers in an official state dict (from its keys), so
@@ -151,7 +228,7 @@ pub fn official_num_layers(names: impl IntoIterator<Item = impl AsRef<str>>) -> 
                 .flatten()
         })
         .max()
-        .map_or(0, |i| i - 1)
+        .map_or(0, |i| i.saturating_sub(1))
 }
 
 /// Reads all tensors of safetensors files (canonical names already),
@@ -168,8 +245,102 @@ pub fn read_safetensors(
     Ok(out)
 }
 
-/// Header sizes above this are not a safetensors file (the format's own limit).
-const MAX_HEADER_BYTES: u64 = 100_000_000;
+/// The largest safetensors header read. The format allows 100 MB; real
+/// headers are a few MB at most (about 150 bytes a tensor), and this bound
+/// keeps the parsed header (a crafted one can be a long list of shape
+/// numbers) within a few hundred MB.
+const MAX_HEADER_BYTES: u64 = 64 << 20;
+
+/// One tensor of a safetensors header, checked against the file.
+struct SafetensorsEntry {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    /// Absolute position and length of its bytes in the file.
+    start: u64,
+    bytes: usize,
+}
+
+/// A safetensors file's header, read with positioned reads and checked: the
+/// header length against the file, and every tensor's data offsets against
+/// its dtype and shape (the safetensors crate's own validation: contiguous,
+/// no overflow) and against the file size.
+struct SafetensorsFile {
+    file: std::fs::File,
+    /// In file order.
+    tensors: Vec<SafetensorsEntry>,
+}
+
+impl SafetensorsFile {
+    fn open(path: &Path) -> Result<Self> {
+        use std::os::unix::fs::FileExt;
+        let bad = |msg: String| {
+            Error::checkpoint(path, format!("not a readable safetensors file: {msg}"))
+        };
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let meta = file.metadata().map_err(|e| Error::io(path, e))?;
+        if !meta.is_file() {
+            return Err(bad("not a regular file".into()));
+        }
+        let len = meta.len();
+        if len < 8 {
+            return Err(bad(format!(
+                "{len} bytes is shorter than the header size field"
+            )));
+        }
+        let mut n = [0u8; 8];
+        file.read_exact_at(&mut n, 0)
+            .map_err(|e| Error::io(path, e))?;
+        let header_len = u64::from_le_bytes(n);
+        if header_len > MAX_HEADER_BYTES || header_len > len - 8 {
+            return Err(bad(format!(
+                "header of {header_len} bytes in a {len}-byte file"
+            )));
+        }
+        let mut header = vec![0u8; header_len as usize];
+        file.read_exact_at(&mut header, 8)
+            .map_err(|e| Error::io(path, e))?;
+        let meta: safetensors::tensor::Metadata =
+            serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
+        let data_start = 8 + header_len;
+        let mut infos: Vec<_> = meta.tensors().into_iter().collect();
+        infos.sort_by_key(|(_, i)| i.data_offsets.0);
+        let mut tensors = Vec::with_capacity(infos.len());
+        for (name, info) in infos {
+            let (start, end) = info.data_offsets;
+            let bytes = info
+                .shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .and_then(|e| e.checked_mul(info.dtype.bitsize()))
+                .map(|bits| bits / 8);
+            let abs = |o: usize| (o as u64).checked_add(data_start);
+            let fits = matches!((abs(start), abs(end)), (Some(s), Some(e)) if s <= e && e <= len);
+            match bytes {
+                Some(b) if end.checked_sub(start) == Some(b) && fits => {}
+                _ => {
+                    return Err(Error::checkpoint(
+                        path,
+                        format!(
+                            "tensor `{name}`: data offsets {start}..{end} do not hold {:?} {:?} in a {len}-byte file",
+                            info.dtype, info.shape
+                        ),
+                    ))
+                }
+            }
+            let dtype = DType::try_from(info.dtype)
+                .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
+            tensors.push(SafetensorsEntry {
+                name,
+                dtype,
+                shape: info.shape.clone(),
+                start: data_start + start as u64,
+                bytes: end - start,
+            });
+        }
+        Ok(Self { file, tensors })
+    }
+}
 
 /// One file, read with positioned reads in file order rather than mapped:
 /// a mapping's pages count as resident memory once touched, so mapping an
@@ -182,54 +353,22 @@ fn read_safetensors_file(
     out: &mut Tensors,
 ) -> Result<()> {
     use std::os::unix::fs::FileExt;
-    let bad =
-        |msg: String| Error::checkpoint(path, format!("not a readable safetensors file: {msg}"));
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
-    let read_at =
-        |buf: &mut [u8], at: u64| file.read_exact_at(buf, at).map_err(|e| Error::io(path, e));
-    let mut n = [0u8; 8];
-    if len < 8 {
-        return Err(bad(format!(
-            "{len} bytes is shorter than the header size field"
-        )));
-    }
-    read_at(&mut n, 0)?;
-    let header_len = u64::from_le_bytes(n);
-    if header_len > MAX_HEADER_BYTES || 8 + header_len > len {
-        return Err(bad(format!(
-            "header of {header_len} bytes in a {len}-byte file"
-        )));
-    }
-    let mut header = vec![0u8; header_len as usize];
-    read_at(&mut header, 8)?;
-    let meta: safetensors::tensor::Metadata =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))?;
-    let mut infos: Vec<_> = meta.tensors().into_iter().collect();
-    infos.sort_by_key(|(_, i)| i.data_offsets.0);
-    let data_start = 8 + header_len;
+    let st = SafetensorsFile::open(path)?;
     let mut scratch = Scratch::default();
-    for (name, info) in infos {
-        let tensor_err = |msg: String| Error::checkpoint(path, format!("tensor `{name}`: {msg}"));
-        let (start, end) = info.data_offsets;
-        let elems: usize = info.shape.iter().product();
-        let bytes = elems * info.dtype.bitsize() / 8;
-        if end < start || end - start != bytes || data_start + end as u64 > len {
-            return Err(tensor_err(format!(
-                "data offsets {start}..{end} do not hold {bytes} bytes of {:?} {:?} in a {len}-byte file",
-                info.dtype, info.shape
-            )));
-        }
-        let stored = DType::try_from(info.dtype).map_err(|e| tensor_err(e.to_string()))?;
-        let buf = scratch.bytes(bytes);
-        read_at(buf, data_start + start as u64)?;
-        let t = decode(buf, stored, &info.shape, dtype)
-            .and_then(|t| convert(t, dtype, device))
+    for t in &st.tensors {
+        let tensor_err =
+            |msg: String| Error::checkpoint(path, format!("tensor `{}`: {msg}", t.name));
+        let buf = scratch.bytes(t.bytes);
+        st.file
+            .read_exact_at(buf, t.start)
+            .map_err(|e| Error::io(path, e))?;
+        let tensor = decode(buf, t.dtype, &t.shape, dtype)
+            .and_then(|x| convert(x, dtype, device))
             .map_err(|e| tensor_err(e.to_string()))?;
-        if out.insert(name.clone(), t).is_some() {
+        if out.insert(t.name.clone(), tensor).is_some() {
             return Err(Error::checkpoint(
                 path,
-                format!("tensor `{name}` appears in two shards"),
+                format!("tensor `{}` appears in two shards", t.name),
             ));
         }
     }

@@ -21,11 +21,16 @@ pub fn to_canonical(name: &str, num_layers: usize) -> Option<String> {
     let idx: usize = idx.parse().ok()?;
     match (idx, tail) {
         (0, "word_embeddings.weight") => Some("word_embeddings.weight".into()),
-        (i, t) if (2..num_layers + 2).contains(&i) && is_block_tensor(t) => {
+        // Index arithmetic on the file's numbers without overflow.
+        (i, t) if i.checked_sub(2).is_some_and(|l| l < num_layers) && is_block_tensor(t) => {
             Some(format!("layers.{}.{t}", i - 2))
         }
-        (i, t @ ("norm.weight" | "norm.bias")) if i == num_layers + 3 => Some(format!("final_{t}")),
-        (i, "final_linear.weight") if i == num_layers + 4 => Some("final_linear.weight".into()),
+        (i, t @ ("norm.weight" | "norm.bias")) if i.checked_sub(3) == Some(num_layers) => {
+            Some(format!("final_{t}"))
+        }
+        (i, "final_linear.weight") if i.checked_sub(4) == Some(num_layers) => {
+            Some("final_linear.weight".into())
+        }
         _ => None,
     }
 }
@@ -59,15 +64,81 @@ fn is_block_tensor(t: &str) -> bool {
         )
 }
 
+/// The largest YAML text parsed (official eval configs are about 2 KB).
+pub const MAX_YAML_BYTES: usize = 1 << 20;
+/// Deepest nesting of YAML mappings and sequences accepted.
+pub const MAX_YAML_DEPTH: usize = 32;
+
+/// The first document of a YAML text, refusing what a config or a model
+/// card never needs and an attacker would use: anchors and aliases (an alias
+/// bomb of a few hundred bytes expands to gigabytes), nesting deeper than
+/// [`MAX_YAML_DEPTH`] and text longer than [`MAX_YAML_BYTES`]. The events
+/// are checked before any document is built.
+pub fn load_yaml(text: &str) -> std::result::Result<Option<yaml_rust2::Yaml>, String> {
+    use yaml_rust2::parser::{Event, Parser};
+    if text.len() > MAX_YAML_BYTES {
+        return Err(format!(
+            "{} bytes of YAML is more than the {MAX_YAML_BYTES} accepted",
+            text.len()
+        ));
+    }
+    let mut parser = Parser::new_from_str(text);
+    let mut depth = 0usize;
+    loop {
+        let (ev, mark) = parser
+            .next_token()
+            .map_err(|e| format!("not valid YAML: {e}"))?;
+        let anchor = match ev {
+            Event::Alias(_) => {
+                return Err(format!(
+                    "line {}: YAML aliases (`*name`) are not allowed",
+                    mark.line()
+                ))
+            }
+            Event::Scalar(_, _, anchor, _) => anchor,
+            Event::SequenceStart(anchor, _) | Event::MappingStart(anchor, _) => {
+                depth += 1;
+                if depth > MAX_YAML_DEPTH {
+                    return Err(format!(
+                        "line {}: YAML nested deeper than {MAX_YAML_DEPTH}",
+                        mark.line()
+                    ));
+                }
+                anchor
+            }
+            Event::SequenceEnd | Event::MappingEnd => {
+                depth = depth.saturating_sub(1);
+                0
+            }
+            Event::StreamEnd => break,
+            _ => 0,
+        };
+        if anchor != 0 {
+            return Err(format!(
+                "line {}: YAML anchors (`&name`) are not allowed",
+                mark.line()
+            ));
+        }
+    }
+    let docs =
+        yaml_rust2::YamlLoader::load_from_str(text).map_err(|e| format!("not valid YAML: {e}"))?;
+    Ok(docs.into_iter().next())
+}
+
 /// Parses the official eval yml: a JSON-like YAML mapping with `#` comments
 /// and Python literals (`False`), read by NeoX with PyYAML.
 pub fn parse_yml(text: &str, path: &Path) -> Result<Map<String, Value>> {
-    let docs = yaml_rust2::YamlLoader::load_from_str(text)
-        .map_err(|e| Error::config(path, format!("not valid YAML: {e}")))?;
-    match docs.into_iter().next().map(yaml_to_json) {
+    let doc = load_yaml(text).map_err(|e| Error::config(path, e))?;
+    match doc.map(yaml_to_json) {
         Some(Value::Object(m)) => Ok(m),
         _ => Err(Error::config(path, "expected a mapping of settings")),
     }
+}
+
+/// Reads and parses an official eval yml.
+pub fn read_yml(path: &Path) -> Result<Map<String, Value>> {
+    let text = crate::checkpoint::read_text(path, MAX_YAML_BYTES as u64)?;
+    parse_yml(&text, path)
 }
 
 fn yaml_to_json(y: yaml_rust2::Yaml) -> Value {
@@ -104,8 +175,7 @@ fn yaml_to_json(y: yaml_rust2::Yaml) -> Value {
 /// Our config from an official yml. `vocab_size` comes from the checkpoint
 /// (the padded embedding rows), since the yml does not carry it.
 pub fn config_from_yml(path: &Path, vocab_size: usize) -> Result<Config> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    config_from_settings(&parse_yml(&text, path)?, path, vocab_size)
+    config_from_settings(&read_yml(path)?, path, vocab_size)
 }
 
 pub fn config_from_settings(
@@ -175,8 +245,22 @@ pub fn config_from_settings(
         tie_word_embeddings: !no_weight_tying,
         pattention_scale_tokens: None,
     };
-    cfg.validate().map_err(err)?;
+    cfg.validate().map_err(|e| err(official_key_names(&e)))?;
     Ok(cfg)
+}
+
+/// A validation message with our key names replaced by the yml's.
+fn official_key_names(msg: &str) -> String {
+    [
+        ("`num_heads`", "`num_attention_heads`"),
+        ("`qkv_tokens`", "`qkv_slot_num`"),
+        ("`proj_tokens`", "`proj_slot_num`"),
+        ("`ffn_tokens`", "`ffn_slot_num`"),
+        ("`rotary_base`", "`rotary_emb_base`"),
+        ("`norm_eps`", "`layernorm_epsilon`"),
+    ]
+    .iter()
+    .fold(msg.to_string(), |m, (ours, theirs)| m.replace(ours, theirs))
 }
 
 /// The official yml for a config (what `export --format official` writes).
@@ -251,6 +335,13 @@ mod tests {
             None
         );
         assert_eq!(to_canonical("sequential.2.attention.dense.weight", l), None);
+        // Numbers from a file never overflow the index arithmetic.
+        let huge = format!("sequential.{}.final_linear.weight", usize::MAX);
+        assert_eq!(to_canonical(&huge, usize::MAX), None);
+        assert_eq!(
+            to_canonical("sequential.1.mlp.key_param_tokens", usize::MAX),
+            None
+        );
     }
 
     #[test]

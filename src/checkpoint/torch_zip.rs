@@ -1,6 +1,8 @@
-//! Writing PyTorch checkpoints: the zip archive `torch.save` produces, so
+//! PyTorch checkpoints: the zip archive `torch.save` produces. Writing, so
 //! that `torch.load(path, weights_only=True)` (and the official TokenFormer
-//! trainer) can read a state dict we export.
+//! trainer) can read a state dict we export; and reading, with the restricted
+//! pickle reader of [`super::pickle`], every record's CRC-32 checked and every
+//! tensor view checked against its storage record before anything is read.
 //!
 //! Layout (PyTorch serialization format, `torch/serialization.py` and
 //! `caffe2/serialize/inline_container.cc`): every record is stored
@@ -14,11 +16,14 @@
 //! bytes (padding in a local extra field), as torch's reader expects for
 //! memory mapping. Archives past 4 GiB use the zip64 extensions.
 
+use std::collections::{BTreeMap, HashMap};
 use std::io::{BufWriter, Write};
-use std::path::Path;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
+use super::{convert, decode, pickle, Scratch, Tensors};
 use crate::error::{Error, Result};
 
 /// Record payloads start at multiples of this (torch's `kFieldAlignment`).
@@ -55,7 +60,7 @@ pub fn write_state_dict(
     .map_err(io)?;
     zip.add(&format!("{ARCHIVE}/byteorder"), b"little")
         .map_err(io)?;
-    let mut id_hash = Crc32::new();
+    let mut id_hash = crc32fast::Hasher::new();
     for (i, (name, t)) in tensors.iter().enumerate() {
         let bytes = tensor_bytes(t)
             .map_err(|e| Error::checkpoint(path, format!("tensor `{name}`: {e}")))?;
@@ -69,7 +74,7 @@ pub fn write_state_dict(
     // exporting the same model twice gives the same file.
     let id = format!(
         "{:040}",
-        u128::from(id_hash.finish()) * 1_000_003 + tensors.len() as u128
+        u128::from(id_hash.finalize()) * 1_000_003 + tensors.len() as u128
     );
     zip.add(&format!("{ARCHIVE}/.data/serialization_id"), id.as_bytes())
         .map_err(io)?;
@@ -224,11 +229,7 @@ impl<W: Write> ZipWriter<W> {
     fn add(&mut self, name: &str, data: &[u8]) -> std::io::Result<u32> {
         let offset = self.pos;
         let size = data.len() as u64;
-        let crc = {
-            let mut c = Crc32::new();
-            c.update(data);
-            c.finish()
-        };
+        let crc = crc32fast::hash(data);
         let zip64 = self.force_zip64 || size >= U32_MAX;
         let mut extra = Vec::new();
         if zip64 {
@@ -368,79 +369,438 @@ impl<W: Write> ZipWriter<W> {
     }
 }
 
-/// CRC-32 (IEEE, reflected, as zip uses), slicing by 8 so that multi-GB
-/// checkpoints are checksummed at memory speed.
-struct Crc32 {
-    state: u32,
+/// The largest `data.pkl` read: a state dict of 100,000 tensors needs about
+/// 20 MB.
+pub const MAX_PICKLE_BYTES: u64 = 64 << 20;
+
+/// Where one record's bytes are, and their CRC-32 from the central directory.
+#[derive(Clone, Copy, Debug)]
+struct Record {
+    start: u64,
+    size: u64,
+    crc: u32,
 }
 
-fn crc_tables() -> &'static [[u32; 256]; 8] {
-    static TABLES: std::sync::OnceLock<[[u32; 256]; 8]> = std::sync::OnceLock::new();
-    TABLES.get_or_init(|| {
-        let mut t = [[0u32; 256]; 8];
-        for i in 0..256u32 {
-            let mut c = i;
-            for _ in 0..8 {
-                c = if c & 1 != 0 {
-                    0xEDB8_8320 ^ (c >> 1)
-                } else {
-                    c >> 1
-                };
-            }
-            t[0][i as usize] = c;
-        }
-        for i in 0..256 {
-            for k in 1..8 {
-                let prev = t[k - 1][i];
-                t[k][i] = (prev >> 8) ^ t[0][(prev & 0xFF) as usize];
-            }
-        }
-        t
-    })
+/// One tensor of a torch checkpoint: its storage's dtype and the view
+/// (element offset, shape, strides) of the storage record it reads.
+#[derive(Clone, Debug)]
+pub struct StoredTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    stride: Vec<usize>,
+    offset: usize,
+    storage: String,
 }
 
-impl Crc32 {
-    fn new() -> Self {
-        Self { state: 0xFFFF_FFFF }
+impl StoredTensor {
+    /// Elements of the tensor (checked against its storage at open).
+    pub fn elem_count(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// A torch zip checkpoint opened for reading: the directory and the state
+/// dict are parsed and checked; tensor bytes are read by [`Self::read`].
+#[derive(Debug)]
+pub struct TorchReader {
+    path: PathBuf,
+    file: std::fs::File,
+    /// Sorted by name.
+    tensors: Vec<StoredTensor>,
+    /// Storage key → its record.
+    storages: HashMap<String, Record>,
+    /// The archive's folder (`archive/`), for record names in messages.
+    prefix: String,
+}
+
+impl TorchReader {
+    /// Opens `path`: reads the zip directory, checks `byteorder`, reads
+    /// `data.pkl` (CRC-checked) with the restricted pickle reader, and checks
+    /// that every tensor's storage record exists, has exactly the storage's
+    /// size, and holds the tensor's whole view.
+    pub fn open(path: &Path) -> Result<Self> {
+        let bad = |msg: String| {
+            Error::checkpoint(path, format!("not a readable PyTorch checkpoint: {msg}"))
+        };
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let meta = file.metadata().map_err(|e| Error::io(path, e))?;
+        if !meta.is_file() {
+            return Err(bad("not a regular file".into()));
+        }
+        let len = meta.len();
+        let mut zip = zip::ZipArchive::new(&file).map_err(|e| bad(format!("zip: {e}")))?;
+        let mut records: HashMap<String, Record> = HashMap::new();
+        for i in 0..zip.len() {
+            let f = zip
+                .by_index_raw(i)
+                .map_err(|e| bad(format!("zip entry {i}: {e}")))?;
+            let name = f
+                .name()
+                .map_err(|e| bad(format!("zip entry {i}: {e}")))?
+                .into_owned();
+            if f.is_dir() {
+                continue;
+            }
+            if f.encrypted() || f.compression() != zip::CompressionMethod::Stored {
+                return Err(bad(format!(
+                    "record `{name}` is compressed or encrypted ({}); torch stores records as they are",
+                    f.compression()
+                )));
+            }
+            let size = f.size();
+            let start = f
+                .data_start()
+                .ok_or_else(|| bad(format!("record `{name}` has no data offset")))?;
+            if f.compressed_size() != size || start.checked_add(size).is_none_or(|end| end > len) {
+                return Err(bad(format!(
+                    "record `{name}` ({size} bytes at {start}) does not fit in the {len}-byte file"
+                )));
+            }
+            let rec = Record {
+                start,
+                size,
+                crc: f.crc32(),
+            };
+            if records.insert(name.clone(), rec).is_some() {
+                return Err(bad(format!("record `{name}` appears twice")));
+            }
+        }
+        let pickles: Vec<&String> = records
+            .keys()
+            .filter(|n| n.as_str() == "data.pkl" || n.ends_with("/data.pkl"))
+            .collect();
+        let [pkl_name] = pickles.as_slice() else {
+            return Err(bad(format!(
+                "expected one `data.pkl` record, found {}",
+                pickles.len()
+            )));
+        };
+        let prefix = pkl_name
+            .strip_suffix("data.pkl")
+            .unwrap_or_default()
+            .to_string();
+        let read_record = |name: &str, limit: u64| -> Result<Vec<u8>> {
+            let rec = records
+                .get(name)
+                .copied()
+                .ok_or_else(|| bad(format!("record `{name}` is missing")))?;
+            if rec.size > limit {
+                return Err(bad(format!(
+                    "record `{name}` has {} bytes (at most {limit} expected)",
+                    rec.size
+                )));
+            }
+            let mut buf = vec![0u8; rec.size as usize];
+            file.read_exact_at(&mut buf, rec.start)
+                .map_err(|e| Error::io(path, e))?;
+            check_crc(path, name, &rec, &buf)?;
+            Ok(buf)
+        };
+        // The small records beside the pickle (version, byteorder, ...) are
+        // checked too: a changed byte anywhere but in a tensor nobody reads
+        // means the file is damaged.
+        let data_prefix = format!("{prefix}data/");
+        for (name, rec) in &records {
+            if !name.starts_with(&data_prefix) && name != *pkl_name && rec.size <= 1 << 16 {
+                read_record(name, 1 << 16)?;
+            }
+        }
+        let byteorder = format!("{prefix}byteorder");
+        if records.contains_key(&byteorder) {
+            let order = read_record(&byteorder, 16)?;
+            if order != b"little" {
+                return Err(bad(format!(
+                    "byte order `{}` (only little-endian checkpoints are read)",
+                    String::from_utf8_lossy(&order)
+                )));
+            }
+        }
+        let pkl = read_record(pkl_name, MAX_PICKLE_BYTES)?;
+        let pickled = pickle::state_dict(&pkl).map_err(|e| bad(format!("{pkl_name}: {e}")))?;
+        let mut storages = HashMap::new();
+        let mut tensors = Vec::with_capacity(pickled.len());
+        for t in pickled {
+            let record_name = format!("{prefix}data/{}", t.storage_key);
+            let tensor_err =
+                |msg: String| Error::checkpoint(path, format!("tensor `{}`: {msg}", t.name));
+            let rec = *records
+                .get(&record_name)
+                .ok_or_else(|| tensor_err(format!("storage record `{record_name}` is missing")))?;
+            let elem = t.dtype.size_in_bytes() as u64;
+            let want = t.storage_numel.checked_mul(elem);
+            if want != Some(rec.size) {
+                return Err(tensor_err(format!(
+                    "storage `{}` declares {} {:?} values but its record `{record_name}` has {} bytes",
+                    t.storage_key, t.storage_numel, t.dtype, rec.size
+                )));
+            }
+            let offset =
+                check_view(&t.shape, &t.stride, t.offset, t.storage_numel).map_err(tensor_err)?;
+            storages.insert(t.storage_key.clone(), rec);
+            tensors.push(StoredTensor {
+                name: t.name,
+                dtype: t.dtype,
+                shape: t.shape,
+                stride: t.stride,
+                offset,
+                storage: t.storage_key,
+            });
+        }
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            tensors,
+            storages,
+            prefix,
+        })
     }
 
-    fn update(&mut self, data: &[u8]) {
-        let t = crc_tables();
-        let mut c = self.state;
-        let mut chunks = data.chunks_exact(8);
-        for ch in &mut chunks {
-            let lo = c ^ u32::from_le_bytes([ch[0], ch[1], ch[2], ch[3]]);
-            let hi = u32::from_le_bytes([ch[4], ch[5], ch[6], ch[7]]);
-            c = t[7][(lo & 0xFF) as usize]
-                ^ t[6][((lo >> 8) & 0xFF) as usize]
-                ^ t[5][((lo >> 16) & 0xFF) as usize]
-                ^ t[4][(lo >> 24) as usize]
-                ^ t[3][(hi & 0xFF) as usize]
-                ^ t[2][((hi >> 8) & 0xFF) as usize]
-                ^ t[1][((hi >> 16) & 0xFF) as usize]
-                ^ t[0][(hi >> 24) as usize];
-        }
-        for &b in chunks.remainder() {
-            c = (c >> 8) ^ t[0][((c ^ b as u32) & 0xFF) as usize];
-        }
-        self.state = c;
+    /// The tensors, sorted by name.
+    pub fn tensors(&self) -> &[StoredTensor] {
+        &self.tensors
     }
 
-    fn finish(&self) -> u32 {
-        !self.state
+    /// Reads the tensors that `rename` gives a name (original name → new
+    /// name, or None to skip), converted to `dtype` on `device`. Storage
+    /// records are read in file order with positioned reads into one reused
+    /// buffer and CRC-checked before use, so the peak is the converted
+    /// tensors plus one record.
+    pub fn read(
+        &self,
+        mut rename: impl FnMut(&str) -> Option<String>,
+        dtype: Option<DType>,
+        device: &Device,
+    ) -> Result<Tensors> {
+        let path = self.path.as_path();
+        // Record start → (storage key, record, its tensors with new names).
+        type Wanted<'a> = (&'a str, Record, Vec<(&'a StoredTensor, String)>);
+        let mut by_record: BTreeMap<u64, Wanted> = BTreeMap::new();
+        for t in &self.tensors {
+            let Some(new_name) = rename(&t.name) else {
+                continue;
+            };
+            let rec = *self.storages.get(&t.storage).ok_or_else(|| {
+                Error::checkpoint(path, format!("tensor `{}`: no storage record", t.name))
+            })?;
+            by_record
+                .entry(rec.start)
+                .or_insert_with(|| (t.storage.as_str(), rec, vec![]))
+                .2
+                .push((t, new_name));
+        }
+        let mut scratch = Scratch::default();
+        let mut gathered = Scratch::default();
+        let mut out = Tensors::new();
+        for (key, rec, list) in by_record.values() {
+            let size = usize::try_from(rec.size).map_err(|_| {
+                Error::checkpoint(path, format!("storage `{key}` is too large for memory"))
+            })?;
+            let buf = scratch.bytes(size);
+            self.file
+                .read_exact_at(buf, rec.start)
+                .map_err(|e| Error::io(path, e))?;
+            check_crc(path, &format!("{}data/{key}", self.prefix), rec, buf)?;
+            for (t, new_name) in list {
+                let tensor_err =
+                    |msg: String| Error::checkpoint(path, format!("tensor `{}`: {msg}", t.name));
+                let bytes = view_bytes(t, buf, &mut gathered).map_err(tensor_err)?;
+                let tensor = decode(bytes, t.dtype, &t.shape, dtype)
+                    .and_then(|x| convert(x, dtype, device))
+                    .map_err(|e| tensor_err(e.to_string()))?;
+                if out.insert(new_name.clone(), tensor).is_some() {
+                    return Err(tensor_err(format!("two tensors map to `{new_name}`")));
+                }
+            }
+        }
+        Ok(out)
     }
+}
+
+fn check_crc(path: &Path, name: &str, rec: &Record, bytes: &[u8]) -> Result<()> {
+    let crc = crc32fast::hash(bytes);
+    if crc != rec.crc {
+        return Err(Error::checkpoint(
+            path,
+            format!(
+                "record `{name}` fails its CRC-32 check (stored {:08x}, computed {crc:08x}): the file is corrupt",
+                rec.crc
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that a view (in elements) lies inside a storage of `numel`
+/// elements and holds no more elements than the storage (a view that repeats
+/// elements through zero or overlapping strides would allocate more than the
+/// file holds). Returns the offset as a usize.
+fn check_view(
+    shape: &[usize],
+    stride: &[usize],
+    offset: u64,
+    numel: u64,
+) -> std::result::Result<usize, String> {
+    let describe = || format!("view (offset {offset}, shape {shape:?}, stride {stride:?})");
+    let elems = shape
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+        .ok_or_else(|| format!("{} has too many elements", describe()))?;
+    if elems == 0 {
+        return usize::try_from(offset.min(numel)).map_err(|_| describe());
+    }
+    if elems > numel {
+        return Err(format!(
+            "{} has {elems} elements but its storage only {numel}",
+            describe()
+        ));
+    }
+    shape
+        .iter()
+        .zip(stride)
+        .try_fold(offset, |acc, (&d, &s)| {
+            (d as u64 - 1)
+                .checked_mul(s as u64)
+                .and_then(|x| acc.checked_add(x))
+        })
+        .filter(|&last| last < numel)
+        .ok_or_else(|| {
+            format!(
+                "{} reaches past the end of its storage of {numel} elements",
+                describe()
+            )
+        })?;
+    usize::try_from(offset).map_err(|_| describe())
+}
+
+/// The bytes of a tensor in row-major order: a slice of the record when the
+/// view is contiguous, else gathered element by element into `gathered`.
+fn view_bytes<'a>(
+    t: &StoredTensor,
+    record: &'a [u8],
+    gathered: &'a mut Scratch,
+) -> std::result::Result<&'a [u8], String> {
+    let es = t.dtype.size_in_bytes();
+    let n = t.elem_count();
+    let out_of_range = || "view out of range of its storage".to_string();
+    let mut expect = 1usize;
+    let mut contiguous = true;
+    for (&d, &s) in t.shape.iter().zip(&t.stride).rev() {
+        if d != 1 && s != expect {
+            contiguous = false;
+        }
+        expect = expect.saturating_mul(d);
+    }
+    if contiguous || n == 0 {
+        let start = t.offset.checked_mul(es).ok_or_else(out_of_range)?;
+        let end = n
+            .checked_mul(es)
+            .and_then(|b| b.checked_add(start))
+            .ok_or_else(out_of_range)?;
+        return record.get(start..end).ok_or_else(out_of_range);
+    }
+    let dst = gathered.bytes(n.checked_mul(es).ok_or_else(out_of_range)?);
+    let dims: Vec<(usize, usize)> = t
+        .shape
+        .iter()
+        .copied()
+        .zip(t.stride.iter().copied())
+        .collect();
+    let mut idx = vec![0usize; dims.len()];
+    let mut src = t.offset;
+    for out in dst.chunks_exact_mut(es) {
+        let from = src.checked_mul(es).ok_or_else(out_of_range)?;
+        let bytes = from
+            .checked_add(es)
+            .and_then(|end| record.get(from..end))
+            .ok_or_else(out_of_range)?;
+        out.copy_from_slice(bytes);
+        // Odometer over the dims, last fastest; `src` follows the strides
+        // (wrapping: the intermediate sums may pass the end, the results that
+        // are read do not, as `check_view` showed).
+        for (i, &(size, stride)) in idx.iter_mut().zip(&dims).rev() {
+            *i += 1;
+            src = src.wrapping_add(stride);
+            if *i < size {
+                break;
+            }
+            src = src.wrapping_sub(stride.wrapping_mul(size));
+            *i = 0;
+        }
+    }
+    Ok(dst)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// What we write, our reader reads back exactly: every storage dtype,
+    /// a scalar and an empty tensor, with and without zip64 records.
     #[test]
-    fn crc32_check_value() {
-        // The standard check value of CRC-32/ISO-HDLC.
-        let mut c = Crc32::new();
-        c.update(b"123456789");
-        assert_eq!(c.finish(), 0xCBF4_3926);
+    fn written_state_dicts_read_back_exactly() {
+        let dev = Device::Cpu;
+        let base = Tensor::arange(0f32, 24.0, &dev)
+            .unwrap()
+            .reshape((4, 6))
+            .unwrap();
+        let tensors: Vec<(String, Tensor)> = [
+            ("f16", base.to_dtype(DType::F16).unwrap()),
+            ("bf16", base.to_dtype(DType::BF16).unwrap()),
+            ("f32", (&base * 0.5).unwrap()),
+            ("f64", base.to_dtype(DType::F64).unwrap()),
+            ("i64", base.to_dtype(DType::I64).unwrap()),
+            ("u8", base.to_dtype(DType::U8).unwrap()),
+            ("scalar", Tensor::new(3.5f32, &dev).unwrap()),
+            ("empty", Tensor::zeros((0, 3), DType::F16, &dev).unwrap()),
+        ]
+        .into_iter()
+        .map(|(n, t)| (n.to_string(), t))
+        .collect();
+        for force_zip64 in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("m.bin");
+            write_state_dict(&path, &tensors, WriteOptions { force_zip64 }).unwrap();
+            let r = TorchReader::open(&path).unwrap();
+            assert_eq!(r.tensors().len(), tensors.len());
+            for target in [None, Some(DType::F32)] {
+                let read = r.read(|n| Some(format!("x.{n}")), target, &dev).unwrap();
+                for (name, want) in &tensors {
+                    let got = &read[&format!("x.{name}")];
+                    let want = match target {
+                        Some(d) => want.to_dtype(d).unwrap(),
+                        None => want.clone(),
+                    };
+                    assert_eq!(
+                        (got.dtype(), got.dims()),
+                        (want.dtype(), want.dims()),
+                        "{name}"
+                    );
+                    let flat = |t: &Tensor| -> Vec<f64> {
+                        t.flatten_all()
+                            .unwrap()
+                            .to_dtype(DType::F64)
+                            .unwrap()
+                            .to_vec1()
+                            .unwrap()
+                    };
+                    assert_eq!(flat(got), flat(&want), "{name} as {target:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn views_must_fit_their_storage() {
+        assert_eq!(check_view(&[2, 3], &[3, 1], 4, 10), Ok(4));
+        assert!(check_view(&[2, 3], &[3, 1], 5, 10).is_err());
+        assert!(check_view(&[11], &[1], 0, 10).is_err());
+        // A stride-0 view repeating one element more often than the storage holds.
+        assert!(check_view(&[1 << 40], &[0], 0, 10).is_err());
+        assert!(check_view(&[1 << 40, 1 << 40], &[1, 1], 0, 10).is_err());
+        assert!(check_view(&[2, 2], &[usize::MAX, 1], 0, 10).is_err());
+        assert_eq!(check_view(&[0, 1 << 40], &[1, 1], 3, 10), Ok(3));
     }
 
     #[test]

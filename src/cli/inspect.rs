@@ -46,10 +46,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
     for f in &files {
         tensors.extend(checkpoint::tensor_infos(f)?);
     }
-    let params: usize = tensors
-        .iter()
-        .map(|t| t.shape.iter().product::<usize>())
-        .sum();
+    let params = parameter_count(&tensors)?;
     let architecture = detect(&tensors, config.as_ref(), &files);
     if a.json {
         let out = serde_json::json!({
@@ -71,6 +68,27 @@ pub fn run(a: InspectArgs) -> Result<()> {
         params as f64 / 1e6
     );
     Ok(())
+}
+
+/// Elements of all tensors, in checked arithmetic: the shapes come from the
+/// file (checked against its size when read, but never trusted for a sum).
+fn parameter_count(tensors: &[TensorInfo]) -> Result<u64> {
+    let mut total: u64 = 0;
+    for t in tensors {
+        let n = t
+            .shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+        total = match n.and_then(|n| total.checked_add(n)) {
+            Some(v) => v,
+            None => bail!(
+                "tensor `{}` of shape {:?}: the parameter count does not fit in 64 bits; the file is not a real checkpoint",
+                t.name,
+                t.shape
+            ),
+        };
+    }
+    Ok(total)
 }
 
 /// The architecture from the config, or guessed from tensor names.
@@ -98,4 +116,32 @@ fn detect(tensors: &[TensorInfo], config: Option<&serde_json::Value>, files: &[P
             .first()
             .map_or("".into(), |f| Path::new(f).display().to_string())
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(name: &str, shape: &[usize]) -> TensorInfo {
+        TensorInfo {
+            name: name.into(),
+            dtype: "f16".into(),
+            shape: shape.to_vec(),
+        }
+    }
+
+    #[test]
+    fn parameter_count_is_exact_or_an_error_naming_the_tensor() {
+        let ok = [
+            info("a", &[50_304, 768]),
+            info("b", &[3, 0, 7]),
+            info("c", &[]),
+        ];
+        assert_eq!(parameter_count(&ok).unwrap(), 50_304 * 768 + 1);
+        // 2^32 · 2^32 overflows a product; 2^63 + 2^63 overflows the sum.
+        let e = parameter_count(&[info("big", &[1 << 32, 1 << 32])]).unwrap_err();
+        assert!(e.to_string().contains("`big`"), "{e}");
+        let e = parameter_count(&[info("x", &[1 << 63]), info("y", &[1 << 63])]).unwrap_err();
+        assert!(e.to_string().contains("`y`"), "{e}");
+    }
 }

@@ -121,36 +121,52 @@ impl Config {
         ]
     }
 
-    /// Checks what serde cannot: divisibility and non-zero sizes.
+    /// Checks what serde cannot: every number within its range (see
+    /// [`limits`]), divisibility, and the sizes derived from them. Every
+    /// loader calls this before anything is allocated from the config.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        check_sizes(
-            &self.architecture,
-            ARCHITECTURE,
-            &[
-                ("hidden_size", self.hidden_size),
-                ("num_layers", self.num_layers),
-                ("num_heads", self.num_heads),
-                ("qkv_tokens", self.qkv_tokens),
-                ("proj_tokens", self.proj_tokens),
-                ("ffn_tokens", self.ffn_tokens),
-                ("vocab_size", self.vocab_size),
-                ("max_position_embeddings", self.max_position_embeddings),
-            ],
+        use limits::*;
+        check_architecture(&self.architecture, ARCHITECTURE)?;
+        check_range("hidden_size", self.hidden_size, 1, MAX_HIDDEN_SIZE)?;
+        check_range("num_layers", self.num_layers, 1, MAX_LAYERS)?;
+        check_range("num_heads", self.num_heads, 1, self.hidden_size)?;
+        check_divides("hidden_size", self.hidden_size, "num_heads", self.num_heads)?;
+        check_tokens(
+            self.qkv_tokens,
+            self.proj_tokens,
+            self.ffn_tokens,
+            self.pattention_scale_tokens,
         )?;
-        if !self.hidden_size.is_multiple_of(self.num_heads) {
-            return Err(format!(
-                "hidden_size {} is not divisible by num_heads {}",
-                self.hidden_size, self.num_heads
-            ));
-        }
-        if !(0.0..=1.0).contains(&self.rotary_pct) {
-            return Err(format!("rotary_pct {} is not in [0, 1]", self.rotary_pct));
-        }
+        check_range("vocab_size", self.vocab_size, 1, MAX_VOCAB)?;
+        check_range(
+            "max_position_embeddings",
+            self.max_position_embeddings,
+            1,
+            MAX_POSITIONS,
+        )?;
+        check_range(
+            "max_position_embeddings × hidden_size (one layer's KV cache)",
+            self.max_position_embeddings
+                .saturating_mul(self.hidden_size),
+            1,
+            MAX_CACHE_VALUES,
+        )?;
+        check_float("rotary_pct", self.rotary_pct, 0.0, false, 1.0)?;
+        check_float("rotary_base", self.rotary_base, 1.0, true, MAX_ROTARY_BASE)?;
+        check_float("norm_eps", self.norm_eps, 0.0, false, 1.0)?;
         if !self.rotary_dims().is_multiple_of(2) {
             return Err(format!(
                 "rotary dims int({} * {}) must be even",
                 self.rotary_pct,
                 self.head_dim()
+            ));
+        }
+        if u64::from(self.eos_token_id) >= self.vocab_size as u64 {
+            return Err(format!(
+                "`eos_token_id` is {}, allowed 0..={} (below vocab_size {})",
+                self.eos_token_id,
+                self.vocab_size - 1,
+                self.vocab_size
             ));
         }
         Ok(())
@@ -175,20 +191,91 @@ impl Config {
     }
 }
 
-/// The checks every config shares: the architecture name, and sizes that
-/// must be positive (serde accepts 0).
-pub fn check_sizes(
-    found: &str,
-    expected: &str,
-    sizes: &[(&str, usize)],
+/// Upper bounds of config values: far above any released or imported model,
+/// low enough that nothing computed from them (rotary tables, KV caches,
+/// token and shape products) overflows or allocates without bound before
+/// the checkpoint's own tensor sizes are checked against the config.
+pub mod limits {
+    pub const MAX_HIDDEN_SIZE: usize = 1 << 16;
+    pub const MAX_LAYERS: usize = 1 << 10;
+    /// Parameter tokens of one Pattention layer.
+    pub const MAX_TOKENS: usize = 1 << 24;
+    /// A √n constant (`pattention_scale_tokens`): only a number, but one that
+    /// converts to f64 exactly (imported models use 2·d·10⁶).
+    pub const MAX_SCALE_TOKENS: usize = 1 << 53;
+    pub const MAX_VOCAB: usize = 1 << 24;
+    pub const MAX_POSITIONS: usize = 1 << 20;
+    /// Positions × hidden size: one layer's preallocated KV cache (batch 1).
+    pub const MAX_CACHE_VALUES: usize = 1 << 30;
+    pub const MAX_ROTARY_BASE: f64 = 1e12;
+}
+
+/// `key` must lie in lo..=hi.
+pub fn check_range(key: &str, v: usize, lo: usize, hi: usize) -> std::result::Result<(), String> {
+    if (lo..=hi).contains(&v) {
+        Ok(())
+    } else {
+        Err(format!("`{key}` is {v}, allowed {lo}..={hi}"))
+    }
+}
+
+/// `key` must be finite and in (lo, hi], or [lo, hi] with `lo_inclusive`.
+pub fn check_float(
+    key: &str,
+    v: f64,
+    lo: f64,
+    lo_inclusive: bool,
+    hi: f64,
 ) -> std::result::Result<(), String> {
+    let above = if lo_inclusive { v >= lo } else { v > lo };
+    if v.is_finite() && above && v <= hi {
+        Ok(())
+    } else {
+        let open = if lo_inclusive { '[' } else { '(' };
+        Err(format!(
+            "`{key}` is {v}, allowed a finite number in {open}{lo}, {hi}]"
+        ))
+    }
+}
+
+/// `a` must be a multiple of `b` (b ≥ 1).
+pub fn check_divides(
+    a_key: &str,
+    a: usize,
+    b_key: &str,
+    b: usize,
+) -> std::result::Result<(), String> {
+    if b == 0 || !a.is_multiple_of(b) {
+        return Err(format!("`{a_key}` {a} is not divisible by `{b_key}` {b}"));
+    }
+    Ok(())
+}
+
+pub fn check_architecture(found: &str, expected: &str) -> std::result::Result<(), String> {
     if found != expected {
         return Err(format!("architecture is `{found}`, expected `{expected}`"));
     }
-    match sizes.iter().find(|(_, v)| *v == 0) {
-        Some((name, _)) => Err(format!("{name} must be positive")),
-        None => Ok(()),
+    Ok(())
+}
+
+/// The Pattention token counts and their √n constants, shared by every
+/// architecture.
+pub fn check_tokens(
+    qkv: usize,
+    proj: usize,
+    ffn: usize,
+    scale: Option<ScaleTokens>,
+) -> std::result::Result<(), String> {
+    use limits::{MAX_SCALE_TOKENS, MAX_TOKENS};
+    check_range("qkv_tokens", qkv, 1, MAX_TOKENS)?;
+    check_range("proj_tokens", proj, 1, MAX_TOKENS)?;
+    check_range("ffn_tokens", ffn, 1, MAX_TOKENS)?;
+    if let Some(s) = scale {
+        check_range("pattention_scale_tokens.qkv", s.qkv, 1, MAX_SCALE_TOKENS)?;
+        check_range("pattention_scale_tokens.proj", s.proj, 1, MAX_SCALE_TOKENS)?;
+        check_range("pattention_scale_tokens.ffn", s.ffn, 1, MAX_SCALE_TOKENS)?;
     }
+    Ok(())
 }
 
 /// What a block needs to know; shared by the language and vision models.

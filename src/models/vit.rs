@@ -17,6 +17,12 @@ use crate::pattention::Activation;
 
 pub const ARCHITECTURE: &str = "tokenformer-vit";
 
+/// Largest `image_size`: one preprocessed image is image_size² × 3 floats.
+pub const MAX_IMAGE_SIZE: usize = 4096;
+pub const MAX_CLASSES: usize = 1 << 20;
+/// Smallest `crop_pct`: images are resized to image_size / crop_pct first.
+pub const MIN_CROP_PCT: f64 = 0.125;
+
 /// How the token sequence becomes one feature vector.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -138,47 +144,40 @@ impl Config {
         self.grid() * self.grid()
     }
 
-    /// Checks what serde cannot: divisibility, positive sizes, list lengths.
+    /// Checks what serde cannot: every number within its range, divisibility,
+    /// list lengths and unique class ids. Every loader calls this before
+    /// anything is allocated from the config.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        crate::models::tokenformer::check_sizes(
-            &self.architecture,
-            ARCHITECTURE,
-            &[
-                ("image_size", self.image_size),
-                ("patch_size", self.patch_size),
-                ("num_channels", self.num_channels),
-                ("hidden_size", self.hidden_size),
-                ("num_layers", self.num_layers),
-                ("num_heads", self.num_heads),
-                ("qkv_tokens", self.qkv_tokens),
-                ("proj_tokens", self.proj_tokens),
-                ("ffn_tokens", self.ffn_tokens),
-                ("num_classes", self.num_classes),
-            ],
-        )?;
-        if !self.image_size.is_multiple_of(self.patch_size) {
-            return Err(format!(
-                "image_size {} is not divisible by patch_size {}",
-                self.image_size, self.patch_size
-            ));
-        }
-        if !self.hidden_size.is_multiple_of(self.num_heads) {
-            return Err(format!(
-                "hidden_size {} is not divisible by num_heads {}",
-                self.hidden_size, self.num_heads
-            ));
-        }
+        use crate::models::tokenformer::limits::{MAX_HIDDEN_SIZE, MAX_LAYERS};
+        use crate::models::tokenformer::{
+            check_architecture, check_divides, check_float, check_range, check_tokens,
+        };
+        check_architecture(&self.architecture, ARCHITECTURE)?;
+        check_range("image_size", self.image_size, 1, MAX_IMAGE_SIZE)?;
+        check_range("patch_size", self.patch_size, 1, self.image_size)?;
+        check_divides("image_size", self.image_size, "patch_size", self.patch_size)?;
         if self.num_channels != 3 {
             return Err(format!(
-                "num_channels {} is not supported (images are RGB)",
+                "`num_channels` is {}, allowed 3 (images are RGB)",
                 self.num_channels
             ));
         }
-        if !(self.crop_pct > 0.0 && self.crop_pct.is_finite()) {
-            return Err(format!("crop_pct {} must be positive", self.crop_pct));
-        }
-        if self.std.contains(&0.0) {
-            return Err("std must not contain 0".into());
+        check_range("hidden_size", self.hidden_size, 1, MAX_HIDDEN_SIZE)?;
+        check_range("num_layers", self.num_layers, 1, MAX_LAYERS)?;
+        check_range("num_heads", self.num_heads, 1, self.hidden_size)?;
+        check_divides("hidden_size", self.hidden_size, "num_heads", self.num_heads)?;
+        check_tokens(
+            self.qkv_tokens,
+            self.proj_tokens,
+            self.ffn_tokens,
+            self.pattention_scale_tokens,
+        )?;
+        check_range("num_classes", self.num_classes, 1, MAX_CLASSES)?;
+        check_float("norm_eps", self.norm_eps, 0.0, false, 1.0)?;
+        check_float("crop_pct", self.crop_pct, MIN_CROP_PCT, true, 1.0)?;
+        for c in 0..3 {
+            check_float(&format!("mean[{c}]"), self.mean[c].into(), -1e3, true, 1e3)?;
+            check_float(&format!("std[{c}]"), self.std[c].into(), 0.0, false, 1e3)?;
         }
         for (name, list) in [
             ("class_wnids", &self.class_wnids),
@@ -187,9 +186,19 @@ impl Config {
             if let Some(l) = list {
                 if l.len() != self.num_classes {
                     return Err(format!(
-                        "{name} has {} entries, num_classes is {}",
+                        "`{name}` has {} entries, num_classes is {}",
                         l.len(),
                         self.num_classes
+                    ));
+                }
+            }
+        }
+        if let Some(ids) = &self.class_wnids {
+            let mut seen = std::collections::HashMap::new();
+            for (i, id) in ids.iter().enumerate() {
+                if let Some(j) = seen.insert(id.as_str(), i) {
+                    return Err(format!(
+                        "`class_wnids` lists {id:?} twice (classes {j} and {i}): class ids must be unique"
                     ));
                 }
             }

@@ -108,6 +108,24 @@ impl Config {
         let (v, l) = (&self.vision, &self.language);
         v.validate().map_err(|e| format!("vision: {e}"))?;
         l.validate().map_err(|e| format!("language: {e}"))?;
+        // The routes hold their own tokens plus the bridge.
+        let max = lm::limits::MAX_TOKENS;
+        lm::check_range("bridge_tokens", self.bridge_tokens, 0, max)?;
+        for (what, n) in [
+            ("vision.qkv_tokens", v.qkv_tokens),
+            ("vision.proj_tokens", v.proj_tokens),
+            ("vision.ffn_tokens", v.ffn_tokens),
+            ("language.qkv_tokens", l.qkv_tokens),
+            ("language.proj_tokens", l.proj_tokens),
+            ("language.ffn_tokens", l.ffn_tokens),
+        ] {
+            lm::check_range(
+                &format!("{what} + bridge_tokens"),
+                n.saturating_add(self.bridge_tokens),
+                1,
+                max,
+            )?;
+        }
         for (what, a, b) in [
             ("hidden_size", v.hidden_size, l.hidden_size),
             ("num_layers", v.num_layers, l.num_layers),
