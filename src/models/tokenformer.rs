@@ -127,14 +127,11 @@ impl Config {
     pub fn validate(&self) -> std::result::Result<(), String> {
         use limits::*;
         check_architecture(&self.architecture, ARCHITECTURE)?;
-        check_range("hidden_size", self.hidden_size, 1, MAX_HIDDEN_SIZE)?;
-        check_range("num_layers", self.num_layers, 1, MAX_LAYERS)?;
-        check_range("num_heads", self.num_heads, 1, self.hidden_size)?;
-        check_divides("hidden_size", self.hidden_size, "num_heads", self.num_heads)?;
-        check_tokens(
-            self.qkv_tokens,
-            self.proj_tokens,
-            self.ffn_tokens,
+        check_block(
+            self.hidden_size,
+            self.num_layers,
+            self.num_heads,
+            [self.qkv_tokens, self.proj_tokens, self.ffn_tokens],
             self.pattention_scale_tokens,
         )?;
         check_range("vocab_size", self.vocab_size, 1, MAX_VOCAB)?;
@@ -258,15 +255,20 @@ pub fn check_architecture(found: &str, expected: &str) -> std::result::Result<()
     Ok(())
 }
 
-/// The Pattention token counts and their √n constants, shared by every
-/// architecture.
-pub fn check_tokens(
-    qkv: usize,
-    proj: usize,
-    ffn: usize,
+/// The block shape every architecture shares: width, depth, heads, the Pattention
+/// token counts (q/k/v, proj, ffn) and their √n constants.
+pub fn check_block(
+    hidden_size: usize,
+    num_layers: usize,
+    num_heads: usize,
+    [qkv, proj, ffn]: [usize; 3],
     scale: Option<ScaleTokens>,
 ) -> std::result::Result<(), String> {
-    use limits::{MAX_SCALE_TOKENS, MAX_TOKENS};
+    use limits::{MAX_HIDDEN_SIZE, MAX_LAYERS, MAX_SCALE_TOKENS, MAX_TOKENS};
+    check_range("hidden_size", hidden_size, 1, MAX_HIDDEN_SIZE)?;
+    check_range("num_layers", num_layers, 1, MAX_LAYERS)?;
+    check_range("num_heads", num_heads, 1, hidden_size)?;
+    check_divides("hidden_size", hidden_size, "num_heads", num_heads)?;
     check_range("qkv_tokens", qkv, 1, MAX_TOKENS)?;
     check_range("proj_tokens", proj, 1, MAX_TOKENS)?;
     check_range("ffn_tokens", ffn, 1, MAX_TOKENS)?;

@@ -148,9 +148,8 @@ impl Config {
     /// list lengths and unique class ids. Every loader calls this before
     /// anything is allocated from the config.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        use crate::models::tokenformer::limits::{MAX_HIDDEN_SIZE, MAX_LAYERS};
         use crate::models::tokenformer::{
-            check_architecture, check_divides, check_float, check_range, check_tokens,
+            check_architecture, check_block, check_divides, check_float, check_range,
         };
         check_architecture(&self.architecture, ARCHITECTURE)?;
         check_range("image_size", self.image_size, 1, MAX_IMAGE_SIZE)?;
@@ -162,14 +161,11 @@ impl Config {
                 self.num_channels
             ));
         }
-        check_range("hidden_size", self.hidden_size, 1, MAX_HIDDEN_SIZE)?;
-        check_range("num_layers", self.num_layers, 1, MAX_LAYERS)?;
-        check_range("num_heads", self.num_heads, 1, self.hidden_size)?;
-        check_divides("hidden_size", self.hidden_size, "num_heads", self.num_heads)?;
-        check_tokens(
-            self.qkv_tokens,
-            self.proj_tokens,
-            self.ffn_tokens,
+        check_block(
+            self.hidden_size,
+            self.num_layers,
+            self.num_heads,
+            [self.qkv_tokens, self.proj_tokens, self.ffn_tokens],
             self.pattention_scale_tokens,
         )?;
         check_range("num_classes", self.num_classes, 1, MAX_CLASSES)?;
