@@ -611,7 +611,10 @@ fn tree_state(dir: &Path) -> BTreeMap<PathBuf, String> {
     let mut out = BTreeMap::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd {
             let p = e.unwrap().path();
             let meta = std::fs::symlink_metadata(&p).unwrap();
             let what = if meta.file_type().is_symlink() {
@@ -765,9 +768,10 @@ fn hostile_cases() -> Vec<Case> {
         case("etag absolute", Some("HEAD"), "/resolve/", Attack::Etag(OUTSIDE_ABS.into()), None, c, Err("BadResponse")),
         case("etag of other content", Some("HEAD"), "/resolve/", Attack::Etag(format!("\"{}\"", sha256_hex(b"other"))), None, w, Err("Integrity")),
         case("git etag of other content", Some("HEAD"), "/resolve/", Attack::Etag(format!("\"{}\"", git_etag(b"other"))), None, c, Err("Integrity")),
-        case("HTML with 200", Some("GET"), "/resolve/", Attack::Body(200, HTML.to_vec()), None, c, Err("Integrity")),
-        case("error JSON with 200", Some("GET"), "/resolve/", Attack::Body(200, br#"{"error":"Internal Error"}"#.to_vec()), None, c, Err("Integrity")),
-        case("HTML with 200 from the CDN", Some("GET"), "/__cdn/", Attack::Body(200, HTML.to_vec()), None, w, Err("Integrity")),
+        case("HTML with 200", Some("GET"), "/resolve/", Attack::Body(200, HTML.to_vec()), None, c, Err("BadResponse")),
+        case("HTML of the right size with 200", Some("GET"), "/resolve/", Attack::Body(200, HTML[..CONFIG_JSON.len()].to_vec()), None, c, Err("Integrity")),
+        case("error JSON with 200", Some("GET"), "/resolve/", Attack::Body(200, br#"{"error":"Internal Error"}"#.to_vec()), None, c, Err("BadResponse")),
+        case("HTML with 200 from the CDN", Some("GET"), "/__cdn/", Attack::Body(200, HTML.to_vec()), None, w, Err("BadResponse")),
         case("error status on GET", Some("GET"), "/resolve/", Attack::Status(500, None), None, c, Err("Server")),
         case("flipped byte", Some("GET"), "/resolve/", Attack::FlipByte(5), None, c, Err("Integrity")),
         case("flipped byte from the CDN", Some("GET"), "/__cdn/", Attack::FlipByte(4000), None, w, Err("Integrity")),
@@ -775,10 +779,11 @@ fn hostile_cases() -> Vec<Case> {
         case("short body from the CDN", Some("GET"), "/__cdn/", Attack::ShortBody(1000), None, w, Err("BadResponse")),
         case("lying size on HEAD", Some("HEAD"), "/resolve/", Attack::Header("X-Linked-Size".into(), "999999999".into()), None, w, Err("BadResponse")),
         case("size not a number", Some("HEAD"), "/resolve/", Attack::Header("X-Linked-Size".into(), "-1".into()), None, w, Err("BadResponse")),
-        case("lying Content-Length, always", Some("GET"), "/__cdn/", Attack::CutAfter(1000), None, w, Err("Network")),
-        case("lying Content-Length, once", Some("GET"), "/__cdn/", Attack::CutAfter(1000), Some(1), w, Ok),
+        case("lying Content-Length on every answer, resumed", Some("GET"), "/__cdn/", Attack::CutAfter(3000), None, w, Ok),
+        case("lying Content-Length, once", Some("GET"), "/__cdn/", Attack::CutAfter(3000), Some(1), w, Ok),
         case("stall, once", Some("GET"), "/__cdn/", Attack::Stall { after: 1500, pause: secs(1.5) }, Some(1), w, Ok),
-        case("stall, always", Some("GET"), "/__cdn/", Attack::Stall { after: 1500, pause: secs(3.0) }, None, w, Err("Network")),
+        case("stall mid-body on every answer, resumed", Some("GET"), "/__cdn/", Attack::Stall { after: 1500, pause: secs(3.0) }, None, w, Ok),
+        case("stall at the start of every answer", Some("GET"), "/__cdn/", Attack::Stall { after: 0, pause: secs(3.0) }, None, w, Err("Network")),
         case("stall before the body", Some("GET"), "/resolve/", Attack::Stall { after: 0, pause: secs(3.0) }, None, c, Err("Network")),
         case("429 with Retry-After, twice", Some("HEAD"), "/resolve/", Attack::Status(429, Some("0".into())), Some(2), c, Ok),
         case("429 asking for an hour", None, "/resolve/", Attack::Status(429, Some("3600".into())), None, c, Err("Http")),
@@ -845,7 +850,7 @@ fn a_resumed_download_asks_for_the_rest_only() {
     tiny_repo(&hub);
     let sandbox = Sandbox::new();
     let c = HubClient::new(hostile_config(&hub.endpoint(), &sandbox.hf())).unwrap();
-    hub.attack(Some("GET"), "/__cdn/", Attack::CutAfter(1000), Some(1));
+    hub.attack(Some("GET"), "/__cdn/", Attack::CutAfter(3000), Some(1));
     let p = c
         .download_files(&repo("acme/tiny"), &["model.safetensors"], false)
         .unwrap();
@@ -856,7 +861,7 @@ fn a_resumed_download_asks_for_the_rest_only() {
         .filter(|q| q.method == "GET" && q.path.starts_with("/__cdn/"))
         .map(|q| q.range)
         .collect();
-    assert_eq!(ranges, [None, Some("bytes=1000-".to_string())]);
+    assert_eq!(ranges, [None, Some("bytes=3000-".to_string())]);
     assert_cache_clean(&sandbox.hf());
 }
 
@@ -1005,7 +1010,7 @@ fn a_blob_left_unverified_by_a_killed_process_is_never_trusted() {
     // snapshot, and no verification marker; plus a stale partial download.
     let plant = || {
         for (b, wrong) in blobs.iter().zip([&b"{\"hidden_size\": 1}"[..], &[0u8; 4096][..]]) {
-            std::fs::remove_file(b).unwrap();
+            let _ = std::fs::remove_file(b);
             std::fs::write(b, wrong).unwrap();
             std::fs::write(b.with_extension("incomplete"), b"garbage").unwrap();
         }
@@ -1030,9 +1035,7 @@ fn a_blob_left_unverified_by_a_killed_process_is_never_trusted() {
     plant();
     let p = c.download_files(&r, &files, false).unwrap();
     assert_eq!(std::fs::read(&p[1]).unwrap(), weights());
-    for b in &blobs {
-        std::fs::remove_file(b.with_extension("incomplete")).unwrap();
-    }
+    // The stale partial files were taken over (truncated, then renamed when checked).
     assert_cache_clean(&hf);
 
     // A correct blob without a marker (e.g. written by Python's huggingface_hub) is

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use reqwest::header::{HeaderMap, CONTENT_LENGTH, CONTENT_RANGE};
 use reqwest::{Method, StatusCode};
 
-use super::cache::{hash_file, BlobLock, BlobState, ContentHasher, LockWaitError, RepoCache};
+use super::cache::{hash_file, BlobLock, BlobState, LockWaitError, RepoCache};
 use super::client::{io_error_detail, Ctx, HubClient, Redirects, RepoFile};
 use super::error::HubError;
 use super::progress::{DownloadBar, DownloadEvent};

@@ -105,6 +105,7 @@ pub enum Attack {
     /// Announce and send only the first `n` bytes of the body (a consistent short answer).
     ShortBody(usize),
     /// Announce the full length but send only `n` bytes, then never finish the answer.
+    /// (The server buffers 1 KiB of output: a smaller `n` may never reach the client.)
     CutAfter(usize),
     /// Send `after` bytes of the body, pause, then send the rest.
     Stall { after: usize, pause: Duration },
