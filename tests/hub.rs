@@ -124,8 +124,10 @@ fn download_two_files_into_the_standard_cache() {
     assert!(reqs
         .iter()
         .any(|q| q.method == "HEAD" && q.path == "/acme/tiny/resolve/main/config.json"));
-    assert!(reqs.iter().any(|q| q.method == "HEAD"
-        && q.path == format!("/acme/tiny/resolve/{sha}/model.safetensors")));
+    assert!(reqs
+        .iter()
+        .any(|q| q.method == "HEAD"
+            && q.path == format!("/acme/tiny/resolve/{sha}/model.safetensors")));
     assert!(reqs
         .iter()
         .any(|q| q.method == "GET" && q.path.starts_with("/__cdn/")));
@@ -758,37 +760,297 @@ fn hostile_cases() -> Vec<Case> {
         expect,
     };
     vec![
-        case("commit ../", Some("HEAD"), "/resolve/", Attack::Commit("../../../../sentinel/victim".into()), None, c, Err("BadResponse")),
-        case("commit 40 chars of ../", Some("HEAD"), "/resolve/", Attack::Commit(format!("{}x", "../".repeat(13))), None, c, Err("BadResponse")),
-        case("commit absolute", Some("HEAD"), "/resolve/", Attack::Commit(OUTSIDE_ABS.into()), None, c, Err("BadResponse")),
-        case("commit on an LFS redirect", Some("HEAD"), "/resolve/", Attack::Commit("../../../../x".into()), None, w, Err("BadResponse")),
-        case("commit empty", Some("HEAD"), "/resolve/", Attack::Commit(String::new()), None, c, Err("BadResponse")),
-        case("etag ../", Some("HEAD"), "/resolve/", Attack::Etag("\"../../../../sentinel/victim\"".into()), None, c, Err("BadResponse")),
-        case("linked etag ../", Some("HEAD"), "/resolve/", Attack::Etag("\"../../../../../tmp/tokenformer-hostile-etag\"".into()), None, w, Err("BadResponse")),
-        case("etag absolute", Some("HEAD"), "/resolve/", Attack::Etag(OUTSIDE_ABS.into()), None, c, Err("BadResponse")),
-        case("etag of other content", Some("HEAD"), "/resolve/", Attack::Etag(format!("\"{}\"", sha256_hex(b"other"))), None, w, Err("Integrity")),
-        case("git etag of other content", Some("HEAD"), "/resolve/", Attack::Etag(format!("\"{}\"", git_etag(b"other"))), None, c, Err("Integrity")),
-        case("HTML with 200", Some("GET"), "/resolve/", Attack::Body(200, HTML.to_vec()), None, c, Err("BadResponse")),
-        case("HTML of the right size with 200", Some("GET"), "/resolve/", Attack::Body(200, HTML[..CONFIG_JSON.len()].to_vec()), None, c, Err("Integrity")),
-        case("error JSON with 200", Some("GET"), "/resolve/", Attack::Body(200, br#"{"error":"Internal Error"}"#.to_vec()), None, c, Err("BadResponse")),
-        case("HTML with 200 from the CDN", Some("GET"), "/__cdn/", Attack::Body(200, HTML.to_vec()), None, w, Err("BadResponse")),
-        case("error status on GET", Some("GET"), "/resolve/", Attack::Status(500, None), None, c, Err("Server")),
-        case("flipped byte", Some("GET"), "/resolve/", Attack::FlipByte(5), None, c, Err("Integrity")),
-        case("flipped byte from the CDN", Some("GET"), "/__cdn/", Attack::FlipByte(4000), None, w, Err("Integrity")),
-        case("short body", Some("GET"), "/resolve/", Attack::ShortBody(10), None, c, Err("BadResponse")),
-        case("short body from the CDN", Some("GET"), "/__cdn/", Attack::ShortBody(1000), None, w, Err("BadResponse")),
-        case("lying size on HEAD", Some("HEAD"), "/resolve/", Attack::Header("X-Linked-Size".into(), "999999999".into()), None, w, Err("BadResponse")),
-        case("size not a number", Some("HEAD"), "/resolve/", Attack::Header("X-Linked-Size".into(), "-1".into()), None, w, Err("BadResponse")),
-        case("lying Content-Length on every answer, resumed", Some("GET"), "/__cdn/", Attack::CutAfter(3000), None, w, Ok),
-        case("lying Content-Length, once", Some("GET"), "/__cdn/", Attack::CutAfter(3000), Some(1), w, Ok),
-        case("stall, once", Some("GET"), "/__cdn/", Attack::Stall { after: 1500, pause: secs(1.5) }, Some(1), w, Ok),
-        case("stall mid-body on every answer, resumed", Some("GET"), "/__cdn/", Attack::Stall { after: 1500, pause: secs(3.0) }, None, w, Ok),
-        case("stall at the start of every answer", Some("GET"), "/__cdn/", Attack::Stall { after: 0, pause: secs(3.0) }, None, w, Err("Network")),
-        case("stall before the body", Some("GET"), "/resolve/", Attack::Stall { after: 0, pause: secs(3.0) }, None, c, Err("Network")),
-        case("429 with Retry-After, twice", Some("HEAD"), "/resolve/", Attack::Status(429, Some("0".into())), Some(2), c, Ok),
-        case("429 asking for an hour", None, "/resolve/", Attack::Status(429, Some("3600".into())), None, c, Err("Http")),
-        case("503 then success", Some("GET"), "/__cdn/", Attack::Status(503, None), Some(2), w, Ok),
-        case("503 always", Some("HEAD"), "/resolve/", Attack::Status(503, None), None, w, Err("Server")),
+        case(
+            "commit ../",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Commit("../../../../sentinel/victim".into()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "commit 40 chars of ../",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Commit(format!("{}x", "../".repeat(13))),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "commit absolute",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Commit(OUTSIDE_ABS.into()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "commit on an LFS redirect",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Commit("../../../../x".into()),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "commit empty",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Commit(String::new()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "etag ../",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Etag("\"../../../../sentinel/victim\"".into()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "linked etag ../",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Etag("\"../../../../../tmp/tokenformer-hostile-etag\"".into()),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "etag absolute",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Etag(OUTSIDE_ABS.into()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "etag of other content",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Etag(format!("\"{}\"", sha256_hex(b"other"))),
+            None,
+            w,
+            Err("Integrity"),
+        ),
+        case(
+            "git etag of other content",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Etag(format!("\"{}\"", git_etag(b"other"))),
+            None,
+            c,
+            Err("Integrity"),
+        ),
+        case(
+            "HTML with 200",
+            Some("GET"),
+            "/resolve/",
+            Attack::Body(200, HTML.to_vec()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "HTML of the right size with 200",
+            Some("GET"),
+            "/resolve/",
+            Attack::Body(200, HTML[..CONFIG_JSON.len()].to_vec()),
+            None,
+            c,
+            Err("Integrity"),
+        ),
+        case(
+            "error JSON with 200",
+            Some("GET"),
+            "/resolve/",
+            Attack::Body(200, br#"{"error":"Internal Error"}"#.to_vec()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "HTML with 200 from the CDN",
+            Some("GET"),
+            "/__cdn/",
+            Attack::Body(200, HTML.to_vec()),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "error status on GET",
+            Some("GET"),
+            "/resolve/",
+            Attack::Status(500, None),
+            None,
+            c,
+            Err("Server"),
+        ),
+        case(
+            "flipped byte",
+            Some("GET"),
+            "/resolve/",
+            Attack::FlipByte(5),
+            None,
+            c,
+            Err("Integrity"),
+        ),
+        case(
+            "flipped byte from the CDN",
+            Some("GET"),
+            "/__cdn/",
+            Attack::FlipByte(4000),
+            None,
+            w,
+            Err("Integrity"),
+        ),
+        case(
+            "short body",
+            Some("GET"),
+            "/resolve/",
+            Attack::ShortBody(10),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "short body from the CDN",
+            Some("GET"),
+            "/__cdn/",
+            Attack::ShortBody(1000),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "lying size on HEAD",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Header("X-Linked-Size".into(), "999999999".into()),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "size not a number",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Header("X-Linked-Size".into(), "-1".into()),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "lying Content-Length on every answer, resumed",
+            Some("GET"),
+            "/__cdn/",
+            Attack::CutAfter(3000),
+            None,
+            w,
+            Ok,
+        ),
+        case(
+            "lying Content-Length, once",
+            Some("GET"),
+            "/__cdn/",
+            Attack::CutAfter(3000),
+            Some(1),
+            w,
+            Ok,
+        ),
+        case(
+            "stall, once",
+            Some("GET"),
+            "/__cdn/",
+            Attack::Stall {
+                after: 1500,
+                pause: secs(1.5),
+            },
+            Some(1),
+            w,
+            Ok,
+        ),
+        case(
+            "stall mid-body on every answer, resumed",
+            Some("GET"),
+            "/__cdn/",
+            Attack::Stall {
+                after: 1500,
+                pause: secs(3.0),
+            },
+            None,
+            w,
+            Ok,
+        ),
+        case(
+            "stall at the start of every answer",
+            Some("GET"),
+            "/__cdn/",
+            Attack::Stall {
+                after: 0,
+                pause: secs(3.0),
+            },
+            None,
+            w,
+            Err("Network"),
+        ),
+        case(
+            "stall before the body",
+            Some("GET"),
+            "/resolve/",
+            Attack::Stall {
+                after: 0,
+                pause: secs(3.0),
+            },
+            None,
+            c,
+            Err("Network"),
+        ),
+        case(
+            "429 with Retry-After, twice",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Status(429, Some("0".into())),
+            Some(2),
+            c,
+            Ok,
+        ),
+        case(
+            "429 asking for an hour",
+            None,
+            "/resolve/",
+            Attack::Status(429, Some("3600".into())),
+            None,
+            c,
+            Err("Http"),
+        ),
+        case(
+            "503 then success",
+            Some("GET"),
+            "/__cdn/",
+            Attack::Status(503, None),
+            Some(2),
+            w,
+            Ok,
+        ),
+        case(
+            "503 always",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Status(503, None),
+            None,
+            w,
+            Err("Server"),
+        ),
     ]
 }
 
@@ -817,18 +1079,28 @@ fn a_hostile_server_cannot_escape_the_cache_or_poison_it() {
             }
             (Expect::Err(variant), Err(e)) => {
                 let dbg = format!("{e:?}");
-                assert!(dbg.starts_with(variant), "{name}: expected {variant}, got {e}");
+                assert!(
+                    dbg.starts_with(variant),
+                    "{name}: expected {variant}, got {e}"
+                );
                 let msg = e.to_string();
                 assert!(
                     msg.contains("acme/tiny") && msg.contains(case.file),
                     "{name}: the error names neither repo nor file: {msg}"
                 );
-                assert!(!msg.contains(TOKEN) && !dbg.contains(TOKEN), "{name}: {msg}");
+                assert!(
+                    !msg.contains(TOKEN) && !dbg.contains(TOKEN),
+                    "{name}: {msg}"
+                );
             }
             (want, got) => panic!("{name}: expected {want:?}, got {got:?}"),
         }
         assert!(took < Duration::from_secs(8), "{name} took {took:?}");
-        assert_eq!(sandbox.outside(), before, "{name}: files outside HF_HOME changed");
+        assert_eq!(
+            sandbox.outside(),
+            before,
+            "{name}: files outside HF_HOME changed"
+        );
         for p in [OUTSIDE_ABS, "/tmp/tokenformer-hostile-etag"] {
             assert!(!Path::new(p).exists(), "{name}: created {p}");
         }
@@ -841,7 +1113,11 @@ fn a_hostile_server_cannot_escape_the_cache_or_poison_it() {
             .count();
         assert_eq!(linked, matches!(case.expect, Expect::Ok) as usize, "{name}");
     }
-    assert!(start.elapsed() < Duration::from_secs(45), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(45),
+        "{:?}",
+        start.elapsed()
+    );
 }
 
 #[test]
@@ -874,7 +1150,12 @@ fn retry_after_is_honoured_and_bounded() {
         hostile_config(&hub.endpoint(), &sandbox.hf()).with_max_retry_wait(Duration::from_secs(5)),
     )
     .unwrap();
-    hub.attack(Some("HEAD"), "/resolve/", Attack::Status(429, Some("1".into())), Some(1));
+    hub.attack(
+        Some("HEAD"),
+        "/resolve/",
+        Attack::Status(429, Some("1".into())),
+        Some(1),
+    );
     let t = Instant::now();
     c.download_files(&repo("acme/tiny"), &["config.json"], false)
         .unwrap();
@@ -902,7 +1183,12 @@ fn the_token_never_follows_a_redirect_to_another_host() {
     tiny_repo(&cdn);
     let sandbox = Sandbox::new();
     let c = HubClient::new(hostile_config(&hub.endpoint(), &sandbox.hf())).unwrap();
-    hub.attack(Some("GET"), "/resolve/", Attack::RedirectTo(cdn.endpoint()), None);
+    hub.attack(
+        Some("GET"),
+        "/resolve/",
+        Attack::RedirectTo(cdn.endpoint()),
+        None,
+    );
     let paths = c
         .download_files(
             &repo("acme/tiny"),
@@ -1009,7 +1295,10 @@ fn a_blob_left_unverified_by_a_killed_process_is_never_trusted() {
     // hf-hub 1.0, which never checked): wrong bytes under the right name, linked from the
     // snapshot, and no verification marker; plus a stale partial download.
     let plant = || {
-        for (b, wrong) in blobs.iter().zip([&b"{\"hidden_size\": 1}"[..], &[0u8; 4096][..]]) {
+        for (b, wrong) in blobs
+            .iter()
+            .zip([&b"{\"hidden_size\": 1}"[..], &[0u8; 4096][..]])
+        {
             let _ = std::fs::remove_file(b);
             std::fs::write(b, wrong).unwrap();
             std::fs::write(b.with_extension("incomplete"), b"garbage").unwrap();
@@ -1043,7 +1332,11 @@ fn a_blob_left_unverified_by_a_killed_process_is_never_trusted() {
     std::fs::remove_dir_all(hf.join("hub/models--acme--tiny/.tokenformer")).unwrap();
     hub.clear_requests();
     c.download_files(&r, &files, false).unwrap();
-    assert!(hub.requests().iter().all(|q| q.method == "HEAD"), "{:?}", hub.requests());
+    assert!(
+        hub.requests().iter().all(|q| q.method == "HEAD"),
+        "{:?}",
+        hub.requests()
+    );
     hub.clear_requests();
     offline.download_files(&pinned, &files, false).unwrap();
     assert!(hub.requests().is_empty());
@@ -1134,7 +1427,8 @@ fn publish_sends_regular_files_inside_the_folder_only() {
     std::fs::write(outside.path().join("home/big"), vec![7u8; 1000]).unwrap();
     let folder = model_folder();
     let d = folder.path();
-    let link = |target: &Path, name: &str| std::os::unix::fs::symlink(target, d.join(name)).unwrap();
+    let link =
+        |target: &Path, name: &str| std::os::unix::fs::symlink(target, d.join(name)).unwrap();
     link(&outside.path().join("secret"), "leak.txt");
     link(Path::new("/etc/passwd"), "passwd");
     link(&outside.path().join("home"), "home");
@@ -1151,7 +1445,11 @@ fn publish_sends_regular_files_inside_the_folder_only() {
     assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
 
     let listing = tokenformer::hub::upload_listing(d, &[]).unwrap();
-    let names: Vec<&str> = listing.files.iter().map(|f| f.path_in_repo.as_str()).collect();
+    let names: Vec<&str> = listing
+        .files
+        .iter()
+        .map(|f| f.path_in_repo.as_str())
+        .collect();
     assert_eq!(
         names,
         [
@@ -1197,9 +1495,7 @@ fn publish_sends_regular_files_inside_the_folder_only() {
         replace: vec![("README.md".into(), card)],
         ..Default::default()
     };
-    let report = c
-        .publish_folder(d, &repo("acme/links"), &opts)
-        .unwrap();
+    let report = c.publish_folder(d, &repo("acme/links"), &opts).unwrap();
     assert_eq!(report.skipped, listing.skipped);
     let stored = hub.files_at("acme/links", "main").unwrap();
     let mut want: Vec<&str> = names.clone();

@@ -52,6 +52,7 @@ pub fn run(a: PublishArgs) -> Result<()> {
     let repo = RepoRef::parse(&format!("{}@{}", a.repo, a.revision))?;
     let summary = validate(dir)?;
     println!("validated {}: {summary}", dir.display());
+    model_files_inside(dir)?;
 
     let readme = dir.join("README.md");
     let old = std::fs::read_to_string(&readme).unwrap_or_default();
@@ -110,6 +111,30 @@ pub fn run(a: PublishArgs) -> Result<()> {
         report.repo_url
     );
     println!("commit: {}", report.commit_url);
+    Ok(())
+}
+
+/// Publish sends only files inside the folder (symlinks leading out are skipped), so a
+/// model file the validation read through such a link would be missing from the repo.
+fn model_files_inside(dir: &Path) -> Result<()> {
+    let root = dir.canonicalize()?;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let model_file = matches!(name.as_ref(), "config.json" | "tokenizer.json")
+            || name.ends_with(".safetensors")
+            || name.ends_with(".safetensors.index.json");
+        if model_file && path.is_symlink() {
+            let target = path.canonicalize()?;
+            if !target.starts_with(&root) {
+                bail!(
+                    "{name} is a symlink to {}, outside {}: publish uploads only files inside                      the folder; copy the file into it",
+                    target.display(),
+                    dir.display()
+                );
+            }
+        }
+    }
     Ok(())
 }
 

@@ -138,7 +138,12 @@ impl RepoCache {
     }
 
     /// Hash `blobs/<etag>` and say whether it matches its name.
-    pub(crate) fn check_blob(&self, etag: &str, kind: EtagKind, beat: &dyn Fn()) -> io::Result<bool> {
+    pub(crate) fn check_blob(
+        &self,
+        etag: &str,
+        kind: EtagKind,
+        beat: &dyn Fn(),
+    ) -> io::Result<bool> {
         let path = self.blob(etag);
         let meta = std::fs::symlink_metadata(&path)?;
         if !meta.file_type().is_file() {
@@ -165,7 +170,12 @@ impl RepoCache {
 
     /// Point `snapshots/<commit>/<file>` at `blobs/<etag>` (relative link, replaced
     /// atomically if present).
-    pub(crate) fn link_snapshot(&self, commit: &str, file: &str, etag: &str) -> io::Result<PathBuf> {
+    pub(crate) fn link_snapshot(
+        &self,
+        commit: &str,
+        file: &str,
+        etag: &str,
+    ) -> io::Result<PathBuf> {
         let entry = self.snapshot(commit, file);
         let parent = entry.parent().expect("snapshot entries have a parent");
         std::fs::create_dir_all(parent)?;

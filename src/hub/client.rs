@@ -264,8 +264,7 @@ impl HubClient {
                     self.pause(wait, ctx);
                 }
                 Ok(resp) => return Ok(resp),
-                Err(SendError::Http(e)) if !last => {
-                    let _ = e;
+                Err(SendError::Http(_)) if !last => {
                     self.pause(self.retry_delay(attempt, &HeaderMap::new()), ctx);
                 }
                 Err(SendError::Http(e)) => return Err(self.network_error(&e, ctx)),

@@ -116,7 +116,10 @@ impl HubConfig {
             }
             default
         };
-        let connect_timeout = secs(&["TOKENFORMER_HUB_CONNECT_TIMEOUT"], DEFAULT_CONNECT_TIMEOUT);
+        let connect_timeout = secs(
+            &["TOKENFORMER_HUB_CONNECT_TIMEOUT"],
+            DEFAULT_CONNECT_TIMEOUT,
+        );
         let read_timeout = secs(
             &["TOKENFORMER_HUB_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"],
             DEFAULT_READ_TIMEOUT,

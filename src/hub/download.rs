@@ -89,9 +89,9 @@ impl HubClient {
         on: &mut dyn FnMut(&DownloadEvent),
     ) -> Result<PathBuf, HubError> {
         let cache = RepoCache::new(&self.config.cache_dir, repo);
-        let fixed = pinned.clone().or_else(|| {
-            is_commit_sha(&repo.revision).then(|| repo.revision.to_ascii_lowercase())
-        });
+        let fixed = pinned
+            .clone()
+            .or_else(|| is_commit_sha(&repo.revision).then(|| repo.revision.to_ascii_lowercase()));
         // A commit never changes: a checked copy needs no request.
         if let Some(commit) = &fixed {
             if let Some(p) = self.cached_snapshot(&cache, repo, commit, file)? {
@@ -158,7 +158,11 @@ impl HubClient {
         revision: &str,
         file: &str,
     ) -> Result<FileMeta, HubError> {
-        let ctx = Ctx::new(repo, Some(file), format!("downloading {file:?} from {repo}"));
+        let ctx = Ctx::new(
+            repo,
+            Some(file),
+            format!("downloading {file:?} from {repo}"),
+        );
         let url = self.resolve_url(repo, revision, file);
         let resp = self.send(Method::HEAD, &url, Redirects::Metadata, &ctx)?;
         let status = resp.status();
@@ -234,10 +238,9 @@ impl HubClient {
         match self.verify_existing(cache, repo, file, &etag, kind, &lock)? {
             true => Ok(Some(path)),
             false if self.config.offline => Err(HubError::Integrity {
-                repo: repo.repo_id(),
-                revision: repo.revision.clone(),
+                repo: repo.to_string(),
                 file: file.to_string(),
-                algorithm: kind.algorithm().into(),
+                algorithm: kind.algorithm(),
                 expected: etag,
                 actual: "a different content (the cached blob was removed)".into(),
             }),
@@ -289,7 +292,10 @@ impl HubClient {
         )
         .map_err(|e| match e {
             LockWaitError::Io(e) => HubError::io(
-                format!("locking {} for {file:?} of {repo}", cache.lock_path(etag).display()),
+                format!(
+                    "locking {} for {file:?} of {repo}",
+                    cache.lock_path(etag).display()
+                ),
                 e,
             ),
             LockWaitError::Stalled(d) => HubError::LockTimeout {
@@ -369,7 +375,11 @@ impl HubClient {
         let beat = || lock.beat();
         let ctx = Ctx {
             beat: Some(&beat),
-            ..Ctx::new(repo, Some(file), format!("downloading {file:?} from {repo}"))
+            ..Ctx::new(
+                repo,
+                Some(file),
+                format!("downloading {file:?} from {repo}"),
+            )
         };
         let io = |e| HubError::io(format!("writing {file:?} of {repo} into the cache"), e);
         let mut out = OpenOptions::new()
@@ -399,10 +409,9 @@ impl HubClient {
                 continue;
             }
             return Err(HubError::Integrity {
-                repo: repo.repo_id(),
-                revision: repo.revision.clone(),
+                repo: repo.to_string(),
                 file: file.to_string(),
-                algorithm: meta.kind.algorithm().into(),
+                algorithm: meta.kind.algorithm(),
                 expected: meta.etag.clone(),
                 actual,
             });
@@ -421,7 +430,12 @@ impl HubClient {
     ) -> Result<bool, HubError> {
         let file = ctx.file.unwrap_or_default();
         let url = self.resolve_url(ctx.repo, &meta.commit, file);
-        let io = |e| HubError::io(format!("writing {file:?} of {} into the cache", ctx.repo), e);
+        let io = |e| {
+            HubError::io(
+                format!("writing {file:?} of {} into the cache", ctx.repo),
+                e,
+            )
+        };
         let bad = |detail: String| HubError::BadResponse {
             op: ctx.op.clone(),
             detail,
@@ -494,7 +508,9 @@ impl HubClient {
                             )));
                         }
                         out.write_all(&buf[..n]).map_err(io)?;
-                        ctx.beat.inspect(|b| b());
+                        if let Some(beat) = ctx.beat {
+                            beat();
+                        }
                         on(&DownloadEvent::Progress {
                             file,
                             bytes: done,
@@ -506,9 +522,9 @@ impl HubClient {
                 }
             };
             let short = match (&failure, limit) {
-                (None, Some(l)) if done < l => Some(format!(
-                    "the connection ended after {done} of {l} bytes"
-                )),
+                (None, Some(l)) if done < l => {
+                    Some(format!("the connection ended after {done} of {l} bytes"))
+                }
                 _ => None,
             };
             let Some(detail) = failure.or(short) else {

@@ -84,15 +84,15 @@ pub enum HubError {
     BadResponse { op: String, detail: String },
 
     #[error(
-        "downloaded {file:?} of {repo}@{revision} is corrupt ({algorithm} {actual}, expected \
-         {expected}); it was not kept in the cache"
+        "{file:?} of {repo} is corrupt ({algorithm} {actual}, expected {expected}); it was \
+         not kept in the cache"
     )]
     Integrity {
+        /// `owner/name@revision`.
         repo: String,
-        revision: String,
         file: String,
         /// `sha256` (LFS files) or `git blob sha1` (regular files).
-        algorithm: String,
+        algorithm: &'static str,
         expected: String,
         actual: String,
     },

@@ -231,8 +231,22 @@ mod tests {
         assert_eq!(r.revision, "refs/pr/1");
         assert_eq!(r.to_string(), "acme/tiny@refs/pr/1");
         for bad in [
-            "tiny", "a/b/c", "a/", "/b", "a/b@", "a/b@x y", "a--x/b", "a/b@..", "a/b c", "a/-b",
-            "a/b@.", "a/b@x/./y", "a/b@x//y", "a/b@/x", "a/b@x/", "a/b@.hidden",
+            "tiny",
+            "a/b/c",
+            "a/",
+            "/b",
+            "a/b@",
+            "a/b@x y",
+            "a--x/b",
+            "a/b@..",
+            "a/b c",
+            "a/-b",
+            "a/b@.",
+            "a/b@x/./y",
+            "a/b@x//y",
+            "a/b@/x",
+            "a/b@x/",
+            "a/b@.hidden",
         ] {
             let e = RepoRef::parse(bad).unwrap_err();
             assert!(matches!(e, HubError::InvalidRepoId { .. }), "{bad}: {e}");

@@ -120,7 +120,8 @@ pub fn upload_listing(
     // detects a link back to an enclosing folder.
     let mut stack = vec![(root.clone(), String::new(), vec![root.clone()])];
     while let Some((dir, prefix, chain)) = stack.pop() {
-        let rd = std::fs::read_dir(&dir).map_err(|e| bad(format!("cannot list {prefix:?}: {e}")))?;
+        let rd =
+            std::fs::read_dir(&dir).map_err(|e| bad(format!("cannot list {prefix:?}: {e}")))?;
         let mut entries = Vec::new();
         for entry in rd {
             let entry = entry.map_err(|e| bad(format!("cannot list {prefix:?}: {e}")))?;
@@ -172,7 +173,10 @@ pub fn upload_listing(
                 // The target may itself sit under a dot-folder of the root.
                 if target
                     .strip_prefix(&root)
-                    .map(|r| r.components().any(|c| c.as_os_str().to_string_lossy().starts_with('.')))
+                    .map(|r| {
+                        r.components()
+                            .any(|c| c.as_os_str().to_string_lossy().starts_with('.'))
+                    })
                     .unwrap_or(true)
                 {
                     skip(&mut listing, &rel, "symlink to a hidden entry".into());
@@ -181,7 +185,11 @@ pub fn upload_listing(
                 match std::fs::metadata(&target) {
                     Ok(m) => (target, m),
                     Err(e) => {
-                        skip(&mut listing, &rel, format!("cannot read the link target: {e}"));
+                        skip(
+                            &mut listing,
+                            &rel,
+                            format!("cannot read the link target: {e}"),
+                        );
                         continue;
                     }
                 }

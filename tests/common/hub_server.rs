@@ -637,7 +637,10 @@ fn set_header(reply: &mut Reply, name: &str, value: &str) {
 }
 
 fn has_header(reply: &Reply, name: &str) -> bool {
-    reply.headers.iter().any(|(k, _)| k.eq_ignore_ascii_case(name))
+    reply
+        .headers
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case(name))
 }
 
 fn apply(attack: Attack, mut reply: Reply, path: &str) -> (Reply, Shape) {
