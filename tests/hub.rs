@@ -1505,3 +1505,41 @@ fn publish_sends_regular_files_inside_the_folder_only() {
     assert_eq!(stored["README.md"], b"# card");
     assert!(stored.values().all(|v| v != b"outside content"));
 }
+
+#[test]
+fn a_silent_server_is_given_up_on_after_three_timeouts() {
+    let hub = FakeHub::start();
+    tiny_repo(&hub);
+    let sandbox = Sandbox::new();
+    // Many retries allowed, yet a server that never sends a byte is not waited for
+    // `max_retries` times over.
+    let c =
+        HubClient::new(hostile_config(&hub.endpoint(), &sandbox.hf()).with_retries(20)).unwrap();
+    hub.attack(
+        Some("GET"),
+        "/__cdn/",
+        Attack::Stall {
+            after: 0,
+            pause: Duration::from_secs(3),
+        },
+        None,
+    );
+    let t = Instant::now();
+    let e = c
+        .download_files(&repo("acme/tiny"), &["model.safetensors"], false)
+        .unwrap_err();
+    assert!(matches!(e, HubError::Network { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("model.safetensors") && msg.contains("TOKENFORMER_HUB_TIMEOUT"),
+        "{msg}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    let gets = hub
+        .requests()
+        .iter()
+        .filter(|q| q.method == "GET" && q.path.starts_with("/__cdn/"))
+        .count();
+    assert_eq!(gets, 3);
+    assert_cache_clean(&sandbox.hf());
+}

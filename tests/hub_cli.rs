@@ -454,6 +454,41 @@ fn a_hostile_server_gets_a_clean_error_and_changes_nothing_outside() {
         assert_clean_failure(&r, &["someone/tiny-tokenformer", file]);
         assert_eq!(tree_outside(tmp.path(), &home), before);
     }
+    // A server that stalls: the read timeout (TOKENFORMER_HUB_TIMEOUT) ends it.
+    hub.clear_failures();
+    hub.attack(
+        Some("GET"),
+        "/resolve/",
+        Attack::Stall {
+            after: 0,
+            pause: Duration::from_secs(5),
+        },
+        None,
+    );
+    let t = Instant::now();
+    let out = command(
+        &hub.endpoint(),
+        &home,
+        false,
+        &[
+            "score",
+            "--model",
+            "someone/tiny-tokenformer",
+            "--ids",
+            "1,2",
+        ],
+    )
+    .env("TOKENFORMER_HUB_TIMEOUT", "0.3")
+    .output()
+    .unwrap();
+    let r = (
+        out.clone(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert_clean_failure(&r, &["someone/tiny-tokenformer", "config.json", "TOKENFORMER_HUB_TIMEOUT"]);
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    assert_eq!(tree_outside(tmp.path(), &home), before);
     // The same cache still works once the server behaves.
     hub.clear_failures();
     let r = cli(

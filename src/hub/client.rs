@@ -19,6 +19,9 @@ use super::config::HubConfig;
 use super::error::HubError;
 use super::repo::{check_repo_path, is_commit_sha, shown, RepoRef};
 
+/// Retries after a timeout in which nothing arrived: a server silent that often is down,
+/// and waiting `max_retries` read timeouts for it would look like a hang.
+pub(crate) const MAX_TIMEOUT_RETRIES: usize = 2;
 /// Most redirects followed for one request.
 const MAX_REDIRECTS: usize = 10;
 /// Largest JSON answer read from the API (one page of a tree listing, repo info).
@@ -254,6 +257,7 @@ impl HubClient {
         ctx: &Ctx,
     ) -> Result<Response, HubError> {
         let mut attempt = 0u32;
+        let mut timeouts = 0usize;
         loop {
             let result = self.send_once(&method, url, policy, range_from);
             let last = attempt as usize >= self.config.max_retries;
@@ -264,7 +268,10 @@ impl HubClient {
                     self.pause(wait, ctx);
                 }
                 Ok(resp) => return Ok(resp),
-                Err(SendError::Http(_)) if !last => {
+                Err(SendError::Http(e))
+                    if !last && (!e.is_timeout() || timeouts < MAX_TIMEOUT_RETRIES) =>
+                {
+                    timeouts += e.is_timeout() as usize;
                     self.pause(self.retry_delay(attempt, &HeaderMap::new()), ctx);
                 }
                 Err(SendError::Http(e)) => return Err(self.network_error(&e, ctx)),
@@ -669,14 +676,18 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// A body read error, saying so when it was the read timeout.
-pub(crate) fn io_error_detail(e: &std::io::Error, config: &HubConfig) -> String {
-    let timed_out = e.kind() == std::io::ErrorKind::TimedOut
+/// Whether a body read failed by the read timeout.
+pub(crate) fn io_timed_out(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::TimedOut
         || e.get_ref()
             .and_then(|i| i.downcast_ref::<reqwest::Error>())
-            .is_some_and(|r| r.is_timeout());
+            .is_some_and(|r| r.is_timeout())
+}
+
+/// A body read error, saying so when it was the read timeout.
+pub(crate) fn io_error_detail(e: &std::io::Error, config: &HubConfig) -> String {
     let chain = error_chain(e);
-    if timed_out {
+    if io_timed_out(e) {
         format!(
             "the server stalled: no data within {:?} (TOKENFORMER_HUB_TIMEOUT): {chain}",
             config.read_timeout

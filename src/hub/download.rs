@@ -18,7 +18,9 @@ use reqwest::header::{HeaderMap, CONTENT_LENGTH, CONTENT_RANGE};
 use reqwest::{Method, StatusCode};
 
 use super::cache::{hash_file, BlobLock, BlobState, LockWaitError, RepoCache};
-use super::client::{io_error_detail, Ctx, HubClient, Redirects, RepoFile};
+use super::client::{
+    io_error_detail, io_timed_out, Ctx, HubClient, Redirects, RepoFile, MAX_TIMEOUT_RETRIES,
+};
 use super::error::HubError;
 use super::progress::{DownloadBar, DownloadEvent};
 use super::repo::{check_repo_path, is_commit_sha, parse_etag, shown, EtagKind, RepoRef};
@@ -442,6 +444,8 @@ impl HubClient {
         };
         let mut resumed = false;
         let mut attempt = 0u32;
+        // Consecutive attempts that timed out without receiving a byte.
+        let mut silent = 0usize;
         let mut buf = vec![0u8; 256 << 10];
         loop {
             let have = out.metadata().map_err(io)?.len();
@@ -518,19 +522,25 @@ impl HubClient {
                         });
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) => break Some(io_error_detail(&e, &self.config)),
+                    Err(e) => break Some((io_error_detail(&e, &self.config), io_timed_out(&e))),
                 }
             };
             let short = match (&failure, limit) {
-                (None, Some(l)) if done < l => {
-                    Some(format!("the connection ended after {done} of {l} bytes"))
-                }
+                (None, Some(l)) if done < l => Some((
+                    format!("the connection ended after {done} of {l} bytes"),
+                    false,
+                )),
                 _ => None,
             };
-            let Some(detail) = failure.or(short) else {
+            let Some((detail, timed_out)) = failure.or(short) else {
                 return Ok(resumed);
             };
-            if attempt as usize >= self.config.max_retries {
+            silent = if timed_out && done == from {
+                silent + 1
+            } else {
+                0
+            };
+            if attempt as usize >= self.config.max_retries || silent > MAX_TIMEOUT_RETRIES {
                 return Err(self.network_detail(detail, ctx));
             }
             self.pause(self.retry_delay(attempt, &HeaderMap::new()), ctx);
