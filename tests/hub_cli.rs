@@ -486,7 +486,14 @@ fn a_hostile_server_gets_a_clean_error_and_changes_nothing_outside() {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     );
-    assert_clean_failure(&r, &["someone/tiny-tokenformer", "config.json", "TOKENFORMER_HUB_TIMEOUT"]);
+    assert_clean_failure(
+        &r,
+        &[
+            "someone/tiny-tokenformer",
+            "config.json",
+            "TOKENFORMER_HUB_TIMEOUT",
+        ],
+    );
     assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
     assert_eq!(tree_outside(tmp.path(), &home), before);
     // The same cache still works once the server behaves.
