@@ -236,33 +236,38 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
     let has = |f: &str| list.iter().any(|x| x == f);
     let source = format!("{}/{}@{}", repo.owner, repo.name, repo.revision);
     if has(CONFIG_FILE) {
-        let mut want = vec![CONFIG_FILE.to_string()];
-        if has(checkpoint::SAFETENSORS_INDEX) {
+        // Shard names come from the repo's index, checked as repo paths, and are read from
+        // exactly where they were downloaded; everything from the index's commit.
+        let (repo, shards) = if has(checkpoint::SAFETENSORS_INDEX) {
             let idx = hub::download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress)
                 .map_err(hub_err)?;
-            let dir = idx[0].parent().expect("file in a folder").to_path_buf();
-            // The shard names as the index gives them (checked to stay inside
-            // the folder), so what is downloaded is what is read.
-            for p in checkpoint::safetensors_files(&dir)? {
-                let rel = p.strip_prefix(&dir).map_err(|_| {
-                    Error::checkpoint(
-                        &idx[0],
-                        format!("shard {} is outside the folder", p.display()),
-                    )
-                })?;
-                want.push(rel.to_string_lossy().into_owned());
-            }
+            let shards = hub::safetensors_index_shards(repo, &idx[0]).map_err(hub_err)?;
+            let commit = idx[0]
+                .parent()
+                .and_then(|d| d.file_name())
+                .map(|c| c.to_string_lossy().into_owned())
+                .unwrap_or_else(|| repo.revision.clone());
+            (repo.at(&commit).map_err(hub_err)?, shards)
         } else {
-            want.push(checkpoint::SAFETENSORS_FILE.into());
-        }
+            (repo.clone(), vec![checkpoint::SAFETENSORS_FILE.to_string()])
+        };
+        let mut want = vec![CONFIG_FILE.to_string()];
+        want.extend(shards.iter().cloned());
         if has(TOKENIZER_FILE) {
             want.push(TOKENIZER_FILE.into());
         }
         let names: Vec<&str> = want.iter().map(String::as_str).collect();
-        let paths = hub::download_files(repo, &names, progress).map_err(hub_err)?;
-        let mut files = locate_local(paths[0].parent().expect("file in a folder"))?;
-        files.source = source;
-        return Ok(files);
+        let paths = hub::download_files(&repo, &names, progress).map_err(hub_err)?;
+        let config_path = paths[0].clone();
+        return Ok(ModelFiles {
+            source,
+            config: ConfigSource::Json {
+                value: read_json(&config_path)?,
+                path: Some(config_path),
+            },
+            weights: Weights::Safetensors(paths[1..=shards.len()].to_vec()),
+            tokenizer: has(TOKENIZER_FILE).then(|| paths[shards.len() + 1].clone()),
+        });
     }
     if has("pytorch_model.bin") {
         let entry = zoo::find(&format!("{}/{}", repo.owner, repo.name));

@@ -1,8 +1,11 @@
 //! Integration tests of `tokenformer::hub` against the fake Hub in `common/hub_server.rs`.
 //!
-//! They go through the real `hf-hub` code path over HTTP on 127.0.0.1 and check the
-//! `huggingface_hub` cache layout (`models--o--n/{blobs,snapshots/<sha>,refs/<rev>}`), the
-//! offline mode, error classification, publishing and token hygiene. Configuration is passed
+//! They go through the real HTTP code path on 127.0.0.1 and check the `huggingface_hub`
+//! cache layout (`models--o--n/{blobs,snapshots/<sha>,refs/<rev>}`), the offline mode,
+//! error classification, publishing and token hygiene, and then a hostile server: every
+//! attack of `hub_server::Attack` ends in a clean error naming repo and file (or a correct
+//! download after a retry), changes nothing outside `HF_HOME` (a sentinel tree is compared
+//! before and after) and leaves no unverified blob in the cache. Configuration is passed
 //! with `HubConfig::from_vars` so no test mutates the process environment.
 
 #[path = "common/hub_server.rs"]
@@ -12,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use hub_server::{git_etag, sha256_hex, FakeHub};
+use hub_server::{git_etag, sha256_hex, Attack, FakeHub};
 use sha2::{Digest, Sha256};
 use tokenformer::hub::{dry_run_listing, HubClient, HubConfig, HubError, PublishOptions, RepoRef};
 
@@ -31,6 +34,7 @@ fn config(endpoint: &str, hf_home: &Path, extra: &[(&str, &str)]) -> HubConfig {
         _ => extra.iter().find(|(ek, _)| ek == k).map(|(_, v)| v.clone()),
     })
     .with_retries(0)
+    .with_timeouts(Duration::from_secs(2), Duration::from_secs(5))
 }
 
 fn client(endpoint: &str, hf_home: &Path) -> HubClient {
@@ -114,10 +118,16 @@ fn download_two_files_into_the_standard_cache() {
     assert_eq!(files[1].size, 4096);
     assert!(files[1].lfs && !files[0].lfs && !files[2].lfs);
 
+    // The first file names the revision, the next ones the commit it resolved to (one
+    // call never mixes two commits).
     let reqs = hub.requests();
     assert!(reqs
         .iter()
-        .any(|q| q.method == "HEAD" && q.path == "/acme/tiny/resolve/main/model.safetensors"));
+        .any(|q| q.method == "HEAD" && q.path == "/acme/tiny/resolve/main/config.json"));
+    assert!(reqs
+        .iter()
+        .any(|q| q.method == "HEAD"
+            && q.path == format!("/acme/tiny/resolve/{sha}/model.safetensors")));
     assert!(reqs
         .iter()
         .any(|q| q.method == "GET" && q.path.starts_with("/__cdn/")));
@@ -332,20 +342,21 @@ fn errors_are_classified_name_repo_and_file_and_fail_fast() {
 }
 
 #[test]
-fn a_corrupt_lfs_download_is_rejected_and_not_cached() {
+fn a_failed_lfs_download_is_not_cached() {
     let hub = FakeHub::start();
     tiny_repo(&hub);
     let home = tempfile::tempdir().unwrap();
     let c = client(&hub.endpoint(), home.path());
     let r = repo("acme/tiny");
-    // HEAD succeeds, the content GET (after the CDN redirect) fails: hf-hub writes the body
-    // of the failed response; the sha256 check must catch it.
+    // HEAD succeeds, the content GET (after the CDN redirect) fails: hf-hub 1.0 wrote the
+    // body of the failed response as the blob; here it is an error and nothing is kept.
     hub.fail_matching(Some("GET"), "/__cdn/", 500);
     let e = c
         .download_files(&r, &["model.safetensors"], false)
         .unwrap_err();
-    assert!(matches!(e, HubError::Integrity { .. }), "{e}");
+    assert!(matches!(e, HubError::Server { status: 500, .. }), "{e}");
     assert!(e.to_string().contains("model.safetensors"), "{e}");
+    assert_cache_clean(home.path());
     let oid = sha256_hex(&weights());
     let blob = home.path().join("hub/models--acme--tiny/blobs").join(&oid);
     assert!(!blob.exists());
@@ -591,4 +602,944 @@ fn a_failing_publish_leaves_the_folder_untouched() {
     assert!(matches!(e, HubError::Network { .. }), "{e}");
     assert!(e.to_string().contains("acme/broken"), "{e}");
     assert_eq!(snapshot_tree(folder.path()), before);
+}
+
+// ---------------------------------------------------------------------------------------
+// A hostile server.
+
+/// What every entry under `dir` is (links not followed): file content hash, link target,
+/// or folder.
+fn tree_state(dir: &Path) -> BTreeMap<PathBuf, String> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd {
+            let p = e.unwrap().path();
+            let meta = std::fs::symlink_metadata(&p).unwrap();
+            let what = if meta.file_type().is_symlink() {
+                format!("link {}", std::fs::read_link(&p).unwrap().display())
+            } else if meta.is_dir() {
+                stack.push(p.clone());
+                "dir".to_string()
+            } else {
+                format!("file {}", sha256_hex(&std::fs::read(&p).unwrap()))
+            };
+            out.insert(p, what);
+        }
+    }
+    out
+}
+
+/// A temporary root holding `hf/` (HF_HOME) and a sentinel tree around it that no
+/// download may create, change or remove anything in.
+struct Sandbox {
+    root: tempfile::TempDir,
+}
+
+impl Sandbox {
+    fn new() -> Self {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        std::fs::create_dir_all(r.join("hf/hub")).unwrap();
+        std::fs::create_dir_all(r.join("sentinel/sub")).unwrap();
+        std::fs::write(r.join("sentinel/victim"), "keep me").unwrap();
+        std::fs::write(r.join("sentinel/sub/b.bin"), [1u8, 2, 3]).unwrap();
+        std::fs::write(r.join("x"), "root file").unwrap();
+        std::os::unix::fs::symlink("sentinel/victim", r.join("link")).unwrap();
+        Sandbox { root }
+    }
+
+    fn hf(&self) -> PathBuf {
+        self.root.path().join("hf")
+    }
+
+    /// Everything outside `hf/`.
+    fn outside(&self) -> BTreeMap<PathBuf, String> {
+        let hf = self.hf();
+        tree_state(self.root.path())
+            .into_iter()
+            .filter(|(p, _)| !p.starts_with(&hf))
+            .collect()
+    }
+}
+
+/// Every blob in the cache is named by a valid ETag and holds exactly that content; no
+/// temporary file is left; every snapshot entry is a link to an existing blob.
+fn assert_cache_clean(hf_home: &Path) {
+    let hub_dir = hf_home.join("hub");
+    let Ok(repos) = std::fs::read_dir(&hub_dir) else {
+        return;
+    };
+    for repo_dir in repos {
+        let repo_dir = repo_dir.unwrap().path();
+        if !repo_dir
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("models--")
+        {
+            continue;
+        }
+        if let Ok(blobs) = std::fs::read_dir(repo_dir.join("blobs")) {
+            for b in blobs {
+                let p = b.unwrap().path();
+                let name = p.file_name().unwrap().to_string_lossy().into_owned();
+                let meta = std::fs::symlink_metadata(&p).unwrap();
+                assert!(meta.is_file(), "{} is not a regular file", p.display());
+                let bytes = std::fs::read(&p).unwrap();
+                let ok = match name.len() {
+                    40 => git_etag(&bytes) == name,
+                    64 => sha256_hex(&bytes) == name,
+                    _ => false,
+                };
+                assert!(ok, "unverified blob {} in the cache", p.display());
+            }
+        }
+        for (p, what) in tree_state(&repo_dir.join("snapshots")) {
+            if what == "dir" {
+                continue;
+            }
+            assert!(what.starts_with("link "), "{}: {what}", p.display());
+            let target = std::fs::canonicalize(&p)
+                .unwrap_or_else(|e| panic!("dangling snapshot link {}: {e}", p.display()));
+            assert!(
+                target.starts_with(repo_dir.join("blobs").canonicalize().unwrap()),
+                "{} leads out of blobs/",
+                p.display()
+            );
+        }
+    }
+}
+
+fn hostile_config(endpoint: &str, hf_home: &Path) -> HubConfig {
+    config(endpoint, hf_home, &[])
+        .with_token(TOKEN)
+        .with_retries(2)
+        .with_retry_base_delay(Duration::from_millis(10))
+        .with_max_retry_wait(Duration::from_millis(200))
+        .with_timeouts(Duration::from_secs(1), Duration::from_millis(300))
+}
+
+/// What a hostile case must end in.
+#[derive(Clone, Copy, Debug)]
+enum Expect {
+    /// An error of this `HubError` variant (its `Debug` name).
+    Err(&'static str),
+    /// The right content, after retries.
+    Ok,
+}
+
+struct Case {
+    name: &'static str,
+    method: Option<&'static str>,
+    path: &'static str,
+    attack: Attack,
+    times: Option<usize>,
+    file: &'static str,
+    expect: Expect,
+}
+
+const OUTSIDE_ABS: &str = "/tmp/tokenformer-hostile-abs";
+const HTML: &[u8] = b"<!DOCTYPE html><html><body>502 Bad Gateway</body></html>";
+
+fn hostile_cases() -> Vec<Case> {
+    use Expect::*;
+    let c = "config.json";
+    let w = "model.safetensors";
+    let secs = Duration::from_secs_f64;
+    let case = |name, method, path, attack, times, file, expect| Case {
+        name,
+        method,
+        path,
+        attack,
+        times,
+        file,
+        expect,
+    };
+    vec![
+        case(
+            "commit ../",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Commit("../../../../sentinel/victim".into()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "commit 40 chars of ../",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Commit(format!("{}x", "../".repeat(13))),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "commit absolute",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Commit(OUTSIDE_ABS.into()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "commit on an LFS redirect",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Commit("../../../../x".into()),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "commit empty",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Commit(String::new()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "etag ../",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Etag("\"../../../../sentinel/victim\"".into()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "linked etag ../",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Etag("\"../../../../../tmp/tokenformer-hostile-etag\"".into()),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "etag absolute",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Etag(OUTSIDE_ABS.into()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "etag of other content",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Etag(format!("\"{}\"", sha256_hex(b"other"))),
+            None,
+            w,
+            Err("Integrity"),
+        ),
+        case(
+            "git etag of other content",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Etag(format!("\"{}\"", git_etag(b"other"))),
+            None,
+            c,
+            Err("Integrity"),
+        ),
+        case(
+            "HTML with 200",
+            Some("GET"),
+            "/resolve/",
+            Attack::Body(200, HTML.to_vec()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "HTML of the right size with 200",
+            Some("GET"),
+            "/resolve/",
+            Attack::Body(200, HTML[..CONFIG_JSON.len()].to_vec()),
+            None,
+            c,
+            Err("Integrity"),
+        ),
+        case(
+            "error JSON with 200",
+            Some("GET"),
+            "/resolve/",
+            Attack::Body(200, br#"{"error":"Internal Error"}"#.to_vec()),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "HTML with 200 from the CDN",
+            Some("GET"),
+            "/__cdn/",
+            Attack::Body(200, HTML.to_vec()),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "error status on GET",
+            Some("GET"),
+            "/resolve/",
+            Attack::Status(500, None),
+            None,
+            c,
+            Err("Server"),
+        ),
+        case(
+            "flipped byte",
+            Some("GET"),
+            "/resolve/",
+            Attack::FlipByte(5),
+            None,
+            c,
+            Err("Integrity"),
+        ),
+        case(
+            "flipped byte from the CDN",
+            Some("GET"),
+            "/__cdn/",
+            Attack::FlipByte(4000),
+            None,
+            w,
+            Err("Integrity"),
+        ),
+        case(
+            "short body",
+            Some("GET"),
+            "/resolve/",
+            Attack::ShortBody(10),
+            None,
+            c,
+            Err("BadResponse"),
+        ),
+        case(
+            "short body from the CDN",
+            Some("GET"),
+            "/__cdn/",
+            Attack::ShortBody(1000),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "lying size on HEAD",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Header("X-Linked-Size".into(), "999999999".into()),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "size not a number",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Header("X-Linked-Size".into(), "-1".into()),
+            None,
+            w,
+            Err("BadResponse"),
+        ),
+        case(
+            "lying Content-Length on every answer, resumed",
+            Some("GET"),
+            "/__cdn/",
+            Attack::CutAfter(3000),
+            None,
+            w,
+            Ok,
+        ),
+        case(
+            "lying Content-Length, once",
+            Some("GET"),
+            "/__cdn/",
+            Attack::CutAfter(3000),
+            Some(1),
+            w,
+            Ok,
+        ),
+        case(
+            "stall, once",
+            Some("GET"),
+            "/__cdn/",
+            Attack::Stall {
+                after: 1500,
+                pause: secs(1.5),
+            },
+            Some(1),
+            w,
+            Ok,
+        ),
+        case(
+            "stall mid-body on every answer, resumed",
+            Some("GET"),
+            "/__cdn/",
+            Attack::Stall {
+                after: 1500,
+                pause: secs(3.0),
+            },
+            None,
+            w,
+            Ok,
+        ),
+        case(
+            "stall at the start of every answer",
+            Some("GET"),
+            "/__cdn/",
+            Attack::Stall {
+                after: 0,
+                pause: secs(3.0),
+            },
+            None,
+            w,
+            Err("Network"),
+        ),
+        case(
+            "stall before the body",
+            Some("GET"),
+            "/resolve/",
+            Attack::Stall {
+                after: 0,
+                pause: secs(3.0),
+            },
+            None,
+            c,
+            Err("Network"),
+        ),
+        case(
+            "429 with Retry-After, twice",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Status(429, Some("0".into())),
+            Some(2),
+            c,
+            Ok,
+        ),
+        case(
+            "429 asking for an hour",
+            None,
+            "/resolve/",
+            Attack::Status(429, Some("3600".into())),
+            None,
+            c,
+            Err("Http"),
+        ),
+        case(
+            "503 then success",
+            Some("GET"),
+            "/__cdn/",
+            Attack::Status(503, None),
+            Some(2),
+            w,
+            Ok,
+        ),
+        case(
+            "503 always",
+            Some("HEAD"),
+            "/resolve/",
+            Attack::Status(503, None),
+            None,
+            w,
+            Err("Server"),
+        ),
+    ]
+}
+
+#[test]
+fn a_hostile_server_cannot_escape_the_cache_or_poison_it() {
+    let start = Instant::now();
+    for case in hostile_cases() {
+        let hub = FakeHub::start();
+        tiny_repo(&hub);
+        let sandbox = Sandbox::new();
+        let before = sandbox.outside();
+        let c = HubClient::new(hostile_config(&hub.endpoint(), &sandbox.hf())).unwrap();
+        hub.attack(case.method, case.path, case.attack.clone(), case.times);
+        let t = Instant::now();
+        let got = c.download_files(&repo("acme/tiny"), &[case.file], false);
+        let took = t.elapsed();
+        let name = case.name;
+        match (case.expect, got) {
+            (Expect::Ok, Ok(paths)) => {
+                let want = if case.file == "config.json" {
+                    CONFIG_JSON.to_vec()
+                } else {
+                    weights()
+                };
+                assert_eq!(std::fs::read(&paths[0]).unwrap(), want, "{name}");
+            }
+            (Expect::Err(variant), Err(e)) => {
+                let dbg = format!("{e:?}");
+                assert!(
+                    dbg.starts_with(variant),
+                    "{name}: expected {variant}, got {e}"
+                );
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("acme/tiny") && msg.contains(case.file),
+                    "{name}: the error names neither repo nor file: {msg}"
+                );
+                assert!(
+                    !msg.contains(TOKEN) && !dbg.contains(TOKEN),
+                    "{name}: {msg}"
+                );
+            }
+            (want, got) => panic!("{name}: expected {want:?}, got {got:?}"),
+        }
+        assert!(took < Duration::from_secs(8), "{name} took {took:?}");
+        assert_eq!(
+            sandbox.outside(),
+            before,
+            "{name}: files outside HF_HOME changed"
+        );
+        for p in [OUTSIDE_ABS, "/tmp/tokenformer-hostile-etag"] {
+            assert!(!Path::new(p).exists(), "{name}: created {p}");
+        }
+        assert_cache_clean(&sandbox.hf());
+        // Only files that downloaded correctly are in the snapshot.
+        let snapshots = sandbox.hf().join("hub/models--acme--tiny/snapshots");
+        let linked = tree_state(&snapshots)
+            .values()
+            .filter(|w| w.starts_with("link"))
+            .count();
+        assert_eq!(linked, matches!(case.expect, Expect::Ok) as usize, "{name}");
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(45),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn a_resumed_download_asks_for_the_rest_only() {
+    let hub = FakeHub::start();
+    tiny_repo(&hub);
+    let sandbox = Sandbox::new();
+    let c = HubClient::new(hostile_config(&hub.endpoint(), &sandbox.hf())).unwrap();
+    hub.attack(Some("GET"), "/__cdn/", Attack::CutAfter(3000), Some(1));
+    let p = c
+        .download_files(&repo("acme/tiny"), &["model.safetensors"], false)
+        .unwrap();
+    assert_eq!(std::fs::read(&p[0]).unwrap(), weights());
+    let ranges: Vec<Option<String>> = hub
+        .requests()
+        .into_iter()
+        .filter(|q| q.method == "GET" && q.path.starts_with("/__cdn/"))
+        .map(|q| q.range)
+        .collect();
+    assert_eq!(ranges, [None, Some("bytes=3000-".to_string())]);
+    assert_cache_clean(&sandbox.hf());
+}
+
+#[test]
+fn retry_after_is_honoured_and_bounded() {
+    let hub = FakeHub::start();
+    tiny_repo(&hub);
+    let sandbox = Sandbox::new();
+    let c = HubClient::new(
+        hostile_config(&hub.endpoint(), &sandbox.hf()).with_max_retry_wait(Duration::from_secs(5)),
+    )
+    .unwrap();
+    hub.attack(
+        Some("HEAD"),
+        "/resolve/",
+        Attack::Status(429, Some("1".into())),
+        Some(1),
+    );
+    let t = Instant::now();
+    c.download_files(&repo("acme/tiny"), &["config.json"], false)
+        .unwrap();
+    let took = t.elapsed();
+    assert!(took >= Duration::from_millis(950), "did not wait: {took:?}");
+    assert!(took < Duration::from_secs(4), "{took:?}");
+    // An HTTP date in the past means "now".
+    hub.attack(
+        Some("HEAD"),
+        "/resolve/",
+        Attack::Status(503, Some("Wed, 21 Oct 2015 07:28:00 GMT".into())),
+        Some(1),
+    );
+    let t = Instant::now();
+    c.download_files(&repo("acme/tiny"), &["tokenizer.json"], false)
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+}
+
+#[test]
+fn the_token_never_follows_a_redirect_to_another_host() {
+    let hub = FakeHub::start();
+    tiny_repo(&hub);
+    let cdn = FakeHub::start();
+    tiny_repo(&cdn);
+    let sandbox = Sandbox::new();
+    let c = HubClient::new(hostile_config(&hub.endpoint(), &sandbox.hf())).unwrap();
+    hub.attack(
+        Some("GET"),
+        "/resolve/",
+        Attack::RedirectTo(cdn.endpoint()),
+        None,
+    );
+    let paths = c
+        .download_files(
+            &repo("acme/tiny"),
+            &["config.json", "model.safetensors"],
+            false,
+        )
+        .unwrap();
+    assert_eq!(std::fs::read(&paths[0]).unwrap(), CONFIG_JSON);
+    assert_eq!(std::fs::read(&paths[1]).unwrap(), weights());
+    let other = cdn.requests();
+    assert_eq!(other.len(), 2, "{other:?}");
+    assert!(other.iter().all(|q| !q.has_auth()), "{other:?}");
+    // The endpoint itself did get the token.
+    assert!(hub.requests().iter().all(|q| q.bearer() == Some(TOKEN)));
+    assert_cache_clean(&sandbox.hf());
+
+    // An API answer redirected elsewhere is not followed at all.
+    hub.attack(
+        Some("GET"),
+        "/api/models/acme/tiny/tree",
+        Attack::RedirectTo(cdn.endpoint()),
+        None,
+    );
+    cdn.clear_requests();
+    let e = c.list_files(&repo("acme/tiny")).unwrap_err();
+    assert!(e.to_string().contains("acme/tiny"), "{e}");
+    assert!(cdn.requests().is_empty());
+}
+
+#[test]
+fn tree_listings_with_escaping_names_are_refused() {
+    for bad in [
+        "../../x.safetensors",
+        "/etc/passwd",
+        "a\\..\\b",
+        "sub//x",
+        "sub/./x",
+    ] {
+        let hub = FakeHub::start();
+        tiny_repo(&hub);
+        let sandbox = Sandbox::new();
+        let c = HubClient::new(hostile_config(&hub.endpoint(), &sandbox.hf())).unwrap();
+        hub.attack(Some("GET"), "/tree/", Attack::TreeFile(bad.into()), None);
+        let e = c.list_files(&repo("acme/tiny")).unwrap_err();
+        assert!(matches!(e, HubError::BadResponse { .. }), "{bad}: {e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("acme/tiny") && msg.contains(&format!("{bad:?}")),
+            "{bad}: {msg}"
+        );
+    }
+}
+
+#[test]
+fn index_shard_names_must_stay_inside_the_repo() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = repo("acme/sharded");
+    let index = dir.path().join("model.safetensors.index.json");
+    for bad in ["../../x.safetensors", "/etc/passwd", "a\\b.safetensors", ""] {
+        let json = serde_json::json!({"weight_map": {"w": "model-1.safetensors", "v": bad}});
+        std::fs::write(&index, json.to_string()).unwrap();
+        let e = tokenformer::hub::safetensors_index_shards(&r, &index).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("acme/sharded") && msg.contains(&format!("{bad:?}")),
+            "{msg}"
+        );
+    }
+    let json = serde_json::json!({"weight_map": {
+        "a": "shards/model-2.safetensors", "b": "model-1.safetensors", "c": "model-1.safetensors"
+    }});
+    std::fs::write(&index, json.to_string()).unwrap();
+    assert_eq!(
+        tokenformer::hub::safetensors_index_shards(&r, &index).unwrap(),
+        ["model-1.safetensors", "shards/model-2.safetensors"]
+    );
+}
+
+fn blob_path(hf_home: &Path, bytes: &[u8], lfs: bool) -> PathBuf {
+    let etag = if lfs {
+        sha256_hex(bytes)
+    } else {
+        git_etag(bytes)
+    };
+    hf_home.join("hub/models--acme--tiny/blobs").join(etag)
+}
+
+#[test]
+fn a_blob_left_unverified_by_a_killed_process_is_never_trusted() {
+    let hub = FakeHub::start();
+    let sha = tiny_repo(&hub);
+    let sandbox = Sandbox::new();
+    let hf = sandbox.hf();
+    let r = repo("acme/tiny");
+    let c = HubClient::new(hostile_config(&hub.endpoint(), &hf)).unwrap();
+    let files = ["config.json", "model.safetensors"];
+    c.download_files(&r, &files, false).unwrap();
+    let blobs = [
+        blob_path(&hf, CONFIG_JSON, false),
+        blob_path(&hf, &weights(), true),
+    ];
+
+    // What a process killed after writing the blob and before checking it leaves (or
+    // hf-hub 1.0, which never checked): wrong bytes under the right name, linked from the
+    // snapshot, and no verification marker; plus a stale partial download.
+    let plant = || {
+        for (b, wrong) in blobs
+            .iter()
+            .zip([&b"{\"hidden_size\": 1}"[..], &[0u8; 4096][..]])
+        {
+            let _ = std::fs::remove_file(b);
+            std::fs::write(b, wrong).unwrap();
+            std::fs::write(b.with_extension("incomplete"), b"garbage").unwrap();
+        }
+        let _ = std::fs::remove_dir_all(hf.join("hub/models--acme--tiny/.tokenformer"));
+    };
+    plant();
+    // Offline: reported as corrupt, naming the file, and removed (never used).
+    let offline = HubClient::new(hostile_config(&hub.endpoint(), &hf).with_offline(true)).unwrap();
+    let e = offline.download_files(&r, &files, false).unwrap_err();
+    assert!(matches!(e, HubError::Integrity { .. }), "{e}");
+    assert!(e.to_string().contains("config.json") && e.to_string().contains("acme/tiny"));
+    assert!(!blobs[0].exists());
+    // A pinned commit (no request needed if it were trusted): checked, downloaded again.
+    plant();
+    hub.clear_requests();
+    let pinned = repo(&format!("acme/tiny@{sha}"));
+    let p = c.download_files(&pinned, &files, false).unwrap();
+    assert_eq!(std::fs::read(&p[0]).unwrap(), CONFIG_JSON);
+    assert_eq!(std::fs::read(&p[1]).unwrap(), weights());
+    assert!(hub.requests().iter().any(|q| q.method == "GET"));
+    // Online by branch: the same.
+    plant();
+    let p = c.download_files(&r, &files, false).unwrap();
+    assert_eq!(std::fs::read(&p[1]).unwrap(), weights());
+    // The stale partial files were taken over (truncated, then renamed when checked).
+    assert_cache_clean(&hf);
+
+    // A correct blob without a marker (e.g. written by Python's huggingface_hub) is
+    // checked once and used without downloading it again.
+    std::fs::remove_dir_all(hf.join("hub/models--acme--tiny/.tokenformer")).unwrap();
+    hub.clear_requests();
+    c.download_files(&r, &files, false).unwrap();
+    assert!(
+        hub.requests().iter().all(|q| q.method == "HEAD"),
+        "{:?}",
+        hub.requests()
+    );
+    hub.clear_requests();
+    offline.download_files(&pinned, &files, false).unwrap();
+    assert!(hub.requests().is_empty());
+}
+
+#[test]
+fn concurrent_downloads_of_one_file_wait_for_each_other() {
+    let hub = FakeHub::start();
+    let big: Vec<u8> = (0..256 * 1024u32).map(|i| (i * 31 % 251) as u8).collect();
+    hub.add_repo("acme/tiny", &[("model.safetensors", &big)]);
+    // 16 chunks of 16 KiB, 40 ms apart: about 0.7 s per transfer, so the three overlap.
+    hub.attack(
+        Some("GET"),
+        "/__cdn/",
+        Attack::Throttle {
+            chunk: 16 * 1024,
+            delay: Duration::from_millis(40),
+        },
+        None,
+    );
+    let sandbox = Sandbox::new();
+    let endpoint = hub.endpoint();
+    let results: Vec<Result<Vec<u8>, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|_| {
+                let (endpoint, hf) = (endpoint.clone(), sandbox.hf());
+                s.spawn(move || {
+                    // Separate clients, as separate processes would have.
+                    let c = HubClient::new(hostile_config(&endpoint, &hf)).unwrap();
+                    c.download_files(&repo("acme/tiny"), &["model.safetensors"], false)
+                        .map(|p| std::fs::read(&p[0]).unwrap())
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for r in results {
+        assert_eq!(r.unwrap(), big);
+    }
+    let gets = hub
+        .requests()
+        .iter()
+        .filter(|q| q.method == "GET" && q.path.starts_with("/__cdn/"))
+        .count();
+    assert_eq!(gets, 1, "the blob was fetched {gets} times");
+    assert_cache_clean(&sandbox.hf());
+}
+
+#[test]
+fn a_lock_holder_without_progress_is_given_up_on() {
+    let hub = FakeHub::start();
+    tiny_repo(&hub);
+    let sandbox = Sandbox::new();
+    let hf = sandbox.hf();
+    let lock = hf.join(format!(
+        "hub/.locks/models--acme--tiny/{}.lock",
+        git_etag(CONFIG_JSON)
+    ));
+    std::fs::create_dir_all(lock.parent().unwrap()).unwrap();
+    let held = std::fs::File::create(&lock).unwrap();
+    held.lock().unwrap();
+    let c = HubClient::new(
+        hostile_config(&hub.endpoint(), &hf)
+            .with_timeouts(Duration::from_millis(100), Duration::from_millis(100))
+            .with_max_retry_wait(Duration::from_millis(100)),
+    )
+    .unwrap();
+    let t = Instant::now();
+    let e = c
+        .download_files(&repo("acme/tiny"), &["config.json"], false)
+        .unwrap_err();
+    assert!(matches!(e, HubError::LockTimeout { .. }), "{e}");
+    assert!(e.to_string().contains("config.json") && e.to_string().contains("acme/tiny"));
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    // Released (the holder exits): the download goes through.
+    drop(held);
+    c.download_files(&repo("acme/tiny"), &["config.json"], false)
+        .unwrap();
+    assert_cache_clean(&hf);
+}
+
+#[test]
+fn publish_sends_regular_files_inside_the_folder_only() {
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(outside.path().join("secret"), "outside content").unwrap();
+    std::fs::create_dir(outside.path().join("home")).unwrap();
+    std::fs::write(outside.path().join("home/big"), vec![7u8; 1000]).unwrap();
+    let folder = model_folder();
+    let d = folder.path();
+    let link =
+        |target: &Path, name: &str| std::os::unix::fs::symlink(target, d.join(name)).unwrap();
+    link(&outside.path().join("secret"), "leak.txt");
+    link(Path::new("/etc/passwd"), "passwd");
+    link(&outside.path().join("home"), "home");
+    link(Path::new("config.json"), "config-link.json");
+    link(Path::new("extra"), "extra-link");
+    link(Path::new("missing"), "broken");
+    link(Path::new(".git/HEAD"), "git-head");
+    std::os::unix::fs::symlink("..", d.join("extra/up")).unwrap();
+    std::fs::write(d.join(".env"), "TOKEN=x").unwrap();
+    std::fs::write(d.join("extra/.env"), "TOKEN=y").unwrap();
+    std::fs::create_dir_all(d.join("extra/.git")).unwrap();
+    std::fs::write(d.join("extra/.git/config"), "x").unwrap();
+    let fifo = std::ffi::CString::new(d.join("pipe").to_string_lossy().as_bytes()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+
+    let listing = tokenformer::hub::upload_listing(d, &[]).unwrap();
+    let names: Vec<&str> = listing
+        .files
+        .iter()
+        .map(|f| f.path_in_repo.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "config-link.json",
+            "config.json",
+            "extra-link/notes.txt",
+            "extra/notes.txt",
+            "model.safetensors"
+        ]
+    );
+    let skipped: Vec<&str> = listing.skipped.iter().map(|s| s.path.as_str()).collect();
+    assert_eq!(
+        skipped,
+        [
+            ".env",
+            ".git",
+            "broken",
+            "extra-link/.env",
+            "extra-link/.git",
+            "extra-link/up",
+            "extra/.env",
+            "extra/.git",
+            "extra/up",
+            "git-head",
+            "home",
+            "leak.txt",
+            "passwd",
+            "pipe"
+        ]
+    );
+    for f in &listing.files {
+        assert!(f.local_path.starts_with(d.canonicalize().unwrap()), "{f:?}");
+    }
+    assert_eq!(dry_run_listing(d).unwrap(), listing.files);
+
+    // The upload sends exactly the listing (plus a replacement given by path).
+    let hub = FakeHub::start();
+    let home = tempfile::tempdir().unwrap();
+    let c = HubClient::new(config(&hub.endpoint(), home.path(), &[]).with_token(TOKEN)).unwrap();
+    let card = outside.path().join("card.md");
+    std::fs::write(&card, "# card").unwrap();
+    let opts = PublishOptions {
+        replace: vec![("README.md".into(), card)],
+        ..Default::default()
+    };
+    let report = c.publish_folder(d, &repo("acme/links"), &opts).unwrap();
+    assert_eq!(report.skipped, listing.skipped);
+    let stored = hub.files_at("acme/links", "main").unwrap();
+    let mut want: Vec<&str> = names.clone();
+    want.extend([".gitattributes", "README.md"]);
+    want.sort();
+    assert_eq!(stored.keys().map(String::as_str).collect::<Vec<_>>(), want);
+    assert_eq!(stored["README.md"], b"# card");
+    assert!(stored.values().all(|v| v != b"outside content"));
+}
+
+#[test]
+fn a_silent_server_is_given_up_on_after_three_timeouts() {
+    let hub = FakeHub::start();
+    tiny_repo(&hub);
+    let sandbox = Sandbox::new();
+    // Many retries allowed, yet a server that never sends a byte is not waited for
+    // `max_retries` times over.
+    let c =
+        HubClient::new(hostile_config(&hub.endpoint(), &sandbox.hf()).with_retries(20)).unwrap();
+    hub.attack(
+        Some("GET"),
+        "/__cdn/",
+        Attack::Stall {
+            after: 0,
+            pause: Duration::from_secs(3),
+        },
+        None,
+    );
+    let t = Instant::now();
+    let e = c
+        .download_files(&repo("acme/tiny"), &["model.safetensors"], false)
+        .unwrap_err();
+    assert!(matches!(e, HubError::Network { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("model.safetensors") && msg.contains("TOKENFORMER_HUB_TIMEOUT"),
+        "{msg}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    let gets = hub
+        .requests()
+        .iter()
+        .filter(|q| q.method == "GET" && q.path.starts_with("/__cdn/"))
+        .count();
+    assert_eq!(gets, 3);
+    assert_cache_clean(&sandbox.hf());
 }

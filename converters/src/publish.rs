@@ -2,9 +2,9 @@
 //! card (front matter with `model-index` results from `eval --json` files) and
 //! upload it to the Hugging Face Hub as one commit (hf-hub 1.0).
 //!
-//! The folder is never modified before the upload succeeds: the upload is
-//! staged in a temporary folder of links plus the new README, and the README
-//! is written back only after the Hub accepted the commit.
+//! The folder is never modified before the upload succeeds: the new README is
+//! uploaded from a temporary file and written back only after the Hub accepted
+//! the commit.
 
 use std::path::{Path, PathBuf};
 
@@ -52,6 +52,7 @@ pub fn run(a: PublishArgs) -> Result<()> {
     let repo = RepoRef::parse(&format!("{}@{}", a.repo, a.revision))?;
     let summary = validate(dir)?;
     println!("validated {}: {summary}", dir.display());
+    model_files_inside(dir)?;
 
     let readme = dir.join("README.md");
     let old = std::fs::read_to_string(&readme).unwrap_or_default();
@@ -62,35 +63,31 @@ pub fn run(a: PublishArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     let new_readme = refresh_card(&old, dir, &repo, &results)?;
 
-    // Stage: links to the folder's files plus the refreshed README.
+    // The refreshed README is uploaded from a temporary file; the folder itself is only
+    // read (regular files inside it; see `hub::upload_listing` for what is left out).
     let stage = tempfile::tempdir().context("creating a staging folder")?;
-    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
-        let entry = entry?;
-        let name = entry.file_name();
-        if name == "README.md" || name.to_string_lossy().starts_with('.') {
-            continue;
-        }
-        let target = std::fs::canonicalize(entry.path())?;
-        std::os::unix::fs::symlink(&target, stage.path().join(&name))
-            .with_context(|| format!("staging {}", target.display()))?;
-    }
-    std::fs::write(stage.path().join("README.md"), &new_readme)?;
+    let staged_readme = stage.path().join("README.md");
+    std::fs::write(&staged_readme, &new_readme)?;
+    let replace = vec![("README.md".to_string(), staged_readme)];
 
     if a.dry_run {
+        let listing = hub::upload_listing(dir, &replace)?;
+        for s in &listing.skipped {
+            println!("  not uploaded: {} ({})", s.path, s.reason);
+        }
         println!(
             "dry run: would upload to {} (revision {}):",
             repo.repo_id(),
             repo.revision
         );
-        let files = hub::dry_run_listing(stage.path())?;
-        let total: u64 = files.iter().map(|f| f.size).sum();
-        for f in &files {
+        let total: u64 = listing.files.iter().map(|f| f.size).sum();
+        for f in &listing.files {
             println!(
                 "  {:<40} {:>14} bytes  sha256 {}",
                 f.path_in_repo, f.size, f.sha256
             );
         }
-        println!("  {} files, {} bytes", files.len(), total);
+        println!("  {} files, {} bytes", listing.files.len(), total);
         return Ok(());
     }
     let opts = PublishOptions {
@@ -98,8 +95,12 @@ pub fn run(a: PublishArgs) -> Result<()> {
         message: a.message.clone(),
         description: None,
         progress: true,
+        replace,
     };
-    let report = hub::publish_folder(stage.path(), &repo, &opts)?;
+    let report = hub::publish_folder(dir, &repo, &opts)?;
+    for s in &report.skipped {
+        eprintln!("not uploaded: {} ({})", s.path, s.reason);
+    }
     // Only now does the local folder change: its README becomes what was uploaded.
     let tmp = dir.join(".README.md.partial");
     std::fs::write(&tmp, &new_readme)?;
@@ -110,6 +111,30 @@ pub fn run(a: PublishArgs) -> Result<()> {
         report.repo_url
     );
     println!("commit: {}", report.commit_url);
+    Ok(())
+}
+
+/// Publish sends only files inside the folder (symlinks leading out are skipped), so a
+/// model file the validation read through such a link would be missing from the repo.
+fn model_files_inside(dir: &Path) -> Result<()> {
+    let root = dir.canonicalize()?;
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let model_file = matches!(name.as_ref(), "config.json" | "tokenizer.json")
+            || name.ends_with(".safetensors")
+            || name.ends_with(".safetensors.index.json");
+        if model_file && path.is_symlink() {
+            let target = path.canonicalize()?;
+            if !target.starts_with(&root) {
+                bail!(
+                    "{name} is a symlink to {}, outside {}: publish uploads only files inside                      the folder; copy the file into it",
+                    target.display(),
+                    dir.display()
+                );
+            }
+        }
+    }
     Ok(())
 }
 

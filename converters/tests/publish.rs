@@ -232,3 +232,74 @@ fn publish_validates_vision_and_vision_language_folders() {
     let readme = out.lines().find(|l| l.contains("README.md")).unwrap_or("");
     assert!(readme.contains("sha256"), "{out}");
 }
+
+/// The repo paths a dry run lists as uploaded.
+fn dry_run_files(out: &str) -> Vec<String> {
+    out.lines()
+        .filter(|l| l.contains(" bytes  sha256 "))
+        .map(|l| l.split_whitespace().next().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn publish_sends_only_regular_files_inside_the_folder() {
+    let hub = FakeHub::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let model = converted(tmp.path(), &hub.endpoint());
+    let (endpoint, home) = (hub.endpoint(), tmp.path().join("hf"));
+    let secret = tmp.path().join("secret.txt");
+    std::fs::write(&secret, "outside the folder").unwrap();
+    let link =
+        |target: &Path, name: &str| std::os::unix::fs::symlink(target, model.join(name)).unwrap();
+    link(&secret, "leak.txt");
+    link(Path::new("/etc/passwd"), "passwd");
+    link(tmp.path(), "home");
+    link(Path::new("config.json"), "config-copy.json");
+    std::fs::create_dir(model.join("sub")).unwrap();
+    std::fs::write(model.join("sub/.env"), "HF_TOKEN=x").unwrap();
+    std::fs::write(model.join("sub/notes.txt"), "notes").unwrap();
+    std::fs::create_dir(model.join(".git")).unwrap();
+    std::fs::write(model.join(".git/config"), "[core]").unwrap();
+
+    let (ok, out, err) = publish(&model, "me/links", &["--dry-run"], &endpoint, &home);
+    assert!(ok, "{err}");
+    let listed = dry_run_files(&out);
+    assert_eq!(
+        listed,
+        [
+            "README.md",
+            "config-copy.json",
+            "config.json",
+            "model.safetensors",
+            "sub/notes.txt"
+        ],
+        "{out}"
+    );
+    for skipped in ["leak.txt", "passwd", "home", "sub/.env", ".git"] {
+        assert!(
+            out.contains(&format!("not uploaded: {skipped} (")),
+            "{skipped}: {out}"
+        );
+    }
+
+    let (ok, _, err) = publish(&model, "me/links", &[], &endpoint, &home);
+    assert!(ok, "{err}");
+    let stored = hub.files_at("me/links", "main").unwrap();
+    let mut want = listed.clone();
+    want.push(".gitattributes".into());
+    want.sort();
+    assert_eq!(stored.keys().cloned().collect::<Vec<_>>(), want);
+    assert!(stored.values().all(|v| v != b"outside the folder"));
+
+    // The weights themselves linked from outside: refused, since they would be missing.
+    let weights = tmp.path().join("weights.safetensors");
+    std::fs::rename(model.join("model.safetensors"), &weights).unwrap();
+    link(&weights, "model.safetensors");
+    let (ok, out, err) = publish(&model, "me/links2", &["--dry-run"], &endpoint, &home);
+    assert!(
+        !ok && err.contains("model.safetensors") && err.contains("outside"),
+        "{err}"
+    );
+    assert!(!out.contains("would upload"), "{out}");
+    assert!(!hub.has_repo("me/links2"));
+}

@@ -9,8 +9,15 @@
 //! carry the Hub's `X-Error-Code` header (`RepoNotFound`, `RevisionNotFound`,
 //! `EntryNotFound`).
 //!
-//! Self-contained (only `tiny_http`, `serde_json`, `sha2` and std) so any test crate can
-//! include it with `#[path = "common/hub_server.rs"] mod hub_server;` or via `mod common;`.
+//! Hostile modes ([`FakeHub::attack`]) make it misbehave the way a compromised or broken
+//! server would: path traversal in `X-Repo-Commit`, `ETag` and tree file names, error or
+//! HTML bodies with status 200, flipped bytes, short bodies and lying `Content-Length`,
+//! stalls, slow bodies, 429 with `Retry-After`, 5xx, and redirects to another host.
+//! Each request is answered on its own thread, so a stalled answer blocks nobody else.
+//!
+//! Self-contained (only `tiny_http`, `serde_json`, `sha1`, `sha2` and std) so any test crate
+//! can include it with `#[path = "common/hub_server.rs"] mod hub_server;` or via
+//! `mod common;`.
 //!
 //! ```ignore
 //! let hub = FakeHub::start();
@@ -20,12 +27,14 @@
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::io::Cursor;
+use std::io::Read;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use serde_json::{json, Value};
+use sha1::Sha1;
 use sha2::{Digest, Sha256};
 use tiny_http::{Header, Response, Server, StatusCode};
 
@@ -40,6 +49,8 @@ pub struct RecordedRequest {
     pub query: String,
     /// Value of the `Authorization` header, if any.
     pub authorization: Option<String>,
+    /// Value of the `Range` header, if any.
+    pub range: Option<String>,
 }
 
 impl RecordedRequest {
@@ -62,6 +73,7 @@ impl std::fmt::Debug for RecordedRequest {
             .field("path", &self.path)
             .field("query", &self.query)
             .field("has_auth", &self.has_auth())
+            .field("range", &self.range)
             .finish()
     }
 }
@@ -72,6 +84,46 @@ struct Failure {
     method: Option<String>,
     path_contains: String,
     status: u16,
+}
+
+/// A way to misbehave, for the requests an [`FakeHub::attack`] rule matches.
+#[derive(Clone, Debug)]
+pub enum Attack {
+    /// Set (or add) a response header, e.g. `X-Repo-Commit: ../../x` or a wrong
+    /// `X-Linked-Size`.
+    Header(String, String),
+    /// Set `X-Repo-Commit` (resolve answers).
+    Commit(String),
+    /// Set `ETag`, and `X-Linked-Etag` where the answer has one.
+    Etag(String),
+    /// Add a file of this name to tree listings.
+    TreeFile(String),
+    /// Replace status and body (e.g. 200 with an HTML page); the headers stay.
+    Body(u16, Vec<u8>),
+    /// Flip every bit of the body byte at this offset.
+    FlipByte(usize),
+    /// Announce and send only the first `n` bytes of the body (a consistent short answer).
+    ShortBody(usize),
+    /// Announce the full length but send only `n` bytes, then never finish the answer.
+    /// (The server buffers 1 KiB of output: a smaller `n` may never reach the client.)
+    CutAfter(usize),
+    /// Send `after` bytes of the body, pause, then send the rest.
+    Stall { after: usize, pause: Duration },
+    /// Send the body `chunk` bytes at a time with a pause before each.
+    Throttle { chunk: usize, delay: Duration },
+    /// Answer with this status (and `Retry-After` if given) instead.
+    Status(u16, Option<String>),
+    /// Answer content requests with a 302 to the same `/__cdn/<sha256>` on another server.
+    RedirectTo(String),
+}
+
+#[derive(Clone, Debug)]
+struct Rule {
+    method: Option<String>,
+    path_contains: String,
+    attack: Attack,
+    /// Requests it still applies to (`None`: all).
+    remaining: Option<usize>,
 }
 
 #[derive(Clone)]
@@ -99,6 +151,7 @@ struct State {
     repos: BTreeMap<String, Repo>,
     requests: Vec<RecordedRequest>,
     failures: Vec<Failure>,
+    rules: Vec<Rule>,
     required_token: Option<String>,
     lfs_redirects: bool,
     counter: u64,
@@ -123,6 +176,7 @@ impl FakeHub {
             repos: BTreeMap::new(),
             requests: Vec::new(),
             failures: Vec::new(),
+            rules: Vec::new(),
             required_token: None,
             lfs_redirects: true,
             counter: 0,
@@ -134,7 +188,8 @@ impl FakeHub {
                 .name("fake-hub".into())
                 .spawn(move || {
                     for request in server.incoming_requests() {
-                        handle(request, &state);
+                        let state = Arc::clone(&state);
+                        std::thread::spawn(move || handle(request, &state));
                     }
                 })
                 .expect("spawn fake hub thread")
@@ -263,9 +318,29 @@ impl FakeHub {
         });
     }
 
-    /// Remove all injected failures.
+    /// Remove all injected failures and attacks.
     pub fn clear_failures(&self) {
-        self.lock().failures.clear();
+        let mut st = self.lock();
+        st.failures.clear();
+        st.rules.clear();
+    }
+
+    /// Misbehave with `attack` on requests whose method matches (any if `None`) and whose
+    /// raw path contains `path_contains`, for the first `times` of them (all if `None`).
+    /// The first matching rule with uses left applies.
+    pub fn attack(
+        &self,
+        method: Option<&str>,
+        path_contains: &str,
+        attack: Attack,
+        times: Option<usize>,
+    ) {
+        self.lock().rules.push(Rule {
+            method: method.map(str::to_string),
+            path_contains: path_contains.to_string(),
+            attack,
+            remaining: times,
+        });
     }
 
     /// Require `Authorization: Bearer <token>` on every request (401 otherwise); `None` lifts it.
@@ -316,14 +391,13 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     hex(&Sha256::digest(bytes))
 }
 
-/// The fake's "git-sha-ish" 40-hex etag for regular files: the real Hub uses the git blob
-/// sha1 (`sha1("blob <len>\0" + bytes)`); this fake uses the first 40 hex digits of the
-/// sha256 of that same preimage (no sha1 dependency).
+/// The etag of regular files, as the real Hub sends it: the git blob sha1,
+/// `sha1("blob <len>\0" + bytes)`.
 pub fn git_etag(bytes: &[u8]) -> String {
-    let mut h = Sha256::new();
+    let mut h = Sha1::new();
     h.update(format!("blob {}\0", bytes.len()).as_bytes());
     h.update(bytes);
-    hex(&h.finalize())[..40].to_string()
+    hex(&h.finalize())
 }
 
 /// Whether the fake stores a file as LFS (weights-like extension or >= 10 MiB), like the
@@ -427,13 +501,14 @@ fn handle(mut request: tiny_http::Request, state: &Arc<Mutex<State>>) {
     let mut body = Vec::new();
     let _ = request.as_reader().read_to_end(&mut body);
 
-    let reply = {
+    let (reply, shape) = {
         let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
         st.requests.push(RecordedRequest {
             method: method.clone(),
             path: path.clone(),
             query: query.clone(),
             authorization: authorization.clone(),
+            range: range.clone(),
         });
         let failure = st
             .failures
@@ -445,7 +520,7 @@ fn handle(mut request: tiny_http::Request, state: &Arc<Mutex<State>>) {
                     && path.contains(&f.path_contains)
             })
             .cloned();
-        if let Some(f) = failure {
+        let reply = if let Some(f) = failure {
             Reply::error(f.status, None, "injected failure")
         } else if st.required_token.is_some()
             && authorization
@@ -463,15 +538,40 @@ fn handle(mut request: tiny_http::Request, state: &Arc<Mutex<State>>) {
                 body: &body,
             };
             route(&mut st, &path, &req)
+        };
+        let attack = st
+            .rules
+            .iter_mut()
+            .find(|r| {
+                r.remaining != Some(0)
+                    && r.method
+                        .as_deref()
+                        .is_none_or(|m| m.eq_ignore_ascii_case(&method))
+                    && path.contains(&r.path_contains)
+            })
+            .map(|r| {
+                if let Some(n) = &mut r.remaining {
+                    *n -= 1;
+                }
+                r.attack.clone()
+            });
+        match attack {
+            Some(a) => apply(a, reply, &path),
+            None => (reply, Shape::default()),
         }
     };
 
-    let len = reply.body.len();
+    let announced = shape.announce.unwrap_or(reply.body.len());
+    let reader = Hostile {
+        data: reply.body,
+        pos: 0,
+        shape,
+    };
     let mut response = Response::new(
         StatusCode(reply.status),
         Vec::new(),
-        Cursor::new(reply.body),
-        Some(len),
+        reader,
+        Some(announced),
         None,
     )
     // Always send Content-Length (HEAD relies on it), never chunked.
@@ -482,6 +582,135 @@ fn handle(mut request: tiny_http::Request, state: &Arc<Mutex<State>>) {
         }
     }
     let _ = request.respond(response);
+}
+
+/// How the body of an answer is sent.
+#[derive(Default)]
+struct Shape {
+    /// Content-Length to announce instead of the body's.
+    announce: Option<usize>,
+    /// Fail (never finish the answer) after this many bytes.
+    cut_after: Option<usize>,
+    stall: Option<(usize, Duration)>,
+    throttle: Option<(usize, Duration)>,
+}
+
+/// The body reader: pauses, throttles or breaks off as the shape says.
+struct Hostile {
+    data: Vec<u8>,
+    pos: usize,
+    shape: Shape,
+}
+
+impl Read for Hostile {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Some((after, pause)) = self.shape.stall {
+            if self.pos >= after {
+                std::thread::sleep(pause);
+                self.shape.stall = None;
+            }
+        }
+        if self.shape.cut_after.is_some_and(|c| self.pos >= c) {
+            return Err(std::io::Error::other("fake hub: answer cut off"));
+        }
+        let mut end = self.data.len();
+        if let Some((after, _)) = self.shape.stall {
+            end = end.min(after.max(self.pos));
+        }
+        if let Some(c) = self.shape.cut_after {
+            end = end.min(c);
+        }
+        if let Some((chunk, delay)) = self.shape.throttle {
+            std::thread::sleep(delay);
+            end = end.min(self.pos + chunk.max(1));
+        }
+        let n = (end - self.pos).min(buf.len());
+        buf[..n].copy_from_slice(&self.data[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+fn set_header(reply: &mut Reply, name: &str, value: &str) {
+    reply.headers.retain(|(k, _)| !k.eq_ignore_ascii_case(name));
+    reply.headers.push((name.to_string(), value.to_string()));
+}
+
+fn has_header(reply: &Reply, name: &str) -> bool {
+    reply
+        .headers
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case(name))
+}
+
+fn apply(attack: Attack, mut reply: Reply, path: &str) -> (Reply, Shape) {
+    let mut shape = Shape::default();
+    match attack {
+        Attack::Header(k, v) => set_header(&mut reply, &k, &v),
+        Attack::Commit(v) => set_header(&mut reply, "X-Repo-Commit", &v),
+        Attack::Etag(v) => {
+            if has_header(&reply, "X-Linked-Etag") {
+                set_header(&mut reply, "X-Linked-Etag", &v);
+            }
+            set_header(&mut reply, "ETag", &v);
+        }
+        Attack::TreeFile(name) => {
+            if let Ok(Value::Array(mut entries)) = serde_json::from_slice::<Value>(&reply.body) {
+                entries.push(json!({
+                    "type": "file", "oid": git_etag(b"x"), "size": 1, "path": name,
+                }));
+                reply.body = serde_json::to_vec(&Value::Array(entries)).unwrap();
+            }
+        }
+        Attack::Body(status, body) => {
+            reply.status = status;
+            reply.body = body;
+        }
+        Attack::FlipByte(i) => {
+            if let Some(b) = reply.body.get_mut(i) {
+                *b ^= 0xff;
+            }
+        }
+        Attack::ShortBody(n) => reply.body.truncate(n),
+        Attack::CutAfter(n) => shape.cut_after = Some(n),
+        Attack::Stall { after, pause } => shape.stall = Some((after, pause)),
+        Attack::Throttle { chunk, delay } => shape.throttle = Some((chunk, delay)),
+        Attack::Status(status, retry_after) => {
+            reply = Reply::error(status, None, "injected by an attack");
+            if let Some(ra) = retry_after {
+                reply = reply.header("Retry-After", &ra);
+            }
+        }
+        Attack::RedirectTo(other) => {
+            let oid = match reply
+                .headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case("Location"))
+            {
+                Some((_, loc)) if loc.contains("/__cdn/") => {
+                    loc.rsplit('/').next().unwrap_or("").to_string()
+                }
+                _ if path.starts_with("/__cdn/") => path["/__cdn/".len()..].to_string(),
+                _ => sha256_hex(&reply.body),
+            };
+            let headers = reply.headers.clone();
+            reply = Reply::new(302);
+            for (k, v) in headers {
+                if k.eq_ignore_ascii_case("X-Repo-Commit")
+                    || k.to_ascii_lowercase().starts_with("x-linked")
+                    || k.eq_ignore_ascii_case("ETag")
+                {
+                    reply.headers.push((k, v));
+                }
+            }
+            set_header(
+                &mut reply,
+                "Location",
+                &format!("{}/__cdn/{oid}", other.trim_end_matches('/')),
+            );
+        }
+    }
+    (reply, shape)
 }
 
 struct Req<'a> {
