@@ -98,7 +98,7 @@ pub fn check_not_input(out: &Path, input: &Path) -> Result<()> {
     let (o, i) = (resolve(out)?, resolve(input)?);
     if o.starts_with(&i) || i.starts_with(&o) {
         bail!(
-            "--out {} would write into the input {} (converters never modify their input; choose a folder outside it)",
+            "--out {} would overwrite the input {} (converters never write into their input; choose a path outside it)",
             out.display(),
             input.display()
         );

@@ -497,7 +497,7 @@ fn converters_never_write_into_their_input_and_outputs_follow_the_umask() {
     ] {
         let err = fails_cleanly(&args);
         assert!(
-            err.contains("would write into the input"),
+            err.contains("would overwrite the input"),
             "{args:?}: {err}"
         );
     }
