@@ -10,86 +10,15 @@
 
 use candle_core::{Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
-use serde::{Deserialize, Serialize};
 
-/// Θ, the normalised non-linearity applied to the token-parameter scores
-/// (config key `pattention_activation`, official `norm_activation_type`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Activation {
-    /// s / ‖s‖₂ · √n, then exact (erf) GELU. Every released model uses this.
-    #[default]
-    L2NormGelu,
-    /// GELU first, then the same L2 normalisation · √n.
-    GeluL2Norm,
-    /// exp, then L1 normalisation · n (= n · softmax).
-    Softmax,
-}
-
-impl std::str::FromStr for Activation {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "l2_norm_gelu" => Ok(Self::L2NormGelu),
-            "gelu_l2_norm" => Ok(Self::GeluL2Norm),
-            "softmax" => Ok(Self::Softmax),
-            other => Err(format!(
-                "unknown Pattention activation `{other}` (expected l2_norm_gelu, gelu_l2_norm or softmax)"
-            )),
-        }
-    }
-}
-
-impl Activation {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Self::L2NormGelu => "l2_norm_gelu",
-            Self::GeluL2Norm => "gelu_l2_norm",
-            Self::Softmax => "softmax",
-        }
-    }
-}
-
-/// The smallest norm we divide by. The official code divides by a zero norm
-/// and returns NaN for an all-zero score row; we return the row's limit (zeros
-/// after L2 normalisation) instead.
-const MIN_NORM: f64 = 1e-30;
-
-/// Applies Θ along the last (parameter-token) axis. `scale_tokens` is the n of
-/// √n (or of n for softmax): by default the layer's token count, but held
-/// fixed by the growth converter so that appended zero-key tokens keep the
-/// function unchanged.
-pub fn theta(scores: &Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
-    let n = scale_tokens as f64;
-    match activation {
-        Activation::L2NormGelu => l2_normalise(scores, n.sqrt())?.gelu_erf(),
-        Activation::GeluL2Norm => l2_normalise(&scores.gelu_erf()?, n.sqrt()),
-        Activation::Softmax => {
-            // exp(s)/Σexp(s)·n; subtracting the row max first changes nothing
-            // mathematically but avoids the official code's overflow to inf/inf.
-            let max = scores.max_keepdim(D::Minus1)?;
-            let e = scores.broadcast_sub(&max)?.exp()?;
-            let sum = e.sum_keepdim(D::Minus1)?;
-            e.broadcast_div(&sum)? * n
-        }
-    }
-}
-
-fn l2_normalise(s: &Tensor, factor: f64) -> Result<Tensor> {
-    let norm = s
-        .sqr()?
-        .sum_keepdim(D::Minus1)?
-        .sqrt()?
-        .clamp(MIN_NORM, f64::INFINITY)?;
-    s.broadcast_div(&(norm / factor)?)
-}
+pub use crate::kernels::theta::{theta, Activation};
 
 /// One Pattention layer: `key_param_tokens` [n, d_in], `value_param_tokens` [n, d_out].
 #[derive(Clone, Debug)]
 pub struct Pattention {
     /// The keys stored transposed, [d_in, n]: X·Kᵀ is then a plain
-    /// row-major product, which gemm runs about 13 % faster than the
-    /// transposed one (measured at 2048×768×768 and ×3072).
+    /// row-major product, which gemm runs faster than the transposed one
+    /// (docs/PERFORMANCE.md).
     key_t: Tensor,
     value: Tensor,
     activation: Activation,

@@ -14,8 +14,7 @@ use rayon::prelude::*;
 use std::cell::RefCell;
 
 /// Queries per task: 128 rows × 2048 keys of f32 scores is 1 MiB, inside a
-/// 2 MiB L2; measured best against 32, 64, 192 and 256 (at 2048 and 512
-/// tokens, 12 heads of 64).
+/// 2 MiB L2 (block sizes compared in docs/PERFORMANCE.md).
 const QUERY_BLOCK: usize = 128;
 
 struct Attention {
@@ -128,7 +127,7 @@ impl CustomOp3 for Attention {
                         } else {
                             seen
                         };
-                        super::softmax_row(row, valid);
+                        super::rows::softmax_row(row, valid);
                     }
                     // out[bi, start.., hi, :] = p · v   [rows, hd]
                     let op = out.0.add(((bi * t + start) * h + hi) * hd);
@@ -193,7 +192,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Ten
     }
     let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * scale)?;
     let probs = if causal {
-        super::causal_softmax(&scores)?
+        causal_softmax(&scores)?
     } else {
         candle_nn::ops::softmax_last_dim(&scores)?
     };
@@ -201,4 +200,101 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Ten
         .matmul(&v.contiguous()?)?
         .transpose(1, 2)?
         .reshape((b, t, h * hd))
+}
+
+/// Softmax over the last axis of scores [.., t, total] where query i (of the
+/// last t) may see keys 0..=past+i, past = total − t; masked entries are 0.
+/// Plain tensor ops: the path of devices and dtypes the fused attention
+/// kernel does not take.
+pub fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
+    let dims = scores.dims();
+    let (t, total) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    let past = total - t;
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, total), scores.device())?.to_dtype(scores.dtype())?;
+    candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{max_abs_diff, spread};
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// The fused kernel against plain f64 tensor ops: several query blocks,
+    /// cached keys before the queries, and q/k/v as head-transposed views.
+    #[test]
+    fn fused_attention_equals_reference() {
+        let (b, h, t, past, hd) = (2, 3, 300, 20, 16);
+        let heads = |rows: usize, salt: f32| {
+            (spread((b, rows, h, hd)) + salt as f64)
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+        };
+        let q = heads(t, 0.1);
+        let (k, v) = (heads(past + t, -0.2), heads(past + t, 0.3));
+        assert!(!q.is_contiguous());
+        for causal in [true, false] {
+            let got = attention(&q, &k, &v, causal).unwrap();
+            let f = |x: &Tensor| x.to_dtype(DType::F64).unwrap().contiguous().unwrap();
+            let scores = (f(&q).matmul(&f(&k).t().unwrap()).unwrap() / (hd as f64).sqrt()).unwrap();
+            let mask: Vec<f64> = (0..t)
+                .flat_map(|i| {
+                    (0..past + t).map(move |j| {
+                        if causal && j > past + i {
+                            f64::NEG_INFINITY
+                        } else {
+                            0.0
+                        }
+                    })
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (t, past + t), &Device::Cpu).unwrap();
+            let p =
+                candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap()).unwrap();
+            let want = p
+                .matmul(&f(&v))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .reshape((b, t, h * hd))
+                .unwrap();
+            let d = max_abs_diff(&got, &want);
+            assert!(d < 1e-5, "causal={causal}: {d}");
+        }
+    }
+
+    #[test]
+    fn causal_softmax_equals_f64_and_masks() {
+        let dev = Device::Cpu;
+        let sc = spread((2, 3, 5, 9));
+        let a = causal_softmax(&sc).unwrap();
+        let b = causal_softmax(
+            &sc.t()
+                .unwrap()
+                .t()
+                .unwrap()
+                .broadcast_add(&Tensor::zeros(1, DType::F32, &dev).unwrap())
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap(),
+        )
+        .unwrap();
+        let d = max_abs_diff(&a, &b);
+        assert!(d < 1e-6, "causal softmax {d}");
+        // Row 0 of a 5-query block after 4 cached keys sees exactly 5 keys.
+        let row: Vec<f32> = a
+            .get(0)
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(row[..5].iter().all(|&p| p > 0.0) && row[5..].iter().all(|&p| p == 0.0));
+    }
 }

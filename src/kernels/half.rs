@@ -3,7 +3,7 @@
 //! (`vcvtph2ps`) right after the load, so memory traffic is half that of f32
 //! weights and nothing is converted into a buffer first.
 
-use half::f16;
+use ::half::f16;
 
 /// Σ x[i]·w[i].
 pub fn dot(x: &[f32], w: &[f16]) -> f32 {
@@ -29,7 +29,7 @@ pub fn axpy(a: f32, w: &[f16], y: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use half::f16;
+    use ::half::f16;
     use std::arch::x86_64::*;
 
     /// 16 halves at `w` widened to f32.
