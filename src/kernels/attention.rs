@@ -11,6 +11,9 @@
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+
+use super::matmul::gemm_f32;
+use super::{active, Path};
 use std::cell::RefCell;
 
 /// Queries per task: 128 rows × 2048 keys of f32 scores is 1 MiB, inside a
@@ -20,6 +23,7 @@ const QUERY_BLOCK: usize = 128;
 struct Attention {
     causal: bool,
     scale: f32,
+    path: Path,
 }
 
 /// A raw output pointer shared by tasks that write disjoint rows.
@@ -100,25 +104,13 @@ impl CustomOp3 for Attention {
                     let kp = k.as_ptr().add(k0 + bi * ks[0] + hi * ks[1]);
                     let vp = v.as_ptr().add(v0 + bi * vs[0] + hi * vs[1]);
                     // s = scale · q_blk · kᵀ   [rows, seen]
-                    gemm::gemm(
-                        rows,
-                        seen,
-                        hd,
-                        s.as_mut_ptr(),
-                        1,
-                        seen as isize,
-                        false,
-                        qp,
-                        1,
-                        qs[2] as isize,
-                        kp,
-                        ks[2] as isize,
-                        1,
-                        0.0,
+                    gemm_f32(
+                        self.path,
+                        (rows, seen, hd),
+                        (s.as_mut_ptr(), 1, seen as isize),
+                        (qp, 1, qs[2] as isize),
+                        (kp, ks[2] as isize, 1),
                         self.scale,
-                        false,
-                        false,
-                        false,
                         gemm::Parallelism::None,
                     );
                     for (r, row) in s.chunks_mut(seen).enumerate() {
@@ -127,29 +119,17 @@ impl CustomOp3 for Attention {
                         } else {
                             seen
                         };
-                        super::rows::softmax_row(row, valid);
+                        super::rows::softmax_row_on(self.path, row, valid);
                     }
                     // out[bi, start.., hi, :] = p · v   [rows, hd]
                     let op = out.0.add(((bi * t + start) * h + hi) * hd);
-                    gemm::gemm(
-                        rows,
-                        hd,
-                        seen,
-                        op,
-                        1,
-                        (h * hd) as isize,
-                        false,
-                        s.as_ptr(),
-                        1,
-                        seen as isize,
-                        vp,
-                        1,
-                        vs[2] as isize,
-                        0.0,
+                    gemm_f32(
+                        self.path,
+                        (rows, hd, seen),
+                        (op, 1, (h * hd) as isize),
+                        (s.as_ptr(), 1, seen as isize),
+                        (vp, 1, vs[2] as isize),
                         1.0,
-                        false,
-                        false,
-                        false,
                         gemm::Parallelism::None,
                     );
                 }
@@ -187,6 +167,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Ten
             &Attention {
                 causal,
                 scale: scale as f32,
+                path: active(),
             },
         );
     }
@@ -264,6 +245,38 @@ mod tests {
                 .unwrap();
             let d = max_abs_diff(&got, &want);
             assert!(d < 1e-5, "causal={causal}: {d}");
+        }
+    }
+
+    #[test]
+    fn every_path_gives_the_portable_attention() {
+        let (b, h, t, hd) = (1, 2, 150, 16);
+        let x = |salt: f64| {
+            (spread((b, t, h, hd)) + salt)
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+        };
+        let (q, k, v) = (x(0.1), x(-0.2), x(0.3));
+        let unit = |x: &Tensor| x.clone();
+        let run = |path: Path| {
+            unit(&q)
+                .apply_op3_no_bwd(
+                    &k,
+                    &v,
+                    &Attention {
+                        causal: true,
+                        scale: 0.25,
+                        path,
+                    },
+                )
+                .unwrap()
+        };
+        let want = run(Path::new(super::super::Isa::Portable).unwrap());
+        for path in Path::all() {
+            // gemm's kernels for each path block the sums differently.
+            let d = max_abs_diff(&run(path), &want);
+            assert!(d < 1e-5, "{:?}: {d}", path.isa());
         }
     }
 

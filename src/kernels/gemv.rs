@@ -1,20 +1,24 @@
 //! The matrix products of decoding (a few rows of activations against a
 //! weight matrix): weights are streamed once from memory, with software
 //! prefetch, instead of being packed as gemm would on every call. Weights are
-//! f32 or f16 (widened in registers by [`super::half`]); arithmetic is f32.
+//! f32, f16 (widened in registers by [`super::half`]) or 8-bit
+//! ([`super::q8`]); arithmetic is f32.
 
 use candle_core::{CpuStorage, Layout, Result, Shape};
 use rayon::prelude::*;
 
-use super::rows::{axpy, dot};
-use super::{f32_slice, half};
+use super::q8::Q8Matrix;
+use super::rows::{axpy_on, dot_on};
+use super::{f32_slice, half, q8, Path};
 
-/// A weight matrix in its stored precision. Half-precision rows are widened
-/// to f32 just before use, so the arithmetic is f32 either way and decoding
-/// reads half the bytes.
+/// A weight matrix [n, k] in its stored precision. Narrow rows are widened
+/// to f32 in registers, so the arithmetic is f32 either way and decoding
+/// reads fewer bytes.
 enum Weights<'a> {
     F32(&'a [f32]),
     F16(&'a [::half::f16]),
+    /// int8 values and one scale per block of a row ([`q8::BLOCK`]).
+    Q8(&'a [i8], &'a [f32]),
 }
 
 impl<'a> Weights<'a> {
@@ -31,18 +35,24 @@ impl<'a> Weights<'a> {
 
     /// x · (row j of width k).
     #[inline]
-    fn dot(&self, j: usize, k: usize, x: &[f32]) -> f32 {
+    fn dot(&self, path: Path, j: usize, k: usize, x: &[f32]) -> f32 {
         match self {
-            Self::F32(w) => dot(x, &w[j * k..(j + 1) * k]),
-            Self::F16(w) => half::dot(x, &w[j * k..(j + 1) * k]),
+            Self::F32(w) => dot_on(path, x, &w[j * k..(j + 1) * k]),
+            Self::F16(w) => half::dot_on(path, x, &w[j * k..(j + 1) * k]),
+            Self::Q8(q, s) => {
+                let b = k.div_ceil(q8::BLOCK);
+                q8::dot_on(path, x, &q[j * k..(j + 1) * k], &s[j * b..(j + 1) * b])
+            }
         }
     }
 
-    /// Bytes in a row of width k.
+    /// Bytes of a row of width k in the main array (values; q8's scales
+    /// are an eighth of that on top, prefetched with them).
     fn row_bytes(&self, k: usize) -> usize {
         match self {
             Self::F32(_) => 4 * k,
             Self::F16(_) => 2 * k,
+            Self::Q8(..) => k,
         }
     }
 
@@ -57,17 +67,20 @@ impl<'a> Weights<'a> {
     fn prefetch(&self, j: usize, k: usize) {
         #[cfg(target_arch = "x86_64")]
         {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             let rows = j * k..(j + 1) * k;
             let start = match self {
                 Self::F32(w) => w.get(rows).map(|r| r.as_ptr().cast::<i8>()),
                 Self::F16(w) => w.get(rows).map(|r| r.as_ptr().cast::<i8>()),
+                Self::Q8(q, s) => {
+                    let b = k.div_ceil(q8::BLOCK);
+                    if let Some(r) = s.get(j * b..(j + 1) * b) {
+                        prefetch_bytes(r.as_ptr().cast(), 4 * b);
+                    }
+                    q.get(rows).map(|r| r.as_ptr())
+                }
             };
-            let Some(start) = start else { return };
-            for off in (0..self.row_bytes(k)).step_by(64) {
-                // SAFETY: the address is inside the row (and a prefetch is
-                // only a hint that never faults).
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(off)) };
+            if let Some(start) = start {
+                prefetch_bytes(start, self.row_bytes(k));
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -76,11 +89,24 @@ impl<'a> Weights<'a> {
 
     /// y += a · (row j of width k).
     #[inline]
-    fn axpy(&self, j: usize, k: usize, a: f32, y: &mut [f32]) {
+    fn axpy(&self, path: Path, j: usize, k: usize, a: f32, y: &mut [f32]) {
         match self {
-            Self::F32(w) => axpy(a, &w[j * k..(j + 1) * k], y),
-            Self::F16(w) => half::axpy(a, &w[j * k..(j + 1) * k], y),
+            Self::F32(w) => axpy_on(path, a, &w[j * k..(j + 1) * k], y),
+            Self::F16(w) => half::axpy_on(path, a, &w[j * k..(j + 1) * k], y),
+            Self::Q8(..) => unreachable!("8-bit weights are only multiplied transposed"),
         }
+    }
+}
+
+/// Prefetches the `len` bytes from `start` (inside one allocation) into L1.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn prefetch_bytes(start: *const i8, len: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    for off in (0..len).step_by(64) {
+        // SAFETY: the address is inside the caller's slice (and a prefetch
+        // is only a hint that never faults).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(off)) };
     }
 }
 
@@ -89,6 +115,7 @@ impl<'a> Weights<'a> {
 /// rows), else `x · w` (w [n, k], weighted sums of weight rows).
 pub(super) struct SmallMatmul {
     pub(super) transposed: bool,
+    pub(super) path: Path,
 }
 
 impl candle_core::CustomOp2 for SmallMatmul {
@@ -108,15 +135,40 @@ impl candle_core::CustomOp2 for SmallMatmul {
         let (n, k) = l2.shape().dims2()?;
         Ok(if self.transposed {
             (
-                CpuStorage::F32(matmul_nt_rows(x, &w, m, n, k)),
+                CpuStorage::F32(matmul_nt_rows(self.path, x, &w, m, n, k)),
                 Shape::from((m, n)),
             )
         } else {
             (
-                CpuStorage::F32(matmul_nn_rows(x, &w, m, n, k)),
+                CpuStorage::F32(matmul_nn_rows(self.path, x, &w, m, n, k)),
                 Shape::from((m, k)),
             )
         })
+    }
+}
+
+/// `x · wᵀ` for 8-bit weights w [n, k] and a few rows x [m, k].
+pub(super) struct SmallMatmulQ8<'a> {
+    pub(super) w: &'a Q8Matrix,
+    pub(super) path: Path,
+}
+
+impl candle_core::CustomOp1 for SmallMatmulQ8<'_> {
+    fn name(&self) -> &'static str {
+        "matmul-small-q8"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s, l, "matmul-small-q8")?;
+        let (m, k) = l.shape().dims2()?;
+        let (n, wk) = self.w.dims();
+        if k != wk {
+            candle_core::bail!(
+                "matmul-small-q8: x [{m}, {k}] and wᵀ of [{n}, {wk}] do not multiply"
+            )
+        }
+        let (q, s) = self.w.data();
+        let out = matmul_nt_rows(self.path, x, &Weights::Q8(q, s), m, n, k);
+        Ok((CpuStorage::F32(out), Shape::from((m, n))))
     }
 }
 
@@ -127,7 +179,7 @@ const PREFETCH_BYTES: usize = 12 << 10;
 
 /// x [m, k] · wᵀ: each task owns whole weight rows, so the result is built
 /// transposed ([n, m]) and turned around at the end.
-fn matmul_nt_rows(x: &[f32], w: &Weights, m: usize, n: usize, k: usize) -> Vec<f32> {
+fn matmul_nt_rows(path: Path, x: &[f32], w: &Weights, m: usize, n: usize, k: usize) -> Vec<f32> {
     let mut t = vec![0f32; n * m];
     let ahead = w.rows_ahead(k);
     t.par_chunks_mut(m * 64).enumerate().for_each(|(c, out)| {
@@ -135,7 +187,7 @@ fn matmul_nt_rows(x: &[f32], w: &Weights, m: usize, n: usize, k: usize) -> Vec<f
             let j = c * 64 + r;
             w.prefetch(j + ahead, k);
             for (i, oi) in o.iter_mut().enumerate() {
-                *oi = w.dot(j, k, &x[i * k..(i + 1) * k]);
+                *oi = w.dot(path, j, k, &x[i * k..(i + 1) * k]);
             }
         }
     });
@@ -150,12 +202,12 @@ fn matmul_nt_rows(x: &[f32], w: &Weights, m: usize, n: usize, k: usize) -> Vec<f
 
 /// x [m, n] · w: split over threads by blocks of weight rows, each with its
 /// own partial sums, added up at the end.
-fn matmul_nn_rows(x: &[f32], w: &Weights, m: usize, n: usize, k: usize) -> Vec<f32> {
+fn matmul_nn_rows(path: Path, x: &[f32], w: &Weights, m: usize, n: usize, k: usize) -> Vec<f32> {
     // About four blocks per thread: fewer, larger blocks left threads idle
     // (docs/PERFORMANCE.md).
     let block = n.div_ceil(4 * rayon::current_num_threads()).max(32);
     let ahead = w.rows_ahead(k);
-    (0..n.div_ceil(block))
+    let partial: Vec<Vec<f32>> = (0..n.div_ceil(block))
         .into_par_iter()
         .map(|b| {
             let mut acc = vec![0f32; m * k];
@@ -167,19 +219,20 @@ fn matmul_nn_rows(x: &[f32], w: &Weights, m: usize, n: usize, k: usize) -> Vec<f
                 for i in 0..m {
                     let a = x[i * n + j];
                     if a != 0.0 {
-                        w.axpy(j, k, a, &mut acc[i * k..(i + 1) * k]);
+                        w.axpy(path, j, k, a, &mut acc[i * k..(i + 1) * k]);
                     }
                 }
             }
             acc
         })
-        .reduce(
-            || vec![0f32; m * k],
-            |mut a, b| {
-                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                a
-            },
-        )
+        .collect();
+    // Added in block order, not in rayon's reduction tree (whose shape
+    // depends on work stealing): the same inputs always give the same bits.
+    let mut out = vec![0f32; m * k];
+    for p in &partial {
+        out.iter_mut().zip(p).for_each(|(o, v)| *o += v);
+    }
+    out
 }
 
 #[cfg(test)]

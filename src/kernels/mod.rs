@@ -1,8 +1,15 @@
 //! Fused CPU kernels for the hot loops that candle would otherwise run as
 //! several single-threaded passes or copies. They are row-parallel with
-//! rayon, compiled for AVX2/AVX-512 and chosen at run time, and fall back to
-//! plain tensor ops for other devices, dtypes or layouts, so results never
-//! depend on the path.
+//! rayon and fall back to plain tensor ops for other devices, dtypes or
+//! layouts.
+//!
+//! Every kernel exists for three instruction-set [`Isa`]s: portable Rust,
+//! AVX2+FMA+F16C and AVX-512. The best one the CPU has is chosen once per
+//! process, unless the environment variable `TOKENFORMER_KERNELS`
+//! (`portable`, `avx2`, `avx512` or `auto`) asks for another, so one machine
+//! can run (and test) every path it supports; gemm follows the same choice.
+//! The row kernels are written so that all paths add in the same order, and
+//! where they do the results are the same to the bit (tested).
 //!
 //! - [`math`]: vectorisable erf, exp and GELU;
 //! - [`rows`]: per-row primitives (dot, axpy, sums, softmax) and the dispatch
@@ -12,7 +19,10 @@
 //! - [`attention`]: fused token-token attention;
 //! - [`gemv`]: the matrix-vector products of decoding (f32 or f16 weights,
 //!   the latter widened by [`half`]);
+//! - [`q8`]: 8-bit weights (int8 blocks of 32 with an f32 scale each);
 //! - [`matmul`]: the products' entry points, gemm for the compute-bound ones.
+
+use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, Layout, Result};
 
@@ -21,16 +31,164 @@ mod gemv;
 mod half;
 mod math;
 mod matmul;
+pub mod q8;
 mod rotary;
 mod rows;
 pub mod theta;
 
 pub use attention::{attention, causal_softmax};
 pub use math::{erf_f32, exp_f32, gelu_erf_f32};
-pub use matmul::{matmul_nn, matmul_nt, SMALL_ROWS};
+pub use matmul::{matmul_nn, matmul_nt, matmul_nt_q8, SMALL_ROWS};
+pub use q8::Q8Matrix;
 pub use rotary::rotary;
 pub use rows::{max_and_exp_sum, sum};
 pub use theta::theta_owned;
+
+/// An instruction-set level the kernels are compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    /// Plain Rust for the build target (SSE2 on x86-64), and gemm's scalar kernels.
+    Portable,
+    /// AVX2 + FMA + F16C: 256-bit registers.
+    Avx2,
+    /// AVX-512F (with AVX2, FMA and F16C): 512-bit registers.
+    Avx512,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+
+    /// The name `TOKENFORMER_KERNELS` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// The CPU features the path's code is compiled for.
+    pub fn features(self) -> &'static [&'static str] {
+        match self {
+            Isa::Portable => &[],
+            Isa::Avx2 => &["avx2", "fma", "f16c"],
+            Isa::Avx512 => &["avx512f", "avx2", "fma", "f16c"],
+        }
+    }
+
+    /// Whether this CPU has every feature the path uses.
+    pub fn is_supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let v3 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            match self {
+                Isa::Portable => true,
+                Isa::Avx2 => v3,
+                Isa::Avx512 => v3 && is_x86_feature_detected!("avx512f"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Portable
+        }
+    }
+}
+
+impl std::fmt::Display for Isa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An [`Isa`] this CPU supports. Kernels take a `Path`, never a bare `Isa`,
+/// so code compiled for a feature cannot run on a CPU without it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Path(Isa);
+
+impl Path {
+    /// `isa`, if this CPU supports it.
+    pub fn new(isa: Isa) -> Option<Path> {
+        isa.is_supported().then_some(Path(isa))
+    }
+
+    pub fn isa(self) -> Isa {
+        self.0
+    }
+
+    /// Every path this CPU supports, portable first.
+    pub fn all() -> Vec<Path> {
+        Isa::ALL.into_iter().filter_map(Path::new).collect()
+    }
+
+    /// The fastest path this CPU supports.
+    pub fn best() -> Path {
+        *Path::all().last().expect("portable is always supported")
+    }
+}
+
+/// The environment variable that forces a kernel path.
+pub const KERNELS_ENV: &str = "TOKENFORMER_KERNELS";
+
+/// The kernel path of this process and how it was chosen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selection {
+    pub path: Path,
+    /// What was asked for: `auto` when `TOKENFORMER_KERNELS` is unset or empty.
+    pub requested: String,
+    /// Why the request could not be honoured (an unknown name, or a path this
+    /// CPU lacks); the best supported path is used instead. For the caller
+    /// to show: the library prints nothing.
+    pub warning: Option<String>,
+}
+
+/// The path for a `TOKENFORMER_KERNELS` value (`None`, empty or `auto`: the best).
+pub fn select(request: Option<&str>) -> Selection {
+    let requested = request.map(str::trim).filter(|r| !r.is_empty());
+    let requested = requested.unwrap_or("auto").to_ascii_lowercase();
+    let best = Path::best();
+    let chosen = |path: Path, warning: Option<String>| Selection {
+        path,
+        requested: requested.clone(),
+        warning,
+    };
+    if requested == "auto" {
+        return chosen(best, None);
+    }
+    match Isa::ALL.into_iter().find(|i| i.as_str() == requested) {
+        Some(isa) => match Path::new(isa) {
+            Some(path) => chosen(path, None),
+            None => chosen(
+                best,
+                Some(format!(
+                    "{KERNELS_ENV}={requested}: this CPU lacks {}; using {}",
+                    isa.features().join("+"),
+                    best.isa()
+                )),
+            ),
+        },
+        None => chosen(
+            best,
+            Some(format!(
+                "{KERNELS_ENV}={requested} is not one of auto, portable, avx2, avx512; using {}",
+                best.isa()
+            )),
+        ),
+    }
+}
+
+/// The selection of this process, made from `TOKENFORMER_KERNELS` on first use.
+pub fn selection() -> &'static Selection {
+    static SELECTION: OnceLock<Selection> = OnceLock::new();
+    SELECTION.get_or_init(|| select(std::env::var(KERNELS_ENV).ok().as_deref()))
+}
+
+/// The path every kernel of this process takes.
+#[inline]
+pub fn active() -> Path {
+    selection().path
+}
 
 /// The contiguous f32 data of a CPU tensor.
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
@@ -41,6 +199,35 @@ fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]>
         candle_core::bail!("{what}: contiguous input only")
     };
     Ok(&d[a..b])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selection_honours_supported_requests_and_warns_otherwise() {
+        let best = Path::best();
+        for unset in [None, Some(""), Some("auto"), Some(" AUTO ")] {
+            assert_eq!(select(unset).path, best, "{unset:?}");
+            assert_eq!(select(unset).warning, None);
+        }
+        for isa in Isa::ALL {
+            let s = select(Some(isa.as_str()));
+            if isa.is_supported() {
+                assert_eq!((s.path.isa(), s.warning), (isa, None));
+            } else {
+                assert_eq!(s.path, best);
+                let w = s.warning.expect("a warning for a missing feature");
+                assert!(w.contains("lacks") && w.contains(isa.features()[0]), "{w}");
+            }
+        }
+        let s = select(Some("avx3"));
+        assert_eq!(s.path, best);
+        assert!(s.warning.unwrap().contains("not one of"));
+        // Portable is always there, and listed first.
+        assert_eq!(Path::all()[0].isa(), Isa::Portable);
+    }
 }
 
 /// Deterministic inputs and comparisons shared by the kernels' tests.

@@ -4,30 +4,39 @@
 
 use super::math::exp_f32;
 
-/// The same loops compiled for AVX2+FMA / AVX-512 and chosen at run time: the
-/// default x86-64 target only has SSE2, which halves these bandwidth- and
-/// erf-bound loops. The bodies are the generic ones, so results do not depend
-/// on the CPU beyond float rounding.
+/// The same loops compiled for AVX2+FMA+F16C and for AVX-512, picked by the
+/// process's [`super::active`] path (`name`) or a given one (`name_on`, which
+/// the tests run on every path the CPU has): the default x86-64 target only
+/// has SSE2, which halves these bandwidth- and erf-bound loops. The bodies are
+/// the generic ones and do not use FMA (Rust never fuses `a * b + c`), so the
+/// three paths give the same bits.
 macro_rules! dispatch {
-    ($($(#[$doc:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $generic:ident;)*) => {$(
+    ($($(#[$doc:meta])* $vis:vis fn $name:ident / $on:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $generic:ident;)*) => {$(
         $(#[$doc])*
         #[inline]
+        #[allow(dead_code)]
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            $on($crate::kernels::active(), $($arg),*)
+        }
+
+        #[inline]
+        #[allow(dead_code)]
+        pub(crate) fn $on(path: $crate::kernels::Path, $($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
-                #[target_feature(enable = "avx512f,avx2,fma")]
+                #[target_feature(enable = "avx512f,avx2,fma,f16c")]
                 unsafe fn v4($($arg: $ty),*) $(-> $ret)? { $generic($($arg),*) }
-                #[target_feature(enable = "avx2,fma")]
+                #[target_feature(enable = "avx2,fma,f16c")]
                 unsafe fn v3($($arg: $ty),*) $(-> $ret)? { $generic($($arg),*) }
-                if is_x86_feature_detected!("avx512f") {
-                    // SAFETY: the CPU has the features the function is compiled for.
-                    return unsafe { v4($($arg),*) };
-                }
-                if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                match path.isa() {
+                    // SAFETY: a Path exists only for an ISA the CPU supports.
+                    $crate::kernels::Isa::Avx512 => return unsafe { v4($($arg),*) },
                     // SAFETY: as above.
-                    return unsafe { v3($($arg),*) };
+                    $crate::kernels::Isa::Avx2 => return unsafe { v3($($arg),*) },
+                    $crate::kernels::Isa::Portable => {}
                 }
             }
+            let _ = path;
             $generic($($arg),*)
         }
     )*};
@@ -120,6 +129,30 @@ fn axpy_generic(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// The sum of 16 lanes as a halving tree (lane i + lane i+8, then +4, +2,
+/// +1): the order in which the SIMD kernels fold their registers, so that
+/// every path rounds alike.
+#[inline(always)]
+pub(super) fn reduce16(mut acc: [f32; 16]) -> f32 {
+    for w in [8, 4, 2, 1] {
+        for i in 0..w {
+            acc[i] += acc[i + w];
+        }
+    }
+    acc[0]
+}
+
+/// Σ x·w of the elements after the last whole 16, in order.
+#[inline(always)]
+pub(super) fn tail_dot(x: &[f32], w: impl Iterator<Item = f32>) -> f32 {
+    x.iter().zip(w).map(|(a, b)| a * b).sum::<f32>()
+}
+
+/// Σ a·b. The contract every dot kernel (f32, f16 and 8-bit weights, every
+/// path) follows, so that they give the same bits for the same f32 weights:
+/// element i of each whole 16 goes to lane i % 16 as `lane += a·b` (a
+/// product, then a sum: no FMA), the lanes fold by [`reduce16`], and the
+/// tail's products are summed in order and added last.
 #[inline(always)]
 fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
@@ -130,7 +163,7 @@ fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
             acc[k] += x[k] * y[k];
         }
     }
-    acc.iter().sum::<f32>() + ta.iter().zip(tb).map(|(x, y)| x * y).sum::<f32>()
+    reduce16(acc) + tail_dot(ta, tb.iter().copied())
 }
 
 fn sum_generic(a: &[f32]) -> f32 {
@@ -147,19 +180,92 @@ fn sum_generic(a: &[f32]) -> f32 {
 }
 
 dispatch! {
-    pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 = dot_generic;
-    pub(super) fn axpy(a: f32, x: &[f32], y: &mut [f32]) = axpy_generic;
-    pub(super) fn softmax_row(row: &mut [f32], valid: usize) = softmax_row_generic;
+    pub(super) fn dot / dot_on(a: &[f32], b: &[f32]) -> f32 = dot_generic;
+    pub(super) fn axpy / axpy_on(a: f32, x: &[f32], y: &mut [f32]) = axpy_generic;
+    pub(super) fn softmax_row / softmax_row_on(row: &mut [f32], valid: usize) = softmax_row_generic;
     /// The row's maximum and Σ exp(v − max): a log-softmax's two reductions,
     /// vectorised (the output layer's rows are vocabulary-sized).
-    pub fn max_and_exp_sum(row: &[f32]) -> (f32, f64) = max_and_exp_sum_generic;
+    pub fn max_and_exp_sum / max_and_exp_sum_on(row: &[f32]) -> (f32, f64) = max_and_exp_sum_generic;
     /// Σ a, vectorised: the streaming read the benchmark measures bandwidth with.
-    pub fn sum(a: &[f32]) -> f32 = sum_generic;
+    pub fn sum / sum_on(a: &[f32]) -> f32 = sum_generic;
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::Path;
     use super::*;
+
+    /// Values of both signs and many magnitudes, so rounding differs with
+    /// the order of additions (a reordering would show in the bits).
+    fn wild(n: usize, salt: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| {
+                let h = (i.wrapping_mul(2_654_435_761) ^ salt).wrapping_mul(40_503);
+                let m = (h >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
+                m * [1e-3f32, 0.1, 1.0, 30.0][(h & 3) as usize]
+            })
+            .collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn every_path_gives_the_portable_bits() {
+        let portable = Path::new(crate::kernels::Isa::Portable).unwrap();
+        for path in Path::all() {
+            // Lengths around the 16- and 64-wide chunks, and vocabulary-sized.
+            for n in [0, 1, 15, 16, 17, 63, 64, 65, 100, 768, 4099, 50_304] {
+                let (a, b) = (wild(n, 1), wild(n, 2));
+                let at = |p| (n, path.isa(), p);
+                let want = dot_on(portable, &a, &b);
+                assert_eq!(
+                    dot_on(path, &a, &b).to_bits(),
+                    want.to_bits(),
+                    "{:?}",
+                    at("dot")
+                );
+                let (mut y, mut z) = (b.clone(), b.clone());
+                axpy_on(portable, 0.37, &a, &mut y);
+                axpy_on(path, 0.37, &a, &mut z);
+                assert_eq!(bits(&z), bits(&y), "{:?}", at("axpy"));
+                assert_eq!(sum_on(path, &a).to_bits(), sum_on(portable, &a).to_bits());
+                let (m, e) = max_and_exp_sum_on(path, &a);
+                let (pm, pe) = max_and_exp_sum_on(portable, &a);
+                assert_eq!(
+                    (m.to_bits(), e.to_bits()),
+                    (pm.to_bits(), pe.to_bits()),
+                    "{:?}",
+                    at("lse")
+                );
+                let valid = n * 2 / 3;
+                let (mut s, mut t) = (a.clone(), a.clone());
+                softmax_row_on(portable, &mut s, valid);
+                softmax_row_on(path, &mut t, valid);
+                assert_eq!(bits(&t), bits(&s), "{:?}", at("softmax"));
+            }
+        }
+    }
+
+    #[test]
+    fn dot_is_accurate() {
+        // Against an f64 sum: the lane order is a fixed, not a careless, one.
+        for n in [1, 16, 33, 768, 3072] {
+            let (a, b) = (wild(n, 3), wild(n, 4));
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let scale: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (*x as f64 * *y as f64).abs())
+                .sum();
+            let got = dot(&a, &b) as f64;
+            assert!(
+                (got - want).abs() <= 1e-6 * scale.max(1e-30),
+                "n={n}: {got} vs {want}"
+            );
+        }
+    }
 
     #[test]
     fn sum_matches_f64_sum() {

@@ -103,7 +103,7 @@ fn theta_row_generic(row: &mut [f32], activation: Activation, n: f32) {
 }
 
 dispatch! {
-    fn theta_row(row: &mut [f32], activation: Activation, n: f32) = theta_row_generic;
+    fn theta_row / theta_row_on(row: &mut [f32], activation: Activation, n: f32) = theta_row_generic;
 }
 
 struct ThetaOp {
@@ -171,6 +171,24 @@ mod tests {
             let b = theta(&s, act, 40).unwrap();
             let d = max_abs_diff(&a, &b);
             assert!(d < 1e-5, "{act:?}: {d}");
+        }
+        // Every path gives the portable bits (same generic body, no FMA).
+        let rows: Vec<f32> = s.flatten_all().unwrap().to_vec1().unwrap();
+        let portable = super::super::Path::new(super::super::Isa::Portable).unwrap();
+        for path in super::super::Path::all() {
+            for act in [
+                Activation::L2NormGelu,
+                Activation::GeluL2Norm,
+                Activation::Softmax,
+            ] {
+                for r in rows.chunks(53) {
+                    let (mut a, mut b) = (r.to_vec(), r.to_vec());
+                    theta_row_on(portable, &mut a, act, 40.0);
+                    theta_row_on(path, &mut b, act, 40.0);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&b), bits(&a), "{act:?} {:?}", path.isa());
+                }
+            }
         }
         // An all-zero row gives zeros, not NaN.
         let z = theta_owned(

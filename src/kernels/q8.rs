@@ -1,0 +1,371 @@
+//! 8-bit weights for decoding (`--weight-dtype q8`): a matrix [rows, cols]
+//! kept as symmetric int8 in blocks of [`BLOCK`] consecutive values of a row,
+//! each block with one f32 scale (its largest magnitude / 127), so a value is
+//! `q · scale`. Rows are laid out [out, in]: the blocks run along the input
+//! dimension and decoding takes dot products with whole rows. A weight costs
+//! 1 + 4/32 bytes instead of 4.
+//!
+//! Arithmetic stays f32: the dot kernels widen each int8 to f32, multiply by
+//! its block's scale and then follow the lane contract of [`super::rows`], so
+//! they give the bits of the f32 kernel on [`Q8Matrix::dequantize`]d weights,
+//! on every path.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Result, Tensor};
+use rayon::prelude::*;
+
+use super::rows::{reduce16, tail_dot};
+use super::{Isa, Path};
+
+/// Values per scale.
+pub const BLOCK: usize = 32;
+
+/// A weight matrix quantised to int8 blocks with f32 scales.
+#[derive(Clone)]
+pub struct Q8Matrix {
+    rows: usize,
+    cols: usize,
+    /// rows × cols, row-major.
+    q: Arc<[i8]>,
+    /// rows × cols.div_ceil(BLOCK), row-major.
+    scales: Arc<[f32]>,
+}
+
+impl std::fmt::Debug for Q8Matrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Q8Matrix[{}, {}]", self.rows, self.cols)
+    }
+}
+
+/// One block's scale and int8 values.
+fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 {
+        q.fill(0);
+        return 0.0;
+    }
+    let scale = amax / 127.0;
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = (v / scale).round().clamp(-127.0, 127.0) as i8;
+    }
+    scale
+}
+
+impl Q8Matrix {
+    /// Quantises a rank-2 float tensor on the CPU, of any float dtype.
+    /// `name` names the tensor in errors: a value that is not finite cannot
+    /// be quantised (its block's scale would be too) and is refused.
+    pub fn quantize(t: &Tensor, name: &str) -> Result<Self> {
+        let (rows, cols) = t.dims2()?;
+        if !t.device().is_cpu() {
+            candle_core::bail!("tensor `{name}`: 8-bit weights are for the CPU only")
+        }
+        let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        if let Some(i) = data.iter().position(|v| !v.is_finite()) {
+            candle_core::bail!(
+                "tensor `{name}`: element ({}, {}) is {}, which cannot be quantised to 8 bits",
+                i / cols.max(1),
+                i % cols.max(1),
+                data[i]
+            )
+        }
+        Ok(Self::from_rows(&data, rows, cols))
+    }
+
+    /// Quantises `rows` × `cols` finite f32 values, row-major.
+    pub fn from_rows(data: &[f32], rows: usize, cols: usize) -> Self {
+        assert_eq!(data.len(), rows * cols, "Q8Matrix::from_rows: length");
+        let blocks = cols.div_ceil(BLOCK);
+        let mut q = vec![0i8; rows * cols];
+        let mut scales = vec![0f32; rows * blocks];
+        if cols > 0 {
+            q.par_chunks_mut(cols)
+                .zip(scales.par_chunks_mut(blocks))
+                .zip(data.par_chunks(cols))
+                .for_each(|((q, s), x)| {
+                    for ((q, s), x) in q.chunks_mut(BLOCK).zip(s).zip(x.chunks(BLOCK)) {
+                        *s = quantize_block(x, q);
+                    }
+                });
+        }
+        Self {
+            rows,
+            cols,
+            q: q.into(),
+            scales: scales.into(),
+        }
+    }
+
+    pub fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    /// Scales per row.
+    pub fn blocks(&self) -> usize {
+        self.cols.div_ceil(BLOCK)
+    }
+
+    /// Bytes held (values and scales).
+    pub fn bytes(&self) -> usize {
+        self.q.len() + 4 * self.scales.len()
+    }
+
+    /// Row r's int8 values and scales.
+    pub(super) fn row(&self, r: usize) -> (&[i8], &[f32]) {
+        let b = self.blocks();
+        (
+            &self.q[r * self.cols..(r + 1) * self.cols],
+            &self.scales[r * b..(r + 1) * b],
+        )
+    }
+
+    pub(super) fn data(&self) -> (&[i8], &[f32]) {
+        (&self.q, &self.scales)
+    }
+
+    /// Row r as f32 values `q · scale` into `out` (cols long).
+    fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let (q, s) = self.row(r);
+        for ((o, q), s) in out.chunks_mut(BLOCK).zip(q.chunks(BLOCK)).zip(s) {
+            for (o, &q) in o.iter_mut().zip(q) {
+                *o = q as f32 * s;
+            }
+        }
+    }
+
+    /// The f32 matrix [rows, cols] the kernels compute with (for the
+    /// compute-bound products, which run gemm on it).
+    pub fn dequantize(&self) -> Result<Tensor> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        if self.cols > 0 {
+            out.par_chunks_mut(self.cols)
+                .enumerate()
+                .for_each(|(r, o)| self.dequantize_row(r, o));
+        }
+        Tensor::from_vec(out, (self.rows, self.cols), &Device::Cpu)
+    }
+
+    /// Rows `ids` as f32 [ids.len(), cols] (an embedding lookup).
+    pub fn select_rows(&self, ids: &[u32]) -> Result<Tensor> {
+        let mut out = vec![0f32; ids.len() * self.cols];
+        for (&id, o) in ids.iter().zip(out.chunks_mut(self.cols.max(1))) {
+            let r = id as usize;
+            if r >= self.rows {
+                candle_core::bail!("row {r} is outside a matrix of {} rows", self.rows)
+            }
+            self.dequantize_row(r, o);
+        }
+        Tensor::from_vec(out, (ids.len(), self.cols), &Device::Cpu)
+    }
+}
+
+/// Σ x[i]·(q[i]·scale of i's block) on `path`; q and scales are one row's.
+pub fn dot_on(path: Path, x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+    let n = x.len().min(q.len()).min(scales.len() * BLOCK);
+    let (x, q) = (&x[..n], &q[..n]);
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports; scales
+        // cover 0..n (n is capped by them above).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::dot(x, q, scales) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::dot(x, q, scales) },
+        _ => dot_portable(x, q, scales),
+    }
+}
+
+#[inline(always)]
+fn widen(q: i8, scale: f32) -> f32 {
+    q as f32 * scale
+}
+
+/// The tail after the last whole 16 from `start`, in order.
+#[inline(always)]
+fn tail(x: &[f32], q: &[i8], scales: &[f32], start: usize) -> f32 {
+    let w = (start..q.len()).map(|i| widen(q[i], scales[i / BLOCK]));
+    tail_dot(&x[start..], w)
+}
+
+fn dot_portable(x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let whole = x.len() / 16 * 16;
+    for i in (0..whole).step_by(16) {
+        let s = scales[i / BLOCK];
+        for k in 0..16 {
+            acc[k] += x[i + k] * widen(q[i + k], s);
+        }
+    }
+    reduce16(acc) + tail(x, q, scales, whole)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// 8 int8 at `q` as f32 times `s`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(q: *const i8, s: __m256) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable bytes.
+        let v = unsafe { _mm_loadl_epi64(q as *const __m128i) };
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s)
+    }
+
+    /// x and q of equal length n, scales for 0..n.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot(x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+        let whole = x.len() / 16 * 16;
+        let (xp, qp) = (x.as_ptr(), q.as_ptr());
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        // SAFETY: every load is within 0..whole of x and q, and i / BLOCK
+        // indexes a scale of 0..n.
+        unsafe {
+            while i < whole {
+                let s = _mm256_set1_ps(*scales.get_unchecked(i / BLOCK));
+                let a = _mm256_mul_ps(_mm256_loadu_ps(xp.add(i)), load8(qp.add(i), s));
+                let b = _mm256_mul_ps(_mm256_loadu_ps(xp.add(i + 8)), load8(qp.add(i + 8), s));
+                lo = _mm256_add_ps(lo, a);
+                hi = _mm256_add_ps(hi, b);
+                i += 16;
+            }
+        }
+        super::super::half::fold16_avx2(lo, hi) + tail(x, q, scales, whole)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// x and q of equal length n, scales for 0..n.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dot(x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+        let whole = x.len() / 16 * 16;
+        let (xp, qp) = (x.as_ptr(), q.as_ptr());
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        // SAFETY: every load is within 0..whole of x and q, and i / BLOCK
+        // indexes a scale of 0..n.
+        unsafe {
+            while i < whole {
+                let s = _mm512_set1_ps(*scales.get_unchecked(i / BLOCK));
+                let v = _mm512_cvtepi8_epi32(_mm_loadu_si128(qp.add(i) as *const __m128i));
+                let w = _mm512_mul_ps(_mm512_cvtepi32_ps(v), s);
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(xp.add(i)), w));
+                i += 16;
+            }
+        }
+        super::super::half::fold16_avx512(acc) + tail(x, q, scales, whole)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::rows;
+    use super::*;
+
+    fn values(n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (i as f32 * 0.61).sin() * [0.02, 1.0, 7.0][i / 40 % 3])
+            .collect()
+    }
+
+    #[test]
+    fn quantisation_error_is_at_most_half_a_step_per_block() {
+        // 77 columns: two whole blocks and a partial one of 13.
+        let (rows, cols) = (5, 77);
+        let x = values(rows * cols);
+        let m = Q8Matrix::from_rows(&x, rows, cols);
+        let back: Vec<f32> = m
+            .dequantize()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for r in 0..rows {
+            for (b, block) in x[r * cols..(r + 1) * cols].chunks(BLOCK).enumerate() {
+                let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let step = amax / 127.0;
+                for (j, v) in block.iter().enumerate() {
+                    let got = back[r * cols + b * BLOCK + j];
+                    assert!(
+                        (got - v).abs() <= 0.5 * step * 1.0001,
+                        "({r}, {b}, {j}): {got} vs {v}"
+                    );
+                }
+                // The largest magnitude is kept exactly (up to the scale's rounding).
+                let i = block.iter().position(|v| v.abs() == amax).unwrap();
+                let got = back[r * cols + b * BLOCK + i];
+                assert!((got.abs() - amax).abs() <= amax * 1e-6, "{got} vs {amax}");
+            }
+        }
+        assert_eq!(m.bytes(), rows * cols + 4 * rows * 3);
+        // An all-zero block has scale 0 and gives zeros, not NaN.
+        let z = Q8Matrix::from_rows(&[0.0; 40], 1, 40);
+        assert_eq!(
+            z.dequantize().unwrap().to_vec2::<f32>().unwrap(),
+            vec![vec![0f32; 40]]
+        );
+    }
+
+    #[test]
+    fn non_finite_weights_are_refused_with_their_name() {
+        let t = Tensor::from_vec(vec![1f32, f32::NAN, 0.5, 2.0], (2, 2), &Device::Cpu).unwrap();
+        let e = Q8Matrix::quantize(&t, "layers.0.mlp.key_param_tokens").unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("layers.0.mlp.key_param_tokens") && msg.contains("(0, 1)"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn every_path_gives_the_bits_of_the_f32_dot_on_dequantized_rows() {
+        let portable = Path::new(Isa::Portable).unwrap();
+        for cols in [1, 15, 16, 17, 31, 32, 33, 48, 77, 768, 3072] {
+            let m = Q8Matrix::from_rows(&values(3 * cols), 3, cols);
+            let deq: Vec<f32> = m
+                .dequantize()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.23).cos()).collect();
+            for r in 0..3 {
+                let want = rows::dot_on(portable, &x, &deq[r * cols..(r + 1) * cols]);
+                let (q, s) = m.row(r);
+                for path in Path::all() {
+                    let got = dot_on(path, &x, q, s);
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "cols={cols} row {r} {:?}",
+                        path.isa()
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn selected_rows_are_dequantized_rows() {
+        let m = Q8Matrix::from_rows(&values(4 * 40), 4, 40);
+        let all = m.dequantize().unwrap();
+        let got = m.select_rows(&[3, 0, 3]).unwrap();
+        let want = all
+            .index_select(&Tensor::new(&[3u32, 0, 3], &Device::Cpu).unwrap(), 0)
+            .unwrap();
+        assert_eq!(
+            got.to_vec2::<f32>().unwrap(),
+            want.to_vec2::<f32>().unwrap()
+        );
+        assert!(m.select_rows(&[4]).is_err());
+    }
+}
