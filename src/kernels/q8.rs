@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{CpuStorage, Device, Result, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::rows::{reduce16, tail_dot};
@@ -53,29 +53,53 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
 }
 
 impl Q8Matrix {
-    /// Quantises a rank-2 float tensor on the CPU, of any float dtype.
+    /// Quantises a rank-2 float tensor on the CPU (f32, f16, bf16 or f64),
+    /// widening one block at a time (no f32 copy of the matrix is made).
     /// `name` names the tensor in errors: a value that is not finite cannot
-    /// be quantised (its block's scale would be too) and is refused.
+    /// be quantised (its block's scale would not be either) and is refused.
     pub fn quantize(t: &Tensor, name: &str) -> Result<Self> {
         let (rows, cols) = t.dims2()?;
         if !t.device().is_cpu() {
             candle_core::bail!("tensor `{name}`: 8-bit weights are for the CPU only")
         }
-        let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        if let Some(i) = data.iter().position(|v| !v.is_finite()) {
-            candle_core::bail!(
-                "tensor `{name}`: element ({}, {}) is {}, which cannot be quantised to 8 bits",
+        let t = t.contiguous()?;
+        let (storage, layout) = t.storage_and_layout();
+        let (Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) else {
+            candle_core::bail!("tensor `{name}`: expected a contiguous CPU tensor")
+        };
+        let quantized = match cpu {
+            CpuStorage::F32(d) => Self::from_slice(&d[a..b], rows, cols, |v| v),
+            CpuStorage::F16(d) => Self::from_slice(&d[a..b], rows, cols, |v| v.to_f32()),
+            CpuStorage::BF16(d) => Self::from_slice(&d[a..b], rows, cols, |v| v.to_f32()),
+            CpuStorage::F64(d) => Self::from_slice(&d[a..b], rows, cols, |v| v as f32),
+            _ => candle_core::bail!(
+                "tensor `{name}`: {:?} weights cannot be quantised",
+                t.dtype()
+            ),
+        };
+        quantized.map_err(|(i, v)| {
+            candle_core::Error::Msg(format!(
+                "tensor `{name}`: element ({}, {}) is {v}, which cannot be quantised to 8 bits",
                 i / cols.max(1),
                 i % cols.max(1),
-                data[i]
-            )
-        }
-        Ok(Self::from_rows(&data, rows, cols))
+            ))
+        })
     }
 
     /// Quantises `rows` × `cols` finite f32 values, row-major.
     pub fn from_rows(data: &[f32], rows: usize, cols: usize) -> Self {
-        assert_eq!(data.len(), rows * cols, "Q8Matrix::from_rows: length");
+        Self::from_slice(data, rows, cols, |v| v).expect("finite values")
+    }
+
+    /// Quantises rows × cols values widened by `widen`; on a value that is
+    /// not finite (or does not fit f32), its index and value.
+    fn from_slice<T: Copy + Sync>(
+        data: &[T],
+        rows: usize,
+        cols: usize,
+        widen: impl Fn(T) -> f32 + Sync,
+    ) -> std::result::Result<Self, (usize, f32)> {
+        assert_eq!(data.len(), rows * cols, "Q8Matrix: length");
         let blocks = cols.div_ceil(BLOCK);
         let mut q = vec![0i8; rows * cols];
         let mut scales = vec![0f32; rows * blocks];
@@ -83,18 +107,29 @@ impl Q8Matrix {
             q.par_chunks_mut(cols)
                 .zip(scales.par_chunks_mut(blocks))
                 .zip(data.par_chunks(cols))
-                .for_each(|((q, s), x)| {
-                    for ((q, s), x) in q.chunks_mut(BLOCK).zip(s).zip(x.chunks(BLOCK)) {
-                        *s = quantize_block(x, q);
+                .enumerate()
+                .try_for_each(|(r, ((q, s), x))| {
+                    let mut wide = [0f32; BLOCK];
+                    for (b, ((q, s), x)) in
+                        q.chunks_mut(BLOCK).zip(s).zip(x.chunks(BLOCK)).enumerate()
+                    {
+                        for (j, (o, &v)) in wide.iter_mut().zip(x).enumerate() {
+                            *o = widen(v);
+                            if !o.is_finite() {
+                                return Err((r * cols + b * BLOCK + j, *o));
+                            }
+                        }
+                        *s = quantize_block(&wide[..x.len()], q);
                     }
-                });
+                    Ok(())
+                })?;
         }
-        Self {
+        Ok(Self {
             rows,
             cols,
             q: q.into(),
             scales: scales.into(),
-        }
+        })
     }
 
     pub fn dims(&self) -> (usize, usize) {
@@ -316,13 +351,49 @@ mod tests {
 
     #[test]
     fn non_finite_weights_are_refused_with_their_name() {
-        let t = Tensor::from_vec(vec![1f32, f32::NAN, 0.5, 2.0], (2, 2), &Device::Cpu).unwrap();
+        let t = Tensor::from_vec(vec![1f32, 0.5, 2.0, f32::NAN], (2, 2), &Device::Cpu).unwrap();
         let e = Q8Matrix::quantize(&t, "layers.0.mlp.key_param_tokens").unwrap_err();
         let msg = e.to_string();
         assert!(
-            msg.contains("layers.0.mlp.key_param_tokens") && msg.contains("(0, 1)"),
+            msg.contains("layers.0.mlp.key_param_tokens") && msg.contains("(1, 1)"),
             "{msg}"
         );
+        // f16 infinity, in a transposed view (element (1, 0) of the view).
+        let t = Tensor::from_vec(vec![1f32, f32::INFINITY, 0.5, 2.0], (2, 2), &Device::Cpu)
+            .unwrap()
+            .to_dtype(candle_core::DType::F16)
+            .unwrap();
+        let msg = Q8Matrix::quantize(&t.t().unwrap(), "v")
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("(1, 0)") && msg.contains("inf"), "{msg}");
+    }
+
+    #[test]
+    fn every_float_dtype_and_layout_quantises_alike() {
+        let x = Tensor::from_vec(values(6 * 70), (6, 70), &Device::Cpu).unwrap();
+        let want = Q8Matrix::quantize(&x, "x").unwrap();
+        let f64s = Q8Matrix::quantize(&x.to_dtype(candle_core::DType::F64).unwrap(), "x").unwrap();
+        assert_eq!(f64s.data(), want.data());
+        // A transposed view is quantised by its own rows.
+        let t = x.t().unwrap();
+        let got = Q8Matrix::quantize(&t, "x").unwrap();
+        assert_eq!(got.dims(), (70, 6));
+        assert_eq!(
+            got.data(),
+            Q8Matrix::quantize(&t.contiguous().unwrap(), "x")
+                .unwrap()
+                .data()
+        );
+        // f16 widens exactly: the f16 tensor quantises as its f32 widening.
+        let h = x.to_dtype(candle_core::DType::F16).unwrap();
+        let wide = h.to_dtype(candle_core::DType::F32).unwrap();
+        assert_eq!(
+            Q8Matrix::quantize(&h, "x").unwrap().data(),
+            Q8Matrix::quantize(&wide, "x").unwrap().data()
+        );
+        let ints = Tensor::new(&[[1u32, 2]], &Device::Cpu).unwrap();
+        assert!(Q8Matrix::quantize(&ints, "ids").is_err());
     }
 
     #[test]
