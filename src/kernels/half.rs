@@ -62,6 +62,7 @@ fn axpy_portable(a: f32, w: &[f16], y: &mut [f32]) {
 /// 256-bit registers: the 16 lanes of the contract are two registers.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::super::rows::avx2::fold16;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -71,16 +72,6 @@ mod avx2 {
     unsafe fn load8(w: *const f16) -> __m256 {
         // SAFETY: the caller guarantees 8 readable halves (f16 is a u16).
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(w as *const __m128i)) }
-    }
-
-    /// The lanes (0..8, 8..16) folded as [`reduce16`] does.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::kernels) fn fold16(lo: __m256, hi: __m256) -> f32 {
-        let v = _mm256_add_ps(lo, hi);
-        let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps::<0b01>(v, v)))
     }
 
     /// x and w of equal length.
@@ -128,6 +119,7 @@ mod avx2 {
 /// 512-bit registers: the 16 lanes of the contract are one register.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::super::rows::avx512::fold16;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -137,15 +129,6 @@ mod avx512 {
     unsafe fn load16(w: *const f16) -> __m512 {
         // SAFETY: the caller guarantees 16 readable halves (f16 is a u16).
         unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(w as *const __m256i)) }
-    }
-
-    /// The 16 lanes folded as [`reduce16`] does.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(in crate::kernels) fn fold16(v: __m512) -> f32 {
-        let lo = _mm512_castps512_ps256(v);
-        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
-        super::avx2::fold16(lo, hi)
     }
 
     /// x and w of equal length.
@@ -187,11 +170,6 @@ mod avx512 {
         axpy_portable(a, &w[whole..], &mut y[whole..]);
     }
 }
-
-#[cfg(target_arch = "x86_64")]
-pub(super) use avx2::fold16 as fold16_avx2;
-#[cfg(target_arch = "x86_64")]
-pub(super) use avx512::fold16 as fold16_avx512;
 
 #[cfg(test)]
 mod tests {

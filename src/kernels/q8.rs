@@ -268,7 +268,7 @@ mod avx2 {
                 i += 16;
             }
         }
-        super::super::half::fold16_avx2(lo, hi) + tail(x, q, scales, whole)
+        super::super::rows::avx2::fold16(lo, hi) + tail(x, q, scales, whole)
     }
 }
 
@@ -295,7 +295,7 @@ mod avx512 {
                 i += 16;
             }
         }
-        super::super::half::fold16_avx512(acc) + tail(x, q, scales, whole)
+        super::super::rows::avx512::fold16(acc) + tail(x, q, scales, whole)
     }
 }
 
@@ -438,5 +438,67 @@ mod tests {
             want.to_vec2::<f32>().unwrap()
         );
         assert!(m.select_rows(&[4]).is_err());
+    }
+}
+
+#[cfg(test)]
+mod scratch {
+    use super::*;
+    fn cpu_now() -> f64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+    }
+    #[test]
+    #[ignore]
+    fn scratch_dot_throughput() {
+        let (rows, cols) = (64, 768);
+        let data: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let m = Q8Matrix::from_rows(&data, rows, cols);
+        let halfs: Vec<::half::f16> = data.iter().map(|&v| ::half::f16::from_f32(v)).collect();
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.1).sin()).collect();
+        for round in 0..2 {
+            for path in Path::all().into_iter().rev() {
+                let reps = 20000;
+                let mut acc = 0f32;
+                let t = cpu_now();
+                for _ in 0..reps {
+                    for r in 0..rows {
+                        let (q, s) = m.row(r);
+                        acc += dot_on(path, &x, q, s);
+                    }
+                }
+                let e = cpu_now() - t;
+                let t = cpu_now();
+                for _ in 0..reps {
+                    for r in 0..rows {
+                        acc +=
+                            super::super::half::dot_on(path, &x, &halfs[r * cols..(r + 1) * cols]);
+                    }
+                }
+                let e2 = cpu_now() - t;
+                let t = cpu_now();
+                for _ in 0..reps {
+                    for r in 0..rows {
+                        acc +=
+                            super::super::rows::dot_on(path, &x, &data[r * cols..(r + 1) * cols]);
+                    }
+                }
+                let e3 = cpu_now() - t;
+                let el = (reps * rows * cols) as f64;
+                println!(
+                    "{round} {:?}: q8 {:.2} Gelem/s  f16 {:.2}  f32 {:.2} ({acc})",
+                    path.isa(),
+                    el / e / 1e9,
+                    el / e2 / 1e9,
+                    el / e3 / 1e9
+                );
+            }
+        }
     }
 }

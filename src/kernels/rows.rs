@@ -153,8 +153,7 @@ pub(super) fn tail_dot(x: &[f32], w: impl Iterator<Item = f32>) -> f32 {
 /// element i of each whole 16 goes to lane i % 16 as `lane += a·b` (a
 /// product, then a sum: no FMA), the lanes fold by [`reduce16`], and the
 /// tail's products are summed in order and added last.
-#[inline(always)]
-fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
+fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let (ta, tb) = (ca.remainder(), cb.remainder());
@@ -166,6 +165,7 @@ fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
     reduce16(acc) + tail_dot(ta, tb.iter().copied())
 }
 
+#[inline(always)]
 fn sum_generic(a: &[f32]) -> f32 {
     // Four vectors of partial sums, so the adds' latency never limits the read.
     let mut acc = [0f32; 64];
@@ -179,8 +179,96 @@ fn sum_generic(a: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail.iter().sum::<f32>()
 }
 
+/// Σ a·b on `path` ([`dot_portable`]'s contract, written out with
+/// intrinsics: the compiler's vectorisation of the generic loop and fold is
+/// poor).
+pub(crate) fn dot_on(path: super::Path, a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx512 => unsafe { avx512::dot(a, b) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx2 => unsafe { avx2::dot(a, b) },
+        _ => dot_portable(a, b),
+    }
+}
+
+/// 256-bit registers: the 16 lanes of the dot contract are two registers.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// The lanes (0..8, 8..16) folded as [`super::reduce16`] does.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::kernels) fn fold16(lo: __m256, hi: __m256) -> f32 {
+        let v = _mm256_add_ps(lo, hi);
+        let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps::<0b01>(v, v)))
+    }
+
+    /// a and b of equal length.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let whole = a.len() / 16 * 16;
+        let (ap, bp) = (a.as_ptr(), b.as_ptr());
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        // SAFETY: every load is within 0..whole of both slices.
+        unsafe {
+            while i < whole {
+                let x = _mm256_mul_ps(_mm256_loadu_ps(ap.add(i)), _mm256_loadu_ps(bp.add(i)));
+                let y = _mm256_mul_ps(
+                    _mm256_loadu_ps(ap.add(i + 8)),
+                    _mm256_loadu_ps(bp.add(i + 8)),
+                );
+                lo = _mm256_add_ps(lo, x);
+                hi = _mm256_add_ps(hi, y);
+                i += 16;
+            }
+        }
+        fold16(lo, hi) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
+    }
+}
+
+/// 512-bit registers: the 16 lanes of the dot contract are one register.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// The 16 lanes folded as [`super::reduce16`] does.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(in crate::kernels) fn fold16(v: __m512) -> f32 {
+        let lo = _mm512_castps512_ps256(v);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        super::avx2::fold16(lo, hi)
+    }
+
+    /// a and b of equal length.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let whole = a.len() / 16 * 16;
+        let (ap, bp) = (a.as_ptr(), b.as_ptr());
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        // SAFETY: every load is within 0..whole of both slices.
+        unsafe {
+            while i < whole {
+                let x = _mm512_mul_ps(_mm512_loadu_ps(ap.add(i)), _mm512_loadu_ps(bp.add(i)));
+                acc = _mm512_add_ps(acc, x);
+                i += 16;
+            }
+        }
+        fold16(acc) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
+    }
+}
+
 dispatch! {
-    pub(super) fn dot / dot_on(a: &[f32], b: &[f32]) -> f32 = dot_generic;
     pub(super) fn axpy / axpy_on(a: f32, x: &[f32], y: &mut [f32]) = axpy_generic;
     pub(super) fn softmax_row / softmax_row_on(row: &mut [f32], valid: usize) = softmax_row_generic;
     /// The row's maximum and Σ exp(v − max): a log-softmax's two reductions,
@@ -259,7 +347,7 @@ mod tests {
                 .zip(&b)
                 .map(|(x, y)| (*x as f64 * *y as f64).abs())
                 .sum();
-            let got = dot(&a, &b) as f64;
+            let got = dot_on(super::super::active(), &a, &b) as f64;
             assert!(
                 (got - want).abs() <= 1e-6 * scale.max(1e-30),
                 "n={n}: {got} vs {want}"
