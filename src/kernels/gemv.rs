@@ -18,6 +18,8 @@ enum Weights<'a> {
     F32(&'a [f32]),
     F16(&'a [::half::f16]),
     /// int8 values and one scale per block of a row ([`q8::BLOCK`]).
+    /// int8 values and one scale per block of a row ([`q8::BLOCK`]); x
+    /// must be [`q8::arrange`]d.
     Q8(&'a [i8], &'a [f32]),
 }
 
@@ -167,7 +169,14 @@ impl candle_core::CustomOp1 for SmallMatmulQ8<'_> {
             )
         }
         let (q, s) = self.w.data();
-        let out = matmul_nt_rows(self.path, x, &Weights::Q8(q, s), m, n, k);
+        // The kernels take each row of x rearranged to the blocks' layout.
+        let mut xa = vec![0f32; m * k];
+        if k > 0 {
+            for (a, x) in xa.chunks_mut(k).zip(x.chunks(k)) {
+                q8::arrange(x, a);
+            }
+        }
+        let out = matmul_nt_rows(self.path, &xa, &Weights::Q8(q, s), m, n, k);
         Ok((CpuStorage::F32(out), Shape::from((m, n))))
     }
 }

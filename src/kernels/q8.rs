@@ -195,113 +195,214 @@ impl Q8Matrix {
     }
 }
 
-/// Σ x[i]·(q[i]·scale of i's block) on `path`; q and scales are one row's.
-pub fn dot_on(path: Path, x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
-    let n = x.len().min(q.len()).min(scales.len() * BLOCK);
-    let (x, q) = (&x[..n], &q[..n]);
+/// `x` rearranged into `out` (same length, a row of the matrix's width) for
+/// [`dot_on`]: within each pair of whole blocks (64 values), value
+/// 32h + 4k + j (block h of the pair, k < 8, j < 4) moves to 16j + 8h + k; a
+/// last unpaired whole block's value 4k + j moves to 8j + k; a partial block
+/// at the end stays in place. The kernels then find, for the four bytes of
+/// each 32-bit word of a block, their x values side by side.
+pub fn arrange(x: &[f32], out: &mut [f32]) {
+    let n = x.len().min(out.len());
+    let blocks = n / BLOCK;
+    let mut b = 0;
+    while b < blocks {
+        let base = b * BLOCK;
+        let paired = b + 2 <= blocks;
+        let (stride, halves) = if paired { (16, 2) } else { (8, 1) };
+        for h in 0..halves {
+            for k in 0..8 {
+                for j in 0..4 {
+                    out[base + stride * j + 8 * h + k] = x[base + BLOCK * h + 4 * k + j];
+                }
+            }
+        }
+        b += halves;
+    }
+    out[blocks * BLOCK..n].copy_from_slice(&x[blocks * BLOCK..n]);
+}
+
+/// Σ x[i]·q[i]·(scale of i's block) on `path`, for `xa` = x [`arrange`]d
+/// and one row's int8 values and scales. Every path computes alike, so
+/// they give the same bits: per block and lane (8 lanes a block, the four
+/// values of a 32-bit word each) t = x·q, then three fused multiply-adds
+/// t += x·q; the lane's accumulator (even blocks in lanes 0..8, odd ones in
+/// 8..16) += scale·t, fused; the 16 lanes fold by [`reduce16`]; a partial
+/// last block adds x·(q·scale) in order.
+///
+/// # Panics
+/// If the lengths do not match (xa and q one row long, a scale per block).
+pub fn dot_on(path: Path, xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+    let n = q.len();
+    assert!(
+        xa.len() == n && scales.len() == n.div_ceil(BLOCK),
+        "q8 dot: {} values, {} scales, {} x",
+        n,
+        scales.len(),
+        xa.len()
+    );
     match path.isa() {
-        // SAFETY: a Path exists only for an ISA the CPU supports; scales
-        // cover 0..n (n is capped by them above).
+        // SAFETY: a Path exists only for an ISA the CPU supports; the
+        // lengths are checked above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::dot(x, q, scales) },
+        Isa::Avx512 => unsafe { avx512::dot(xa, q, scales) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::dot(x, q, scales) },
-        _ => dot_portable(x, q, scales),
+        Isa::Avx2 => unsafe { avx2::dot(xa, q, scales) },
+        _ => dot_portable(xa, q, scales),
     }
 }
 
+/// The partial last block: Σ x·(q·scale) in order.
 #[inline(always)]
-fn widen(q: i8, scale: f32) -> f32 {
-    q as f32 * scale
+fn tail(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+    let start = q.len() / BLOCK * BLOCK;
+    let w = (start..q.len()).map(|i| q[i] as f32 * scales[i / BLOCK]);
+    tail_dot(&xa[start..], w)
 }
 
-/// The tail after the last whole 16 from `start`, in order.
-#[inline(always)]
-fn tail(x: &[f32], q: &[i8], scales: &[f32], start: usize) -> f32 {
-    let w = (start..q.len()).map(|i| widen(q[i], scales[i / BLOCK]));
-    tail_dot(&x[start..], w)
-}
-
-fn dot_portable(x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+fn dot_portable(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+    let blocks = q.len() / BLOCK;
     let mut acc = [0f32; 16];
-    let whole = x.len() / 16 * 16;
-    for i in (0..whole).step_by(16) {
-        let s = scales[i / BLOCK];
-        for k in 0..16 {
-            acc[k] += x[i + k] * widen(q[i + k], s);
+    let mut b = 0;
+    while b < blocks {
+        let base = b * BLOCK;
+        let (stride, halves) = if b + 2 <= blocks { (16, 2) } else { (8, 1) };
+        for h in 0..halves {
+            for k in 0..8 {
+                let x = |j: usize| xa[base + stride * j + 8 * h + k];
+                let w = |j: usize| q[base + BLOCK * h + 4 * k + j] as f32;
+                let mut t = x(0) * w(0);
+                for j in 1..4 {
+                    t = x(j).mul_add(w(j), t);
+                }
+                acc[8 * h + k] = scales[b + h].mul_add(t, acc[8 * h + k]);
+            }
         }
+        b += halves;
     }
-    reduce16(acc) + tail(x, q, scales, whole)
+    reduce16(acc) + tail(xa, q, scales)
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::super::rows::avx2::fold16;
     use super::*;
     use std::arch::x86_64::*;
 
-    /// 8 int8 at `q` as f32 times `s`.
+    /// The four lanes' products of the 32 int8 at `q` (one block, whose x
+    /// values are at `x`, `stride` apart per byte of a word), scaled by `s`
+    /// and added to `acc`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(q: *const i8, s: __m256) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable bytes.
-        let v = unsafe { _mm_loadl_epi64(q as *const __m128i) };
-        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s)
+    pub(super) unsafe fn block(
+        x: *const f32,
+        stride: usize,
+        q: *const i8,
+        s: f32,
+        acc: __m256,
+    ) -> __m256 {
+        // SAFETY: the caller guarantees 32 readable bytes at q and 4
+        // strided runs of 8 floats at x.
+        unsafe {
+            let v = _mm256_loadu_si256(q as *const __m256i);
+            // Byte j of every 32-bit word, sign-extended by two shifts: no
+            // shuffles, which AVX2 issues one a cycle.
+            let e0 = _mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(v));
+            let e1 = _mm256_srai_epi32::<24>(_mm256_slli_epi32::<16>(v));
+            let e2 = _mm256_srai_epi32::<24>(_mm256_slli_epi32::<8>(v));
+            let e3 = _mm256_srai_epi32::<24>(v);
+            let f = _mm256_cvtepi32_ps;
+            let t = _mm256_mul_ps(_mm256_loadu_ps(x), f(e0));
+            let t = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(stride)), f(e1), t);
+            let t = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(2 * stride)), f(e2), t);
+            let t = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(3 * stride)), f(e3), t);
+            _mm256_fmadd_ps(_mm256_set1_ps(s), t, acc)
+        }
     }
 
-    /// x and q of equal length n, scales for 0..n.
+    /// Lengths as [`dot_on`] checks them.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot(x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
-        let whole = x.len() / 16 * 16;
-        let (xp, qp) = (x.as_ptr(), q.as_ptr());
-        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let mut i = 0;
-        // SAFETY: every load is within 0..whole of x and q, and i / BLOCK
-        // indexes a scale of 0..n.
+    pub unsafe fn dot(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+        let blocks = q.len() / BLOCK;
+        let (xp, qp) = (xa.as_ptr(), q.as_ptr());
+        let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut b = 0;
+        // SAFETY: blocks b and b + 1 are whole, so every access is inside the row.
         unsafe {
-            while i < whole {
-                let s = _mm256_set1_ps(*scales.get_unchecked(i / BLOCK));
-                let a = _mm256_mul_ps(_mm256_loadu_ps(xp.add(i)), load8(qp.add(i), s));
-                let b = _mm256_mul_ps(_mm256_loadu_ps(xp.add(i + 8)), load8(qp.add(i + 8), s));
-                lo = _mm256_add_ps(lo, a);
-                hi = _mm256_add_ps(hi, b);
-                i += 16;
+            while b + 2 <= blocks {
+                let base = b * BLOCK;
+                even = block(xp.add(base), 16, qp.add(base), scales[b], even);
+                odd = block(
+                    xp.add(base + 8),
+                    16,
+                    qp.add(base + BLOCK),
+                    scales[b + 1],
+                    odd,
+                );
+                b += 2;
+            }
+            if b < blocks {
+                let base = b * BLOCK;
+                even = block(xp.add(base), 8, qp.add(base), scales[b], even);
             }
         }
-        super::super::rows::avx2::fold16(lo, hi) + tail(x, q, scales, whole)
+        fold16(even, odd) + tail(xa, q, scales)
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::super::rows::avx512::fold16;
     use super::*;
     use std::arch::x86_64::*;
 
-    /// x and q of equal length n, scales for 0..n.
+    /// Lengths as [`dot_on`] checks them.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn dot(x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
-        let whole = x.len() / 16 * 16;
-        let (xp, qp) = (x.as_ptr(), q.as_ptr());
+    pub unsafe fn dot(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+        let blocks = q.len() / BLOCK;
+        let (xp, qp) = (xa.as_ptr(), q.as_ptr());
+        // Lanes 0..8 hold the even blocks, 8..16 the odd ones (AVX2's two registers).
         let mut acc = _mm512_setzero_ps();
-        let mut i = 0;
-        // SAFETY: every load is within 0..whole of x and q, and i / BLOCK
-        // indexes a scale of 0..n.
+        let mut b = 0;
+        // SAFETY: blocks b and b + 1 are whole, so every access is inside the row.
         unsafe {
-            while i < whole {
-                let s = _mm512_set1_ps(*scales.get_unchecked(i / BLOCK));
-                let v = _mm512_cvtepi8_epi32(_mm_loadu_si128(qp.add(i) as *const __m128i));
-                let w = _mm512_mul_ps(_mm512_cvtepi32_ps(v), s);
-                acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(xp.add(i)), w));
-                i += 16;
+            while b + 2 <= blocks {
+                let base = b * BLOCK;
+                let v = _mm512_loadu_si512(qp.add(base) as *const __m512i);
+                let e0 = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(v));
+                let e1 = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<16>(v));
+                let e2 = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<8>(v));
+                let e3 = _mm512_srai_epi32::<24>(v);
+                let f = _mm512_cvtepi32_ps;
+                let x = |j: usize| _mm512_loadu_ps(xp.add(base + 16 * j));
+                let t = _mm512_mul_ps(x(0), f(e0));
+                let t = _mm512_fmadd_ps(x(1), f(e1), t);
+                let t = _mm512_fmadd_ps(x(2), f(e2), t);
+                let t = _mm512_fmadd_ps(x(3), f(e3), t);
+                let s_even = _mm512_castps256_ps512(_mm256_set1_ps(scales[b]));
+                let s = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                    _mm512_castps_pd(s_even),
+                    _mm256_castps_pd(_mm256_set1_ps(scales[b + 1])),
+                ));
+                acc = _mm512_fmadd_ps(s, t, acc);
+                b += 2;
+            }
+            if b < blocks {
+                let base = b * BLOCK;
+                let even = _mm512_castps512_ps256(acc);
+                let even = avx2::block(xp.add(base), 8, qp.add(base), scales[b], even);
+                acc = _mm512_castpd_ps(_mm512_insertf64x4::<0>(
+                    _mm512_castps_pd(acc),
+                    _mm256_castps_pd(even),
+                ));
             }
         }
-        super::super::rows::avx512::fold16(acc) + tail(x, q, scales, whole)
+        fold16(acc) + tail(xa, q, scales)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::rows;
     use super::*;
 
     fn values(n: usize) -> Vec<f32> {
@@ -397,9 +498,10 @@ mod tests {
     }
 
     #[test]
-    fn every_path_gives_the_bits_of_the_f32_dot_on_dequantized_rows() {
+    fn every_path_gives_the_portable_bits_and_the_f64_dot() {
         let portable = Path::new(Isa::Portable).unwrap();
-        for cols in [1, 15, 16, 17, 31, 32, 33, 48, 77, 768, 3072] {
+        // Widths with 0-3 whole blocks, paired or not, and partial ones.
+        for cols in [1, 15, 31, 32, 33, 48, 64, 77, 96, 100, 128, 768, 3072] {
             let m = Q8Matrix::from_rows(&values(3 * cols), 3, cols);
             let deq: Vec<f32> = m
                 .dequantize()
@@ -409,11 +511,13 @@ mod tests {
                 .to_vec1()
                 .unwrap();
             let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.23).cos()).collect();
+            let mut xa = vec![0f32; cols];
+            arrange(&x, &mut xa);
             for r in 0..3 {
-                let want = rows::dot_on(portable, &x, &deq[r * cols..(r + 1) * cols]);
                 let (q, s) = m.row(r);
+                let want = dot_on(portable, &xa, q, s);
                 for path in Path::all() {
-                    let got = dot_on(path, &x, q, s);
+                    let got = dot_on(path, &xa, q, s);
                     assert_eq!(
                         got.to_bits(),
                         want.to_bits(),
@@ -421,8 +525,50 @@ mod tests {
                         path.isa()
                     );
                 }
+                // The arrangement loses no value: it is x · the dequantised row.
+                let w = &deq[r * cols..(r + 1) * cols];
+                let exact: f64 = x.iter().zip(w).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let size: f64 = x
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                    .sum();
+                assert!(
+                    (want as f64 - exact).abs() <= 1e-6 * size,
+                    "cols={cols}: {want} vs {exact}"
+                );
             }
         }
+    }
+
+    #[test]
+    fn arrange_is_a_permutation_within_blocks() {
+        for cols in [31, 32, 64, 96, 100] {
+            let x: Vec<f32> = (0..cols).map(|i| i as f32).collect();
+            let mut xa = vec![-1f32; cols];
+            arrange(&x, &mut xa);
+            let mut sorted = xa.clone();
+            sorted.sort_by(f32::total_cmp);
+            assert_eq!(sorted, x, "cols={cols}");
+            // Each value stays in its pair of blocks (or its block, or the tail).
+            for (i, v) in xa.iter().enumerate() {
+                let j = *v as usize;
+                let blocks = cols / BLOCK;
+                let unit = |i: usize| {
+                    if i >= blocks * BLOCK {
+                        usize::MAX
+                    } else {
+                        i / (2 * BLOCK)
+                    }
+                };
+                assert_eq!(unit(i), unit(j), "cols={cols}: {j} at {i}");
+            }
+        }
+        // The documented moves: pair 0, block 1, word 2, byte 3 -> 16·3 + 8 + 2.
+        let x: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        let mut xa = vec![0f32; 64];
+        arrange(&x, &mut xa);
+        assert_eq!(xa[16 * 3 + 8 + 2], (32 + 4 * 2 + 3) as f32);
     }
 
     #[test]
