@@ -13,12 +13,17 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::matmul::gemm_f32;
+use super::rows::{axpy_on, dot_on};
 use super::{active, Path};
 use std::cell::RefCell;
 
 /// Queries per task: 128 rows × 2048 keys of f32 scores is 1 MiB, inside a
 /// 2 MiB L2 (block sizes compared in docs/PERFORMANCE.md).
 const QUERY_BLOCK: usize = 128;
+
+/// Blocks of at most this many queries (decoding) take dot products and
+/// weighted sums with the cached rows instead of gemm.
+const FEW_QUERIES: usize = 8;
 
 struct Attention {
     causal: bool,
@@ -103,6 +108,33 @@ impl CustomOp3 for Attention {
                     let qp = q.as_ptr().add(q0 + bi * qs[0] + hi * qs[1] + start * qs[2]);
                     let kp = k.as_ptr().add(k0 + bi * ks[0] + hi * ks[1]);
                     let vp = v.as_ptr().add(v0 + bi * vs[0] + hi * vs[1]);
+                    if rows <= FEW_QUERIES {
+                        // Decoding: gemm would pack the cached keys and values
+                        // (the bytes this step is bound by) to use them once.
+                        let row = |p: *const f32, i: usize, stride: usize| {
+                            std::slice::from_raw_parts(p.add(i * stride), hd)
+                        };
+                        for (r, sr) in s.chunks_mut(seen).enumerate() {
+                            let valid = if self.causal {
+                                past + start + r + 1
+                            } else {
+                                seen
+                            };
+                            let qr = row(qp, r, qs[2]);
+                            for (j, sj) in sr[..valid].iter_mut().enumerate() {
+                                *sj = self.scale * dot_on(self.path, qr, row(kp, j, ks[2]));
+                            }
+                            super::rows::softmax_row_on(self.path, sr, valid);
+                            let o = std::slice::from_raw_parts_mut(
+                                out.0.add(((bi * t + start + r) * h + hi) * hd),
+                                hd,
+                            );
+                            for (j, &p) in sr[..valid].iter().enumerate() {
+                                axpy_on(self.path, p, row(vp, j, vs[2]), o);
+                            }
+                        }
+                        return;
+                    }
                     // s = scale · q_blk · kᵀ   [rows, seen]
                     gemm_f32(
                         self.path,
@@ -200,15 +232,23 @@ pub fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_util::{max_abs_diff, spread};
+    use super::super::test_util::{bits, max_abs_diff, spread};
     use super::*;
     use candle_core::{DType, Device};
 
     /// The fused kernel against plain f64 tensor ops: several query blocks,
-    /// cached keys before the queries, and q/k/v as head-transposed views.
+    /// cached keys before the queries, and q/k/v as head-transposed views;
+    /// and decoding-sized query blocks (the dot-product path), with a head
+    /// width that is not a multiple of 16.
     #[test]
     fn fused_attention_equals_reference() {
-        let (b, h, t, past, hd) = (2, 3, 300, 20, 16);
+        for (t, past, hd) in [(300, 20, 16), (1, 40, 24), (5, 37, 16), (8, 0, 24)] {
+            attention_equals_reference(t, past, hd);
+        }
+    }
+
+    fn attention_equals_reference(t: usize, past: usize, hd: usize) {
+        let (b, h) = (2, 3);
         let heads = |rows: usize, salt: f32| {
             (spread((b, rows, h, hd)) + salt as f64)
                 .unwrap()
@@ -217,7 +257,7 @@ mod tests {
         };
         let q = heads(t, 0.1);
         let (k, v) = (heads(past + t, -0.2), heads(past + t, 0.3));
-        assert!(!q.is_contiguous());
+        assert!(t == 1 || !q.is_contiguous());
         for causal in [true, false] {
             let got = attention(&q, &k, &v, causal).unwrap();
             let f = |x: &Tensor| x.to_dtype(DType::F64).unwrap().contiguous().unwrap();
@@ -244,7 +284,7 @@ mod tests {
                 .reshape((b, t, h * hd))
                 .unwrap();
             let d = max_abs_diff(&got, &want);
-            assert!(d < 1e-5, "causal={causal}: {d}");
+            assert!(d < 1e-5, "t={t} past={past} hd={hd} causal={causal}: {d}");
         }
     }
 
@@ -258,26 +298,28 @@ mod tests {
                 .unwrap()
         };
         let (q, k, v) = (x(0.1), x(-0.2), x(0.3));
-        let unit = |x: &Tensor| x.clone();
-        let run = |path: Path| {
-            unit(&q)
-                .apply_op3_no_bwd(
-                    &k,
-                    &v,
-                    &Attention {
-                        causal: true,
-                        scale: 0.25,
-                        path,
-                    },
-                )
-                .unwrap()
+        // The last 3 queries alone take the decoding path.
+        let few = q.narrow(2, t - 3, 3).unwrap();
+        let run = |q: &Tensor, path: Path| {
+            let op = Attention {
+                causal: true,
+                scale: 0.25,
+                path,
+            };
+            q.apply_op3_no_bwd(&k, &v, &op).unwrap()
         };
-        let want = run(Path::new(super::super::Isa::Portable).unwrap());
+        let portable = Path::new(super::super::Isa::Portable).unwrap();
+        let (want, want_few) = (run(&q, portable), run(&few, portable));
         for path in Path::all() {
-            // gemm's kernels for each path block the sums differently.
-            let d = max_abs_diff(&run(path), &want);
+            // gemm's kernels for each path block the sums differently; the
+            // decoding path's dot products and sums are the same on every path.
+            let d = max_abs_diff(&run(&q, path), &want);
             assert!(d < 1e-5, "{:?}: {d}", path.isa());
+            assert_eq!(bits(&run(&few, path)), bits(&want_few), "{:?}", path.isa());
         }
+        // And the decoding path agrees with gemm's on the same queries.
+        let d = max_abs_diff(&want_few, &want.narrow(1, t - 3, 3).unwrap());
+        assert!(d < 1e-5, "few queries vs blocks: {d}");
     }
 
     #[test]
