@@ -13,7 +13,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::matmul::gemm_f32;
-use super::rows::{axpy_on, dot_on};
+use super::rows::{axpy_rows_on, dot_rows_on};
 use super::{active, Path};
 use std::cell::RefCell;
 
@@ -111,27 +111,23 @@ impl CustomOp3 for Attention {
                     if rows <= FEW_QUERIES {
                         // Decoding: gemm would pack the cached keys and values
                         // (the bytes this step is bound by) to use them once.
-                        let row = |p: *const f32, i: usize, stride: usize| {
-                            std::slice::from_raw_parts(p.add(i * stride), hd)
-                        };
                         for (r, sr) in s.chunks_mut(seen).enumerate() {
                             let valid = if self.causal {
                                 past + start + r + 1
                             } else {
                                 seen
                             };
-                            let qr = row(qp, r, qs[2]);
-                            for (j, sj) in sr[..valid].iter_mut().enumerate() {
-                                *sj = self.scale * dot_on(self.path, qr, row(kp, j, ks[2]));
-                            }
+                            let qr = std::slice::from_raw_parts(qp.add(r * qs[2]), hd);
+                            let span = |stride: usize| (valid - 1) * stride + hd;
+                            let keys = std::slice::from_raw_parts(kp, span(ks[2]));
+                            dot_rows_on(self.path, qr, keys, ks[2], self.scale, &mut sr[..valid]);
                             super::rows::softmax_row_on(self.path, sr, valid);
                             let o = std::slice::from_raw_parts_mut(
                                 out.0.add(((bi * t + start + r) * h + hi) * hd),
                                 hd,
                             );
-                            for (j, &p) in sr[..valid].iter().enumerate() {
-                                axpy_on(self.path, p, row(vp, j, vs[2]), o);
-                            }
+                            let values = std::slice::from_raw_parts(vp, span(vs[2]));
+                            axpy_rows_on(self.path, &sr[..valid], values, vs[2], o);
                         }
                         return;
                     }

@@ -196,6 +196,82 @@ pub(crate) fn dot_on(path: super::Path, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// out[j] = scale · (a · row j), for the rows of a's width at `rows`,
+/// `stride` apart: [`dot_on`] for every row (the same bits), without a call
+/// and a dispatch per row (decoding's attention scores).
+///
+/// # Panics
+/// If the last row would end past `rows`.
+pub(crate) fn dot_rows_on(
+    path: super::Path,
+    a: &[f32],
+    rows: &[f32],
+    stride: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let w = a.len();
+    assert!(out.is_empty() || (out.len() - 1) * stride + w <= rows.len());
+    let row = |j: usize| &rows[j * stride..j * stride + w];
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx512 => unsafe {
+            avx512::for_each_row(out, |j, o| *o = scale * avx512::dot(a, row(j)))
+        },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx2 => unsafe {
+            avx2::for_each_row(out, |j, o| *o = scale * avx2::dot(a, row(j)))
+        },
+        _ => out
+            .iter_mut()
+            .enumerate()
+            .for_each(|(j, o)| *o = scale * dot_portable(a, row(j))),
+    }
+}
+
+/// out += Σ_j p[j] · row j, for the rows of out's width at `rows`, `stride`
+/// apart: [`axpy_on`] for every row in turn (the same bits), with out kept
+/// in registers (decoding's attention-weighted values).
+///
+/// # Panics
+/// If the last row would end past `rows`.
+pub(crate) fn axpy_rows_on(
+    path: super::Path,
+    p: &[f32],
+    rows: &[f32],
+    stride: usize,
+    out: &mut [f32],
+) {
+    let w = out.len();
+    assert!(p.is_empty() || (p.len() - 1) * stride + w <= rows.len());
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports; the rows
+        // are in bounds (checked above).
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx512 => unsafe { avx512::axpy_rows(p, rows, stride, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx2 => unsafe { avx2::axpy_rows(p, rows, stride, out) },
+        _ => {
+            for (j, &pj) in p.iter().enumerate() {
+                axpy_generic(pj, &rows[j * stride..j * stride + w], out);
+            }
+        }
+    }
+}
+
+/// The columns from `from` on, one at a time: out[c] += Σ_j p[j]·row j[c].
+#[inline(always)]
+fn axpy_rows_tail(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32], from: usize) {
+    for (c, o) in out.iter_mut().enumerate().skip(from) {
+        for (j, &pj) in p.iter().enumerate() {
+            *o += pj * rows[j * stride + c];
+        }
+    }
+}
+
 /// 256-bit registers: the 16 lanes of the dot contract are two registers.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx2 {
@@ -212,6 +288,7 @@ pub(super) mod avx2 {
     }
 
     /// a and b of equal length.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         let whole = a.len() / 16 * 16;
@@ -233,6 +310,34 @@ pub(super) mod avx2 {
         }
         fold16(lo, hi) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
     }
+
+    /// `f` on every element of out with its index, compiled for AVX2 so
+    /// that the kernels it calls inline.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn for_each_row(out: &mut [f32], mut f: impl FnMut(usize, &mut f32)) {
+        for (j, o) in out.iter_mut().enumerate() {
+            f(j, o);
+        }
+    }
+
+    /// See [`super::axpy_rows_on`]; the caller checks the bounds.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy_rows(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+        let whole = out.len() / 8 * 8;
+        let rp = rows.as_ptr();
+        for c in (0..whole).step_by(8) {
+            // SAFETY: columns c..c + 8 of every row are in bounds.
+            unsafe {
+                let mut acc = _mm256_loadu_ps(out.as_ptr().add(c));
+                for (j, &pj) in p.iter().enumerate() {
+                    let v = _mm256_loadu_ps(rp.add(j * stride + c));
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(pj), v));
+                }
+                _mm256_storeu_ps(out.as_mut_ptr().add(c), acc);
+            }
+        }
+        super::axpy_rows_tail(p, rows, stride, out, whole);
+    }
 }
 
 /// 512-bit registers: the 16 lanes of the dot contract are one register.
@@ -250,6 +355,7 @@ pub(super) mod avx512 {
     }
 
     /// a and b of equal length.
+    #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         let whole = a.len() / 16 * 16;
@@ -265,6 +371,34 @@ pub(super) mod avx512 {
             }
         }
         fold16(acc) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
+    }
+
+    /// `f` on every element of out with its index, compiled for AVX-512 so
+    /// that the kernels it calls inline.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) fn for_each_row(out: &mut [f32], mut f: impl FnMut(usize, &mut f32)) {
+        for (j, o) in out.iter_mut().enumerate() {
+            f(j, o);
+        }
+    }
+
+    /// See [`super::axpy_rows_on`]; the caller checks the bounds.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn axpy_rows(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+        let whole = out.len() / 16 * 16;
+        let rp = rows.as_ptr();
+        for c in (0..whole).step_by(16) {
+            // SAFETY: columns c..c + 16 of every row are in bounds.
+            unsafe {
+                let mut acc = _mm512_loadu_ps(out.as_ptr().add(c));
+                for (j, &pj) in p.iter().enumerate() {
+                    let v = _mm512_loadu_ps(rp.add(j * stride + c));
+                    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(pj), v));
+                }
+                _mm512_storeu_ps(out.as_mut_ptr().add(c), acc);
+            }
+        }
+        super::axpy_rows_tail(p, rows, stride, out, whole);
     }
 }
 
@@ -332,6 +466,29 @@ mod tests {
                 softmax_row_on(portable, &mut s, valid);
                 softmax_row_on(path, &mut t, valid);
                 assert_eq!(bits(&t), bits(&s), "{:?}", at("softmax"));
+            }
+        }
+    }
+
+    #[test]
+    fn row_batches_give_the_bits_of_row_by_row_kernels() {
+        for path in Path::all() {
+            for (w, stride, n) in [(64, 64, 37), (24, 40, 5), (17, 17, 1), (64, 256, 0)] {
+                let a = wild(w, 5);
+                let rows = wild(n.max(1) * stride, 6);
+                let mut got = vec![0f32; n];
+                dot_rows_on(path, &a, &rows, stride, 0.125, &mut got);
+                let want: Vec<f32> = (0..n)
+                    .map(|j| 0.125 * dot_on(path, &a, &rows[j * stride..j * stride + w]))
+                    .collect();
+                assert_eq!(bits(&got), bits(&want), "dots w={w} n={n} {:?}", path.isa());
+                let p = wild(n, 7);
+                let (mut y, mut z) = (wild(w, 8), wild(w, 8));
+                axpy_rows_on(path, &p, &rows, stride, &mut z);
+                for (j, &pj) in p.iter().enumerate() {
+                    axpy_on(path, pj, &rows[j * stride..j * stride + w], &mut y);
+                }
+                assert_eq!(bits(&z), bits(&y), "axpys w={w} n={n} {:?}", path.isa());
             }
         }
     }
