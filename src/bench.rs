@@ -1,6 +1,8 @@
 //! Throughput benchmarks on random weights of the real sizes (no download):
-//! prefill, KV-cache decode (f32 weights, and f16 weights with f32 compute),
-//! a single Pattention layer, ViT-B/16 images/s, and load time / peak memory.
+//! prefill, KV-cache decode (f32 weights, and f16 or 8-bit weights with f32
+//! compute, with the 8-bit weights' accuracy cost), a single Pattention
+//! layer, ViT-B/16 images/s, load time / peak memory, and the CPU and kernel
+//! path the figures come from.
 //! Field names follow the PyTorch peer (`bench/torch_baseline.py` of the
 //! shared data) so the two JSON outputs can be compared key by key; like the
 //! peer, each figure is the second of two runs.
@@ -158,19 +160,95 @@ pub fn memory_read_gb_per_s() -> f64 {
 /// Pattention key and value matrix, the output matrix, and the cached keys
 /// and values of all layers (norms and the one embedding row are noise).
 pub fn decode_bytes_per_token(cfg: &Config, position: usize) -> f64 {
-    let d = cfg.hidden_size;
-    let tokens: usize = cfg.pattentions().iter().map(|(_, n)| n).sum();
-    let weights = cfg.num_layers * 2 * tokens * d + cfg.vocab_size * d;
-    let kv = cfg.num_layers * 2 * position * d;
-    (4 * (weights + kv)) as f64
+    decode_bytes_per_token_as(cfg, position, WeightFormat::F32)
 }
 
-/// f32 matmul GFLOP/s at 2048³: the machine's ceiling for reference.
+/// [`decode_bytes_per_token`] with weights in `weights` precision (the KV
+/// cache stays f32).
+pub fn decode_bytes_per_token_as(cfg: &Config, position: usize, weights: WeightFormat) -> f64 {
+    let d = cfg.hidden_size;
+    let tokens: usize = cfg.pattentions().iter().map(|(_, n)| n).sum();
+    let matrices = cfg.num_layers * 2 * tokens * d + cfg.vocab_size * d;
+    let kv = cfg.num_layers * 2 * position * d;
+    matrices as f64 * weights.bytes_per_weight() + (4 * kv) as f64
+}
+
+/// The CPU the figures come from: its model name, the features the kernels
+/// use (those it has), and the kernel path taken (`TOKENFORMER_KERNELS`).
+pub fn cpu_info() -> Value {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let mut features: Vec<&str> = Vec::new();
+    for isa in crate::kernels::Isa::ALL {
+        if isa.is_supported() {
+            for f in isa.features() {
+                if !features.contains(f) {
+                    features.push(f);
+                }
+            }
+        }
+    }
+    let sel = crate::kernels::selection();
+    json!({
+        "model": model,
+        "features": features,
+        "kernels": sel.path.isa().as_str(),
+        "kernels_requested": sel.requested,
+        "kernels_warning": sel.warning,
+    })
+}
+
+/// How far `other`'s next-token distributions are from `reference`'s on
+/// `ids` (logits [t, vocab] of the same t positions): (perplexity of
+/// `reference`, perplexity of `other`, mean KL(reference ‖ other) in nats),
+/// over the t − 1 positions that have a next token.
+pub fn logit_agreement(reference: &Tensor, other: &Tensor, ids: &[u32]) -> Result<(f64, f64, f64)> {
+    let a = reference.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+    let b = other.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+    if a.len() != b.len() || a.len() != ids.len() || a.len() < 2 {
+        return Err(crate::Error::input(format!(
+            "logit_agreement: {} and {} positions for {} ids",
+            a.len(),
+            b.len(),
+            ids.len()
+        )));
+    }
+    let log_softmax = |row: &[f64]| -> Vec<f64> {
+        let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+        row.iter().map(|v| v - lse).collect()
+    };
+    let (mut nll_a, mut nll_b, mut kl) = (0f64, 0f64, 0f64);
+    let n = ids.len() - 1;
+    for t in 0..n {
+        let (la, lb) = (log_softmax(&a[t]), log_softmax(&b[t]));
+        let next = ids[t + 1] as usize;
+        nll_a -= la[next];
+        nll_b -= lb[next];
+        kl += la
+            .iter()
+            .zip(&lb)
+            .map(|(p, q)| p.exp() * (p - q))
+            .sum::<f64>();
+    }
+    let n = n as f64;
+    Ok(((nll_a / n).exp(), (nll_b / n).exp(), kl / n))
+}
+
+/// f32 matmul GFLOP/s at 2048³: the machine's ceiling for reference, by the
+/// gemm the model's products use (on the kernel path chosen).
 pub fn matmul_gflops(device: &Device) -> Result<f64> {
     let a = Tensor::randn(0f32, 1.0, (2048, 2048), device)?;
     let b = Tensor::randn(0f32, 1.0, (2048, 2048), device)?;
     let secs = timed(|| {
-        a.matmul(&b)?;
+        crate::kernels::matmul_nn(&a, &b)?;
         Ok(())
     })?;
     Ok(2.0 * 2048f64.powi(3) / secs / 1e9)
@@ -187,11 +265,31 @@ pub fn write_random(cfg: &Config, device: &Device) -> Result<tempfile::TempDir> 
     Ok(dir)
 }
 
+/// The precision a benchmarked model keeps its weight matrices in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    F16,
+    /// 8-bit blocks quantised at load ([`TokenFormerLm::quantize_q8`]).
+    Q8,
+}
+
+impl WeightFormat {
+    /// Bytes a decode step reads per weight.
+    pub fn bytes_per_weight(self) -> f64 {
+        match self {
+            WeightFormat::F32 => 4.0,
+            WeightFormat::F16 => 2.0,
+            WeightFormat::Q8 => 1.0 + 4.0 / crate::kernels::q8::BLOCK as f64,
+        }
+    }
+}
+
 /// Times loading a model folder with weight matrices kept in `weights`
 /// precision; returns (model, seconds, peak MB during the load).
 pub fn load_timed(
     dir: &std::path::Path,
-    weights: DType,
+    weights: WeightFormat,
     device: &Device,
 ) -> Result<(TokenFormerLm, f64, Option<f64>)> {
     // Give freed heap memory (earlier benchmarks' activations, which glibc
@@ -205,7 +303,11 @@ pub fn load_timed(
     let reset = reset_peak_rss();
     let start = Instant::now();
     let files = crate::loader::locate(&dir.display().to_string(), &Default::default())?;
-    let model = crate::loader::load_lm_as(&files, device, weights)?;
+    let model = match weights {
+        WeightFormat::F32 => crate::loader::load_lm_as(&files, device, DType::F32)?,
+        WeightFormat::F16 => crate::loader::load_lm_as(&files, device, DType::F16)?,
+        WeightFormat::Q8 => crate::loader::load_lm_q8(&files, device)?,
+    };
     let secs = start.elapsed().as_secs_f64();
     let peak = if reset {
         peak_rss_mb()
@@ -217,7 +319,7 @@ pub fn load_timed(
 
 /// Runs the language-model benchmarks of `bench`; `only` (if non-empty)
 /// restricts them to these names: load, prefill, decode, decode_f16,
-/// pattention, matmul.
+/// decode_q8, pattention, matmul, vit.
 pub fn run_lm(
     name: &str,
     cfg: &Config,
@@ -232,11 +334,13 @@ pub fn run_lm(
         "threads".into(),
         json!(candle_core::utils::get_num_threads()),
     );
+    out.insert("cpu".into(), cpu_info());
     // Measured first, while nothing else is resident, so its buffer does not
     // raise the peak memory reported at the end.
-    let read_bw = want("decode").then(memory_read_gb_per_s);
+    let decodes = ["decode", "decode_f16", "decode_q8"];
+    let read_bw = decodes.iter().any(|d| want(d)).then(memory_read_gb_per_s);
     let dir = write_random(cfg, device)?;
-    let (model, load_s, peak) = load_timed(dir.path(), DType::F32, device)?;
+    let (model, load_s, peak) = load_timed(dir.path(), WeightFormat::F32, device)?;
     out.insert("load_seconds".into(), json!(round(load_s, 3)));
     out.insert("load_peak_rss_mb".into(), json!(peak.map(|p| round(p, 1))));
     if want("prefill") {
@@ -249,36 +353,94 @@ pub fn run_lm(
             );
         }
     }
-    if let Some(bw) = read_bw {
-        let (prompt, steps) = (512, 64);
+    let (prompt, steps) = (512, 64);
+    // The average context over the timed steps.
+    let position = prompt + steps / 2;
+    let limit = |out: &mut Map<String, Value>, key: &str, tps: f64, weights: WeightFormat| {
+        if let Some(bw) = read_bw {
+            let bytes = decode_bytes_per_token_as(cfg, position, weights);
+            let limit = bw * 1e9 / bytes;
+            if weights == WeightFormat::F32 {
+                out.insert("memory_read_gb_per_s".into(), json!(round(bw, 1)));
+                out.insert("decode_mb_per_token".into(), json!(round(bytes / 1e6, 1)));
+                out.insert(
+                    "decode_bandwidth_limit_tokens_per_s".into(),
+                    json!(round(limit, 2)),
+                );
+            }
+            out.insert(key.into(), json!(round(tps / limit, 2)));
+        }
+    };
+    if want("decode") {
         let tps = decode(&model, prompt, steps)?;
-        // The average context over the timed steps.
-        let bytes = decode_bytes_per_token(cfg, prompt + steps / 2);
-        let limit = bw * 1e9 / bytes;
         out.insert("decode_tokens_per_s".into(), json!(round(tps, 2)));
-        out.insert("memory_read_gb_per_s".into(), json!(round(bw, 1)));
-        out.insert("decode_mb_per_token".into(), json!(round(bytes / 1e6, 1)));
-        out.insert(
-            "decode_bandwidth_limit_tokens_per_s".into(),
-            json!(round(limit, 2)),
-        );
-        out.insert(
-            "decode_fraction_of_limit".into(),
-            json!(round(tps / limit, 2)),
-        );
+        limit(&mut out, "decode_fraction_of_limit", tps, WeightFormat::F32);
     }
+    if want("decode_q8") {
+        // The 8-bit weights' accuracy cost: this model's next-token
+        // distributions on a fixed token sequence against those of its
+        // weights quantised as `--weight-dtype q8` loads them. Done here, so
+        // the logits are not resident while loads are measured below.
+        let text = ids(1, 512.min(cfg.max_position_embeddings), 50_277, device)?;
+        let reference = model.forward(&text, None)?.squeeze(0)?;
+        let logits = model
+            .clone()
+            .quantize_q8()?
+            .forward(&text, None)?
+            .squeeze(0)?;
+        let ids: Vec<u32> = text.flatten_all()?.to_vec1()?;
+        let (ppl, ppl_q8, kl) = logit_agreement(&reference, &logits, &ids)?;
+        out.insert("q8_perplexity_f32".into(), json!(round(ppl, 3)));
+        out.insert("q8_perplexity".into(), json!(round(ppl_q8, 3)));
+        out.insert(
+            "q8_perplexity_change_percent".into(),
+            json!(round(100.0 * (ppl_q8 / ppl - 1.0), 4)),
+        );
+        out.insert("q8_mean_kl_divergence".into(), json!(kl));
+    }
+    drop(model);
     if want("decode_f16") {
         // Beyond the peer: the same checkpoint with f16 weight matrices (f32 compute).
-        drop(model);
-        let (half, load_s, peak) = load_timed(dir.path(), DType::F16, device)?;
+        let (half, load_s, peak) = load_timed(dir.path(), WeightFormat::F16, device)?;
         out.insert("load_f16_weights_seconds".into(), json!(round(load_s, 3)));
         out.insert(
             "load_f16_weights_peak_rss_mb".into(),
             json!(peak.map(|p| round(p, 1))),
         );
+        let tps = decode(&half, prompt, steps)?;
         out.insert(
             "decode_f16_weights_tokens_per_s".into(),
-            json!(round(decode(&half, 512, 64)?, 2)),
+            json!(round(tps, 2)),
+        );
+        limit(
+            &mut out,
+            "decode_f16_fraction_of_limit",
+            tps,
+            WeightFormat::F16,
+        );
+    }
+    if want("decode_q8") {
+        // And with 8-bit weights quantised at load.
+        let (q8, load_s, peak) = load_timed(dir.path(), WeightFormat::Q8, device)?;
+        out.insert("load_q8_weights_seconds".into(), json!(round(load_s, 3)));
+        out.insert(
+            "load_q8_weights_peak_rss_mb".into(),
+            json!(peak.map(|p| round(p, 1))),
+        );
+        out.insert(
+            "q8_weights_mb".into(),
+            json!(round(q8.weight_bytes() as f64 / 1e6, 1)),
+        );
+        let tps = decode(&q8, prompt, steps)?;
+        out.insert(
+            "decode_q8_weights_tokens_per_s".into(),
+            json!(round(tps, 2)),
+        );
+        limit(
+            &mut out,
+            "decode_q8_fraction_of_limit",
+            tps,
+            WeightFormat::Q8,
         );
     }
     if want("pattention") {
@@ -382,5 +544,29 @@ mod tests {
         let cfg = lm_config("150m").unwrap();
         let floats = 12 * 2 * (3 * 768 + 768 + 3072) * 768 + 50_304 * 768 + 12 * 2 * 544 * 768;
         assert_eq!(decode_bytes_per_token(&cfg, 544), (4 * floats) as f64);
+        // 8-bit weights: 1 byte and a 4-byte scale per 32 weights; the cache stays f32.
+        let weights = 12 * 2 * (3 * 768 + 768 + 3072) * 768 + 50_304 * 768;
+        let q8 = decode_bytes_per_token_as(&cfg, 544, WeightFormat::Q8);
+        assert_eq!(q8, weights as f64 * 1.125 + (4 * 12 * 2 * 544 * 768) as f64);
+    }
+
+    #[test]
+    fn logit_agreement_is_perplexity_and_kl() {
+        let dev = Device::Cpu;
+        // Two positions over a vocabulary of 2; next tokens 1 then 0.
+        let a = Tensor::new(&[[0f32, 0.0], [1.0, 0.0], [5.0, 5.0]], &dev).unwrap();
+        let b = Tensor::new(&[[0f32, 2f32.ln()], [1.0, 0.0], [0.0, 0.0]], &dev).unwrap();
+        let (pa, pb, kl) = logit_agreement(&a, &b, &[7, 1, 0]).unwrap();
+        let e = std::f64::consts::E;
+        // a: p(1) = 1/2 at t=0, p(0) = e/(e+1) at t=1.
+        let want_a = (0.5 * e / (e + 1.0)).powf(-0.5);
+        assert!((pa - want_a).abs() < 1e-9, "{pa} vs {want_a}");
+        // b: p(1) = 2/3 at t=0, same as a at t=1.
+        let want_b = (2.0 / 3.0 * e / (e + 1.0)).powf(-0.5);
+        assert!((pb - want_b).abs() < 1e-9, "{pb} vs {want_b}");
+        // KL((1/2, 1/2) ‖ (1/3, 2/3)) at t=0, 0 at t=1; the last position has no next token.
+        let want_kl = (0.5 * (1.5f64).ln() + 0.5 * (0.75f64).ln()) / 2.0;
+        assert!((kl - want_kl).abs() < 1e-9, "{kl} vs {want_kl}");
+        assert!(logit_agreement(&a, &b, &[1, 2]).is_err());
     }
 }

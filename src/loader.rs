@@ -469,7 +469,32 @@ pub fn load_lm(files: &ModelFiles, device: &Device) -> Result<TokenFormerLm> {
 /// token. Compute is f32 either way, so an fp16 checkpoint (every released
 /// one) gives the same results in both.
 pub fn load_lm_as(files: &ModelFiles, device: &Device, weights: DType) -> Result<TokenFormerLm> {
-    let mut w = read_weights(files, Some(weights), device)?;
+    lm_from_weights(read_weights(files, Some(weights), device)?, device)
+}
+
+/// Loads a language model with its weight matrices quantised to 8 bits
+/// (`--weight-dtype q8`, see [`TokenFormerLm::quantize_q8`]), f32 compute.
+/// The checkpoint is read in its own precision when that is f16 or f32
+/// throughout (f16 widens to f32 exactly, and an fp16 release then peaks at
+/// half its f32 size while quantising), otherwise as f32.
+pub fn load_lm_q8(files: &ModelFiles, device: &Device) -> Result<TokenFormerLm> {
+    let mut w = read_weights(files, None, device)?;
+    let first = w.tensors.values().next().map(|t| t.dtype());
+    let uniform = first.is_some_and(|d| {
+        matches!(d, DType::F16 | DType::F32) && w.tensors.values().all(|t| t.dtype() == d)
+    });
+    if !uniform {
+        for t in w.tensors.values_mut() {
+            *t = t.to_dtype(DType::F32)?;
+        }
+    }
+    let path = w.path.clone();
+    lm_from_weights(w, device)?
+        .quantize_q8()
+        .map_err(|e| Error::checkpoint(&path, e))
+}
+
+fn lm_from_weights(mut w: LoadedWeights, device: &Device) -> Result<TokenFormerLm> {
     // Text-only input to a merged vision-language model is its language route.
     if architecture(&w.config) == vl::ARCHITECTURE {
         for t in w.tensors.values_mut() {

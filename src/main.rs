@@ -58,6 +58,10 @@ fn main() {
     quiet_backtraces();
     tokenformer::alloc::keep_freed_memory();
     let cli = Cli::parse();
+    // A TOKENFORMER_KERNELS request this CPU cannot honour (the library only returns it).
+    if let Some(w) = &tokenformer::kernels::selection().warning {
+        eprintln!("warning: {w}");
+    }
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);

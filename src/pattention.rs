@@ -10,90 +10,28 @@
 
 use candle_core::{Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
-use serde::{Deserialize, Serialize};
 
-/// Θ, the normalised non-linearity applied to the token-parameter scores
-/// (config key `pattention_activation`, official `norm_activation_type`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Activation {
-    /// s / ‖s‖₂ · √n, then exact (erf) GELU. Every released model uses this.
-    #[default]
-    L2NormGelu,
-    /// GELU first, then the same L2 normalisation · √n.
-    GeluL2Norm,
-    /// exp, then L1 normalisation · n (= n · softmax).
-    Softmax,
-}
-
-impl std::str::FromStr for Activation {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "l2_norm_gelu" => Ok(Self::L2NormGelu),
-            "gelu_l2_norm" => Ok(Self::GeluL2Norm),
-            "softmax" => Ok(Self::Softmax),
-            other => Err(format!(
-                "unknown Pattention activation `{other}` (expected l2_norm_gelu, gelu_l2_norm or softmax)"
-            )),
-        }
-    }
-}
-
-impl Activation {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Self::L2NormGelu => "l2_norm_gelu",
-            Self::GeluL2Norm => "gelu_l2_norm",
-            Self::Softmax => "softmax",
-        }
-    }
-}
-
-/// The smallest norm we divide by. The official code divides by a zero norm
-/// and returns NaN for an all-zero score row; we return the row's limit (zeros
-/// after L2 normalisation) instead.
-const MIN_NORM: f64 = 1e-30;
-
-/// Applies Θ along the last (parameter-token) axis. `scale_tokens` is the n of
-/// √n (or of n for softmax): by default the layer's token count, but held
-/// fixed by the growth converter so that appended zero-key tokens keep the
-/// function unchanged.
-pub fn theta(scores: &Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
-    let n = scale_tokens as f64;
-    match activation {
-        Activation::L2NormGelu => l2_normalise(scores, n.sqrt())?.gelu_erf(),
-        Activation::GeluL2Norm => l2_normalise(&scores.gelu_erf()?, n.sqrt()),
-        Activation::Softmax => {
-            // exp(s)/Σexp(s)·n; subtracting the row max first changes nothing
-            // mathematically but avoids the official code's overflow to inf/inf.
-            let max = scores.max_keepdim(D::Minus1)?;
-            let e = scores.broadcast_sub(&max)?.exp()?;
-            let sum = e.sum_keepdim(D::Minus1)?;
-            e.broadcast_div(&sum)? * n
-        }
-    }
-}
-
-fn l2_normalise(s: &Tensor, factor: f64) -> Result<Tensor> {
-    let norm = s
-        .sqr()?
-        .sum_keepdim(D::Minus1)?
-        .sqrt()?
-        .clamp(MIN_NORM, f64::INFINITY)?;
-    s.broadcast_div(&(norm / factor)?)
-}
+pub use crate::kernels::theta::{theta, Activation};
+use crate::kernels::{self, Q8Matrix};
 
 /// One Pattention layer: `key_param_tokens` [n, d_in], `value_param_tokens` [n, d_out].
 #[derive(Clone, Debug)]
 pub struct Pattention {
-    /// The keys stored transposed, [d_in, n]: X·Kᵀ is then a plain
-    /// row-major product, which gemm runs about 13 % faster than the
-    /// transposed one (measured at 2048×768×768 and ×3072).
-    key_t: Tensor,
-    value: Tensor,
+    params: Params,
     activation: Activation,
     scale_tokens: usize,
+}
+
+/// The weights in the layout their products want.
+#[derive(Clone, Debug)]
+enum Params {
+    /// f32 or f16. The keys are stored transposed, [d_in, n]: X·Kᵀ is then a
+    /// plain row-major product, which gemm runs faster than the transposed
+    /// one (docs/PERFORMANCE.md); values as they are, [n, d_out].
+    Dense { key_t: Tensor, value: Tensor },
+    /// 8 bits, both as [out, in] so the quantisation blocks run along the
+    /// input dimension: keys [n, d_in], values transposed [d_out, n].
+    Q8 { key: Q8Matrix, value_t: Q8Matrix },
 }
 
 impl Pattention {
@@ -123,22 +61,72 @@ impl Pattention {
         // (the loader hands each tensor over, so only one is ever doubled).
         let key_t = key.t().and_then(|k| k.contiguous()).unwrap_or(key);
         Self {
-            key_t,
-            value,
+            params: Params::Dense { key_t, value },
             activation,
             scale_tokens: scale_tokens.unwrap_or(n),
         }
     }
 
-    /// `key_param_tokens` [n, d_in] (a transposed view of the stored keys).
-    pub fn key(&self) -> Tensor {
-        self.key_t.t().expect("keys are rank 2")
+    /// The same layer with 8-bit weights (f32 compute). `name` names the
+    /// layer in errors (a weight that is not finite cannot be quantised).
+    pub fn quantize_q8(&self, name: &str) -> Result<Self> {
+        let params = match &self.params {
+            Params::Dense { key_t, value } => Params::Q8 {
+                key: Q8Matrix::quantize(&key_t.t()?, &format!("{name}.key_param_tokens"))?,
+                value_t: Q8Matrix::quantize(&value.t()?, &format!("{name}.value_param_tokens"))?,
+            },
+            q8 @ Params::Q8 { .. } => q8.clone(),
+        };
+        Ok(Self {
+            params,
+            activation: self.activation,
+            scale_tokens: self.scale_tokens,
+        })
     }
-    pub fn value(&self) -> &Tensor {
-        &self.value
+
+    /// `key_param_tokens` [n, d_in] in the stored precision (f32 for 8-bit
+    /// weights, dequantised).
+    pub fn key(&self) -> Tensor {
+        match &self.params {
+            Params::Dense { key_t, .. } => key_t.t().expect("keys are rank 2"),
+            Params::Q8 { key, .. } => key.dequantize().expect("a CPU tensor of its own size"),
+        }
+    }
+    /// `value_param_tokens` [n, d_out], as [`Self::key`].
+    pub fn value(&self) -> Tensor {
+        match &self.params {
+            Params::Dense { value, .. } => value.clone(),
+            Params::Q8 { value_t, .. } => value_t
+                .dequantize()
+                .and_then(|v| v.t())
+                .expect("a CPU tensor of its own size"),
+        }
     }
     pub fn tokens(&self) -> usize {
-        self.key_t.dims()[1]
+        match &self.params {
+            Params::Dense { key_t, .. } => key_t.dims()[1],
+            Params::Q8 { key, .. } => key.dims().0,
+        }
+    }
+    fn d_out(&self) -> Result<usize> {
+        match &self.params {
+            Params::Dense { value, .. } => value.dim(1),
+            Params::Q8 { value_t, .. } => Ok(value_t.dims().0),
+        }
+    }
+    /// Whether the weights are kept in 8 bits.
+    pub fn is_q8(&self) -> bool {
+        matches!(self.params, Params::Q8 { .. })
+    }
+    /// Bytes the weight matrices hold.
+    pub fn weight_bytes(&self) -> usize {
+        match &self.params {
+            Params::Dense { key_t, value } => [key_t, value]
+                .iter()
+                .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+                .sum(),
+            Params::Q8 { key, value_t } => key.bytes() + value_t.bytes(),
+        }
     }
     pub fn scale_tokens(&self) -> usize {
         self.scale_tokens
@@ -151,7 +139,11 @@ impl Pattention {
     pub fn scores(&self, x: &Tensor) -> Result<Tensor> {
         let d_in = x.dim(D::Minus1)?;
         let rows = x.elem_count() / d_in.max(1);
-        crate::kernels::matmul_nn(&x.reshape((rows, d_in))?, &self.key_t)
+        let x = x.reshape((rows, d_in))?;
+        match &self.params {
+            Params::Dense { key_t, .. } => kernels::matmul_nn(&x, key_t),
+            Params::Q8 { key, .. } => kernels::matmul_nt_q8(&x, key),
+        }
     }
 }
 
@@ -159,8 +151,11 @@ impl Module for Pattention {
     /// x [..., d_in] → [..., d_out].
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut out_shape = x.dims().to_vec();
-        *out_shape.last_mut().expect("rank >= 1") = self.value.dim(1)?;
-        let w = crate::kernels::theta_owned(self.scores(x)?, self.activation, self.scale_tokens)?;
-        crate::kernels::matmul_nn(&w, &self.value)?.reshape(out_shape)
+        *out_shape.last_mut().expect("rank >= 1") = self.d_out()?;
+        let w = kernels::theta_owned(self.scores(x)?, self.activation, self.scale_tokens)?;
+        match &self.params {
+            Params::Dense { value, .. } => kernels::matmul_nn(&w, value)?.reshape(out_shape),
+            Params::Q8 { value_t, .. } => kernels::matmul_nt_q8(&w, value_t)?.reshape(out_shape),
+        }
     }
 }

@@ -14,7 +14,8 @@ pub struct BenchArgs {
     /// Skip the ViT-B/16 image benchmark.
     #[arg(long)]
     pub skip_vit: bool,
-    /// Run only these parts (comma-separated): prefill, decode, decode_f16, pattention, matmul, vit.
+    /// Run only these parts (comma-separated): prefill, decode, decode_f16, decode_q8, pattention,
+    /// matmul, vit. `TOKENFORMER_KERNELS=portable|avx2|avx512` forces a kernel path.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Print one JSON object (the peer's field names).
@@ -34,6 +35,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 "prefill",
                 "decode",
                 "decode_f16",
+                "decode_q8",
                 "pattention",
                 "matmul",
             ]

@@ -11,16 +11,24 @@
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+
+use super::matmul::gemm_f32;
+use super::rows::{axpy_rows_on, dot_rows_on};
+use super::{active, Path};
 use std::cell::RefCell;
 
 /// Queries per task: 128 rows × 2048 keys of f32 scores is 1 MiB, inside a
-/// 2 MiB L2; measured best against 32, 64, 192 and 256 (at 2048 and 512
-/// tokens, 12 heads of 64).
+/// 2 MiB L2 (block sizes compared in docs/PERFORMANCE.md).
 const QUERY_BLOCK: usize = 128;
+
+/// Blocks of at most this many queries (decoding) take dot products and
+/// weighted sums with the cached rows instead of gemm.
+const FEW_QUERIES: usize = 8;
 
 struct Attention {
     causal: bool,
     scale: f32,
+    path: Path,
 }
 
 /// A raw output pointer shared by tasks that write disjoint rows.
@@ -100,26 +108,37 @@ impl CustomOp3 for Attention {
                     let qp = q.as_ptr().add(q0 + bi * qs[0] + hi * qs[1] + start * qs[2]);
                     let kp = k.as_ptr().add(k0 + bi * ks[0] + hi * ks[1]);
                     let vp = v.as_ptr().add(v0 + bi * vs[0] + hi * vs[1]);
+                    if rows <= FEW_QUERIES {
+                        // Decoding: gemm would pack the cached keys and values
+                        // (the bytes this step is bound by) to use them once.
+                        for (r, sr) in s.chunks_mut(seen).enumerate() {
+                            let valid = if self.causal {
+                                past + start + r + 1
+                            } else {
+                                seen
+                            };
+                            let qr = std::slice::from_raw_parts(qp.add(r * qs[2]), hd);
+                            let span = |stride: usize| (valid - 1) * stride + hd;
+                            let keys = std::slice::from_raw_parts(kp, span(ks[2]));
+                            dot_rows_on(self.path, qr, keys, ks[2], self.scale, &mut sr[..valid]);
+                            super::rows::softmax_row_on(self.path, sr, valid);
+                            let o = std::slice::from_raw_parts_mut(
+                                out.0.add(((bi * t + start + r) * h + hi) * hd),
+                                hd,
+                            );
+                            let values = std::slice::from_raw_parts(vp, span(vs[2]));
+                            axpy_rows_on(self.path, &sr[..valid], values, vs[2], o);
+                        }
+                        return;
+                    }
                     // s = scale · q_blk · kᵀ   [rows, seen]
-                    gemm::gemm(
-                        rows,
-                        seen,
-                        hd,
-                        s.as_mut_ptr(),
-                        1,
-                        seen as isize,
-                        false,
-                        qp,
-                        1,
-                        qs[2] as isize,
-                        kp,
-                        ks[2] as isize,
-                        1,
-                        0.0,
+                    gemm_f32(
+                        self.path,
+                        (rows, seen, hd),
+                        (s.as_mut_ptr(), 1, seen as isize),
+                        (qp, 1, qs[2] as isize),
+                        (kp, ks[2] as isize, 1),
                         self.scale,
-                        false,
-                        false,
-                        false,
                         gemm::Parallelism::None,
                     );
                     for (r, row) in s.chunks_mut(seen).enumerate() {
@@ -128,29 +147,17 @@ impl CustomOp3 for Attention {
                         } else {
                             seen
                         };
-                        super::softmax_row(row, valid);
+                        super::rows::softmax_row_on(self.path, row, valid);
                     }
                     // out[bi, start.., hi, :] = p · v   [rows, hd]
                     let op = out.0.add(((bi * t + start) * h + hi) * hd);
-                    gemm::gemm(
-                        rows,
-                        hd,
-                        seen,
-                        op,
-                        1,
-                        (h * hd) as isize,
-                        false,
-                        s.as_ptr(),
-                        1,
-                        seen as isize,
-                        vp,
-                        1,
-                        vs[2] as isize,
-                        0.0,
+                    gemm_f32(
+                        self.path,
+                        (rows, hd, seen),
+                        (op, 1, (h * hd) as isize),
+                        (s.as_ptr(), 1, seen as isize),
+                        (vp, 1, vs[2] as isize),
                         1.0,
-                        false,
-                        false,
-                        false,
                         gemm::Parallelism::None,
                     );
                 }
@@ -188,12 +195,13 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Ten
             &Attention {
                 causal,
                 scale: scale as f32,
+                path: active(),
             },
         );
     }
     let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * scale)?;
     let probs = if causal {
-        super::causal_softmax(&scores)?
+        causal_softmax(&scores)?
     } else {
         candle_nn::ops::softmax_last_dim(&scores)?
     };
@@ -201,4 +209,143 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Ten
         .matmul(&v.contiguous()?)?
         .transpose(1, 2)?
         .reshape((b, t, h * hd))
+}
+
+/// Softmax over the last axis of scores [.., t, total] where query i (of the
+/// last t) may see keys 0..=past+i, past = total − t; masked entries are 0.
+/// Plain tensor ops: the path of devices and dtypes the fused attention
+/// kernel does not take.
+pub fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
+    let dims = scores.dims();
+    let (t, total) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    let past = total - t;
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, total), scores.device())?.to_dtype(scores.dtype())?;
+    candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{bits, max_abs_diff, spread};
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// The fused kernel against plain f64 tensor ops: several query blocks,
+    /// cached keys before the queries, and q/k/v as head-transposed views;
+    /// and decoding-sized query blocks (the dot-product path), with a head
+    /// width that is not a multiple of 16.
+    #[test]
+    fn fused_attention_equals_reference() {
+        for (t, past, hd) in [(300, 20, 16), (1, 40, 24), (5, 37, 16), (8, 0, 24)] {
+            attention_equals_reference(t, past, hd);
+        }
+    }
+
+    fn attention_equals_reference(t: usize, past: usize, hd: usize) {
+        let (b, h) = (2, 3);
+        let heads = |rows: usize, salt: f32| {
+            (spread((b, rows, h, hd)) + salt as f64)
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+        };
+        let q = heads(t, 0.1);
+        let (k, v) = (heads(past + t, -0.2), heads(past + t, 0.3));
+        assert!(t == 1 || !q.is_contiguous());
+        for causal in [true, false] {
+            let got = attention(&q, &k, &v, causal).unwrap();
+            let f = |x: &Tensor| x.to_dtype(DType::F64).unwrap().contiguous().unwrap();
+            let scores = (f(&q).matmul(&f(&k).t().unwrap()).unwrap() / (hd as f64).sqrt()).unwrap();
+            let mask: Vec<f64> = (0..t)
+                .flat_map(|i| {
+                    (0..past + t).map(move |j| {
+                        if causal && j > past + i {
+                            f64::NEG_INFINITY
+                        } else {
+                            0.0
+                        }
+                    })
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (t, past + t), &Device::Cpu).unwrap();
+            let p =
+                candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap()).unwrap();
+            let want = p
+                .matmul(&f(&v))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .reshape((b, t, h * hd))
+                .unwrap();
+            let d = max_abs_diff(&got, &want);
+            assert!(d < 1e-5, "t={t} past={past} hd={hd} causal={causal}: {d}");
+        }
+    }
+
+    #[test]
+    fn every_path_gives_the_portable_attention() {
+        let (b, h, t, hd) = (1, 2, 150, 16);
+        let x = |salt: f64| {
+            (spread((b, t, h, hd)) + salt)
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+        };
+        let (q, k, v) = (x(0.1), x(-0.2), x(0.3));
+        // The last 3 queries alone take the decoding path.
+        let few = q.narrow(2, t - 3, 3).unwrap();
+        let run = |q: &Tensor, path: Path| {
+            let op = Attention {
+                causal: true,
+                scale: 0.25,
+                path,
+            };
+            q.apply_op3_no_bwd(&k, &v, &op).unwrap()
+        };
+        let portable = Path::new(super::super::Isa::Portable).unwrap();
+        let (want, want_few) = (run(&q, portable), run(&few, portable));
+        for path in Path::all() {
+            // gemm's kernels for each path block the sums differently; the
+            // decoding path's dot products and sums are the same on every path.
+            let d = max_abs_diff(&run(&q, path), &want);
+            assert!(d < 1e-5, "{:?}: {d}", path.isa());
+            assert_eq!(bits(&run(&few, path)), bits(&want_few), "{:?}", path.isa());
+        }
+        // And the decoding path agrees with gemm's on the same queries.
+        let d = max_abs_diff(&want_few, &want.narrow(1, t - 3, 3).unwrap());
+        assert!(d < 1e-5, "few queries vs blocks: {d}");
+    }
+
+    #[test]
+    fn causal_softmax_equals_f64_and_masks() {
+        let dev = Device::Cpu;
+        let sc = spread((2, 3, 5, 9));
+        let a = causal_softmax(&sc).unwrap();
+        let b = causal_softmax(
+            &sc.t()
+                .unwrap()
+                .t()
+                .unwrap()
+                .broadcast_add(&Tensor::zeros(1, DType::F32, &dev).unwrap())
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap(),
+        )
+        .unwrap();
+        let d = max_abs_diff(&a, &b);
+        assert!(d < 1e-6, "causal softmax {d}");
+        // Row 0 of a 5-query block after 4 cached keys sees exactly 5 keys.
+        let row: Vec<f32> = a
+            .get(0)
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(row[..5].iter().all(|&p| p > 0.0) && row[5..].iter().all(|&p| p == 0.0));
+    }
 }

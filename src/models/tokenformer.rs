@@ -571,15 +571,33 @@ impl Cache {
     }
 }
 
+/// A weight matrix of the language model outside the Pattention layers.
+#[derive(Clone, Debug)]
+enum Matrix {
+    /// f32 or f16.
+    Dense(Tensor),
+    Q8(crate::kernels::Q8Matrix),
+}
+
+impl Matrix {
+    fn bytes(&self) -> usize {
+        match self {
+            Matrix::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            Matrix::Q8(q) => q.bytes(),
+        }
+    }
+}
+
 /// The TokenFormer causal language model. The VarBuilder's dtype is the
 /// precision its weight matrices are kept in (f32, or f16 to halve memory and
-/// decode traffic); activations and arithmetic are f32 either way.
+/// decode traffic; [`TokenFormerLm::quantize_q8`] makes them 8-bit);
+/// activations and arithmetic are f32 either way.
 #[derive(Clone, Debug)]
 pub struct TokenFormerLm {
-    word_embeddings: Tensor,
+    word_embeddings: Matrix,
     layers: Vec<Block>,
     final_norm: LayerNorm,
-    final_linear: Option<Tensor>,
+    final_linear: Option<Matrix>,
     rotary: Rotary,
     cfg: Config,
 }
@@ -610,13 +628,58 @@ impl TokenFormerLm {
             vb.device(),
         )?;
         Ok(Self {
-            word_embeddings,
+            word_embeddings: Matrix::Dense(word_embeddings),
             layers,
             final_norm,
-            final_linear,
+            final_linear: final_linear.map(Matrix::Dense),
             rotary,
             cfg: cfg.clone(),
         })
+    }
+
+    /// The model with every weight matrix (Pattention keys and values, the
+    /// embedding and output matrices) quantised to 8 bits: int8 blocks of 32
+    /// along the input dimension with an f32 scale each
+    /// ([`crate::kernels::q8`]). Arithmetic stays f32. Each matrix is
+    /// replaced as soon as it is quantised, so memory peaks at the old
+    /// weights plus one quantised matrix.
+    pub fn quantize_q8(mut self) -> crate::Result<Self> {
+        let q8 = |m: &Matrix, name: &str| -> crate::Result<Matrix> {
+            Ok(match m {
+                Matrix::Dense(t) => Matrix::Q8(crate::kernels::Q8Matrix::quantize(t, name)?),
+                q @ Matrix::Q8(_) => q.clone(),
+            })
+        };
+        self.word_embeddings = q8(&self.word_embeddings, "word_embeddings.weight")?;
+        if let Some(m) = &self.final_linear {
+            self.final_linear = Some(q8(m, "final_linear.weight")?);
+        }
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let at = |m: &str| format!("layers.{i}.{m}");
+            let a = &mut layer.attention;
+            a.query = a.query.quantize_q8(&at("attention.query"))?;
+            a.key = a.key.quantize_q8(&at("attention.key"))?;
+            a.value = a.value.quantize_q8(&at("attention.value"))?;
+            a.proj = a.proj.quantize_q8(&at("attention.proj"))?;
+            layer.mlp = layer.mlp.quantize_q8(&at("mlp"))?;
+        }
+        Ok(self)
+    }
+
+    /// Bytes the weight matrices hold in their stored precision.
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let a = &l.attention;
+                [&a.query, &a.key, &a.value, &a.proj, &l.mlp]
+                    .iter()
+                    .map(|p| p.weight_bytes())
+                    .sum::<usize>()
+            })
+            .sum();
+        layers + self.word_embeddings.bytes() + self.final_linear.as_ref().map_or(0, Matrix::bytes)
     }
 
     pub fn config(&self) -> &Config {
@@ -624,7 +687,7 @@ impl TokenFormerLm {
     }
 
     pub fn device(&self) -> &Device {
-        self.word_embeddings.device()
+        self.final_norm.weight().device()
     }
 
     pub fn layers(&self) -> &[Block] {
@@ -650,20 +713,35 @@ impl TokenFormerLm {
     /// Token embeddings [b, t, d] of ids [b, t].
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        self.word_embeddings
-            .index_select(&ids.flatten_all()?, 0)?
-            .to_dtype(DType::F32)?
+        let rows = match &self.word_embeddings {
+            Matrix::Dense(w) => w.index_select(&ids.flatten_all()?, 0)?,
+            Matrix::Q8(w) => w
+                .select_rows(&ids.flatten_all()?.to_vec1::<u32>()?)?
+                .to_device(self.device())?,
+        };
+        rows.to_dtype(DType::F32)?
             .reshape((b, t, self.cfg.hidden_size))
     }
 
     /// Final norm and output projection: hidden [b, t, d] → logits [b, t, vocab].
     pub fn head(&self, h: &Tensor) -> Result<Tensor> {
-        self.head_with(h, self.output_matrix())
+        match self.final_linear.as_ref().unwrap_or(&self.word_embeddings) {
+            Matrix::Dense(out) => self.head_with(h, out),
+            Matrix::Q8(out) => {
+                let (b, t, d) = h.dims3()?;
+                let h = self.final_norm.forward(h)?.reshape((b * t, d))?;
+                crate::kernels::matmul_nt_q8(&h, out)?.reshape((b, t, self.cfg.vocab_size))
+            }
+        }
     }
 
-    /// The output projection [vocab, d] in its stored precision.
-    pub fn output_matrix(&self) -> &Tensor {
-        self.final_linear.as_ref().unwrap_or(&self.word_embeddings)
+    /// The output projection [vocab, d] in its stored precision (f32 for
+    /// 8-bit weights, dequantised).
+    pub fn output_matrix(&self) -> Tensor {
+        match self.final_linear.as_ref().unwrap_or(&self.word_embeddings) {
+            Matrix::Dense(t) => t.clone(),
+            Matrix::Q8(q) => q.dequantize().expect("a CPU tensor of its own size"),
+        }
     }
 
     /// [`Self::head`] against `out`, the output matrix or a copy of it in

@@ -1,0 +1,222 @@
+//! Dot and axpy against half-precision weight rows with f32 arithmetic: the
+//! decode kernels for f16 weights. Halves are widened in registers
+//! (`vcvtph2ps`, 8 to a 256-bit or 16 to a 512-bit register) right after the
+//! load, so memory traffic is half that of f32 weights and nothing is
+//! converted into a buffer first. They follow the lane contract of
+//! [`super::rows`], so they give the bits of the f32 kernels on the widened
+//! weights, on every path.
+
+use ::half::f16;
+
+use super::rows::{reduce16, tail_dot};
+use super::{Isa, Path};
+
+/// Σ x[i]·w[i] on `path`.
+pub fn dot_on(path: Path, x: &[f32], w: &[f16]) -> f32 {
+    let n = x.len().min(w.len());
+    let (x, w) = (&x[..n], &w[..n]);
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::dot(x, w) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::dot(x, w) },
+        _ => dot_portable(x, w),
+    }
+}
+
+/// y[i] += a·w[i] on `path`.
+pub fn axpy_on(path: Path, a: f32, w: &[f16], y: &mut [f32]) {
+    let n = y.len().min(w.len());
+    let (w, y) = (&w[..n], &mut y[..n]);
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::axpy(a, w, y) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::axpy(a, w, y) },
+        _ => axpy_portable(a, w, y),
+    }
+}
+
+fn dot_portable(x: &[f32], w: &[f16]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (cx, cw) = (x.chunks_exact(16), w.chunks_exact(16));
+    let (tx, tw) = (cx.remainder(), cw.remainder());
+    for (a, b) in cx.zip(cw) {
+        for k in 0..16 {
+            acc[k] += a[k] * b[k].to_f32();
+        }
+    }
+    reduce16(acc) + tail_dot(tx, tw.iter().map(|v| v.to_f32()))
+}
+
+fn axpy_portable(a: f32, w: &[f16], y: &mut [f32]) {
+    for (o, v) in y.iter_mut().zip(w) {
+        *o += a * v.to_f32();
+    }
+}
+
+/// 256-bit registers: the 16 lanes of the contract are two registers.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::super::rows::avx2::fold16;
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// 8 halves at `w` widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(w: *const f16) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable halves (f16 is a u16).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(w as *const __m128i)) }
+    }
+
+    /// x and w of equal length.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
+        let whole = x.len() / 16 * 16;
+        let (xp, wp) = (x.as_ptr(), w.as_ptr());
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        // SAFETY: every load is within 0..whole of both slices.
+        unsafe {
+            while i < whole {
+                let a = _mm256_mul_ps(_mm256_loadu_ps(xp.add(i)), load8(wp.add(i)));
+                let b = _mm256_mul_ps(_mm256_loadu_ps(xp.add(i + 8)), load8(wp.add(i + 8)));
+                lo = _mm256_add_ps(lo, a);
+                hi = _mm256_add_ps(hi, b);
+                i += 16;
+            }
+        }
+        fold16(lo, hi) + tail_dot(&x[whole..], w[whole..].iter().map(|v| v.to_f32()))
+    }
+
+    /// w and y of equal length.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn axpy(a: f32, w: &[f16], y: &mut [f32]) {
+        let whole = y.len() / 8 * 8;
+        let (wp, yp) = (w.as_ptr(), y.as_mut_ptr());
+        let av = _mm256_set1_ps(a);
+        let mut i = 0;
+        // SAFETY: every access is within 0..whole of both slices.
+        unsafe {
+            while i < whole {
+                let v = _mm256_add_ps(
+                    _mm256_loadu_ps(yp.add(i)),
+                    _mm256_mul_ps(av, load8(wp.add(i))),
+                );
+                _mm256_storeu_ps(yp.add(i), v);
+                i += 8;
+            }
+        }
+        axpy_portable(a, &w[whole..], &mut y[whole..]);
+    }
+}
+
+/// 512-bit registers: the 16 lanes of the contract are one register.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::super::rows::avx512::fold16;
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// 16 halves at `w` widened to f32.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn load16(w: *const f16) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable halves (f16 is a u16).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(w as *const __m256i)) }
+    }
+
+    /// x and w of equal length.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
+        let whole = x.len() / 16 * 16;
+        let (xp, wp) = (x.as_ptr(), w.as_ptr());
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        // SAFETY: every load is within 0..whole of both slices.
+        unsafe {
+            while i < whole {
+                let p = _mm512_mul_ps(_mm512_loadu_ps(xp.add(i)), load16(wp.add(i)));
+                acc = _mm512_add_ps(acc, p);
+                i += 16;
+            }
+        }
+        fold16(acc) + tail_dot(&x[whole..], w[whole..].iter().map(|v| v.to_f32()))
+    }
+
+    /// w and y of equal length.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn axpy(a: f32, w: &[f16], y: &mut [f32]) {
+        let whole = y.len() / 16 * 16;
+        let (wp, yp) = (w.as_ptr(), y.as_mut_ptr());
+        let av = _mm512_set1_ps(a);
+        let mut i = 0;
+        // SAFETY: every access is within 0..whole of both slices.
+        unsafe {
+            while i < whole {
+                let v = _mm512_add_ps(
+                    _mm512_loadu_ps(yp.add(i)),
+                    _mm512_mul_ps(av, load16(wp.add(i))),
+                );
+                _mm512_storeu_ps(yp.add(i), v);
+                i += 16;
+            }
+        }
+        axpy_portable(a, &w[whole..], &mut y[whole..]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::rows;
+    use super::*;
+
+    #[test]
+    fn every_path_gives_the_bits_of_the_f32_kernels_on_widened_weights() {
+        let portable = Path::new(Isa::Portable).unwrap();
+        for path in Path::all() {
+            // Whole 16s, 8s and tails of every kind.
+            for n in [0, 1, 7, 8, 9, 15, 16, 17, 147, 768, 3075] {
+                let w: Vec<f16> = (0..n)
+                    .map(|i| f16::from_f32((i as f32 * 0.37).sin() * [0.01, 1.0, 50.0][i % 3]))
+                    .collect();
+                let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+                let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+                let want = rows::dot_on(portable, &x, &wide);
+                let got = dot_on(path, &x, &w);
+                assert_eq!(got.to_bits(), want.to_bits(), "dot n={n} {:?}", path.isa());
+                let (mut y, mut z) = (x.clone(), x.clone());
+                rows::axpy_on(portable, 0.5, &wide, &mut y);
+                axpy_on(path, 0.5, &w, &mut z);
+                let b = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(b(&z), b(&y), "axpy n={n} {:?}", path.isa());
+            }
+        }
+    }
+
+    #[test]
+    fn half_dot_is_the_f64_dot() {
+        let w: Vec<f16> = (0..147)
+            .map(|i| f16::from_f32((i as f32 * 0.37).sin()))
+            .collect();
+        let x: Vec<f32> = (0..147).map(|i| (i as f32 * 0.11).cos()).collect();
+        let want: f64 = x
+            .iter()
+            .zip(&w)
+            .map(|(a, b)| (*a as f64) * (b.to_f32() as f64))
+            .sum();
+        for path in Path::all() {
+            let got = dot_on(path, &x, &w) as f64;
+            assert!(
+                (got - want).abs() < 1e-4,
+                "{:?}: {got} vs {want}",
+                path.isa()
+            );
+        }
+    }
+}

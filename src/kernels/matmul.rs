@@ -1,0 +1,421 @@
+//! The products' entry points: the streaming kernels of [`super::gemv`] for
+//! a few rows, gemm straight into an uninitialised output for the
+//! compute-bound rest (prefill, evaluation, images), plain candle otherwise.
+
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
+
+use super::gemv::{SmallMatmul, SmallMatmulQ8};
+use super::q8::Q8Matrix;
+use super::{active, f32_slice, Isa, Path};
+
+/// Rows at or below which the matrix-vector kernels beat a packed gemm:
+/// decoding is bound by reading the weights once, and gemm would first copy
+/// (pack) them.
+pub const SMALL_ROWS: usize = 8;
+
+fn small_ok(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu()
+        && x.dtype() == DType::F32
+        && matches!(w.dtype(), DType::F32 | DType::F16)
+        && x.is_contiguous()
+        && w.is_contiguous()
+        && x.rank() == 2
+        && x.dim(0).is_ok_and(|m| m <= SMALL_ROWS)
+}
+
+fn gemm_ok(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu()
+        && x.dtype() == DType::F32
+        && matches!(w.dtype(), DType::F32 | DType::F16)
+        && x.is_contiguous()
+        && w.is_contiguous()
+        && x.rank() >= 1
+        && w.rank() == 2
+}
+
+/// The compute-bound products (prefill, evaluation, images): x [.., k] times
+/// w [k, n], or wᵀ for w [n, k] when `transposed`, by gemm straight into an
+/// uninitialised output. candle's matmul zero-fills its output first, a whole
+/// extra pass over a buffer gemm then overwrites (docs/PERFORMANCE.md).
+struct Gemm {
+    transposed: bool,
+    path: Path,
+}
+
+impl candle_core::CustomOp2 for Gemm {
+    fn name(&self) -> &'static str {
+        "gemm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s1, l1, "gemm")?;
+        let w = f32_slice(s2, l2, "gemm")?;
+        let (r, c) = l2.shape().dims2()?;
+        let (k, n) = if self.transposed { (c, r) } else { (r, c) };
+        let mut dims = l1.shape().dims().to_vec();
+        if dims.last() != Some(&k) {
+            candle_core::bail!(
+                "gemm: shapes {:?} and {:?}{} do not multiply",
+                l1.shape(),
+                l2.shape(),
+                if self.transposed { "ᵀ" } else { "" }
+            )
+        }
+        let m = dims[..dims.len() - 1].iter().product::<usize>();
+        *dims.last_mut().expect("rank ≥ 1") = n;
+        if m * n * k == 0 {
+            return Ok((CpuStorage::F32(vec![0.0; m * n]), Shape::from(dims)));
+        }
+        // w's element (row kk, column j) of the product's right-hand side.
+        let (rhs_rs, rhs_cs) = if self.transposed { (1, k) } else { (n, 1) };
+        let threads = candle_core::utils::get_num_threads();
+        let parallelism = if threads > 1 {
+            gemm::Parallelism::Rayon(threads)
+        } else {
+            gemm::Parallelism::None
+        };
+        let mut out = Vec::<f32>::with_capacity(m * n);
+        // SAFETY: x holds m·k and w k·n elements (shapes checked above) and
+        // `out` has room for m·n; gemm writes every element of dst without
+        // reading it, so the length can be set after.
+        unsafe {
+            gemm_f32(
+                self.path,
+                (m, n, k),
+                (out.as_mut_ptr(), 1, n as isize),
+                (x.as_ptr(), 1, k as isize),
+                (w.as_ptr(), rhs_cs as isize, rhs_rs as isize),
+                1.0,
+                parallelism,
+            );
+            out.set_len(m * n);
+        }
+        Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+}
+
+/// dst = scale · lhs · rhs for f32 [m, k] · [k, n] by gemm, with the kernels
+/// of `path`: gemm's own choice is always the CPU's best, so a forced lower
+/// path calls its AVX2 or scalar kernels directly. dst is written, never
+/// read. Operands are (pointer, column stride, row stride) in elements.
+///
+/// # Safety
+/// The pointers and strides must address m×n, m×k and k×n valid elements,
+/// and dst must not overlap the inputs.
+pub(super) unsafe fn gemm_f32(
+    path: Path,
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_cs, dst_rs): (*mut f32, isize, isize),
+    (lhs, lhs_cs, lhs_rs): (*const f32, isize, isize),
+    (rhs, rhs_cs, rhs_rs): (*const f32, isize, isize),
+    scale: f32,
+    parallelism: gemm::Parallelism,
+) {
+    use gemm_common::gemm::gemm_basic_generic;
+    #[cfg(target_arch = "x86_64")]
+    if path.isa() == Isa::Avx2 {
+        use gemm_common::simd::V3;
+        use gemm_f32::microkernel::fma::f32 as ukr;
+        let simd = V3::try_new().expect("a Path exists only for a supported ISA");
+        // SAFETY: the caller's contract; the kernels are gemm's own for V3.
+        return unsafe {
+            gemm_basic_generic::<
+                _,
+                f32,
+                8,
+                { ukr::MR_DIV_N * 8 },
+                { ukr::NR },
+                { ukr::MR_DIV_N },
+                { ukr::H_M },
+                { ukr::H_N },
+            >(
+                simd,
+                m,
+                n,
+                k,
+                dst,
+                dst_cs,
+                dst_rs,
+                false,
+                lhs,
+                lhs_cs,
+                lhs_rs,
+                rhs,
+                rhs_cs,
+                rhs_rs,
+                0.0,
+                scale,
+                false,
+                false,
+                false,
+                |a, b, c| a * b + c,
+                &ukr::UKR,
+                &ukr::H_UKR,
+                false,
+                parallelism,
+            )
+        };
+    }
+    if path.isa() == Isa::Portable {
+        use gemm_f32::microkernel::scalar::f32 as ukr;
+        // SAFETY: the caller's contract; the kernels are gemm's own scalar ones.
+        return unsafe {
+            gemm_basic_generic::<
+                _,
+                f32,
+                1,
+                { ukr::MR_DIV_N },
+                { ukr::NR },
+                { ukr::MR_DIV_N },
+                { ukr::H_M },
+                { ukr::H_N },
+            >(
+                gemm_common::simd::Scalar,
+                m,
+                n,
+                k,
+                dst,
+                dst_cs,
+                dst_rs,
+                false,
+                lhs,
+                lhs_cs,
+                lhs_rs,
+                rhs,
+                rhs_cs,
+                rhs_rs,
+                0.0,
+                scale,
+                false,
+                false,
+                false,
+                |a, b, c| a * b + c,
+                &ukr::UKR,
+                &ukr::H_UKR,
+                false,
+                parallelism,
+            )
+        };
+    }
+    // SAFETY: the caller's contract.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            dst_cs,
+            dst_rs,
+            false,
+            lhs,
+            lhs_cs,
+            lhs_rs,
+            rhs,
+            rhs_cs,
+            rhs_rs,
+            0.0,
+            scale,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+/// Half-precision weights widened for gemm (compute-bound there, so the
+/// one-off conversion costs little next to the product).
+fn as_f32(w: &Tensor) -> Result<Tensor> {
+    w.to_dtype(DType::F32)
+}
+
+/// x [m, k] · wᵀ (w [n, k], f32 or f16); the streaming kernel for few rows,
+/// gemm otherwise. The result is f32.
+pub fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    matmul_nt_on(active(), x, w)
+}
+
+pub(super) fn matmul_nt_on(path: Path, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let transposed = true;
+    if small_ok(x, w) {
+        x.apply_op2_no_bwd(w, &SmallMatmul { transposed, path })
+    } else if gemm_ok(x, w) {
+        x.apply_op2_no_bwd(&as_f32(w)?, &Gemm { transposed, path })
+    } else {
+        x.matmul(&as_f32(w)?.t()?)
+    }
+}
+
+/// x [m, n] · w (w [n, k], f32 or f16); the streaming kernel for few rows,
+/// gemm otherwise. The result is f32.
+pub fn matmul_nn(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    matmul_nn_on(active(), x, w)
+}
+
+pub(super) fn matmul_nn_on(path: Path, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let transposed = false;
+    if small_ok(x, w) {
+        x.apply_op2_no_bwd(w, &SmallMatmul { transposed, path })
+    } else if gemm_ok(x, w) {
+        x.apply_op2_no_bwd(&as_f32(w)?, &Gemm { transposed, path })
+    } else {
+        x.matmul(&as_f32(w)?)
+    }
+}
+
+/// x [.., k] · wᵀ for 8-bit weights w [n, k]: the streaming kernel for a few
+/// f32 rows on the CPU, gemm on the dequantised weights otherwise. The
+/// result is f32 [.., n].
+pub fn matmul_nt_q8(x: &Tensor, w: &Q8Matrix) -> Result<Tensor> {
+    matmul_nt_q8_on(active(), x, w)
+}
+
+pub(super) fn matmul_nt_q8_on(path: Path, x: &Tensor, w: &Q8Matrix) -> Result<Tensor> {
+    let (n, k) = w.dims();
+    let mut dims = x.dims().to_vec();
+    let rows = x.elem_count() / k.max(1);
+    if dims.last() != Some(&k) {
+        candle_core::bail!(
+            "matmul: x {:?} and wᵀ of [{n}, {k}] do not multiply",
+            x.dims()
+        )
+    }
+    *dims.last_mut().expect("rank ≥ 1") = n;
+    let small = x.device().is_cpu() && x.dtype() == DType::F32 && rows <= SMALL_ROWS;
+    let out = if small {
+        x.contiguous()?
+            .reshape((rows, k))?
+            .apply_op1_no_bwd(&SmallMatmulQ8 { w, path })?
+    } else {
+        let wide = w.dequantize()?.to_device(x.device())?;
+        matmul_nt_on(path, &x.reshape((rows, k))?, &wide)?
+    };
+    out.reshape(dims)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{bits, max_abs_diff, spread};
+    use super::*;
+
+    /// The largest |a − b| relative to the largest |b|.
+    fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
+        let scale = max_abs_diff(b, &b.zeros_like().unwrap());
+        max_abs_diff(a, b) / scale.max(1e-30)
+    }
+
+    #[test]
+    fn every_path_gives_the_portable_products() {
+        let portable = Path::new(Isa::Portable).unwrap();
+        let w = spread((300, 77));
+        let half = w.to_dtype(DType::F16).unwrap();
+        let q = Q8Matrix::quantize(&w, "w").unwrap();
+        for path in Path::all() {
+            let at = |what: &str, m: usize| format!("{what} m={m} {:?}", path.isa());
+            // The streaming kernels (m ≤ SMALL_ROWS) add in the same order on
+            // every path; gemm's kernels block the sums differently, so they
+            // agree to rounding only.
+            for m in [1, 3, 8, 9, 40] {
+                let x = (spread((m, 77)) * 0.7).unwrap();
+                let s = (spread((m, 300)) * 0.3).unwrap();
+                let pairs = [
+                    (
+                        at("nt f32", m),
+                        matmul_nt_on(path, &x, &w),
+                        matmul_nt_on(portable, &x, &w),
+                    ),
+                    (
+                        at("nt f16", m),
+                        matmul_nt_on(path, &x, &half),
+                        matmul_nt_on(portable, &x, &half),
+                    ),
+                    (
+                        at("nn f32", m),
+                        matmul_nn_on(path, &s, &w),
+                        matmul_nn_on(portable, &s, &w),
+                    ),
+                    (
+                        at("nn f16", m),
+                        matmul_nn_on(path, &s, &half),
+                        matmul_nn_on(portable, &s, &half),
+                    ),
+                    (
+                        at("nt q8", m),
+                        matmul_nt_q8_on(path, &x, &q),
+                        matmul_nt_q8_on(portable, &x, &q),
+                    ),
+                ];
+                for (what, a, b) in pairs {
+                    let (a, b) = (a.unwrap(), b.unwrap());
+                    if m <= SMALL_ROWS {
+                        assert_eq!(bits(&a), bits(&b), "{what}");
+                    } else {
+                        let d = rel_diff(&a, &b);
+                        assert!(d < 1e-6, "{what}: {d}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q8_products_are_f32_products_on_dequantized_weights() {
+        // Decode-sized inputs take the 8-bit kernel, larger ones gemm on the
+        // dequantised matrix (bit for bit); both are the f32 product with
+        // those weights, up to the order of the additions.
+        let w = spread((130, 77));
+        let q = Q8Matrix::quantize(&w, "w").unwrap();
+        let wide = q.dequantize().unwrap();
+        for rows in [1, 5, 300] {
+            let x = spread((2, rows, 77));
+            let got = matmul_nt_q8(&x, &q).unwrap();
+            assert_eq!(got.dims(), &[2, rows, 130]);
+            let want = matmul_nt(&x, &wide).unwrap();
+            if 2 * rows <= SMALL_ROWS {
+                let d = rel_diff(&got, &want);
+                assert!(d < 1e-6, "rows={rows}: {d}");
+            } else {
+                assert_eq!(bits(&got), bits(&want), "rows={rows}");
+            }
+            // And close to the unquantised product (8 bits: ~1 % of a row's scale).
+            let exact = matmul_nt(&x, &w).unwrap();
+            assert!(rel_diff(&got, &exact) < 0.02, "rows={rows}");
+        }
+        let err = matmul_nt_q8(&spread((2, 76)), &q).unwrap_err();
+        assert!(err.to_string().contains("do not multiply"), "{err}");
+    }
+
+    #[test]
+    fn large_matmuls_equal_candle_bit_for_bit() {
+        // Past SMALL_ROWS the products go to gemm with the strides candle's
+        // matmul uses, so the results are the same to the bit; x may carry
+        // batch axes, and f16 weights are widened first.
+        for rows in [9, 300] {
+            let x = spread((3, rows, 77));
+            let w = spread((130, 77));
+            let flat = x.reshape((3 * rows, 77)).unwrap();
+            let want = flat
+                .matmul(&w.t().unwrap())
+                .unwrap()
+                .reshape((3, rows, 130));
+            assert_eq!(bits(&matmul_nt(&x, &w).unwrap()), bits(&want.unwrap()));
+            let v = spread((77, 130));
+            let want = flat.matmul(&v).unwrap().reshape((3, rows, 130)).unwrap();
+            assert_eq!(bits(&matmul_nn(&x, &v).unwrap()), bits(&want));
+            let half = v.to_dtype(DType::F16).unwrap();
+            let wide = half.to_dtype(DType::F32).unwrap();
+            let want = flat.matmul(&wide).unwrap().reshape((3, rows, 130)).unwrap();
+            assert_eq!(bits(&matmul_nn(&x, &half).unwrap()), bits(&want));
+        }
+        let err = matmul_nn(&spread((20, 5)), &spread((6, 4))).unwrap_err();
+        assert!(err.to_string().contains("do not multiply"), "{err}");
+        let empty = matmul_nn(&spread((20, 0)), &spread((0, 4))).unwrap();
+        assert_eq!(empty.to_vec2::<f32>().unwrap(), vec![vec![0f32; 4]; 20]);
+    }
+}

@@ -1,0 +1,526 @@
+//! Per-row primitives (dot, axpy, sums, maxima, softmax) written as plain
+//! loops over fixed-width lane arrays, and [`dispatch!`], which compiles a
+//! generic body for AVX2+FMA and for AVX-512 and picks one at run time.
+
+use super::math::exp_f32;
+
+/// The same loops compiled for AVX2+FMA+F16C and for AVX-512, picked by the
+/// process's [`super::active`] path (`name`) or a given one (`name_on`, which
+/// the tests run on every path the CPU has): the default x86-64 target only
+/// has SSE2, which halves these bandwidth- and erf-bound loops. The bodies are
+/// the generic ones and do not use FMA (Rust never fuses `a * b + c`), so the
+/// three paths give the same bits.
+macro_rules! dispatch {
+    ($($(#[$doc:meta])* $vis:vis fn $name:ident / $on:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $generic:ident;)*) => {$(
+        $(#[$doc])*
+        #[inline]
+        #[allow(dead_code)]
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            $on($crate::kernels::active(), $($arg),*)
+        }
+
+        #[inline]
+        #[allow(dead_code)]
+        pub(crate) fn $on(path: $crate::kernels::Path, $($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+                unsafe fn v4($($arg: $ty),*) $(-> $ret)? { $generic($($arg),*) }
+                #[target_feature(enable = "avx2,fma,f16c")]
+                unsafe fn v3($($arg: $ty),*) $(-> $ret)? { $generic($($arg),*) }
+                match path.isa() {
+                    // SAFETY: a Path exists only for an ISA the CPU supports.
+                    $crate::kernels::Isa::Avx512 => return unsafe { v4($($arg),*) },
+                    // SAFETY: as above.
+                    $crate::kernels::Isa::Avx2 => return unsafe { v3($($arg),*) },
+                    $crate::kernels::Isa::Portable => {}
+                }
+            }
+            let _ = path;
+            $generic($($arg),*)
+        }
+    )*};
+}
+pub(super) use dispatch;
+
+/// Σ x² with 8 independent accumulators (vectorises, and is more accurate
+/// than one running sum).
+#[inline(always)]
+pub(super) fn sum_sq(row: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = row.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for k in 0..8 {
+            acc[k] += c[k] * c[k];
+        }
+    }
+    acc.iter().sum::<f32>() + tail.iter().map(|v| v * v).sum::<f32>()
+}
+
+/// The largest value, with 16 running maxima so it vectorises (a fold over
+/// `f32::max` is a serial chain of NaN-aware compares).
+#[inline(always)]
+fn max_of(row: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let chunks = row.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for k in 0..16 {
+            acc[k] = if c[k] > acc[k] { c[k] } else { acc[k] };
+        }
+    }
+    tail.iter()
+        .chain(&acc)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
+#[inline(always)]
+fn max_and_exp_sum_generic(row: &[f32]) -> (f32, f64) {
+    let max = max_of(row);
+    let whole = row.len() / 16 * 16;
+    let mut sum = 0f64;
+    // f32 lanes, flushed to f64 every 4096 values to keep the sum exact enough
+    // for a vocabulary-sized row.
+    for block in row[..whole].chunks(4096) {
+        let mut acc = [0f32; 16];
+        for c in block.chunks_exact(16) {
+            for k in 0..16 {
+                acc[k] += exp_f32(c[k] - max);
+            }
+        }
+        sum += acc.iter().map(|&v| v as f64).sum::<f64>();
+    }
+    sum += row[whole..]
+        .iter()
+        .map(|&v| exp_f32(v - max) as f64)
+        .sum::<f64>();
+    (max, sum)
+}
+
+/// In-place softmax of `row[..valid]`; entries from `valid` on become 0
+/// (the causal mask).
+#[inline(always)]
+pub(super) fn softmax_row_generic(row: &mut [f32], valid: usize) {
+    let (live, masked) = row.split_at_mut(valid);
+    let max = max_of(live);
+    let mut acc = [0f32; 16];
+    let mut chunks = live.chunks_exact_mut(16);
+    for c in &mut chunks {
+        for k in 0..16 {
+            c[k] = exp_f32(c[k] - max);
+            acc[k] += c[k];
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for v in chunks.into_remainder() {
+        *v = exp_f32(*v - max);
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    live.iter_mut().for_each(|v| *v *= inv);
+    masked.fill(0.0);
+}
+
+#[inline(always)]
+fn axpy_generic(a: f32, x: &[f32], y: &mut [f32]) {
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o += a * v;
+    }
+}
+
+/// The sum of 16 lanes as a halving tree (lane i + lane i+8, then +4, +2,
+/// +1): the order in which the SIMD kernels fold their registers, so that
+/// every path rounds alike.
+#[inline(always)]
+pub(super) fn reduce16(mut acc: [f32; 16]) -> f32 {
+    for w in [8, 4, 2, 1] {
+        for i in 0..w {
+            acc[i] += acc[i + w];
+        }
+    }
+    acc[0]
+}
+
+/// Σ x·w of the elements after the last whole 16, in order.
+#[inline(always)]
+pub(super) fn tail_dot(x: &[f32], w: impl Iterator<Item = f32>) -> f32 {
+    x.iter().zip(w).map(|(a, b)| a * b).sum::<f32>()
+}
+
+/// Σ a·b. The contract every dot kernel (f32, f16 and 8-bit weights, every
+/// path) follows, so that they give the same bits for the same f32 weights:
+/// element i of each whole 16 goes to lane i % 16 as `lane += a·b` (a
+/// product, then a sum: no FMA), the lanes fold by [`reduce16`], and the
+/// tail's products are summed in order and added last.
+fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ta, tb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..16 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    reduce16(acc) + tail_dot(ta, tb.iter().copied())
+}
+
+#[inline(always)]
+fn sum_generic(a: &[f32]) -> f32 {
+    // Four vectors of partial sums, so the adds' latency never limits the read.
+    let mut acc = [0f32; 64];
+    let c = a.chunks_exact(64);
+    let tail = c.remainder();
+    for x in c {
+        for k in 0..64 {
+            acc[k] += x[k];
+        }
+    }
+    acc.iter().sum::<f32>() + tail.iter().sum::<f32>()
+}
+
+/// Σ a·b on `path` ([`dot_portable`]'s contract, written out with
+/// intrinsics: the compiler's vectorisation of the generic loop and fold is
+/// poor).
+pub(crate) fn dot_on(path: super::Path, a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx512 => unsafe { avx512::dot(a, b) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx2 => unsafe { avx2::dot(a, b) },
+        _ => dot_portable(a, b),
+    }
+}
+
+/// out[j] = scale · (a · row j), for the rows of a's width at `rows`,
+/// `stride` apart: [`dot_on`] for every row (the same bits), without a call
+/// and a dispatch per row (decoding's attention scores).
+///
+/// # Panics
+/// If the last row would end past `rows`.
+pub(crate) fn dot_rows_on(
+    path: super::Path,
+    a: &[f32],
+    rows: &[f32],
+    stride: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let w = a.len();
+    assert!(out.is_empty() || (out.len() - 1) * stride + w <= rows.len());
+    let row = |j: usize| &rows[j * stride..j * stride + w];
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx512 => unsafe {
+            avx512::for_each_row(out, |j, o| *o = scale * avx512::dot(a, row(j)))
+        },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx2 => unsafe {
+            avx2::for_each_row(out, |j, o| *o = scale * avx2::dot(a, row(j)))
+        },
+        _ => out
+            .iter_mut()
+            .enumerate()
+            .for_each(|(j, o)| *o = scale * dot_portable(a, row(j))),
+    }
+}
+
+/// out += Σ_j p[j] · row j, for the rows of out's width at `rows`, `stride`
+/// apart: [`axpy_on`] for every row in turn (the same bits), with out kept
+/// in registers (decoding's attention-weighted values).
+///
+/// # Panics
+/// If the last row would end past `rows`.
+pub(crate) fn axpy_rows_on(
+    path: super::Path,
+    p: &[f32],
+    rows: &[f32],
+    stride: usize,
+    out: &mut [f32],
+) {
+    let w = out.len();
+    assert!(p.is_empty() || (p.len() - 1) * stride + w <= rows.len());
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports; the rows
+        // are in bounds (checked above).
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx512 => unsafe { avx512::axpy_rows(p, rows, stride, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        super::Isa::Avx2 => unsafe { avx2::axpy_rows(p, rows, stride, out) },
+        _ => {
+            for (j, &pj) in p.iter().enumerate() {
+                axpy_generic(pj, &rows[j * stride..j * stride + w], out);
+            }
+        }
+    }
+}
+
+/// The columns from `from` on, one at a time: out[c] += Σ_j p[j]·row j[c].
+#[inline(always)]
+fn axpy_rows_tail(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32], from: usize) {
+    for (c, o) in out.iter_mut().enumerate().skip(from) {
+        for (j, &pj) in p.iter().enumerate() {
+            *o += pj * rows[j * stride + c];
+        }
+    }
+}
+
+/// 256-bit registers: the 16 lanes of the dot contract are two registers.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// The lanes (0..8, 8..16) folded as [`super::reduce16`] does.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::kernels) fn fold16(lo: __m256, hi: __m256) -> f32 {
+        let v = _mm256_add_ps(lo, hi);
+        let v = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps::<0b01>(v, v)))
+    }
+
+    /// a and b of equal length.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let whole = a.len() / 16 * 16;
+        let (ap, bp) = (a.as_ptr(), b.as_ptr());
+        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        // SAFETY: every load is within 0..whole of both slices.
+        unsafe {
+            while i < whole {
+                let x = _mm256_mul_ps(_mm256_loadu_ps(ap.add(i)), _mm256_loadu_ps(bp.add(i)));
+                let y = _mm256_mul_ps(
+                    _mm256_loadu_ps(ap.add(i + 8)),
+                    _mm256_loadu_ps(bp.add(i + 8)),
+                );
+                lo = _mm256_add_ps(lo, x);
+                hi = _mm256_add_ps(hi, y);
+                i += 16;
+            }
+        }
+        fold16(lo, hi) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
+    }
+
+    /// `f` on every element of out with its index, compiled for AVX2 so
+    /// that the kernels it calls inline.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn for_each_row(out: &mut [f32], mut f: impl FnMut(usize, &mut f32)) {
+        for (j, o) in out.iter_mut().enumerate() {
+            f(j, o);
+        }
+    }
+
+    /// See [`super::axpy_rows_on`]; the caller checks the bounds.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy_rows(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+        let whole = out.len() / 8 * 8;
+        let rp = rows.as_ptr();
+        for c in (0..whole).step_by(8) {
+            // SAFETY: columns c..c + 8 of every row are in bounds.
+            unsafe {
+                let mut acc = _mm256_loadu_ps(out.as_ptr().add(c));
+                for (j, &pj) in p.iter().enumerate() {
+                    let v = _mm256_loadu_ps(rp.add(j * stride + c));
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(pj), v));
+                }
+                _mm256_storeu_ps(out.as_mut_ptr().add(c), acc);
+            }
+        }
+        super::axpy_rows_tail(p, rows, stride, out, whole);
+    }
+}
+
+/// 512-bit registers: the 16 lanes of the dot contract are one register.
+#[cfg(target_arch = "x86_64")]
+pub(super) mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// The 16 lanes folded as [`super::reduce16`] does.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(in crate::kernels) fn fold16(v: __m512) -> f32 {
+        let lo = _mm512_castps512_ps256(v);
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        super::avx2::fold16(lo, hi)
+    }
+
+    /// a and b of equal length.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let whole = a.len() / 16 * 16;
+        let (ap, bp) = (a.as_ptr(), b.as_ptr());
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        // SAFETY: every load is within 0..whole of both slices.
+        unsafe {
+            while i < whole {
+                let x = _mm512_mul_ps(_mm512_loadu_ps(ap.add(i)), _mm512_loadu_ps(bp.add(i)));
+                acc = _mm512_add_ps(acc, x);
+                i += 16;
+            }
+        }
+        fold16(acc) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
+    }
+
+    /// `f` on every element of out with its index, compiled for AVX-512 so
+    /// that the kernels it calls inline.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) fn for_each_row(out: &mut [f32], mut f: impl FnMut(usize, &mut f32)) {
+        for (j, o) in out.iter_mut().enumerate() {
+            f(j, o);
+        }
+    }
+
+    /// See [`super::axpy_rows_on`]; the caller checks the bounds.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn axpy_rows(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+        let whole = out.len() / 16 * 16;
+        let rp = rows.as_ptr();
+        for c in (0..whole).step_by(16) {
+            // SAFETY: columns c..c + 16 of every row are in bounds.
+            unsafe {
+                let mut acc = _mm512_loadu_ps(out.as_ptr().add(c));
+                for (j, &pj) in p.iter().enumerate() {
+                    let v = _mm512_loadu_ps(rp.add(j * stride + c));
+                    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(pj), v));
+                }
+                _mm512_storeu_ps(out.as_mut_ptr().add(c), acc);
+            }
+        }
+        super::axpy_rows_tail(p, rows, stride, out, whole);
+    }
+}
+
+dispatch! {
+    pub(super) fn axpy / axpy_on(a: f32, x: &[f32], y: &mut [f32]) = axpy_generic;
+    pub(super) fn softmax_row / softmax_row_on(row: &mut [f32], valid: usize) = softmax_row_generic;
+    /// The row's maximum and Σ exp(v − max): a log-softmax's two reductions,
+    /// vectorised (the output layer's rows are vocabulary-sized).
+    pub fn max_and_exp_sum / max_and_exp_sum_on(row: &[f32]) -> (f32, f64) = max_and_exp_sum_generic;
+    /// Σ a, vectorised: the streaming read the benchmark measures bandwidth with.
+    pub fn sum / sum_on(a: &[f32]) -> f32 = sum_generic;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Path;
+    use super::*;
+
+    /// Values of both signs and many magnitudes, so rounding differs with
+    /// the order of additions (a reordering would show in the bits).
+    fn wild(n: usize, salt: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| {
+                let h = (i.wrapping_mul(2_654_435_761) ^ salt).wrapping_mul(40_503);
+                let m = (h >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
+                m * [1e-3f32, 0.1, 1.0, 30.0][(h & 3) as usize]
+            })
+            .collect()
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn every_path_gives_the_portable_bits() {
+        let portable = Path::new(crate::kernels::Isa::Portable).unwrap();
+        for path in Path::all() {
+            // Lengths around the 16- and 64-wide chunks, and vocabulary-sized.
+            for n in [0, 1, 15, 16, 17, 63, 64, 65, 100, 768, 4099, 50_304] {
+                let (a, b) = (wild(n, 1), wild(n, 2));
+                let at = |p| (n, path.isa(), p);
+                let want = dot_on(portable, &a, &b);
+                assert_eq!(
+                    dot_on(path, &a, &b).to_bits(),
+                    want.to_bits(),
+                    "{:?}",
+                    at("dot")
+                );
+                let (mut y, mut z) = (b.clone(), b.clone());
+                axpy_on(portable, 0.37, &a, &mut y);
+                axpy_on(path, 0.37, &a, &mut z);
+                assert_eq!(bits(&z), bits(&y), "{:?}", at("axpy"));
+                assert_eq!(sum_on(path, &a).to_bits(), sum_on(portable, &a).to_bits());
+                let (m, e) = max_and_exp_sum_on(path, &a);
+                let (pm, pe) = max_and_exp_sum_on(portable, &a);
+                assert_eq!(
+                    (m.to_bits(), e.to_bits()),
+                    (pm.to_bits(), pe.to_bits()),
+                    "{:?}",
+                    at("lse")
+                );
+                let valid = n * 2 / 3;
+                let (mut s, mut t) = (a.clone(), a.clone());
+                softmax_row_on(portable, &mut s, valid);
+                softmax_row_on(path, &mut t, valid);
+                assert_eq!(bits(&t), bits(&s), "{:?}", at("softmax"));
+            }
+        }
+    }
+
+    #[test]
+    fn row_batches_give_the_bits_of_row_by_row_kernels() {
+        for path in Path::all() {
+            for (w, stride, n) in [(64, 64, 37), (24, 40, 5), (17, 17, 1), (64, 256, 0)] {
+                let a = wild(w, 5);
+                let rows = wild(n.max(1) * stride, 6);
+                let mut got = vec![0f32; n];
+                dot_rows_on(path, &a, &rows, stride, 0.125, &mut got);
+                let want: Vec<f32> = (0..n)
+                    .map(|j| 0.125 * dot_on(path, &a, &rows[j * stride..j * stride + w]))
+                    .collect();
+                assert_eq!(bits(&got), bits(&want), "dots w={w} n={n} {:?}", path.isa());
+                let p = wild(n, 7);
+                let (mut y, mut z) = (wild(w, 8), wild(w, 8));
+                axpy_rows_on(path, &p, &rows, stride, &mut z);
+                for (j, &pj) in p.iter().enumerate() {
+                    axpy_on(path, pj, &rows[j * stride..j * stride + w], &mut y);
+                }
+                assert_eq!(bits(&z), bits(&y), "axpys w={w} n={n} {:?}", path.isa());
+            }
+        }
+    }
+
+    #[test]
+    fn dot_is_accurate() {
+        // Against an f64 sum: the lane order is a fixed, not a careless, one.
+        for n in [1, 16, 33, 768, 3072] {
+            let (a, b) = (wild(n, 3), wild(n, 4));
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let scale: f64 = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (*x as f64 * *y as f64).abs())
+                .sum();
+            let got = dot_on(super::super::active(), &a, &b) as f64;
+            assert!(
+                (got - want).abs() <= 1e-6 * scale.max(1e-30),
+                "n={n}: {got} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn sum_matches_f64_sum() {
+        // Lengths around the 64-wide chunks, so the tail is exercised too.
+        for n in [0, 1, 63, 64, 65, 1000, 4099] {
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 8.0)
+                .collect();
+            let want: f64 = v.iter().map(|&x| x as f64).sum();
+            assert!((sum(&v) as f64 - want).abs() < 1e-3, "n={n}");
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! Θ, the normalised non-linearity Pattention applies to its token-parameter
+//! scores: the definition on tensors (any device or dtype) and the fused
+//! in-place row kernel the CPU runs for f32.
+
+use candle_core::{CpuStorage, DType, Layout, Result, Tensor, D};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use super::math::gelu_erf_f32;
+use super::rows::{dispatch, softmax_row_generic, sum_sq};
+
+/// Θ, the normalised non-linearity applied to the token-parameter scores
+/// (config key `pattention_activation`, official `norm_activation_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// s / ‖s‖₂ · √n, then exact (erf) GELU. Every released model uses this.
+    #[default]
+    L2NormGelu,
+    /// GELU first, then the same L2 normalisation · √n.
+    GeluL2Norm,
+    /// exp, then L1 normalisation · n (= n · softmax).
+    Softmax,
+}
+
+impl std::str::FromStr for Activation {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "l2_norm_gelu" => Ok(Self::L2NormGelu),
+            "gelu_l2_norm" => Ok(Self::GeluL2Norm),
+            "softmax" => Ok(Self::Softmax),
+            other => Err(format!(
+                "unknown Pattention activation `{other}` (expected l2_norm_gelu, gelu_l2_norm or softmax)"
+            )),
+        }
+    }
+}
+
+impl Activation {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::L2NormGelu => "l2_norm_gelu",
+            Self::GeluL2Norm => "gelu_l2_norm",
+            Self::Softmax => "softmax",
+        }
+    }
+}
+
+/// The smallest norm we divide by. The official code divides by a zero norm
+/// and returns NaN for an all-zero score row; we return the row's limit (zeros
+/// after L2 normalisation) instead.
+const MIN_NORM: f64 = 1e-30;
+
+/// Applies Θ along the last (parameter-token) axis. `scale_tokens` is the n of
+/// √n (or of n for softmax): by default the layer's token count, but held
+/// fixed by the growth converter so that appended zero-key tokens keep the
+/// function unchanged.
+pub fn theta(scores: &Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
+    let n = scale_tokens as f64;
+    match activation {
+        Activation::L2NormGelu => l2_normalise(scores, n.sqrt())?.gelu_erf(),
+        Activation::GeluL2Norm => l2_normalise(&scores.gelu_erf()?, n.sqrt()),
+        Activation::Softmax => {
+            // exp(s)/Σexp(s)·n; subtracting the row max first changes nothing
+            // mathematically but avoids the official code's overflow to inf/inf.
+            let max = scores.max_keepdim(D::Minus1)?;
+            let e = scores.broadcast_sub(&max)?.exp()?;
+            let sum = e.sum_keepdim(D::Minus1)?;
+            e.broadcast_div(&sum)? * n
+        }
+    }
+}
+
+fn l2_normalise(s: &Tensor, factor: f64) -> Result<Tensor> {
+    let norm = s
+        .sqr()?
+        .sum_keepdim(D::Minus1)?
+        .sqrt()?
+        .clamp(MIN_NORM, f64::INFINITY)?;
+    s.broadcast_div(&(norm / factor)?)
+}
+
+/// Θ of one score row, in place.
+#[inline(always)]
+fn theta_row_generic(row: &mut [f32], activation: Activation, n: f32) {
+    const MIN_NORM: f32 = 1e-30;
+    match activation {
+        Activation::L2NormGelu => {
+            let f = n.sqrt() / sum_sq(row).sqrt().max(MIN_NORM);
+            row.iter_mut().for_each(|v| *v = gelu_erf_f32(*v * f));
+        }
+        Activation::GeluL2Norm => {
+            row.iter_mut().for_each(|v| *v = gelu_erf_f32(*v));
+            let f = n.sqrt() / sum_sq(row).sqrt().max(MIN_NORM);
+            row.iter_mut().for_each(|v| *v *= f);
+        }
+        Activation::Softmax => {
+            softmax_row_generic(row, row.len());
+            row.iter_mut().for_each(|v| *v *= n);
+        }
+    }
+}
+
+dispatch! {
+    fn theta_row / theta_row_on(row: &mut [f32], activation: Activation, n: f32) = theta_row_generic;
+}
+
+struct ThetaOp {
+    activation: Activation,
+    scale_tokens: usize,
+}
+
+impl ThetaOp {
+    fn apply(&self, rows: &mut [f32], n: usize) {
+        let scale = self.scale_tokens as f32;
+        rows.par_chunks_mut(n)
+            .for_each(|r| theta_row(r, self.activation, scale));
+    }
+}
+
+impl candle_core::InplaceOp1 for ThetaOp {
+    fn name(&self) -> &'static str {
+        "pattention-theta-in-place"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        let n = layout.dims().last().copied().unwrap_or(1).max(1);
+        let (CpuStorage::F32(d), Some((a, b))) = (storage, layout.contiguous_offsets()) else {
+            candle_core::bail!("theta kernel: contiguous f32 only")
+        };
+        self.apply(&mut d[a..b], n);
+        Ok(())
+    }
+}
+
+fn fused_ok(scores: &Tensor) -> bool {
+    scores.device().is_cpu() && scores.dtype() == DType::F32 && scores.is_contiguous()
+}
+
+/// Θ over the last axis of scores nobody else holds (a fresh matmul
+/// output): the fused kernel works in the scores' own buffer for contiguous
+/// f32 CPU tensors, saving a scores-sized allocation.
+pub fn theta_owned(scores: Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
+    if fused_ok(&scores) {
+        scores.inplace_op1(&ThetaOp {
+            activation,
+            scale_tokens,
+        })?;
+        Ok(scores)
+    } else {
+        theta(&scores, activation, scale_tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{max_abs_diff, spread};
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn fused_theta_equals_tensor_ops() {
+        let s = (spread((37, 53)) * 3.0).unwrap();
+        for act in [
+            Activation::L2NormGelu,
+            Activation::GeluL2Norm,
+            Activation::Softmax,
+        ] {
+            let a = theta_owned(s.copy().unwrap(), act, 40).unwrap();
+            let b = theta(&s, act, 40).unwrap();
+            let d = max_abs_diff(&a, &b);
+            assert!(d < 1e-5, "{act:?}: {d}");
+        }
+        // Every path gives the portable bits (same generic body, no FMA).
+        let rows: Vec<f32> = s.flatten_all().unwrap().to_vec1().unwrap();
+        let portable = super::super::Path::new(super::super::Isa::Portable).unwrap();
+        for path in super::super::Path::all() {
+            for act in [
+                Activation::L2NormGelu,
+                Activation::GeluL2Norm,
+                Activation::Softmax,
+            ] {
+                for r in rows.chunks(53) {
+                    let (mut a, mut b) = (r.to_vec(), r.to_vec());
+                    theta_row_on(portable, &mut a, act, 40.0);
+                    theta_row_on(path, &mut b, act, 40.0);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&b), bits(&a), "{act:?} {:?}", path.isa());
+                }
+            }
+        }
+        // An all-zero row gives zeros, not NaN.
+        let z = theta_owned(
+            Tensor::zeros((2, 8), DType::F32, &Device::Cpu).unwrap(),
+            Activation::L2NormGelu,
+            8,
+        )
+        .unwrap();
+        assert_eq!(
+            z.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            vec![0.0; 16]
+        );
+    }
+}
