@@ -496,10 +496,7 @@ fn converters_never_write_into_their_input_and_outputs_follow_the_umask() {
         grow_args(&lm, &dotdot, "--qkv-tokens 30"),
     ] {
         let err = fails_cleanly(&args);
-        assert!(
-            err.contains("would overwrite the input"),
-            "{args:?}: {err}"
-        );
+        assert!(err.contains("would overwrite the input"), "{args:?}: {err}");
     }
     assert_eq!(hash_tree(&lm), before);
     let mut entries = visible_entries(&lm);
