@@ -136,24 +136,58 @@ pub fn pattention_gflops(rows: usize, d: usize, n: usize, device: &Device) -> Re
 }
 
 /// The machine's streaming read bandwidth in GB/s: all threads summing a
-/// 256 MiB buffer (over twice the L3 of the development machine), best of
+/// 256 MiB buffer (several times the L3 of the development machines), best of
 /// five passes. It is the ceiling decode runs against.
 pub fn memory_read_gb_per_s() -> f64 {
-    use rayon::prelude::*;
-    let buf: Vec<f32> = (0..64usize << 20).map(|i| (i % 7) as f32).collect();
-    let mut best = f64::INFINITY;
-    let mut check = 0f32;
-    for _ in 0..5 {
-        let t = Instant::now();
-        check += buf
-            .par_chunks(1 << 20)
-            .map(crate::kernels::sum)
-            .sum::<f32>();
-        best = best.min(t.elapsed().as_secs_f64());
+    ReadProbe::new().passes(5).into_iter().fold(0.0, f64::max)
+}
+
+/// The buffer [`memory_read_gb_per_s`] reads, kept for repeated passes.
+pub struct ReadProbe(Vec<f32>);
+
+impl ReadProbe {
+    pub fn new() -> Self {
+        Self((0..64usize << 20).map(|i| (i % 7) as f32).collect())
     }
-    // The sums are used, so the reads cannot be optimised away.
-    std::hint::black_box(check);
-    (buf.len() * 4) as f64 / best / 1e9
+
+    /// GB/s of each of `n` passes, all threads summing the buffer.
+    pub fn passes(&self, n: usize) -> Vec<f64> {
+        use rayon::prelude::*;
+        let mut check = 0f32;
+        let gbs = (0..n)
+            .map(|_| {
+                let t = Instant::now();
+                check += self
+                    .0
+                    .par_chunks(1 << 20)
+                    .map(crate::kernels::sum)
+                    .sum::<f32>();
+                (self.0.len() * 4) as f64 / t.elapsed().as_secs_f64() / 1e9
+            })
+            .collect();
+        // The sums are used, so the reads cannot be optimised away.
+        std::hint::black_box(check);
+        gbs
+    }
+
+    /// Runs `f` between five passes before and five after: (its result,
+    /// the best pass, the worst pass). The host drifts by ±15 % within
+    /// minutes, so the ceiling of a measurement is the bandwidth of the
+    /// moments around it, not of the start of the run.
+    pub fn around<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<(T, f64, f64)> {
+        let mut gbs = self.passes(5);
+        let r = f()?;
+        gbs.extend(self.passes(5));
+        let best = gbs.iter().cloned().fold(0.0, f64::max);
+        let worst = gbs.iter().cloned().fold(f64::INFINITY, f64::min);
+        Ok((r, best, worst))
+    }
+}
+
+impl Default for ReadProbe {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// Bytes one decode step reads with f32 weights at context `position`: every
@@ -335,10 +369,6 @@ pub fn run_lm(
         json!(candle_core::utils::get_num_threads()),
     );
     out.insert("cpu".into(), cpu_info());
-    // Measured first, while nothing else is resident, so its buffer does not
-    // raise the peak memory reported at the end.
-    let decodes = ["decode", "decode_f16", "decode_q8"];
-    let read_bw = decodes.iter().any(|d| want(d)).then(memory_read_gb_per_s);
     let dir = write_random(cfg, device)?;
     let (model, load_s, peak) = load_timed(dir.path(), WeightFormat::F32, device)?;
     out.insert("load_seconds".into(), json!(round(load_s, 3)));
@@ -356,25 +386,41 @@ pub fn run_lm(
     let (prompt, steps) = (512, 64);
     // The average context over the timed steps.
     let position = prompt + steps / 2;
-    let limit = |out: &mut Map<String, Value>, key: &str, tps: f64, weights: WeightFormat| {
-        if let Some(bw) = read_bw {
-            let bytes = decode_bytes_per_token_as(cfg, position, weights);
-            let limit = bw * 1e9 / bytes;
-            if weights == WeightFormat::F32 {
-                out.insert("memory_read_gb_per_s".into(), json!(round(bw, 1)));
-                out.insert("decode_mb_per_token".into(), json!(round(bytes / 1e6, 1)));
-                out.insert(
-                    "decode_bandwidth_limit_tokens_per_s".into(),
-                    json!(round(limit, 2)),
-                );
-            }
-            out.insert(key.into(), json!(round(tps / limit, 2)));
+    // Decode is bound by reading memory: each decode is timed between passes
+    // of a streaming read, whose best is its ceiling (limit) and whose worst
+    // shows how much the host drifted meanwhile.
+    // (The probe's buffer is allocated for each, after the model is loaded,
+    // so it does not count in the loads' peak memory.)
+    let timed_decode = |out: &mut Map<String, Value>,
+                        model: &TokenFormerLm,
+                        key: &str,
+                        weights: WeightFormat|
+     -> Result<()> {
+        let (tps, best, worst) = ReadProbe::new().around(|| decode(model, prompt, steps))?;
+        let bytes = decode_bytes_per_token_as(cfg, position, weights);
+        let limit = best * 1e9 / bytes;
+        let name = |what: &str| match weights {
+            WeightFormat::F32 => format!("decode_{what}"),
+            WeightFormat::F16 => format!("decode_f16_{what}"),
+            WeightFormat::Q8 => format!("decode_q8_{what}"),
+        };
+        out.insert(key.into(), json!(round(tps, 2)));
+        out.insert(name("fraction_of_limit"), json!(round(tps / limit, 2)));
+        if weights == WeightFormat::F32 {
+            out.insert("memory_read_gb_per_s".into(), json!(round(best, 1)));
+            out.insert("memory_read_gb_per_s_worst".into(), json!(round(worst, 1)));
+            out.insert("decode_mb_per_token".into(), json!(round(bytes / 1e6, 1)));
+            out.insert(
+                "decode_bandwidth_limit_tokens_per_s".into(),
+                json!(round(limit, 2)),
+            );
+        } else {
+            out.insert(name("memory_read_gb_per_s"), json!(round(best, 1)));
         }
+        Ok(())
     };
     if want("decode") {
-        let tps = decode(&model, prompt, steps)?;
-        out.insert("decode_tokens_per_s".into(), json!(round(tps, 2)));
-        limit(&mut out, "decode_fraction_of_limit", tps, WeightFormat::F32);
+        timed_decode(&mut out, &model, "decode_tokens_per_s", WeightFormat::F32)?;
     }
     if want("decode_q8") {
         // The 8-bit weights' accuracy cost: this model's next-token
@@ -407,17 +453,13 @@ pub fn run_lm(
             "load_f16_weights_peak_rss_mb".into(),
             json!(peak.map(|p| round(p, 1))),
         );
-        let tps = decode(&half, prompt, steps)?;
-        out.insert(
-            "decode_f16_weights_tokens_per_s".into(),
-            json!(round(tps, 2)),
-        );
-        limit(
+        timed_decode(
             &mut out,
-            "decode_f16_fraction_of_limit",
-            tps,
+            &half,
+            "decode_f16_weights_tokens_per_s",
             WeightFormat::F16,
-        );
+        )?;
+        drop(half);
     }
     if want("decode_q8") {
         // And with 8-bit weights quantised at load.
@@ -431,17 +473,12 @@ pub fn run_lm(
             "q8_weights_mb".into(),
             json!(round(q8.weight_bytes() as f64 / 1e6, 1)),
         );
-        let tps = decode(&q8, prompt, steps)?;
-        out.insert(
-            "decode_q8_weights_tokens_per_s".into(),
-            json!(round(tps, 2)),
-        );
-        limit(
+        timed_decode(
             &mut out,
-            "decode_q8_fraction_of_limit",
-            tps,
+            &q8,
+            "decode_q8_weights_tokens_per_s",
             WeightFormat::Q8,
-        );
+        )?;
     }
     if want("pattention") {
         let g = pattention_gflops(2048, cfg.hidden_size, cfg.ffn_tokens, device)?;
