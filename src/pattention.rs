@@ -22,13 +22,41 @@ pub struct Pattention {
     scale_tokens: usize,
 }
 
+/// How f32/f16 weights are laid out: the products of prefill (gemm) and of
+/// decoding (streaming kernels) prefer different layouts, and by how much
+/// depends on the CPU (docs/PERFORMANCE.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Keys transposed [d_in, n] and values [n, d_out]: both products are
+    /// plain row-major ones for gemm; decoding takes weighted sums of rows.
+    Gemm,
+    /// Keys [n, d_in] and values transposed [d_out, n]: every decoding
+    /// product is a dot product with whole weight rows (the fastest streaming
+    /// kernel); gemm reads the weights through transposed strides.
+    Rows,
+}
+
+impl Layout {
+    /// This CPU's: [`Layout::Rows`] where the streaming kernels run fastest
+    /// that way (see [`kernels::prefers_row_products`]), else [`Layout::Gemm`];
+    /// `TOKENFORMER_LAYOUT=gemm|rows` overrides it (so tests can run both).
+    pub fn for_this_cpu() -> Self {
+        match std::env::var("TOKENFORMER_LAYOUT").as_deref() {
+            Ok("gemm") => Layout::Gemm,
+            Ok("rows") => Layout::Rows,
+            _ if kernels::prefers_row_products() => Layout::Rows,
+            _ => Layout::Gemm,
+        }
+    }
+}
+
 /// The weights in the layout their products want.
 #[derive(Clone, Debug)]
 enum Params {
-    /// f32 or f16. The keys are stored transposed, [d_in, n]: X·Kᵀ is then a
-    /// plain row-major product, which gemm runs faster than the transposed
-    /// one (docs/PERFORMANCE.md); values as they are, [n, d_out].
+    /// f32 or f16 in [`Layout::Gemm`].
     Dense { key_t: Tensor, value: Tensor },
+    /// f32 or f16 in [`Layout::Rows`].
+    Rows { key: Tensor, value_t: Tensor },
     /// 8 bits, both as [out, in] so the quantisation blocks run along the
     /// input dimension: keys [n, d_in], values transposed [d_out, n].
     Q8 { key: Q8Matrix, value_t: Q8Matrix },
@@ -50,18 +78,40 @@ impl Pattention {
         Ok(Self::from_tensors(key, value, activation, scale_tokens))
     }
 
+    /// The layer from its key and value tokens, in this CPU's [`Layout`].
     pub fn from_tensors(
         key: Tensor,
         value: Tensor,
         activation: Activation,
         scale_tokens: Option<usize>,
     ) -> Self {
+        Self::from_tensors_in(key, value, activation, scale_tokens, Layout::for_this_cpu())
+    }
+
+    /// [`Self::from_tensors`] in a given layout.
+    pub fn from_tensors_in(
+        key: Tensor,
+        value: Tensor,
+        activation: Activation,
+        scale_tokens: Option<usize>,
+        layout: Layout,
+    ) -> Self {
         let n = key.dim(0).unwrap_or(0);
-        // A copy in the new layout; the caller's `key` is freed when dropped
+        // A copy in the new layout; the caller's tensor is freed when dropped
         // (the loader hands each tensor over, so only one is ever doubled).
-        let key_t = key.t().and_then(|k| k.contiguous()).unwrap_or(key);
+        let transposed = |t: Tensor| t.t().and_then(|u| u.contiguous()).unwrap_or(t);
+        let params = match layout {
+            Layout::Gemm => Params::Dense {
+                key_t: transposed(key),
+                value,
+            },
+            Layout::Rows => Params::Rows {
+                key,
+                value_t: transposed(value),
+            },
+        };
         Self {
-            params: Params::Dense { key_t, value },
+            params,
             activation,
             scale_tokens: scale_tokens.unwrap_or(n),
         }
@@ -74,6 +124,10 @@ impl Pattention {
             Params::Dense { key_t, value } => Params::Q8 {
                 key: Q8Matrix::quantize(&key_t.t()?, &format!("{name}.key_param_tokens"))?,
                 value_t: Q8Matrix::quantize(&value.t()?, &format!("{name}.value_param_tokens"))?,
+            },
+            Params::Rows { key, value_t } => Params::Q8 {
+                key: Q8Matrix::quantize(key, &format!("{name}.key_param_tokens"))?,
+                value_t: Q8Matrix::quantize(value_t, &format!("{name}.value_param_tokens"))?,
             },
             q8 @ Params::Q8 { .. } => q8.clone(),
         };
@@ -89,6 +143,7 @@ impl Pattention {
     pub fn key(&self) -> Tensor {
         match &self.params {
             Params::Dense { key_t, .. } => key_t.t().expect("keys are rank 2"),
+            Params::Rows { key, .. } => key.clone(),
             Params::Q8 { key, .. } => key.dequantize().expect("a CPU tensor of its own size"),
         }
     }
@@ -96,6 +151,7 @@ impl Pattention {
     pub fn value(&self) -> Tensor {
         match &self.params {
             Params::Dense { value, .. } => value.clone(),
+            Params::Rows { value_t, .. } => value_t.t().expect("values are rank 2"),
             Params::Q8 { value_t, .. } => value_t
                 .dequantize()
                 .and_then(|v| v.t())
@@ -105,13 +161,23 @@ impl Pattention {
     pub fn tokens(&self) -> usize {
         match &self.params {
             Params::Dense { key_t, .. } => key_t.dims()[1],
+            Params::Rows { key, .. } => key.dims()[0],
             Params::Q8 { key, .. } => key.dims().0,
         }
     }
     fn d_out(&self) -> Result<usize> {
         match &self.params {
             Params::Dense { value, .. } => value.dim(1),
+            Params::Rows { value_t, .. } => value_t.dim(0),
             Params::Q8 { value_t, .. } => Ok(value_t.dims().0),
+        }
+    }
+    /// The layout of f32/f16 weights (None for 8-bit ones, always as [out, in]).
+    pub fn layout(&self) -> Option<Layout> {
+        match self.params {
+            Params::Dense { .. } => Some(Layout::Gemm),
+            Params::Rows { .. } => Some(Layout::Rows),
+            Params::Q8 { .. } => None,
         }
     }
     /// Whether the weights are kept in 8 bits.
@@ -121,7 +187,7 @@ impl Pattention {
     /// Bytes the weight matrices hold.
     pub fn weight_bytes(&self) -> usize {
         match &self.params {
-            Params::Dense { key_t, value } => [key_t, value]
+            Params::Dense { key_t: a, value: b } | Params::Rows { key: a, value_t: b } => [a, b]
                 .iter()
                 .map(|t| t.elem_count() * t.dtype().size_in_bytes())
                 .sum(),
@@ -142,6 +208,7 @@ impl Pattention {
         let x = x.reshape((rows, d_in))?;
         match &self.params {
             Params::Dense { key_t, .. } => kernels::matmul_nn(&x, key_t),
+            Params::Rows { key, .. } => kernels::matmul_nt(&x, key),
             Params::Q8 { key, .. } => kernels::matmul_nt_q8(&x, key),
         }
     }
@@ -155,7 +222,65 @@ impl Module for Pattention {
         let w = kernels::theta_owned(self.scores(x)?, self.activation, self.scale_tokens)?;
         match &self.params {
             Params::Dense { value, .. } => kernels::matmul_nn(&w, value)?.reshape(out_shape),
+            Params::Rows { value_t, .. } => kernels::matmul_nt(&w, value_t)?.reshape(out_shape),
             Params::Q8 { value_t, .. } => kernels::matmul_nt_q8(&w, value_t)?.reshape(out_shape),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn spread(shape: (usize, usize), salt: f32) -> Tensor {
+        let v: Vec<f32> = (0..shape.0 * shape.1)
+            .map(|i| ((i as f32 * 0.754_877_7 + salt).fract() - 0.5) * 2.0)
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    /// Both layouts (and f16 weights in each) compute the layer's definition,
+    /// Θ(X·Kᵀ)·V in plain tensor ops, for decoding-sized and prefill-sized inputs.
+    #[test]
+    fn both_layouts_compute_the_definition() {
+        let (n, d_in, d_out) = (96, 40, 24);
+        let (key, value) = (spread((n, d_in), 0.1), spread((n, d_out), 0.3));
+        for rows in [1, 5, 33] {
+            let x = spread((rows, d_in), 0.7);
+            let scores = x.matmul(&key.t().unwrap()).unwrap();
+            let want = theta(&scores, Activation::L2NormGelu, n)
+                .unwrap()
+                .matmul(&value)
+                .unwrap();
+            for layout in [Layout::Gemm, Layout::Rows] {
+                for dtype in [DType::F32, DType::F16] {
+                    let (k, v) = (key.to_dtype(dtype).unwrap(), value.to_dtype(dtype).unwrap());
+                    let p = Pattention::from_tensors_in(k, v, Activation::L2NormGelu, None, layout);
+                    assert_eq!(p.layout(), Some(layout));
+                    assert_eq!(
+                        (p.tokens(), p.key().dims(), p.value().dims()),
+                        (n, &[n, d_in][..], &[n, d_out][..])
+                    );
+                    let got = p.forward(&x).unwrap();
+                    let tol = if dtype == DType::F16 { 2e-2 } else { 1e-5 };
+                    let d = max_diff(&got, &want);
+                    assert!(d < tol, "{layout:?} {dtype:?} rows={rows}: {d}");
+                }
+            }
         }
     }
 }

@@ -108,17 +108,27 @@ impl<'a> Weights<'a> {
 /// L1 fills only compete with the loads). So: on Intel only.
 #[cfg(target_arch = "x86_64")]
 fn software_prefetch() -> bool {
-    static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *INTEL.get_or_init(|| {
-        // SAFETY: cpuid leaf 0 exists on every x86-64 CPU.
-        #[allow(unused_unsafe)]
-        let id = unsafe { std::arch::x86_64::__cpuid(0) };
-        let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
-            .iter()
-            .flat_map(|r| r.to_le_bytes())
-            .collect();
-        vendor == b"GenuineIntel"
-    })
+    is_intel()
+}
+
+/// Whether the CPU is Intel's (cpuid vendor string).
+pub(super) fn is_intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *INTEL.get_or_init(|| {
+            // SAFETY: cpuid leaf 0 exists on every x86-64 CPU.
+            #[allow(unused_unsafe)]
+            let id = unsafe { std::arch::x86_64::__cpuid(0) };
+            let vendor: Vec<u8> = [id.ebx, id.edx, id.ecx]
+                .iter()
+                .flat_map(|r| r.to_le_bytes())
+                .collect();
+            vendor == b"GenuineIntel"
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Prefetches the `len` bytes from `start` (inside one allocation) into L1.

@@ -190,6 +190,14 @@ pub fn active() -> Path {
     selection().path
 }
 
+/// Whether this CPU's streaming kernels run fastest as dot products with
+/// whole weight rows (everything but Intel's), or as weighted sums of rows
+/// with software prefetch (Intel), see docs/PERFORMANCE.md. Decides how
+/// Pattention lays out f32/f16 weights.
+pub fn prefers_row_products() -> bool {
+    !gemv::is_intel()
+}
+
 /// The contiguous f32 data of a CPU tensor.
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     let CpuStorage::F32(d) = s else {
