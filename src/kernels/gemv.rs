@@ -48,6 +48,21 @@ impl<'a> Weights<'a> {
         }
     }
 
+    /// out[r] = x · (row j + r of width k), for every r of out.
+    #[inline]
+    fn dot_rows(&self, path: Path, j: usize, k: usize, x: &[f32], out: &mut [f32]) {
+        let rows = j * k..(j + out.len()) * k;
+        match self {
+            Self::F32(w) => super::rows::dot_rows_on(path, x, &w[rows], k, 1.0, out),
+            Self::F16(w) => half::dot_rows_on(path, x, &w[rows], out),
+            Self::Q8(q, s) => {
+                let b = k.div_ceil(q8::BLOCK);
+                let scales = &s[j * b..(j + out.len()) * b];
+                q8::dot_rows_on(path, x, &q[rows], scales, out)
+            }
+        }
+    }
+
     /// Bytes of a row of width k in the main array (values; q8's scales
     /// are an eighth of that on top, prefetched with them).
     fn row_bytes(&self, k: usize) -> usize {
@@ -106,7 +121,6 @@ impl<'a> Weights<'a> {
 /// AMD's Zen (the EPYC there) it lowered it (by up to a fifth for 12 KB
 /// rows: the hardware prefetchers keep up, and the extra instructions and
 /// L1 fills only compete with the loads). So: on Intel only.
-#[cfg(target_arch = "x86_64")]
 fn software_prefetch() -> bool {
     is_intel()
 }
@@ -223,6 +237,10 @@ fn matmul_nt_rows(path: Path, x: &[f32], w: &Weights, m: usize, n: usize, k: usi
     let mut t = vec![0f32; n * m];
     let ahead = w.rows_ahead(k);
     t.par_chunks_mut(m * 64).enumerate().for_each(|(c, out)| {
+        if m == 1 && !software_prefetch() {
+            // Decoding's case: one loop over the chunk's rows inside the kernel.
+            return w.dot_rows(path, c * 64, k, x, out);
+        }
         for (r, o) in out.chunks_mut(m).enumerate() {
             let j = c * 64 + r;
             w.prefetch(j + ahead, k);

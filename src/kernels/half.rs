@@ -26,6 +26,33 @@ pub fn dot_on(path: Path, x: &[f32], w: &[f16]) -> f32 {
     }
 }
 
+/// out[j] = x · row j for the rows of x's width packed in `rows`: [`dot_on`]
+/// for each (the same bits) without a call and a dispatch per row.
+///
+/// # Panics
+/// If `rows` holds fewer than out.len() rows.
+pub fn dot_rows_on(path: Path, x: &[f32], rows: &[f16], out: &mut [f32]) {
+    let w = x.len();
+    assert!(rows.len() >= out.len() * w);
+    let row = |j: usize| &rows[j * w..(j + 1) * w];
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe {
+            super::rows::avx512::for_each_row(out, |j, o| *o = avx512::dot(x, row(j)))
+        },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe {
+            super::rows::avx2::for_each_row(out, |j, o| *o = avx2::dot(x, row(j)))
+        },
+        _ => out
+            .iter_mut()
+            .enumerate()
+            .for_each(|(j, o)| *o = dot_portable(x, row(j))),
+    }
+}
+
 /// y[i] += a·w[i] on `path`.
 pub fn axpy_on(path: Path, a: f32, w: &[f16], y: &mut [f32]) {
     let n = y.len().min(w.len());
@@ -75,6 +102,7 @@ mod avx2 {
     }
 
     /// x and w of equal length.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
         let whole = x.len() / 16 * 16;
@@ -132,6 +160,7 @@ mod avx512 {
     }
 
     /// x and w of equal length.
+    #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
         let whole = x.len() / 16 * 16;
@@ -195,6 +224,23 @@ mod tests {
                 axpy_on(path, 0.5, &w, &mut z);
                 let b = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(b(&z), b(&y), "axpy n={n} {:?}", path.isa());
+            }
+        }
+    }
+
+    #[test]
+    fn row_batches_give_the_bits_of_row_by_row_dots() {
+        let (n, rows) = (77, 5);
+        let w: Vec<f16> = (0..n * rows)
+            .map(|i| f16::from_f32((i as f32 * 0.29).sin()))
+            .collect();
+        let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.13).cos()).collect();
+        for path in Path::all() {
+            let mut got = vec![0f32; rows];
+            dot_rows_on(path, &x, &w, &mut got);
+            for (j, g) in got.iter().enumerate() {
+                let want = dot_on(path, &x, &w[j * n..(j + 1) * n]);
+                assert_eq!(g.to_bits(), want.to_bits(), "row {j} {:?}", path.isa());
             }
         }
     }

@@ -252,6 +252,40 @@ pub fn dot_on(path: Path, xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
     }
 }
 
+/// out[j] = [`dot_on`] with row j of the rows of xa's width packed in `q`
+/// and `scales` (the same bits), without a call and a dispatch per row.
+///
+/// # Panics
+/// If q or scales hold fewer than out.len() rows.
+pub fn dot_rows_on(path: Path, xa: &[f32], q: &[i8], scales: &[f32], out: &mut [f32]) {
+    let (w, b) = (xa.len(), xa.len().div_ceil(BLOCK));
+    assert!(q.len() >= out.len() * w && scales.len() >= out.len() * b);
+    let row = |j: usize| (&q[j * w..(j + 1) * w], &scales[j * b..(j + 1) * b]);
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports; every row
+        // has the lengths dot_on checks.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe {
+            super::rows::avx512::for_each_row(out, |j, o| {
+                let (q, s) = row(j);
+                *o = avx512::dot(xa, q, s)
+            })
+        },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe {
+            super::rows::avx2::for_each_row(out, |j, o| {
+                let (q, s) = row(j);
+                *o = avx2::dot(xa, q, s)
+            })
+        },
+        _ => out.iter_mut().enumerate().for_each(|(j, o)| {
+            let (q, s) = row(j);
+            *o = dot_portable(xa, q, s)
+        }),
+    }
+}
+
 /// The partial last block: Σ x·(q·scale) in order.
 #[inline(always)]
 fn tail(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
@@ -321,6 +355,7 @@ mod avx2 {
     }
 
     /// Lengths as [`dot_on`] checks them.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
         let blocks = q.len() / BLOCK;
@@ -357,6 +392,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     /// Lengths as [`dot_on`] checks them.
+    #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub unsafe fn dot(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
         let blocks = q.len() / BLOCK;
@@ -537,6 +573,31 @@ mod tests {
                     (want as f64 - exact).abs() <= 1e-6 * size,
                     "cols={cols}: {want} vs {exact}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn row_batches_give_the_bits_of_row_by_row_dots() {
+        for cols in [33, 96, 100] {
+            let m = Q8Matrix::from_rows(&values(4 * cols), 4, cols);
+            let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.41).sin()).collect();
+            let mut xa = vec![0f32; cols];
+            arrange(&x, &mut xa);
+            let (q, s) = m.data();
+            for path in Path::all() {
+                let mut got = vec![0f32; 4];
+                dot_rows_on(path, &xa, q, s, &mut got);
+                for (r, g) in got.iter().enumerate() {
+                    let (qr, sr) = m.row(r);
+                    let want = dot_on(path, &xa, qr, sr);
+                    assert_eq!(
+                        g.to_bits(),
+                        want.to_bits(),
+                        "cols={cols} row {r} {:?}",
+                        path.isa()
+                    );
+                }
             }
         }
     }

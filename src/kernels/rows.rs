@@ -314,7 +314,7 @@ pub(super) mod avx2 {
     /// `f` on every element of out with its index, compiled for AVX2 so
     /// that the kernels it calls inline.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn for_each_row(out: &mut [f32], mut f: impl FnMut(usize, &mut f32)) {
+    pub(in crate::kernels) fn for_each_row(out: &mut [f32], mut f: impl FnMut(usize, &mut f32)) {
         for (j, o) in out.iter_mut().enumerate() {
             f(j, o);
         }
@@ -376,7 +376,7 @@ pub(super) mod avx512 {
     /// `f` on every element of out with its index, compiled for AVX-512 so
     /// that the kernels it calls inline.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) fn for_each_row(out: &mut [f32], mut f: impl FnMut(usize, &mut f32)) {
+    pub(in crate::kernels) fn for_each_row(out: &mut [f32], mut f: impl FnMut(usize, &mut f32)) {
         for (j, o) in out.iter_mut().enumerate() {
             f(j, o);
         }
