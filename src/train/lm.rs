@@ -10,11 +10,7 @@ use candle_core::{DType, Device, Result, Tensor, Var, D};
 
 use crate::checkpoint::Tensors;
 use crate::models::tokenformer::{Config, Rotary};
-use crate::pattention::Activation;
-
-/// The smallest L2 norm Θ divides by, as in the inference path (an all-zero score row
-/// normalises to zeros instead of the official 0/0).
-const MIN_NORM: f64 = 1e-30;
+use crate::pattention::theta;
 
 /// A language model whose every tensor is a [`Var`] (trainable or not: the optimiser
 /// decides which it updates), in f32 or f64.
@@ -236,24 +232,6 @@ pub fn expected_shapes(cfg: &Config) -> Vec<(String, Vec<usize>)> {
         v.push(("final_linear.weight".into(), vec![cfg.vocab_size, d]));
     }
     v
-}
-
-/// Θ over the last axis, as [`crate::pattention::theta`] computes it, in plain ops.
-pub fn theta(scores: &Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
-    let n = scale_tokens as f64;
-    let l2 = |s: &Tensor| -> Result<Tensor> {
-        let norm = s
-            .sqr()?
-            .sum_keepdim(D::Minus1)?
-            .sqrt()?
-            .clamp(MIN_NORM, f64::INFINITY)?;
-        s.broadcast_div(&(norm / n.sqrt())?)
-    };
-    match activation {
-        Activation::L2NormGelu => l2(scores)?.gelu_erf(),
-        Activation::GeluL2Norm => l2(&scores.gelu_erf()?),
-        Activation::Softmax => softmax_last(scores)? * n,
-    }
 }
 
 /// Softmax over the last axis, the row maximum subtracted first.
