@@ -4,7 +4,10 @@ from packages a fresh machine can install without the internet at large:
 
   kjv     The King James Bible (public domain), from Debian's bible-kjv packages:
           one document per chapter (1,189), every 20th chapter held out.
-          -> OUT/kjv/{train,val}.jsonl   ({"text": ...} per line)
+          -> OUT/kjv/{train,val}.jsonl   ({"text": ...} per line), and
+             OUT/kjv/tokenizer.json: a byte-level BPE of 2,048 tokens learnt on the
+             training chapters (needs the `tokenizers` package from PyPI; the
+             training is deterministic, so the file is the same on every run)
   digits  The UCI optical-recognition handwritten digits (8x8, 1,797 images,
           CC BY 4.0), as scikit-learn's wheel ships them: every 5th image of a
           class held out, written as 8x8 RGB PNGs, plus captions for the
@@ -101,7 +104,28 @@ def prepare_kjv(out):
     ) as va:
         for i, c in enumerate(chapters):
             (va if i % 20 == 19 else tr).write(json.dumps({"text": c}) + "\n")
+    train_tokenizer(
+        [c for i, c in enumerate(chapters) if i % 20 != 19], os.path.join(d, "tokenizer.json")
+    )
     print(f"kjv: {len(chapters)} chapters -> {d}", file=sys.stderr)
+
+
+def train_tokenizer(texts, path, vocab=2048):
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        sys.exit("kjv: the tokenizer needs the `tokenizers` package: pip install tokenizers")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.save(path)
 
 
 def png(pixels, width, height):
