@@ -12,10 +12,10 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
-use tokenformer::eval::pile::{
-    self, Method, PileOptions, PileReport, RunInfo, Shard, DEFAULT_MAX_LINE_BYTES,
-};
+use tokenformer::eval::data::{sha256_file, DEFAULT_MAX_LINE_BYTES};
+use tokenformer::eval::pile::{self, Method, PileOptions, PileReport, RunInfo};
 use tokenformer::eval::tasks::{self, Task, TaskOptions, TaskReport};
+use tokenformer::eval::{Report, Shard};
 use tokenformer::loader;
 use tokenformer::scoring::Scorer;
 
@@ -140,7 +140,7 @@ pub struct MergeArgs {
 /// The data file's sha256, hashed on another thread while the model runs.
 fn spawn_sha256(path: &Path) -> std::thread::JoinHandle<tokenformer::Result<String>> {
     let p = path.to_path_buf();
-    std::thread::spawn(move || pile::sha256_file(&p))
+    std::thread::spawn(move || sha256_file(&p))
 }
 
 fn progress_bar(len: u64, unit: &str) -> ProgressBar {
@@ -318,7 +318,7 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
                 .map(|l| l.trim().to_string())
                 .filter(|l| !l.is_empty())
                 .collect::<Vec<_>>();
-            (Some(lines), Some(pile::sha256_file(p)?))
+            (Some(lines), Some(sha256_file(p)?))
         }
         None => (None, None),
     };

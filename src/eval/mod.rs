@@ -1,11 +1,25 @@
-//! Evaluations: Pile perplexity, the zero-shot language tasks, ImageNet
-//! top-1/top-5, and merging the results of `--shard` runs. Each returns a
-//! serde result with a `kind` that `tokenformer eval merge` dispatches on.
+//! Evaluations: Pile perplexity ([`pile`]), the zero-shot language tasks
+//! ([`tasks`]), ImageNet top-1/top-5 ([`imagenet`]), and merging the results
+//! of sharded runs ([`merge`]). Each run returns a serde result with a `kind`
+//! that `tokenformer eval merge` dispatches on ([`merge::Report`]).
+//!
+//! Shared pieces: [`data`] (bounded reading of `.txt`/`.jsonl[.zst]`, file
+//! hashes), [`shard`] (one part of a run), [`pytext`] (Python's string rules
+//! the harness relies on). Progress and warnings reach the caller through
+//! callbacks and returned values; nothing here prints.
 
+pub mod data;
 pub mod imagenet;
 pub mod merge;
 pub mod pile;
+pub(crate) mod pytext;
+pub mod report;
+pub mod shard;
 pub mod tasks;
+
+pub use merge::merge_results;
+pub use report::Report;
+pub use shard::Shard;
 
 use std::path::Path;
 

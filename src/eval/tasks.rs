@@ -15,9 +15,15 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::pile::{py_isspace, DataFile, JsonLines, Shard};
+use super::data::{non_finite, DataFile, JsonLines};
+use super::pytext::{py_isspace, py_strip};
+use super::report::{add_checked, check_loglikelihood, check_seconds, one_shard, Report, Setting};
+use super::shard::Shard;
 use crate::error::{Error, Result};
 use crate::scoring::{Request, Scorer};
+
+// Kept here too for callers that found it in this module before the split.
+pub use super::pytext::py_capitalize;
 
 /// A zero-shot task.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,39 +134,6 @@ fn index(v: &Value, name: &str) -> std::result::Result<usize, String> {
         _ => None,
     }
     .ok_or_else(|| format!("field `{name}` is not a label index: {v}"))
-}
-
-/// Python's `str.strip()`.
-fn py_strip(s: &str) -> &str {
-    s.trim_matches(py_isspace)
-}
-
-/// Python's `str.capitalize()`: first character title-cased, the rest lower-cased.
-pub fn py_capitalize(s: &str) -> String {
-    let mut chars = s.chars();
-    let Some(first) = chars.next() else {
-        return String::new();
-    };
-    let mut out = String::with_capacity(s.len());
-    match first {
-        // The four Latin digraphs have a distinct title case.
-        'Ǆ' | 'ǅ' | 'ǆ' => out.push('ǅ'),
-        'Ǉ' | 'ǈ' | 'ǉ' => out.push('ǈ'),
-        'Ǌ' | 'ǋ' | 'ǌ' => out.push('ǋ'),
-        'Ǳ' | 'ǲ' | 'ǳ' => out.push('ǲ'),
-        c => {
-            // Title case of an expanding character (ß → Ss): upper then lower.
-            for (i, u) in c.to_uppercase().enumerate() {
-                if i == 0 {
-                    out.push(u);
-                } else {
-                    out.extend(u.to_lowercase());
-                }
-            }
-        }
-    }
-    out.push_str(&chars.as_str().to_lowercase());
-    out
 }
 
 /// HellaSwag's cleaning (harness `hellaswag/utils.py::preprocess`): strip,
@@ -497,7 +470,7 @@ pub fn evaluate(
         let res = &scored[at..at + ex.requests.len()];
         at += ex.requests.len();
         if let Some(bad) = res.iter().find(|r| !r.logprob.is_finite()) {
-            return Err(super::pile::non_finite(path, *line, bad.logprob));
+            return Err(non_finite(path, *line, bad.logprob));
         }
         counts.documents += 1;
         if task == Task::Lambada {
@@ -559,8 +532,6 @@ pub struct TaskReport {
 }
 
 impl TaskReport {
-    pub const KIND: &'static str = "tasks";
-
     /// Recomputes every metric from `counts`.
     pub fn set_counts(&mut self, task: Task, counts: TaskCounts) {
         let n = counts.documents;
@@ -578,5 +549,65 @@ impl TaskReport {
         self.perplexity =
             (task == Task::Lambada && n > 0).then(|| (-counts.loglikelihood / n as f64).exp());
         self.counts = counts;
+    }
+}
+
+impl Report for TaskReport {
+    const KIND: &'static str = "tasks";
+
+    fn kind(&self) -> &str {
+        &self.kind
+    }
+
+    fn shards(&self) -> std::result::Result<Vec<&str>, String> {
+        one_shard(&self.shard)
+    }
+
+    fn settings(&self) -> Vec<Setting> {
+        vec![
+            Setting::new("task", &self.task),
+            Setting::new("model", &self.model),
+            Setting::new("model commit", &self.model_commit),
+            Setting::new("weight dtype", &self.weight_dtype),
+            Setting::new("data_sha256", &self.data_sha256),
+            Setting::new("labels file sha256", &self.labels_sha256),
+            Setting::new("max_length/limit", (self.max_length, self.limit)),
+            Setting::new("max_line_bytes", self.max_line_bytes),
+        ]
+    }
+
+    /// Correct ones within the documents.
+    fn check_counts(&self, i: usize) -> Result<()> {
+        let c = &self.counts;
+        if c.correct > c.documents || c.correct_norm > c.documents {
+            return Err(Error::input(format!(
+                "result #{}: impossible counts: correct {} / correct_norm {} of {} documents",
+                i + 1,
+                c.correct,
+                c.correct_norm,
+                c.documents
+            )));
+        }
+        check_loglikelihood(i, "target", c.loglikelihood)?;
+        check_seconds(i, self.elapsed_seconds)
+    }
+
+    fn combine(parts: &[Self], n: usize) -> Result<Self> {
+        let task: Task = parts[0].task.parse().map_err(Error::input)?;
+        let mut counts = TaskCounts::default();
+        for p in parts {
+            let c = &p.counts;
+            add_checked(&mut counts.documents, c.documents)?;
+            add_checked(&mut counts.correct, c.correct)?;
+            add_checked(&mut counts.correct_norm, c.correct_norm)?;
+            add_checked(&mut counts.skipped_lines, c.skipped_lines)?;
+            counts.loglikelihood += c.loglikelihood;
+        }
+        let mut out = parts[0].clone();
+        out.shard = None;
+        out.merged_shards = Some(n);
+        out.elapsed_seconds = parts.iter().map(|p| p.elapsed_seconds).sum();
+        out.set_counts(task, counts);
+        Ok(out)
     }
 }
