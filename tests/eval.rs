@@ -13,7 +13,7 @@ use tokenformer::eval::pile::{
     self, count_words, rolling_windows, strided_windows, Method, PileOptions, PileReport,
     PileTotals, RunInfo, Shard,
 };
-use tokenformer::eval::tasks::{self, build_example, encode_pair, Task, TaskOptions};
+use tokenformer::eval::tasks::{self, build_example, encode_pair, Task, TaskCounts, TaskOptions};
 use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::tokenformer::{Config, TokenFormerLm};
 use tokenformer::scoring::{Request, Scorer};
@@ -324,6 +324,26 @@ fn opts(method: Method, batch: usize) -> PileOptions {
         prefix_token: 0,
         max_line_bytes: pile::DEFAULT_MAX_LINE_BYTES,
     }
+}
+
+fn task_opts(batch: usize) -> TaskOptions {
+    TaskOptions {
+        batch_size: batch,
+        limit: None,
+        shard: Shard::WHOLE,
+        skip_bad: false,
+        prefix_token: 0,
+        max_line_bytes: pile::DEFAULT_MAX_LINE_BYTES,
+    }
+}
+
+/// A tasks report of shard `i` of 2 as JSON.
+fn task_shard(info: RunInfo, task: Task, o: &TaskOptions, i: usize, c: TaskCounts) -> Value {
+    let o = TaskOptions {
+        shard: Shard { index: i, count: 2 },
+        ..o.clone()
+    };
+    serde_json::to_value(tasks::TaskReport::new(info, task, &o, c)).unwrap()
 }
 
 fn run(f: &Fixture, path: &Path, o: &PileOptions) -> tokenformer::Result<PileTotals> {
@@ -830,14 +850,7 @@ fn tasks_score_like_brute_force_and_merge() {
     let data = dir.path().join("piqa.jsonl");
     std::fs::write(&data, lines.join("\n")).unwrap();
     let scorer = Scorer::new(&f.model, None).unwrap();
-    let o = TaskOptions {
-        batch_size: 3,
-        limit: None,
-        shard: Shard::WHOLE,
-        skip_bad: false,
-        prefix_token: 0,
-        max_line_bytes: pile::DEFAULT_MAX_LINE_BYTES,
-    };
+    let o = task_opts(3);
     let counts = tasks::evaluate(&scorer, &f.tok, Task::Piqa, &data, None, &o, |_, _| {}).unwrap();
     let (mut acc, mut acc_norm) = (0, 0);
     for l in &lines {
@@ -909,32 +922,16 @@ fn tasks_score_like_brute_force_and_merge() {
         };
         let c =
             tasks::evaluate(&greedy, &f.tok, Task::Lambada, &lam, None, &so, |_, _| {}).unwrap();
-        let mut rep = tasks::TaskReport {
-            kind: "tasks".into(),
-            task: "lambada_openai".into(),
+        let info = RunInfo {
             model: "m".into(),
             model_commit: None,
             weight_dtype: None,
             data: "d".into(),
             data_sha256: "s".into(),
-            labels: None,
-            labels_sha256: None,
-            max_line_bytes: None,
             max_length: MAX_POS,
-            limit: None,
-            shard: Some(format!("{i}/2")),
-            merged_shards: None,
-            batch_size: 3,
-            counts: Default::default(),
-            acc: None,
-            acc_stderr: None,
-            acc_norm: None,
-            acc_norm_stderr: None,
-            perplexity: None,
             elapsed_seconds: 1.0,
         };
-        rep.set_counts(Task::Lambada, c);
-        reports.push(serde_json::to_value(rep).unwrap());
+        reports.push(task_shard(info, Task::Lambada, &o, i, c));
     }
     let merged = merge_results(&reports).unwrap();
     assert_eq!(merged["documents"], json!(3));
@@ -1142,12 +1139,8 @@ fn long_lines_are_named_or_skipped_and_counted() {
     std::fs::write(&lam, with_long_line(3000)).unwrap();
     let scorer = Scorer::new(&f.model, None).unwrap().with_greedy(true);
     let o = TaskOptions {
-        batch_size: 4,
-        limit: None,
-        shard: Shard::WHOLE,
-        skip_bad: false,
-        prefix_token: 0,
         max_line_bytes: 1000,
+        ..task_opts(4)
     };
     let e = tasks::evaluate(&scorer, &f.tok, Task::Lambada, &lam, None, &o, |_, _| {})
         .unwrap_err()
@@ -1213,14 +1206,7 @@ fn a_nan_model_is_an_error_naming_the_document() {
         "{\"goal\": \"Make tea\", \"sol1\": \"Boil water.\", \"sol2\": \"Freeze it.\", \"label\": 0}\n",
     )
     .unwrap();
-    let o = TaskOptions {
-        batch_size: 2,
-        limit: None,
-        shard: Shard::WHOLE,
-        skip_bad: false,
-        prefix_token: 0,
-        max_line_bytes: pile::DEFAULT_MAX_LINE_BYTES,
-    };
+    let o = task_opts(2);
     let e = tasks::evaluate(&scorer, &tok, Task::Piqa, &piqa, None, &o, |_, _| {})
         .unwrap_err()
         .to_string();
@@ -1276,43 +1262,32 @@ fn a_nan_model_is_an_error_naming_the_document() {
 
 /// Two task shards of one run, as JSON.
 fn task_shards() -> Vec<Value> {
-    (0..2u64)
+    (0..2usize)
         .map(|i| {
-            let mut rep = tasks::TaskReport {
-                kind: "tasks".into(),
-                task: "piqa".into(),
+            let info = RunInfo {
                 model: "acme/m@main".into(),
                 model_commit: Some("a".repeat(40)),
                 weight_dtype: Some("f32".into()),
                 data: "piqa.jsonl".into(),
                 data_sha256: "d".repeat(64),
-                labels: Some("valid-labels.lst".into()),
-                labels_sha256: Some("1".repeat(64)),
-                max_line_bytes: Some(1000),
                 max_length: MAX_POS,
-                limit: None,
-                shard: Some(format!("{i}/2")),
-                merged_shards: None,
-                batch_size: 3,
-                counts: Default::default(),
-                acc: None,
-                acc_stderr: None,
-                acc_norm: None,
-                acc_norm_stderr: None,
-                perplexity: None,
                 elapsed_seconds: 1.0,
             };
-            rep.set_counts(
-                Task::Piqa,
-                tasks::TaskCounts {
-                    documents: 10,
-                    correct: 6 + i,
-                    correct_norm: 5,
-                    loglikelihood: 0.0,
-                    skipped_lines: 0,
-                },
-            );
-            serde_json::to_value(rep).unwrap()
+            let counts = TaskCounts {
+                documents: 10,
+                correct: 6 + i as u64,
+                correct_norm: 5,
+                loglikelihood: 0.0,
+                skipped_lines: 0,
+            };
+            let o = TaskOptions {
+                max_line_bytes: 1000,
+                ..task_opts(3)
+            };
+            let mut v = task_shard(info, Task::Piqa, &o, i, counts);
+            v["labels"] = json!("valid-labels.lst");
+            v["labels_sha256"] = json!("1".repeat(64));
+            v
         })
         .collect()
 }

@@ -353,31 +353,21 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
         },
     )?;
     pb.finish_and_clear();
-    let mut report = TaskReport {
-        kind: TaskReport::KIND.into(),
-        task: a.task.name().into(),
+    let info = RunInfo {
         model: files.source.clone(),
         model_commit: tokenformer::eval::model_commit(&files),
         weight_dtype: dtype_name(&a.weights),
         data: a.data.display().to_string(),
         data_sha256: sha.join().expect("sha256 thread")?,
-        labels: a.labels.as_ref().map(|p| p.display().to_string()),
-        labels_sha256,
-        max_line_bytes: Some(a.run.max_line_bytes),
         max_length: scorer.max_length(),
-        limit: a.run.limit,
-        shard: a.run.shard.map(|s| s.to_string()),
-        merged_shards: None,
-        batch_size: opts.batch_size,
-        counts: Default::default(),
-        acc: None,
-        acc_stderr: None,
-        acc_norm: None,
-        acc_norm_stderr: None,
-        perplexity: None,
         elapsed_seconds: start.elapsed().as_secs_f64(),
     };
-    report.set_counts(a.task, counts);
+    let mut report = TaskReport::new(info, a.task, &opts, counts);
+    // An explicit `--shard 0/1` is recorded as given.
+    report.shard = a.run.shard.map(|s| s.to_string());
+    if let (Some(p), Some(sha)) = (&a.labels, labels_sha256) {
+        report = report.with_labels(p.display().to_string(), sha);
+    }
     print_task(&report);
     if let Some(p) = &a.run.json {
         write_json(p, &report)?;

@@ -39,7 +39,7 @@ pub fn model_commit(files: &ModelFiles) -> Option<String> {
 }
 
 /// The snapshot commit in a Hugging Face cache path, if `path` is one.
-pub fn commit_of_path(path: &Path) -> Option<String> {
+pub(crate) fn commit_of_path(path: &Path) -> Option<String> {
     let parts: Vec<&str> = path.iter().filter_map(|c| c.to_str()).collect();
     parts.windows(3).find_map(|w| {
         let is_commit = w[2].len() == 40 && w[2].bytes().all(|b| b.is_ascii_hexdigit());

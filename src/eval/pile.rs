@@ -33,6 +33,7 @@ pub use super::data::{
     sha256_file, DataFile, JsonLines, Line, DEFAULT_MAX_LINE_BYTES, MAX_ZSTD_WINDOW_LOG,
 };
 pub use super::pytext::{count_words, py_isspace};
+pub use super::report::RunInfo;
 pub use super::shard::Shard;
 
 /// How documents longer than one window are scored.
@@ -470,19 +471,8 @@ pub struct PileReport {
     pub tokens_per_second: f64,
 }
 
-/// Run settings recorded in a report.
-#[derive(Clone, Debug)]
-pub struct RunInfo {
-    pub model: String,
-    pub model_commit: Option<String>,
-    pub weight_dtype: Option<String>,
-    pub data: String,
-    pub data_sha256: String,
-    pub max_length: usize,
-    pub elapsed_seconds: f64,
-}
-
 impl PileReport {
+    /// The report of a run with `opts` whose totals are `totals`.
     pub fn new(info: RunInfo, opts: &PileOptions, totals: &PileTotals) -> Self {
         let mut r = Self {
             kind: Self::KIND.into(),

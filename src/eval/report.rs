@@ -7,6 +7,19 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 
+/// What a language-model report records about its run besides the
+/// options: the model as resolved, the data and the time taken.
+#[derive(Clone, Debug)]
+pub struct RunInfo {
+    pub model: String,
+    pub model_commit: Option<String>,
+    pub weight_dtype: Option<String>,
+    pub data: String,
+    pub data_sha256: String,
+    pub max_length: usize,
+    pub elapsed_seconds: f64,
+}
+
 /// A setting that every shard of one run has.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Setting {

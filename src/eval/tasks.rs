@@ -17,6 +17,7 @@ use serde_json::Value;
 
 use super::data::{non_finite, DataFile, JsonLines};
 use super::pytext::{py_isspace, py_strip};
+use super::report::RunInfo;
 use super::report::{add_checked, check_loglikelihood, check_seconds, one_shard, Report, Setting};
 use super::shard::Shard;
 use crate::error::{Error, Result};
@@ -532,6 +533,44 @@ pub struct TaskReport {
 }
 
 impl TaskReport {
+    /// The report of a run of `task` with `opts` that counted `counts`
+    /// (no labels file: see [`TaskReport::with_labels`]).
+    pub fn new(info: RunInfo, task: Task, opts: &TaskOptions, counts: TaskCounts) -> Self {
+        let mut r = Self {
+            kind: Self::KIND.into(),
+            task: task.name().into(),
+            model: info.model,
+            model_commit: info.model_commit,
+            weight_dtype: info.weight_dtype,
+            data: info.data,
+            data_sha256: info.data_sha256,
+            labels: None,
+            labels_sha256: None,
+            max_line_bytes: Some(opts.max_line_bytes),
+            max_length: info.max_length,
+            limit: opts.limit,
+            shard: (opts.shard != Shard::WHOLE).then(|| opts.shard.to_string()),
+            merged_shards: None,
+            batch_size: opts.batch_size,
+            counts: TaskCounts::default(),
+            acc: None,
+            acc_stderr: None,
+            acc_norm: None,
+            acc_norm_stderr: None,
+            perplexity: None,
+            elapsed_seconds: info.elapsed_seconds,
+        };
+        r.set_counts(task, counts);
+        r
+    }
+
+    /// Records the labels file (its name and sha256) the run read.
+    pub fn with_labels(mut self, labels: String, sha256: String) -> Self {
+        self.labels = Some(labels);
+        self.labels_sha256 = Some(sha256);
+        self
+    }
+
     /// Recomputes every metric from `counts`.
     pub fn set_counts(&mut self, task: Task, counts: TaskCounts) {
         let n = counts.documents;
