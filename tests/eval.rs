@@ -326,6 +326,31 @@ fn opts(method: Method, batch: usize) -> PileOptions {
     }
 }
 
+/// The run of a local model `m` on data `d` taking `secs`.
+fn run_info(secs: f64) -> RunInfo {
+    RunInfo {
+        model: "m".into(),
+        model_commit: None,
+        weight_dtype: None,
+        data: "d".into(),
+        data_sha256: "x".into(),
+        max_length: MAX_POS,
+        elapsed_seconds: secs,
+    }
+}
+
+/// A Hub model's run on `data` whose hashes repeat `commit` and `sha`.
+fn hub_run_info(data: &str, commit: &str, sha: &str, dtype: &str, secs: f64) -> RunInfo {
+    RunInfo {
+        model: "acme/m@main".into(),
+        model_commit: Some(commit.repeat(40)),
+        weight_dtype: Some(dtype.into()),
+        data: data.into(),
+        data_sha256: sha.repeat(64),
+        ..run_info(secs)
+    }
+}
+
 fn task_opts(batch: usize) -> TaskOptions {
     TaskOptions {
         batch_size: batch,
@@ -453,15 +478,7 @@ fn zstd_shards_limit_subset() {
     assert_eq!(run(&f, &zst, &o).unwrap(), plain);
 
     // Shards + merge = one run.
-    let info = |secs| RunInfo {
-        model: "m".into(),
-        model_commit: None,
-        weight_dtype: None,
-        data: "d".into(),
-        data_sha256: "x".into(),
-        max_length: MAX_POS,
-        elapsed_seconds: secs,
-    };
+    let info = run_info;
     let whole = PileReport::new(info(3.0), &o, &plain);
     let parts: Vec<PileReport> = (0..3)
         .map(|i| {
@@ -922,16 +939,7 @@ fn tasks_score_like_brute_force_and_merge() {
         };
         let c =
             tasks::evaluate(&greedy, &f.tok, Task::Lambada, &lam, None, &so, |_, _| {}).unwrap();
-        let info = RunInfo {
-            model: "m".into(),
-            model_commit: None,
-            weight_dtype: None,
-            data: "d".into(),
-            data_sha256: "s".into(),
-            max_length: MAX_POS,
-            elapsed_seconds: 1.0,
-        };
-        reports.push(task_shard(info, Task::Lambada, &o, i, c));
+        reports.push(task_shard(run_info(1.0), Task::Lambada, &o, i, c));
     }
     let merged = merge_results(&reports).unwrap();
     assert_eq!(merged["documents"], json!(3));
@@ -1264,15 +1272,7 @@ fn a_nan_model_is_an_error_naming_the_document() {
 fn task_shards() -> Vec<Value> {
     (0..2usize)
         .map(|i| {
-            let info = RunInfo {
-                model: "acme/m@main".into(),
-                model_commit: Some("a".repeat(40)),
-                weight_dtype: Some("f32".into()),
-                data: "piqa.jsonl".into(),
-                data_sha256: "d".repeat(64),
-                max_length: MAX_POS,
-                elapsed_seconds: 1.0,
-            };
+            let info = hub_run_info("piqa.jsonl", "a", "d", "f32", 1.0);
             let counts = TaskCounts {
                 documents: 10,
                 correct: 6 + i as u64,
@@ -1321,15 +1321,7 @@ fn pile_shards() -> Vec<Value> {
                 .into(),
                 skipped_lines: 0,
             };
-            let info = RunInfo {
-                model: "acme/m@main".into(),
-                model_commit: Some("b".repeat(40)),
-                weight_dtype: Some("f16".into()),
-                data: "val.jsonl.zst".into(),
-                data_sha256: "e".repeat(64),
-                max_length: MAX_POS,
-                elapsed_seconds: 2.0,
-            };
+            let info = hub_run_info("val.jsonl.zst", "b", "e", "f16", 2.0);
             serde_json::to_value(PileReport::new(info, &o, &totals)).unwrap()
         })
         .collect()

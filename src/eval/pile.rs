@@ -24,7 +24,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::data::non_finite;
-use super::report::{add_checked, check_loglikelihood, check_seconds, one_shard, Report, Setting};
+use super::report::{
+    add_checked, check_loglikelihood, check_seconds, one_shard, run_settings, Report, Setting,
+};
 use crate::error::{Error, Result};
 use crate::scoring::{Request, Scorer};
 
@@ -546,11 +548,14 @@ impl Report for PileReport {
     }
 
     fn settings(&self) -> Vec<Setting> {
-        vec![
-            Setting::new("model", &self.model),
-            Setting::new("model commit", &self.model_commit),
-            Setting::new("weight dtype", &self.weight_dtype),
-            Setting::new("data_sha256", &self.data_sha256),
+        let run = run_settings(
+            &self.model,
+            &self.model_commit,
+            &self.weight_dtype,
+            &self.data_sha256,
+        );
+        let mut s = run.to_vec();
+        s.extend([
             Setting::new(
                 "method/max_length/stride/prefix_token",
                 (
@@ -562,7 +567,8 @@ impl Report for PileReport {
             ),
             Setting::new("subset/limit", (&self.subset, self.limit)),
             Setting::new("max_line_bytes", self.max_line_bytes),
-        ]
+        ]);
+        s
     }
 
     /// Each count possible, the subsets within the whole.

@@ -107,6 +107,22 @@ pub(crate) fn one_shard(shard: &Option<String>) -> std::result::Result<Vec<&str>
     }
 }
 
+/// The settings of a language-model run that every shard shares first:
+/// the model, its commit, the weight dtype and the data.
+pub(crate) fn run_settings(
+    model: &str,
+    commit: &Option<String>,
+    dtype: &Option<String>,
+    data_sha256: &str,
+) -> [Setting; 4] {
+    [
+        Setting::new("model", model),
+        Setting::new("model commit", commit),
+        Setting::new("weight dtype", dtype),
+        Setting::new("data_sha256", data_sha256),
+    ]
+}
+
 /// A log-likelihood as a run can produce it: finite and not positive.
 pub(crate) fn check_loglikelihood(i: usize, what: &str, ll: f64) -> Result<()> {
     if !(ll.is_finite() && ll <= 0.0) {

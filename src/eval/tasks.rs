@@ -18,7 +18,9 @@ use serde_json::Value;
 use super::data::{non_finite, DataFile, JsonLines};
 use super::pytext::{py_isspace, py_strip};
 use super::report::RunInfo;
-use super::report::{add_checked, check_loglikelihood, check_seconds, one_shard, Report, Setting};
+use super::report::{
+    add_checked, check_loglikelihood, check_seconds, one_shard, run_settings, Report, Setting,
+};
 use super::shard::Shard;
 use crate::error::{Error, Result};
 use crate::scoring::{Request, Scorer};
@@ -603,16 +605,20 @@ impl Report for TaskReport {
     }
 
     fn settings(&self) -> Vec<Setting> {
-        vec![
-            Setting::new("task", &self.task),
-            Setting::new("model", &self.model),
-            Setting::new("model commit", &self.model_commit),
-            Setting::new("weight dtype", &self.weight_dtype),
-            Setting::new("data_sha256", &self.data_sha256),
+        let run = run_settings(
+            &self.model,
+            &self.model_commit,
+            &self.weight_dtype,
+            &self.data_sha256,
+        );
+        let mut s = vec![Setting::new("task", &self.task)];
+        s.extend(run);
+        s.extend([
             Setting::new("labels file sha256", &self.labels_sha256),
             Setting::new("max_length/limit", (self.max_length, self.limit)),
             Setting::new("max_line_bytes", self.max_line_bytes),
-        ]
+        ]);
+        s
     }
 
     /// Correct ones within the documents.
