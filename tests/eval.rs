@@ -1070,6 +1070,55 @@ fn cli_pile_json_shards_merge_and_errors() {
     );
 }
 
+/// The library's errors name its options; the command line names its flags
+/// in their place, in the same words as before.
+#[test]
+fn errors_name_options_in_the_library_and_flags_on_the_command_line() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    tiny_model_dir(&model);
+    let long = dir.path().join("long.jsonl");
+    std::fs::write(&long, with_long_line(3000)).unwrap();
+    let limited = PileOptions {
+        max_line_bytes: 1000,
+        ..opts(Method::Rolling, 2)
+    };
+    // The long line's bytes with its newline.
+    let n = with_long_line(3000).lines().nth(1).unwrap().len() + 1;
+    let e = run(&f, &long, &limited).unwrap_err().to_string();
+    assert!(
+        e.ends_with(&format!(
+            "line 2: line of {n} bytes, longer than the limit of 1000 bytes \
+             (the max_line_bytes option) (set skip_bad to skip and count bad lines)"
+        )),
+        "{e}"
+    );
+    assert!(!e.contains("--"), "{e}");
+    let (m, d) = (model.to_str().unwrap(), long.to_str().unwrap());
+    for cmd in [
+        vec!["eval", "pile", "--model", m, "--data", d],
+        vec![
+            "eval", "tasks", "--model", m, "--task", "lambada", "--data", d,
+        ],
+    ] {
+        let o = cli(&[cmd.as_slice(), &["--max-line-bytes", "1000"]].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(&format!(
+                "line 2: line of {n} bytes, longer than the limit of 1000 bytes (--max-line-bytes)"
+            )) && err
+                .trim_end()
+                .ends_with("(pass --skip-bad to skip and count bad lines)")
+                && !err.contains("max_line_bytes option")
+                && !err.contains("set skip_bad"),
+            "{err}"
+        );
+    }
+}
+
 // ---------- hardening: long lines, NaN models, merging untrusted results ----------
 
 /// A lambada-style file of three lines whose middle one is `long` bytes of text.

@@ -12,7 +12,9 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
-use tokenformer::eval::data::{sha256_file, DEFAULT_MAX_LINE_BYTES};
+use tokenformer::eval::data::{
+    sha256_file, DEFAULT_MAX_LINE_BYTES, NOTE_MAX_LINE_BYTES, NOTE_SKIP_BAD,
+};
 use tokenformer::eval::pile::{self, Method, PileOptions, PileReport, RunInfo};
 use tokenformer::eval::tasks::{self, Task, TaskOptions, TaskReport};
 use tokenformer::eval::{Report, Shard};
@@ -170,6 +172,20 @@ const MAX_RESULT_FILE_BYTES: u64 = 256 << 20;
 /// Largest `--labels` file read (PIQA's is 4 KB).
 const MAX_LABELS_FILE_BYTES: u64 = 256 << 20;
 
+/// A library error with its notes on options put in this command's flags.
+fn in_flag_words(e: tokenformer::Error) -> anyhow::Error {
+    match e {
+        tokenformer::Error::Input(m) => anyhow::Error::msg(
+            m.replace(NOTE_MAX_LINE_BYTES, "(--max-line-bytes)")
+                .replace(
+                    NOTE_SKIP_BAD,
+                    "(pass --skip-bad to skip and count bad lines)",
+                ),
+        ),
+        e => e.into(),
+    }
+}
+
 fn write_json(path: &Path, v: &impl serde::Serialize) -> Result<()> {
     let text = serde_json::to_string_pretty(v)?;
     std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))
@@ -219,7 +235,8 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
             p.tokens,
             p.tokens as f64 / secs
         ));
-    })?;
+    })
+    .map_err(in_flag_words)?;
     let elapsed = start.elapsed().as_secs_f64();
     pb.finish_and_clear();
     let info = RunInfo {
@@ -351,7 +368,8 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
             let secs = start.elapsed().as_secs_f64().max(1e-9);
             pb.set_message(format!("{:.0} tok/s", done as f64 / secs));
         },
-    )?;
+    )
+    .map_err(in_flag_words)?;
     pb.finish_and_clear();
     let info = RunInfo {
         model: files.source.clone(),

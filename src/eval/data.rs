@@ -40,6 +40,14 @@ pub const DEFAULT_MAX_LINE_BYTES: usize = 16 << 20;
 /// decoder allocate more.
 pub const MAX_ZSTD_WINDOW_LOG: u32 = 27;
 
+/// Ends an error about a line (or `.txt` document) above the line limit:
+/// names the option that sets it (a command line puts its flag in its place).
+pub const NOTE_MAX_LINE_BYTES: &str = "(the max_line_bytes option)";
+
+/// Ends an error about a bad line: names the option that skips bad lines
+/// instead (a command line puts its flag in its place).
+pub const NOTE_SKIP_BAD: &str = "(set skip_bad to skip and count bad lines)";
+
 /// A data file opened for streaming: decompressed if `.zst`.
 pub struct DataFile {
     pub path: PathBuf,
@@ -105,7 +113,7 @@ impl DataFile {
             .map_err(|e| Error::io(&self.path, e))?;
         if raw.len() > self.max_line_bytes {
             return Err(Error::input(format!(
-                "{}: the document is longer than the limit of {} bytes (--max-line-bytes)",
+                "{}: the document is longer than the limit of {} bytes {NOTE_MAX_LINE_BYTES}",
                 self.path.display(),
                 self.max_line_bytes
             )));
@@ -208,7 +216,7 @@ impl Iterator for JsonLines {
             self.line += 1;
             if let LineEnd::TooLong(n) = end {
                 let msg = format!(
-                    "line of {n} bytes, longer than the limit of {max} bytes (--max-line-bytes)"
+                    "line of {n} bytes, longer than the limit of {max} bytes {NOTE_MAX_LINE_BYTES}"
                 );
                 return Some(Ok((self.line, Err(msg))));
             }

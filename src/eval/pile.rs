@@ -23,7 +23,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::data::non_finite;
+use super::data::{non_finite, NOTE_SKIP_BAD};
 use super::report::{
     add_checked, check_loglikelihood, check_seconds, one_shard, run_settings, Report, Setting,
 };
@@ -336,7 +336,7 @@ pub fn evaluate(
             Err(reason) => {
                 if !opts.skip_bad {
                     return Err(Error::input(format!(
-                        "{}: {reason} (pass --skip-bad to skip and count bad lines)",
+                        "{}: {reason} {NOTE_SKIP_BAD}",
                         where_(line)
                     )));
                 }

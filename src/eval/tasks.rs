@@ -15,7 +15,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::data::{non_finite, DataFile, JsonLines};
+use super::data::{non_finite, DataFile, JsonLines, NOTE_SKIP_BAD};
 use super::pytext::{py_isspace, py_strip};
 use super::report::RunInfo;
 use super::report::{
@@ -433,7 +433,7 @@ pub fn evaluate(
             }
             Err(reason) => {
                 return Err(Error::input(format!(
-                    "{} line {line}: {reason}; {} expects {} (pass --skip-bad to skip and count bad lines)",
+                    "{} line {line}: {reason}; {} expects {} {NOTE_SKIP_BAD}",
                     path.display(),
                     task.name(),
                     task.fields()
