@@ -8,6 +8,7 @@ use std::process::Command;
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 use tokenformer::checkpoint::{write_safetensors, Tensors};
+use tokenformer::eval::imagenet;
 use tokenformer::eval::merge::{merge_pile, merge_results};
 use tokenformer::eval::pile::{
     self, count_words, rolling_windows, strided_windows, Method, PileOptions, PileReport,
@@ -1531,4 +1532,52 @@ fn imagenet_merge_refuses_mismatches_and_impossible_counts() {
         refused(&edited(&good, |v| v[key] = value.clone()), needle);
     }
     refused(&good[..1], "1 of 2 shards");
+}
+
+/// ImageNet progress and unreadable images reach the caller through the
+/// callback, once per batch; the command line prints the warnings.
+#[test]
+fn imagenet_progress_and_unreadable_images_go_through_the_callback() {
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vit-tiny-imagenet");
+    let vit = tiny.join("vit-tiny");
+    let files = loader::locate(vit.to_str().unwrap(), &LocateOptions::default()).unwrap();
+    let model = loader::load_vit(&files, &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let class = dir.path().join("n01443537");
+    std::fs::create_dir(&class).unwrap();
+    std::fs::copy(tiny.join("val/n01443537/a.JPEG"), class.join("a.JPEG")).unwrap();
+    std::fs::write(class.join("empty.JPEG"), b"").unwrap();
+    let opts = imagenet::Options {
+        batch_size: 1,
+        ..Default::default()
+    };
+    let mut seen = Vec::new();
+    let r =
+        imagenet::evaluate_with(&model, "m", dir.path(), &opts, |p| seen.push(p.clone())).unwrap();
+    assert_eq!((r.images, r.unreadable), (1, 1));
+    let done: Vec<(u64, u64)> = seen.iter().map(|p| (p.done, p.total)).collect();
+    assert_eq!(done, [(1, 2), (2, 2)]);
+    let unreadable: Vec<&String> = seen.iter().flat_map(|p| &p.unreadable).collect();
+    assert_eq!(unreadable.len(), 1);
+    assert!(unreadable[0].contains("empty.JPEG"), "{unreadable:?}");
+    let last = seen.last().unwrap();
+    assert_eq!((last.images, last.correct_top1), (1, r.correct_top1));
+
+    let o = cli(&[
+        "eval",
+        "imagenet",
+        "--quiet",
+        "--model",
+        vit.to_str().unwrap(),
+        "--data",
+        dir.path().to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let warnings: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("warning: unreadable image, counted and skipped: "))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    assert!(warnings[0].contains("empty.JPEG"), "{err}");
 }
