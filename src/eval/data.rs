@@ -50,7 +50,9 @@ pub const NOTE_SKIP_BAD: &str = "(set skip_bad to skip and count bad lines)";
 
 /// A data file opened for streaming: decompressed if `.zst`.
 pub struct DataFile {
+    /// The file, for errors.
     pub path: PathBuf,
+    /// The decompressed bytes.
     pub reader: Box<dyn BufRead + Send>,
     /// Bytes of the file (compressed) read so far.
     pub position: Arc<AtomicU64>,
@@ -191,6 +193,7 @@ pub struct JsonLines {
 }
 
 impl JsonLines {
+    /// Iterates the lines of `file`.
     pub fn new(file: DataFile) -> Self {
         Self {
             file,
@@ -198,6 +201,7 @@ impl JsonLines {
             buf: Vec::new(),
         }
     }
+    /// Bytes of the data file read so far (shared with the reader).
     pub fn position(&self) -> Arc<AtomicU64> {
         self.file.position.clone()
     }

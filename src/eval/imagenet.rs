@@ -33,6 +33,7 @@ pub const KIND: &str = "imagenet";
 pub struct Options {
     /// A label file for a flat folder (`LOC_val_solution.csv` or `file label_index`).
     pub labels: Option<PathBuf>,
+    /// Images per forward pass.
     pub batch_size: usize,
     /// Only the first N images of the sorted list (before sharding).
     pub limit: Option<usize>,
@@ -62,15 +63,18 @@ impl Default for Options {
 pub struct ImagenetResult {
     /// Always `"imagenet"`.
     pub kind: String,
+    /// The model as resolved (`repo@revision` or a path).
     pub model: String,
     /// The Hub commit the model's files come from (none for a local folder).
     #[serde(default)]
     pub model_commit: Option<String>,
+    /// The image folder.
     pub data: String,
     /// sha256 of the listing of every image (relative path, size, label)
     /// before `--limit` and `--shard`: see [`dataset::Dataset::listing_sha256`].
     #[serde(default)]
     pub data_sha256: Option<String>,
+    /// Where the labels came from (folder names or a labels file).
     pub label_source: String,
     /// sha256 of the `--labels` file, if one was given.
     #[serde(default)]
@@ -80,20 +84,29 @@ pub struct ImagenetResult {
     pub max_image_pixels: Option<u64>,
     /// Images classified (readable ones).
     pub images: usize,
+    /// Classified images whose label is the top class.
     pub correct_top1: usize,
+    /// Classified images whose label is among the top five.
     pub correct_top5: usize,
     /// Top-1 / top-5 accuracy in percent over `images`.
     pub top1: f64,
+    /// Top-5 accuracy in percent over `images`.
     pub top5: f64,
+    /// Images that could not be read (not in the accuracy).
     pub unreadable: usize,
+    /// Their paths.
     pub unreadable_files: Vec<String>,
     /// Folders not walked twice (symlink loops, second links), with why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skipped_folders: Vec<String>,
+    /// Seconds of evaluation (a merge: the sum over shards).
     pub seconds: f64,
+    /// Images classified per second of `seconds`.
     pub images_per_second: f64,
+    /// Images per forward pass.
     pub batch_size: usize,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Only the first N images of the sorted list were evaluated.
     pub limit: Option<usize>,
     /// `I/N` of a sharded run; absent for a whole run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -130,9 +143,11 @@ type Prepared = Vec<(dataset::Sample, Result<Vec<f32>>)>;
 pub struct ImagenetProgress {
     /// Images handled so far (classified or unreadable), of `total`.
     pub done: u64,
+    /// Images to handle in all.
     pub total: u64,
     /// Images classified so far, and of them right at top-1.
     pub images: usize,
+    /// Of `images`, those whose label is the top class.
     pub correct_top1: usize,
     /// Why each image of this batch that could not be read was not.
     pub unreadable: Vec<String>,
@@ -436,11 +451,15 @@ impl Report for ImagenetResult {
 /// One of an image's top classes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
+    /// The class index.
     pub index: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// The class's WordNet id, if the model has a class list.
     pub wnid: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// The class's name, if the model has a class list.
     pub name: Option<String>,
+    /// Its softmax probability.
     pub prob: f32,
 }
 

@@ -8,6 +8,8 @@
 //! the harness relies on). Progress and warnings reach the caller through
 //! callbacks and returned values; nothing here prints.
 
+#![warn(missing_docs)]
+
 pub mod data;
 pub mod imagenet;
 pub mod merge;

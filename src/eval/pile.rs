@@ -44,10 +44,14 @@ pub enum Method {
     /// Disjoint windows, every token scored once (the harness).
     Rolling,
     /// Windows every `stride` tokens, no prefix token (Hugging Face's guide).
-    Strided { stride: usize },
+    Strided {
+        /// Tokens between window starts (1 ..= the window length).
+        stride: usize,
+    },
 }
 
 impl Method {
+    /// The method's name in results (`rolling`, `strided`).
     pub fn name(&self) -> &'static str {
         match self {
             Method::Rolling => "rolling",
@@ -121,15 +125,18 @@ pub fn strided_windows(tokens: &[u32], max_len: usize, stride: usize) -> Vec<Req
 pub struct Counts {
     /// Σ log-likelihood of the scored tokens (natural log).
     pub loglikelihood: f64,
+    /// Documents scored.
     pub documents: u64,
     /// Scored tokens.
     pub tokens: u64,
+    /// Words as the harness counts them ([`count_words`]).
     pub words: u64,
     /// UTF-8 bytes.
     pub bytes: u64,
 }
 
 impl Counts {
+    /// Adds `o`'s counts to these.
     pub fn add(&mut self, o: &Counts) {
         self.loglikelihood += o.loglikelihood;
         self.documents += o.documents;
@@ -154,22 +161,30 @@ impl Counts {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Metrics {
     #[serde(flatten)]
+    /// The sums the metrics come from.
     pub counts: Counts,
+    /// exp(−Σll / Σwords).
     pub word_perplexity: Option<f64>,
+    /// exp(−Σll / Σbytes).
     pub byte_perplexity: Option<f64>,
+    /// −Σll / Σbytes / ln 2.
     pub bits_per_byte: Option<f64>,
+    /// exp(−Σll / Σtokens).
     pub token_perplexity: Option<f64>,
 }
 
 /// What to evaluate and how.
 #[derive(Clone, Debug)]
 pub struct PileOptions {
+    /// How long documents are windowed.
     pub method: Method,
+    /// Windows per forward pass.
     pub batch_size: usize,
     /// Only documents whose `meta.pile_set_name` is this.
     pub subset: Option<String>,
     /// Only the first N (selected) documents.
     pub limit: Option<usize>,
+    /// The part of the documents this run scores.
     pub shard: Shard,
     /// Skip (and count) bad lines instead of failing.
     pub skip_bad: bool,
@@ -182,7 +197,9 @@ pub struct PileOptions {
 /// Totals of one evaluation (or of merged shards).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PileTotals {
+    /// Every document of the run.
     pub overall: Counts,
+    /// Per `meta.pile_set_name`.
     pub subsets: BTreeMap<String, Counts>,
     /// Bad lines skipped under `skip_bad` (each counted by one shard only).
     pub skipped_lines: u64,
@@ -191,11 +208,13 @@ pub struct PileTotals {
 /// Progress after each scored batch.
 #[derive(Clone, Copy, Debug)]
 pub struct PileProgress {
+    /// Tokens scored so far.
     pub tokens: u64,
     /// Documents of this shard scored (interpolated within a pass).
     pub documents: u64,
     /// Bytes of the data file read so far, of `file_size`.
     pub file_position: u64,
+    /// The data file's size in bytes.
     pub file_size: u64,
 }
 
@@ -444,28 +463,38 @@ pub struct PileReport {
     /// `f32` or `f16` (`--weight-dtype`).
     #[serde(default)]
     pub weight_dtype: Option<String>,
+    /// The data file as given.
     pub data: String,
+    /// sha256 of the data file.
     pub data_sha256: String,
     /// The line limit of the run (`--max-line-bytes`).
     #[serde(default)]
     pub max_line_bytes: Option<usize>,
+    /// `rolling` or `strided`.
     pub method: String,
+    /// Window length in tokens.
     pub max_length: usize,
     /// Strided only.
     pub stride: Option<usize>,
     /// Rolling only: the token the first window is conditioned on.
     pub prefix_token: Option<u32>,
+    /// Only documents of this `meta.pile_set_name`.
     pub subset: Option<String>,
+    /// Only the first N (selected) documents.
     pub limit: Option<usize>,
     /// `I/N` of a shard; `None` for a whole run or a merge.
     pub shard: Option<String>,
     /// How many shard results a merge combined (absent for a run).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub merged_shards: Option<usize>,
+    /// Windows per forward pass.
     pub batch_size: usize,
+    /// Bad lines skipped (each counted by one shard only).
     pub skipped_lines: u64,
     #[serde(flatten)]
+    /// Every document of the run.
     pub metrics: Metrics,
+    /// Per `meta.pile_set_name`.
     pub subsets: BTreeMap<String, Metrics>,
     /// Seconds of evaluation (a merge: the sum over shards).
     pub elapsed_seconds: f64,

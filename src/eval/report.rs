@@ -11,12 +11,19 @@ use crate::error::{Error, Result};
 /// options: the model as resolved, the data and the time taken.
 #[derive(Clone, Debug)]
 pub struct RunInfo {
+    /// The model as resolved (`repo@revision` or a path).
     pub model: String,
+    /// The Hub commit the model's files come from (none for a local folder).
     pub model_commit: Option<String>,
+    /// The weight dtype the model was loaded in (`f32`, `f16`, `q8`).
     pub weight_dtype: Option<String>,
+    /// The data file as given.
     pub data: String,
+    /// sha256 of the data file.
     pub data_sha256: String,
+    /// Window length (tokens per input).
     pub max_length: usize,
+    /// Seconds of evaluation.
     pub elapsed_seconds: f64,
 }
 

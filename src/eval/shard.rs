@@ -9,7 +9,9 @@ use crate::error::{Error, Result};
 /// the selected ones is `index` mod `count`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Shard {
+    /// This part, below `count`.
     pub index: usize,
+    /// How many parts the run has.
     pub count: usize,
 }
 

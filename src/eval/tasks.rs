@@ -31,11 +31,17 @@ pub use super::pytext::py_capitalize;
 /// A zero-shot task.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Task {
+    /// `lambada_openai`: the last word given the passage.
     Lambada,
+    /// HellaSwag: the ending of an activity.
     Hellaswag,
+    /// PIQA: the solution of a physical goal.
     Piqa,
+    /// ARC-Easy: grade-school science questions.
     ArcEasy,
+    /// ARC-Challenge: the harder ARC questions.
     ArcChallenge,
+    /// WinoGrande: which option fills the blank.
     Winogrande,
 }
 
@@ -59,6 +65,7 @@ impl std::str::FromStr for Task {
 }
 
 impl Task {
+    /// Every task, in the paper's order.
     pub const ALL: [Task; 6] = [
         Task::Lambada,
         Task::Hellaswag,
@@ -331,10 +338,15 @@ pub fn encode_pair(
 /// What to evaluate and how.
 #[derive(Clone, Debug)]
 pub struct TaskOptions {
+    /// Requests per forward pass.
     pub batch_size: usize,
+    /// Only the first N documents.
     pub limit: Option<usize>,
+    /// The part of the documents this run scores.
     pub shard: Shard,
+    /// Skip (and count) bad lines instead of failing.
     pub skip_bad: bool,
+    /// The token an empty context becomes (EOS for GPT-NeoX).
     pub prefix_token: u32,
     /// Lines longer than this many bytes are bad lines.
     pub max_line_bytes: usize,
@@ -343,6 +355,7 @@ pub struct TaskOptions {
 /// Sums from which every metric is recomputed (and merged across shards).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct TaskCounts {
+    /// Documents scored.
     pub documents: u64,
     /// Documents whose argmax log-likelihood choice (lambada: greedy target) is right.
     pub correct: u64,
@@ -350,10 +363,12 @@ pub struct TaskCounts {
     pub correct_norm: u64,
     /// Σ target log-likelihood (lambada's perplexity).
     pub loglikelihood: f64,
+    /// Bad lines skipped (each counted by one shard only).
     pub skipped_lines: u64,
 }
 
 impl TaskCounts {
+    /// Adds `o`'s counts to these.
     pub fn add(&mut self, o: &TaskCounts) {
         self.documents += o.documents;
         self.correct += o.correct;
@@ -500,7 +515,9 @@ pub fn evaluate(
 pub struct TaskReport {
     /// Always `"tasks"`; `eval merge` dispatches on it.
     pub kind: String,
+    /// The harness's task name.
     pub task: String,
+    /// The model as resolved (`repo@revision` or a path).
     pub model: String,
     /// The Hub commit the model's files come from (none for a local folder).
     #[serde(default)]
@@ -508,8 +525,11 @@ pub struct TaskReport {
     /// `f32` or `f16` (`--weight-dtype`).
     #[serde(default)]
     pub weight_dtype: Option<String>,
+    /// The data file as given.
     pub data: String,
+    /// sha256 of the data file.
     pub data_sha256: String,
+    /// The labels file as given (PIQA).
     pub labels: Option<String>,
     /// sha256 of the `--labels` file.
     #[serde(default)]
@@ -517,20 +537,31 @@ pub struct TaskReport {
     /// The line limit of the run (`--max-line-bytes`).
     #[serde(default)]
     pub max_line_bytes: Option<usize>,
+    /// Maximum tokens per input.
     pub max_length: usize,
+    /// Only the first N documents.
     pub limit: Option<usize>,
+    /// `I/N` of a shard; `None` for a whole run or a merge.
     pub shard: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// How many shard results a merge combined (absent for a run).
     pub merged_shards: Option<usize>,
+    /// Requests per forward pass.
     pub batch_size: usize,
     #[serde(flatten)]
+    /// The sums the metrics come from.
     pub counts: TaskCounts,
+    /// Accuracy (summed log-likelihood).
     pub acc: Option<f64>,
+    /// Its standard error.
     pub acc_stderr: Option<f64>,
+    /// Accuracy normalised by the choices' characters.
     pub acc_norm: Option<f64>,
+    /// Its standard error.
     pub acc_norm_stderr: Option<f64>,
     /// Lambada: exp(−mean target log-likelihood).
     pub perplexity: Option<f64>,
+    /// Seconds of evaluation (a merge: the sum over shards).
     pub elapsed_seconds: f64,
 }
 
