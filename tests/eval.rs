@@ -211,14 +211,19 @@ struct Fixture {
     tok: tokenizers::Tokenizer,
 }
 
+/// The language model and tokenizer of a model folder.
+fn load_model(path: &Path) -> (TokenFormerLm, tokenizers::Tokenizer) {
+    let files = loader::locate(path.to_str().unwrap(), &LocateOptions::default()).unwrap();
+    let model = loader::load_lm(&files, &Device::Cpu).unwrap();
+    (model, loader::load_tokenizer(&files).unwrap())
+}
+
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model");
     std::fs::create_dir(&path).unwrap();
     tiny_model_dir(&path);
-    let files = loader::locate(path.to_str().unwrap(), &LocateOptions::default()).unwrap();
-    let model = loader::load_lm(&files, &Device::Cpu).unwrap();
-    let tok = loader::load_tokenizer(&files).unwrap();
+    let (model, tok) = load_model(&path);
     Fixture {
         _dir: dir,
         model,
@@ -1243,9 +1248,7 @@ fn a_nan_model_is_an_error_naming_the_document() {
     let model_dir = dir.path().join("nan");
     std::fs::create_dir(&model_dir).unwrap();
     nan_model_dir(&model_dir);
-    let files = loader::locate(model_dir.to_str().unwrap(), &LocateOptions::default()).unwrap();
-    let model = loader::load_lm(&files, &Device::Cpu).unwrap();
-    let tok = loader::load_tokenizer(&files).unwrap();
+    let (model, tok) = load_model(&model_dir);
 
     let data = dir.path().join("docs.jsonl");
     write_jsonl(&data, &["the cat sat".to_string(), "a dog ran".to_string()]);
