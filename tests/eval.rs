@@ -8,12 +8,13 @@ use std::process::Command;
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 use tokenformer::checkpoint::{write_safetensors, Tensors};
+use tokenformer::eval::imagenet;
 use tokenformer::eval::merge::{merge_pile, merge_results};
 use tokenformer::eval::pile::{
     self, count_words, rolling_windows, strided_windows, Method, PileOptions, PileReport,
     PileTotals, RunInfo, Shard,
 };
-use tokenformer::eval::tasks::{self, build_example, encode_pair, Task, TaskOptions};
+use tokenformer::eval::tasks::{self, build_example, encode_pair, Task, TaskCounts, TaskOptions};
 use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::tokenformer::{Config, TokenFormerLm};
 use tokenformer::scoring::{Request, Scorer};
@@ -210,14 +211,19 @@ struct Fixture {
     tok: tokenizers::Tokenizer,
 }
 
+/// The language model and tokenizer of a model folder.
+fn load_model(path: &Path) -> (TokenFormerLm, tokenizers::Tokenizer) {
+    let files = loader::locate(path.to_str().unwrap(), &LocateOptions::default()).unwrap();
+    let model = loader::load_lm(&files, &Device::Cpu).unwrap();
+    (model, loader::load_tokenizer(&files).unwrap())
+}
+
 fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model");
     std::fs::create_dir(&path).unwrap();
     tiny_model_dir(&path);
-    let files = loader::locate(path.to_str().unwrap(), &LocateOptions::default()).unwrap();
-    let model = loader::load_lm(&files, &Device::Cpu).unwrap();
-    let tok = loader::load_tokenizer(&files).unwrap();
+    let (model, tok) = load_model(&path);
     Fixture {
         _dir: dir,
         model,
@@ -324,6 +330,51 @@ fn opts(method: Method, batch: usize) -> PileOptions {
         prefix_token: 0,
         max_line_bytes: pile::DEFAULT_MAX_LINE_BYTES,
     }
+}
+
+/// The run of a local model `m` on data `d` taking `secs`.
+fn run_info(secs: f64) -> RunInfo {
+    RunInfo {
+        model: "m".into(),
+        model_commit: None,
+        weight_dtype: None,
+        data: "d".into(),
+        data_sha256: "x".into(),
+        max_length: MAX_POS,
+        elapsed_seconds: secs,
+    }
+}
+
+/// A Hub model's run on `data` whose hashes repeat `commit` and `sha`.
+fn hub_run_info(data: &str, commit: &str, sha: &str, dtype: &str, secs: f64) -> RunInfo {
+    RunInfo {
+        model: "acme/m@main".into(),
+        model_commit: Some(commit.repeat(40)),
+        weight_dtype: Some(dtype.into()),
+        data: data.into(),
+        data_sha256: sha.repeat(64),
+        ..run_info(secs)
+    }
+}
+
+fn task_opts(batch: usize) -> TaskOptions {
+    TaskOptions {
+        batch_size: batch,
+        limit: None,
+        shard: Shard::WHOLE,
+        skip_bad: false,
+        prefix_token: 0,
+        max_line_bytes: pile::DEFAULT_MAX_LINE_BYTES,
+    }
+}
+
+/// A tasks report of shard `i` of 2 as JSON.
+fn task_shard(info: RunInfo, task: Task, o: &TaskOptions, i: usize, c: TaskCounts) -> Value {
+    let o = TaskOptions {
+        shard: Shard { index: i, count: 2 },
+        ..o.clone()
+    };
+    serde_json::to_value(tasks::TaskReport::new(info, task, &o, c)).unwrap()
 }
 
 fn run(f: &Fixture, path: &Path, o: &PileOptions) -> tokenformer::Result<PileTotals> {
@@ -433,15 +484,7 @@ fn zstd_shards_limit_subset() {
     assert_eq!(run(&f, &zst, &o).unwrap(), plain);
 
     // Shards + merge = one run.
-    let info = |secs| RunInfo {
-        model: "m".into(),
-        model_commit: None,
-        weight_dtype: None,
-        data: "d".into(),
-        data_sha256: "x".into(),
-        max_length: MAX_POS,
-        elapsed_seconds: secs,
-    };
+    let info = run_info;
     let whole = PileReport::new(info(3.0), &o, &plain);
     let parts: Vec<PileReport> = (0..3)
         .map(|i| {
@@ -830,14 +873,7 @@ fn tasks_score_like_brute_force_and_merge() {
     let data = dir.path().join("piqa.jsonl");
     std::fs::write(&data, lines.join("\n")).unwrap();
     let scorer = Scorer::new(&f.model, None).unwrap();
-    let o = TaskOptions {
-        batch_size: 3,
-        limit: None,
-        shard: Shard::WHOLE,
-        skip_bad: false,
-        prefix_token: 0,
-        max_line_bytes: pile::DEFAULT_MAX_LINE_BYTES,
-    };
+    let o = task_opts(3);
     let counts = tasks::evaluate(&scorer, &f.tok, Task::Piqa, &data, None, &o, |_, _| {}).unwrap();
     let (mut acc, mut acc_norm) = (0, 0);
     for l in &lines {
@@ -909,32 +945,7 @@ fn tasks_score_like_brute_force_and_merge() {
         };
         let c =
             tasks::evaluate(&greedy, &f.tok, Task::Lambada, &lam, None, &so, |_, _| {}).unwrap();
-        let mut rep = tasks::TaskReport {
-            kind: "tasks".into(),
-            task: "lambada_openai".into(),
-            model: "m".into(),
-            model_commit: None,
-            weight_dtype: None,
-            data: "d".into(),
-            data_sha256: "s".into(),
-            labels: None,
-            labels_sha256: None,
-            max_line_bytes: None,
-            max_length: MAX_POS,
-            limit: None,
-            shard: Some(format!("{i}/2")),
-            merged_shards: None,
-            batch_size: 3,
-            counts: Default::default(),
-            acc: None,
-            acc_stderr: None,
-            acc_norm: None,
-            acc_norm_stderr: None,
-            perplexity: None,
-            elapsed_seconds: 1.0,
-        };
-        rep.set_counts(Task::Lambada, c);
-        reports.push(serde_json::to_value(rep).unwrap());
+        reports.push(task_shard(run_info(1.0), Task::Lambada, &o, i, c));
     }
     let merged = merge_results(&reports).unwrap();
     assert_eq!(merged["documents"], json!(3));
@@ -1065,6 +1076,55 @@ fn cli_pile_json_shards_merge_and_errors() {
     );
 }
 
+/// The library's errors name its options; the command line names its flags
+/// in their place, in the same words as before.
+#[test]
+fn errors_name_options_in_the_library_and_flags_on_the_command_line() {
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    tiny_model_dir(&model);
+    let long = dir.path().join("long.jsonl");
+    std::fs::write(&long, with_long_line(3000)).unwrap();
+    let limited = PileOptions {
+        max_line_bytes: 1000,
+        ..opts(Method::Rolling, 2)
+    };
+    // The long line's bytes with its newline.
+    let n = with_long_line(3000).lines().nth(1).unwrap().len() + 1;
+    let e = run(&f, &long, &limited).unwrap_err().to_string();
+    assert!(
+        e.ends_with(&format!(
+            "line 2: line of {n} bytes, longer than the limit of 1000 bytes \
+             (the max_line_bytes option) (set skip_bad to skip and count bad lines)"
+        )),
+        "{e}"
+    );
+    assert!(!e.contains("--"), "{e}");
+    let (m, d) = (model.to_str().unwrap(), long.to_str().unwrap());
+    for cmd in [
+        vec!["eval", "pile", "--model", m, "--data", d],
+        vec![
+            "eval", "tasks", "--model", m, "--task", "lambada", "--data", d,
+        ],
+    ] {
+        let o = cli(&[cmd.as_slice(), &["--max-line-bytes", "1000"]].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains(&format!(
+                "line 2: line of {n} bytes, longer than the limit of 1000 bytes (--max-line-bytes)"
+            )) && err
+                .trim_end()
+                .ends_with("(pass --skip-bad to skip and count bad lines)")
+                && !err.contains("max_line_bytes option")
+                && !err.contains("set skip_bad"),
+            "{err}"
+        );
+    }
+}
+
 // ---------- hardening: long lines, NaN models, merging untrusted results ----------
 
 /// A lambada-style file of three lines whose middle one is `long` bytes of text.
@@ -1142,12 +1202,8 @@ fn long_lines_are_named_or_skipped_and_counted() {
     std::fs::write(&lam, with_long_line(3000)).unwrap();
     let scorer = Scorer::new(&f.model, None).unwrap().with_greedy(true);
     let o = TaskOptions {
-        batch_size: 4,
-        limit: None,
-        shard: Shard::WHOLE,
-        skip_bad: false,
-        prefix_token: 0,
         max_line_bytes: 1000,
+        ..task_opts(4)
     };
     let e = tasks::evaluate(&scorer, &f.tok, Task::Lambada, &lam, None, &o, |_, _| {})
         .unwrap_err()
@@ -1192,9 +1248,7 @@ fn a_nan_model_is_an_error_naming_the_document() {
     let model_dir = dir.path().join("nan");
     std::fs::create_dir(&model_dir).unwrap();
     nan_model_dir(&model_dir);
-    let files = loader::locate(model_dir.to_str().unwrap(), &LocateOptions::default()).unwrap();
-    let model = loader::load_lm(&files, &Device::Cpu).unwrap();
-    let tok = loader::load_tokenizer(&files).unwrap();
+    let (model, tok) = load_model(&model_dir);
 
     let data = dir.path().join("docs.jsonl");
     write_jsonl(&data, &["the cat sat".to_string(), "a dog ran".to_string()]);
@@ -1213,14 +1267,7 @@ fn a_nan_model_is_an_error_naming_the_document() {
         "{\"goal\": \"Make tea\", \"sol1\": \"Boil water.\", \"sol2\": \"Freeze it.\", \"label\": 0}\n",
     )
     .unwrap();
-    let o = TaskOptions {
-        batch_size: 2,
-        limit: None,
-        shard: Shard::WHOLE,
-        skip_bad: false,
-        prefix_token: 0,
-        max_line_bytes: pile::DEFAULT_MAX_LINE_BYTES,
-    };
+    let o = task_opts(2);
     let e = tasks::evaluate(&scorer, &tok, Task::Piqa, &piqa, None, &o, |_, _| {})
         .unwrap_err()
         .to_string();
@@ -1276,43 +1323,24 @@ fn a_nan_model_is_an_error_naming_the_document() {
 
 /// Two task shards of one run, as JSON.
 fn task_shards() -> Vec<Value> {
-    (0..2u64)
+    (0..2usize)
         .map(|i| {
-            let mut rep = tasks::TaskReport {
-                kind: "tasks".into(),
-                task: "piqa".into(),
-                model: "acme/m@main".into(),
-                model_commit: Some("a".repeat(40)),
-                weight_dtype: Some("f32".into()),
-                data: "piqa.jsonl".into(),
-                data_sha256: "d".repeat(64),
-                labels: Some("valid-labels.lst".into()),
-                labels_sha256: Some("1".repeat(64)),
-                max_line_bytes: Some(1000),
-                max_length: MAX_POS,
-                limit: None,
-                shard: Some(format!("{i}/2")),
-                merged_shards: None,
-                batch_size: 3,
-                counts: Default::default(),
-                acc: None,
-                acc_stderr: None,
-                acc_norm: None,
-                acc_norm_stderr: None,
-                perplexity: None,
-                elapsed_seconds: 1.0,
+            let info = hub_run_info("piqa.jsonl", "a", "d", "f32", 1.0);
+            let counts = TaskCounts {
+                documents: 10,
+                correct: 6 + i as u64,
+                correct_norm: 5,
+                loglikelihood: 0.0,
+                skipped_lines: 0,
             };
-            rep.set_counts(
-                Task::Piqa,
-                tasks::TaskCounts {
-                    documents: 10,
-                    correct: 6 + i,
-                    correct_norm: 5,
-                    loglikelihood: 0.0,
-                    skipped_lines: 0,
-                },
-            );
-            serde_json::to_value(rep).unwrap()
+            let o = TaskOptions {
+                max_line_bytes: 1000,
+                ..task_opts(3)
+            };
+            let mut v = task_shard(info, Task::Piqa, &o, i, counts);
+            v["labels"] = json!("valid-labels.lst");
+            v["labels_sha256"] = json!("1".repeat(64));
+            v
         })
         .collect()
 }
@@ -1346,15 +1374,7 @@ fn pile_shards() -> Vec<Value> {
                 .into(),
                 skipped_lines: 0,
             };
-            let info = RunInfo {
-                model: "acme/m@main".into(),
-                model_commit: Some("b".repeat(40)),
-                weight_dtype: Some("f16".into()),
-                data: "val.jsonl.zst".into(),
-                data_sha256: "e".repeat(64),
-                max_length: MAX_POS,
-                elapsed_seconds: 2.0,
-            };
+            let info = hub_run_info("val.jsonl.zst", "b", "e", "f16", 2.0);
             serde_json::to_value(PileReport::new(info, &o, &totals)).unwrap()
         })
         .collect()
@@ -1515,4 +1535,52 @@ fn imagenet_merge_refuses_mismatches_and_impossible_counts() {
         refused(&edited(&good, |v| v[key] = value.clone()), needle);
     }
     refused(&good[..1], "1 of 2 shards");
+}
+
+/// ImageNet progress and unreadable images reach the caller through the
+/// callback, once per batch; the command line prints the warnings.
+#[test]
+fn imagenet_progress_and_unreadable_images_go_through_the_callback() {
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vit-tiny-imagenet");
+    let vit = tiny.join("vit-tiny");
+    let files = loader::locate(vit.to_str().unwrap(), &LocateOptions::default()).unwrap();
+    let model = loader::load_vit(&files, &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let class = dir.path().join("n01443537");
+    std::fs::create_dir(&class).unwrap();
+    std::fs::copy(tiny.join("val/n01443537/a.JPEG"), class.join("a.JPEG")).unwrap();
+    std::fs::write(class.join("empty.JPEG"), b"").unwrap();
+    let opts = imagenet::Options {
+        batch_size: 1,
+        ..Default::default()
+    };
+    let mut seen = Vec::new();
+    let r =
+        imagenet::evaluate_with(&model, "m", dir.path(), &opts, |p| seen.push(p.clone())).unwrap();
+    assert_eq!((r.images, r.unreadable), (1, 1));
+    let done: Vec<(u64, u64)> = seen.iter().map(|p| (p.done, p.total)).collect();
+    assert_eq!(done, [(1, 2), (2, 2)]);
+    let unreadable: Vec<&String> = seen.iter().flat_map(|p| &p.unreadable).collect();
+    assert_eq!(unreadable.len(), 1);
+    assert!(unreadable[0].contains("empty.JPEG"), "{unreadable:?}");
+    let last = seen.last().unwrap();
+    assert_eq!((last.images, last.correct_top1), (1, r.correct_top1));
+
+    let o = cli(&[
+        "eval",
+        "imagenet",
+        "--quiet",
+        "--model",
+        vit.to_str().unwrap(),
+        "--data",
+        dir.path().to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let warnings: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("warning: unreadable image, counted and skipped: "))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    assert!(warnings[0].contains("empty.JPEG"), "{err}");
 }

@@ -12,10 +12,12 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
-use tokenformer::eval::pile::{
-    self, Method, PileOptions, PileReport, RunInfo, Shard, DEFAULT_MAX_LINE_BYTES,
+use tokenformer::eval::data::{
+    sha256_file, DEFAULT_MAX_LINE_BYTES, NOTE_MAX_LINE_BYTES, NOTE_SKIP_BAD,
 };
+use tokenformer::eval::pile::{self, Method, PileOptions, PileReport, RunInfo};
 use tokenformer::eval::tasks::{self, Task, TaskOptions, TaskReport};
+use tokenformer::eval::{Report, Shard};
 use tokenformer::loader;
 use tokenformer::scoring::Scorer;
 
@@ -140,7 +142,7 @@ pub struct MergeArgs {
 /// The data file's sha256, hashed on another thread while the model runs.
 fn spawn_sha256(path: &Path) -> std::thread::JoinHandle<tokenformer::Result<String>> {
     let p = path.to_path_buf();
-    std::thread::spawn(move || pile::sha256_file(&p))
+    std::thread::spawn(move || sha256_file(&p))
 }
 
 fn progress_bar(len: u64, unit: &str) -> ProgressBar {
@@ -169,6 +171,20 @@ const MAX_RESULT_FILE_BYTES: u64 = 256 << 20;
 
 /// Largest `--labels` file read (PIQA's is 4 KB).
 const MAX_LABELS_FILE_BYTES: u64 = 256 << 20;
+
+/// A library error with its notes on options put in this command's flags.
+fn in_flag_words(e: tokenformer::Error) -> anyhow::Error {
+    match e {
+        tokenformer::Error::Input(m) => anyhow::Error::msg(
+            m.replace(NOTE_MAX_LINE_BYTES, "(--max-line-bytes)")
+                .replace(
+                    NOTE_SKIP_BAD,
+                    "(pass --skip-bad to skip and count bad lines)",
+                ),
+        ),
+        e => e.into(),
+    }
+}
 
 fn write_json(path: &Path, v: &impl serde::Serialize) -> Result<()> {
     let text = serde_json::to_string_pretty(v)?;
@@ -219,7 +235,8 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
             p.tokens,
             p.tokens as f64 / secs
         ));
-    })?;
+    })
+    .map_err(in_flag_words)?;
     let elapsed = start.elapsed().as_secs_f64();
     pb.finish_and_clear();
     let info = RunInfo {
@@ -318,7 +335,7 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
                 .map(|l| l.trim().to_string())
                 .filter(|l| !l.is_empty())
                 .collect::<Vec<_>>();
-            (Some(lines), Some(pile::sha256_file(p)?))
+            (Some(lines), Some(sha256_file(p)?))
         }
         None => (None, None),
     };
@@ -351,33 +368,24 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
             let secs = start.elapsed().as_secs_f64().max(1e-9);
             pb.set_message(format!("{:.0} tok/s", done as f64 / secs));
         },
-    )?;
+    )
+    .map_err(in_flag_words)?;
     pb.finish_and_clear();
-    let mut report = TaskReport {
-        kind: TaskReport::KIND.into(),
-        task: a.task.name().into(),
+    let info = RunInfo {
         model: files.source.clone(),
         model_commit: tokenformer::eval::model_commit(&files),
         weight_dtype: dtype_name(&a.weights),
         data: a.data.display().to_string(),
         data_sha256: sha.join().expect("sha256 thread")?,
-        labels: a.labels.as_ref().map(|p| p.display().to_string()),
-        labels_sha256,
-        max_line_bytes: Some(a.run.max_line_bytes),
         max_length: scorer.max_length(),
-        limit: a.run.limit,
-        shard: a.run.shard.map(|s| s.to_string()),
-        merged_shards: None,
-        batch_size: opts.batch_size,
-        counts: Default::default(),
-        acc: None,
-        acc_stderr: None,
-        acc_norm: None,
-        acc_norm_stderr: None,
-        perplexity: None,
         elapsed_seconds: start.elapsed().as_secs_f64(),
     };
-    report.set_counts(a.task, counts);
+    let mut report = TaskReport::new(info, a.task, &opts, counts);
+    // An explicit `--shard 0/1` is recorded as given.
+    report.shard = a.run.shard.map(|s| s.to_string());
+    if let (Some(p), Some(sha)) = (&a.labels, labels_sha256) {
+        report = report.with_labels(p.display().to_string(), sha);
+    }
     print_task(&report);
     if let Some(p) = &a.run.json {
         write_json(p, &report)?;

@@ -4,13 +4,14 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Device;
 use clap::Args;
-use tokenformer::eval::imagenet;
+use indicatif::{ProgressBar, ProgressStyle};
+use tokenformer::eval::{imagenet, Shard};
 use tokenformer::loader;
 use tokenformer::vision::decode::DEFAULT_MAX_PIXELS;
-use tokenformer::vision::{dataset, DecodeLimits};
+use tokenformer::vision::DecodeLimits;
 
 use super::ModelArgs;
 
@@ -44,7 +45,14 @@ pub struct ImagenetArgs {
 }
 
 pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
-    let shard = a.shard.as_deref().map(dataset::parse_shard).transpose()?;
+    let shard = a
+        .shard
+        .as_deref()
+        .map(|s| {
+            s.parse::<Shard>()
+                .map_err(|_| anyhow!("--shard `{s}`: expected I/N with 0 <= I < N, e.g. 0/4"))
+        })
+        .transpose()?;
     if a.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
@@ -54,12 +62,30 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
         labels: a.labels.clone(),
         batch_size: a.batch_size,
         limit: a.limit,
-        shard,
-        progress: !a.quiet,
+        shard: shard.map(|s| (s.index, s.count)),
         max_image_pixels: a.max_image_pixels,
         model_commit: tokenformer::eval::model_commit(&files),
     };
-    let r = imagenet::evaluate(&model, &files.source, &a.data, &opts)?;
+    let bar = if a.quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(0).with_style(
+            ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} images  {per_sec}  ETA {eta}  {msg}",
+            )
+            .expect("valid template"),
+        )
+    };
+    let r = imagenet::evaluate_with(&model, &files.source, &a.data, &opts, |p| {
+        for e in &p.unreadable {
+            bar.suspend(|| eprintln!("warning: unreadable image, counted and skipped: {e}"));
+        }
+        bar.set_length(p.total);
+        bar.set_position(p.done);
+        bar.set_message(format!("top-1 {:.2}%", p.top1()));
+    });
+    bar.finish_and_clear();
+    let r = r?;
     let shard_note = r
         .shard
         .as_ref()

@@ -7,22 +7,25 @@
 //! Accuracy is exact: counts over every readable image, as timm's
 //! `validate.py` reports it; unreadable files are listed and counted apart
 //! (among them images above the pixel limit, and entries that are not
-//! regular files, which are never opened).
+//! regular files, which are never opened). Progress and the unreadable
+//! images reach the caller through a callback ([`evaluate_with`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Instant;
 
-use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::data::sha256_file;
+use super::report::{Report, Setting};
+use super::shard::Shard;
 use crate::error::{Error, Result};
-use crate::eval::pile::{sha256_file, Shard};
 use crate::models::vit::{probabilities, VisionTransformer};
 use crate::vision::{dataset, top_k, ClassLabels, DecodeLimits, EvalTransform};
 
+/// The `kind` of an ImageNet result.
 pub const KIND: &str = "imagenet";
 
 /// How to run an evaluation.
@@ -30,13 +33,12 @@ pub const KIND: &str = "imagenet";
 pub struct Options {
     /// A label file for a flat folder (`LOC_val_solution.csv` or `file label_index`).
     pub labels: Option<PathBuf>,
+    /// Images per forward pass.
     pub batch_size: usize,
     /// Only the first N images of the sorted list (before sharding).
     pub limit: Option<usize>,
-    /// `(I, N)`: every N-th image of the sorted list starting at I.
+    /// `(I, N)`: every N-th image of the sorted list starting at I (a [`Shard`]).
     pub shard: Option<(usize, usize)>,
-    /// Show a progress bar on stderr.
-    pub progress: bool,
     /// Images above this many pixels are unreadable (not decoded).
     pub max_image_pixels: u64,
     /// The commit the model's files come from, recorded in the result.
@@ -50,7 +52,6 @@ impl Default for Options {
             batch_size: 32,
             limit: None,
             shard: None,
-            progress: false,
             max_image_pixels: crate::vision::decode::DEFAULT_MAX_PIXELS,
             model_commit: None,
         }
@@ -62,15 +63,18 @@ impl Default for Options {
 pub struct ImagenetResult {
     /// Always `"imagenet"`.
     pub kind: String,
+    /// The model as resolved (`repo@revision` or a path).
     pub model: String,
     /// The Hub commit the model's files come from (none for a local folder).
     #[serde(default)]
     pub model_commit: Option<String>,
+    /// The image folder.
     pub data: String,
     /// sha256 of the listing of every image (relative path, size, label)
     /// before `--limit` and `--shard`: see [`dataset::Dataset::listing_sha256`].
     #[serde(default)]
     pub data_sha256: Option<String>,
+    /// Where the labels came from (folder names or a labels file).
     pub label_source: String,
     /// sha256 of the `--labels` file, if one was given.
     #[serde(default)]
@@ -80,20 +84,29 @@ pub struct ImagenetResult {
     pub max_image_pixels: Option<u64>,
     /// Images classified (readable ones).
     pub images: usize,
+    /// Classified images whose label is the top class.
     pub correct_top1: usize,
+    /// Classified images whose label is among the top five.
     pub correct_top5: usize,
     /// Top-1 / top-5 accuracy in percent over `images`.
     pub top1: f64,
+    /// Top-5 accuracy in percent over `images`.
     pub top5: f64,
+    /// Images that could not be read (not in the accuracy).
     pub unreadable: usize,
+    /// Their paths.
     pub unreadable_files: Vec<String>,
     /// Folders not walked twice (symlink loops, second links), with why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub skipped_folders: Vec<String>,
+    /// Seconds of evaluation (a merge: the sum over shards).
     pub seconds: f64,
+    /// Images classified per second of `seconds`.
     pub images_per_second: f64,
+    /// Images per forward pass.
     pub batch_size: usize,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Only the first N images of the sorted list were evaluated.
     pub limit: Option<usize>,
     /// `I/N` of a sharded run; absent for a whole run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -124,13 +137,53 @@ fn percent(correct: usize, total: usize) -> f64 {
 /// A batch as the preprocessing thread hands it over: per image, its pixels or why not.
 type Prepared = Vec<(dataset::Sample, Result<Vec<f32>>)>;
 
-/// Evaluates `model` on the images under `data`. `model_name` is only reported.
+/// Progress after each batch, with the images of that batch that could not
+/// be read (counted as unreadable and skipped: warnings for the caller).
+#[derive(Clone, Debug)]
+pub struct ImagenetProgress {
+    /// Images handled so far (classified or unreadable), of `total`.
+    pub done: u64,
+    /// Images to handle in all.
+    pub total: u64,
+    /// Images classified so far, and of them right at top-1.
+    pub images: usize,
+    /// Of `images`, those whose label is the top class.
+    pub correct_top1: usize,
+    /// Why each image of this batch that could not be read was not.
+    pub unreadable: Vec<String>,
+}
+
+impl ImagenetProgress {
+    /// Top-1 accuracy so far, in percent.
+    pub fn top1(&self) -> f64 {
+        percent(self.correct_top1, self.images)
+    }
+}
+
+/// [`evaluate_with`] without progress.
 pub fn evaluate(
     model: &VisionTransformer,
     model_name: &str,
     data: &Path,
     opts: &Options,
 ) -> Result<ImagenetResult> {
+    evaluate_with(model, model_name, data, opts, |_| {})
+}
+
+/// Evaluates `model` on the images under `data`, calling `progress` after
+/// each batch. `model_name` is only reported.
+pub fn evaluate_with(
+    model: &VisionTransformer,
+    model_name: &str,
+    data: &Path,
+    opts: &Options,
+    mut progress: impl FnMut(&ImagenetProgress),
+) -> Result<ImagenetResult> {
+    let shard = opts
+        .shard
+        .map(|(i, n)| Shard::new(i, n))
+        .transpose()
+        .map_err(Error::input)?;
     let cfg = model.config();
     let classes = ClassLabels::for_config(cfg);
     let ds = dataset::list(data, opts.labels.as_deref(), classes.wnids.as_deref())?;
@@ -149,22 +202,17 @@ pub fn evaluate(
     if let Some(l) = opts.limit {
         samples.truncate(l);
     }
-    if let Some((i, n)) = opts.shard {
-        samples = dataset::shard(&samples, i, n);
+    if let Some(shard) = shard {
+        samples = shard.select(&samples);
     }
     let transform = EvalTransform::from_config(cfg);
     let batch_size = opts.batch_size.max(1);
-    let bar = if opts.progress {
-        let b = ProgressBar::new(samples.len() as u64);
-        b.set_style(
-            ProgressStyle::with_template(
-                "{bar:40} {pos}/{len} images  {per_sec}  ETA {eta}  {msg}",
-            )
-            .expect("valid template"),
-        );
-        b
-    } else {
-        ProgressBar::hidden()
+    let mut state = ImagenetProgress {
+        done: 0,
+        total: samples.len() as u64,
+        images: 0,
+        correct_top1: 0,
+        unreadable: Vec::new(),
     };
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let pool = rayon::ThreadPoolBuilder::new()
@@ -205,15 +253,15 @@ pub fn evaluate(
                         labels.push(sample.label);
                     }
                     Err(e) => {
-                        bar.suspend(|| {
-                            eprintln!("warning: unreadable image, counted and skipped: {e}")
-                        });
+                        state.unreadable.push(e.to_string());
                         unreadable_files.push(sample.path.display().to_string());
-                        bar.inc(1);
+                        state.done += 1;
                     }
                 }
             }
             if pixels.is_empty() {
+                progress(&state);
+                state.unreadable.clear();
                 continue;
             }
             let n = pixels.len();
@@ -225,12 +273,13 @@ pub fn evaluate(
                 correct5 += usize::from(top.contains(label));
             }
             images += n;
-            bar.inc(n as u64);
-            bar.set_message(format!("top-1 {:.2}%", percent(correct1, images)));
+            state.done += n as u64;
+            (state.images, state.correct_top1) = (images, correct1);
+            progress(&state);
+            state.unreadable.clear();
         }
         Ok(())
     })?;
-    bar.finish_and_clear();
     let seconds = start.elapsed().as_secs_f64();
     Ok(ImagenetResult {
         kind: KIND.into(),
@@ -253,169 +302,164 @@ pub fn evaluate(
         images_per_second: rate(images, seconds),
         batch_size,
         limit: opts.limit,
-        shard: opts.shard.map(|(i, n)| format!("{i}/{n}")),
+        shard: shard.map(|s| s.to_string()),
         merged_shards: vec![],
     })
 }
 
-/// Combines the results of `--shard I/N` runs into what one whole run reports:
-/// counts are summed and the accuracies recomputed from them. `seconds` is the
-/// summed compute time and `images_per_second` the rate per process. Shards
-/// must agree on the model (and its commit), the data listing, the labels
-/// file, `--limit` and the pixel limit, have consistent counts, and be I/N of
-/// one N, each once, all present.
+/// Combines the results of `--shard I/N` runs into what one whole run reports
+/// (see [`super::merge::merge`]): counts are summed and the accuracies
+/// recomputed from them. `seconds` is the summed compute time and
+/// `images_per_second` the rate per process. Shards must agree on the model
+/// (and its commit), the data listing, the labels file, `--limit` and the
+/// pixel limit, have consistent counts, and be I/N of one N, each once, all
+/// present; a merged result can be merged again with the other shards.
 pub fn merge_results(parts: &[Value]) -> Result<Value> {
-    let parts: Vec<ImagenetResult> = parts
-        .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            serde_json::from_value(v.clone()).map_err(|e| {
-                Error::input(format!(
-                    "imagenet result #{}: not a `tokenformer eval imagenet` result: {e}",
-                    i + 1
-                ))
-            })
-        })
-        .collect::<Result<_>>()?;
-    let first = parts
-        .first()
-        .ok_or_else(|| Error::input("no imagenet results to merge"))?;
-    let mut shards: Vec<Shard> = Vec::new();
-    for (i, p) in parts.iter().enumerate() {
-        let bad = |msg: String| Error::input(format!("imagenet result #{}: {msg}", i + 1));
-        if p.kind != KIND {
-            return Err(bad(format!("kind `{}`, expected `{KIND}`", p.kind)));
-        }
-        let differs = |what: &str, a: String, b: String| {
-            bad(format!(
-                "{what} {a} differs from {b} of result #1: shards of different runs cannot be merged"
-            ))
-        };
-        if p.model != first.model {
-            return Err(differs("model", p.model.clone(), first.model.clone()));
-        }
-        let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "(none)".into());
-        if p.model_commit != first.model_commit {
-            return Err(differs(
-                "model commit",
-                opt(&p.model_commit),
-                opt(&first.model_commit),
-            ));
-        }
-        if p.data_sha256 != first.data_sha256 {
-            return Err(differs(
-                "data listing sha256",
-                opt(&p.data_sha256),
-                opt(&first.data_sha256),
-            ));
-        }
-        if p.data_sha256.is_none() && p.data != first.data {
-            return Err(differs("data", p.data.clone(), first.data.clone()));
-        }
-        if p.labels_sha256 != first.labels_sha256 {
-            return Err(differs(
-                "labels file sha256",
-                opt(&p.labels_sha256),
-                opt(&first.labels_sha256),
-            ));
-        }
-        if p.limit != first.limit {
-            return Err(differs(
-                "--limit",
-                format!("{:?}", p.limit),
-                format!("{:?}", first.limit),
-            ));
-        }
-        if p.max_image_pixels != first.max_image_pixels {
-            return Err(differs(
-                "pixel limit",
-                format!("{:?}", p.max_image_pixels),
-                format!("{:?}", first.max_image_pixels),
-            ));
-        }
-        if p.correct_top1 > p.correct_top5 || p.correct_top5 > p.images {
-            return Err(bad(format!(
-                "impossible counts: correct_top1 {} <= correct_top5 {} <= images {} does not hold",
-                p.correct_top1, p.correct_top5, p.images
-            )));
-        }
-        if p.unreadable != p.unreadable_files.len() {
-            return Err(bad(format!(
-                "impossible counts: unreadable {} but {} unreadable files listed",
-                p.unreadable,
-                p.unreadable_files.len()
-            )));
-        }
-        if !(p.seconds.is_finite() && p.seconds >= 0.0) {
-            return Err(bad(format!("impossible time: seconds {}", p.seconds)));
-        }
-        let own: Vec<&String> = match (&p.shard, p.merged_shards.is_empty()) {
-            (Some(s), true) => vec![s],
-            (None, false) => p.merged_shards.iter().collect(),
+    super::merge::merge_values::<ImagenetResult>(parts)
+}
+
+impl Report for ImagenetResult {
+    const KIND: &'static str = KIND;
+
+    fn kind(&self) -> &str {
+        &self.kind
+    }
+
+    fn label(i: usize) -> String {
+        format!("imagenet result #{}", i + 1)
+    }
+
+    fn parse_error(i: usize, e: serde_json::Error) -> Error {
+        Error::input(format!(
+            "{}: not a `tokenformer eval imagenet` result: {e}",
+            Self::label(i)
+        ))
+    }
+
+    fn wrong_kind(i: usize, kind: &str) -> Error {
+        Error::input(format!(
+            "{}: kind `{kind}`, expected `{KIND}`",
+            Self::label(i)
+        ))
+    }
+
+    fn differs(i: usize, what: &str, this: &str, first: &str) -> Error {
+        Error::input(format!(
+            "{}: {what} {this} differs from {first} of result #1: shards of different runs cannot be merged",
+            Self::label(i)
+        ))
+    }
+
+    fn shards(&self) -> std::result::Result<Vec<&str>, String> {
+        match (&self.shard, self.merged_shards.is_empty()) {
+            (Some(s), true) => Ok(vec![s]),
+            (None, false) => Ok(self.merged_shards.iter().map(String::as_str).collect()),
             (Some(_), false) => {
-                return Err(bad(
-                    "both `shard` and `merged_shards`: not a result of this tool".into(),
-                ))
+                Err("both `shard` and `merged_shards`: not a result of this tool".into())
             }
-            (None, true) => {
-                return Err(bad("not a --shard run, nothing to merge it with".into()));
-            }
-        };
-        for s in own {
-            shards.push(s.parse().map_err(|e: String| bad(e))?);
+            (None, true) => Err("not a --shard run, nothing to merge it with".into()),
         }
     }
-    let n = super::merge::check_shard_set(&shards)?;
-    let sum = |f: fn(&ImagenetResult) -> usize| -> Result<usize> {
-        parts
+
+    fn settings(&self) -> Vec<Setting> {
+        let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "(none)".into());
+        // The folder's name counts only where no listing hash was recorded.
+        let data = self.data_sha256.is_none().then_some(&self.data);
+        vec![
+            Setting::shown_as("model", &self.model, self.model.clone()),
+            Setting::shown_as("model commit", &self.model_commit, opt(&self.model_commit)),
+            Setting::shown_as(
+                "data listing sha256",
+                &self.data_sha256,
+                opt(&self.data_sha256),
+            ),
+            Setting::shown_as("data", data, self.data.clone()),
+            Setting::shown_as(
+                "labels file sha256",
+                &self.labels_sha256,
+                opt(&self.labels_sha256),
+            ),
+            Setting::new("--limit", self.limit),
+            Setting::new("pixel limit", self.max_image_pixels),
+        ]
+    }
+
+    fn check_counts(&self, i: usize) -> Result<()> {
+        let bad = |msg: String| Error::input(format!("{}: {msg}", Self::label(i)));
+        if self.correct_top1 > self.correct_top5 || self.correct_top5 > self.images {
+            return Err(bad(format!(
+                "impossible counts: correct_top1 {} <= correct_top5 {} <= images {} does not hold",
+                self.correct_top1, self.correct_top5, self.images
+            )));
+        }
+        if self.unreadable != self.unreadable_files.len() {
+            return Err(bad(format!(
+                "impossible counts: unreadable {} but {} unreadable files listed",
+                self.unreadable,
+                self.unreadable_files.len()
+            )));
+        }
+        if !(self.seconds.is_finite() && self.seconds >= 0.0) {
+            return Err(bad(format!("impossible time: seconds {}", self.seconds)));
+        }
+        Ok(())
+    }
+
+    fn combine(parts: &[Self], n: usize) -> Result<Self> {
+        let first = &parts[0];
+        let sum = |f: fn(&ImagenetResult) -> usize| -> Result<usize> {
+            parts
+                .iter()
+                .try_fold(0usize, |acc, p| acc.checked_add(f(p)))
+                .ok_or_else(super::report::overflow)
+        };
+        let images = sum(|p| p.images)?;
+        let (c1, c5) = (sum(|p| p.correct_top1)?, sum(|p| p.correct_top5)?);
+        let seconds: f64 = parts.iter().map(|p| p.seconds).sum();
+        let mut unreadable_files: Vec<String> = parts
             .iter()
-            .try_fold(0usize, |acc, p| acc.checked_add(f(p)))
-            .ok_or_else(|| Error::input("the shards' counts overflow"))
-    };
-    let images = sum(|p| p.images)?;
-    let (c1, c5) = (sum(|p| p.correct_top1)?, sum(|p| p.correct_top5)?);
-    let seconds: f64 = parts.iter().map(|p| p.seconds).sum();
-    let mut unreadable_files: Vec<String> = parts
-        .iter()
-        .flat_map(|p| p.unreadable_files.clone())
-        .collect();
-    unreadable_files.sort();
-    shards.sort_by_key(|s| s.index);
-    let merged = ImagenetResult {
-        kind: KIND.into(),
-        model: first.model.clone(),
-        model_commit: first.model_commit.clone(),
-        data: first.data.clone(),
-        data_sha256: first.data_sha256.clone(),
-        label_source: first.label_source.clone(),
-        labels_sha256: first.labels_sha256.clone(),
-        max_image_pixels: first.max_image_pixels,
-        images,
-        correct_top1: c1,
-        correct_top5: c5,
-        top1: percent(c1, images),
-        top5: percent(c5, images),
-        unreadable: unreadable_files.len(),
-        unreadable_files,
-        skipped_folders: first.skipped_folders.clone(),
-        seconds,
-        images_per_second: rate(images, seconds),
-        batch_size: first.batch_size,
-        limit: first.limit,
-        shard: None,
-        merged_shards: (0..n).map(|i| format!("{i}/{n}")).collect(),
-    };
-    Ok(serde_json::to_value(merged).expect("serialisable"))
+            .flat_map(|p| p.unreadable_files.clone())
+            .collect();
+        unreadable_files.sort();
+        Ok(ImagenetResult {
+            kind: KIND.into(),
+            model: first.model.clone(),
+            model_commit: first.model_commit.clone(),
+            data: first.data.clone(),
+            data_sha256: first.data_sha256.clone(),
+            label_source: first.label_source.clone(),
+            labels_sha256: first.labels_sha256.clone(),
+            max_image_pixels: first.max_image_pixels,
+            images,
+            correct_top1: c1,
+            correct_top5: c5,
+            top1: percent(c1, images),
+            top5: percent(c5, images),
+            unreadable: unreadable_files.len(),
+            unreadable_files,
+            skipped_folders: first.skipped_folders.clone(),
+            seconds,
+            images_per_second: rate(images, seconds),
+            batch_size: first.batch_size,
+            limit: first.limit,
+            shard: None,
+            merged_shards: (0..n).map(|i| format!("{i}/{n}")).collect(),
+        })
+    }
 }
 
 /// One of an image's top classes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
+    /// The class index.
     pub index: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// The class's WordNet id, if the model has a class list.
     pub wnid: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    /// The class's name, if the model has a class list.
     pub name: Option<String>,
+    /// Its softmax probability.
     pub prob: f32,
 }
 

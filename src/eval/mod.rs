@@ -1,11 +1,27 @@
-//! Evaluations: Pile perplexity, the zero-shot language tasks, ImageNet
-//! top-1/top-5, and merging the results of `--shard` runs. Each returns a
-//! serde result with a `kind` that `tokenformer eval merge` dispatches on.
+//! Evaluations: Pile perplexity ([`pile`]), the zero-shot language tasks
+//! ([`tasks`]), ImageNet top-1/top-5 ([`imagenet`]), and merging the results
+//! of sharded runs ([`merge`]). Each run returns a serde result with a `kind`
+//! that `tokenformer eval merge` dispatches on ([`merge::Report`]).
+//!
+//! Shared pieces: [`data`] (bounded reading of `.txt`/`.jsonl[.zst]`, file
+//! hashes), [`shard`] (one part of a run), [`pytext`] (Python's string rules
+//! the harness relies on). Progress and warnings reach the caller through
+//! callbacks and returned values; nothing here prints.
 
+#![warn(missing_docs)]
+
+pub mod data;
 pub mod imagenet;
 pub mod merge;
 pub mod pile;
+pub(crate) mod pytext;
+pub mod report;
+pub mod shard;
 pub mod tasks;
+
+pub use merge::merge_results;
+pub use report::Report;
+pub use shard::Shard;
 
 use std::path::Path;
 
@@ -25,7 +41,7 @@ pub fn model_commit(files: &ModelFiles) -> Option<String> {
 }
 
 /// The snapshot commit in a Hugging Face cache path, if `path` is one.
-pub fn commit_of_path(path: &Path) -> Option<String> {
+pub(crate) fn commit_of_path(path: &Path) -> Option<String> {
     let parts: Vec<&str> = path.iter().filter_map(|c| c.to_str()).collect();
     parts.windows(3).find_map(|w| {
         let is_commit = w[2].len() == 40 && w[2].bytes().all(|b| b.is_ascii_hexdigit());

@@ -10,61 +10,33 @@
 //! Face's "Perplexity of fixed-length models"
 //! (<https://huggingface.co/docs/transformers/perplexity>), per document.
 //!
-//! Reading is bounded: a line longer than [`PileOptions::max_line_bytes`] is
-//! never held in memory (the reader skips to its end) and is a bad line, an
-//! error naming it or, with `skip_bad`, skipped and counted; a `.txt` longer
-//! than the limit (one document) is an error; the `.zst` decoder accepts windows of at most
-//! 2^[`MAX_ZSTD_WINDOW_LOG`] bytes; only regular files are opened. A
-//! non-finite log-likelihood (a model that outputs NaN) is an error naming
-//! the document, never a number in the report.
+//! Reading is bounded ([`super::data`]): a line longer than
+//! [`PileOptions::max_line_bytes`] is a bad line, an error naming it or, with
+//! `skip_bad`, skipped and counted. A non-finite log-likelihood (a model that
+//! outputs NaN) is an error naming the document, never a number in the report.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
+use super::data::{non_finite, NOTE_SKIP_BAD};
+use super::report::{
+    add_checked, check_loglikelihood, check_seconds, one_shard, run_settings, Report, Setting,
+};
 use crate::error::{Error, Result};
 use crate::scoring::{Request, Scorer};
 
-/// Python's `str.isspace()`, which is what `\s` matches in a `re` str
-/// pattern; wider than Unicode White_Space by U+001C..U+001F.
-pub fn py_isspace(c: char) -> bool {
-    matches!(
-        c,
-        '\t'..='\r'
-            | '\u{1c}'..='\u{1f}'
-            | ' '
-            | '\u{85}'
-            | '\u{a0}'
-            | '\u{1680}'
-            | '\u{2000}'..='\u{200a}'
-            | '\u{2028}'
-            | '\u{2029}'
-            | '\u{202f}'
-            | '\u{205f}'
-            | '\u{3000}'
-    )
-}
-
-/// `len(re.split(r"\s+", text))`: one more piece than whitespace runs, so
-/// leading/trailing whitespace adds an empty piece and "" counts 1.
-pub fn count_words(text: &str) -> u64 {
-    let mut runs = 0u64;
-    let mut in_space = false;
-    for c in text.chars() {
-        let s = py_isspace(c);
-        if s && !in_space {
-            runs += 1;
-        }
-        in_space = s;
-    }
-    runs + 1
-}
+// Kept here too for callers that found them in this module before it was split.
+pub use super::data::{
+    sha256_file, DataFile, JsonLines, Line, DEFAULT_MAX_LINE_BYTES, MAX_ZSTD_WINDOW_LOG,
+};
+pub use super::pytext::{count_words, py_isspace};
+pub use super::report::RunInfo;
+pub use super::shard::Shard;
 
 /// How documents longer than one window are scored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,10 +44,14 @@ pub enum Method {
     /// Disjoint windows, every token scored once (the harness).
     Rolling,
     /// Windows every `stride` tokens, no prefix token (Hugging Face's guide).
-    Strided { stride: usize },
+    Strided {
+        /// Tokens between window starts (1 ..= the window length).
+        stride: usize,
+    },
 }
 
 impl Method {
+    /// The method's name in results (`rolling`, `strided`).
     pub fn name(&self) -> &'static str {
         match self {
             Method::Rolling => "rolling",
@@ -144,269 +120,23 @@ pub fn strided_windows(tokens: &[u32], max_len: usize, stride: usize) -> Vec<Req
     out
 }
 
-/// `--shard I/N`: the documents whose index among the selected ones is I mod N.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Shard {
-    pub index: usize,
-    pub count: usize,
-}
-
-impl Shard {
-    pub const WHOLE: Shard = Shard { index: 0, count: 1 };
-    pub fn owns(&self, k: usize) -> bool {
-        k % self.count == self.index
-    }
-}
-
-impl std::str::FromStr for Shard {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let bad = || format!("shard `{s}` is not I/N with 0 <= I < N (e.g. 0/4)");
-        let (i, n) = s.split_once('/').ok_or_else(bad)?;
-        let (index, count): (usize, usize) = (
-            i.trim().parse().map_err(|_| bad())?,
-            n.trim().parse().map_err(|_| bad())?,
-        );
-        if count == 0 || index >= count {
-            return Err(bad());
-        }
-        Ok(Shard { index, count })
-    }
-}
-
-impl std::fmt::Display for Shard {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.index, self.count)
-    }
-}
-
-/// Counts a reader's compressed input position (for progress and ETA).
-struct Counting<R> {
-    inner: R,
-    read: Arc<AtomicU64>,
-}
-
-impl<R: Read> Read for Counting<R> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.read.fetch_add(n as u64, Ordering::Relaxed);
-        Ok(n)
-    }
-}
-
-/// The default longest line (a `.txt`: document) read, in bytes: far above
-/// the Pile's documents (a few MB at most, JSON-escaped), and it bounds the
-/// tokenizer's memory, a large multiple of the text's size (README, Evaluation).
-pub const DEFAULT_MAX_LINE_BYTES: usize = 16 << 20;
-
-/// The largest zstd window accepted (2^27 = 128 MiB, zstd's own default
-/// bound; `zstd --long` up to 27 stays readable): a frame cannot make the
-/// decoder allocate more.
-pub const MAX_ZSTD_WINDOW_LOG: u32 = 27;
-
-/// A data file opened for streaming: decompressed if `.zst`.
-pub struct DataFile {
-    pub path: PathBuf,
-    pub reader: Box<dyn BufRead + Send>,
-    /// Bytes of the file (compressed) read so far.
-    pub position: Arc<AtomicU64>,
-    /// The file's size in bytes.
-    pub size: u64,
-    /// `.txt` (or `.txt.zst`): the whole file is one document.
-    pub is_text: bool,
-    /// Lines (a `.txt`: the document) longer than this are bad lines.
-    pub max_line_bytes: usize,
-}
-
-impl DataFile {
-    /// Opens `path` with the default line limit.
-    pub fn open(path: &Path) -> Result<Self> {
-        Self::open_with(path, DEFAULT_MAX_LINE_BYTES)
-    }
-
-    /// Opens `path` (a regular file only) for streaming; lines longer than
-    /// `max_line_bytes` will be reported as bad lines.
-    pub fn open_with(path: &Path, max_line_bytes: usize) -> Result<Self> {
-        let file = crate::fsutil::open_regular(path)?;
-        let size = file.metadata().map_err(|e| Error::io(path, e))?.len();
-        let position = Arc::new(AtomicU64::new(0));
-        let counting = Counting {
-            inner: file,
-            read: position.clone(),
-        };
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().to_lowercase())
-            .unwrap_or_default();
-        let (stem, zst) = match name.strip_suffix(".zst") {
-            Some(s) => (s.to_string(), true),
-            None => (name.clone(), false),
-        };
-        let reader: Box<dyn BufRead + Send> = if zst {
-            let mut dec = zstd::Decoder::new(counting).map_err(|e| Error::io(path, e))?;
-            dec.window_log_max(MAX_ZSTD_WINDOW_LOG)
-                .map_err(|e| Error::io(path, e))?;
-            Box::new(BufReader::with_capacity(1 << 20, dec))
-        } else {
-            Box::new(BufReader::with_capacity(1 << 20, counting))
-        };
-        Ok(Self {
-            path: path.to_path_buf(),
-            reader,
-            position,
-            size,
-            is_text: stem.ends_with(".txt"),
-            max_line_bytes,
-        })
-    }
-
-    /// The whole stream as one document (a `.txt`), at most `max_line_bytes`.
-    pub fn read_document(&mut self) -> Result<Vec<u8>> {
-        let mut raw = Vec::new();
-        (&mut self.reader)
-            .take((self.max_line_bytes as u64).saturating_add(1))
-            .read_to_end(&mut raw)
-            .map_err(|e| Error::io(&self.path, e))?;
-        if raw.len() > self.max_line_bytes {
-            return Err(Error::input(format!(
-                "{}: the document is longer than the limit of {} bytes (--max-line-bytes)",
-                self.path.display(),
-                self.max_line_bytes
-            )));
-        }
-        Ok(raw)
-    }
-}
-
-/// How a bounded line read ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum LineEnd {
-    Eof,
-    Line,
-    /// The line had this many bytes (newline included), above the limit; its
-    /// bytes were read and dropped.
-    TooLong(u64),
-}
-
-/// `read_until(b'\n')` that keeps at most `max` bytes of a line (without its
-/// newline) in `buf`: a longer line is consumed to its end but not stored.
-fn read_line_bounded(
-    r: &mut dyn BufRead,
-    buf: &mut Vec<u8>,
-    max: usize,
-) -> std::io::Result<LineEnd> {
-    buf.clear();
-    let mut total = 0u64;
-    let mut too_long = false;
-    loop {
-        let avail = match r.fill_buf() {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        if avail.is_empty() {
-            return Ok(match (total, too_long) {
-                (0, _) => LineEnd::Eof,
-                (_, false) => LineEnd::Line,
-                (n, true) => LineEnd::TooLong(n),
-            });
-        }
-        let newline = avail.iter().position(|&b| b == b'\n');
-        let n = newline.map_or(avail.len(), |i| i + 1);
-        total += n as u64;
-        if !too_long {
-            let content = buf.len() + n - usize::from(newline.is_some());
-            if content > max {
-                too_long = true;
-                buf.clear();
-            } else {
-                buf.extend_from_slice(&avail[..n]);
-            }
-        }
-        r.consume(n);
-        if newline.is_some() {
-            return Ok(if too_long {
-                LineEnd::TooLong(total)
-            } else {
-                LineEnd::Line
-            });
-        }
-    }
-}
-
-/// One non-blank line of a JSON-lines file: its 1-based number and either the
-/// parsed value or why it is bad (too long, invalid UTF-8, malformed JSON).
-pub type Line = (usize, std::result::Result<Value, String>);
-
-/// Iterates the non-blank lines of a JSON-lines stream; I/O and decompression
-/// failures are errors, bad lines are reported to the caller.
-pub struct JsonLines {
-    file: DataFile,
-    line: usize,
-    buf: Vec<u8>,
-}
-
-impl JsonLines {
-    pub fn new(file: DataFile) -> Self {
-        Self {
-            file,
-            line: 0,
-            buf: Vec::new(),
-        }
-    }
-    pub fn position(&self) -> Arc<AtomicU64> {
-        self.file.position.clone()
-    }
-}
-
-impl Iterator for JsonLines {
-    type Item = Result<Line>;
-    fn next(&mut self) -> Option<Self::Item> {
-        loop {
-            let max = self.file.max_line_bytes;
-            let end = match read_line_bounded(&mut self.file.reader, &mut self.buf, max) {
-                Ok(LineEnd::Eof) => return None,
-                Ok(end) => end,
-                Err(e) => return Some(Err(Error::io(&self.file.path, e))),
-            };
-            self.line += 1;
-            if let LineEnd::TooLong(n) = end {
-                let msg = format!(
-                    "line of {n} bytes, longer than the limit of {max} bytes (--max-line-bytes)"
-                );
-                return Some(Ok((self.line, Err(msg))));
-            }
-            let text = match std::str::from_utf8(&self.buf) {
-                Ok(t) => t,
-                Err(e) => {
-                    let msg = format!("invalid UTF-8 at byte {} of the line", e.valid_up_to());
-                    return Some(Ok((self.line, Err(msg))));
-                }
-            };
-            if text.trim().is_empty() {
-                continue;
-            }
-            let parsed =
-                serde_json::from_str::<Value>(text).map_err(|e| format!("malformed JSON: {e}"));
-            return Some(Ok((self.line, parsed)));
-        }
-    }
-}
-
 /// Scored log-likelihood and the sizes it is normalised by.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Counts {
     /// Σ log-likelihood of the scored tokens (natural log).
     pub loglikelihood: f64,
+    /// Documents scored.
     pub documents: u64,
     /// Scored tokens.
     pub tokens: u64,
+    /// Words as the harness counts them ([`count_words`]).
     pub words: u64,
     /// UTF-8 bytes.
     pub bytes: u64,
 }
 
 impl Counts {
+    /// Adds `o`'s counts to these.
     pub fn add(&mut self, o: &Counts) {
         self.loglikelihood += o.loglikelihood;
         self.documents += o.documents;
@@ -431,22 +161,30 @@ impl Counts {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Metrics {
     #[serde(flatten)]
+    /// The sums the metrics come from.
     pub counts: Counts,
+    /// exp(−Σll / Σwords).
     pub word_perplexity: Option<f64>,
+    /// exp(−Σll / Σbytes).
     pub byte_perplexity: Option<f64>,
+    /// −Σll / Σbytes / ln 2.
     pub bits_per_byte: Option<f64>,
+    /// exp(−Σll / Σtokens).
     pub token_perplexity: Option<f64>,
 }
 
 /// What to evaluate and how.
 #[derive(Clone, Debug)]
 pub struct PileOptions {
+    /// How long documents are windowed.
     pub method: Method,
+    /// Windows per forward pass.
     pub batch_size: usize,
     /// Only documents whose `meta.pile_set_name` is this.
     pub subset: Option<String>,
     /// Only the first N (selected) documents.
     pub limit: Option<usize>,
+    /// The part of the documents this run scores.
     pub shard: Shard,
     /// Skip (and count) bad lines instead of failing.
     pub skip_bad: bool,
@@ -459,7 +197,9 @@ pub struct PileOptions {
 /// Totals of one evaluation (or of merged shards).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PileTotals {
+    /// Every document of the run.
     pub overall: Counts,
+    /// Per `meta.pile_set_name`.
     pub subsets: BTreeMap<String, Counts>,
     /// Bad lines skipped under `skip_bad` (each counted by one shard only).
     pub skipped_lines: u64,
@@ -468,11 +208,13 @@ pub struct PileTotals {
 /// Progress after each scored batch.
 #[derive(Clone, Copy, Debug)]
 pub struct PileProgress {
+    /// Tokens scored so far.
     pub tokens: u64,
     /// Documents of this shard scored (interpolated within a pass).
     pub documents: u64,
     /// Bytes of the data file read so far, of `file_size`.
     pub file_position: u64,
+    /// The data file's size in bytes.
     pub file_size: u64,
 }
 
@@ -539,15 +281,6 @@ impl Pending<'_> {
         progress(self.done);
         Ok(())
     }
-}
-
-/// The error for a document whose log-likelihood is NaN or infinite.
-pub(crate) fn non_finite(path: &Path, line: usize, value: f64) -> Error {
-    Error::input(format!(
-        "{} line {line}: the document's log-likelihood is {value}: the model outputs non-finite \
-         values (NaN or infinity), so no perplexity or accuracy can be computed",
-        path.display()
-    ))
 }
 
 /// A document line: its number and (text, pile_set_name), or why it is bad.
@@ -622,7 +355,7 @@ pub fn evaluate(
             Err(reason) => {
                 if !opts.skip_bad {
                     return Err(Error::input(format!(
-                        "{}: {reason} (pass --skip-bad to skip and count bad lines)",
+                        "{}: {reason} {NOTE_SKIP_BAD}",
                         where_(line)
                     )));
                 }
@@ -717,21 +450,6 @@ fn pile_document(v: Value) -> std::result::Result<(String, Option<String>), Stri
     }
 }
 
-/// Hex sha256 of a file (read in 1 MiB blocks).
-pub fn sha256_file(path: &Path) -> Result<String> {
-    let mut f = crate::fsutil::open_regular(path)?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
-}
-
 /// `--json` of `eval pile` (and of `eval merge` over its shards).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PileReport {
@@ -745,28 +463,38 @@ pub struct PileReport {
     /// `f32` or `f16` (`--weight-dtype`).
     #[serde(default)]
     pub weight_dtype: Option<String>,
+    /// The data file as given.
     pub data: String,
+    /// sha256 of the data file.
     pub data_sha256: String,
     /// The line limit of the run (`--max-line-bytes`).
     #[serde(default)]
     pub max_line_bytes: Option<usize>,
+    /// `rolling` or `strided`.
     pub method: String,
+    /// Window length in tokens.
     pub max_length: usize,
     /// Strided only.
     pub stride: Option<usize>,
     /// Rolling only: the token the first window is conditioned on.
     pub prefix_token: Option<u32>,
+    /// Only documents of this `meta.pile_set_name`.
     pub subset: Option<String>,
+    /// Only the first N (selected) documents.
     pub limit: Option<usize>,
     /// `I/N` of a shard; `None` for a whole run or a merge.
     pub shard: Option<String>,
     /// How many shard results a merge combined (absent for a run).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub merged_shards: Option<usize>,
+    /// Windows per forward pass.
     pub batch_size: usize,
+    /// Bad lines skipped (each counted by one shard only).
     pub skipped_lines: u64,
     #[serde(flatten)]
+    /// Every document of the run.
     pub metrics: Metrics,
+    /// Per `meta.pile_set_name`.
     pub subsets: BTreeMap<String, Metrics>,
     /// Seconds of evaluation (a merge: the sum over shards).
     pub elapsed_seconds: f64,
@@ -774,21 +502,8 @@ pub struct PileReport {
     pub tokens_per_second: f64,
 }
 
-/// Run settings recorded in a report.
-#[derive(Clone, Debug)]
-pub struct RunInfo {
-    pub model: String,
-    pub model_commit: Option<String>,
-    pub weight_dtype: Option<String>,
-    pub data: String,
-    pub data_sha256: String,
-    pub max_length: usize,
-    pub elapsed_seconds: f64,
-}
-
 impl PileReport {
-    pub const KIND: &'static str = "pile";
-
+    /// The report of a run with `opts` whose totals are `totals`.
     pub fn new(info: RunInfo, opts: &PileOptions, totals: &PileTotals) -> Self {
         let mut r = Self {
             kind: Self::KIND.into(),
@@ -847,5 +562,110 @@ impl PileReport {
                 .collect(),
             skipped_lines: self.skipped_lines,
         }
+    }
+}
+
+impl Report for PileReport {
+    const KIND: &'static str = "pile";
+
+    fn kind(&self) -> &str {
+        &self.kind
+    }
+
+    fn shards(&self) -> std::result::Result<Vec<&str>, String> {
+        one_shard(&self.shard)
+    }
+
+    fn settings(&self) -> Vec<Setting> {
+        let run = run_settings(
+            &self.model,
+            &self.model_commit,
+            &self.weight_dtype,
+            &self.data_sha256,
+        );
+        let mut s = run.to_vec();
+        s.extend([
+            Setting::new(
+                "method/max_length/stride/prefix_token",
+                (
+                    &self.method,
+                    self.max_length,
+                    self.stride,
+                    self.prefix_token,
+                ),
+            ),
+            Setting::new("subset/limit", (&self.subset, self.limit)),
+            Setting::new("max_line_bytes", self.max_line_bytes),
+        ]);
+        s
+    }
+
+    /// Each count possible, the subsets within the whole.
+    fn check_counts(&self, i: usize) -> Result<()> {
+        let t = self.totals();
+        let impossible =
+            |msg: String| Error::input(format!("result #{}: impossible counts: {msg}", i + 1));
+        let one = |name: &str, c: &Counts| -> Result<()> {
+            check_loglikelihood(i, name, c.loglikelihood)?;
+            if c.words < c.documents {
+                return Err(impossible(format!(
+                    "{name}: {} words in {} documents (every document counts at least one)",
+                    c.words, c.documents
+                )));
+            }
+            if c.tokens == 0 && c.loglikelihood != 0.0 {
+                return Err(impossible(format!(
+                    "{name}: log-likelihood {} over 0 tokens",
+                    c.loglikelihood
+                )));
+            }
+            Ok(())
+        };
+        one("overall", &t.overall)?;
+        let mut sum = Counts::default();
+        for (name, c) in &t.subsets {
+            one(name, c)?;
+            sum.documents = sum.documents.saturating_add(c.documents);
+            sum.tokens = sum.tokens.saturating_add(c.tokens);
+            sum.words = sum.words.saturating_add(c.words);
+            sum.bytes = sum.bytes.saturating_add(c.bytes);
+        }
+        let o = &t.overall;
+        if sum.documents > o.documents
+            || sum.tokens > o.tokens
+            || sum.words > o.words
+            || sum.bytes > o.bytes
+        {
+            return Err(impossible(
+                "the subsets hold more documents, tokens, words or bytes than the whole".into(),
+            ));
+        }
+        check_seconds(i, self.elapsed_seconds)
+    }
+
+    fn combine(parts: &[Self], n: usize) -> Result<Self> {
+        let mut totals = PileTotals::default();
+        let add = |into: &mut Counts, c: &Counts| -> Result<()> {
+            add_checked(&mut into.documents, c.documents)?;
+            add_checked(&mut into.tokens, c.tokens)?;
+            add_checked(&mut into.words, c.words)?;
+            add_checked(&mut into.bytes, c.bytes)?;
+            into.loglikelihood += c.loglikelihood;
+            Ok(())
+        };
+        for p in parts {
+            let t = p.totals();
+            add(&mut totals.overall, &t.overall)?;
+            for (k, c) in &t.subsets {
+                add(totals.subsets.entry(k.clone()).or_default(), c)?;
+            }
+            add_checked(&mut totals.skipped_lines, t.skipped_lines)?;
+        }
+        let mut out = parts[0].clone();
+        out.shard = None;
+        out.merged_shards = Some(n);
+        out.elapsed_seconds = parts.iter().map(|p| p.elapsed_seconds).sum();
+        out.set_totals(&totals);
+        Ok(out)
     }
 }

@@ -15,18 +15,33 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::pile::{py_isspace, DataFile, JsonLines, Shard};
+use super::data::{non_finite, DataFile, JsonLines, NOTE_SKIP_BAD};
+use super::pytext::{py_isspace, py_strip};
+use super::report::RunInfo;
+use super::report::{
+    add_checked, check_loglikelihood, check_seconds, one_shard, run_settings, Report, Setting,
+};
+use super::shard::Shard;
 use crate::error::{Error, Result};
 use crate::scoring::{Request, Scorer};
+
+// Kept here too for callers that found it in this module before the split.
+pub use super::pytext::py_capitalize;
 
 /// A zero-shot task.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Task {
+    /// `lambada_openai`: the last word given the passage.
     Lambada,
+    /// HellaSwag: the ending of an activity.
     Hellaswag,
+    /// PIQA: the solution of a physical goal.
     Piqa,
+    /// ARC-Easy: grade-school science questions.
     ArcEasy,
+    /// ARC-Challenge: the harder ARC questions.
     ArcChallenge,
+    /// WinoGrande: which option fills the blank.
     Winogrande,
 }
 
@@ -50,6 +65,7 @@ impl std::str::FromStr for Task {
 }
 
 impl Task {
+    /// Every task, in the paper's order.
     pub const ALL: [Task; 6] = [
         Task::Lambada,
         Task::Hellaswag,
@@ -128,39 +144,6 @@ fn index(v: &Value, name: &str) -> std::result::Result<usize, String> {
         _ => None,
     }
     .ok_or_else(|| format!("field `{name}` is not a label index: {v}"))
-}
-
-/// Python's `str.strip()`.
-fn py_strip(s: &str) -> &str {
-    s.trim_matches(py_isspace)
-}
-
-/// Python's `str.capitalize()`: first character title-cased, the rest lower-cased.
-pub fn py_capitalize(s: &str) -> String {
-    let mut chars = s.chars();
-    let Some(first) = chars.next() else {
-        return String::new();
-    };
-    let mut out = String::with_capacity(s.len());
-    match first {
-        // The four Latin digraphs have a distinct title case.
-        'Ǆ' | 'ǅ' | 'ǆ' => out.push('ǅ'),
-        'Ǉ' | 'ǈ' | 'ǉ' => out.push('ǈ'),
-        'Ǌ' | 'ǋ' | 'ǌ' => out.push('ǋ'),
-        'Ǳ' | 'ǲ' | 'ǳ' => out.push('ǲ'),
-        c => {
-            // Title case of an expanding character (ß → Ss): upper then lower.
-            for (i, u) in c.to_uppercase().enumerate() {
-                if i == 0 {
-                    out.push(u);
-                } else {
-                    out.extend(u.to_lowercase());
-                }
-            }
-        }
-    }
-    out.push_str(&chars.as_str().to_lowercase());
-    out
 }
 
 /// HellaSwag's cleaning (harness `hellaswag/utils.py::preprocess`): strip,
@@ -355,10 +338,15 @@ pub fn encode_pair(
 /// What to evaluate and how.
 #[derive(Clone, Debug)]
 pub struct TaskOptions {
+    /// Requests per forward pass.
     pub batch_size: usize,
+    /// Only the first N documents.
     pub limit: Option<usize>,
+    /// The part of the documents this run scores.
     pub shard: Shard,
+    /// Skip (and count) bad lines instead of failing.
     pub skip_bad: bool,
+    /// The token an empty context becomes (EOS for GPT-NeoX).
     pub prefix_token: u32,
     /// Lines longer than this many bytes are bad lines.
     pub max_line_bytes: usize,
@@ -367,6 +355,7 @@ pub struct TaskOptions {
 /// Sums from which every metric is recomputed (and merged across shards).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct TaskCounts {
+    /// Documents scored.
     pub documents: u64,
     /// Documents whose argmax log-likelihood choice (lambada: greedy target) is right.
     pub correct: u64,
@@ -374,10 +363,12 @@ pub struct TaskCounts {
     pub correct_norm: u64,
     /// Σ target log-likelihood (lambada's perplexity).
     pub loglikelihood: f64,
+    /// Bad lines skipped (each counted by one shard only).
     pub skipped_lines: u64,
 }
 
 impl TaskCounts {
+    /// Adds `o`'s counts to these.
     pub fn add(&mut self, o: &TaskCounts) {
         self.documents += o.documents;
         self.correct += o.correct;
@@ -457,7 +448,7 @@ pub fn evaluate(
             }
             Err(reason) => {
                 return Err(Error::input(format!(
-                    "{} line {line}: {reason}; {} expects {} (pass --skip-bad to skip and count bad lines)",
+                    "{} line {line}: {reason}; {} expects {} {NOTE_SKIP_BAD}",
                     path.display(),
                     task.name(),
                     task.fields()
@@ -497,7 +488,7 @@ pub fn evaluate(
         let res = &scored[at..at + ex.requests.len()];
         at += ex.requests.len();
         if let Some(bad) = res.iter().find(|r| !r.logprob.is_finite()) {
-            return Err(super::pile::non_finite(path, *line, bad.logprob));
+            return Err(non_finite(path, *line, bad.logprob));
         }
         counts.documents += 1;
         if task == Task::Lambada {
@@ -524,7 +515,9 @@ pub fn evaluate(
 pub struct TaskReport {
     /// Always `"tasks"`; `eval merge` dispatches on it.
     pub kind: String,
+    /// The harness's task name.
     pub task: String,
+    /// The model as resolved (`repo@revision` or a path).
     pub model: String,
     /// The Hub commit the model's files come from (none for a local folder).
     #[serde(default)]
@@ -532,8 +525,11 @@ pub struct TaskReport {
     /// `f32` or `f16` (`--weight-dtype`).
     #[serde(default)]
     pub weight_dtype: Option<String>,
+    /// The data file as given.
     pub data: String,
+    /// sha256 of the data file.
     pub data_sha256: String,
+    /// The labels file as given (PIQA).
     pub labels: Option<String>,
     /// sha256 of the `--labels` file.
     #[serde(default)]
@@ -541,25 +537,72 @@ pub struct TaskReport {
     /// The line limit of the run (`--max-line-bytes`).
     #[serde(default)]
     pub max_line_bytes: Option<usize>,
+    /// Maximum tokens per input.
     pub max_length: usize,
+    /// Only the first N documents.
     pub limit: Option<usize>,
+    /// `I/N` of a shard; `None` for a whole run or a merge.
     pub shard: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// How many shard results a merge combined (absent for a run).
     pub merged_shards: Option<usize>,
+    /// Requests per forward pass.
     pub batch_size: usize,
     #[serde(flatten)]
+    /// The sums the metrics come from.
     pub counts: TaskCounts,
+    /// Accuracy (summed log-likelihood).
     pub acc: Option<f64>,
+    /// Its standard error.
     pub acc_stderr: Option<f64>,
+    /// Accuracy normalised by the choices' characters.
     pub acc_norm: Option<f64>,
+    /// Its standard error.
     pub acc_norm_stderr: Option<f64>,
     /// Lambada: exp(−mean target log-likelihood).
     pub perplexity: Option<f64>,
+    /// Seconds of evaluation (a merge: the sum over shards).
     pub elapsed_seconds: f64,
 }
 
 impl TaskReport {
-    pub const KIND: &'static str = "tasks";
+    /// The report of a run of `task` with `opts` that counted `counts`
+    /// (no labels file: see [`TaskReport::with_labels`]).
+    pub fn new(info: RunInfo, task: Task, opts: &TaskOptions, counts: TaskCounts) -> Self {
+        let mut r = Self {
+            kind: Self::KIND.into(),
+            task: task.name().into(),
+            model: info.model,
+            model_commit: info.model_commit,
+            weight_dtype: info.weight_dtype,
+            data: info.data,
+            data_sha256: info.data_sha256,
+            labels: None,
+            labels_sha256: None,
+            max_line_bytes: Some(opts.max_line_bytes),
+            max_length: info.max_length,
+            limit: opts.limit,
+            shard: (opts.shard != Shard::WHOLE).then(|| opts.shard.to_string()),
+            merged_shards: None,
+            batch_size: opts.batch_size,
+            counts: TaskCounts::default(),
+            acc: None,
+            acc_stderr: None,
+            acc_norm: None,
+            acc_norm_stderr: None,
+            perplexity: None,
+            elapsed_seconds: info.elapsed_seconds,
+        };
+        r.set_counts(task, counts);
+        r
+    }
+
+    /// Records the labels file (its name and sha256) the run read.
+    pub fn with_labels(mut self, labels: String, sha256: String) -> Self {
+        self.labels = Some(labels);
+        self.labels_sha256 = Some(sha256);
+        self
+    }
 
     /// Recomputes every metric from `counts`.
     pub fn set_counts(&mut self, task: Task, counts: TaskCounts) {
@@ -578,5 +621,69 @@ impl TaskReport {
         self.perplexity =
             (task == Task::Lambada && n > 0).then(|| (-counts.loglikelihood / n as f64).exp());
         self.counts = counts;
+    }
+}
+
+impl Report for TaskReport {
+    const KIND: &'static str = "tasks";
+
+    fn kind(&self) -> &str {
+        &self.kind
+    }
+
+    fn shards(&self) -> std::result::Result<Vec<&str>, String> {
+        one_shard(&self.shard)
+    }
+
+    fn settings(&self) -> Vec<Setting> {
+        let run = run_settings(
+            &self.model,
+            &self.model_commit,
+            &self.weight_dtype,
+            &self.data_sha256,
+        );
+        let mut s = vec![Setting::new("task", &self.task)];
+        s.extend(run);
+        s.extend([
+            Setting::new("labels file sha256", &self.labels_sha256),
+            Setting::new("max_length/limit", (self.max_length, self.limit)),
+            Setting::new("max_line_bytes", self.max_line_bytes),
+        ]);
+        s
+    }
+
+    /// Correct ones within the documents.
+    fn check_counts(&self, i: usize) -> Result<()> {
+        let c = &self.counts;
+        if c.correct > c.documents || c.correct_norm > c.documents {
+            return Err(Error::input(format!(
+                "result #{}: impossible counts: correct {} / correct_norm {} of {} documents",
+                i + 1,
+                c.correct,
+                c.correct_norm,
+                c.documents
+            )));
+        }
+        check_loglikelihood(i, "target", c.loglikelihood)?;
+        check_seconds(i, self.elapsed_seconds)
+    }
+
+    fn combine(parts: &[Self], n: usize) -> Result<Self> {
+        let task: Task = parts[0].task.parse().map_err(Error::input)?;
+        let mut counts = TaskCounts::default();
+        for p in parts {
+            let c = &p.counts;
+            add_checked(&mut counts.documents, c.documents)?;
+            add_checked(&mut counts.correct, c.correct)?;
+            add_checked(&mut counts.correct_norm, c.correct_norm)?;
+            add_checked(&mut counts.skipped_lines, c.skipped_lines)?;
+            counts.loglikelihood += c.loglikelihood;
+        }
+        let mut out = parts[0].clone();
+        out.shard = None;
+        out.merged_shards = Some(n);
+        out.elapsed_seconds = parts.iter().map(|p| p.elapsed_seconds).sum();
+        out.set_counts(task, counts);
+        Ok(out)
     }
 }
