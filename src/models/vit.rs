@@ -12,7 +12,7 @@ use candle_core::{Device, Module, Result, Tensor, D};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::models::tokenformer::{AttentionMode, Block, BlockConfig, ScaleTokens};
+use crate::models::block::{AttentionMode, Block, BlockConfig, ScaleTokens};
 use crate::pattention::Activation;
 
 pub const ARCHITECTURE: &str = "tokenformer-vit";

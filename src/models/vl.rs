@@ -25,7 +25,8 @@ use candle_core::{DType, Device, Module, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::Tensors;
-use crate::models::tokenformer::{self as lm, Block, LayerCache, ScaleTokens, TokenFormerLm};
+use crate::models::block::{Block, LayerCache, ScaleTokens};
+use crate::models::lm::{self, TokenFormerLm};
 use crate::models::vit::{self, VisionTransformer};
 
 pub const ARCHITECTURE: &str = "tokenformer-vl";
