@@ -102,6 +102,9 @@ impl Rotary {
     }
 }
 
+/// Keys and values [b, h, t, head_dim] of one attention layer.
+pub type KeyValues = (Tensor, Tensor);
+
 /// How a block's token-token attention is masked and positioned.
 pub enum AttentionMode<'a> {
     /// Language: causal, rotary positions from `offset`, optional KV cache.
@@ -150,10 +153,8 @@ impl Attention {
             .transpose(1, 2)
     }
 
-    /// q, k, v [b, h, t, head_dim] of a normalised x [b, t, d], before
-    /// positions and masking: the vision-language model projects image and
-    /// text rows with different Pattentions and then attends jointly.
-    pub fn project_qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    /// q, k, v [b, h, t, head_dim] of a normalised x [b, t, d].
+    fn project_qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         Ok((
             self.split_heads(&self.query.forward(x)?)?,
             self.split_heads(&self.key.forward(x)?)?,
@@ -161,36 +162,42 @@ impl Attention {
         ))
     }
 
-    /// softmax(q·kᵀ/√head_dim)·v with the heads merged back: [b, t, d], the
-    /// input of the output projection. `causal`: query i of the last t sees
-    /// keys up to its own position (everything cached before it included).
-    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
-        crate::kernels::attention(q, k, v, causal)
+    pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
+        Ok(self.forward_kv(x, mode, None)?.0)
     }
 
-    pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
+    /// [`Self::forward`] with `prefix` keys and values placed before x's own
+    /// (and cached with them): every query sees them, as text tokens see the
+    /// image tokens of a vision-language sequence. Also returns x's own keys
+    /// (rotated) and values.
+    pub fn forward_kv(
+        &self,
+        x: &Tensor,
+        mode: AttentionMode,
+        prefix: Option<&KeyValues>,
+    ) -> Result<(Tensor, KeyValues)> {
         let (q, k, v) = self.project_qkv(x)?;
         let causal = matches!(mode, AttentionMode::Causal { .. });
-        let (q, k, v) = match mode {
-            AttentionMode::Bidirectional => (q, k, v),
+        let (q, k, cache) = match mode {
+            AttentionMode::Bidirectional => (q, k, None),
             AttentionMode::Causal {
                 rotary,
                 offset,
                 cache,
-            } => {
-                let q = rotary.apply(&q, offset)?;
-                let k = rotary.apply(&k, offset)?;
-                match cache {
-                    Some(cache) => {
-                        let (k, v) = cache.append(&k, &v)?;
-                        (q, k, v)
-                    }
-                    None => (q, k, v),
-                }
-            }
+            } => (rotary.apply(&q, offset)?, rotary.apply(&k, offset)?, cache),
         };
-        let out = self.attend(&q, &k, &v, causal)?;
-        self.proj.forward(&out)
+        let (ks, vs) = match prefix {
+            Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
+            None => (k.clone(), v.clone()),
+        };
+        let (ks, vs) = match cache {
+            Some(cache) => cache.append(&ks, &vs)?,
+            None => (ks, vs),
+        };
+        // Query i of the last t sees keys up to its own position, so with
+        // the prefix and the cache in front it sees all of them.
+        let out = crate::kernels::attention(&q, &ks, &vs, causal)?;
+        Ok((self.proj.forward(&out)?, (k, v)))
     }
 }
 
@@ -219,14 +226,23 @@ impl Block {
         })
     }
 
-    /// The block's non-parametric LayerNorm (used before attention and before the MLP).
-    pub fn norm(&self) -> &LayerNorm {
-        &self.norm
+    pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
+        Ok(self.forward_kv(x, mode, None)?.0)
     }
 
-    pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
-        let x = (x + self.attention.forward(&self.norm.forward(x)?, mode)?)?;
-        &x + self.mlp.forward(&self.norm.forward(&x)?)?
+    /// [`Self::forward`] after `prefix` keys and values, returning x's own
+    /// (see [`Attention::forward_kv`]).
+    pub fn forward_kv(
+        &self,
+        x: &Tensor,
+        mode: AttentionMode,
+        prefix: Option<&KeyValues>,
+    ) -> Result<(Tensor, KeyValues)> {
+        let (a, kv) = self
+            .attention
+            .forward_kv(&self.norm.forward(x)?, mode, prefix)?;
+        let x = (x + a)?;
+        Ok(((&x + self.mlp.forward(&self.norm.forward(&x)?)?)?, kv))
     }
 }
 

@@ -480,17 +480,7 @@ impl TokenFormerLm {
     /// Logits [b, t, vocab] for ids [b, t]. With a cache, positions continue
     /// from the cached length and the new keys/values are appended to it.
     pub fn forward(&self, ids: &Tensor, cache: Option<&mut Cache>) -> Result<Tensor> {
-        // Decode steps run on a rayon worker: every parallel kernel called
-        // from outside the pool puts the caller to sleep and wakes it again,
-        // ~130 times per token (a tenth of decode); from inside, the calls
-        // just fork and join. Larger inputs stay on the calling thread, whose
-        // malloc arena keeps freed activations (see `alloc::keep_freed_memory`;
-        // a worker's arena would map and unmap its large blocks every time).
-        if ids.elem_count() <= crate::kernels::SMALL_ROWS {
-            rayon::scope(|_| self.forward_here(ids, cache))
-        } else {
-            self.forward_here(ids, cache)
-        }
+        crate::kernels::run_forward(ids.elem_count(), || self.forward_here(ids, cache))
     }
 
     fn forward_here(&self, ids: &Tensor, mut cache: Option<&mut Cache>) -> Result<Tensor> {
