@@ -117,44 +117,33 @@ pub(super) unsafe fn gemm_f32(
     scale: f32,
     parallelism: gemm::Parallelism,
 ) {
+    // One argument list for gemm's entry points: `$f` with its own leading
+    // and trailing arguments around the shared ones.
+    macro_rules! call {
+        ($f:expr, [$($pre:expr),*], [$($post:expr),*]) => {
+            $f(
+                $($pre,)* m, n, k, dst, dst_cs, dst_rs, false, lhs, lhs_cs, lhs_rs, rhs, rhs_cs,
+                rhs_rs, 0.0, scale, false, false, false, $($post,)* parallelism,
+            )
+        };
+    }
     // gemm's generic driver with the microkernels of the `ukr` module in
     // scope where it is expanded (`$lanes` f32 per register).
     macro_rules! gemm_with {
         ($simd:expr, $lanes:literal) => {
-            gemm_common::gemm::gemm_basic_generic::<
-                _,
-                f32,
-                $lanes,
-                { ukr::MR_DIV_N * $lanes },
-                { ukr::NR },
-                { ukr::MR_DIV_N },
-                { ukr::H_M },
-                { ukr::H_N },
-            >(
-                $simd,
-                m,
-                n,
-                k,
-                dst,
-                dst_cs,
-                dst_rs,
-                false,
-                lhs,
-                lhs_cs,
-                lhs_rs,
-                rhs,
-                rhs_cs,
-                rhs_rs,
-                0.0,
-                scale,
-                false,
-                false,
-                false,
-                |a, b, c| a * b + c,
-                &ukr::UKR,
-                &ukr::H_UKR,
-                false,
-                parallelism,
+            call!(
+                gemm_common::gemm::gemm_basic_generic::<
+                    _,
+                    f32,
+                    $lanes,
+                    { ukr::MR_DIV_N * $lanes },
+                    { ukr::NR },
+                    { ukr::MR_DIV_N },
+                    { ukr::H_M },
+                    { ukr::H_N },
+                >,
+                [$simd],
+                [|a, b, c| a * b + c, &ukr::UKR, &ukr::H_UKR, false]
             )
         };
     }
@@ -172,29 +161,7 @@ pub(super) unsafe fn gemm_f32(
         return unsafe { gemm_with!(gemm_common::simd::Scalar, 1) };
     }
     // SAFETY: the caller's contract.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            dst_cs,
-            dst_rs,
-            false,
-            lhs,
-            lhs_cs,
-            lhs_rs,
-            rhs,
-            rhs_cs,
-            rhs_rs,
-            0.0,
-            scale,
-            false,
-            false,
-            false,
-            parallelism,
-        )
-    }
+    unsafe { call!(gemm::gemm, [], []) }
 }
 
 /// Half-precision weights widened for gemm (compute-bound there, so the

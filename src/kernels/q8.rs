@@ -441,6 +441,16 @@ mod avx512 {
 mod tests {
     use super::*;
 
+    /// The dequantised matrix, row-major.
+    fn flat(m: &Q8Matrix) -> Vec<f32> {
+        m.dequantize()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
     fn values(n: usize) -> Vec<f32> {
         (0..n)
             .map(|i| (i as f32 * 0.61).sin() * [0.02, 1.0, 7.0][i / 40 % 3])
@@ -453,13 +463,7 @@ mod tests {
         let (rows, cols) = (5, 77);
         let x = values(rows * cols);
         let m = Q8Matrix::from_rows(&x, rows, cols);
-        let back: Vec<f32> = m
-            .dequantize()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let back = flat(&m);
         for r in 0..rows {
             for (b, block) in x[r * cols..(r + 1) * cols].chunks(BLOCK).enumerate() {
                 let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -539,13 +543,7 @@ mod tests {
         // Widths with 0-3 whole blocks, paired or not, and partial ones.
         for cols in [1, 15, 31, 32, 33, 48, 64, 77, 96, 100, 128, 768, 3072] {
             let m = Q8Matrix::from_rows(&values(3 * cols), 3, cols);
-            let deq: Vec<f32> = m
-                .dequantize()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let deq = flat(&m);
             let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.23).cos()).collect();
             let mut xa = vec![0f32; cols];
             arrange(&x, &mut xa);

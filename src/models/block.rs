@@ -166,10 +166,9 @@ impl Attention {
         Ok(self.forward_kv(x, mode, None)?.0)
     }
 
-    /// [`Self::forward`] with `prefix` keys and values placed before x's own
-    /// (and cached with them): every query sees them, as text tokens see the
-    /// image tokens of a vision-language sequence. Also returns x's own keys
-    /// (rotated) and values.
+    /// [`Self::forward`] after `prefix` keys and values (cached with x's
+    /// own) that every query sees: the image tokens of a vision-language
+    /// sequence. Also returns x's own keys (rotated) and values.
     pub fn forward_kv(
         &self,
         x: &Tensor,
@@ -194,8 +193,7 @@ impl Attention {
             Some(cache) => cache.append(&ks, &vs)?,
             None => (ks, vs),
         };
-        // Query i of the last t sees keys up to its own position, so with
-        // the prefix and the cache in front it sees all of them.
+        // Causal counts from the end, so the prefix and the cache are "past".
         let out = crate::kernels::attention(&q, &ks, &vs, causal)?;
         Ok((self.proj.forward(&out)?, (k, v)))
     }

@@ -1,12 +1,7 @@
 //! The TokenFormer language model (decoder-only, GPT-NeoX layout): its
-//! config, KV cache and forward over the shared [`Block`].
-//!
-//! Follows the official implementation (Haiyang-W/TokenFormer,
-//! `megatron/model/tokenformer.py`): pre-norm blocks with non-parametric
-//! LayerNorm, q/k/v/proj and the feed-forward as Pattention layers, causal
-//! softmax attention with GPT-NeoX partial rotary embeddings, a final
-//! LayerNorm with weight and bias, and logits against the tied word
-//! embeddings. Paper: <https://arxiv.org/abs/2410.23168>.
+//! config, KV cache and forward over the shared [`Block`], then a final
+//! LayerNorm and logits against the tied word embeddings, as the official
+//! `megatron/model/tokenformer.py` (<https://arxiv.org/abs/2410.23168>).
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{LayerNorm, VarBuilder};
@@ -280,11 +275,15 @@ pub struct Cache {
 
 impl Cache {
     pub fn new(cfg: &Config) -> Self {
+        Self::with_capacity(cfg.num_layers, cfg.max_position_embeddings)
+    }
+    pub(crate) fn with_capacity(layers: usize, positions: usize) -> Self {
         Self {
-            layers: (0..cfg.num_layers)
-                .map(|_| LayerCache::new(cfg.max_position_embeddings))
-                .collect(),
+            layers: (0..layers).map(|_| LayerCache::new(positions)).collect(),
         }
+    }
+    pub(crate) fn layer(&mut self, i: usize) -> &mut LayerCache {
+        &mut self.layers[i]
     }
     /// Tokens already in the cache (= the next position).
     pub fn len(&self) -> usize {
@@ -361,12 +360,9 @@ impl TokenFormerLm {
         })
     }
 
-    /// The model with every weight matrix (Pattention keys and values, the
-    /// embedding and output matrices) quantised to 8 bits: int8 blocks of 32
-    /// along the input dimension with an f32 scale each
-    /// ([`crate::kernels::q8`]). Arithmetic stays f32. Each matrix is
-    /// replaced as soon as it is quantised, so memory peaks at the old
-    /// weights plus one quantised matrix.
+    /// The model with every weight matrix in 8 bits ([`crate::kernels::q8`]),
+    /// arithmetic still f32. Each matrix is replaced as soon as it is
+    /// quantised, so memory peaks at the old weights plus one 8-bit matrix.
     pub fn quantize_q8(mut self) -> crate::Result<Self> {
         let q8 = |m: &Matrix, name: &str| -> crate::Result<Matrix> {
             Ok(match m {

@@ -1,23 +1,14 @@
 //! The merged vision-language TokenFormer (`architecture: "tokenformer-vl"`),
 //! after the paper's future-work proposal (<https://arxiv.org/abs/2410.23168>,
-//! Section 6 and the review discussion): the key/value parameter tokens of a
-//! vision and a language TokenFormer of the same width, depth and heads are
-//! unified into one set per Pattention layer, [vision | language | bridge],
-//! with new bridge tokens for alignment.
+//! Section 6): each Pattention layer holds [vision | language | bridge] tokens.
+//! An image token's Θ runs over the vision and bridge tokens, a text token's
+//! over the language and bridge tokens, each with its source's √n. Bridge keys
+//! start at zero (a zero score adds nothing to the L2 norm, GELU(0) = 0), so
+//! at creation each modality computes exactly what its source computed.
 //!
-//! Routing: an image token's Θ runs over the vision and bridge tokens only, a
-//! text token's over the language and bridge tokens only, each normalised with
-//! its own source's √n constant. Token-token attention is shared: image tokens
-//! attend bidirectionally among themselves; text tokens attend causally to
-//! text and to every image token; rotary positions count text tokens from 0,
-//! image tokens get none. Bridge keys start at zero, so a zero score adds
-//! nothing to the L2 norm and GELU(0) = 0: at creation each modality computes
-//! exactly what its source model computed.
-//!
-//! A route is an ordinary [`VisionTransformer`] / [`TokenFormerLm`] whose
-//! Pattention tokens are its own group plus the bridge, so image-only and
-//! text-only inputs run the classifier's and the language model's own code,
-//! and the mixed sequence reuses their blocks ([`Block`], [`Attention`]).
+//! A route is an ordinary [`VisionTransformer`] / [`TokenFormerLm`] over its
+//! group plus the bridge; the mixed sequence runs both routes' [`Block`]s, text
+//! attending causally after the image (rotary positions count text only).
 
 use std::collections::HashMap;
 
@@ -26,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::Tensors;
 use crate::models::block::{AttentionMode, Block, LayerCache, ScaleTokens};
-use crate::models::lm::{self, TokenFormerLm};
+use crate::models::lm::{self, Cache, TokenFormerLm};
 use crate::models::vit::{self, VisionTransformer};
 
 pub const ARCHITECTURE: &str = "tokenformer-vl";
@@ -287,17 +278,17 @@ fn route_rows(t: &Tensor, g: Groups, vision: bool) -> Result<Tensor> {
 
 /// KV cache of a mixed (image + text) sequence: image keys first, then text.
 pub struct VlCache {
-    layers: Vec<LayerCache>,
+    cache: Cache,
     image_tokens: usize,
 }
 
 impl VlCache {
     /// Positions already cached (image and text).
     pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, LayerCache::len)
+        self.cache.len()
     }
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.cache.is_empty()
     }
     /// Text tokens cached = the next text position.
     pub fn text_len(&self) -> usize {
@@ -374,9 +365,7 @@ impl VisionLanguageModel {
         let cap =
             self.vision.config().num_patches() + 1 + self.cfg.language.max_position_embeddings;
         VlCache {
-            layers: (0..self.cfg.language.num_layers)
-                .map(|_| LayerCache::new(cap))
-                .collect(),
+            cache: Cache::with_capacity(self.cfg.language.num_layers, cap),
             image_tokens: 0,
         }
     }
@@ -462,7 +451,7 @@ impl VisionLanguageModel {
         let mut img = pixels.map(|p| self.vision.embed(p)).transpose()?;
         let mut txt = self.language.embed(ids)?;
         for i in 0..self.cfg.language.num_layers {
-            let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let lc = cache.as_deref_mut().map(|c| c.cache.layer(i));
             let (ni, nt) = self.mixed_layer(i, img.as_ref(), &txt, offset, lc)?;
             img = ni;
             txt = nt;
