@@ -17,7 +17,6 @@ use super::{f32_slice, half, q8, Path};
 enum Weights<'a> {
     F32(&'a [f32]),
     F16(&'a [::half::f16]),
-    /// int8 values and one scale per block of a row ([`q8::BLOCK`]).
     /// int8 values and one scale per block of a row ([`q8::BLOCK`]); x
     /// must be [`q8::arrange`]d.
     Q8(&'a [i8], &'a [f32]),
