@@ -1,8 +1,6 @@
-//! The matrix products of decoding (a few rows of activations against a
-//! weight matrix): weights are streamed once from memory, with software
-//! prefetch, instead of being packed as gemm would on every call. Weights are
-//! f32, f16 (widened in registers by [`super::half`]) or 8-bit
-//! ([`super::q8`]); arithmetic is f32.
+//! The matrix products of decoding (a few rows against a weight matrix):
+//! f32, f16 ([`super::half`]) or 8-bit ([`super::q8`]) weights streamed once
+//! from memory instead of being packed as gemm would on every call.
 
 use candle_core::{CpuStorage, Layout, Result, Shape};
 use rayon::prelude::*;

@@ -1,14 +1,8 @@
-//! 8-bit weights for decoding (`--weight-dtype q8`): a matrix [rows, cols]
-//! kept as symmetric int8 in blocks of [`BLOCK`] consecutive values of a row,
-//! each block with one f32 scale (its largest magnitude / 127), so a value is
-//! `q · scale`. Rows are laid out [out, in]: the blocks run along the input
-//! dimension and decoding takes dot products with whole rows. A weight costs
-//! 1 + 4/32 bytes instead of 4.
-//!
-//! Arithmetic stays f32: the dot kernels widen each int8 to f32, multiply by
-//! its block's scale and then follow the lane contract of [`super::rows`], so
-//! they give the bits of the f32 kernel on [`Q8Matrix::dequantize`]d weights,
-//! on every path.
+//! 8-bit weights for decoding (`--weight-dtype q8`): rows [out, in] of
+//! symmetric int8 in blocks of [`BLOCK`] along the input dimension, one f32
+//! scale (largest magnitude / 127) per block. The dot kernels widen to f32 and
+//! follow the lane contract of [`super::rows`], so they give the bits of the
+//! f32 kernel on [`Q8Matrix::dequantize`]d weights, on every path.
 
 use std::sync::Arc;
 

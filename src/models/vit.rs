@@ -260,7 +260,6 @@ impl VisionTransformer {
         }
         let (d, c, p) = (cfg.hidden_size, cfg.num_channels, cfg.patch_size);
         let patch_weight = vb.get((d, c, p, p), "patch_embed.weight")?;
-        // Transposed once here so the forward is a plain [b·N, C·p·p] × [C·p·p, d] matmul.
         let patch_weight_t = patch_weight.reshape((d, c * p * p))?.t()?.contiguous()?;
         let patch_bias = vb.get(d, "patch_embed.bias")?;
         let cls_token = vb.get((1, 1, d), "cls_token")?;
