@@ -162,13 +162,10 @@ impl Attention {
         ))
     }
 
-    pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
-        Ok(self.forward_kv(x, mode, None)?.0)
-    }
-
-    /// [`Self::forward`] after `prefix` keys and values (cached with x's
-    /// own) that every query sees: the image tokens of a vision-language
-    /// sequence. Also returns x's own keys (rotated) and values.
+    /// The output projection of multi-head attention over x's own keys and
+    /// values after `prefix` ones (cached with x's own) that every query
+    /// sees: the image tokens of a vision-language sequence. Also returns
+    /// x's own keys (rotated) and values.
     pub fn forward_kv(
         &self,
         x: &Tensor,
