@@ -1,13 +1,9 @@
-//! Fused multi-head attention for the CPU: softmax(q·kᵀ/√d)·v computed per
-//! (batch, head, block of queries) on one thread each, so the score block
-//! stays in L2 and no [heads, t, t] tensor is ever materialised (the idea of
-//! FlashAttention, <https://arxiv.org/abs/2205.14135>, without the online
-//! rescaling: a whole row of scores fits in cache at our context lengths, so
-//! the softmax is the exact two-pass one).
-//!
-//! Inputs are read through their strides, so q/k/v can be head-transposed
-//! views of the [b, t, h, d] projections and no copy into a [b, h, t, d]
-//! buffer is needed; the output is written straight into [b, t, h·d].
+//! Fused multi-head attention for the CPU: softmax(q·kᵀ/√d)·v per (batch,
+//! head, block of queries) on one thread each, so the score block stays in L2
+//! and no [heads, t, t] tensor exists (FlashAttention's idea without online
+//! rescaling: a whole score row fits in cache at these context lengths).
+//! q/k/v are read through their strides (head-transposed views need no copy);
+//! the output is written straight into [b, t, h·d].
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;

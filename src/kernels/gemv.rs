@@ -1,8 +1,6 @@
-//! The matrix products of decoding (a few rows of activations against a
-//! weight matrix): weights are streamed once from memory, with software
-//! prefetch, instead of being packed as gemm would on every call. Weights are
-//! f32, f16 (widened in registers by [`super::half`]) or 8-bit
-//! ([`super::q8`]); arithmetic is f32.
+//! The matrix products of decoding (a few rows against a weight matrix):
+//! f32, f16 ([`super::half`]) or 8-bit ([`super::q8`]) weights streamed once
+//! from memory instead of being packed as gemm would on every call.
 
 use candle_core::{CpuStorage, Layout, Result, Shape};
 use rayon::prelude::*;
@@ -17,7 +15,6 @@ use super::{f32_slice, half, q8, Path};
 enum Weights<'a> {
     F32(&'a [f32]),
     F16(&'a [::half::f16]),
-    /// int8 values and one scale per block of a row ([`q8::BLOCK`]).
     /// int8 values and one scale per block of a row ([`q8::BLOCK`]); x
     /// must be [`q8::arrange`]d.
     Q8(&'a [i8], &'a [f32]),
@@ -116,11 +113,9 @@ impl<'a> Weights<'a> {
     }
 }
 
-/// Whether the streaming kernels prefetch weights in software. On the Intel
-/// Xeon of docs/PERFORMANCE.md that raised their bandwidth by 10-15 %; on
-/// AMD's Zen (the EPYC there) it lowered it (by up to a fifth for 12 KB
-/// rows: the hardware prefetchers keep up, and the extra instructions and
-/// L1 fills only compete with the loads). So: on Intel only.
+/// Whether the streaming kernels prefetch weights in software: on Intel
+/// only, since on AMD's Zen the hardware prefetchers keep up and the extra
+/// instructions compete with the loads (docs/PERFORMANCE.md).
 fn software_prefetch() -> bool {
     is_intel()
 }

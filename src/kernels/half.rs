@@ -1,10 +1,7 @@
-//! Dot and axpy against half-precision weight rows with f32 arithmetic: the
-//! decode kernels for f16 weights. Halves are widened in registers
-//! (`vcvtph2ps`, 8 to a 256-bit or 16 to a 512-bit register) right after the
-//! load, so memory traffic is half that of f32 weights and nothing is
-//! converted into a buffer first. They follow the lane contract of
-//! [`super::rows`], so they give the bits of the f32 kernels on the widened
-//! weights, on every path.
+//! Dot and axpy against f16 weight rows, widened in registers right after
+//! the load (half the memory traffic of f32, no conversion buffer). They
+//! follow the lane contract of [`super::rows`], so they give the bits of the
+//! f32 kernels on the widened weights, on every path.
 
 use ::half::f16;
 

@@ -117,116 +117,51 @@ pub(super) unsafe fn gemm_f32(
     scale: f32,
     parallelism: gemm::Parallelism,
 ) {
-    use gemm_common::gemm::gemm_basic_generic;
-    #[cfg(target_arch = "x86_64")]
-    if path.isa() == Isa::Avx2 {
-        use gemm_common::simd::V3;
-        use gemm_f32::microkernel::fma::f32 as ukr;
-        let simd = V3::try_new().expect("a Path exists only for a supported ISA");
-        // SAFETY: the caller's contract; the kernels are gemm's own for V3.
-        return unsafe {
-            gemm_basic_generic::<
-                _,
-                f32,
-                8,
-                { ukr::MR_DIV_N * 8 },
-                { ukr::NR },
-                { ukr::MR_DIV_N },
-                { ukr::H_M },
-                { ukr::H_N },
-            >(
-                simd,
-                m,
-                n,
-                k,
-                dst,
-                dst_cs,
-                dst_rs,
-                false,
-                lhs,
-                lhs_cs,
-                lhs_rs,
-                rhs,
-                rhs_cs,
-                rhs_rs,
-                0.0,
-                scale,
-                false,
-                false,
-                false,
-                |a, b, c| a * b + c,
-                &ukr::UKR,
-                &ukr::H_UKR,
-                false,
-                parallelism,
+    // One argument list for gemm's entry points: `$f` with its own leading
+    // and trailing arguments around the shared ones.
+    macro_rules! call {
+        ($f:expr, [$($pre:expr),*], [$($post:expr),*]) => {
+            $f(
+                $($pre,)* m, n, k, dst, dst_cs, dst_rs, false, lhs, lhs_cs, lhs_rs, rhs, rhs_cs,
+                rhs_rs, 0.0, scale, false, false, false, $($post,)* parallelism,
             )
         };
+    }
+    // gemm's generic driver with the microkernels of the `ukr` module in
+    // scope where it is expanded (`$lanes` f32 per register).
+    macro_rules! gemm_with {
+        ($simd:expr, $lanes:literal) => {
+            call!(
+                gemm_common::gemm::gemm_basic_generic::<
+                    _,
+                    f32,
+                    $lanes,
+                    { ukr::MR_DIV_N * $lanes },
+                    { ukr::NR },
+                    { ukr::MR_DIV_N },
+                    { ukr::H_M },
+                    { ukr::H_N },
+                >,
+                [$simd],
+                [|a, b, c| a * b + c, &ukr::UKR, &ukr::H_UKR, false]
+            )
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if path.isa() == Isa::Avx2 {
+        use gemm_f32::microkernel::fma::f32 as ukr;
+        let simd =
+            gemm_common::simd::V3::try_new().expect("a Path exists only for a supported ISA");
+        // SAFETY: the caller's contract; the kernels are gemm's own for V3.
+        return unsafe { gemm_with!(simd, 8) };
     }
     if path.isa() == Isa::Portable {
         use gemm_f32::microkernel::scalar::f32 as ukr;
         // SAFETY: the caller's contract; the kernels are gemm's own scalar ones.
-        return unsafe {
-            gemm_basic_generic::<
-                _,
-                f32,
-                1,
-                { ukr::MR_DIV_N },
-                { ukr::NR },
-                { ukr::MR_DIV_N },
-                { ukr::H_M },
-                { ukr::H_N },
-            >(
-                gemm_common::simd::Scalar,
-                m,
-                n,
-                k,
-                dst,
-                dst_cs,
-                dst_rs,
-                false,
-                lhs,
-                lhs_cs,
-                lhs_rs,
-                rhs,
-                rhs_cs,
-                rhs_rs,
-                0.0,
-                scale,
-                false,
-                false,
-                false,
-                |a, b, c| a * b + c,
-                &ukr::UKR,
-                &ukr::H_UKR,
-                false,
-                parallelism,
-            )
-        };
+        return unsafe { gemm_with!(gemm_common::simd::Scalar, 1) };
     }
     // SAFETY: the caller's contract.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            dst_cs,
-            dst_rs,
-            false,
-            lhs,
-            lhs_cs,
-            lhs_rs,
-            rhs,
-            rhs_cs,
-            rhs_rs,
-            0.0,
-            scale,
-            false,
-            false,
-            false,
-            parallelism,
-        )
-    }
+    unsafe { call!(gemm::gemm, [], []) }
 }
 
 /// Half-precision weights widened for gemm (compute-bound there, so the

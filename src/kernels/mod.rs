@@ -198,6 +198,19 @@ pub fn prefers_row_products() -> bool {
     !gemv::is_intel()
 }
 
+/// Runs a model's forward over `rows` input rows (tokens × batch): small
+/// inputs on a rayon worker, where the kernels' parallel calls fork and join
+/// instead of putting the caller to sleep each time; larger ones on the
+/// calling thread, whose malloc arena keeps freed activations
+/// (docs/PERFORMANCE.md).
+pub fn run_forward<R: Send>(rows: usize, forward: impl FnOnce() -> R + Send) -> R {
+    if rows <= SMALL_ROWS {
+        rayon::scope(|_| forward())
+    } else {
+        forward()
+    }
+}
+
 /// The contiguous f32 data of a CPU tensor.
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     let CpuStorage::F32(d) = s else {

@@ -1,14 +1,8 @@
-//! 8-bit weights for decoding (`--weight-dtype q8`): a matrix [rows, cols]
-//! kept as symmetric int8 in blocks of [`BLOCK`] consecutive values of a row,
-//! each block with one f32 scale (its largest magnitude / 127), so a value is
-//! `q · scale`. Rows are laid out [out, in]: the blocks run along the input
-//! dimension and decoding takes dot products with whole rows. A weight costs
-//! 1 + 4/32 bytes instead of 4.
-//!
-//! Arithmetic stays f32: the dot kernels widen each int8 to f32, multiply by
-//! its block's scale and then follow the lane contract of [`super::rows`], so
-//! they give the bits of the f32 kernel on [`Q8Matrix::dequantize`]d weights,
-//! on every path.
+//! 8-bit weights for decoding (`--weight-dtype q8`): rows [out, in] of
+//! symmetric int8 in blocks of [`BLOCK`] along the input dimension, one f32
+//! scale (largest magnitude / 127) per block. The dot kernels widen to f32 and
+//! follow the lane contract of [`super::rows`], so they give the bits of the
+//! f32 kernel on [`Q8Matrix::dequantize`]d weights, on every path.
 
 use std::sync::Arc;
 
@@ -441,6 +435,16 @@ mod avx512 {
 mod tests {
     use super::*;
 
+    /// The dequantised matrix, row-major.
+    fn flat(m: &Q8Matrix) -> Vec<f32> {
+        m.dequantize()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
     fn values(n: usize) -> Vec<f32> {
         (0..n)
             .map(|i| (i as f32 * 0.61).sin() * [0.02, 1.0, 7.0][i / 40 % 3])
@@ -453,13 +457,7 @@ mod tests {
         let (rows, cols) = (5, 77);
         let x = values(rows * cols);
         let m = Q8Matrix::from_rows(&x, rows, cols);
-        let back: Vec<f32> = m
-            .dequantize()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let back = flat(&m);
         for r in 0..rows {
             for (b, block) in x[r * cols..(r + 1) * cols].chunks(BLOCK).enumerate() {
                 let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -539,13 +537,7 @@ mod tests {
         // Widths with 0-3 whole blocks, paired or not, and partial ones.
         for cols in [1, 15, 31, 32, 33, 48, 64, 77, 96, 100, 128, 768, 3072] {
             let m = Q8Matrix::from_rows(&values(3 * cols), 3, cols);
-            let deq: Vec<f32> = m
-                .dequantize()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let deq = flat(&m);
             let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.23).cos()).collect();
             let mut xa = vec![0f32; cols];
             arrange(&x, &mut xa);
@@ -645,67 +637,5 @@ mod tests {
             want.to_vec2::<f32>().unwrap()
         );
         assert!(m.select_rows(&[4]).is_err());
-    }
-}
-
-#[cfg(test)]
-mod scratch {
-    use super::*;
-    fn cpu_now() -> f64 {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
-    }
-    #[test]
-    #[ignore]
-    fn scratch_dot_throughput() {
-        let (rows, cols) = (64, 768);
-        let data: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-            .collect();
-        let m = Q8Matrix::from_rows(&data, rows, cols);
-        let halfs: Vec<::half::f16> = data.iter().map(|&v| ::half::f16::from_f32(v)).collect();
-        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.1).sin()).collect();
-        for round in 0..2 {
-            for path in Path::all().into_iter().rev() {
-                let reps = 20000;
-                let mut acc = 0f32;
-                let t = cpu_now();
-                for _ in 0..reps {
-                    for r in 0..rows {
-                        let (q, s) = m.row(r);
-                        acc += dot_on(path, &x, q, s);
-                    }
-                }
-                let e = cpu_now() - t;
-                let t = cpu_now();
-                for _ in 0..reps {
-                    for r in 0..rows {
-                        acc +=
-                            super::super::half::dot_on(path, &x, &halfs[r * cols..(r + 1) * cols]);
-                    }
-                }
-                let e2 = cpu_now() - t;
-                let t = cpu_now();
-                for _ in 0..reps {
-                    for r in 0..rows {
-                        acc +=
-                            super::super::rows::dot_on(path, &x, &data[r * cols..(r + 1) * cols]);
-                    }
-                }
-                let e3 = cpu_now() - t;
-                let el = (reps * rows * cols) as f64;
-                println!(
-                    "{round} {:?}: q8 {:.2} Gelem/s  f16 {:.2}  f32 {:.2} ({acc})",
-                    path.isa(),
-                    el / e / 1e9,
-                    el / e2 / 1e9,
-                    el / e3 / 1e9
-                );
-            }
-        }
     }
 }

@@ -53,3 +53,34 @@ impl candle_core::CustomOp3 for Rotary {
 pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor, dims: usize) -> Result<Tensor> {
     x.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &Rotary { dims })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::test_util::{max_abs_diff, spread};
+    use candle_core::D;
+
+    /// The fused pass equals candle's `rope` on the rotated features and
+    /// leaves the rest alone, for every batch row and position.
+    #[test]
+    fn matches_candle_rope_and_passes_the_rest_through() {
+        let (b, t, h, hd) = (2, 5, 3, 8);
+        for dims in [4, 8] {
+            let x = spread((b, t, h, hd));
+            let cos = spread((t, dims / 2)).cos().unwrap();
+            let sin = spread((t, dims / 2)).sin().unwrap();
+            let got = rotary(&x, &cos, &sin, dims).unwrap();
+            let xh = x.transpose(1, 2).unwrap();
+            let rot = xh.narrow(D::Minus1, 0, dims).unwrap().contiguous().unwrap();
+            let rot = candle_nn::rotary_emb::rope(&rot, &cos, &sin).unwrap();
+            let pass = xh.narrow(D::Minus1, dims, hd - dims).unwrap();
+            let want = Tensor::cat(&[&rot, &pass], D::Minus1)
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap();
+            let d = max_abs_diff(&got, &want);
+            assert!(d <= 1e-6, "dims={dims}: {d}");
+            assert!(max_abs_diff(&got, &x) > 0.1, "dims={dims}: nothing rotated");
+        }
+    }
+}

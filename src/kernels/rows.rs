@@ -4,12 +4,9 @@
 
 use super::math::exp_f32;
 
-/// The same loops compiled for AVX2+FMA+F16C and for AVX-512, picked by the
-/// process's [`super::active`] path (`name`) or a given one (`name_on`, which
-/// the tests run on every path the CPU has): the default x86-64 target only
-/// has SSE2, which halves these bandwidth- and erf-bound loops. The bodies are
-/// the generic ones and do not use FMA (Rust never fuses `a * b + c`), so the
-/// three paths give the same bits.
+/// The generic loops compiled for AVX2 and AVX-512 (the default x86-64
+/// target has only SSE2), picked by [`super::active`] (`name`) or a given path
+/// (`name_on`). Rust never fuses `a * b + c`, so all paths give the same bits.
 macro_rules! dispatch {
     ($($(#[$doc:meta])* $vis:vis fn $name:ident / $on:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $generic:ident;)*) => {$(
         $(#[$doc])*

@@ -1,4 +1,12 @@
 //! Model families, one module each, in the style of candle-transformers.
-pub mod tokenformer;
+pub mod block;
+pub mod lm;
 pub mod vit;
 pub mod vl;
+
+/// The former name of [`lm`] (with the layer pieces now in [`block`]), kept so
+/// existing `models::tokenformer::…` paths still resolve.
+pub mod tokenformer {
+    pub use super::block::*;
+    pub use super::lm::*;
+}

@@ -12,7 +12,7 @@ use candle_core::{Device, Module, Result, Tensor, D};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::models::tokenformer::{AttentionMode, Block, BlockConfig, ScaleTokens};
+use crate::models::block::{AttentionMode, Block, BlockConfig, ScaleTokens};
 use crate::pattention::Activation;
 
 pub const ARCHITECTURE: &str = "tokenformer-vit";
@@ -260,7 +260,6 @@ impl VisionTransformer {
         }
         let (d, c, p) = (cfg.hidden_size, cfg.num_channels, cfg.patch_size);
         let patch_weight = vb.get((d, c, p, p), "patch_embed.weight")?;
-        // Transposed once here so the forward is a plain [b·N, C·p·p] × [C·p·p, d] matmul.
         let patch_weight_t = patch_weight.reshape((d, c * p * p))?.t()?.contiguous()?;
         let patch_bias = vb.get(d, "patch_embed.bias")?;
         let cls_token = vb.get((1, 1, d), "cls_token")?;
@@ -302,10 +301,9 @@ impl VisionTransformer {
         &self.layers
     }
 
-    /// The stride-p convolution as unfold + matmul: pixels [b, C, H, W] →
-    /// patch tokens [b, N, d], patches in row-major order. At 224²/16 this is
-    /// one 150k-element copy and a single GEMM, faster than candle's CPU conv2d
-    /// (which goes through its own im2col and a batched matmul).
+    /// The stride-p convolution as unfold + one matmul (see
+    /// docs/PERFORMANCE.md): pixels [b, C, H, W] → patch tokens [b, N, d],
+    /// patches in row-major order.
     pub fn embed_patches(&self, pixels: &Tensor) -> Result<Tensor> {
         let (b, c, h, w) = pixels.dims4()?;
         let p = self.cfg.patch_size;

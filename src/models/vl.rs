@@ -1,31 +1,23 @@
 //! The merged vision-language TokenFormer (`architecture: "tokenformer-vl"`),
 //! after the paper's future-work proposal (<https://arxiv.org/abs/2410.23168>,
-//! Section 6 and the review discussion): the key/value parameter tokens of a
-//! vision and a language TokenFormer of the same width, depth and heads are
-//! unified into one set per Pattention layer, [vision | language | bridge],
-//! with new bridge tokens for alignment.
+//! Section 6): each Pattention layer holds [vision | language | bridge] tokens.
+//! An image token's Θ runs over the vision and bridge tokens, a text token's
+//! over the language and bridge tokens, each with its source's √n. Bridge keys
+//! start at zero (a zero score adds nothing to the L2 norm, GELU(0) = 0), so
+//! at creation each modality computes exactly what its source computed.
 //!
-//! Routing: an image token's Θ runs over the vision and bridge tokens only, a
-//! text token's over the language and bridge tokens only, each normalised with
-//! its own source's √n constant. Token-token attention is shared: image tokens
-//! attend bidirectionally among themselves; text tokens attend causally to
-//! text and to every image token; rotary positions count text tokens from 0,
-//! image tokens get none. Bridge keys start at zero, so a zero score adds
-//! nothing to the L2 norm and GELU(0) = 0: at creation each modality computes
-//! exactly what its source model computed.
-//!
-//! A route is an ordinary [`VisionTransformer`] / [`TokenFormerLm`] whose
-//! Pattention tokens are its own group plus the bridge, so image-only and
-//! text-only inputs run the classifier's and the language model's own code,
-//! and the mixed sequence reuses their blocks ([`Block`], [`Attention`]).
+//! A route is an ordinary [`VisionTransformer`] / [`TokenFormerLm`] over its
+//! group plus the bridge; the mixed sequence runs both routes' [`Block`]s, text
+//! attending causally after the image (rotary positions count text only).
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::Tensors;
-use crate::models::tokenformer::{self as lm, Block, LayerCache, ScaleTokens, TokenFormerLm};
+use crate::models::block::{AttentionMode, Block, LayerCache, ScaleTokens};
+use crate::models::lm::{self, Cache, TokenFormerLm};
 use crate::models::vit::{self, VisionTransformer};
 
 pub const ARCHITECTURE: &str = "tokenformer-vl";
@@ -286,17 +278,17 @@ fn route_rows(t: &Tensor, g: Groups, vision: bool) -> Result<Tensor> {
 
 /// KV cache of a mixed (image + text) sequence: image keys first, then text.
 pub struct VlCache {
-    layers: Vec<LayerCache>,
+    cache: Cache,
     image_tokens: usize,
 }
 
 impl VlCache {
     /// Positions already cached (image and text).
     pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, LayerCache::len)
+        self.cache.len()
     }
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.cache.is_empty()
     }
     /// Text tokens cached = the next text position.
     pub fn text_len(&self) -> usize {
@@ -373,16 +365,15 @@ impl VisionLanguageModel {
         let cap =
             self.vision.config().num_patches() + 1 + self.cfg.language.max_position_embeddings;
         VlCache {
-            layers: (0..self.cfg.language.num_layers)
-                .map(|_| LayerCache::new(cap))
-                .collect(),
+            cache: Cache::with_capacity(self.cfg.language.num_layers, cap),
             image_tokens: 0,
         }
     }
 
     /// One layer of the mixed sequence. Image rows attend only to image rows,
     /// exactly as in the classifier; text rows attend causally to text and to
-    /// all image rows (from the cache when decoding).
+    /// all image rows (from the cache when decoding): image keys come first,
+    /// so the causal rule treats the image as the past.
     fn mixed_layer(
         &self,
         i: usize,
@@ -392,40 +383,43 @@ impl VisionLanguageModel {
         cache: Option<&mut LayerCache>,
     ) -> Result<(Option<Tensor>, Tensor)> {
         let (vb, lb): (&Block, &Block) = (&self.vision.layers()[i], &self.language.layers()[i]);
-        let rotary = self.language.rotary();
-        let (qt, kt, vt) = lb.attention.project_qkv(&lb.norm().forward(txt)?)?;
-        let qt = rotary.apply(&qt, text_offset)?;
-        let kt = rotary.apply(&kt, text_offset)?;
-        let (img_out, ki, vi) = match img {
+        let (img_out, image_kv) = match img {
             Some(x) => {
-                let (qi, ki, vi) = vb.attention.project_qkv(&vb.norm().forward(x)?)?;
-                let o = vb.attention.attend(&qi, &ki, &vi, false)?;
-                let x = (x + vb.attention.proj.forward(&o)?)?;
-                let x = (&x + vb.mlp.forward(&vb.norm().forward(&x)?)?)?;
-                (Some(x), Some(ki), Some(vi))
+                let (x, kv) = vb.forward_kv(x, AttentionMode::Bidirectional, None)?;
+                (Some(x), Some(kv))
             }
-            None => (None, None, None),
+            None => (None, None),
         };
-        let (k_new, v_new) = match (&ki, &vi) {
-            (Some(ki), Some(vi)) => (Tensor::cat(&[ki, &kt], 2)?, Tensor::cat(&[vi, &vt], 2)?),
-            _ => (kt, vt),
+        let mode = AttentionMode::Causal {
+            rotary: self.language.rotary(),
+            offset: text_offset,
+            cache,
         };
-        let (k, v) = match cache {
-            Some(c) => c.append(&k_new, &v_new)?,
-            None => (k_new, v_new),
-        };
-        // Image keys come first, so every text row sees all of them, then the
-        // text up to itself: the causal rule with the image as "past".
-        let o = lb.attention.attend(&qt, &k, &v, true)?;
-        let x = (txt + lb.attention.proj.forward(&o)?)?;
-        let x = (&x + lb.mlp.forward(&lb.norm().forward(&x)?)?)?;
-        Ok((img_out, x))
+        let (txt, _) = lb.forward_kv(txt, mode, image_kv.as_ref())?;
+        Ok((img_out, txt))
     }
 
     /// The mixed sequence [image tokens; text tokens]: pixels [b, C, H, W]
     /// (or None to continue from the cache) and ids [b, t]. Returns the image
     /// logits (when pixels were given) and the text logits [b, t, vocab].
     pub fn forward_mixed(
+        &self,
+        pixels: Option<&Tensor>,
+        ids: &Tensor,
+        cache: Option<&mut VlCache>,
+    ) -> Result<(Option<Tensor>, Tensor)> {
+        let image_rows = match pixels {
+            Some(p) => {
+                p.dims().first().copied().unwrap_or(0) * (self.vision.config().num_patches() + 1)
+            }
+            None => 0,
+        };
+        crate::kernels::run_forward(image_rows + ids.elem_count(), || {
+            self.forward_mixed_here(pixels, ids, cache)
+        })
+    }
+
+    fn forward_mixed_here(
         &self,
         pixels: Option<&Tensor>,
         ids: &Tensor,
@@ -457,7 +451,7 @@ impl VisionLanguageModel {
         let mut img = pixels.map(|p| self.vision.embed(p)).transpose()?;
         let mut txt = self.language.embed(ids)?;
         for i in 0..self.cfg.language.num_layers {
-            let lc = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let lc = cache.as_deref_mut().map(|c| c.cache.layer(i));
             let (ni, nt) = self.mixed_layer(i, img.as_ref(), &txt, offset, lc)?;
             img = ni;
             txt = nt;
