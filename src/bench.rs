@@ -126,7 +126,7 @@ pub fn pattention_gflops(rows: usize, d: usize, n: usize, device: &Device) -> Re
         Tensor::randn(0f32, 0.02, (n, d), device)?,
         Activation::L2NormGelu,
         None,
-    );
+    )?;
     let x = Tensor::randn(0f32, 1.0, (rows, d), device)?;
     let secs = timed(|| {
         candle_core::Module::forward(&p, &x)?;

@@ -12,7 +12,7 @@ use candle_core::{Device, Module, Result, Tensor, D};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::models::tokenformer::{AttentionMode, Block, BlockConfig, ScaleTokens};
+use crate::models::block::{AttentionMode, Block, BlockConfig, ScaleTokens};
 use crate::pattention::Activation;
 
 pub const ARCHITECTURE: &str = "tokenformer-vit";
@@ -301,10 +301,9 @@ impl VisionTransformer {
         &self.layers
     }
 
-    /// The stride-p convolution as unfold + matmul: pixels [b, C, H, W] →
-    /// patch tokens [b, N, d], patches in row-major order. At 224²/16 this is
-    /// one 150k-element copy and a single GEMM, faster than candle's CPU conv2d
-    /// (which goes through its own im2col and a batched matmul).
+    /// The stride-p convolution as unfold + one matmul (see
+    /// docs/PERFORMANCE.md): pixels [b, C, H, W] → patch tokens [b, N, d],
+    /// patches in row-major order.
     pub fn embed_patches(&self, pixels: &Tensor) -> Result<Tensor> {
         let (b, c, h, w) = pixels.dims4()?;
         let p = self.cfg.patch_size;

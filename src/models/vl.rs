@@ -19,12 +19,13 @@
 //! text-only inputs run the classifier's and the language model's own code,
 //! and the mixed sequence reuses their blocks ([`Block`], [`Attention`]).
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::Tensors;
-use crate::models::tokenformer::{self as lm, Block, LayerCache, ScaleTokens, TokenFormerLm};
+use crate::models::block::{AttentionMode, Block, LayerCache, ScaleTokens};
+use crate::models::lm::{self, TokenFormerLm};
 use crate::models::vit::{self, VisionTransformer};
 
 pub const ARCHITECTURE: &str = "tokenformer-vl";
@@ -462,7 +463,8 @@ impl VisionLanguageModel {
 
     /// One layer of the mixed sequence. Image rows attend only to image rows,
     /// exactly as in the classifier; text rows attend causally to text and to
-    /// all image rows (from the cache when decoding).
+    /// all image rows (from the cache when decoding): image keys come first,
+    /// so the causal rule treats the image as the past.
     fn mixed_layer(
         &self,
         i: usize,
@@ -472,40 +474,43 @@ impl VisionLanguageModel {
         cache: Option<&mut LayerCache>,
     ) -> Result<(Option<Tensor>, Tensor)> {
         let (vb, lb): (&Block, &Block) = (&self.vision.layers()[i], &self.language.layers()[i]);
-        let rotary = self.language.rotary();
-        let (qt, kt, vt) = lb.attention.project_qkv(&lb.norm().forward(txt)?)?;
-        let qt = rotary.apply(&qt, text_offset)?;
-        let kt = rotary.apply(&kt, text_offset)?;
-        let (img_out, ki, vi) = match img {
+        let (img_out, image_kv) = match img {
             Some(x) => {
-                let (qi, ki, vi) = vb.attention.project_qkv(&vb.norm().forward(x)?)?;
-                let o = vb.attention.attend(&qi, &ki, &vi, false)?;
-                let x = (x + vb.attention.proj.forward(&o)?)?;
-                let x = (&x + vb.mlp.forward(&vb.norm().forward(&x)?)?)?;
-                (Some(x), Some(ki), Some(vi))
+                let (x, kv) = vb.forward_kv(x, AttentionMode::Bidirectional, None)?;
+                (Some(x), Some(kv))
             }
-            None => (None, None, None),
+            None => (None, None),
         };
-        let (k_new, v_new) = match (&ki, &vi) {
-            (Some(ki), Some(vi)) => (Tensor::cat(&[ki, &kt], 2)?, Tensor::cat(&[vi, &vt], 2)?),
-            _ => (kt, vt),
+        let mode = AttentionMode::Causal {
+            rotary: self.language.rotary(),
+            offset: text_offset,
+            cache,
         };
-        let (k, v) = match cache {
-            Some(c) => c.append(&k_new, &v_new)?,
-            None => (k_new, v_new),
-        };
-        // Image keys come first, so every text row sees all of them, then the
-        // text up to itself: the causal rule with the image as "past".
-        let o = lb.attention.attend(&qt, &k, &v, true)?;
-        let x = (txt + lb.attention.proj.forward(&o)?)?;
-        let x = (&x + lb.mlp.forward(&lb.norm().forward(&x)?)?)?;
-        Ok((img_out, x))
+        let (txt, _) = lb.forward_kv(txt, mode, image_kv.as_ref())?;
+        Ok((img_out, txt))
     }
 
     /// The mixed sequence [image tokens; text tokens]: pixels [b, C, H, W]
     /// (or None to continue from the cache) and ids [b, t]. Returns the image
     /// logits (when pixels were given) and the text logits [b, t, vocab].
     pub fn forward_mixed(
+        &self,
+        pixels: Option<&Tensor>,
+        ids: &Tensor,
+        cache: Option<&mut VlCache>,
+    ) -> Result<(Option<Tensor>, Tensor)> {
+        let image_rows = match pixels {
+            Some(p) => {
+                p.dims().first().copied().unwrap_or(0) * (self.vision.config().num_patches() + 1)
+            }
+            None => 0,
+        };
+        crate::kernels::run_forward(image_rows + ids.elem_count(), || {
+            self.forward_mixed_here(pixels, ids, cache)
+        })
+    }
+
+    fn forward_mixed_here(
         &self,
         pixels: Option<&Tensor>,
         ids: &Tensor,
