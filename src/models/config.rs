@@ -14,7 +14,7 @@ use serde::{de::DeserializeOwned, Deserialize, Deserializer, Serialize, Serializ
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::models::tokenformer::{self as lm, TokenFormerLm};
+use crate::models::lm::{self, TokenFormerLm};
 use crate::models::vit::{self, VisionTransformer};
 use crate::models::vl::{self, VisionLanguageModel};
 
@@ -105,6 +105,24 @@ impl From<vl::Config> for ModelConfig {
     }
 }
 
+macro_rules! try_from_model_config {
+    ($module:ident, $variant:ident) => {
+        impl TryFrom<ModelConfig> for $module::Config {
+            /// The config, when it is of another architecture.
+            type Error = ModelConfig;
+            fn try_from(c: ModelConfig) -> std::result::Result<Self, ModelConfig> {
+                match c {
+                    ModelConfig::$variant(c) => Ok(c),
+                    other => Err(other),
+                }
+            }
+        }
+    };
+}
+try_from_model_config!(lm, Lm);
+try_from_model_config!(vit, Vit);
+try_from_model_config!(vl, Vl);
+
 /// Serde for one variant's config alone: written tagged, read through
 /// [`ModelConfig`] so that a wrong `architecture` is refused by name.
 macro_rules! tagged_serde {
@@ -137,7 +155,12 @@ tagged_serde!(vl, Vl);
 /// loader builds them all.
 pub trait Architecture: Sized {
     /// The config this model is built from.
-    type Config: Clone + std::fmt::Debug + Serialize + DeserializeOwned + Into<ModelConfig>;
+    type Config: Clone
+        + std::fmt::Debug
+        + Serialize
+        + DeserializeOwned
+        + Into<ModelConfig>
+        + TryFrom<ModelConfig, Error = ModelConfig>;
     /// The `architecture` value of its `config.json`.
     const ARCHITECTURE: &'static str;
     /// What it is, for errors: "a language model".
