@@ -4,7 +4,7 @@
 //! <https://github.com/Haiyang-W/TokenFormer>.
 
 pub mod alloc;
-pub mod bench;
+
 pub mod card;
 pub mod checkpoint;
 pub mod error;
@@ -18,6 +18,7 @@ pub mod models;
 pub mod pattention;
 pub mod probe;
 pub mod scoring;
+pub mod synthetic;
 pub mod train;
 pub mod vision;
 pub mod zoo;
