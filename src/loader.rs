@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use crate::checkpoint::{self, official, Tensors};
 use crate::error::{Error, Result};
-use crate::hub::{self, RepoRef};
+use crate::hub::{self, HubClient, RepoRef};
 use crate::models::tokenformer::{self, TokenFormerLm};
 use crate::models::vit::{self, VisionTransformer};
 use crate::models::vl::VisionLanguageModel;
@@ -56,15 +56,31 @@ pub struct LocateOptions {
     pub progress: bool,
 }
 
-/// Resolves a model name to files on disk, downloading from the Hub if needed.
+/// Resolves a model name to files on disk, downloading from the Hub if
+/// needed (with a client configured from the environment, built only then).
 pub fn locate(spec: &str, opts: &LocateOptions) -> Result<ModelFiles> {
+    if Path::new(spec).exists() || (zoo::find(spec).is_none() && !is_repo_id(spec)) {
+        return locate_with(spec, opts, None);
+    }
+    locate_with(spec, opts, Some(&HubClient::from_env()?))
+}
+
+fn is_repo_id(spec: &str) -> bool {
+    spec.contains('/') && !spec.starts_with('.') && !spec.starts_with('/')
+}
+
+/// [`locate`] with a Hub client the caller keeps (`None`: local paths only).
+pub fn locate_with(spec: &str, opts: &LocateOptions, hub: Option<&HubClient>) -> Result<ModelFiles> {
     let path = Path::new(spec);
+    let need_hub = || {
+        hub.ok_or_else(|| Error::input(format!("`{spec}` is not a local path and no Hub client was given")))
+    };
     let mut files = if path.exists() {
         locate_local(path)?
     } else if let Some(entry) = zoo::find(spec) {
-        locate_zoo(entry, spec, opts.progress)?
-    } else if spec.contains('/') && !spec.starts_with('.') && !spec.starts_with('/') {
-        locate_hub(&RepoRef::parse(spec).map_err(hub_err)?, opts.progress)?
+        locate_zoo(need_hub()?, entry, spec, opts.progress)?
+    } else if is_repo_id(spec) {
+        locate_hub(need_hub()?, &RepoRef::parse(spec)?, opts.progress)?
     } else {
         return Err(Error::UnknownModel(spec.to_string()));
     };
@@ -77,17 +93,9 @@ pub fn locate(spec: &str, opts: &LocateOptions) -> Result<ModelFiles> {
     Ok(files)
 }
 
-fn hub_err(e: hub::HubError) -> Error {
-    Error::Hub(Box::new(e))
-}
-
 /// Paths of the files in a Hub repo.
-fn hub_listing(repo: &RepoRef) -> Result<Vec<String>> {
-    Ok(hub::list_files(repo)
-        .map_err(hub_err)?
-        .into_iter()
-        .map(|f| f.path)
-        .collect())
+fn hub_listing(hub: &HubClient, repo: &RepoRef) -> Result<Vec<String>> {
+    Ok(hub.list_files(repo)?.into_iter().map(|f| f.path).collect())
 }
 
 fn config_source_from_path(p: &Path) -> Result<ConfigSource> {
@@ -186,20 +194,20 @@ fn zoo_config_for_dir(dir: &Path) -> Option<Value> {
     zoo::find(name).map(|e| e.config.clone())
 }
 
-fn locate_zoo(entry: &ZooEntry, spec: &str, progress: bool) -> Result<ModelFiles> {
+fn locate_zoo(hub: &HubClient, entry: &ZooEntry, spec: &str, progress: bool) -> Result<ModelFiles> {
     let Some(w) = &entry.weights else {
         return Err(Error::NoReleasedWeights(entry.name.clone()));
     };
     // `Haiyang-W/TokenFormer-150M@rev` may override the zoo revision.
     let revision = spec.split_once('@').map_or(w.revision.as_str(), |(_, r)| r);
-    let repo = RepoRef::parse(&format!("{}@{revision}", w.repo)).map_err(hub_err)?;
+    let repo = RepoRef::parse(&format!("{}@{revision}", w.repo))?;
     if w.format != "official" {
-        return locate_hub(&repo, progress);
+        return locate_hub(hub, &repo, progress);
     }
     let names: Vec<&str> = w.files.iter().map(String::as_str).collect();
-    let paths = hub::download_files(&repo, &names, progress).map_err(hub_err)?;
+    let paths = hub.download_files(&repo, &names, progress)?;
     let tokenizer = match &entry.tokenizer {
-        Some(t) => Some(hub_tokenizer(&repo, t, progress)?),
+        Some(t) => Some(hub_tokenizer(hub, &repo, t, progress)?),
         None => None,
     };
     Ok(ModelFiles {
@@ -214,35 +222,40 @@ fn locate_zoo(entry: &ZooEntry, spec: &str, progress: bool) -> Result<ModelFiles
 }
 
 /// The model repo's own tokenizer.json if it has one, else the zoo's source.
-fn hub_tokenizer(repo: &RepoRef, fallback: &zoo::HubFile, progress: bool) -> Result<PathBuf> {
-    if let Ok(list) = hub_listing(repo) {
+fn hub_tokenizer(
+    hub: &HubClient,
+    repo: &RepoRef,
+    fallback: &zoo::HubFile,
+    progress: bool,
+) -> Result<PathBuf> {
+    if let Ok(list) = hub_listing(hub, repo) {
         if list.iter().any(|f| f == TOKENIZER_FILE) {
             return Ok(
-                hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone(),
+                hub.download_files(repo, &[TOKENIZER_FILE], progress)?[0].clone(),
             );
         }
     }
-    let t = RepoRef::parse(&format!("{}@{}", fallback.repo, fallback.revision)).map_err(hub_err)?;
-    Ok(hub::download_files(&t, &[fallback.file.as_str()], progress).map_err(hub_err)?[0].clone())
+    let t = RepoRef::parse(&format!("{}@{}", fallback.repo, fallback.revision))?;
+    Ok(hub.download_files(&t, &[fallback.file.as_str()], progress)?[0].clone())
 }
 
-fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
-    let list = hub_listing(repo)?;
+fn locate_hub(hub: &HubClient, repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
+    let list = hub_listing(hub, repo)?;
     let has = |f: &str| list.iter().any(|x| x == f);
     let source = format!("{}/{}@{}", repo.owner, repo.name, repo.revision);
     if has(CONFIG_FILE) {
         // Shard names come from the repo's index, checked as repo paths, and are read from
         // exactly where they were downloaded; everything from the index's commit.
         let (repo, shards) = if has(checkpoint::SAFETENSORS_INDEX) {
-            let idx = hub::download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress)
-                .map_err(hub_err)?;
-            let shards = hub::safetensors_index_shards(repo, &idx[0]).map_err(hub_err)?;
+            let idx = hub.download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress)
+                ?;
+            let shards = hub::safetensors_index_shards(repo, &idx[0])?;
             let commit = idx[0]
                 .parent()
                 .and_then(|d| d.file_name())
                 .map(|c| c.to_string_lossy().into_owned())
                 .unwrap_or_else(|| repo.revision.clone());
-            (repo.at(&commit).map_err(hub_err)?, shards)
+            (repo.at(&commit)?, shards)
         } else {
             (repo.clone(), vec![checkpoint::SAFETENSORS_FILE.to_string()])
         };
@@ -252,7 +265,7 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
             want.push(TOKENIZER_FILE.into());
         }
         let names: Vec<&str> = want.iter().map(String::as_str).collect();
-        let paths = hub::download_files(&repo, &names, progress).map_err(hub_err)?;
+        let paths = hub.download_files(&repo, &names, progress)?;
         let config_path = paths[0].clone();
         return Ok(ModelFiles {
             source,
@@ -271,7 +284,7 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
             .find(|f| f.ends_with(".yml") || f.ends_with(".yaml"));
         let config = match (yml, entry) {
             (Some(y), _) => ConfigSource::OfficialYml(
-                hub::download_files(repo, &[y], progress).map_err(hub_err)?[0].clone(),
+                hub.download_files(repo, &[y], progress)?[0].clone(),
             ),
             (None, Some(e)) => ConfigSource::Json {
                 path: None,
@@ -279,15 +292,15 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
             },
             (None, None) => return Err(Error::NoHubConfig { repo: source }),
         };
-        let bin = hub::download_files(repo, &["pytorch_model.bin"], progress).map_err(hub_err)?[0]
+        let bin = hub.download_files(repo, &["pytorch_model.bin"], progress)?[0]
             .clone();
         let tokenizer = if has(TOKENIZER_FILE) {
             Some(
-                hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone(),
+                hub.download_files(repo, &[TOKENIZER_FILE], progress)?[0].clone(),
             )
         } else {
             match entry.and_then(|e| e.tokenizer.as_ref()) {
-                Some(t) => Some(hub_tokenizer(repo, t, progress)?),
+                Some(t) => Some(hub_tokenizer(hub, repo, t, progress)?),
                 None => None,
             }
         };
