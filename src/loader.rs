@@ -70,10 +70,18 @@ fn is_repo_id(spec: &str) -> bool {
 }
 
 /// [`locate`] with a Hub client the caller keeps (`None`: local paths only).
-pub fn locate_with(spec: &str, opts: &LocateOptions, hub: Option<&HubClient>) -> Result<ModelFiles> {
+pub fn locate_with(
+    spec: &str,
+    opts: &LocateOptions,
+    hub: Option<&HubClient>,
+) -> Result<ModelFiles> {
     let path = Path::new(spec);
     let need_hub = || {
-        hub.ok_or_else(|| Error::input(format!("`{spec}` is not a local path and no Hub client was given")))
+        hub.ok_or_else(|| {
+            Error::input(format!(
+                "`{spec}` is not a local path and no Hub client was given"
+            ))
+        })
     };
     let mut files = if path.exists() {
         locate_local(path)?
@@ -230,9 +238,7 @@ fn hub_tokenizer(
 ) -> Result<PathBuf> {
     if let Ok(list) = hub_listing(hub, repo) {
         if list.iter().any(|f| f == TOKENIZER_FILE) {
-            return Ok(
-                hub.download_files(repo, &[TOKENIZER_FILE], progress)?[0].clone(),
-            );
+            return Ok(hub.download_files(repo, &[TOKENIZER_FILE], progress)?[0].clone());
         }
     }
     let t = RepoRef::parse(&format!("{}@{}", fallback.repo, fallback.revision))?;
@@ -247,8 +253,7 @@ fn locate_hub(hub: &HubClient, repo: &RepoRef, progress: bool) -> Result<ModelFi
         // Shard names come from the repo's index, checked as repo paths, and are read from
         // exactly where they were downloaded; everything from the index's commit.
         let (repo, shards) = if has(checkpoint::SAFETENSORS_INDEX) {
-            let idx = hub.download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress)
-                ?;
+            let idx = hub.download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress)?;
             let shards = hub::safetensors_index_shards(repo, &idx[0])?;
             let commit = idx[0]
                 .parent()
@@ -283,21 +288,18 @@ fn locate_hub(hub: &HubClient, repo: &RepoRef, progress: bool) -> Result<ModelFi
             .iter()
             .find(|f| f.ends_with(".yml") || f.ends_with(".yaml"));
         let config = match (yml, entry) {
-            (Some(y), _) => ConfigSource::OfficialYml(
-                hub.download_files(repo, &[y], progress)?[0].clone(),
-            ),
+            (Some(y), _) => {
+                ConfigSource::OfficialYml(hub.download_files(repo, &[y], progress)?[0].clone())
+            }
             (None, Some(e)) => ConfigSource::Json {
                 path: None,
                 value: e.config.clone(),
             },
             (None, None) => return Err(Error::NoHubConfig { repo: source }),
         };
-        let bin = hub.download_files(repo, &["pytorch_model.bin"], progress)?[0]
-            .clone();
+        let bin = hub.download_files(repo, &["pytorch_model.bin"], progress)?[0].clone();
         let tokenizer = if has(TOKENIZER_FILE) {
-            Some(
-                hub.download_files(repo, &[TOKENIZER_FILE], progress)?[0].clone(),
-            )
+            Some(hub.download_files(repo, &[TOKENIZER_FILE], progress)?[0].clone())
         } else {
             match entry.and_then(|e| e.tokenizer.as_ref()) {
                 Some(t) => Some(hub_tokenizer(hub, repo, t, progress)?),

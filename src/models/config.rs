@@ -19,6 +19,8 @@ use crate::models::vit::{self, VisionTransformer};
 use crate::models::vl::{self, VisionLanguageModel};
 
 /// A model folder's `config.json`, by its `architecture`.
+// One config per load: a box would only make the variants awkward to match.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(tag = "architecture")]
 pub enum ModelConfig {
