@@ -742,7 +742,6 @@ fn import_gpt_neox(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     }
     let m = cfg.intermediate_size;
     let config = lm::Config {
-        architecture: lm::ARCHITECTURE.into(),
         hidden_size: d,
         num_layers: cfg.num_layers,
         num_heads: cfg.num_heads,

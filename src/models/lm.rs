@@ -34,12 +34,16 @@ pub const PATTENTIONS: [&str; 5] = [
     "mlp",
 ];
 
-/// `config.json` of a canonical language-model folder.
+/// `config.json` of a canonical language-model folder. It is written and read
+/// with `"architecture": "tokenformer-lm"` first (see [`crate::models::ModelConfig`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    tag = "architecture",
+    rename = "tokenformer-lm",
+    deny_unknown_fields,
+    remote = "Self"
+)]
 pub struct Config {
-    /// Always `"tokenformer-lm"`.
-    pub architecture: String,
     pub hidden_size: usize,
     pub num_layers: usize,
     pub num_heads: usize,
@@ -74,7 +78,6 @@ impl Config {
     /// The released TokenFormer LM shape with the GPT-NeoX vocabulary.
     pub fn released(num_layers: usize, hidden_size: usize, num_heads: usize) -> Self {
         Self {
-            architecture: ARCHITECTURE.into(),
             hidden_size,
             num_layers,
             num_heads,
@@ -114,7 +117,6 @@ impl Config {
     /// loader calls this before anything is allocated from the config.
     pub fn validate(&self) -> std::result::Result<(), String> {
         use limits::*;
-        check_architecture(&self.architecture, ARCHITECTURE)?;
         check_block(
             self.hidden_size,
             self.num_layers,
@@ -232,13 +234,6 @@ pub fn check_divides(
 ) -> std::result::Result<(), String> {
     if b == 0 || !a.is_multiple_of(b) {
         return Err(format!("`{a_key}` {a} is not divisible by `{b_key}` {b}"));
-    }
-    Ok(())
-}
-
-pub fn check_architecture(found: &str, expected: &str) -> std::result::Result<(), String> {
-    if found != expected {
-        return Err(format!("architecture is `{found}`, expected `{expected}`"));
     }
     Ok(())
 }
