@@ -10,15 +10,8 @@
 use anyhow::{bail, Result};
 use serde_json::Value;
 
-use super::{Norm, RawCheckpoint, SourceBody, SourceLayer, VitSource};
-
-fn usize_key(c: &Value, key: &str, origin: &str, default: Option<usize>) -> Result<usize> {
-    match (c.get(key).and_then(Value::as_u64), default) {
-        (Some(v), _) if v > 0 => Ok(v as usize),
-        (None, Some(d)) => Ok(d),
-        _ => bail!("{origin}: config.json has no positive integer `{key}`"),
-    }
-}
+use super::{triple, VitSource};
+use crate::import::source::{usize_key, Norm, RawCheckpoint, SourceBody, SourceLayer};
 
 /// Tensors a ViT state dict may hold that the classifier does not use.
 pub fn is_unused(name: &str) -> bool {
@@ -135,13 +128,6 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         .ok()
         .and_then(|t| serde_json::from_str::<Value>(&t).ok())
         .unwrap_or(Value::Null);
-    let triple = |k: &str| -> [f32; 3] {
-        pre.get(k)
-            .and_then(Value::as_array)
-            .filter(|a| a.len() == 3)
-            .map(|a| [0, 1, 2].map(|i| a[i].as_f64().unwrap_or(0.5) as f32))
-            .unwrap_or([0.5; 3])
-    };
     let interpolation = match pre.get("resample").and_then(Value::as_u64) {
         Some(3) => "bicubic",
         _ => "bilinear",
@@ -175,8 +161,8 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         norm,
         head_w,
         head_b,
-        mean: triple("image_mean"),
-        std: triple("image_std"),
+        mean: triple(&pre, "image_mean", [0.5; 3]),
+        std: triple(&pre, "image_std", [0.5; 3]),
         // The processor resizes straight to image_size: no centre crop.
         crop_pct: 1.0,
         interpolation,

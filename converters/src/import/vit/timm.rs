@@ -9,7 +9,8 @@
 use anyhow::{bail, Result};
 use serde_json::Value;
 
-use super::{Dense, Norm, RawCheckpoint, SourceBody, SourceLayer, VitSource};
+use super::{triple, VitSource};
+use crate::import::source::{Dense, Norm, RawCheckpoint, SourceBody, SourceLayer};
 
 /// timm's ViT sizes by name (`vit_tiny` … `vit_giant`): heads.
 fn heads_from_name(arch: &str) -> Option<usize> {
@@ -151,13 +152,6 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
     };
     let head_w = take(raw, "head.weight", &[classes, d], Some("head.weight"))?;
     let head_b = take(raw, "head.bias", &[classes], Some("head.bias"))?;
-    let triple = |k: &str, dflt: [f32; 3]| -> [f32; 3] {
-        pre.get(k)
-            .and_then(Value::as_array)
-            .filter(|a| a.len() == 3)
-            .map(|a| [0, 1, 2].map(|i| a[i].as_f64().unwrap_or(0.5) as f32))
-            .unwrap_or(dflt)
-    };
     let interpolation = match pre.get("interpolation").and_then(Value::as_str) {
         Some("bilinear") => "bilinear",
         _ => "bicubic",
@@ -188,8 +182,8 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         norm,
         head_w,
         head_b,
-        mean: triple("mean", [0.5; 3]),
-        std: triple("std", [0.5; 3]),
+        mean: triple(&pre, "mean", [0.5; 3]),
+        std: triple(&pre, "std", [0.5; 3]),
         crop_pct: pre.get("crop_pct").and_then(Value::as_f64).unwrap_or(0.9),
         interpolation,
         class_names,

@@ -1,0 +1,78 @@
+//! `tokenformer-convert import`: a pre-trained Transformer (Hugging Face
+//! GPT-NeoX/Pythia or ViT, safetensors or .bin, with `config.json`) → a
+//! TokenFormer of the same width, depth and heads, as the paper's
+//! "initialise a TokenFormer from a pre-trained Transformer" suggests
+//! (<https://arxiv.org/abs/2410.23168>, Sections 3 and 4).
+//!
+//! Embeddings, patch embedding, class token, position embedding, final norms
+//! and output heads are copied as they are. Every linear layer becomes a
+//! Pattention layer by the mapping documented on [`Mapping`]; the MLP uses the
+//! key-value-memory reading of Geva et al. 2021 (<https://arxiv.org/abs/2012.14913>):
+//! keys = rows of W_in, values = columns of W_out. The tool runs the source
+//! model (a plain candle forward, [`source`]) and the import on a probe
+//! input and reports per-layer and end-to-end fidelity ([`fidelity`]). One
+//! importer per source family: [`gpt_neox`], [`vit`].
+
+mod args;
+mod fidelity;
+mod gpt_neox;
+mod mapping;
+mod source;
+mod vit;
+
+use std::path::Path;
+
+use anyhow::Result;
+use serde_json::json;
+use tokenformer::card::ModelCard;
+
+pub use args::ImportArgs;
+use args::SourceFamily;
+use fidelity::{Report, REPORT_FILE};
+use source::{locate_input, RawCheckpoint};
+
+use crate::output::{check_not_input, ModelFolder};
+
+pub fn run(a: ImportArgs) -> Result<()> {
+    let dir = locate_input(&a.input)?;
+    check_not_input(&a.out.out, &dir)?;
+    let mut raw = RawCheckpoint::read(&dir)?;
+    match a.from {
+        SourceFamily::GptNeox => gpt_neox::import(&a, &mut raw),
+        SourceFamily::Vit => vit::import(&a, &mut raw),
+    }
+}
+
+/// An importer's own words in the model card.
+struct CardText {
+    title: String,
+    pipeline: &'static str,
+    /// The "Model" section.
+    model: String,
+    /// Appended to the fidelity table.
+    fidelity_note: &'static str,
+}
+
+/// What both imports end with: the report printed and written, the card (model,
+/// mapping, fidelity, what is not representable) written, and the folder moved into
+/// place.
+fn finish(a: &ImportArgs, folder: ModelFolder, report: &Report, text: CardText) -> Result<()> {
+    report.print();
+    folder.write_json(REPORT_FILE, report)?;
+    let mut card = ModelCard::new(text.title, text.pipeline);
+    if !Path::new(&a.input).exists() {
+        card.set("base_model", json!(a.input));
+    }
+    card.section("Model", text.model);
+    card.section("Mapping", report.mapping.describe());
+    card.section("Fidelity", report.markdown() + text.fidelity_note);
+    let items: Vec<String> = report
+        .not_representable
+        .iter()
+        .map(|s| format!("- {s}"))
+        .collect();
+    card.section("Not representable", items.join("\n"));
+    let out = folder.finish(&card)?;
+    println!("wrote {}", out.display());
+    Ok(())
+}

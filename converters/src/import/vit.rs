@@ -1,0 +1,224 @@
+//! ViT image classifiers, in transformers' layout ([`hf`]) or timm's ([`timm`]),
+//! read into one [`VitSource`] and imported as a TokenFormer-ViT, measured on probe
+//! images against the source.
+
+mod hf;
+mod timm;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor, D};
+use serde_json::{json, Value};
+use tokenformer::checkpoint::Tensors;
+use tokenformer::loader;
+
+use super::args::ImportArgs;
+use super::fidelity::{relative_error, synthetic_pixels, EndToEnd, Report};
+use super::mapping::{import_layers, Mapping};
+use super::source::{layer_norm, run_layers, LayerTrace, Mixing, Norm, RawCheckpoint, SourceBody};
+use super::{finish, CardText};
+use crate::output::ModelFolder;
+
+/// A ViT classifier in the shared source form (filled by [`hf`] or [`timm`]).
+pub struct VitSource {
+    pub body: SourceBody,
+    pub image_size: usize,
+    pub patch_size: usize,
+    pub num_channels: usize,
+    pub intermediate_size: usize,
+    pub num_classes: usize,
+    /// Class-token pooling after the final norm (else mean of patch tokens, then fc_norm).
+    pub pool_cls: bool,
+    /// Conv weight [d, C, p, p] and bias.
+    pub patch_w: Tensor,
+    pub patch_b: Tensor,
+    pub cls: Tensor,
+    pub pos: Tensor,
+    pub norm: Norm,
+    pub head_w: Tensor,
+    pub head_b: Tensor,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+    pub crop_pct: f64,
+    pub interpolation: &'static str,
+    pub class_names: Option<Vec<String>>,
+    /// (source name, TokenFormer name) of every copied tensor.
+    pub copied: Vec<(String, String)>,
+    pub layout: &'static str,
+}
+
+/// `import --from vit`: the TokenFormer-ViT, measured on probe images against the
+/// source.
+pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
+    let src = if raw.tensors.contains_key("vit.embeddings.cls_token") {
+        hf::read(raw)?
+    } else if raw.tensors.contains_key("cls_token") {
+        timm::read(raw)?
+    } else {
+        let example = raw.tensors.keys().next().cloned().unwrap_or_default();
+        bail!(
+            "{}: unknown ViT layout: neither `vit.embeddings.cls_token` (transformers) nor `cls_token` (timm) is present (found e.g. `{example}`)",
+            raw.origin
+        )
+    };
+    let buffers = raw.finish(hf::is_unused)?;
+    let d = src.cls.dim(2)?;
+    let dev = Device::Cpu;
+    let map = Mapping::new(d);
+    let (c, size) = (src.num_channels, src.image_size);
+    let probe_pixels = match &a.probe_pixels {
+        Some(p) => {
+            let mut t = candle_core::safetensors::load(p, &dev)
+                .with_context(|| format!("reading {}", p.display()))?;
+            let px = t
+                .remove("pixels")
+                .ok_or_else(|| anyhow!("{}: no tensor `pixels`", p.display()))?
+                .to_dtype(DType::F32)?;
+            if px.rank() != 4 || px.dims()[1..] != [c, size, size] {
+                bail!(
+                    "{}: `pixels` has shape {:?}, expected [n, {c}, {size}, {size}]",
+                    p.display(),
+                    px.dims()
+                );
+            }
+            px
+        }
+        None => synthetic_pixels(8, c, size, 0xC0FFEE, &dev)?,
+    };
+    let calib_pixels = synthetic_pixels(4, c, size, 0xBEEF, &dev)?;
+    let (_, calib) = vit_forward(&src, &calib_pixels)?;
+    let (src_logits, probe_trace) = vit_forward(&src, &probe_pixels)?;
+
+    let mut tensors = Tensors::new();
+    let named = |to: &str| -> Result<Tensor> {
+        Ok(match to {
+            "cls_token" => src.cls.clone(),
+            "pos_embed" => src.pos.clone(),
+            "patch_embed.weight" => src.patch_w.clone(),
+            "patch_embed.bias" => src.patch_b.clone(),
+            "head.weight" => src.head_w.clone(),
+            "head.bias" => src.head_b.clone(),
+            n if n.ends_with("norm.weight") => src.norm.weight.clone(),
+            n if n.ends_with("norm.bias") => src.norm.bias.clone(),
+            other => bail!("internal: no copy rule for `{other}`"),
+        })
+    };
+    for (_, to) in &src.copied {
+        tensors.insert(to.clone(), named(to)?);
+    }
+    let layers = import_layers(&src.body, &map, &calib, &probe_trace, &mut tensors)?;
+    let mut config = json!({
+        "architecture": "tokenformer-vit",
+        "image_size": size,
+        "patch_size": src.patch_size,
+        "num_channels": c,
+        "hidden_size": d,
+        "num_layers": src.body.layers.len(),
+        "num_heads": src.body.num_heads,
+        "qkv_tokens": 4 * d,
+        "proj_tokens": 4 * d,
+        "ffn_tokens": src.intermediate_size + 4 * d,
+        "num_classes": src.num_classes,
+        "pool": if src.pool_cls { "cls" } else { "mean" },
+        "norm_eps": src.body.eps,
+        "pattention_activation": "l2_norm_gelu",
+        "pattention_scale_tokens": {"qkv": map.scale_tokens, "proj": map.scale_tokens, "ffn": map.scale_tokens},
+        "crop_pct": src.crop_pct,
+        "interpolation": src.interpolation,
+        "mean": src.mean,
+        "std": src.std,
+    });
+    if let Some(n) = &src.class_names {
+        config["class_names"] = json!(n);
+    }
+    // Validate with the library before anything is written.
+    let vcfg = loader::vit_config(&config, &raw.dir.join(loader::CONFIG_FILE))?;
+
+    let folder = ModelFolder::new(&a.out.out, a.out.force)?;
+    folder.write_config(&config)?;
+    folder.write_weights(&tensors, tokenformer::checkpoint::DEFAULT_SHARD_BYTES)?;
+    let model = loader::load_vit(&folder.files()?, &dev)?;
+    let imp_logits = model.forward(&probe_pixels)?;
+    let agree = {
+        let s = src_logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let i = imp_logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        s.iter().zip(&i).filter(|(a, b)| a == b).count() as f64 / s.len() as f64
+    };
+    let end = EndToEnd {
+        source_perplexity: None,
+        source_sequential_perplexity: None,
+        import_perplexity: None,
+        top1_agreement: Some(agree),
+        logits_relative_error: relative_error(&imp_logits, &src_logits)?,
+    };
+    let report = Report {
+        source: a.input.clone(),
+        from: format!("vit ({})", src.layout),
+        mapping: map,
+        probe_ids: None,
+        calibration_ids: None,
+        probe_images: Some(probe_pixels.dim(0)?),
+        parallel_residual_made_sequential: false,
+        layers,
+        end_to_end: end,
+        copied: src.copied.clone(),
+        ignored_buffers: buffers,
+        not_representable: vec![
+            "MLP pre-activation biases (fc1 bias + W·norm2 bias): no constant score exists for LayerNorm outputs; dropped, norms per layer in `dropped_mlp_bias_norm`".into(),
+            "norm1/norm2 weights and biases: folded into the following Pattention keys and bias tokens (exact)".into(),
+            "attention output projection input scale: a Pattention is scale-invariant in its input; a per-layer constant is fitted on calibration images (`proj_input_scale`)".into(),
+        ],
+    };
+    let card = CardText {
+        title: format!(
+            "TokenFormer-ViT imported from {} ({} layers, d {})",
+            src.layout, vcfg.num_layers, d
+        ),
+        pipeline: "image-classification",
+        model: format!(
+            "A TokenFormer image classifier initialised from the {} checkpoint `{}` by `tokenformer-convert import --from vit` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Patch embedding, class token, position embedding, final norm and head are copied unchanged.",
+            src.layout, a.input, 4 * d, 4 * d, src.intermediate_size + 4 * d, map.scale_tokens
+        ),
+        fidelity_note: if a.probe_pixels.is_none() {
+            " The probe images are seeded synthetic patterns, not photographs: pass --probe-pixels for a real-image probe."
+        } else {
+            ""
+        },
+    };
+    finish(a, folder, &report, card)
+}
+
+/// A per-channel triple (mean, std) of a preprocessing config, `default` if absent.
+fn triple(pre: &Value, key: &str, default: [f32; 3]) -> [f32; 3] {
+    pre.get(key)
+        .and_then(Value::as_array)
+        .filter(|a| a.len() == 3)
+        .map(|a| [0, 1, 2].map(|i| a[i].as_f64().unwrap_or(0.5) as f32))
+        .unwrap_or(default)
+}
+
+/// The source ViT classifier: logits [b, classes] of normalised pixels
+/// [b, C, H, W], with the per-layer traces. The patch embedding is the
+/// stride-p convolution it is in both layouts.
+pub fn vit_forward(
+    src: &VitSource,
+    pixels: &Tensor,
+) -> candle_core::Result<(Tensor, Vec<LayerTrace>)> {
+    let p = src.patch_size;
+    let x = pixels.conv2d(&src.patch_w, 0, p, 1, 1)?; // [b, d, g, g]
+    let (b, d, gh, gw) = x.dims4()?;
+    let x = x
+        .reshape((b, d, gh * gw))?
+        .transpose(1, 2)?
+        .broadcast_add(&src.patch_b)?;
+    let cls = src.cls.broadcast_as((b, 1, d))?;
+    let x = Tensor::cat(&[&cls, &x], 1)?.broadcast_add(&src.pos)?;
+    let (h, traces) = run_layers(&src.body, &x, &Mixing::Bidirectional, false)?;
+    let feat = if src.pool_cls {
+        layer_norm(&h.narrow(1, 0, 1)?.squeeze(1)?, &src.norm, src.body.eps)?
+    } else {
+        let n = h.dim(1)? - 1;
+        layer_norm(&h.narrow(1, 1, n)?.mean(1)?, &src.norm, src.body.eps)?
+    };
+    let logits = feat.matmul(&src.head_w.t()?)?.broadcast_add(&src.head_b)?;
+    Ok((logits, traces))
+}
