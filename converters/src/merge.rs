@@ -141,7 +141,5 @@ pub fn run(a: MergeArgs) -> Result<()> {
         "Usage",
         "```\ntokenformer score --model PATH --text \"...\"\ntokenformer classify --model PATH IMAGE\ntokenformer generate --model PATH --image IMAGE --prompt \"A photo of\"\n```",
     );
-    let out = folder.finish(&card)?;
-    println!("wrote {}", out.display());
-    Ok(())
+    folder.finish_and_say(&card)
 }

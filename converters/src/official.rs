@@ -132,7 +132,5 @@ pub fn run(a: OfficialArgs) -> Result<()> {
         "Usage",
         "```\ntokenformer generate --model PATH_OR_REPO --prompt \"Hello\"\n```",
     );
-    let out = folder.finish(&card)?;
-    println!("wrote {}", out.display());
-    Ok(())
+    folder.finish_and_say(&card)
 }

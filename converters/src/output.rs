@@ -100,6 +100,13 @@ impl ModelFolder {
         self.commit()
     }
 
+    /// [`ModelFolder::finish`], then says where the folder is.
+    pub fn finish_and_say(self, card: &ModelCard) -> Result<()> {
+        let out = self.finish(card)?;
+        println!("wrote {}", out.display());
+        Ok(())
+    }
+
     /// Moves the finished folder to `out` (replacing it only if `--force` allowed that).
     pub fn commit(self) -> Result<PathBuf> {
         abort_hook();

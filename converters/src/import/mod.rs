@@ -72,7 +72,5 @@ fn finish(a: &ImportArgs, folder: ModelFolder, report: &Report, text: CardText) 
         .map(|s| format!("- {s}"))
         .collect();
     card.section("Not representable", items.join("\n"));
-    let out = folder.finish(&card)?;
-    println!("wrote {}", out.display());
-    Ok(())
+    folder.finish_and_say(&card)
 }

@@ -14,13 +14,18 @@ use tokenformer::loader;
 use super::args::ImportArgs;
 use super::fidelity::{relative_error, synthetic_pixels, EndToEnd, Report};
 use super::mapping::{import_layers, Mapping};
-use super::source::{layer_norm, run_layers, LayerTrace, Mixing, Norm, RawCheckpoint, SourceBody};
+use super::source::{
+    layer_norm, run_layers, Dense, LayerTrace, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
+};
 use super::{finish, CardText};
 use crate::output::ModelFolder;
 
-/// A ViT classifier in the shared source form (filled by [`hf`] or [`timm`]).
-pub struct VitSource {
-    pub body: SourceBody,
+/// What a source's config says about a ViT classifier: everything but the tensors.
+pub struct VitMeta {
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub eps: f64,
     pub image_size: usize,
     pub patch_size: usize,
     pub num_channels: usize,
@@ -28,6 +33,41 @@ pub struct VitSource {
     pub num_classes: usize,
     /// Class-token pooling after the final norm (else mean of patch tokens, then fc_norm).
     pub pool_cls: bool,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+    pub crop_pct: f64,
+    pub interpolation: &'static str,
+    pub class_names: Option<Vec<String>>,
+    pub layout: &'static str,
+}
+
+/// Where a layout keeps each tensor (source names; the TokenFormer names are the same
+/// for every layout). Prefixes name a module's `.weight` and `.bias`.
+struct Names {
+    cls: &'static str,
+    pos: &'static str,
+    patch: &'static str,
+    /// Block i is `{block}.{i}`; the rest of a block's names are relative to it.
+    block: &'static str,
+    norms: [&'static str; 2],
+    qkv: Qkv,
+    proj: &'static str,
+    mlp: [&'static str; 2],
+    final_norm: &'static str,
+    head: &'static str,
+}
+
+/// The attention's input projections: three linears, or one fused [q | k | v] (each
+/// over all heads).
+enum Qkv {
+    Separate([&'static str; 3]),
+    Fused(&'static str),
+}
+
+/// A ViT classifier in the shared source form (filled by [`hf`] or [`timm`]).
+pub struct VitSource {
+    pub meta: VitMeta,
+    pub body: SourceBody,
     /// Conv weight [d, C, p, p] and bias.
     pub patch_w: Tensor,
     pub patch_b: Tensor,
@@ -36,14 +76,122 @@ pub struct VitSource {
     pub norm: Norm,
     pub head_w: Tensor,
     pub head_b: Tensor,
-    pub mean: [f32; 3],
-    pub std: [f32; 3],
-    pub crop_pct: f64,
-    pub interpolation: &'static str,
-    pub class_names: Option<Vec<String>>,
     /// (source name, TokenFormer name) of every copied tensor.
     pub copied: Vec<(String, String)>,
-    pub layout: &'static str,
+}
+
+impl VitSource {
+    /// Takes every tensor `meta` implies from `raw`, by the layout's `names`.
+    fn take(raw: &mut RawCheckpoint, names: &Names, meta: VitMeta) -> Result<Self> {
+        let (d, m, p) = (meta.hidden_size, meta.intermediate_size, meta.patch_size);
+        let tokens = (meta.image_size / p) * (meta.image_size / p) + 1;
+        let mut copied = vec![];
+        let mut copy = |raw: &mut RawCheckpoint, from: String, shape: &[usize], to: String| {
+            let t = raw.take(&from, shape);
+            copied.push((from, to));
+            t
+        };
+        let cls = copy(raw, names.cls.into(), &[1, 1, d], "cls_token".into())?;
+        let pos = copy(raw, names.pos.into(), &[1, tokens, d], "pos_embed".into())?;
+        let patch_w = copy(
+            raw,
+            format!("{}.weight", names.patch),
+            &[d, meta.num_channels, p, p],
+            "patch_embed.weight".into(),
+        )?;
+        let patch_b = copy(
+            raw,
+            format!("{}.bias", names.patch),
+            &[d],
+            "patch_embed.bias".into(),
+        )?;
+        let mut layers = Vec::with_capacity(meta.num_layers);
+        for i in 0..meta.num_layers {
+            let b = format!("{}.{i}", names.block);
+            let ln1 = raw.take_norm(&format!("{b}.{}", names.norms[0]), d)?;
+            let ln2 = raw.take_norm(&format!("{b}.{}", names.norms[1]), d)?;
+            let dense = |raw: &mut RawCheckpoint, n: &str, out: usize, inp: usize| {
+                raw.take_dense(&format!("{b}.{n}"), out, inp, false)
+            };
+            let [query, key, value] = match names.qkv {
+                Qkv::Separate([q, k, v]) => [
+                    dense(raw, q, d, d)?,
+                    dense(raw, k, d, d)?,
+                    dense(raw, v, d, d)?,
+                ],
+                Qkv::Fused(n) => {
+                    let qkv = dense(raw, n, 3 * d, d)?;
+                    let part = |j: usize| -> Result<Dense> {
+                        Ok(Dense {
+                            weight: qkv.weight.narrow(0, j * d, d)?.contiguous()?,
+                            bias: qkv
+                                .bias
+                                .as_ref()
+                                .map(|b| b.narrow(0, j * d, d))
+                                .transpose()?,
+                        })
+                    };
+                    [part(0)?, part(1)?, part(2)?]
+                }
+            };
+            layers.push(SourceLayer {
+                ln1,
+                query,
+                key,
+                value,
+                dense: dense(raw, names.proj, d, d)?,
+                ln2,
+                fc1: dense(raw, names.mlp[0], m, d)?,
+                fc2: dense(raw, names.mlp[1], d, m)?,
+            });
+        }
+        let to = if meta.pool_cls {
+            "final_norm"
+        } else {
+            "fc_norm"
+        };
+        let mut norm_part = |raw: &mut RawCheckpoint, part: &str| {
+            copy(
+                raw,
+                format!("{}.{part}", names.final_norm),
+                &[d],
+                format!("{to}.{part}"),
+            )
+        };
+        let norm = Norm {
+            weight: norm_part(raw, "weight")?,
+            bias: norm_part(raw, "bias")?,
+        };
+        let k = meta.num_classes;
+        let head_w = copy(
+            raw,
+            format!("{}.weight", names.head),
+            &[k, d],
+            "head.weight".into(),
+        )?;
+        let head_b = copy(
+            raw,
+            format!("{}.bias", names.head),
+            &[k],
+            "head.bias".into(),
+        )?;
+        Ok(Self {
+            body: SourceBody {
+                num_heads: meta.num_heads,
+                eps: meta.eps,
+                layers,
+            },
+            meta,
+            patch_w,
+            patch_b,
+            cls,
+            pos,
+            norm,
+            head_w,
+            head_b,
+            copied,
+        })
+    }
 }
 
 /// `import --from vit`: the TokenFormer-ViT, measured on probe images against the
@@ -64,7 +212,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let d = src.cls.dim(2)?;
     let dev = Device::Cpu;
     let map = Mapping::new(d);
-    let (c, size) = (src.num_channels, src.image_size);
+    let (c, size) = (src.meta.num_channels, src.meta.image_size);
     let probe_pixels = match &a.probe_pixels {
         Some(p) => {
             let mut t = candle_core::safetensors::load(p, &dev)
@@ -109,25 +257,25 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let mut config = json!({
         "architecture": "tokenformer-vit",
         "image_size": size,
-        "patch_size": src.patch_size,
+        "patch_size": src.meta.patch_size,
         "num_channels": c,
         "hidden_size": d,
         "num_layers": src.body.layers.len(),
         "num_heads": src.body.num_heads,
         "qkv_tokens": 4 * d,
         "proj_tokens": 4 * d,
-        "ffn_tokens": src.intermediate_size + 4 * d,
-        "num_classes": src.num_classes,
-        "pool": if src.pool_cls { "cls" } else { "mean" },
+        "ffn_tokens": src.meta.intermediate_size + 4 * d,
+        "num_classes": src.meta.num_classes,
+        "pool": if src.meta.pool_cls { "cls" } else { "mean" },
         "norm_eps": src.body.eps,
         "pattention_activation": "l2_norm_gelu",
         "pattention_scale_tokens": {"qkv": map.scale_tokens, "proj": map.scale_tokens, "ffn": map.scale_tokens},
-        "crop_pct": src.crop_pct,
-        "interpolation": src.interpolation,
-        "mean": src.mean,
-        "std": src.std,
+        "crop_pct": src.meta.crop_pct,
+        "interpolation": src.meta.interpolation,
+        "mean": src.meta.mean,
+        "std": src.meta.std,
     });
-    if let Some(n) = &src.class_names {
+    if let Some(n) = &src.meta.class_names {
         config["class_names"] = json!(n);
     }
     // Validate with the library before anything is written.
@@ -152,7 +300,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     };
     let report = Report {
         source: a.input.clone(),
-        from: format!("vit ({})", src.layout),
+        from: format!("vit ({})", src.meta.layout),
         mapping: map,
         probe_ids: None,
         calibration_ids: None,
@@ -171,12 +319,12 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let card = CardText {
         title: format!(
             "TokenFormer-ViT imported from {} ({} layers, d {})",
-            src.layout, vcfg.num_layers, d
+            src.meta.layout, vcfg.num_layers, d
         ),
         pipeline: "image-classification",
         model: format!(
             "A TokenFormer image classifier initialised from the {} checkpoint `{}` by `tokenformer-convert import --from vit` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Patch embedding, class token, position embedding, final norm and head are copied unchanged.",
-            src.layout, a.input, 4 * d, 4 * d, src.intermediate_size + 4 * d, map.scale_tokens
+            src.meta.layout, a.input, 4 * d, 4 * d, src.meta.intermediate_size + 4 * d, map.scale_tokens
         ),
         fidelity_note: if a.probe_pixels.is_none() {
             " The probe images are seeded synthetic patterns, not photographs: pass --probe-pixels for a real-image probe."
@@ -203,7 +351,7 @@ pub fn vit_forward(
     src: &VitSource,
     pixels: &Tensor,
 ) -> candle_core::Result<(Tensor, Vec<LayerTrace>)> {
-    let p = src.patch_size;
+    let p = src.meta.patch_size;
     let x = pixels.conv2d(&src.patch_w, 0, p, 1, 1)?; // [b, d, g, g]
     let (b, d, gh, gw) = x.dims4()?;
     let x = x
@@ -213,7 +361,7 @@ pub fn vit_forward(
     let cls = src.cls.broadcast_as((b, 1, d))?;
     let x = Tensor::cat(&[&cls, &x], 1)?.broadcast_add(&src.pos)?;
     let (h, traces) = run_layers(&src.body, &x, &Mixing::Bidirectional, false)?;
-    let feat = if src.pool_cls {
+    let feat = if src.meta.pool_cls {
         layer_norm(&h.narrow(1, 0, 1)?.squeeze(1)?, &src.norm, src.body.eps)?
     } else {
         let n = h.dim(1)? - 1;
