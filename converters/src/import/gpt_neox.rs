@@ -17,11 +17,11 @@ use tokenformer::pattention::Activation;
 
 use super::args::ImportArgs;
 use super::fidelity::{self, perplexity, relative_error, EndToEnd, Report};
-use super::mapping::{import_layers, Mapping};
+use super::mapping::Mapping;
 use super::source::{
     layer_norm, run_layers, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
 };
-use super::{finish, CardText};
+use super::{finish, import_layers, CardText};
 use crate::output::ModelFolder;
 use crate::probe;
 

@@ -1,17 +1,13 @@
-//! How a source layer becomes TokenFormer Pattention layers: the token groups of
-//! [`Mapping`], the LayerNorm affine folded into the linear after it, the fitted
-//! input scale of the output projection, and one layer's import with its
-//! per-layer fidelity.
+//! How a source linear layer or MLP becomes a Pattention layer: the token groups
+//! of [`Mapping`], the LayerNorm affine folded into the linear after it, and the
+//! fitted input scale of the output projection.
 
 use anyhow::Result;
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 use serde::Serialize;
-use tokenformer::checkpoint::Tensors;
-use tokenformer::models::tokenformer::PATTENTIONS;
 use tokenformer::pattention::{Activation, Pattention};
 
-use super::fidelity::{relative_error, LayerFidelity};
-use super::source::{Dense, LayerTrace, Norm, SourceBody, SourceLayer};
+use super::source::{Dense, Norm};
 
 /// How a linear layer or an MLP becomes a Pattention layer.
 ///
@@ -141,7 +137,7 @@ impl Mapping {
 }
 
 /// W·diag(g) and W·b + bias: a LayerNorm's affine part folded into the linear after it.
-fn fold_norm(l: &Dense, n: &Norm) -> Result<(Tensor, Tensor)> {
+pub fn fold_norm(l: &Dense, n: &Norm) -> Result<(Tensor, Tensor)> {
     let w = l.weight.broadcast_mul(&n.weight.unsqueeze(0)?)?;
     let mut b = l.weight.matmul(&n.bias.unsqueeze(1)?)?.squeeze(1)?;
     if let Some(lb) = &l.bias {
@@ -151,7 +147,7 @@ fn fold_norm(l: &Dense, n: &Norm) -> Result<(Tensor, Tensor)> {
 }
 
 /// The least-squares c for c·x̂·Wᵀ ≈ x·Wᵀ over the rows of x [rows, d].
-fn fit_input_scale(x: &Tensor, w: &Tensor) -> Result<f64> {
+pub fn fit_input_scale(x: &Tensor, w: &Tensor) -> Result<f64> {
     let d = x.dim(D::Minus1)? as f64;
     let norm = x
         .sqr()?
@@ -164,67 +160,4 @@ fn fit_input_scale(x: &Tensor, w: &Tensor) -> Result<f64> {
     let num = (&y * &yh)?.sum_all()?.to_scalar::<f64>()?;
     let den = yh.sqr()?.sum_all()?.to_scalar::<f64>()?;
     Ok(if den > 0.0 { num / den } else { 1.0 })
-}
-
-/// The Pattention tensors of one layer, under their canonical names.
-struct LayerImport {
-    tensors: Vec<(String, Tensor)>,
-    fidelity: LayerFidelity,
-}
-
-fn import_layer(
-    i: usize,
-    l: &SourceLayer,
-    map: &Mapping,
-    calib: &LayerTrace,
-    probe: &LayerTrace,
-) -> Result<LayerImport> {
-    let (wq, bq) = fold_norm(&l.query, &l.ln1)?;
-    let (wk, bk) = fold_norm(&l.key, &l.ln1)?;
-    let (wv, bv) = fold_norm(&l.value, &l.ln1)?;
-    let (w1, b1) = fold_norm(&l.fc1, &l.ln2)?;
-    let c = fit_input_scale(&calib.proj_in, &l.dense.weight)?;
-    let q = map.linear(&wq, Some(&bq), 1.0)?;
-    let k = map.linear(&wk, Some(&bk), 1.0)?;
-    let v = map.linear(&wv, Some(&bv), 1.0)?;
-    let o = map.linear(&l.dense.weight, l.dense.bias.as_ref(), c)?;
-    let f = map.mlp(&w1, &l.fc2.weight, l.fc2.bias.as_ref())?;
-    let err = |kv: &(Tensor, Tensor), x: &Tensor, y: &Tensor| -> Result<f64> {
-        relative_error(&map.pattention(kv).forward(x)?, y)
-    };
-    let fidelity = LayerFidelity {
-        layer: i,
-        query: err(&q, &probe.attn_in, &probe.query)?,
-        key: err(&k, &probe.attn_in, &probe.key)?,
-        value: err(&v, &probe.attn_in, &probe.value)?,
-        proj: err(&o, &probe.proj_in, &probe.proj_out)?,
-        mlp: err(&f, &probe.mlp_in, &probe.mlp_out)?,
-        proj_input_scale: c,
-        dropped_mlp_bias_norm: b1.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt() as f64,
-    };
-    let p = format!("layers.{i}");
-    let mut tensors = vec![];
-    for (name, kv) in PATTENTIONS.into_iter().zip([q, k, v, o, f]) {
-        tensors.push((format!("{p}.{name}.key_param_tokens"), kv.0));
-        tensors.push((format!("{p}.{name}.value_param_tokens"), kv.1));
-    }
-    Ok(LayerImport { tensors, fidelity })
-}
-
-/// Every layer of `body` through [`import_layer`]: the tensors into `tensors`, the
-/// per-layer fidelity returned.
-pub fn import_layers(
-    body: &SourceBody,
-    map: &Mapping,
-    calib: &[LayerTrace],
-    probe: &[LayerTrace],
-    tensors: &mut Tensors,
-) -> Result<Vec<LayerFidelity>> {
-    let mut layers = vec![];
-    for (i, l) in body.layers.iter().enumerate() {
-        let li = import_layer(i, l, map, &calib[i], &probe[i])?;
-        tensors.extend(li.tensors);
-        layers.push(li.fidelity);
-    }
-    Ok(layers)
 }

@@ -13,11 +13,11 @@ use tokenformer::loader;
 
 use super::args::ImportArgs;
 use super::fidelity::{relative_error, synthetic_pixels, EndToEnd, Report};
-use super::mapping::{import_layers, Mapping};
+use super::mapping::Mapping;
 use super::source::{
     layer_norm, run_layers, Dense, LayerTrace, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
 };
-use super::{finish, CardText};
+use super::{finish, import_layers, CardText};
 use crate::output::ModelFolder;
 
 /// What a source's config says about a ViT classifier: everything but the tensors.
