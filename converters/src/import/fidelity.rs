@@ -1,16 +1,19 @@
-//! How an import is measured and reported: the probe and calibration inputs (text,
-//! token ids or seeded images), the measures (relative error, perplexity), and
-//! `import_report.json`, rendered once for the terminal and for the model card.
+//! How an import is measured end to end and reported: the probe and calibration
+//! inputs (text, token ids or seeded images), perplexity, `import_report.json`
+//! (rendered once for the terminal and for the model card), and the card and
+//! folder both importers finish with.
 
 use std::path::Path;
 
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde::Serialize;
-use serde_json::Value;
+use serde_json::{json, Value};
+use tokenformer::card::ModelCard;
 use tokenformer::loader;
 
-use super::mapping::Mapping;
+use super::mapping::{LayerFidelity, Mapping};
+use crate::output::ModelFolder;
 
 pub const DEFAULT_PROBE_TEXT: &str = "The museum opened its new wing on a rainy Tuesday morning. Visitors queued outside \
 for an hour to see the collection of maps, letters and instruments that sailors had carried across the Atlantic \
@@ -87,15 +90,6 @@ pub fn synthetic_pixels(
     Ok(Tensor::from_vec(v, (n, c, size, size), dev)?)
 }
 
-/// ‖a − b‖ / ‖b‖ over all elements, in f64.
-pub fn relative_error(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a = a.flatten_all()?.to_dtype(DType::F64)?;
-    let b = b.flatten_all()?.to_dtype(DType::F64)?;
-    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
-    let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
-    Ok(if den == 0.0 { num } else { num / den })
-}
-
 /// exp(mean negative log-likelihood) of `ids[1..]` under `logits` [t, vocab].
 pub fn perplexity(logits: &Tensor, ids: &[u32]) -> Result<f64> {
     let n = ids.len() - 1;
@@ -109,21 +103,6 @@ pub fn perplexity(logits: &Tensor, ids: &[u32]) -> Result<f64> {
         .map(|&x| x as f64)
         .sum();
     Ok((nll / n as f64).exp())
-}
-
-/// Per-layer fidelity of the new Pattention layers on the source's activations.
-#[derive(Clone, Debug, Serialize)]
-pub struct LayerFidelity {
-    pub layer: usize,
-    pub query: f64,
-    pub key: f64,
-    pub value: f64,
-    pub proj: f64,
-    pub mlp: f64,
-    /// The fitted c of the output projection (its input is not normalised).
-    pub proj_input_scale: f64,
-    /// ‖pre-activation bias‖₂ of the MLP (incl. the folded norm bias): not representable, dropped.
-    pub dropped_mlp_bias_norm: f64,
 }
 
 /// End-to-end comparison on the probe.
@@ -293,4 +272,36 @@ impl Report {
         }
         s
     }
+}
+
+/// An importer's own words in the model card.
+pub struct CardText {
+    pub title: String,
+    pub pipeline: &'static str,
+    /// The "Model" section.
+    pub model: String,
+    /// Appended to the fidelity table.
+    pub fidelity_note: &'static str,
+}
+
+/// What both imports end with: the report printed and written, the card (model,
+/// mapping, fidelity, what is not representable) written, and the folder moved into
+/// place.
+pub fn finish(input: &str, folder: ModelFolder, report: &Report, text: CardText) -> Result<()> {
+    report.print();
+    folder.write_json(REPORT_FILE, report)?;
+    let mut card = ModelCard::new(text.title, text.pipeline);
+    if !Path::new(input).exists() {
+        card.set("base_model", json!(input));
+    }
+    card.section("Model", text.model);
+    card.section("Mapping", report.mapping.describe());
+    card.section("Fidelity", report.markdown() + text.fidelity_note);
+    let items: Vec<String> = report
+        .not_representable
+        .iter()
+        .map(|s| format!("- {s}"))
+        .collect();
+    card.section("Not representable", items.join("\n"));
+    folder.finish_and_say(&card)
 }

@@ -16,12 +16,11 @@ use tokenformer::models::tokenformer::{self as lm, Rotary, ScaleTokens};
 use tokenformer::pattention::Activation;
 
 use super::args::ImportArgs;
-use super::fidelity::{self, perplexity, relative_error, EndToEnd, Report};
-use super::mapping::Mapping;
+use super::fidelity::{self, finish, perplexity, CardText, EndToEnd, Report};
+use super::mapping::{import_layers, relative_error, Mapping};
 use super::source::{
     layer_norm, run_layers, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
 };
-use super::{finish, import_layers, CardText};
 use crate::output::ModelFolder;
 use crate::probe;
 
@@ -376,5 +375,5 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         ),
         fidelity_note: "",
     };
-    finish(a, folder, &report, card)
+    finish(&a.input, folder, &report, card)
 }

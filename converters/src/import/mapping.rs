@@ -1,13 +1,16 @@
-//! How a source linear layer or MLP becomes a Pattention layer: the token groups
-//! of [`Mapping`], the LayerNorm affine folded into the linear after it, and the
-//! fitted input scale of the output projection.
+//! How a source layer becomes Pattention layers: the token groups of [`Mapping`],
+//! the LayerNorm affine folded into the linear after it, the fitted input scale of
+//! the output projection, and each new layer's error against the source layer on
+//! the source's own activations.
 
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor, D};
 use serde::Serialize;
+use tokenformer::checkpoint::Tensors;
+use tokenformer::models::tokenformer::PATTENTIONS;
 use tokenformer::pattention::{Activation, Pattention};
 
-use super::source::{Dense, Norm};
+use super::source::{Dense, LayerTrace, Norm, SourceBody, SourceLayer};
 
 /// How a linear layer or an MLP becomes a Pattention layer.
 ///
@@ -137,7 +140,7 @@ impl Mapping {
 }
 
 /// W·diag(g) and W·b + bias: a LayerNorm's affine part folded into the linear after it.
-pub fn fold_norm(l: &Dense, n: &Norm) -> Result<(Tensor, Tensor)> {
+fn fold_norm(l: &Dense, n: &Norm) -> Result<(Tensor, Tensor)> {
     let w = l.weight.broadcast_mul(&n.weight.unsqueeze(0)?)?;
     let mut b = l.weight.matmul(&n.bias.unsqueeze(1)?)?.squeeze(1)?;
     if let Some(lb) = &l.bias {
@@ -147,7 +150,7 @@ pub fn fold_norm(l: &Dense, n: &Norm) -> Result<(Tensor, Tensor)> {
 }
 
 /// The least-squares c for c·x̂·Wᵀ ≈ x·Wᵀ over the rows of x [rows, d].
-pub fn fit_input_scale(x: &Tensor, w: &Tensor) -> Result<f64> {
+fn fit_input_scale(x: &Tensor, w: &Tensor) -> Result<f64> {
     let d = x.dim(D::Minus1)? as f64;
     let norm = x
         .sqr()?
@@ -160,4 +163,85 @@ pub fn fit_input_scale(x: &Tensor, w: &Tensor) -> Result<f64> {
     let num = (&y * &yh)?.sum_all()?.to_scalar::<f64>()?;
     let den = yh.sqr()?.sum_all()?.to_scalar::<f64>()?;
     Ok(if den > 0.0 { num / den } else { 1.0 })
+}
+
+/// ‖a − b‖ / ‖b‖ over all elements, in f64.
+pub fn relative_error(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.flatten_all()?.to_dtype(DType::F64)?;
+    let b = b.flatten_all()?.to_dtype(DType::F64)?;
+    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
+    let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
+    Ok(if den == 0.0 { num } else { num / den })
+}
+
+/// Per-layer fidelity of the new Pattention layers on the source's activations.
+#[derive(Clone, Debug, Serialize)]
+pub struct LayerFidelity {
+    pub layer: usize,
+    pub query: f64,
+    pub key: f64,
+    pub value: f64,
+    pub proj: f64,
+    pub mlp: f64,
+    /// The fitted c of the output projection (its input is not normalised).
+    pub proj_input_scale: f64,
+    /// ‖pre-activation bias‖₂ of the MLP (incl. the folded norm bias): not representable, dropped.
+    pub dropped_mlp_bias_norm: f64,
+}
+
+/// Source layer `i` as its five Pattention layers (q, k, v, proj, mlp) into
+/// `tensors` under their canonical names; returns their fidelity on the probe's
+/// activations (`calib` only fits the output projection's input scale).
+fn import_layer(
+    i: usize,
+    l: &SourceLayer,
+    map: &Mapping,
+    calib: &LayerTrace,
+    probe: &LayerTrace,
+    tensors: &mut Tensors,
+) -> Result<LayerFidelity> {
+    let (wq, bq) = fold_norm(&l.query, &l.ln1)?;
+    let (wk, bk) = fold_norm(&l.key, &l.ln1)?;
+    let (wv, bv) = fold_norm(&l.value, &l.ln1)?;
+    let (w1, b1) = fold_norm(&l.fc1, &l.ln2)?;
+    let c = fit_input_scale(&calib.proj_in, &l.dense.weight)?;
+    let q = map.linear(&wq, Some(&bq), 1.0)?;
+    let k = map.linear(&wk, Some(&bk), 1.0)?;
+    let v = map.linear(&wv, Some(&bv), 1.0)?;
+    let o = map.linear(&l.dense.weight, l.dense.bias.as_ref(), c)?;
+    let f = map.mlp(&w1, &l.fc2.weight, l.fc2.bias.as_ref())?;
+    let err = |kv: &(Tensor, Tensor), x: &Tensor, y: &Tensor| -> Result<f64> {
+        relative_error(&map.pattention(kv).forward(x)?, y)
+    };
+    let fidelity = LayerFidelity {
+        layer: i,
+        query: err(&q, &probe.attn_in, &probe.query)?,
+        key: err(&k, &probe.attn_in, &probe.key)?,
+        value: err(&v, &probe.attn_in, &probe.value)?,
+        proj: err(&o, &probe.proj_in, &probe.proj_out)?,
+        mlp: err(&f, &probe.mlp_in, &probe.mlp_out)?,
+        proj_input_scale: c,
+        dropped_mlp_bias_norm: b1.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt() as f64,
+    };
+    let p = format!("layers.{i}");
+    for (name, (keys, values)) in PATTENTIONS.into_iter().zip([q, k, v, o, f]) {
+        tensors.insert(format!("{p}.{name}.key_param_tokens"), keys);
+        tensors.insert(format!("{p}.{name}.value_param_tokens"), values);
+    }
+    Ok(fidelity)
+}
+
+/// Every layer of `body` through [`import_layer`].
+pub fn import_layers(
+    body: &SourceBody,
+    map: &Mapping,
+    calib: &[LayerTrace],
+    probe: &[LayerTrace],
+    tensors: &mut Tensors,
+) -> Result<Vec<LayerFidelity>> {
+    let layers = body.layers.iter().zip(calib.iter().zip(probe));
+    layers
+        .enumerate()
+        .map(|(i, (l, (c, p)))| import_layer(i, l, map, c, p, tensors))
+        .collect()
 }

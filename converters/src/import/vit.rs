@@ -12,12 +12,11 @@ use tokenformer::checkpoint::Tensors;
 use tokenformer::loader;
 
 use super::args::ImportArgs;
-use super::fidelity::{relative_error, synthetic_pixels, EndToEnd, Report};
-use super::mapping::Mapping;
+use super::fidelity::{finish, synthetic_pixels, CardText, EndToEnd, Report};
+use super::mapping::{import_layers, relative_error, Mapping};
 use super::source::{
     layer_norm, run_layers, Dense, LayerTrace, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
 };
-use super::{finish, import_layers, CardText};
 use crate::output::ModelFolder;
 
 /// What a source's config says about a ViT classifier: everything but the tensors.
@@ -332,7 +331,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             ""
         },
     };
-    finish(a, folder, &report, card)
+    finish(&a.input, folder, &report, card)
 }
 
 /// A per-channel triple (mean, std) of a preprocessing config, `default` if absent.
