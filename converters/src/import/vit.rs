@@ -7,9 +7,13 @@ mod timm;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokenformer::checkpoint::Tensors;
+use tokenformer::error::Error;
 use tokenformer::loader;
+use tokenformer::models::tokenformer::ScaleTokens;
+use tokenformer::models::vit::{self, Interpolation, Pool};
+use tokenformer::pattention::Activation;
 
 use super::args::ImportArgs;
 use super::fidelity::{finish, synthetic_pixels, CardText, EndToEnd, Report};
@@ -30,12 +34,12 @@ pub struct VitMeta {
     pub num_channels: usize,
     pub intermediate_size: usize,
     pub num_classes: usize,
-    /// Class-token pooling after the final norm (else mean of patch tokens, then fc_norm).
-    pub pool_cls: bool,
+    /// Class token after the final norm, or mean of the patch tokens, then fc_norm.
+    pub pool: Pool,
     pub mean: [f32; 3],
     pub std: [f32; 3],
     pub crop_pct: f64,
-    pub interpolation: &'static str,
+    pub interpolation: Interpolation,
     pub class_names: Option<Vec<String>>,
     pub layout: &'static str,
 }
@@ -77,6 +81,8 @@ pub struct VitSource {
     pub head_b: Tensor,
     /// (source name, TokenFormer name) of every copied tensor.
     pub copied: Vec<(String, String)>,
+    /// The copied tensors under their TokenFormer names.
+    pub copies: Tensors,
 }
 
 impl VitSource {
@@ -84,11 +90,12 @@ impl VitSource {
     fn take(raw: &mut RawCheckpoint, names: &Names, meta: VitMeta) -> Result<Self> {
         let (d, m, p) = (meta.hidden_size, meta.intermediate_size, meta.patch_size);
         let tokens = (meta.image_size / p) * (meta.image_size / p) + 1;
-        let mut copied = vec![];
+        let (mut copied, mut copies) = (vec![], Tensors::new());
         let mut copy = |raw: &mut RawCheckpoint, from: String, shape: &[usize], to: String| {
-            let t = raw.take(&from, shape);
+            let t = raw.take(&from, shape)?;
+            copies.insert(to.clone(), t.clone());
             copied.push((from, to));
-            t
+            Ok::<_, anyhow::Error>(t)
         };
         let cls = copy(raw, names.cls.into(), &[1, 1, d], "cls_token".into())?;
         let pos = copy(raw, names.pos.into(), &[1, tokens, d], "pos_embed".into())?;
@@ -144,7 +151,7 @@ impl VitSource {
                 fc2: dense(raw, names.mlp[1], d, m)?,
             });
         }
-        let to = if meta.pool_cls {
+        let to = if meta.pool == Pool::Cls {
             "final_norm"
         } else {
             "fc_norm"
@@ -189,6 +196,7 @@ impl VitSource {
             head_w,
             head_b,
             copied,
+            copies,
         })
     }
 }
@@ -235,53 +243,43 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let (_, calib) = vit_forward(&src, &calib_pixels)?;
     let (src_logits, probe_trace) = vit_forward(&src, &probe_pixels)?;
 
-    let mut tensors = Tensors::new();
-    let named = |to: &str| -> Result<Tensor> {
-        Ok(match to {
-            "cls_token" => src.cls.clone(),
-            "pos_embed" => src.pos.clone(),
-            "patch_embed.weight" => src.patch_w.clone(),
-            "patch_embed.bias" => src.patch_b.clone(),
-            "head.weight" => src.head_w.clone(),
-            "head.bias" => src.head_b.clone(),
-            n if n.ends_with("norm.weight") => src.norm.weight.clone(),
-            n if n.ends_with("norm.bias") => src.norm.bias.clone(),
-            other => bail!("internal: no copy rule for `{other}`"),
-        })
-    };
-    for (_, to) in &src.copied {
-        tensors.insert(to.clone(), named(to)?);
-    }
+    let mut tensors = src.copies.clone();
     let layers = import_layers(&src.body, &map, &calib, &probe_trace, &mut tensors)?;
-    let mut config = json!({
-        "architecture": "tokenformer-vit",
-        "image_size": size,
-        "patch_size": src.meta.patch_size,
-        "num_channels": c,
-        "hidden_size": d,
-        "num_layers": src.body.layers.len(),
-        "num_heads": src.body.num_heads,
-        "qkv_tokens": 4 * d,
-        "proj_tokens": 4 * d,
-        "ffn_tokens": src.meta.intermediate_size + 4 * d,
-        "num_classes": src.meta.num_classes,
-        "pool": if src.meta.pool_cls { "cls" } else { "mean" },
-        "norm_eps": src.body.eps,
-        "pattention_activation": "l2_norm_gelu",
-        "pattention_scale_tokens": {"qkv": map.scale_tokens, "proj": map.scale_tokens, "ffn": map.scale_tokens},
-        "crop_pct": src.meta.crop_pct,
-        "interpolation": src.meta.interpolation,
-        "mean": src.meta.mean,
-        "std": src.meta.std,
-    });
-    if let Some(n) = &src.meta.class_names {
-        config["class_names"] = json!(n);
-    }
-    // Validate with the library before anything is written.
-    let vcfg = loader::vit_config(&config, &raw.dir.join(loader::CONFIG_FILE))?;
+    let config = vit::Config {
+        architecture: vit::ARCHITECTURE.into(),
+        image_size: size,
+        patch_size: src.meta.patch_size,
+        num_channels: c,
+        hidden_size: d,
+        num_layers: src.body.layers.len(),
+        num_heads: src.body.num_heads,
+        qkv_tokens: 4 * d,
+        proj_tokens: 4 * d,
+        ffn_tokens: src.meta.intermediate_size + 4 * d,
+        num_classes: src.meta.num_classes,
+        pool: src.meta.pool,
+        norm_eps: src.body.eps,
+        pattention_activation: Activation::L2NormGelu,
+        pattention_scale_tokens: Some(ScaleTokens {
+            qkv: map.scale_tokens,
+            proj: map.scale_tokens,
+            ffn: map.scale_tokens,
+        }),
+        crop_pct: src.meta.crop_pct,
+        interpolation: src.meta.interpolation,
+        mean: src.meta.mean,
+        std: src.meta.std,
+        class_wnids: None,
+        class_names: src.meta.class_names.clone(),
+    };
+    // Checked before anything is written.
+    config
+        .validate()
+        .map_err(|e| Error::config(raw.dir.join(loader::CONFIG_FILE), e))?;
 
     let folder = ModelFolder::new(&a.out.out, a.out.force)?;
-    folder.write_config(&config)?;
+    // As a JSON value: its keys sorted, as imported ViT configs have always been written.
+    folder.write_config(&serde_json::to_value(&config)?)?;
     folder.write_weights(&tensors, tokenformer::checkpoint::DEFAULT_SHARD_BYTES)?;
     let model = loader::load_vit(&folder.files()?, &dev)?;
     let imp_logits = model.forward(&probe_pixels)?;
@@ -318,7 +316,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let card = CardText {
         title: format!(
             "TokenFormer-ViT imported from {} ({} layers, d {})",
-            src.meta.layout, vcfg.num_layers, d
+            src.meta.layout, config.num_layers, d
         ),
         pipeline: "image-classification",
         model: format!(
@@ -360,7 +358,7 @@ pub fn vit_forward(
     let cls = src.cls.broadcast_as((b, 1, d))?;
     let x = Tensor::cat(&[&cls, &x], 1)?.broadcast_add(&src.pos)?;
     let (h, traces) = run_layers(&src.body, &x, &Mixing::Bidirectional, false)?;
-    let feat = if src.meta.pool_cls {
+    let feat = if src.meta.pool == Pool::Cls {
         layer_norm(&h.narrow(1, 0, 1)?.squeeze(1)?, &src.norm, src.body.eps)?
     } else {
         let n = h.dim(1)? - 1;

@@ -9,6 +9,7 @@
 
 use anyhow::{bail, Result};
 use serde_json::Value;
+use tokenformer::models::vit::{Interpolation, Pool};
 
 use super::{triple, Names, Qkv, VitMeta, VitSource};
 use crate::import::source::{usize_key, RawCheckpoint};
@@ -70,8 +71,8 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         .and_then(|t| serde_json::from_str::<Value>(&t).ok())
         .unwrap_or(Value::Null);
     let interpolation = match pre.get("resample").and_then(Value::as_u64) {
-        Some(3) => "bicubic",
-        _ => "bilinear",
+        Some(3) => Interpolation::Bicubic,
+        _ => Interpolation::Bilinear,
     };
     let class_names = c.get("id2label").and_then(Value::as_object).and_then(|m| {
         let names: Option<Vec<String>> = (0..classes)
@@ -93,7 +94,7 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         num_channels: channels,
         intermediate_size: m,
         num_classes: classes,
-        pool_cls: true,
+        pool: Pool::Cls,
         mean: triple(&pre, "image_mean", [0.5; 3]),
         std: triple(&pre, "image_std", [0.5; 3]),
         // The processor resizes straight to image_size: no centre crop.

@@ -8,6 +8,7 @@
 
 use anyhow::{bail, Result};
 use serde_json::Value;
+use tokenformer::models::vit::{Interpolation, Pool};
 
 use super::{triple, Names, Qkv, VitMeta, VitSource};
 use crate::import::source::RawCheckpoint;
@@ -83,8 +84,8 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
     })?;
 
     let interpolation = match pre.get("interpolation").and_then(Value::as_str) {
-        Some("bilinear") => "bilinear",
-        _ => "bicubic",
+        Some("bilinear") => Interpolation::Bilinear,
+        _ => Interpolation::Bicubic,
     };
     let class_names = pre
         .get("label_names")
@@ -103,7 +104,7 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         num_channels: channels,
         intermediate_size: m,
         num_classes: classes,
-        pool_cls: !avg,
+        pool: if avg { Pool::Mean } else { Pool::Cls },
         mean: triple(&pre, "mean", [0.5; 3]),
         std: triple(&pre, "std", [0.5; 3]),
         crop_pct: pre.get("crop_pct").and_then(Value::as_f64).unwrap_or(0.9),
