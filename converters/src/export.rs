@@ -166,9 +166,12 @@ pub fn run(a: ExportArgs) -> Result<()> {
         println!("probe: max |Δ logit| between the model and its official export = {diff:.6e} (the function change you allowed)");
     } else {
         let tolerance = a.storage.tolerance(0.0);
-        if !probe::report("the model and its official export", diff, tolerance) {
-            bail!("the export does not reproduce the model (max |Δ logit| {diff:e}); nothing was written");
-        }
+        probe::require(
+            "the model and its official export",
+            diff,
+            tolerance,
+            "the export does not reproduce the model",
+        )?;
     }
     abort_hook();
     place(&staged_bin, &a.out)?;

@@ -363,9 +363,12 @@ pub fn run(a: GrowArgs) -> Result<()> {
     if exact {
         // Zero keys add zero scores: only float summation order can differ.
         let tolerance = a.storage.tolerance(1e-4);
-        if !probe::report(what, diff, tolerance) {
-            bail!("the grown model does not reproduce the original (max |Δ logit| {diff:e}); nothing was written");
-        }
+        probe::require(
+            what,
+            diff,
+            tolerance,
+            "the grown model does not reproduce the original",
+        )?;
     } else {
         println!(
             "probe: max |Δ logit| between {what} = {diff:.6e} (the function changes: {})",

@@ -98,13 +98,12 @@ pub fn run(a: OfficialArgs) -> Result<()> {
     )?;
     // Same dtype: the tensors are copied bit for bit, so the logits must agree exactly.
     let tolerance = a.storage.tolerance(0.0);
-    if !probe::report(
+    probe::require(
         "the official checkpoint and the converted folder",
         diff,
         tolerance,
-    ) {
-        bail!("the converted model does not reproduce the original (max |Δ logit| {diff:e}); nothing was written");
-    }
+        "the converted model does not reproduce the original",
+    )?;
 
     let mut card = ModelCard::new(
         format!(
