@@ -305,3 +305,72 @@ pub fn finish(input: &str, folder: ModelFolder, report: &Report, text: CardText)
     card.section("Not representable", items.join("\n"));
     folder.finish_and_say(&card)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(text: bool) -> Report {
+        Report {
+            source: "src".into(),
+            from: "gpt-neox".into(),
+            mapping: Mapping::new(4),
+            probe_ids: None,
+            calibration_ids: None,
+            probe_images: (!text).then_some(3),
+            parallel_residual_made_sequential: false,
+            layers: vec![LayerFidelity {
+                layer: 0,
+                query: 1.5e-6,
+                key: 2.0e-6,
+                value: 3.25e-6,
+                proj: 0.125,
+                mlp: 0.5,
+                proj_input_scale: 1.25,
+                dropped_mlp_bias_norm: 0.75,
+            }],
+            end_to_end: EndToEnd {
+                source_perplexity: text.then_some(10.0),
+                source_sequential_perplexity: text.then_some(11.0),
+                import_perplexity: text.then_some(12.5),
+                top1_agreement: (!text).then_some(2.0 / 3.0),
+                logits_relative_error: 0.0625,
+            },
+            copied: vec![],
+            ignored_buffers: vec![],
+            not_representable: vec!["a note".into()],
+        }
+    }
+
+    #[test]
+    fn the_terminal_rendering() {
+        assert_eq!(
+            report(true).render(Style::Terminal),
+            "per-layer relative error of each Pattention against the source layer (probe activations):\n\
+             layer      query        key      value       proj        mlp    proj c dropped |b_in|\n    \
+             0   1.500e-6   2.000e-6   3.250e-6   1.250e-1   5.000e-1    1.2500         0.7500\n\
+             perplexity on the probe: source 10.0000 (run sequentially 11.0000), import 12.5000\n\
+             relative logit error: 6.250e-2\nnote: a note\n"
+        );
+        let images = report(false).render(Style::Terminal);
+        assert!(images.ends_with(
+            "top-1 agreement on 3 probe images: 66.7%\nrelative logit error: 6.250e-2\nnote: a note\n"
+        ));
+    }
+
+    #[test]
+    fn the_markdown_rendering() {
+        let table = "Relative error ‖P(x) − f(x)‖/‖f(x)‖ of each new Pattention against the source layer, on the source's own activations of the probe:\n\n\
+                     | layer | query | key | value | proj | mlp | proj c | dropped ‖b_in‖ |\n\
+                     |---|---|---|---|---|---|---|---|\n\
+                     | 0 | 1.50e-6 | 2.00e-6 | 3.25e-6 | 1.25e-1 | 5.00e-1 | 1.2500 | 0.750 |\n\n";
+        assert_eq!(
+            report(true).markdown(),
+            format!("{table}End to end on the probe: source perplexity 10.0000, source run sequentially 11.0000, import 12.5000. Relative logit error 6.250e-2.")
+        );
+        assert_eq!(
+            report(false).markdown(),
+            format!("{table}End to end on 3 probe images: top-1 agreement 66.7%. Relative logit error 6.250e-2.")
+        );
+    }
+}
