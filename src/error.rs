@@ -26,6 +26,24 @@ pub enum Error {
     /// Bad user input (empty prompt, too-long context, unknown model name, ...).
     #[error("{0}")]
     Input(String),
+    /// A model name that is not an existing path, a zoo name or a Hub repo id.
+    #[error("unknown model `{0}`: not an existing path, a zoo name or a Hub repo id owner/name")]
+    UnknownModel(String),
+    /// A zoo entry that is a configuration without released weights.
+    #[error("zoo model `{0}` has no released weights (it is a configuration)")]
+    NoReleasedWeights(String),
+    /// An official `pytorch_model.bin` in `dir` without exactly one yml beside it.
+    #[error("config {}: an official checkpoint needs its yml config: put exactly one .yml beside it", dir.display())]
+    NoOfficialConfig { dir: PathBuf },
+    /// A Hub repo with an official `pytorch_model.bin` and no config.
+    #[error("{repo} holds an official pytorch_model.bin but no config")]
+    NoHubConfig { repo: String },
+    /// A model without `tokenizer.json`, and none given.
+    #[error("{model} has no tokenizer.json (the released models use EleutherAI/gpt-neox-20b's)")]
+    NoTokenizer { model: String },
+    /// More tokens than the model has positions.
+    #[error("the input has {tokens} tokens but the model's context is {max} positions")]
+    TooLong { tokens: usize, max: usize },
     /// Boxed: Hub errors are large and would bloat every `Result`.
     #[error(transparent)]
     Hub(Box<crate::hub::HubError>),

@@ -166,15 +166,7 @@ fn decode(
         )));
     }
     text.check_ids(prompt)?;
-    let budget = max_new_tokens.min(max - prompt.len());
-    if budget < max_new_tokens {
-        // Stopping at the context is the honest alternative to positions the
-        // model was never trained on; say so rather than stop silently.
-        eprintln!(
-            "note: generating at most {budget} tokens: the prompt has {} and the model's context is {max} positions",
-            prompt.len()
-        );
-    }
+    let budget = token_budget(max, prompt.len(), max_new_tokens);
     let mut sampler = Sampler::new(params);
     let mut out = Vec::with_capacity(budget);
     let mut input = prompt.to_vec();
@@ -190,6 +182,14 @@ fn decode(
         input = vec![next];
     }
     Ok(out)
+}
+
+/// The most tokens generation produces: `max_new_tokens`, or fewer when the
+/// prompt and they would pass the model's `max_positions` — it stops at the
+/// context rather than run on positions the model was never trained on (a
+/// caller may want to say so; see [`generate`]).
+pub fn token_budget(max_positions: usize, prompt_len: usize, max_new_tokens: usize) -> usize {
+    max_new_tokens.min(max_positions.saturating_sub(prompt_len))
 }
 
 /// Log-softmax over the vocabulary of logits [.., vocab].

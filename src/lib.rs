@@ -2,9 +2,31 @@
 //! and image classifier, checkpoint IO, Hub download, the model zoo and
 //! evaluation. Paper: <https://arxiv.org/abs/2410.23168>; official code:
 //! <https://github.com/Haiyang-W/TokenFormer>.
+//!
+//! Start with [`LanguageModel`] and [`ImageClassifier`]: a model and its
+//! tokenizer or preprocessing, loaded by name as `from_pretrained` does in
+//! Hugging Face transformers (the README's "Library" section has a runnable
+//! example):
+//!
+//! ```
+//! use tokenformer::{LanguageModel, PretrainedOptions};
+//!
+//! let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
+//! let opts = PretrainedOptions {
+//!     tokenizer: Some(format!("{fixtures}/gpt-neox-20b-tokenizer.json").into()),
+//!     ..Default::default()
+//! };
+//! let lm = LanguageModel::from_pretrained(&format!("{fixtures}/official-lm-tiny"), &opts)?;
+//! let score = lm.score("Hello, world")?;
+//! println!("perplexity {:.2}", score.perplexity);
+//! # Ok::<(), tokenformer::Error>(())
+//! ```
+//!
+//! [`loader`] loads any architecture by its [`ModelConfig`]; [`hub`],
+//! [`eval`], [`vision`] and [`checkpoint`] are the pieces the command line
+//! is made of.
 
 pub mod alloc;
-pub mod bench;
 pub mod card;
 pub mod checkpoint;
 pub mod error;
@@ -17,10 +39,26 @@ pub mod kernels;
 pub mod loader;
 pub mod models;
 pub mod pattention;
+pub mod pretrained;
 pub mod probe;
 pub mod scoring;
+pub mod synthetic;
 pub mod train;
 pub mod vision;
 pub mod zoo;
 
 pub use error::{Error, Result};
+pub use eval::imagenet::Prediction;
+pub use generate::SamplingParams;
+pub use hub::HubClient;
+pub use models::lm::TokenFormerLm;
+pub use models::vit::VisionTransformer;
+pub use models::vl::VisionLanguageModel;
+pub use models::{Architecture, ModelConfig};
+pub use pretrained::{ImageClassifier, LanguageModel, PretrainedOptions, WeightPrecision};
+pub use scoring::SequenceScore;
+
+/// The README's examples, run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

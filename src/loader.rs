@@ -11,10 +11,11 @@ use serde_json::Value;
 
 use crate::checkpoint::{self, official, Tensors};
 use crate::error::{Error, Result};
-use crate::hub::{self, RepoRef};
+use crate::hub::{self, HubClient, RepoRef};
 use crate::models::tokenformer::{self, TokenFormerLm};
 use crate::models::vit::{self, VisionTransformer};
-use crate::models::vl::{self, VisionLanguageModel};
+use crate::models::vl::VisionLanguageModel;
+use crate::models::{Architecture, ModelConfig};
 use crate::zoo::{self, ZooEntry};
 
 pub const CONFIG_FILE: &str = "config.json";
@@ -55,19 +56,33 @@ pub struct LocateOptions {
     pub progress: bool,
 }
 
-/// Resolves a model name to files on disk, downloading from the Hub if needed.
+/// Resolves a model name to files on disk, downloading from the Hub if
+/// needed (with a client configured from the environment, built only then).
 pub fn locate(spec: &str, opts: &LocateOptions) -> Result<ModelFiles> {
+    if Path::new(spec).exists() || (zoo::find(spec).is_none() && !is_repo_id(spec)) {
+        return locate_with(spec, opts, None);
+    }
+    locate_with(spec, opts, Some(&HubClient::from_env()?))
+}
+
+fn is_repo_id(spec: &str) -> bool {
+    spec.contains('/') && !spec.starts_with('.') && !spec.starts_with('/')
+}
+
+/// [`locate`] with a Hub client the caller keeps (`None`: local paths only).
+pub fn locate_with(spec: &str, opts: &LocateOptions, hub: Option<&HubClient>) -> Result<ModelFiles> {
     let path = Path::new(spec);
+    let need_hub = || {
+        hub.ok_or_else(|| Error::input(format!("`{spec}` is not a local path and no Hub client was given")))
+    };
     let mut files = if path.exists() {
         locate_local(path)?
     } else if let Some(entry) = zoo::find(spec) {
-        locate_zoo(entry, spec, opts.progress)?
-    } else if spec.contains('/') && !spec.starts_with('.') && !spec.starts_with('/') {
-        locate_hub(&RepoRef::parse(spec).map_err(hub_err)?, opts.progress)?
+        locate_zoo(need_hub()?, entry, spec, opts.progress)?
+    } else if is_repo_id(spec) {
+        locate_hub(need_hub()?, &RepoRef::parse(spec)?, opts.progress)?
     } else {
-        return Err(Error::input(format!(
-            "unknown model `{spec}`: not an existing path, a zoo name (see `tokenformer zoo list`) or a Hub repo id owner/name"
-        )));
+        return Err(Error::UnknownModel(spec.to_string()));
     };
     if let Some(c) = &opts.config {
         files.config = config_source_from_path(c)?;
@@ -78,17 +93,9 @@ pub fn locate(spec: &str, opts: &LocateOptions) -> Result<ModelFiles> {
     Ok(files)
 }
 
-fn hub_err(e: hub::HubError) -> Error {
-    Error::Hub(Box::new(e))
-}
-
 /// Paths of the files in a Hub repo.
-fn hub_listing(repo: &RepoRef) -> Result<Vec<String>> {
-    Ok(hub::list_files(repo)
-        .map_err(hub_err)?
-        .into_iter()
-        .map(|f| f.path)
-        .collect())
+fn hub_listing(hub: &HubClient, repo: &RepoRef) -> Result<Vec<String>> {
+    Ok(hub.list_files(repo)?.into_iter().map(|f| f.path).collect())
 }
 
 fn config_source_from_path(p: &Path) -> Result<ConfigSource> {
@@ -145,10 +152,9 @@ fn locate_local(path: &Path) -> Result<ModelFiles> {
             None => match zoo_config_for_dir(dir) {
                 Some(value) => ConfigSource::Json { path: None, value },
                 None => {
-                    return Err(Error::config(
-                        dir,
-                        "an official checkpoint needs its yml config: put exactly one .yml beside it or pass --config",
-                    ))
+                    return Err(Error::NoOfficialConfig {
+                        dir: dir.to_path_buf(),
+                    })
                 }
             },
         };
@@ -188,23 +194,20 @@ fn zoo_config_for_dir(dir: &Path) -> Option<Value> {
     zoo::find(name).map(|e| e.config.clone())
 }
 
-fn locate_zoo(entry: &ZooEntry, spec: &str, progress: bool) -> Result<ModelFiles> {
+fn locate_zoo(hub: &HubClient, entry: &ZooEntry, spec: &str, progress: bool) -> Result<ModelFiles> {
     let Some(w) = &entry.weights else {
-        return Err(Error::input(format!(
-            "zoo model `{}` has no released weights (it is a configuration; see `tokenformer zoo show {}`)",
-            entry.name, entry.name
-        )));
+        return Err(Error::NoReleasedWeights(entry.name.clone()));
     };
     // `Haiyang-W/TokenFormer-150M@rev` may override the zoo revision.
     let revision = spec.split_once('@').map_or(w.revision.as_str(), |(_, r)| r);
-    let repo = RepoRef::parse(&format!("{}@{revision}", w.repo)).map_err(hub_err)?;
+    let repo = RepoRef::parse(&format!("{}@{revision}", w.repo))?;
     if w.format != "official" {
-        return locate_hub(&repo, progress);
+        return locate_hub(hub, &repo, progress);
     }
     let names: Vec<&str> = w.files.iter().map(String::as_str).collect();
-    let paths = hub::download_files(&repo, &names, progress).map_err(hub_err)?;
+    let paths = hub.download_files(&repo, &names, progress)?;
     let tokenizer = match &entry.tokenizer {
-        Some(t) => Some(hub_tokenizer(&repo, t, progress)?),
+        Some(t) => Some(hub_tokenizer(hub, &repo, t, progress)?),
         None => None,
     };
     Ok(ModelFiles {
@@ -219,35 +222,40 @@ fn locate_zoo(entry: &ZooEntry, spec: &str, progress: bool) -> Result<ModelFiles
 }
 
 /// The model repo's own tokenizer.json if it has one, else the zoo's source.
-fn hub_tokenizer(repo: &RepoRef, fallback: &zoo::HubFile, progress: bool) -> Result<PathBuf> {
-    if let Ok(list) = hub_listing(repo) {
+fn hub_tokenizer(
+    hub: &HubClient,
+    repo: &RepoRef,
+    fallback: &zoo::HubFile,
+    progress: bool,
+) -> Result<PathBuf> {
+    if let Ok(list) = hub_listing(hub, repo) {
         if list.iter().any(|f| f == TOKENIZER_FILE) {
             return Ok(
-                hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone(),
+                hub.download_files(repo, &[TOKENIZER_FILE], progress)?[0].clone(),
             );
         }
     }
-    let t = RepoRef::parse(&format!("{}@{}", fallback.repo, fallback.revision)).map_err(hub_err)?;
-    Ok(hub::download_files(&t, &[fallback.file.as_str()], progress).map_err(hub_err)?[0].clone())
+    let t = RepoRef::parse(&format!("{}@{}", fallback.repo, fallback.revision))?;
+    Ok(hub.download_files(&t, &[fallback.file.as_str()], progress)?[0].clone())
 }
 
-fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
-    let list = hub_listing(repo)?;
+fn locate_hub(hub: &HubClient, repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
+    let list = hub_listing(hub, repo)?;
     let has = |f: &str| list.iter().any(|x| x == f);
     let source = format!("{}/{}@{}", repo.owner, repo.name, repo.revision);
     if has(CONFIG_FILE) {
         // Shard names come from the repo's index, checked as repo paths, and are read from
         // exactly where they were downloaded; everything from the index's commit.
         let (repo, shards) = if has(checkpoint::SAFETENSORS_INDEX) {
-            let idx = hub::download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress)
-                .map_err(hub_err)?;
-            let shards = hub::safetensors_index_shards(repo, &idx[0]).map_err(hub_err)?;
+            let idx = hub.download_files(repo, &[checkpoint::SAFETENSORS_INDEX], progress)
+                ?;
+            let shards = hub::safetensors_index_shards(repo, &idx[0])?;
             let commit = idx[0]
                 .parent()
                 .and_then(|d| d.file_name())
                 .map(|c| c.to_string_lossy().into_owned())
                 .unwrap_or_else(|| repo.revision.clone());
-            (repo.at(&commit).map_err(hub_err)?, shards)
+            (repo.at(&commit)?, shards)
         } else {
             (repo.clone(), vec![checkpoint::SAFETENSORS_FILE.to_string()])
         };
@@ -257,7 +265,7 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
             want.push(TOKENIZER_FILE.into());
         }
         let names: Vec<&str> = want.iter().map(String::as_str).collect();
-        let paths = hub::download_files(&repo, &names, progress).map_err(hub_err)?;
+        let paths = hub.download_files(&repo, &names, progress)?;
         let config_path = paths[0].clone();
         return Ok(ModelFiles {
             source,
@@ -276,27 +284,23 @@ fn locate_hub(repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
             .find(|f| f.ends_with(".yml") || f.ends_with(".yaml"));
         let config = match (yml, entry) {
             (Some(y), _) => ConfigSource::OfficialYml(
-                hub::download_files(repo, &[y], progress).map_err(hub_err)?[0].clone(),
+                hub.download_files(repo, &[y], progress)?[0].clone(),
             ),
             (None, Some(e)) => ConfigSource::Json {
                 path: None,
                 value: e.config.clone(),
             },
-            (None, None) => {
-                return Err(Error::input(format!(
-                "{source} holds an official pytorch_model.bin but no config: pass --config X.yml"
-            )))
-            }
+            (None, None) => return Err(Error::NoHubConfig { repo: source }),
         };
-        let bin = hub::download_files(repo, &["pytorch_model.bin"], progress).map_err(hub_err)?[0]
+        let bin = hub.download_files(repo, &["pytorch_model.bin"], progress)?[0]
             .clone();
         let tokenizer = if has(TOKENIZER_FILE) {
             Some(
-                hub::download_files(repo, &[TOKENIZER_FILE], progress).map_err(hub_err)?[0].clone(),
+                hub.download_files(repo, &[TOKENIZER_FILE], progress)?[0].clone(),
             )
         } else {
             match entry.and_then(|e| e.tokenizer.as_ref()) {
-                Some(t) => Some(hub_tokenizer(repo, t, progress)?),
+                Some(t) => Some(hub_tokenizer(hub, repo, t, progress)?),
                 None => None,
             }
         };
@@ -324,7 +328,8 @@ pub struct LoadedWeights {
     pub config_path: PathBuf,
 }
 
-/// The architecture named by a config (`tokenformer-lm`, `tokenformer-vit`, ...).
+/// The `architecture` string of a raw config (empty when there is none), for
+/// code that edits untyped JSON; typed code matches on [`ModelConfig`].
 pub fn architecture(config: &Value) -> &str {
     config
         .get("architecture")
@@ -345,13 +350,10 @@ pub fn read_weights(
             let (num_layers, settings) = match &files.config {
                 ConfigSource::Json { value, path } => {
                     let origin = path.clone().unwrap_or_else(|| PathBuf::from(&files.source));
-                    match lm_config(value, &origin) {
-                        Ok(cfg) => (cfg.num_layers, None),
-                        Err(e) if architecture(value) == tokenformer::ARCHITECTURE => {
-                            return Err(e)
-                        }
+                    match ModelConfig::from_value(value, &origin)? {
+                        ModelConfig::Lm(cfg) => (cfg.num_layers, None),
                         // Refused as "not a language model" once read.
-                        Err(_) => (0, None),
+                        _ => (0, None),
                     }
                 }
                 ConfigSource::OfficialYml(y) => {
@@ -414,49 +416,85 @@ pub fn read_weights(
     }
 }
 
-/// Parses the language-model config, naming the file on error.
-pub fn lm_config(value: &Value, origin: &Path) -> Result<tokenformer::Config> {
-    let cfg: tokenformer::Config =
-        serde_json::from_value(value.clone()).map_err(|e| Error::config(origin, e))?;
-    cfg.validate().map_err(|e| Error::config(origin, e))?;
-    Ok(cfg)
+/// Parses `value` (read from `origin`) as the config of architecture `A`;
+/// errors name the file and the architecture found.
+pub fn config<A: Architecture>(value: &Value, origin: &Path) -> Result<A::Config> {
+    let cfg = ModelConfig::from_value(value, origin)?;
+    A::Config::try_from(cfg).map_err(|other| not_a::<A>(&other, origin))
 }
 
-/// Builds the language model from loaded weights; errors name the checkpoint.
-pub fn build_lm(w: LoadedWeights, device: &Device) -> Result<TokenFormerLm> {
-    let cfg = lm_config(&w.config, &w.config_path)?;
-    let names: Vec<String> = w.tensors.keys().cloned().collect();
-    let vb = checkpoint::var_builder(w.tensors, device);
-    let model = TokenFormerLm::new(&cfg, vb).map_err(|e| Error::checkpoint(&w.path, e))?;
-    check_all_used(&names, &w.path, |n| lm_uses(&cfg, n))?;
+fn not_a<A: Architecture>(found: &ModelConfig, origin: &Path) -> Error {
+    Error::config(
+        origin,
+        format!(
+            "architecture `{}` is not {} (`{}`)",
+            found.architecture(),
+            A::WHAT,
+            A::ARCHITECTURE
+        ),
+    )
+}
+
+/// Builds a model of architecture `A` from loaded weights: from a checkpoint
+/// of its own architecture or of one it is part of (a merged model's route).
+/// Every tensor must be used: one left over means the config and the
+/// checkpoint disagree. Errors name the config or the checkpoint.
+pub fn build<A: Architecture>(w: LoadedWeights, device: &Device) -> Result<A> {
+    let cfg = ModelConfig::from_value(&w.config, &w.config_path)?;
+    build_from::<A>(&cfg, w, device)
+}
+
+fn build_from<A: Architecture>(cfg: &ModelConfig, w: LoadedWeights, device: &Device) -> Result<A> {
+    let (vb, untaken) = checkpoint::hand_over(w.tensors, device);
+    let model = A::from_model_config(cfg, vb)
+        .ok_or_else(|| not_a::<A>(cfg, &w.config_path))?
+        .map_err(|e| Error::checkpoint(&w.path, e))?;
+    let skip = A::unused_prefix(cfg);
+    let unused: Vec<String> = untaken
+        .names()
+        .into_iter()
+        .filter(|n| !skip.is_some_and(|p| n.starts_with(p)))
+        .collect();
+    if let Some(first) = unused.first() {
+        return Err(Error::checkpoint(
+            &w.path,
+            format!(
+                "{} tensor(s) not used by the config, e.g. `{first}`: the config does not match the checkpoint",
+                unused.len()
+            ),
+        ));
+    }
     Ok(model)
 }
 
-fn lm_uses(cfg: &tokenformer::Config, name: &str) -> bool {
-    name == "word_embeddings.weight"
-        || name.starts_with("final_norm.")
-        || (!cfg.tie_word_embeddings && name == "final_linear.weight")
-        || name
-            .strip_prefix("layers.")
-            .and_then(|r| r.split_once('.'))
-            .and_then(|(i, _)| i.parse::<usize>().ok())
-            .is_some_and(|i| i < cfg.num_layers)
+/// Loads a model of architecture `A` (f32 weights and compute on `device`).
+pub fn load<A: Architecture>(files: &ModelFiles, device: &Device) -> Result<A> {
+    build(read_weights(files, Some(DType::F32), device)?, device)
 }
 
-/// Tensors the architecture does not use mean the config and checkpoint disagree.
-pub fn check_all_used(names: &[String], path: &Path, used: impl Fn(&str) -> bool) -> Result<()> {
-    let unused: Vec<&String> = names.iter().filter(|n| !used(n)).collect();
-    if unused.is_empty() {
-        return Ok(());
-    }
-    Err(Error::checkpoint(
-        path,
-        format!(
-            "{} tensor(s) not used by the config, e.g. `{}`: the config does not match the checkpoint",
-            unused.len(),
-            unused[0]
-        ),
-    ))
+/// [`config`] for the language model.
+pub fn lm_config(value: &Value, origin: &Path) -> Result<tokenformer::Config> {
+    config::<TokenFormerLm>(value, origin)
+}
+
+/// [`config`] for the image classifier.
+pub fn vit_config(value: &Value, origin: &Path) -> Result<vit::Config> {
+    config::<VisionTransformer>(value, origin)
+}
+
+/// [`build`] for the language model.
+pub fn build_lm(w: LoadedWeights, device: &Device) -> Result<TokenFormerLm> {
+    build(w, device)
+}
+
+/// [`build`] for the image classifier.
+pub fn build_vit(w: LoadedWeights, device: &Device) -> Result<VisionTransformer> {
+    build(w, device)
+}
+
+/// [`build`] for the merged vision-language model.
+pub fn build_vl(w: LoadedWeights, device: &Device) -> Result<VisionLanguageModel> {
+    build(w, device)
 }
 
 /// Loads a language model by name, f32 weights and compute on `device`.
@@ -473,7 +511,7 @@ pub fn load_lm_as(files: &ModelFiles, device: &Device, weights: DType) -> Result
 }
 
 /// Loads a language model with its weight matrices quantised to 8 bits
-/// (`--weight-dtype q8`, see [`TokenFormerLm::quantize_q8`]), f32 compute.
+/// (see [`TokenFormerLm::quantize_q8`]), f32 compute.
 /// The checkpoint is read in its own precision when that is f16 or f32
 /// throughout (f16 widens to f32 exactly, and an fp16 release then peaks at
 /// half its f32 size while quantising), otherwise as f32.
@@ -495,33 +533,20 @@ pub fn load_lm_q8(files: &ModelFiles, device: &Device) -> Result<TokenFormerLm> 
 }
 
 fn lm_from_weights(mut w: LoadedWeights, device: &Device) -> Result<TokenFormerLm> {
-    // Text-only input to a merged vision-language model is its language route.
-    if architecture(&w.config) == vl::ARCHITECTURE {
+    let cfg = ModelConfig::from_value(&w.config, &w.config_path)?;
+    // A merged model's language route is built in f32, as the merged model is.
+    if let ModelConfig::Vl(_) = cfg {
         for t in w.tensors.values_mut() {
             *t = t.to_dtype(DType::F32)?;
         }
-        return Ok(build_vl(w, device)?.language().clone());
     }
-    if architecture(&w.config) != tokenformer::ARCHITECTURE {
-        return Err(Error::config(
-            &w.path,
-            format!(
-                "architecture `{}` is not a language model (`{}`)",
-                architecture(&w.config),
-                tokenformer::ARCHITECTURE
-            ),
-        ));
-    }
-    build_lm(w, device)
+    build_from(&cfg, w, device)
 }
 
 /// The tokenizer of a model, with a clear error when there is none.
 pub fn load_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
-    let path = files.tokenizer.as_ref().ok_or_else(|| {
-        Error::input(format!(
-            "{} has no tokenizer.json: pass --tokenizer PATH (the released models use EleutherAI/gpt-neox-20b's)",
-            files.source
-        ))
+    let path = files.tokenizer.as_ref().ok_or_else(|| Error::NoTokenizer {
+        model: files.source.clone(),
     })?;
     tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer {
         path: path.clone(),
@@ -529,68 +554,13 @@ pub fn load_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
     })
 }
 
-/// Parses the image-classifier config, naming the file on error.
-pub fn vit_config(value: &Value, origin: &Path) -> Result<vit::Config> {
-    let cfg: vit::Config =
-        serde_json::from_value(value.clone()).map_err(|e| Error::config(origin, e))?;
-    cfg.validate().map_err(|e| Error::config(origin, e))?;
-    Ok(cfg)
-}
-
-/// Builds the image classifier from loaded weights; errors name the checkpoint.
-pub fn build_vit(w: LoadedWeights, device: &Device) -> Result<VisionTransformer> {
-    let cfg = vit_config(&w.config, &w.config_path)?;
-    let names: Vec<String> = w.tensors.keys().cloned().collect();
-    let vb = checkpoint::var_builder(w.tensors, device);
-    let model = VisionTransformer::new(&cfg, vb).map_err(|e| Error::checkpoint(&w.path, e))?;
-    check_all_used(&names, &w.path, |n| cfg.uses_tensor(n))?;
-    Ok(model)
-}
-
-/// Loads a TokenFormer-ViT image classifier, f32 compute on `device`.
+/// Loads a TokenFormer-ViT image classifier (or a merged model's vision
+/// route), f32 compute on `device`.
 pub fn load_vit(files: &ModelFiles, device: &Device) -> Result<VisionTransformer> {
-    let w = read_weights(files, Some(DType::F32), device)?;
-    // Image-only input to a merged vision-language model is its vision route.
-    if architecture(&w.config) == vl::ARCHITECTURE {
-        return Ok(build_vl(w, device)?.vision().clone());
-    }
-    if architecture(&w.config) != vit::ARCHITECTURE {
-        return Err(Error::config(
-            &w.path,
-            format!(
-                "architecture `{}` is not an image classifier (`{}`)",
-                architecture(&w.config),
-                vit::ARCHITECTURE
-            ),
-        ));
-    }
-    build_vit(w, device)
-}
-
-/// Builds the merged vision-language model from loaded weights.
-pub fn build_vl(w: LoadedWeights, device: &Device) -> Result<VisionLanguageModel> {
-    let cfg: vl::Config =
-        serde_json::from_value(w.config.clone()).map_err(|e| Error::config(&w.config_path, e))?;
-    cfg.validate()
-        .map_err(|e| Error::config(&w.config_path, e))?;
-    let names: Vec<String> = w.tensors.keys().cloned().collect();
-    check_all_used(&names, &w.path, |n| cfg.uses_tensor(n))?;
-    VisionLanguageModel::from_tensors(&cfg, &w.tensors, device)
-        .map_err(|e| Error::checkpoint(&w.path, e))
+    load(files, device)
 }
 
 /// Loads a merged vision-language model (`tokenformer-vl`), f32 compute on `device`.
 pub fn load_vl(files: &ModelFiles, device: &Device) -> Result<VisionLanguageModel> {
-    let w = read_weights(files, Some(DType::F32), device)?;
-    if architecture(&w.config) != vl::ARCHITECTURE {
-        return Err(Error::config(
-            &w.config_path,
-            format!(
-                "architecture `{}` is not a vision-language model (`{}`): make one with `tokenformer-convert merge`",
-                architecture(&w.config),
-                vl::ARCHITECTURE
-            ),
-        ));
-    }
-    build_vl(w, device)
+    load(files, device)
 }

@@ -63,7 +63,7 @@ fn main() {
         eprintln!("warning: {w}");
     }
     if let Err(e) = run(cli) {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", cli::describe(&e));
         std::process::exit(1);
     }
 }

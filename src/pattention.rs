@@ -75,7 +75,7 @@ impl Pattention {
     ) -> Result<Self> {
         let key = vb.get((tokens, d_in), "key_param_tokens")?;
         let value = vb.get((tokens, d_out), "value_param_tokens")?;
-        Ok(Self::from_tensors(key, value, activation, scale_tokens))
+        Self::from_tensors(key, value, activation, scale_tokens)
     }
 
     /// The layer from its key and value tokens, in this CPU's [`Layout`].
@@ -84,7 +84,7 @@ impl Pattention {
         value: Tensor,
         activation: Activation,
         scale_tokens: Option<usize>,
-    ) -> Self {
+    ) -> Result<Self> {
         Self::from_tensors_in(key, value, activation, scale_tokens, Layout::for_this_cpu())
     }
 
@@ -95,26 +95,32 @@ impl Pattention {
         activation: Activation,
         scale_tokens: Option<usize>,
         layout: Layout,
-    ) -> Self {
-        let n = key.dim(0).unwrap_or(0);
+    ) -> Result<Self> {
+        let n = match (key.dims(), value.dims()) {
+            (&[n, _], &[m, _]) if n == m => n,
+            (k, v) => candle_core::bail!(
+                "Pattention: key_param_tokens {k:?} and value_param_tokens {v:?} must be \
+                 [n, d_in] and [n, d_out] with the same number of tokens n"
+            ),
+        };
         // A copy in the new layout; the caller's tensor is freed when dropped
         // (the loader hands each tensor over, so only one is ever doubled).
-        let transposed = |t: Tensor| t.t().and_then(|u| u.contiguous()).unwrap_or(t);
+        let transposed = |t: Tensor| t.t()?.contiguous();
         let params = match layout {
             Layout::Gemm => Params::Dense {
-                key_t: transposed(key),
+                key_t: transposed(key)?,
                 value,
             },
             Layout::Rows => Params::Rows {
                 key,
-                value_t: transposed(value),
+                value_t: transposed(value)?,
             },
         };
-        Self {
+        Ok(Self {
             params,
             activation,
             scale_tokens: scale_tokens.unwrap_or(n),
-        }
+        })
     }
 
     /// The same layer with 8-bit weights (f32 compute). `name` names the
@@ -231,6 +237,7 @@ impl Module for Pattention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::test_util::max_abs_diff;
     use candle_core::{DType, Device};
 
     fn spread(shape: (usize, usize), salt: f32) -> Tensor {
@@ -238,19 +245,6 @@ mod tests {
             .map(|i| ((i as f32 * 0.754_877_7 + salt).fract() - 0.5) * 2.0)
             .collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
     }
 
     /// Both layouts (and f16 weights in each) compute the layer's definition,
@@ -269,7 +263,8 @@ mod tests {
             for layout in [Layout::Gemm, Layout::Rows] {
                 for dtype in [DType::F32, DType::F16] {
                     let (k, v) = (key.to_dtype(dtype).unwrap(), value.to_dtype(dtype).unwrap());
-                    let p = Pattention::from_tensors_in(k, v, Activation::L2NormGelu, None, layout);
+                    let p = Pattention::from_tensors_in(k, v, Activation::L2NormGelu, None, layout)
+                        .unwrap();
                     assert_eq!(p.layout(), Some(layout));
                     assert_eq!(
                         (p.tokens(), p.key().dims(), p.value().dims()),
@@ -277,10 +272,38 @@ mod tests {
                     );
                     let got = p.forward(&x).unwrap();
                     let tol = if dtype == DType::F16 { 2e-2 } else { 1e-5 };
-                    let d = max_diff(&got, &want);
+                    let d = max_abs_diff(&got, &want);
                     assert!(d < tol, "{layout:?} {dtype:?} rows={rows}: {d}");
                 }
             }
+        }
+    }
+
+    /// Mismatched or non-matrix tokens are an error naming both tensors and
+    /// their shapes (they used to be accepted and fail later in a forward).
+    #[test]
+    fn from_tensors_rejects_bad_shapes() {
+        let ok = |k: (usize, usize), v: (usize, usize)| {
+            Pattention::from_tensors(spread(k, 0.1), spread(v, 0.2), Activation::L2NormGelu, None)
+        };
+        assert_eq!(ok((6, 4), (6, 3)).unwrap().tokens(), 6);
+        let e = ok((6, 4), (5, 3)).unwrap_err().to_string();
+        assert!(
+            e.contains("key_param_tokens [6, 4]") && e.contains("value_param_tokens [5, 3]"),
+            "{e}"
+        );
+        let rank1 = Tensor::zeros(6, DType::F32, &Device::Cpu).unwrap();
+        for layout in [Layout::Gemm, Layout::Rows] {
+            let e = Pattention::from_tensors_in(
+                rank1.clone(),
+                spread((6, 3), 0.2),
+                Activation::L2NormGelu,
+                None,
+                layout,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("key_param_tokens [6]"), "{e}");
         }
     }
 }

@@ -43,10 +43,10 @@ pub fn score_ids(model: &TokenFormerLm, ids: &[u32]) -> Result<SequenceScore> {
     }
     let max = model.config().max_position_embeddings;
     if ids.len() > max {
-        return Err(Error::input(format!(
-            "the input has {} tokens but the model's context is {max} positions; use `tokenformer eval pile` for long documents",
-            ids.len()
-        )));
+        return Err(Error::TooLong {
+            tokens: ids.len(),
+            max,
+        });
     }
     model.check_ids(ids)?;
     let input = Tensor::new(ids, model.device())?.unsqueeze(0)?;

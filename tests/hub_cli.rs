@@ -191,8 +191,8 @@ fn readme_command_downloads_a_full_size_150m_and_generates() {
     // The README's main command against a local Hub that serves a full-size
     // TokenFormer-150M in the official format (random fp16 weights) and the
     // GPT-NeoX-20B tokenizer.
-    let cfg = tokenformer::bench::lm_config("150m").unwrap();
-    let tensors = tokenformer::bench::random_lm_tensors(
+    let cfg = tokenformer::synthetic::lm_config("150m").unwrap();
+    let tensors = tokenformer::synthetic::random_lm_tensors(
         &cfg,
         candle_core::DType::F16,
         &candle_core::Device::Cpu,

@@ -472,7 +472,8 @@ fn q8_weights_decode_like_their_own_prefill_and_stay_close_to_f32() {
         .squeeze(0)
         .unwrap();
     let (ppl, ppl_q8, kl) =
-        tokenformer::bench::logit_agreement(&reference, &full.squeeze(0).unwrap(), &ids).unwrap();
+        tokenformer::synthetic::logit_agreement(&reference, &full.squeeze(0).unwrap(), &ids)
+            .unwrap();
     assert!(kl > 0.0 && kl < 1e-3, "mean KL {kl}");
     assert!(
         (ppl_q8 / ppl - 1.0).abs() < 0.01,

@@ -334,6 +334,7 @@ fn pattention(w: &HashMap<String, Tensor>, prefix: &str, scale: usize) -> Patten
         Activation::L2NormGelu,
         Some(scale),
     )
+    .unwrap()
 }
 
 fn close(a: f64, b: f64, tol: f64) -> bool {

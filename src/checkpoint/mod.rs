@@ -423,13 +423,35 @@ fn convert(t: Tensor, dtype: Option<DType>, device: &Device) -> candle_core::Res
 /// a layer that re-lays-out its weights (Pattention's transposed keys) frees
 /// the original at once, so loading never holds two copies of the weights.
 pub fn var_builder(tensors: Tensors, device: &Device) -> candle_nn::VarBuilder<'static> {
+    hand_over(tensors, device).0
+}
+
+/// [`var_builder`], and what the model built from it did not take.
+pub fn hand_over(tensors: Tensors, device: &Device) -> (candle_nn::VarBuilder<'static>, Untaken) {
     let dtype = tensors.values().next().map_or(DType::F32, |t| t.dtype());
-    let backend = HandOver(std::sync::Mutex::new(tensors.into_iter().collect()));
-    candle_nn::VarBuilder::from_backend(Box::new(backend), dtype, device.clone())
+    let backend = HandOver(std::sync::Arc::new(std::sync::Mutex::new(
+        tensors.into_iter().collect(),
+    )));
+    let untaken = Untaken(backend.0.clone());
+    let vb = candle_nn::VarBuilder::from_backend(Box::new(backend), dtype, device.clone());
+    (vb, untaken)
+}
+
+/// The tensors of a [`hand_over`] VarBuilder no model has taken (yet).
+pub struct Untaken(std::sync::Arc<std::sync::Mutex<HashMap<String, Tensor>>>);
+
+impl Untaken {
+    /// Their names, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut names: Vec<String> = map.keys().cloned().collect();
+        names.sort();
+        names
+    }
 }
 
 /// The tensors not yet taken by the model being built.
-struct HandOver(std::sync::Mutex<HashMap<String, Tensor>>);
+struct HandOver(std::sync::Arc<std::sync::Mutex<HashMap<String, Tensor>>>);
 
 impl HandOver {
     fn take(&self, name: &str) -> candle_core::Result<Tensor> {

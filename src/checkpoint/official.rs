@@ -11,7 +11,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
-use crate::models::tokenformer::{Config, ARCHITECTURE};
+use crate::models::tokenformer::Config;
 use crate::pattention::Activation;
 
 /// Official state-dict key → canonical key, or None if the key is not ours.
@@ -225,7 +225,6 @@ pub fn config_from_settings(
         .and_then(Value::as_bool)
         .unwrap_or(false);
     let cfg = Config {
-        architecture: ARCHITECTURE.into(),
         hidden_size,
         num_layers: need("num_layers")?,
         num_heads: need("num_attention_heads")?,

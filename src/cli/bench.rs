@@ -1,10 +1,24 @@
-//! `tokenformer bench`: throughput on random weights of the real sizes,
-//! comparable key by key with the PyTorch peer's JSON.
+//! `tokenformer bench`: throughput on random weights of the real sizes (no
+//! download): prefill, KV-cache decode (f32 weights, and f16 or 8-bit weights
+//! with f32 compute, with the 8-bit weights' accuracy cost), a single
+//! Pattention layer, ViT-B/16 images/s, load time / peak memory, and the CPU
+//! and kernel path the figures come from.
+//! Field names follow the PyTorch peer (`bench/torch_baseline.py` of the
+//! shared data) so the two JSON outputs can be compared key by key; like the
+//! peer, each figure is the second of two runs.
 
-use anyhow::{anyhow, Result};
-use candle_core::Device;
+use std::time::Instant;
+
+use anyhow::anyhow;
+use candle_core::{DType, Device, Tensor};
 use clap::Args;
-use tokenformer::bench;
+use serde_json::{json, Map, Value};
+
+use tokenformer::checkpoint::{self, Tensors};
+use tokenformer::error::Result;
+use tokenformer::models::tokenformer::{Cache, Config, TokenFormerLm};
+use tokenformer::pattention::{Activation, Pattention};
+use tokenformer::synthetic::{lm_config, logit_agreement, random_lm_tensors};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -23,8 +37,8 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
-pub fn run(a: BenchArgs) -> Result<()> {
-    let cfg = bench::lm_config(&a.config)
+pub fn run(a: BenchArgs) -> anyhow::Result<()> {
+    let cfg = lm_config(&a.config)
         .ok_or_else(|| anyhow!("unknown --config `{}` (150m, 450m, 900m, 1.5b)", a.config))?;
     let dev = Device::Cpu;
     let mut only = a.only.clone();
@@ -44,7 +58,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         only.retain(|o| o != "vit");
     }
-    let out = bench::run_lm(&a.config, &cfg, &dev, &only)?;
+    let out = run_lm(&a.config, &cfg, &dev, &only)?;
     if a.json {
         println!("{}", serde_json::to_string(&out)?);
     } else {
@@ -53,4 +67,496 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Seconds of the second of two runs (the first warms caches and allocators).
+fn timed(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// Peak resident memory of this process in MB (VmHWM).
+pub fn peak_rss_mb() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = s
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb / 1024.0)
+}
+
+/// Resets the peak-RSS counter (Linux `clear_refs` 5), so a later reading
+/// measures only what comes after.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+fn ids(b: usize, s: usize, vocab: usize, device: &Device) -> Result<Tensor> {
+    let v: Vec<u32> = (0..b * s)
+        .map(|i| ((i as u64 * 2_654_435_761) % vocab as u64) as u32)
+        .collect();
+    Ok(Tensor::from_vec(v, (b, s), device)?)
+}
+
+/// Prefill tokens/s for a b×s batch (full logits, as the peer computes).
+pub fn prefill(model: &TokenFormerLm, b: usize, s: usize) -> Result<f64> {
+    let x = ids(b, s, 50_277, model.device())?;
+    let secs = timed(|| {
+        model.forward(&x, None)?;
+        Ok(())
+    })?;
+    Ok((b * s) as f64 / secs)
+}
+
+/// Decode tokens/s: `n` greedy tokens after a `prompt`-token prefill.
+pub fn decode(model: &TokenFormerLm, prompt: usize, n: usize) -> Result<f64> {
+    let x = ids(1, prompt, 50_277, model.device())?;
+    let mut cache = Cache::new(model.config());
+    let logits = model.forward(&x, Some(&mut cache))?;
+    let mut tok = logits
+        .get(0)?
+        .get(prompt - 1)?
+        .argmax(0)?
+        .to_scalar::<u32>()?;
+    let t = Instant::now();
+    for _ in 0..n {
+        let x = Tensor::new(&[[tok]], model.device())?;
+        let logits = model.forward(&x, Some(&mut cache))?;
+        tok = logits.get(0)?.get(0)?.argmax(0)?.to_scalar::<u32>()?;
+    }
+    Ok(n as f64 / t.elapsed().as_secs_f64())
+}
+
+/// GFLOP/s of one Pattention layer (rows × d_in → n tokens → d_out), counting
+/// the two matmuls.
+pub fn pattention_gflops(rows: usize, d: usize, n: usize, device: &Device) -> Result<f64> {
+    let p = Pattention::from_tensors(
+        Tensor::randn(0f32, 1.0, (n, d), device)?,
+        Tensor::randn(0f32, 0.02, (n, d), device)?,
+        Activation::L2NormGelu,
+        None,
+    )?;
+    let x = Tensor::randn(0f32, 1.0, (rows, d), device)?;
+    let secs = timed(|| {
+        candle_core::Module::forward(&p, &x)?;
+        Ok(())
+    })?;
+    Ok(4.0 * (rows * d * n) as f64 / secs / 1e9)
+}
+
+/// The machine's streaming read bandwidth, the ceiling decode runs against:
+/// all threads summing a 256 MiB buffer (several times the L3 of the
+/// development machines), kept for repeated passes.
+pub struct ReadProbe(Vec<f32>);
+
+impl ReadProbe {
+    pub fn new() -> Self {
+        Self((0..64usize << 20).map(|i| (i % 7) as f32).collect())
+    }
+
+    /// GB/s of each of `n` passes, all threads summing the buffer.
+    pub fn passes(&self, n: usize) -> Vec<f64> {
+        use rayon::prelude::*;
+        let mut check = 0f32;
+        let gbs = (0..n)
+            .map(|_| {
+                let t = Instant::now();
+                check += self
+                    .0
+                    .par_chunks(1 << 20)
+                    .map(tokenformer::kernels::sum)
+                    .sum::<f32>();
+                (self.0.len() * 4) as f64 / t.elapsed().as_secs_f64() / 1e9
+            })
+            .collect();
+        // The sums are used, so the reads cannot be optimised away.
+        std::hint::black_box(check);
+        gbs
+    }
+
+    /// Runs `f` between five passes before and five after: (its result,
+    /// the best pass, the worst pass). The host drifts by ±15 % within
+    /// minutes, so the ceiling of a measurement is the bandwidth of the
+    /// moments around it, not of the start of the run.
+    pub fn around<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<(T, f64, f64)> {
+        let mut gbs = self.passes(5);
+        let r = f()?;
+        gbs.extend(self.passes(5));
+        let best = gbs.iter().cloned().fold(0.0, f64::max);
+        let worst = gbs.iter().cloned().fold(f64::INFINITY, f64::min);
+        Ok((r, best, worst))
+    }
+}
+
+impl Default for ReadProbe {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Bytes one decode step reads with f32 weights at context `position`: every
+/// Pattention key and value matrix, the output matrix, and the cached keys
+/// and values of all layers (norms and the one embedding row are noise).
+#[cfg(test)]
+fn decode_bytes_per_token(cfg: &Config, position: usize) -> f64 {
+    decode_bytes_per_token_as(cfg, position, WeightFormat::F32)
+}
+
+/// [`decode_bytes_per_token`] with weights in `weights` precision (the KV
+/// cache stays f32).
+pub fn decode_bytes_per_token_as(cfg: &Config, position: usize, weights: WeightFormat) -> f64 {
+    let d = cfg.hidden_size;
+    let tokens: usize = cfg.pattentions().iter().map(|(_, n)| n).sum();
+    let matrices = cfg.num_layers * 2 * tokens * d + cfg.vocab_size * d;
+    let kv = cfg.num_layers * 2 * position * d;
+    matrices as f64 * weights.bytes_per_weight() + (4 * kv) as f64
+}
+
+/// The CPU the figures come from: its model name, the features the kernels
+/// use (those it has), and the kernel path taken (`TOKENFORMER_KERNELS`).
+pub fn cpu_info() -> Value {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let mut features: Vec<&str> = Vec::new();
+    for isa in tokenformer::kernels::Isa::ALL {
+        if isa.is_supported() {
+            for f in isa.features() {
+                if !features.contains(f) {
+                    features.push(f);
+                }
+            }
+        }
+    }
+    let sel = tokenformer::kernels::selection();
+    json!({
+        "model": model,
+        "features": features,
+        "kernels": sel.path.isa().as_str(),
+        "kernels_requested": sel.requested,
+        "kernels_warning": sel.warning,
+    })
+}
+
+/// f32 matmul GFLOP/s at 2048³: the machine's ceiling for reference, by the
+/// gemm the model's products use (on the kernel path chosen).
+pub fn matmul_gflops(device: &Device) -> Result<f64> {
+    let a = Tensor::randn(0f32, 1.0, (2048, 2048), device)?;
+    let b = Tensor::randn(0f32, 1.0, (2048, 2048), device)?;
+    let secs = timed(|| {
+        tokenformer::kernels::matmul_nn(&a, &b)?;
+        Ok(())
+    })?;
+    Ok(2.0 * 2048f64.powi(3) / secs / 1e9)
+}
+
+/// Writes random fp16 weights as a model folder (like a converted release).
+pub fn write_random(cfg: &Config, device: &Device) -> Result<tempfile::TempDir> {
+    let dir = tempfile::tempdir().map_err(|e| tokenformer::Error::io(std::env::temp_dir(), e))?;
+    let t = random_lm_tensors(cfg, DType::F16, device)?;
+    let cfg_path = dir.path().join(tokenformer::loader::CONFIG_FILE);
+    std::fs::write(&cfg_path, serde_json::to_string(cfg).expect("serialisable"))
+        .map_err(|e| tokenformer::Error::io(&cfg_path, e))?;
+    checkpoint::write_safetensors(dir.path(), &t, checkpoint::DEFAULT_SHARD_BYTES)?;
+    Ok(dir)
+}
+
+/// The precision a benchmarked model keeps its weight matrices in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    F16,
+    /// 8-bit blocks quantised at load ([`TokenFormerLm::quantize_q8`]).
+    Q8,
+}
+
+impl WeightFormat {
+    /// Bytes a decode step reads per weight.
+    pub fn bytes_per_weight(self) -> f64 {
+        match self {
+            WeightFormat::F32 => 4.0,
+            WeightFormat::F16 => 2.0,
+            WeightFormat::Q8 => 1.0 + 4.0 / tokenformer::kernels::q8::BLOCK as f64,
+        }
+    }
+}
+
+/// Times loading a model folder with weight matrices kept in `weights`
+/// precision; returns (model, seconds, peak MB during the load).
+pub fn load_timed(
+    dir: &std::path::Path,
+    weights: WeightFormat,
+    device: &Device,
+) -> Result<(TokenFormerLm, f64, Option<f64>)> {
+    // Give freed heap memory (earlier benchmarks' activations, which glibc
+    // keeps for reuse) back to the system, so the peak is the load's own.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory of the malloc heap.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+    let base = peak_rss_mb();
+    let reset = reset_peak_rss();
+    let start = Instant::now();
+    let files = tokenformer::loader::locate(&dir.display().to_string(), &Default::default())?;
+    let model = match weights {
+        WeightFormat::F32 => tokenformer::loader::load_lm_as(&files, device, DType::F32)?,
+        WeightFormat::F16 => tokenformer::loader::load_lm_as(&files, device, DType::F16)?,
+        WeightFormat::Q8 => tokenformer::loader::load_lm_q8(&files, device)?,
+    };
+    let secs = start.elapsed().as_secs_f64();
+    let peak = if reset {
+        peak_rss_mb()
+    } else {
+        base.and(peak_rss_mb())
+    };
+    Ok((model, secs, peak))
+}
+
+/// Runs the language-model benchmarks of `bench`; `only` (if non-empty)
+/// restricts them to these names: load, prefill, decode, decode_f16,
+/// decode_q8, pattention, matmul, vit.
+pub fn run_lm(
+    name: &str,
+    cfg: &Config,
+    device: &Device,
+    only: &[String],
+) -> Result<Map<String, Value>> {
+    let want = |k: &str| only.is_empty() || only.iter().any(|o| o == k);
+    let mut out = Map::new();
+    out.insert("peer".into(), json!("tokenformer-candle"));
+    out.insert("model".into(), json!(name));
+    out.insert(
+        "threads".into(),
+        json!(candle_core::utils::get_num_threads()),
+    );
+    out.insert("cpu".into(), cpu_info());
+    let dir = write_random(cfg, device)?;
+    let (model, load_s, peak) = load_timed(dir.path(), WeightFormat::F32, device)?;
+    out.insert("load_seconds".into(), json!(round(load_s, 3)));
+    out.insert("load_peak_rss_mb".into(), json!(peak.map(|p| round(p, 1))));
+    if want("prefill") {
+        for (b, s) in [(1, 2048), (4, 512)] {
+            let s = s.min(cfg.max_position_embeddings);
+            let tps = prefill(&model, b, s)?;
+            out.insert(
+                format!("prefill_b{b}_s{s}_tokens_per_s"),
+                json!(round(tps, 1)),
+            );
+        }
+    }
+    let (prompt, steps) = (512, 64);
+    // The average context over the timed steps.
+    let position = prompt + steps / 2;
+    // Decode is bound by reading memory: each decode is timed between passes
+    // of a streaming read, whose best is its ceiling (limit) and whose worst
+    // shows how much the host drifted meanwhile.
+    // (The probe's buffer is allocated for each, after the model is loaded,
+    // so it does not count in the loads' peak memory.)
+    let timed_decode = |out: &mut Map<String, Value>,
+                        model: &TokenFormerLm,
+                        key: &str,
+                        weights: WeightFormat|
+     -> Result<()> {
+        let (tps, best, worst) = ReadProbe::new().around(|| decode(model, prompt, steps))?;
+        let bytes = decode_bytes_per_token_as(cfg, position, weights);
+        let limit = best * 1e9 / bytes;
+        let name = |what: &str| match weights {
+            WeightFormat::F32 => format!("decode_{what}"),
+            WeightFormat::F16 => format!("decode_f16_{what}"),
+            WeightFormat::Q8 => format!("decode_q8_{what}"),
+        };
+        out.insert(key.into(), json!(round(tps, 2)));
+        out.insert(name("fraction_of_limit"), json!(round(tps / limit, 2)));
+        if weights == WeightFormat::F32 {
+            out.insert("memory_read_gb_per_s".into(), json!(round(best, 1)));
+            out.insert("memory_read_gb_per_s_worst".into(), json!(round(worst, 1)));
+            out.insert("decode_mb_per_token".into(), json!(round(bytes / 1e6, 1)));
+            out.insert(
+                "decode_bandwidth_limit_tokens_per_s".into(),
+                json!(round(limit, 2)),
+            );
+        } else {
+            out.insert(name("memory_read_gb_per_s"), json!(round(best, 1)));
+        }
+        Ok(())
+    };
+    if want("decode") {
+        timed_decode(&mut out, &model, "decode_tokens_per_s", WeightFormat::F32)?;
+    }
+    if want("decode_q8") {
+        // The 8-bit weights' accuracy cost: this model's next-token
+        // distributions on a fixed token sequence against those of its
+        // weights quantised as `--weight-dtype q8` loads them. Done here, so
+        // the logits are not resident while loads are measured below.
+        let text = ids(1, 512.min(cfg.max_position_embeddings), 50_277, device)?;
+        let reference = model.forward(&text, None)?.squeeze(0)?;
+        let logits = model
+            .clone()
+            .quantize_q8()?
+            .forward(&text, None)?
+            .squeeze(0)?;
+        let ids: Vec<u32> = text.flatten_all()?.to_vec1()?;
+        let (ppl, ppl_q8, kl) = logit_agreement(&reference, &logits, &ids)?;
+        out.insert("q8_perplexity_f32".into(), json!(round(ppl, 3)));
+        out.insert("q8_perplexity".into(), json!(round(ppl_q8, 3)));
+        out.insert(
+            "q8_perplexity_change_percent".into(),
+            json!(round(100.0 * (ppl_q8 / ppl - 1.0), 4)),
+        );
+        out.insert("q8_mean_kl_divergence".into(), json!(kl));
+    }
+    drop(model);
+    if want("decode_f16") {
+        // Beyond the peer: the same checkpoint with f16 weight matrices (f32 compute).
+        let (half, load_s, peak) = load_timed(dir.path(), WeightFormat::F16, device)?;
+        out.insert("load_f16_weights_seconds".into(), json!(round(load_s, 3)));
+        out.insert(
+            "load_f16_weights_peak_rss_mb".into(),
+            json!(peak.map(|p| round(p, 1))),
+        );
+        timed_decode(
+            &mut out,
+            &half,
+            "decode_f16_weights_tokens_per_s",
+            WeightFormat::F16,
+        )?;
+        drop(half);
+    }
+    if want("decode_q8") {
+        // And with 8-bit weights quantised at load.
+        let (q8, load_s, peak) = load_timed(dir.path(), WeightFormat::Q8, device)?;
+        out.insert("load_q8_weights_seconds".into(), json!(round(load_s, 3)));
+        out.insert(
+            "load_q8_weights_peak_rss_mb".into(),
+            json!(peak.map(|p| round(p, 1))),
+        );
+        out.insert(
+            "q8_weights_mb".into(),
+            json!(round(q8.weight_bytes() as f64 / 1e6, 1)),
+        );
+        timed_decode(
+            &mut out,
+            &q8,
+            "decode_q8_weights_tokens_per_s",
+            WeightFormat::Q8,
+        )?;
+    }
+    if want("pattention") {
+        let g = pattention_gflops(2048, cfg.hidden_size, cfg.ffn_tokens, device)?;
+        out.insert("pattention_gflops".into(), json!(round(g, 1)));
+    }
+    if want("vit") {
+        out.insert(
+            "vit_b16_images_per_s".into(),
+            json!(round(vit_b16_images_per_s(device)?, 2)),
+        );
+    }
+    if want("matmul") {
+        out.insert(
+            "matmul_f32_gflops".into(),
+            json!(round(matmul_gflops(device)?, 1)),
+        );
+    }
+    out.insert(
+        "peak_rss_mb".into(),
+        json!(peak_rss_mb().map(|p| round(p, 1))),
+    );
+    Ok(out)
+}
+
+/// The zoo's TokenFormer-B/16 config with random weights of the peer's
+/// statistics (mean pooling, 1000 classes).
+pub fn random_vit_b16(device: &Device) -> Result<(tokenformer::models::vit::Config, Tensors)> {
+    use tokenformer::models::vit;
+    let entry = tokenformer::zoo::find("tokenformer-b-16").expect("zoo entry tokenformer-b-16");
+    let cfg: vit::Config = serde_json::from_value(entry.config.clone())
+        .map_err(|e| tokenformer::Error::config("zoo/models.json", e))?;
+    let d = cfg.hidden_size;
+    let p = cfg.patch_size;
+    let lm_like = Config {
+        num_layers: cfg.num_layers,
+        qkv_tokens: cfg.qkv_tokens,
+        proj_tokens: cfg.proj_tokens,
+        ffn_tokens: cfg.ffn_tokens,
+        vocab_size: 1,
+        ..Config::released(cfg.num_layers, d, cfg.num_heads)
+    };
+    let mut t = random_lm_tensors(&lm_like, DType::F32, device)?;
+    t.retain(|k, _| k.starts_with("layers."));
+    let r = |shape: &[usize], std: f32| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, std, shape, device)?)
+    };
+    let zeros = |n: usize| Tensor::zeros(n, DType::F32, device);
+    let ones = |n: usize| Tensor::ones(n, DType::F32, device);
+    t.insert(
+        "patch_embed.weight".into(),
+        r(&[d, cfg.num_channels, p, p], 0.02)?,
+    );
+    t.insert("patch_embed.bias".into(), zeros(d)?);
+    t.insert("cls_token".into(), r(&[1, 1, d], 0.02)?);
+    t.insert("pos_embed".into(), r(&[1, cfg.num_patches() + 1, d], 0.02)?);
+    // The head's norm: `fc_norm` after mean pooling, `final_norm` before the class token.
+    let norm = match cfg.pool {
+        vit::Pool::Mean => "fc_norm",
+        vit::Pool::Cls => "final_norm",
+    };
+    t.insert(format!("{norm}.weight"), ones(d)?);
+    t.insert(format!("{norm}.bias"), zeros(d)?);
+    t.insert("head.weight".into(), r(&[cfg.num_classes, d], 0.02)?);
+    t.insert("head.bias".into(), zeros(cfg.num_classes)?);
+    Ok((cfg, t))
+}
+
+/// ViT-B/16 images/s at batch 32, 224² on [`random_vit_b16`] weights.
+pub fn vit_b16_images_per_s(device: &Device) -> Result<f64> {
+    let (cfg, t) = random_vit_b16(device)?;
+    let model =
+        tokenformer::models::vit::VisionTransformer::new(&cfg, checkpoint::var_builder(t, device))?;
+    let x = Tensor::randn(
+        0f32,
+        1.0,
+        (32, cfg.num_channels, cfg.image_size, cfg.image_size),
+        device,
+    )?;
+    let secs = timed(|| {
+        model.forward(&x)?;
+        Ok(())
+    })?;
+    Ok(32.0 / secs)
+}
+
+pub fn round(x: f64, digits: i32) -> f64 {
+    let f = 10f64.powi(digits);
+    (x * f).round() / f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_reads_every_weight_matrix_and_the_cache() {
+        // TokenFormer-150M: 12 layers, d 768, 3×768 qkv + 768 proj + 3072 ffn
+        // parameter tokens with a key and a value matrix each, a 50304×768
+        // output matrix, and at context 544 a 12×2×544×768 KV cache; f32.
+        let cfg = lm_config("150m").unwrap();
+        let floats = 12 * 2 * (3 * 768 + 768 + 3072) * 768 + 50_304 * 768 + 12 * 2 * 544 * 768;
+        assert_eq!(decode_bytes_per_token(&cfg, 544), (4 * floats) as f64);
+        // 8-bit weights: 1 byte and a 4-byte scale per 32 weights; the cache stays f32.
+        let weights = 12 * 2 * (3 * 768 + 768 + 3072) * 768 + 50_304 * 768;
+        let q8 = decode_bytes_per_token_as(&cfg, 544, WeightFormat::Q8);
+        assert_eq!(q8, weights as f64 * 1.125 + (4 * 12 * 2 * 544 * 768) as f64);
+    }
 }

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use clap::Args;
-use tokenformer::generate::{generate, generate_with_image, SamplingParams};
+use tokenformer::generate::{generate, generate_with_image, token_budget, SamplingParams};
 use tokenformer::loader;
 use tokenformer::models::tokenformer::TokenFormerLm;
 use tokenformer::models::vl::{self, VisionLanguageModel};
@@ -88,10 +88,11 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         }
         None => Generator::Text(Box::new(a.weights.load_lm(&files)?)),
     };
-    let eos = match &model {
-        Generator::WithImage(m, _) => m.language().config().eos_token_id,
-        Generator::Text(m) => m.config().eos_token_id,
+    let text_cfg = match &model {
+        Generator::WithImage(m, _) => m.language().config(),
+        Generator::Text(m) => m.config(),
     };
+    let (eos, max) = (text_cfg.eos_token_id, text_cfg.max_position_embeddings);
     let mut stdout = std::io::stdout().lock();
     write!(stdout, "{}", a.prompt)?;
     stdout.flush()?;
@@ -111,6 +112,15 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         }
         Ok(())
     };
+    let budget = token_budget(max, prompt.len(), a.max_new_tokens);
+    if prompt.len() < max && budget < a.max_new_tokens {
+        // Stopping at the context is the honest alternative to positions the
+        // model was never trained on; say so rather than stop silently.
+        eprintln!(
+            "note: generating at most {budget} tokens: the prompt has {} and the model's context is {max} positions",
+            prompt.len()
+        );
+    }
     match &model {
         Generator::WithImage(m, pixels) => {
             generate_with_image(m, pixels, &prompt, a.max_new_tokens, params, on_token)?

@@ -9,6 +9,40 @@ pub mod vision;
 pub mod zoo;
 
 use clap::{Args, ValueEnum};
+use tokenformer::Error;
+
+/// The message `main` prints for an error (as `{:#}` does: each cause after
+/// a colon), with the flag or command that helps added where the library
+/// only says what is missing.
+pub fn describe(e: &anyhow::Error) -> String {
+    e.chain()
+        .map(|cause| match cause.downcast_ref::<Error>() {
+            Some(lib) => hint(lib).unwrap_or_else(|| lib.to_string()),
+            None => cause.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
+fn hint(e: &Error) -> Option<String> {
+    Some(match e {
+        Error::UnknownModel(spec) => format!(
+            "unknown model `{spec}`: not an existing path, a zoo name (see `tokenformer zoo list`) or a Hub repo id owner/name"
+        ),
+        Error::NoReleasedWeights(name) => format!(
+            "zoo model `{name}` has no released weights (it is a configuration; see `tokenformer zoo show {name}`)"
+        ),
+        Error::NoOfficialConfig { .. } => format!("{e} or pass --config"),
+        Error::NoHubConfig { repo } => {
+            format!("{repo} holds an official pytorch_model.bin but no config: pass --config X.yml")
+        }
+        Error::NoTokenizer { model } => format!(
+            "{model} has no tokenizer.json: pass --tokenizer PATH (the released models use EleutherAI/gpt-neox-20b's)"
+        ),
+        Error::TooLong { .. } => format!("{e}; use `tokenformer eval pile` for long documents"),
+        _ => return None,
+    })
+}
 
 /// How every command names and finds a model.
 #[derive(Args, Debug, Clone)]

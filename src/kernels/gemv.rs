@@ -116,11 +116,9 @@ impl<'a> Weights<'a> {
     }
 }
 
-/// Whether the streaming kernels prefetch weights in software. On the Intel
-/// Xeon of docs/PERFORMANCE.md that raised their bandwidth by 10-15 %; on
-/// AMD's Zen (the EPYC there) it lowered it (by up to a fifth for 12 KB
-/// rows: the hardware prefetchers keep up, and the extra instructions and
-/// L1 fills only compete with the loads). So: on Intel only.
+/// Whether the streaming kernels prefetch weights in software: on Intel
+/// only, since on AMD's Zen the hardware prefetchers keep up and the extra
+/// instructions compete with the loads (docs/PERFORMANCE.md).
 fn software_prefetch() -> bool {
     is_intel()
 }

@@ -117,25 +117,21 @@ pub(super) unsafe fn gemm_f32(
     scale: f32,
     parallelism: gemm::Parallelism,
 ) {
-    use gemm_common::gemm::gemm_basic_generic;
-    #[cfg(target_arch = "x86_64")]
-    if path.isa() == Isa::Avx2 {
-        use gemm_common::simd::V3;
-        use gemm_f32::microkernel::fma::f32 as ukr;
-        let simd = V3::try_new().expect("a Path exists only for a supported ISA");
-        // SAFETY: the caller's contract; the kernels are gemm's own for V3.
-        return unsafe {
-            gemm_basic_generic::<
+    // gemm's generic driver with the microkernels of the `ukr` module in
+    // scope where it is expanded (`$lanes` f32 per register).
+    macro_rules! gemm_with {
+        ($simd:expr, $lanes:literal) => {
+            gemm_common::gemm::gemm_basic_generic::<
                 _,
                 f32,
-                8,
-                { ukr::MR_DIV_N * 8 },
+                $lanes,
+                { ukr::MR_DIV_N * $lanes },
                 { ukr::NR },
                 { ukr::MR_DIV_N },
                 { ukr::H_M },
                 { ukr::H_N },
             >(
-                simd,
+                $simd,
                 m,
                 n,
                 k,
@@ -162,46 +158,18 @@ pub(super) unsafe fn gemm_f32(
             )
         };
     }
+    #[cfg(target_arch = "x86_64")]
+    if path.isa() == Isa::Avx2 {
+        use gemm_f32::microkernel::fma::f32 as ukr;
+        let simd =
+            gemm_common::simd::V3::try_new().expect("a Path exists only for a supported ISA");
+        // SAFETY: the caller's contract; the kernels are gemm's own for V3.
+        return unsafe { gemm_with!(simd, 8) };
+    }
     if path.isa() == Isa::Portable {
         use gemm_f32::microkernel::scalar::f32 as ukr;
         // SAFETY: the caller's contract; the kernels are gemm's own scalar ones.
-        return unsafe {
-            gemm_basic_generic::<
-                _,
-                f32,
-                1,
-                { ukr::MR_DIV_N },
-                { ukr::NR },
-                { ukr::MR_DIV_N },
-                { ukr::H_M },
-                { ukr::H_N },
-            >(
-                gemm_common::simd::Scalar,
-                m,
-                n,
-                k,
-                dst,
-                dst_cs,
-                dst_rs,
-                false,
-                lhs,
-                lhs_cs,
-                lhs_rs,
-                rhs,
-                rhs_cs,
-                rhs_rs,
-                0.0,
-                scale,
-                false,
-                false,
-                false,
-                |a, b, c| a * b + c,
-                &ukr::UKR,
-                &ukr::H_UKR,
-                false,
-                parallelism,
-            )
-        };
+        return unsafe { gemm_with!(gemm_common::simd::Scalar, 1) };
     }
     // SAFETY: the caller's contract.
     unsafe {

@@ -198,6 +198,21 @@ pub fn prefers_row_products() -> bool {
     !gemv::is_intel()
 }
 
+/// Runs a model's forward over `rows` input rows (tokens × batch) on the
+/// thread that suits it. Small inputs (decode steps) run on a rayon worker:
+/// each parallel kernel called from outside the pool puts the caller to sleep
+/// and wakes it again, while from inside the calls just fork and join. Larger
+/// inputs stay on the calling thread, whose malloc arena keeps freed
+/// activations (see `alloc::keep_freed_memory`; a worker's arena would map
+/// and unmap its large blocks every time).
+pub fn run_forward<R: Send>(rows: usize, forward: impl FnOnce() -> R + Send) -> R {
+    if rows <= SMALL_ROWS {
+        rayon::scope(|_| forward())
+    } else {
+        forward()
+    }
+}
+
 /// The contiguous f32 data of a CPU tensor.
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     let CpuStorage::F32(d) = s else {

@@ -12,7 +12,7 @@ use candle_core::{Device, Module, Result, Tensor, D};
 use candle_nn::{LayerNorm, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::models::tokenformer::{AttentionMode, Block, BlockConfig, ScaleTokens};
+use crate::models::block::{AttentionMode, Block, BlockConfig, ScaleTokens};
 use crate::pattention::Activation;
 
 pub const ARCHITECTURE: &str = "tokenformer-vit";
@@ -59,12 +59,15 @@ fn default_std() -> [f32; 3] {
 }
 
 /// `config.json` of a TokenFormer-ViT folder (key names shared with the LM where
-/// they mean the same thing).
+/// they mean the same thing), with `"architecture": "tokenformer-vit"` first.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    tag = "architecture",
+    rename = "tokenformer-vit",
+    deny_unknown_fields,
+    remote = "Self"
+)]
 pub struct Config {
-    /// Always `"tokenformer-vit"`.
-    pub architecture: String,
     pub image_size: usize,
     pub patch_size: usize,
     #[serde(default = "default_channels")]
@@ -110,7 +113,6 @@ impl Config {
         ffn: usize,
     ) -> Self {
         Self {
-            architecture: ARCHITECTURE.into(),
             image_size: 224,
             patch_size: 16,
             num_channels: 3,
@@ -148,10 +150,7 @@ impl Config {
     /// list lengths and unique class ids. Every loader calls this before
     /// anything is allocated from the config.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        use crate::models::tokenformer::{
-            check_architecture, check_block, check_divides, check_float, check_range,
-        };
-        check_architecture(&self.architecture, ARCHITECTURE)?;
+        use crate::models::tokenformer::{check_block, check_divides, check_float, check_range};
         check_range("image_size", self.image_size, 1, MAX_IMAGE_SIZE)?;
         check_range("patch_size", self.patch_size, 1, self.image_size)?;
         check_divides("image_size", self.image_size, "patch_size", self.patch_size)?;
@@ -302,10 +301,9 @@ impl VisionTransformer {
         &self.layers
     }
 
-    /// The stride-p convolution as unfold + matmul: pixels [b, C, H, W] →
-    /// patch tokens [b, N, d], patches in row-major order. At 224²/16 this is
-    /// one 150k-element copy and a single GEMM, faster than candle's CPU conv2d
-    /// (which goes through its own im2col and a batched matmul).
+    /// The stride-p convolution as unfold + one matmul (see
+    /// docs/PERFORMANCE.md): pixels [b, C, H, W] → patch tokens [b, N, d],
+    /// patches in row-major order.
     pub fn embed_patches(&self, pixels: &Tensor) -> Result<Tensor> {
         let (b, c, h, w) = pixels.dims4()?;
         let p = self.cfg.patch_size;

@@ -19,13 +19,13 @@
 //! text-only inputs run the classifier's and the language model's own code,
 //! and the mixed sequence reuses their blocks ([`Block`], [`Attention`]).
 
-use std::collections::HashMap;
-
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
+use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::Tensors;
-use crate::models::tokenformer::{self as lm, Block, LayerCache, ScaleTokens, TokenFormerLm};
+use crate::models::block::{AttentionMode, Block, LayerCache, ScaleTokens};
+use crate::models::lm::{self, TokenFormerLm};
 use crate::models::vit::{self, VisionTransformer};
 
 pub const ARCHITECTURE: &str = "tokenformer-vl";
@@ -55,11 +55,17 @@ pub struct PattentionGroups {
 /// `config.json` of a merged folder: both sources' configs as they were
 /// (their token counts are their groups' sizes, their √n constants are the
 /// routes'), the bridge size and the groups.
+///
+/// Written and read with `"architecture": "tokenformer-vl"` first, and each
+/// source's config with its own architecture.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    tag = "architecture",
+    rename = "tokenformer-vl",
+    deny_unknown_fields,
+    remote = "Self"
+)]
 pub struct Config {
-    /// Always `"tokenformer-vl"`.
-    pub architecture: String,
     pub vision: vit::Config,
     pub language: lm::Config,
     pub bridge_tokens: usize,
@@ -83,7 +89,6 @@ impl Config {
             bridge,
         };
         let cfg = Self {
-            architecture: ARCHITECTURE.into(),
             vision: vision.clone(),
             language: language.clone(),
             bridge_tokens: bridge,
@@ -99,12 +104,6 @@ impl Config {
 
     /// Same width, depth and heads; groups consistent with the sources.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.architecture != ARCHITECTURE {
-            return Err(format!(
-                "architecture is `{}`, expected `{ARCHITECTURE}`",
-                self.architecture
-            ));
-        }
         let (v, l) = (&self.vision, &self.language);
         v.validate().map_err(|e| format!("vision: {e}"))?;
         l.validate().map_err(|e| format!("language: {e}"))?;
@@ -284,6 +283,110 @@ fn route_rows(t: &Tensor, g: Groups, vision: bool) -> Result<Tensor> {
     Tensor::cat(&[&own, &t.narrow(0, g.vision + g.language, g.bridge)?], 0)
 }
 
+/// The shared layers' Pattention tokens of the vision and/or language route
+/// (the rows of its own group and the bridge), taken from `vb`.
+fn split_layers(
+    cfg: &Config,
+    vb: &VarBuilder,
+    vision: bool,
+    language: bool,
+) -> Result<(Tensors, Tensors)> {
+    if let Err(e) = cfg.validate() {
+        candle_core::bail!("invalid config: {e}")
+    }
+    let (mut vis, mut lang) = (Tensors::new(), Tensors::new());
+    for i in 0..cfg.vision.num_layers {
+        for (name, kind) in layer_params(i) {
+            let g = cfg.pattention_groups.of(kind);
+            let t = vb.get_unchecked(&name)?;
+            if t.dim(0)? != g.total() {
+                candle_core::bail!(
+                    "tensor `{name}` has {} tokens, the groups say {}",
+                    t.dim(0)?,
+                    g.total()
+                )
+            }
+            if vision {
+                vis.insert(name.clone(), route_rows(&t, g, true)?);
+            }
+            if language {
+                lang.insert(name, route_rows(&t, g, false)?);
+            }
+        }
+    }
+    Ok((vis, lang))
+}
+
+/// The language route alone (text-only use of a merged checkpoint).
+pub(crate) fn language_route(cfg: &Config, vb: VarBuilder) -> Result<TokenFormerLm> {
+    let (_, lang) = split_layers(cfg, &vb, false, true)?;
+    TokenFormerLm::new(&cfg.language_route(), overlay(lang, vb.pp("language")))
+}
+
+/// The vision route alone (image-only use of a merged checkpoint).
+pub(crate) fn vision_route(cfg: &Config, vb: VarBuilder) -> Result<VisionTransformer> {
+    let (vis, _) = split_layers(cfg, &vb, true, false)?;
+    VisionTransformer::new(&cfg.vision_route(), overlay(vis, vb.pp("vision")))
+}
+
+/// A VarBuilder that hands out `own` tensors by name and asks `rest` for the others.
+fn overlay<'a>(own: Tensors, rest: VarBuilder<'a>) -> VarBuilder<'a> {
+    let (dtype, device) = (rest.dtype(), rest.device().clone());
+    let backend = Overlay {
+        own: std::sync::Mutex::new(own),
+        rest,
+    };
+    VarBuilder::from_backend(Box::new(backend), dtype, device)
+}
+
+struct Overlay<'a> {
+    own: std::sync::Mutex<Tensors>,
+    rest: VarBuilder<'a>,
+}
+
+impl Overlay<'_> {
+    fn take(&self, name: &str) -> Option<Tensor> {
+        self.own
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name)
+    }
+}
+
+impl candle_nn::var_builder::SimpleBackend for Overlay<'_> {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        init: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Tensor> {
+        match self.take(name) {
+            Some(t) if t.shape() != &s => Err(candle_core::Error::UnexpectedShape {
+                msg: format!("shape mismatch for {name}"),
+                expected: s,
+                got: t.shape().clone(),
+            }
+            .bt()),
+            Some(t) => t.to_device(dev)?.to_dtype(dtype),
+            None => self.rest.get_with_hints_dtype(s, name, init, dtype),
+        }
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        match self.take(name) {
+            Some(t) => t.to_device(dev)?.to_dtype(dtype),
+            None => self.rest.get_unchecked_dtype(name, dtype),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        let own = self.own.lock().unwrap_or_else(|e| e.into_inner());
+        own.contains_key(name) || self.rest.contains_tensor(name)
+    }
+}
+
 /// KV cache of a mixed (image + text) sequence: image keys first, then text.
 pub struct VlCache {
     layers: Vec<LayerCache>,
@@ -313,46 +416,24 @@ pub struct VisionLanguageModel {
 }
 
 impl VisionLanguageModel {
-    /// Builds both routes from the merged checkpoint's tensors.
-    pub fn from_tensors(cfg: &Config, tensors: &Tensors, device: &Device) -> Result<Self> {
-        if let Err(e) = cfg.validate() {
-            candle_core::bail!("invalid config: {e}")
-        }
-        let mut vis: HashMap<String, Tensor> = HashMap::new();
-        let mut lang: HashMap<String, Tensor> = HashMap::new();
-        for (n, t) in tensors {
-            if let Some(r) = n.strip_prefix("vision.") {
-                vis.insert(r.to_string(), t.clone());
-            } else if let Some(r) = n.strip_prefix("language.") {
-                lang.insert(r.to_string(), t.clone());
-            }
-        }
-        for i in 0..cfg.vision.num_layers {
-            for (name, kind) in layer_params(i) {
-                let g = cfg.pattention_groups.of(kind);
-                let t = tensors
-                    .get(&name)
-                    .ok_or_else(|| candle_core::Error::Msg(format!("missing tensor `{name}`")))?;
-                if t.dim(0)? != g.total() {
-                    candle_core::bail!(
-                        "tensor `{name}` has {} tokens, the groups say {}",
-                        t.dim(0)?,
-                        g.total()
-                    )
-                }
-                vis.insert(name.clone(), route_rows(t, g, true)?);
-                lang.insert(name, route_rows(t, g, false)?);
-            }
-        }
-        let vb =
-            |m: HashMap<String, Tensor>| candle_nn::VarBuilder::from_tensors(m, DType::F32, device);
-        let vision = VisionTransformer::new(&cfg.vision_route(), vb(vis))?;
-        let language = TokenFormerLm::new(&cfg.language_route(), vb(lang))?;
+    /// Builds both routes from a merged checkpoint.
+    pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
+        let (vis, lang) = split_layers(cfg, &vb, true, true)?;
         Ok(Self {
-            vision,
-            language,
+            vision: VisionTransformer::new(&cfg.vision_route(), overlay(vis, vb.pp("vision")))?,
+            language: TokenFormerLm::new(&cfg.language_route(), overlay(lang, vb.pp("language")))?,
             cfg: cfg.clone(),
         })
+    }
+
+    /// Builds both routes from the merged checkpoint's tensors (f32).
+    pub fn from_tensors(cfg: &Config, tensors: &Tensors, device: &Device) -> Result<Self> {
+        let map = tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .collect();
+        let vb = VarBuilder::from_tensors(map, DType::F32, device);
+        Self::new(cfg, vb)
     }
 
     pub fn config(&self) -> &Config {
@@ -382,7 +463,8 @@ impl VisionLanguageModel {
 
     /// One layer of the mixed sequence. Image rows attend only to image rows,
     /// exactly as in the classifier; text rows attend causally to text and to
-    /// all image rows (from the cache when decoding).
+    /// all image rows (from the cache when decoding): image keys come first,
+    /// so the causal rule treats the image as the past.
     fn mixed_layer(
         &self,
         i: usize,
@@ -392,40 +474,43 @@ impl VisionLanguageModel {
         cache: Option<&mut LayerCache>,
     ) -> Result<(Option<Tensor>, Tensor)> {
         let (vb, lb): (&Block, &Block) = (&self.vision.layers()[i], &self.language.layers()[i]);
-        let rotary = self.language.rotary();
-        let (qt, kt, vt) = lb.attention.project_qkv(&lb.norm().forward(txt)?)?;
-        let qt = rotary.apply(&qt, text_offset)?;
-        let kt = rotary.apply(&kt, text_offset)?;
-        let (img_out, ki, vi) = match img {
+        let (img_out, image_kv) = match img {
             Some(x) => {
-                let (qi, ki, vi) = vb.attention.project_qkv(&vb.norm().forward(x)?)?;
-                let o = vb.attention.attend(&qi, &ki, &vi, false)?;
-                let x = (x + vb.attention.proj.forward(&o)?)?;
-                let x = (&x + vb.mlp.forward(&vb.norm().forward(&x)?)?)?;
-                (Some(x), Some(ki), Some(vi))
+                let (x, kv) = vb.forward_kv(x, AttentionMode::Bidirectional, None)?;
+                (Some(x), Some(kv))
             }
-            None => (None, None, None),
+            None => (None, None),
         };
-        let (k_new, v_new) = match (&ki, &vi) {
-            (Some(ki), Some(vi)) => (Tensor::cat(&[ki, &kt], 2)?, Tensor::cat(&[vi, &vt], 2)?),
-            _ => (kt, vt),
+        let mode = AttentionMode::Causal {
+            rotary: self.language.rotary(),
+            offset: text_offset,
+            cache,
         };
-        let (k, v) = match cache {
-            Some(c) => c.append(&k_new, &v_new)?,
-            None => (k_new, v_new),
-        };
-        // Image keys come first, so every text row sees all of them, then the
-        // text up to itself: the causal rule with the image as "past".
-        let o = lb.attention.attend(&qt, &k, &v, true)?;
-        let x = (txt + lb.attention.proj.forward(&o)?)?;
-        let x = (&x + lb.mlp.forward(&lb.norm().forward(&x)?)?)?;
-        Ok((img_out, x))
+        let (txt, _) = lb.forward_kv(txt, mode, image_kv.as_ref())?;
+        Ok((img_out, txt))
     }
 
     /// The mixed sequence [image tokens; text tokens]: pixels [b, C, H, W]
     /// (or None to continue from the cache) and ids [b, t]. Returns the image
     /// logits (when pixels were given) and the text logits [b, t, vocab].
     pub fn forward_mixed(
+        &self,
+        pixels: Option<&Tensor>,
+        ids: &Tensor,
+        cache: Option<&mut VlCache>,
+    ) -> Result<(Option<Tensor>, Tensor)> {
+        let image_rows = match pixels {
+            Some(p) => {
+                p.dims().first().copied().unwrap_or(0) * (self.vision.config().num_patches() + 1)
+            }
+            None => 0,
+        };
+        crate::kernels::run_forward(image_rows + ids.elem_count(), || {
+            self.forward_mixed_here(pixels, ids, cache)
+        })
+    }
+
+    fn forward_mixed_here(
         &self,
         pixels: Option<&Tensor>,
         ids: &Tensor,

@@ -295,7 +295,6 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let layers = import_layers(&src.body, &map, &calib, &probe_trace, &mut tensors)?;
     let m = cfg.intermediate_size;
     let config = lm::Config {
-        architecture: lm::ARCHITECTURE.into(),
         hidden_size: d,
         num_layers: cfg.num_layers,
         num_heads: cfg.num_heads,

@@ -121,7 +121,7 @@ impl Mapping {
         Ok((keys, values))
     }
 
-    pub fn pattention(&self, kv: &(Tensor, Tensor)) -> Pattention {
+    pub fn pattention(&self, kv: &(Tensor, Tensor)) -> candle_core::Result<Pattention> {
         Pattention::from_tensors(
             kv.0.clone(),
             kv.1.clone(),
@@ -211,7 +211,7 @@ fn import_layer(
     let o = map.linear(&l.dense.weight, l.dense.bias.as_ref(), c)?;
     let f = map.mlp(&w1, &l.fc2.weight, l.fc2.bias.as_ref())?;
     let err = |kv: &(Tensor, Tensor), x: &Tensor, y: &Tensor| -> Result<f64> {
-        relative_error(&map.pattention(kv).forward(x)?, y)
+        relative_error(&map.pattention(kv)?.forward(x)?, y)
     };
     let fidelity = LayerFidelity {
         layer: i,

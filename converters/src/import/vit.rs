@@ -246,7 +246,6 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let mut tensors = src.copies.clone();
     let layers = import_layers(&src.body, &map, &calib, &probe_trace, &mut tensors)?;
     let config = vit::Config {
-        architecture: vit::ARCHITECTURE.into(),
         image_size: size,
         patch_size: src.meta.patch_size,
         num_channels: c,

@@ -1,5 +1,5 @@
-//! The TokenFormer language model (decoder-only, GPT-NeoX layout) and the
-//! block shared with the vision classifier.
+//! The TokenFormer language model (decoder-only, GPT-NeoX layout): its
+//! config, KV cache and forward over the shared [`Block`].
 //!
 //! Follows the official implementation (Haiyang-W/TokenFormer,
 //! `megatron/model/tokenformer.py`): pre-norm blocks with non-parametric
@@ -8,20 +8,13 @@
 //! LayerNorm with weight and bias, and logits against the tied word
 //! embeddings. Paper: <https://arxiv.org/abs/2410.23168>.
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{LayerNorm, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::pattention::{Activation, Pattention};
-
-/// The √n constants of the three Pattention kinds. Absent in a config means
-/// "the layer's token count", which is what the official code does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ScaleTokens {
-    pub qkv: usize,
-    pub proj: usize,
-    pub ffn: usize,
-}
+pub use crate::models::block::ScaleTokens;
+use crate::models::block::{AttentionMode, Block, BlockConfig, LayerCache, Rotary};
+use crate::pattention::Activation;
 
 fn default_rotary_pct() -> f64 {
     0.25
@@ -46,12 +39,16 @@ pub const PATTENTIONS: [&str; 5] = [
     "mlp",
 ];
 
-/// `config.json` of a canonical language-model folder.
+/// `config.json` of a canonical language-model folder. It is written and read
+/// with `"architecture": "tokenformer-lm"` first (see [`crate::models::ModelConfig`]).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    tag = "architecture",
+    rename = "tokenformer-lm",
+    deny_unknown_fields,
+    remote = "Self"
+)]
 pub struct Config {
-    /// Always `"tokenformer-lm"`.
-    pub architecture: String,
     pub hidden_size: usize,
     pub num_layers: usize,
     pub num_heads: usize,
@@ -86,7 +83,6 @@ impl Config {
     /// The released TokenFormer LM shape with the GPT-NeoX vocabulary.
     pub fn released(num_layers: usize, hidden_size: usize, num_heads: usize) -> Self {
         Self {
-            architecture: ARCHITECTURE.into(),
             hidden_size,
             num_layers,
             num_heads,
@@ -126,7 +122,6 @@ impl Config {
     /// loader calls this before anything is allocated from the config.
     pub fn validate(&self) -> std::result::Result<(), String> {
         use limits::*;
-        check_architecture(&self.architecture, ARCHITECTURE)?;
         check_block(
             self.hidden_size,
             self.num_layers,
@@ -248,13 +243,6 @@ pub fn check_divides(
     Ok(())
 }
 
-pub fn check_architecture(found: &str, expected: &str) -> std::result::Result<(), String> {
-    if found != expected {
-        return Err(format!("architecture is `{found}`, expected `{expected}`"));
-    }
-    Ok(())
-}
-
 /// The block shape every architecture shares: width, depth, heads, the Pattention
 /// token counts (q/k/v, proj, ffn) and their √n constants.
 pub fn check_block(
@@ -278,275 +266,6 @@ pub fn check_block(
         check_range("pattention_scale_tokens.ffn", s.ffn, 1, MAX_SCALE_TOKENS)?;
     }
     Ok(())
-}
-
-/// What a block needs to know; shared by the language and vision models.
-#[derive(Clone, Debug)]
-pub struct BlockConfig {
-    pub hidden_size: usize,
-    pub num_heads: usize,
-    pub qkv_tokens: usize,
-    pub proj_tokens: usize,
-    pub ffn_tokens: usize,
-    pub norm_eps: f64,
-    pub activation: Activation,
-    pub scale_tokens: Option<ScaleTokens>,
-}
-
-/// LayerNorm without weight and bias (the official `layernorm_nonparam`).
-pub fn nonparam_layer_norm(hidden: usize, eps: f64, device: &Device) -> Result<LayerNorm> {
-    Ok(LayerNorm::new(
-        Tensor::ones(hidden, DType::F32, device)?,
-        Tensor::zeros(hidden, DType::F32, device)?,
-        eps,
-    ))
-}
-
-/// GPT-NeoX rotary tables: cos/sin [max_positions, rotary_dims/2], computed
-/// in f32 like the reference so that positions near 2048 round identically.
-#[derive(Clone, Debug)]
-pub struct Rotary {
-    dims: usize,
-    cos: Tensor,
-    sin: Tensor,
-}
-
-impl Rotary {
-    pub fn new(dims: usize, base: f64, max_positions: usize, device: &Device) -> Result<Self> {
-        let half = dims / 2;
-        let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / (base as f32).powf((2 * i) as f32 / dims as f32))
-            .collect();
-        let mut cos = Vec::with_capacity(max_positions * half);
-        let mut sin = Vec::with_capacity(max_positions * half);
-        for t in 0..max_positions {
-            for f in &inv_freq {
-                let a = t as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
-            }
-        }
-        Ok(Self {
-            dims,
-            cos: Tensor::from_vec(cos, (max_positions, half), device)?,
-            sin: Tensor::from_vec(sin, (max_positions, half), device)?,
-        })
-    }
-
-    /// Rotated features per head, and the cos/sin tables [max_positions, dims/2]
-    /// (the training path rotates with plain, differentiable tensor ops).
-    pub fn tables(&self) -> (usize, &Tensor, &Tensor) {
-        (self.dims, &self.cos, &self.sin)
-    }
-
-    /// Rotates the first `dims` features of x [b, h, t, head_dim] for positions
-    /// offset..offset+t (rotate-half layout, not interleaved pairs).
-    pub fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
-        if self.dims == 0 {
-            return Ok(x.clone());
-        }
-        let (_, _, t, hd) = x.dims4()?;
-        let cos = self.cos.narrow(0, offset, t)?;
-        let sin = self.sin.narrow(0, offset, t)?;
-        if x.device().is_cpu() && x.dtype() == DType::F32 {
-            // One fused pass in the projections' own [b, t, h, hd] layout
-            // (a free view when x came from `split_heads`).
-            let rows = x.transpose(1, 2)?.contiguous()?;
-            return crate::kernels::rotary(&rows, &cos, &sin, self.dims)?.transpose(1, 2);
-        }
-        let rot = x.narrow(D::Minus1, 0, self.dims)?.contiguous()?;
-        let rot = candle_nn::rotary_emb::rope(&rot, &cos, &sin)?;
-        if self.dims == hd {
-            return Ok(rot);
-        }
-        let pass = x.narrow(D::Minus1, self.dims, hd - self.dims)?;
-        Tensor::cat(&[&rot, &pass], D::Minus1)
-    }
-}
-
-/// How a block's token-token attention is masked and positioned.
-pub enum AttentionMode<'a> {
-    /// Language: causal, rotary positions from `offset`, optional KV cache.
-    Causal {
-        rotary: &'a Rotary,
-        offset: usize,
-        cache: Option<&'a mut LayerCache>,
-    },
-    /// Vision: every token sees every token, no positions here.
-    Bidirectional,
-}
-
-/// Multi-head attention whose q/k/v/output projections are Pattention layers.
-#[derive(Clone, Debug)]
-pub struct Attention {
-    pub query: Pattention,
-    pub key: Pattention,
-    pub value: Pattention,
-    pub proj: Pattention,
-    num_heads: usize,
-    head_dim: usize,
-}
-
-impl Attention {
-    pub fn new(cfg: &BlockConfig, vb: VarBuilder) -> Result<Self> {
-        let d = cfg.hidden_size;
-        let scale = cfg.scale_tokens;
-        let p = |name: &str, tokens: usize, s: Option<usize>| {
-            Pattention::new(d, d, tokens, s, cfg.activation, vb.pp(name))
-        };
-        Ok(Self {
-            query: p("query", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
-            key: p("key", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
-            value: p("value", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
-            proj: p("proj", cfg.proj_tokens, scale.map(|s| s.proj))?,
-            num_heads: cfg.num_heads,
-            head_dim: d / cfg.num_heads,
-        })
-    }
-
-    /// [b, t, d] → [b, h, t, head_dim], as a strided view (the attention
-    /// kernel reads it in place).
-    fn split_heads(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        x.reshape((b, t, self.num_heads, self.head_dim))?
-            .transpose(1, 2)
-    }
-
-    /// q, k, v [b, h, t, head_dim] of a normalised x [b, t, d], before
-    /// positions and masking: the vision-language model projects image and
-    /// text rows with different Pattentions and then attends jointly.
-    pub fn project_qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        Ok((
-            self.split_heads(&self.query.forward(x)?)?,
-            self.split_heads(&self.key.forward(x)?)?,
-            self.split_heads(&self.value.forward(x)?)?,
-        ))
-    }
-
-    /// softmax(q·kᵀ/√head_dim)·v with the heads merged back: [b, t, d], the
-    /// input of the output projection. `causal`: query i of the last t sees
-    /// keys up to its own position (everything cached before it included).
-    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
-        crate::kernels::attention(q, k, v, causal)
-    }
-
-    pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
-        let (q, k, v) = self.project_qkv(x)?;
-        let causal = matches!(mode, AttentionMode::Causal { .. });
-        let (q, k, v) = match mode {
-            AttentionMode::Bidirectional => (q, k, v),
-            AttentionMode::Causal {
-                rotary,
-                offset,
-                cache,
-            } => {
-                let q = rotary.apply(&q, offset)?;
-                let k = rotary.apply(&k, offset)?;
-                match cache {
-                    Some(cache) => {
-                        let (k, v) = cache.append(&k, &v)?;
-                        (q, k, v)
-                    }
-                    None => (q, k, v),
-                }
-            }
-        };
-        let out = self.attend(&q, &k, &v, causal)?;
-        self.proj.forward(&out)
-    }
-}
-
-/// A pre-norm TokenFormer block: x + P_proj(MHA(LN(x))), then x + P_ffn(LN(x)).
-#[derive(Clone, Debug)]
-pub struct Block {
-    pub attention: Attention,
-    pub mlp: Pattention,
-    norm: LayerNorm,
-}
-
-impl Block {
-    pub fn new(cfg: &BlockConfig, vb: VarBuilder) -> Result<Self> {
-        let d = cfg.hidden_size;
-        Ok(Self {
-            attention: Attention::new(cfg, vb.pp("attention"))?,
-            mlp: Pattention::new(
-                d,
-                d,
-                cfg.ffn_tokens,
-                cfg.scale_tokens.map(|s| s.ffn),
-                cfg.activation,
-                vb.pp("mlp"),
-            )?,
-            norm: nonparam_layer_norm(d, cfg.norm_eps, vb.device())?,
-        })
-    }
-
-    /// The block's non-parametric LayerNorm (used before attention and before the MLP).
-    pub fn norm(&self) -> &LayerNorm {
-        &self.norm
-    }
-
-    pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
-        let x = (x + self.attention.forward(&self.norm.forward(x)?, mode)?)?;
-        &x + self.mlp.forward(&self.norm.forward(&x)?)?
-    }
-}
-
-/// One layer's keys and values [b, h, positions, head_dim], preallocated to
-/// the model's context so appending a token is a copy, not a reallocation.
-#[derive(Debug)]
-pub struct LayerCache {
-    k: Option<Tensor>,
-    v: Option<Tensor>,
-    len: usize,
-    capacity: usize,
-}
-
-impl LayerCache {
-    pub fn new(capacity: usize) -> Self {
-        Self {
-            k: None,
-            v: None,
-            len: 0,
-            capacity,
-        }
-    }
-
-    /// Appends k, v [b, h, t, hd] and returns all cached keys and values.
-    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let t = k.dim(2)?;
-        if self.len + t > self.capacity {
-            candle_core::bail!(
-                "KV cache full: {} + {t} > {} positions",
-                self.len,
-                self.capacity
-            )
-        }
-        let alloc = |x: &Tensor| -> Result<Tensor> {
-            let (b, h, _, hd) = x.dims4()?;
-            Tensor::zeros((b, h, self.capacity, hd), x.dtype(), x.device())?.contiguous()
-        };
-        if self.k.is_none() {
-            self.k = Some(alloc(k)?);
-            self.v = Some(alloc(v)?);
-        }
-        let (kb, vb) = (
-            self.k.as_ref().expect("allocated"),
-            self.v.as_ref().expect("allocated"),
-        );
-        kb.slice_set(&k.contiguous()?, 2, self.len)?;
-        vb.slice_set(&v.contiguous()?, 2, self.len)?;
-        self.len += t;
-        Ok((kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 /// Per-layer KV cache for incremental decoding.
@@ -756,17 +475,7 @@ impl TokenFormerLm {
     /// Logits [b, t, vocab] for ids [b, t]. With a cache, positions continue
     /// from the cached length and the new keys/values are appended to it.
     pub fn forward(&self, ids: &Tensor, cache: Option<&mut Cache>) -> Result<Tensor> {
-        // Decode steps run on a rayon worker: every parallel kernel called
-        // from outside the pool puts the caller to sleep and wakes it again,
-        // ~130 times per token (a tenth of decode); from inside, the calls
-        // just fork and join. Larger inputs stay on the calling thread, whose
-        // malloc arena keeps freed activations (see `alloc::keep_freed_memory`;
-        // a worker's arena would map and unmap its large blocks every time).
-        if ids.elem_count() <= crate::kernels::SMALL_ROWS {
-            rayon::scope(|_| self.forward_here(ids, cache))
-        } else {
-            self.forward_here(ids, cache)
-        }
+        crate::kernels::run_forward(ids.elem_count(), || self.forward_here(ids, cache))
     }
 
     fn forward_here(&self, ids: &Tensor, mut cache: Option<&mut Cache>) -> Result<Tensor> {

@@ -1,0 +1,304 @@
+//! The transformer block every TokenFormer model shares: pre-norm, q/k/v/proj
+//! and the feed-forward as Pattention layers, multi-head attention (causal with
+//! GPT-NeoX rotary positions and a KV cache, or bidirectional), and the
+//! non-parametric LayerNorm of the official `layernorm_nonparam`.
+
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{LayerNorm, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use crate::pattention::{Activation, Pattention};
+
+/// The √n constants of the three Pattention kinds. Absent in a config means
+/// "the layer's token count", which is what the official code does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScaleTokens {
+    pub qkv: usize,
+    pub proj: usize,
+    pub ffn: usize,
+}
+
+/// What a block needs to know; shared by the language and vision models.
+#[derive(Clone, Debug)]
+pub struct BlockConfig {
+    pub hidden_size: usize,
+    pub num_heads: usize,
+    pub qkv_tokens: usize,
+    pub proj_tokens: usize,
+    pub ffn_tokens: usize,
+    pub norm_eps: f64,
+    pub activation: Activation,
+    pub scale_tokens: Option<ScaleTokens>,
+}
+
+/// LayerNorm without weight and bias (the official `layernorm_nonparam`).
+pub fn nonparam_layer_norm(hidden: usize, eps: f64, device: &Device) -> Result<LayerNorm> {
+    Ok(LayerNorm::new(
+        Tensor::ones(hidden, DType::F32, device)?,
+        Tensor::zeros(hidden, DType::F32, device)?,
+        eps,
+    ))
+}
+
+/// GPT-NeoX rotary tables: cos/sin [max_positions, rotary_dims/2], computed
+/// in f32 like the reference so that positions near 2048 round identically.
+#[derive(Clone, Debug)]
+pub struct Rotary {
+    dims: usize,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rotary {
+    pub fn new(dims: usize, base: f64, max_positions: usize, device: &Device) -> Result<Self> {
+        let half = dims / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / (base as f32).powf((2 * i) as f32 / dims as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for t in 0..max_positions {
+            for f in &inv_freq {
+                let a = t as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        Ok(Self {
+            dims,
+            cos: Tensor::from_vec(cos, (max_positions, half), device)?,
+            sin: Tensor::from_vec(sin, (max_positions, half), device)?,
+        })
+    }
+
+    /// Rotated features per head, and the cos/sin tables [max_positions, dims/2]
+    /// (the training path rotates with plain, differentiable tensor ops).
+    pub fn tables(&self) -> (usize, &Tensor, &Tensor) {
+        (self.dims, &self.cos, &self.sin)
+    }
+
+    /// Rotates the first `dims` features of x [b, h, t, head_dim] for positions
+    /// offset..offset+t (rotate-half layout, not interleaved pairs).
+    pub fn apply(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
+        if self.dims == 0 {
+            return Ok(x.clone());
+        }
+        let (_, _, t, hd) = x.dims4()?;
+        let cos = self.cos.narrow(0, offset, t)?;
+        let sin = self.sin.narrow(0, offset, t)?;
+        if x.device().is_cpu() && x.dtype() == DType::F32 {
+            // One fused pass in the projections' own [b, t, h, hd] layout
+            // (a free view when x came from `split_heads`).
+            let rows = x.transpose(1, 2)?.contiguous()?;
+            return crate::kernels::rotary(&rows, &cos, &sin, self.dims)?.transpose(1, 2);
+        }
+        let rot = x.narrow(D::Minus1, 0, self.dims)?.contiguous()?;
+        let rot = candle_nn::rotary_emb::rope(&rot, &cos, &sin)?;
+        if self.dims == hd {
+            return Ok(rot);
+        }
+        let pass = x.narrow(D::Minus1, self.dims, hd - self.dims)?;
+        Tensor::cat(&[&rot, &pass], D::Minus1)
+    }
+}
+
+/// Keys and values [b, h, t, head_dim] of one attention layer.
+pub type KeyValues = (Tensor, Tensor);
+
+/// How a block's token-token attention is masked and positioned.
+pub enum AttentionMode<'a> {
+    /// Language: causal, rotary positions from `offset`, optional KV cache.
+    Causal {
+        rotary: &'a Rotary,
+        offset: usize,
+        cache: Option<&'a mut LayerCache>,
+    },
+    /// Vision: every token sees every token, no positions here.
+    Bidirectional,
+}
+
+/// Multi-head attention whose q/k/v/output projections are Pattention layers.
+#[derive(Clone, Debug)]
+pub struct Attention {
+    pub query: Pattention,
+    pub key: Pattention,
+    pub value: Pattention,
+    pub proj: Pattention,
+    num_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    pub fn new(cfg: &BlockConfig, vb: VarBuilder) -> Result<Self> {
+        let d = cfg.hidden_size;
+        let scale = cfg.scale_tokens;
+        let p = |name: &str, tokens: usize, s: Option<usize>| {
+            Pattention::new(d, d, tokens, s, cfg.activation, vb.pp(name))
+        };
+        Ok(Self {
+            query: p("query", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
+            key: p("key", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
+            value: p("value", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
+            proj: p("proj", cfg.proj_tokens, scale.map(|s| s.proj))?,
+            num_heads: cfg.num_heads,
+            head_dim: d / cfg.num_heads,
+        })
+    }
+
+    /// [b, t, d] → [b, h, t, head_dim], as a strided view (the attention
+    /// kernel reads it in place).
+    fn split_heads(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        x.reshape((b, t, self.num_heads, self.head_dim))?
+            .transpose(1, 2)
+    }
+
+    /// q, k, v [b, h, t, head_dim] of a normalised x [b, t, d].
+    fn project_qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        Ok((
+            self.split_heads(&self.query.forward(x)?)?,
+            self.split_heads(&self.key.forward(x)?)?,
+            self.split_heads(&self.value.forward(x)?)?,
+        ))
+    }
+
+    pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
+        Ok(self.forward_kv(x, mode, None)?.0)
+    }
+
+    /// [`Self::forward`] with `prefix` keys and values placed before x's own
+    /// (and cached with them): every query sees them, as text tokens see the
+    /// image tokens of a vision-language sequence. Also returns x's own keys
+    /// (rotated) and values.
+    pub fn forward_kv(
+        &self,
+        x: &Tensor,
+        mode: AttentionMode,
+        prefix: Option<&KeyValues>,
+    ) -> Result<(Tensor, KeyValues)> {
+        let (q, k, v) = self.project_qkv(x)?;
+        let causal = matches!(mode, AttentionMode::Causal { .. });
+        let (q, k, cache) = match mode {
+            AttentionMode::Bidirectional => (q, k, None),
+            AttentionMode::Causal {
+                rotary,
+                offset,
+                cache,
+            } => (rotary.apply(&q, offset)?, rotary.apply(&k, offset)?, cache),
+        };
+        let (ks, vs) = match prefix {
+            Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
+            None => (k.clone(), v.clone()),
+        };
+        let (ks, vs) = match cache {
+            Some(cache) => cache.append(&ks, &vs)?,
+            None => (ks, vs),
+        };
+        // Query i of the last t sees keys up to its own position, so with
+        // the prefix and the cache in front it sees all of them.
+        let out = crate::kernels::attention(&q, &ks, &vs, causal)?;
+        Ok((self.proj.forward(&out)?, (k, v)))
+    }
+}
+
+/// A pre-norm TokenFormer block: x + P_proj(MHA(LN(x))), then x + P_ffn(LN(x)).
+#[derive(Clone, Debug)]
+pub struct Block {
+    pub attention: Attention,
+    pub mlp: Pattention,
+    norm: LayerNorm,
+}
+
+impl Block {
+    pub fn new(cfg: &BlockConfig, vb: VarBuilder) -> Result<Self> {
+        let d = cfg.hidden_size;
+        Ok(Self {
+            attention: Attention::new(cfg, vb.pp("attention"))?,
+            mlp: Pattention::new(
+                d,
+                d,
+                cfg.ffn_tokens,
+                cfg.scale_tokens.map(|s| s.ffn),
+                cfg.activation,
+                vb.pp("mlp"),
+            )?,
+            norm: nonparam_layer_norm(d, cfg.norm_eps, vb.device())?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, mode: AttentionMode) -> Result<Tensor> {
+        Ok(self.forward_kv(x, mode, None)?.0)
+    }
+
+    /// [`Self::forward`] after `prefix` keys and values, returning x's own
+    /// (see [`Attention::forward_kv`]).
+    pub fn forward_kv(
+        &self,
+        x: &Tensor,
+        mode: AttentionMode,
+        prefix: Option<&KeyValues>,
+    ) -> Result<(Tensor, KeyValues)> {
+        let (a, kv) = self
+            .attention
+            .forward_kv(&self.norm.forward(x)?, mode, prefix)?;
+        let x = (x + a)?;
+        Ok(((&x + self.mlp.forward(&self.norm.forward(&x)?)?)?, kv))
+    }
+}
+
+/// One layer's keys and values [b, h, positions, head_dim], preallocated to
+/// the model's context so appending a token is a copy, not a reallocation.
+#[derive(Debug)]
+pub struct LayerCache {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+    len: usize,
+    capacity: usize,
+}
+
+impl LayerCache {
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            k: None,
+            v: None,
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Appends k, v [b, h, t, hd] and returns all cached keys and values.
+    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let t = k.dim(2)?;
+        if self.len + t > self.capacity {
+            candle_core::bail!(
+                "KV cache full: {} + {t} > {} positions",
+                self.len,
+                self.capacity
+            )
+        }
+        let alloc = |x: &Tensor| -> Result<Tensor> {
+            let (b, h, _, hd) = x.dims4()?;
+            Tensor::zeros((b, h, self.capacity, hd), x.dtype(), x.device())?.contiguous()
+        };
+        if self.k.is_none() {
+            self.k = Some(alloc(k)?);
+            self.v = Some(alloc(v)?);
+        }
+        let (kb, vb) = (
+            self.k.as_ref().expect("allocated"),
+            self.v.as_ref().expect("allocated"),
+        );
+        kb.slice_set(&k.contiguous()?, 2, self.len)?;
+        vb.slice_set(&v.contiguous()?, 2, self.len)?;
+        self.len += t;
+        Ok((kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}

@@ -1,0 +1,186 @@
+//! The library's front door, in the spirit of `from_pretrained`: a model and
+//! its tokenizer (or preprocessing) loaded together by name — a zoo name, a
+//! Hub repo id `owner/name[@revision]` or a local path — with the text or
+//! image in and log-probabilities, text or classes out.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::eval::imagenet::{self, Prediction};
+use crate::generate::{self, SamplingParams};
+use crate::hub::HubClient;
+use crate::loader::{self, LocateOptions, ModelFiles};
+use crate::models::lm::TokenFormerLm;
+use crate::models::vit::VisionTransformer;
+use crate::scoring::{self, SequenceScore};
+
+/// The precision a language model's weight matrices are kept in (compute is f32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightPrecision {
+    #[default]
+    F32,
+    /// Half the memory; exact for fp16 checkpoints (all released ones).
+    F16,
+    /// 8-bit blocks quantised at load, a small accuracy cost.
+    Q8,
+}
+
+/// How [`LanguageModel::from_pretrained`] and
+/// [`ImageClassifier::from_pretrained`] find and load a model.
+#[derive(Debug, Default)]
+pub struct PretrainedOptions {
+    /// An official yml or a config.json to use instead of the model's.
+    pub config: Option<PathBuf>,
+    /// A tokenizer.json to use instead of the model's.
+    pub tokenizer: Option<PathBuf>,
+    /// Language models only.
+    pub weights: WeightPrecision,
+    /// The Hub client for zoo names and repo ids; `None` builds one from the
+    /// environment (`HF_ENDPOINT`, `HF_HOME`, ...) when a download is needed.
+    pub hub: Option<HubClient>,
+}
+
+impl PretrainedOptions {
+    fn locate(&self, name: &str) -> Result<ModelFiles> {
+        let opts = LocateOptions {
+            config: self.config.clone(),
+            tokenizer: self.tokenizer.clone(),
+            progress: false,
+        };
+        match &self.hub {
+            Some(hub) => loader::locate_with(name, &opts, Some(hub)),
+            None => loader::locate(name, &opts),
+        }
+    }
+}
+
+/// A TokenFormer language model with its tokenizer.
+pub struct LanguageModel {
+    model: TokenFormerLm,
+    tokenizer: tokenizers::Tokenizer,
+    source: String,
+}
+
+impl LanguageModel {
+    /// Loads a language model (or a merged model's language route) and its tokenizer.
+    pub fn from_pretrained(name: &str, opts: &PretrainedOptions) -> Result<Self> {
+        let files = opts.locate(name)?;
+        let tokenizer = loader::load_tokenizer(&files)?;
+        let device = Device::Cpu;
+        let model = match opts.weights {
+            WeightPrecision::F32 => loader::load_lm_as(&files, &device, DType::F32)?,
+            WeightPrecision::F16 => loader::load_lm_as(&files, &device, DType::F16)?,
+            WeightPrecision::Q8 => loader::load_lm_q8(&files, &device)?,
+        };
+        Ok(Self {
+            model,
+            tokenizer,
+            source: files.source,
+        })
+    }
+
+    /// Where it was loaded from (`owner/name@revision` or a path).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    pub fn model(&self) -> &TokenFormerLm {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The token ids of `text` (no special tokens added).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| Error::input(format!("tokenizing: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of `ids`.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer
+            .decode(ids, false)
+            .map_err(|e| Error::input(format!("decoding: {e}")))
+    }
+
+    /// Scores `text`: the log-probability of each token given the ones
+    /// before it (the first token is context only), the argmax, NLL and
+    /// perplexity.
+    pub fn score(&self, text: &str) -> Result<SequenceScore> {
+        scoring::score_ids(&self.model, &self.encode(text)?)
+    }
+
+    /// Continues `prompt` by up to `max_new_tokens` tokens (fewer at the end
+    /// of the context or at the end-of-text token) and returns the new text.
+    pub fn generate(
+        &self,
+        prompt: &str,
+        max_new_tokens: usize,
+        params: SamplingParams,
+    ) -> Result<String> {
+        self.generate_with(prompt, max_new_tokens, params, |_| Ok(()))
+    }
+
+    /// [`generate`](Self::generate), calling `on_token` with each new token id as it comes.
+    pub fn generate_with(
+        &self,
+        prompt: &str,
+        max_new_tokens: usize,
+        params: SamplingParams,
+        on_token: impl FnMut(u32) -> Result<()>,
+    ) -> Result<String> {
+        let ids = self.encode(prompt)?;
+        let mut out = generate::generate(&self.model, &ids, max_new_tokens, params, on_token)?;
+        let eos = self.model.config().eos_token_id;
+        if out.last() == Some(&eos) {
+            out.pop();
+        }
+        self.decode(&out)
+    }
+}
+
+/// A TokenFormer image classifier with its preprocessing and class labels.
+pub struct ImageClassifier {
+    model: VisionTransformer,
+    source: String,
+}
+
+impl ImageClassifier {
+    /// Loads an image classifier (or a merged model's vision route).
+    pub fn from_pretrained(name: &str, opts: &PretrainedOptions) -> Result<Self> {
+        let files = opts.locate(name)?;
+        Ok(Self {
+            model: loader::load_vit(&files, &Device::Cpu)?,
+            source: files.source,
+        })
+    }
+
+    /// Where it was loaded from.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    pub fn model(&self) -> &VisionTransformer {
+        &self.model
+    }
+
+    /// The `k` most likely classes of the image file at `path` (JPEG, PNG,
+    /// WebP), most likely first.
+    pub fn classify(&self, path: impl AsRef<Path>, k: usize) -> Result<Vec<Prediction>> {
+        let files = [path.as_ref().to_path_buf()];
+        let mut results = imagenet::classify_files(&self.model, &files, k, 1)?;
+        results.remove(0).1
+    }
+
+    /// The class logits of preprocessed pixels [batch, 3, size, size].
+    pub fn logits(&self, pixels: &Tensor) -> Result<Tensor> {
+        Ok(self.model.forward(pixels)?)
+    }
+}
