@@ -103,15 +103,14 @@ pub fn run(a: ExportArgs) -> Result<()> {
 
     let dev = Device::Cpu;
     let w = loader::read_weights(&files, a.storage.dtype(), &dev)?;
-    let family = Family::of(&w.config, &files.source)?;
-    if family != Family::Language {
+    let family = Family::of(&w.config, &files.source, &w.path)?;
+    let Family::Language(cfg) = &family else {
         bail!(
             "{}: a TokenFormer {} has no official checkpoint format (the official release and trainer cover language models only); keep it as a safetensors folder",
             files.source,
             family.describe()
         );
-    }
-    let cfg = loader::lm_config(&w.config, &w.path)?;
+    };
     let counts = (cfg.qkv_tokens, cfg.proj_tokens, cfg.ffn_tokens);
     let changes_function = cfg
         .pattention_scale_tokens

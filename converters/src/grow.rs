@@ -16,12 +16,13 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use clap::{Args, ValueEnum};
-use serde_json::{json, Value};
+use serde_json::json;
 use tokenformer::card::ModelCard;
 use tokenformer::checkpoint::Tensors;
 use tokenformer::init;
 use tokenformer::loader::{self, LocateOptions};
-use tokenformer::models::tokenformer::ScaleTokens;
+use tokenformer::models::block::ScaleTokens;
+use tokenformer::pattention::Activation;
 
 use crate::args::{FolderOut, Shards, Storage};
 use crate::family::Family;
@@ -153,31 +154,6 @@ fn pattention_kind(name: &str) -> Result<Option<Kind>> {
     Ok(Some(kind))
 }
 
-/// Token counts (qkv, proj, ffn) from a config, generically.
-fn token_counts(config: &Value, origin: &Path) -> Result<ScaleTokens> {
-    let get = |k: &str| {
-        config
-            .get(k)
-            .and_then(Value::as_u64)
-            .map(|v| v as usize)
-            .with_context(|| format!("{}: config has no integer `{k}`", origin.display()))
-    };
-    Ok(ScaleTokens {
-        qkv: get("qkv_tokens")?,
-        proj: get("proj_tokens")?,
-        ffn: get("ffn_tokens")?,
-    })
-}
-
-/// The √n constants a config runs with: its `pattention_scale_tokens`, or the counts.
-pub fn scale_constants(config: &Value, origin: &Path) -> Result<ScaleTokens> {
-    match config.get("pattention_scale_tokens") {
-        None | Some(Value::Null) => token_counts(config, origin),
-        Some(v) => serde_json::from_value(v.clone())
-            .with_context(|| format!("{}: bad `pattention_scale_tokens` {v}", origin.display())),
-    }
-}
-
 /// Resolves `--preset` to a zoo ladder entry: an exact zoo name or a size like 354M / 1.4B.
 fn preset(name: &str) -> Result<&'static tokenformer::zoo::ZooEntry> {
     let norm = name.trim().to_ascii_lowercase().replace('.', "-");
@@ -201,21 +177,24 @@ fn preset(name: &str) -> Result<&'static tokenformer::zoo::ZooEntry> {
     Ok(e)
 }
 
-fn targets_from_preset(name: &str, config: &Value) -> Result<ScaleTokens> {
+fn targets_from_preset(name: &str, family: &Family) -> Result<ScaleTokens> {
     let e = preset(name)?;
+    let preset = Family::Language(loader::lm_config(&e.config, Path::new(&e.name))?);
     // A preset is the paper's model shape; its token counts mean nothing for another width or depth.
-    for k in ["hidden_size", "num_layers", "num_heads"] {
-        let (want, have) = (e.config.get(k), config.get(k));
-        if want.is_some() && want != have {
+    let (want, have) = (preset.shape(), family.shape());
+    for (k, want, have) in [
+        ("hidden_size", want.0, have.0),
+        ("num_layers", want.1, have.1),
+        ("num_heads", want.2, have.2),
+    ] {
+        if want != have {
             bail!(
-                "preset `{}` is for {k} {}, but the model has {k} {}: give --qkv-tokens/--proj-tokens/--ffn-tokens instead",
+                "preset `{}` is for {k} {want}, but the model has {k} {have}: give --qkv-tokens/--proj-tokens/--ffn-tokens instead",
                 e.name,
-                want.unwrap_or(&Value::Null),
-                have.unwrap_or(&Value::Null)
             );
         }
     }
-    token_counts(&e.config, Path::new(&e.name))
+    Ok(preset.token_counts())
 }
 
 /// Appends `extra` rows to a [n, d] parameter-token tensor, keeping its dtype.
@@ -250,18 +229,11 @@ pub fn run(a: GrowArgs) -> Result<()> {
     check_not_inputs(&a.out.out, &files)?;
     let dev = Device::Cpu;
     let w = loader::read_weights(&files, a.storage.dtype(), &dev)?;
-    let family = Family::of(&w.config, &files.source)?;
-    family.validate(&w.config, &w.path)?;
-    let old = token_counts(&w.config, &w.path)?;
-    let w_activation = w
-        .config
-        .get("pattention_activation")
-        .and_then(Value::as_str)
-        .unwrap_or("l2_norm_gelu")
-        .to_string();
-    let old_scale = scale_constants(&w.config, &w.path)?;
+    let family = Family::of(&w.config, &files.source, &w.path)?;
+    let old = family.token_counts();
+    let old_scale = family.scale_constants();
     let target = match &a.preset {
-        Some(p) => targets_from_preset(p, &w.config)?,
+        Some(p) => targets_from_preset(p, &family)?,
         None => ScaleTokens {
             qkv: a.qkv_tokens.unwrap_or(old.qkv),
             proj: a.proj_tokens.unwrap_or(old.proj),
@@ -354,7 +326,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
     let diff = probe::max_abs_diff(&before, &after)?;
     // With softmax Θ a zero key still scores exp(0) and takes weight from
     // the old tokens, so no initialisation is neutral there.
-    let softmax = w_activation == "softmax";
+    let softmax = family.activation() == Activation::Softmax;
     let exact = a.scale == Scale::Keep && a.key_init == KeyInit::Zeros && !softmax;
     if softmax && a.key_init == KeyInit::Zeros && a.scale == Scale::Keep {
         println!("note: this model's Pattention uses softmax, where new tokens always receive weight: growth cannot keep its function exactly");
@@ -388,8 +360,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
         .or_else(|| hub_id(&a.model, &files.source));
     let card = growth_card(
         &a,
-        family,
-        &config,
+        &family,
         &old,
         &old_scale,
         &target,
@@ -436,8 +407,7 @@ pub fn hub_id(spec: &str, source: &str) -> Option<String> {
 #[allow(clippy::too_many_arguments)]
 fn growth_card(
     a: &GrowArgs,
-    family: Family,
-    config: &Value,
+    family: &Family,
     old: &ScaleTokens,
     old_scale: &ScaleTokens,
     target: &ScaleTokens,
@@ -446,8 +416,7 @@ fn growth_card(
     base_model: Option<&str>,
     source: &str,
 ) -> Result<ModelCard> {
-    let d = config.get("hidden_size").cloned().unwrap_or(Value::Null);
-    let layers = config.get("num_layers").cloned().unwrap_or(Value::Null);
+    let (d, layers, _) = family.shape();
     let mut card = ModelCard::new(
         format!(
             "TokenFormer {} grown to {}/{}/{} parameter tokens",
@@ -525,7 +494,8 @@ mod tests {
             "tokenformer-ladder-757m"
         );
         assert!(preset("9000M").is_err());
-        let t = token_counts(&e.config, Path::new("zoo")).unwrap();
+        let t = Family::Language(loader::lm_config(&e.config, Path::new("zoo")).unwrap());
+        let t = t.token_counts();
         assert_eq!((t.qkv, t.proj, t.ffn), (2140, 2140, 8560));
     }
 

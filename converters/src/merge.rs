@@ -14,9 +14,10 @@ use tokenformer::card::ModelCard;
 use tokenformer::checkpoint;
 use tokenformer::loader;
 use tokenformer::models::vl::{self, VisionLanguageModel};
-use tokenformer::models::{tokenformer as lm, vit};
+use tokenformer::models::{lm, vit, ModelConfig};
 
 use crate::args::FolderOut;
+use crate::family::typed;
 use crate::output::{check_not_input, ModelFolder};
 use crate::probe;
 
@@ -58,14 +59,18 @@ pub fn run(a: MergeArgs) -> Result<()> {
     }
     let vw = loader::read_weights(&vfiles, Some(DType::F32), &dev)?;
     let lw = loader::read_weights(&lfiles, Some(DType::F32), &dev)?;
-    if loader::architecture(&vw.config) != vit::ARCHITECTURE {
+    // Both roles are checked by name before either config is validated.
+    let vision = typed(&vw.config, &vw.path, &[vit::ARCHITECTURE]);
+    let language = typed(&lw.config, &lw.path, &[lm::ARCHITECTURE]);
+    if matches!(vision, Ok(None)) {
         bail!("--vision {}: architecture `{}` is not a TokenFormer image classifier (`tokenformer-vit`)", a.vision, loader::architecture(&vw.config));
     }
-    if loader::architecture(&lw.config) != lm::ARCHITECTURE {
+    if matches!(language, Ok(None)) {
         bail!("--language {}: architecture `{}` is not a TokenFormer language model (`tokenformer-lm`)", a.language, loader::architecture(&lw.config));
     }
-    let vcfg = loader::vit_config(&vw.config, &vw.path)?;
-    let lcfg = loader::lm_config(&lw.config, &lw.path)?;
+    let (Some(ModelConfig::Vit(vcfg)), Some(ModelConfig::Lm(lcfg))) = (vision?, language?) else {
+        unreachable!("typed() returns only the expected architecture")
+    };
     let cfg = vl::Config::merged(&vcfg, &lcfg, a.bridge_tokens)
         .map_err(|e| anyhow::anyhow!("cannot merge {} and {}: {e}", a.vision, a.language))?;
     // Both sources load (all tensors present, right shapes) before anything is combined.
