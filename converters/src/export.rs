@@ -153,7 +153,7 @@ pub fn run(a: ExportArgs) -> Result<()> {
     torch_zip::write_state_dict(&staged_bin, &entries, torch_zip::WriteOptions::default())?;
     let n_tensors = entries.len();
     drop(entries);
-    std::fs::write(&staged_yml, official::config_to_yml(&cfg))
+    std::fs::write(&staged_yml, official::config_to_yml(cfg))
         .with_context(|| format!("writing {}", staged_yml.display()))?;
 
     // Read the export back as the official format and compare logits.
