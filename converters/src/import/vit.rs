@@ -99,18 +99,17 @@ impl VitSource {
         };
         let cls = copy(raw, names.cls.into(), &[1, 1, d], "cls_token".into())?;
         let pos = copy(raw, names.pos.into(), &[1, tokens, d], "pos_embed".into())?;
-        let patch_w = copy(
-            raw,
-            format!("{}.weight", names.patch),
-            &[d, meta.num_channels, p, p],
-            "patch_embed.weight".into(),
-        )?;
-        let patch_b = copy(
-            raw,
-            format!("{}.bias", names.patch),
-            &[d],
-            "patch_embed.bias".into(),
-        )?;
+        // A module's `.weight` and `.bias`, copied under the TokenFormer name `to`.
+        let mut module =
+            |raw: &mut RawCheckpoint, from: &str, to: &str, w: &[usize], b: &[usize]| {
+                let weight = copy(raw, format!("{from}.weight"), w, format!("{to}.weight"))?;
+                Ok::<_, anyhow::Error>((
+                    weight,
+                    copy(raw, format!("{from}.bias"), b, format!("{to}.bias"))?,
+                ))
+            };
+        let patch_shape = [d, meta.num_channels, p, p];
+        let (patch_w, patch_b) = module(raw, names.patch, "patch_embed", &patch_shape, &[d])?;
         let mut layers = Vec::with_capacity(meta.num_layers);
         for i in 0..meta.num_layers {
             let b = format!("{}.{i}", names.block);
@@ -156,31 +155,10 @@ impl VitSource {
         } else {
             "fc_norm"
         };
-        let mut norm_part = |raw: &mut RawCheckpoint, part: &str| {
-            copy(
-                raw,
-                format!("{}.{part}", names.final_norm),
-                &[d],
-                format!("{to}.{part}"),
-            )
-        };
-        let norm = Norm {
-            weight: norm_part(raw, "weight")?,
-            bias: norm_part(raw, "bias")?,
-        };
+        let (weight, bias) = module(raw, names.final_norm, to, &[d], &[d])?;
+        let norm = Norm { weight, bias };
         let k = meta.num_classes;
-        let head_w = copy(
-            raw,
-            format!("{}.weight", names.head),
-            &[k, d],
-            "head.weight".into(),
-        )?;
-        let head_b = copy(
-            raw,
-            format!("{}.bias", names.head),
-            &[k],
-            "head.bias".into(),
-        )?;
+        let (head_w, head_b) = module(raw, names.head, "head", &[k, d], &[k])?;
         Ok(Self {
             body: SourceBody {
                 num_heads: meta.num_heads,
