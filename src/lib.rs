@@ -34,6 +34,7 @@ pub mod eval;
 pub mod fsutil;
 pub mod generate;
 pub mod hub;
+pub mod init;
 pub mod kernels;
 pub mod loader;
 pub mod models;

@@ -18,10 +18,10 @@ use tokenformer::checkpoint::{official, torch_zip};
 use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::tokenformer::PATTENTIONS;
 
+use crate::args::Storage;
 use crate::family::Family;
-use crate::grow::input_paths;
-use crate::output::{check_not_input, check_target};
-use crate::{probe, DtypeArg};
+use crate::output::{abort_hook, check_not_inputs, check_target, staging_dir};
+use crate::probe;
 
 #[derive(Args, Debug)]
 pub struct ExportArgs {
@@ -40,9 +40,8 @@ pub struct ExportArgs {
     /// Replace existing output files.
     #[arg(long)]
     pub force: bool,
-    /// Store weights in this dtype (default: as in the input).
-    #[arg(long, value_enum)]
-    pub dtype: Option<DtypeArg>,
+    #[command(flatten)]
+    pub storage: Storage,
     /// Export a model whose √n constants differ from its token counts anyway
     /// (the official code will compute a different function; the shift is printed).
     #[arg(long)]
@@ -97,24 +96,21 @@ pub fn run(a: ExportArgs) -> Result<()> {
             progress: true,
         },
     )?;
-    for p in input_paths(&files) {
-        check_not_input(&a.out, &p)?;
-        check_not_input(&yml_out, &p)?;
-    }
+    check_not_inputs(&a.out, &files)?;
+    check_not_inputs(&yml_out, &files)?;
     check_target(&a.out, a.force)?;
     check_target(&yml_out, a.force)?;
 
     let dev = Device::Cpu;
-    let w = loader::read_weights(&files, a.dtype.map(Into::into), &dev)?;
-    let family = Family::of(&w.config, &files.source)?;
-    if family != Family::Language {
+    let w = loader::read_weights(&files, a.storage.dtype(), &dev)?;
+    let family = Family::of(&w.config, &files.source, &w.path)?;
+    let Family::Language(cfg) = &family else {
         bail!(
             "{}: a TokenFormer {} has no official checkpoint format (the official release and trainer cover language models only); keep it as a safetensors folder",
             files.source,
             family.describe()
         );
-    }
-    let cfg = loader::lm_config(&w.config, &w.path)?;
+    };
     let counts = (cfg.qkv_tokens, cfg.proj_tokens, cfg.ffn_tokens);
     let changes_function = cfg
         .pattention_scale_tokens
@@ -145,26 +141,19 @@ pub fn run(a: ExportArgs) -> Result<()> {
     entries.sort_by_key(|(n, _)| official_order(n));
 
     // Stage both files in a hidden folder beside --out; rename them at the end.
-    let parent = match a.out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
     let file_name = a
         .out
         .file_name()
         .context("--out has no file name")?
         .to_string_lossy()
         .into_owned();
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!(".{file_name}.partial-"))
-        .tempdir_in(&parent)
-        .with_context(|| format!("cannot create a temporary folder in {}", parent.display()))?;
+    let tmp = staging_dir(&a.out)?;
     let staged_bin = tmp.path().join(&file_name);
     let staged_yml = staged_bin.with_extension("yml");
     torch_zip::write_state_dict(&staged_bin, &entries, torch_zip::WriteOptions::default())?;
     let n_tensors = entries.len();
     drop(entries);
-    std::fs::write(&staged_yml, official::config_to_yml(&cfg))
+    std::fs::write(&staged_yml, official::config_to_yml(cfg))
         .with_context(|| format!("writing {}", staged_yml.display()))?;
 
     // Read the export back as the official format and compare logits.
@@ -175,15 +164,15 @@ pub fn run(a: ExportArgs) -> Result<()> {
     if changes_function {
         println!("probe: max |Δ logit| between the model and its official export = {diff:.6e} (the function change you allowed)");
     } else {
-        let tolerance = if a.dtype.is_some() { 1e-1 } else { 0.0 };
-        if !probe::report("the model and its official export", diff, tolerance) {
-            bail!("the export does not reproduce the model (max |Δ logit| {diff:e}); nothing was written");
-        }
+        let tolerance = a.storage.tolerance(0.0);
+        probe::require(
+            "the model and its official export",
+            diff,
+            tolerance,
+            "the export does not reproduce the model",
+        )?;
     }
-    if std::env::var_os("TOKENFORMER_CONVERT_ABORT_BEFORE_COMMIT").is_some() {
-        // Test hook: die like a killed process would, without any cleanup.
-        std::process::exit(137);
-    }
+    abort_hook();
     place(&staged_bin, &a.out)?;
     if let Err(e) = place(&staged_yml, &yml_out) {
         let _ = std::fs::remove_file(&a.out);

@@ -16,16 +16,18 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use clap::{Args, ValueEnum};
-use rand::{rngs::StdRng, Rng, SeedableRng};
-use serde_json::{json, Value};
+use serde_json::json;
 use tokenformer::card::ModelCard;
-use tokenformer::checkpoint::{self, Tensors};
+use tokenformer::checkpoint::Tensors;
+use tokenformer::init;
 use tokenformer::loader::{self, LocateOptions};
-use tokenformer::models::tokenformer::ScaleTokens;
+use tokenformer::models::block::ScaleTokens;
+use tokenformer::pattention::Activation;
 
+use crate::args::{FolderOut, Shards, Storage};
 use crate::family::Family;
-use crate::output::{check_not_input, Staging};
-use crate::{probe, DtypeArg};
+use crate::output::{check_not_inputs, ModelFolder};
+use crate::probe;
 
 #[derive(Args, Debug)]
 pub struct GrowArgs {
@@ -35,12 +37,8 @@ pub struct GrowArgs {
     /// Config to use instead of the one found with the model (official yml or config.json).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// The folder to write.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Replace a non-empty --out.
-    #[arg(long)]
-    pub force: bool,
+    #[command(flatten)]
+    pub out: FolderOut,
     /// Target number of q/k/v parameter tokens (at least the current count).
     #[arg(long, value_name = "N")]
     pub qkv_tokens: Option<usize>,
@@ -73,15 +71,13 @@ pub struct GrowArgs {
     /// grow: it becomes the new count, as in the official code.
     #[arg(long, value_enum, default_value_t = Scale::Keep)]
     pub scale: Scale,
-    /// Store weights in this dtype (default: as in the input).
-    #[arg(long, value_enum)]
-    pub dtype: Option<DtypeArg>,
+    #[command(flatten)]
+    pub storage: Storage,
     /// Hub id recorded as `base_model` in the card (default: the source's, when it came from the Hub).
     #[arg(long)]
     pub base_model: Option<String>,
-    /// Largest safetensors shard, e.g. 5GB (default, the Hub's) or 200MB.
-    #[arg(long, hide = true, default_value = "5GB", value_parser = parse_size)]
-    pub max_shard_size: u64,
+    #[command(flatten)]
+    pub shards: Shards,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -99,34 +95,6 @@ pub enum ValueInit {
 pub enum Scale {
     Keep,
     Grow,
-}
-
-/// `5GB`, `200MB`, `64KiB` or a byte count.
-pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size such as 5GB or 1000000"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "kib" => 1 << 10,
-        "mib" => 1 << 20,
-        "gib" => 1 << 30,
-        other => {
-            return Err(format!(
-                "unknown size unit `{other}` in `{s}` (use B, KB, MB, GB, KiB, MiB, GiB)"
-            ))
-        }
-    };
-    match n.checked_mul(mult) {
-        Some(0) | None => Err(format!("`{s}` is not a usable shard size")),
-        Some(v) => Ok(v),
-    }
 }
 
 /// The three Pattention kinds of a block, each with its own token count.
@@ -186,31 +154,6 @@ fn pattention_kind(name: &str) -> Result<Option<Kind>> {
     Ok(Some(kind))
 }
 
-/// Token counts (qkv, proj, ffn) from a config, generically.
-fn token_counts(config: &Value, origin: &Path) -> Result<ScaleTokens> {
-    let get = |k: &str| {
-        config
-            .get(k)
-            .and_then(Value::as_u64)
-            .map(|v| v as usize)
-            .with_context(|| format!("{}: config has no integer `{k}`", origin.display()))
-    };
-    Ok(ScaleTokens {
-        qkv: get("qkv_tokens")?,
-        proj: get("proj_tokens")?,
-        ffn: get("ffn_tokens")?,
-    })
-}
-
-/// The √n constants a config runs with: its `pattention_scale_tokens`, or the counts.
-pub fn scale_constants(config: &Value, origin: &Path) -> Result<ScaleTokens> {
-    match config.get("pattention_scale_tokens") {
-        None | Some(Value::Null) => token_counts(config, origin),
-        Some(v) => serde_json::from_value(v.clone())
-            .with_context(|| format!("{}: bad `pattention_scale_tokens` {v}", origin.display())),
-    }
-}
-
 /// Resolves `--preset` to a zoo ladder entry: an exact zoo name or a size like 354M / 1.4B.
 fn preset(name: &str) -> Result<&'static tokenformer::zoo::ZooEntry> {
     let norm = name.trim().to_ascii_lowercase().replace('.', "-");
@@ -234,45 +177,24 @@ fn preset(name: &str) -> Result<&'static tokenformer::zoo::ZooEntry> {
     Ok(e)
 }
 
-fn targets_from_preset(name: &str, config: &Value) -> Result<ScaleTokens> {
+fn targets_from_preset(name: &str, family: &Family) -> Result<ScaleTokens> {
     let e = preset(name)?;
+    let preset = Family::Language(loader::lm_config(&e.config, Path::new(&e.name))?);
     // A preset is the paper's model shape; its token counts mean nothing for another width or depth.
-    for k in ["hidden_size", "num_layers", "num_heads"] {
-        let (want, have) = (e.config.get(k), config.get(k));
-        if want.is_some() && want != have {
+    let (want, have) = (preset.shape(), family.shape());
+    for (k, want, have) in [
+        ("hidden_size", want.0, have.0),
+        ("num_layers", want.1, have.1),
+        ("num_heads", want.2, have.2),
+    ] {
+        if want != have {
             bail!(
-                "preset `{}` is for {k} {}, but the model has {k} {}: give --qkv-tokens/--proj-tokens/--ffn-tokens instead",
+                "preset `{}` is for {k} {want}, but the model has {k} {have}: give --qkv-tokens/--proj-tokens/--ffn-tokens instead",
                 e.name,
-                want.unwrap_or(&Value::Null),
-                have.unwrap_or(&Value::Null)
             );
         }
     }
-    token_counts(&e.config, Path::new(&e.name))
-}
-
-/// Draws `rows × cols` normal samples with standard deviation `std` from a
-/// stream seeded by (seed, tensor name), so a tensor's new rows do not depend
-/// on which other tensors were grown.
-fn normal(rows: usize, cols: usize, std: f64, seed: u64, name: &str) -> Vec<f32> {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    let mut rng = StdRng::seed_from_u64(seed ^ h);
-    let n = rows * cols;
-    let mut out = Vec::with_capacity(n + 1);
-    while out.len() < n {
-        // Box–Muller: two independent N(0, 1) from two uniforms; 1 − u ∈ (0, 1].
-        let u1: f64 = 1.0 - rng.random::<f64>();
-        let u2: f64 = rng.random::<f64>();
-        let r = (-2.0 * u1.ln()).sqrt();
-        let a = std::f64::consts::TAU * u2;
-        out.push((std * r * a.cos()) as f32);
-        out.push((std * r * a.sin()) as f32);
-    }
-    out.truncate(n);
-    out
+    Ok(preset.token_counts())
 }
 
 /// Appends `extra` rows to a [n, d] parameter-token tensor, keeping its dtype.
@@ -282,10 +204,12 @@ fn append_rows(t: &Tensor, extra: usize, init: Option<(f64, u64)>, name: &str) -
         .with_context(|| format!("tensor `{name}` is not a matrix"))?;
     let new = match init {
         None => Tensor::zeros((extra, d), t.dtype(), t.device())?,
-        Some((std, seed)) => {
-            Tensor::from_vec(normal(extra, d, std, seed, name), (extra, d), t.device())?
-                .to_dtype(t.dtype())?
-        }
+        Some((std, seed)) => Tensor::from_vec(
+            init::normal(extra, d, std, seed, name),
+            (extra, d),
+            t.device(),
+        )?
+        .to_dtype(t.dtype())?,
     };
     Ok(Tensor::cat(&[t, &new], 0)?)
 }
@@ -302,23 +226,14 @@ pub fn run(a: GrowArgs) -> Result<()> {
         progress: true,
     };
     let files = loader::locate(&a.model, &opts)?;
-    for p in input_paths(&files) {
-        check_not_input(&a.out, &p)?;
-    }
+    check_not_inputs(&a.out.out, &files)?;
     let dev = Device::Cpu;
-    let w = loader::read_weights(&files, a.dtype.map(Into::into), &dev)?;
-    let family = Family::of(&w.config, &files.source)?;
-    family.validate(&w.config, &w.path)?;
-    let old = token_counts(&w.config, &w.path)?;
-    let w_activation = w
-        .config
-        .get("pattention_activation")
-        .and_then(Value::as_str)
-        .unwrap_or("l2_norm_gelu")
-        .to_string();
-    let old_scale = scale_constants(&w.config, &w.path)?;
+    let w = loader::read_weights(&files, a.storage.dtype(), &dev)?;
+    let family = Family::of(&w.config, &files.source, &w.path)?;
+    let old = family.token_counts();
+    let old_scale = family.scale_constants();
     let target = match &a.preset {
-        Some(p) => targets_from_preset(p, &w.config)?,
+        Some(p) => targets_from_preset(p, &family)?,
         None => ScaleTokens {
             qkv: a.qkv_tokens.unwrap_or(old.qkv),
             proj: a.proj_tokens.unwrap_or(old.proj),
@@ -400,27 +315,18 @@ pub fn run(a: GrowArgs) -> Result<()> {
     }
     let n_tensors = tensors.len();
 
-    let staging = Staging::new(&a.out, a.force)?;
-    let dir = staging.path().to_path_buf();
-    std::fs::write(
-        dir.join(loader::CONFIG_FILE),
-        serde_json::to_string_pretty(&config)? + "\n",
-    )
-    .with_context(|| format!("writing {}", dir.join(loader::CONFIG_FILE).display()))?;
-    let written = checkpoint::write_safetensors(&dir, &tensors, a.max_shard_size)?;
+    let folder = ModelFolder::new(&a.out.out, a.out.force)?;
+    folder.write_config(&config)?;
+    let written = folder.write_weights(&tensors, a.shards.max_shard_size)?;
     drop(tensors);
-    if let Some(t) = &files.tokenizer {
-        std::fs::copy(t, dir.join(loader::TOKENIZER_FILE))
-            .with_context(|| format!("copying {}", t.display()))?;
-    }
+    folder.copy_tokenizer(files.tokenizer.as_deref())?;
 
     let before = family.probe_logits(&files, &dev)?;
-    let grown_files = loader::locate(&dir.display().to_string(), &LocateOptions::default())?;
-    let after = family.probe_logits(&grown_files, &dev)?;
+    let after = family.probe_logits(&folder.files()?, &dev)?;
     let diff = probe::max_abs_diff(&before, &after)?;
     // With softmax Θ a zero key still scores exp(0) and takes weight from
     // the old tokens, so no initialisation is neutral there.
-    let softmax = w_activation == "softmax";
+    let softmax = family.activation() == Activation::Softmax;
     let exact = a.scale == Scale::Keep && a.key_init == KeyInit::Zeros && !softmax;
     if softmax && a.key_init == KeyInit::Zeros && a.scale == Scale::Keep {
         println!("note: this model's Pattention uses softmax, where new tokens always receive weight: growth cannot keep its function exactly");
@@ -428,10 +334,13 @@ pub fn run(a: GrowArgs) -> Result<()> {
     let what = "the original and the grown model";
     if exact {
         // Zero keys add zero scores: only float summation order can differ.
-        let tolerance = if a.dtype.is_some() { 1e-1 } else { 1e-4 };
-        if !probe::report(what, diff, tolerance) {
-            bail!("the grown model does not reproduce the original (max |Δ logit| {diff:e}); nothing was written");
-        }
+        let tolerance = a.storage.tolerance(1e-4);
+        probe::require(
+            what,
+            diff,
+            tolerance,
+            "the grown model does not reproduce the original",
+        )?;
     } else {
         println!(
             "probe: max |Δ logit| between {what} = {diff:.6e} (the function changes: {})",
@@ -451,8 +360,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
         .or_else(|| hub_id(&a.model, &files.source));
     let card = growth_card(
         &a,
-        family,
-        &config,
+        &family,
         &old,
         &old_scale,
         &target,
@@ -461,12 +369,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
         base_model.as_deref(),
         &files.source,
     )?;
-    card.write(&dir)?;
-    if std::env::var_os("TOKENFORMER_CONVERT_ABORT_BEFORE_COMMIT").is_some() {
-        // Test hook: die like a killed process would, without any cleanup.
-        std::process::exit(137);
-    }
-    let out = staging.commit()?;
+    let out = folder.finish(&card)?;
     let summary: Vec<String> = Kind::ALL
         .iter()
         .map(|&k| {
@@ -492,29 +395,6 @@ pub fn run(a: GrowArgs) -> Result<()> {
     Ok(())
 }
 
-/// The files a model was read from, and its folder unless it was named as one file: none
-/// of them may be written into.
-pub fn input_paths(files: &loader::ModelFiles) -> Vec<PathBuf> {
-    let mut v = match &files.weights {
-        loader::Weights::Safetensors(p) => p.clone(),
-        loader::Weights::OfficialBin(p) => vec![p.clone()],
-    };
-    // A model named as a folder (or found in the Hub cache) owns its whole folder; one
-    // named as a single weights file owns only its files.
-    if !Path::new(&files.source).is_file() {
-        let folders: Vec<PathBuf> = v
-            .iter()
-            .filter_map(|p| p.parent().map(Path::to_path_buf))
-            .collect();
-        v.extend(folders);
-    }
-    if let loader::ConfigSource::OfficialYml(y) = &files.config {
-        v.push(y.clone());
-    }
-    v.extend(files.tokenizer.clone());
-    v
-}
-
 /// `owner/name` when the model came from the Hub or the zoo, not a local path.
 pub fn hub_id(spec: &str, source: &str) -> Option<String> {
     if Path::new(spec).exists() {
@@ -527,8 +407,7 @@ pub fn hub_id(spec: &str, source: &str) -> Option<String> {
 #[allow(clippy::too_many_arguments)]
 fn growth_card(
     a: &GrowArgs,
-    family: Family,
-    config: &Value,
+    family: &Family,
     old: &ScaleTokens,
     old_scale: &ScaleTokens,
     target: &ScaleTokens,
@@ -537,8 +416,7 @@ fn growth_card(
     base_model: Option<&str>,
     source: &str,
 ) -> Result<ModelCard> {
-    let d = config.get("hidden_size").cloned().unwrap_or(Value::Null);
-    let layers = config.get("num_layers").cloned().unwrap_or(Value::Null);
+    let (d, layers, _) = family.shape();
     let mut card = ModelCard::new(
         format!(
             "TokenFormer {} grown to {}/{}/{} parameter tokens",
@@ -607,15 +485,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes_parse() {
-        assert_eq!(parse_size("5GB"), Ok(5_000_000_000));
-        assert_eq!(parse_size("64KiB"), Ok(65_536));
-        assert_eq!(parse_size("1234"), Ok(1234));
-        assert!(parse_size("0").is_err());
-        assert!(parse_size("5XB").is_err());
-    }
-
-    #[test]
     fn presets_resolve_to_the_ladder() {
         let e = preset("354M").unwrap();
         assert_eq!(e.name, "tokenformer-ladder-354m");
@@ -625,7 +494,8 @@ mod tests {
             "tokenformer-ladder-757m"
         );
         assert!(preset("9000M").is_err());
-        let t = token_counts(&e.config, Path::new("zoo")).unwrap();
+        let t = Family::Language(loader::lm_config(&e.config, Path::new("zoo")).unwrap());
+        let t = t.token_counts();
         assert_eq!((t.qkv, t.proj, t.ffn), (2140, 2140, 8560));
     }
 
@@ -643,17 +513,5 @@ mod tests {
         assert_eq!(k("layers.11.mlp.value_param_tokens"), Some(Kind::Ffn));
         assert_eq!(k("word_embeddings.weight"), None);
         assert!(pattention_kind("merger.key_param_tokens").is_err());
-    }
-
-    #[test]
-    fn normal_draws_have_the_requested_spread_and_are_seeded() {
-        let v = normal(200, 50, 0.5, 7, "x");
-        let mean = v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64;
-        let var = v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / v.len() as f64;
-        assert!(mean.abs() < 0.02, "mean {mean}");
-        assert!((var.sqrt() - 0.5).abs() < 0.02, "std {}", var.sqrt());
-        assert_eq!(v, normal(200, 50, 0.5, 7, "x"));
-        assert_ne!(v, normal(200, 50, 0.5, 8, "x"));
-        assert_ne!(v, normal(200, 50, 0.5, 7, "y"));
     }
 }

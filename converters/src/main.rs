@@ -3,6 +3,7 @@
 //! temporary folder, checks its result against the source on a probe input,
 //! and only then moves it into place.
 
+mod args;
 mod export;
 mod family;
 mod grow;
@@ -14,8 +15,7 @@ mod probe;
 mod publish;
 
 use anyhow::Result;
-use candle_core::DType;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -42,24 +42,6 @@ enum Command {
     Import(import::ImportArgs),
     /// A vision and a language TokenFormer of the same shape → one tokenformer-vl model.
     Merge(merge::MergeArgs),
-}
-
-/// Storage dtype for written weights.
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum DtypeArg {
-    F32,
-    F16,
-    Bf16,
-}
-
-impl From<DtypeArg> for DType {
-    fn from(d: DtypeArg) -> Self {
-        match d {
-            DtypeArg::F32 => DType::F32,
-            DtypeArg::F16 => DType::F16,
-            DtypeArg::Bf16 => DType::BF16,
-        }
-    }
 }
 
 fn main() {

@@ -7,8 +7,6 @@
 //! sources on their own modality; the tool checks that on a probe before
 //! anything is written.
 
-use std::path::PathBuf;
-
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
@@ -16,9 +14,11 @@ use tokenformer::card::ModelCard;
 use tokenformer::checkpoint;
 use tokenformer::loader;
 use tokenformer::models::vl::{self, VisionLanguageModel};
-use tokenformer::models::{tokenformer as lm, vit};
+use tokenformer::models::{lm, vit, ModelConfig};
 
-use crate::output::{check_not_input, Staging};
+use crate::args::FolderOut;
+use crate::family::typed;
+use crate::output::{check_not_input, ModelFolder};
 use crate::probe;
 
 #[derive(Args, Debug)]
@@ -32,12 +32,8 @@ pub struct MergeArgs {
     /// New bridge parameter tokens per Pattention layer.
     #[arg(long)]
     pub bridge_tokens: usize,
-    /// The folder to write.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Replace a non-empty --out.
-    #[arg(long)]
-    pub force: bool,
+    #[command(flatten)]
+    pub out: FolderOut,
     /// Seed of the bridge values.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -49,33 +45,6 @@ pub struct MergeArgs {
 /// The largest |Δ| accepted between the merged model and a source on its own modality.
 pub const TOLERANCE: f32 = 1e-5;
 
-/// Seeded N(0, std²) values (xorshift + Box-Muller), one stream per tensor name.
-fn seeded_normal(
-    seed: u64,
-    name: &str,
-    rows: usize,
-    cols: usize,
-    std: f64,
-    dev: &Device,
-) -> Result<Tensor> {
-    let mut x = name.bytes().fold(seed ^ 0x9E37_79B9_7F4A_7C15, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01B3)
-    }) | 1;
-    let mut uniform = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
-    let v: Vec<f32> = (0..rows * cols)
-        .map(|_| {
-            let (u, w) = (uniform(), uniform());
-            (std * (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * w).cos()) as f32
-        })
-        .collect();
-    Ok(Tensor::from_vec(v, (rows, cols), dev)?)
-}
-
 pub fn run(a: MergeArgs) -> Result<()> {
     let dev = Device::Cpu;
     let vfiles = loader::locate(&a.vision, &Default::default())
@@ -85,19 +54,23 @@ pub fn run(a: MergeArgs) -> Result<()> {
     for f in [&vfiles, &lfiles] {
         let p = std::path::Path::new(&f.source);
         if p.exists() {
-            check_not_input(&a.out, p)?;
+            check_not_input(&a.out.out, p)?;
         }
     }
     let vw = loader::read_weights(&vfiles, Some(DType::F32), &dev)?;
     let lw = loader::read_weights(&lfiles, Some(DType::F32), &dev)?;
-    if loader::architecture(&vw.config) != vit::ARCHITECTURE {
+    // Both roles are checked by name before either config is validated.
+    let vision = typed(&vw.config, &vw.path, &[vit::ARCHITECTURE]);
+    let language = typed(&lw.config, &lw.path, &[lm::ARCHITECTURE]);
+    if matches!(vision, Ok(None)) {
         bail!("--vision {}: architecture `{}` is not a TokenFormer image classifier (`tokenformer-vit`)", a.vision, loader::architecture(&vw.config));
     }
-    if loader::architecture(&lw.config) != lm::ARCHITECTURE {
+    if matches!(language, Ok(None)) {
         bail!("--language {}: architecture `{}` is not a TokenFormer language model (`tokenformer-lm`)", a.language, loader::architecture(&lw.config));
     }
-    let vcfg = loader::vit_config(&vw.config, &vw.path)?;
-    let lcfg = loader::lm_config(&lw.config, &lw.path)?;
+    let (Some(ModelConfig::Vit(vcfg)), Some(ModelConfig::Lm(lcfg))) = (vision?, language?) else {
+        unreachable!("typed() returns only the expected architecture")
+    };
     let cfg = vl::Config::merged(&vcfg, &lcfg, a.bridge_tokens)
         .map_err(|e| anyhow::anyhow!("cannot merge {} and {}: {e}", a.vision, a.language))?;
     // Both sources load (all tensors present, right shapes) before anything is combined.
@@ -107,8 +80,7 @@ pub fn run(a: MergeArgs) -> Result<()> {
         bail!("--vision/--language: a source is itself a merged model; merge plain classifiers and language models");
     }
     let tensors = vl::assemble(&cfg, &vw.tensors, &lw.tensors, |name, rows, cols| {
-        seeded_normal(a.seed, name, rows, cols, a.bridge_std, &dev)
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        tokenformer::init::normal_tensor((rows, cols), a.bridge_std, a.seed, name, &dev)
     })?;
     let merged = VisionLanguageModel::from_tensors(&cfg, &tensors, &dev)?;
 
@@ -140,22 +112,12 @@ pub fn run(a: MergeArgs) -> Result<()> {
         bail!("the merged model does not reproduce its sources (text {text_diff:e}, images {image_diff:e}, mixed {mixed_diff:e}); nothing was written");
     }
 
-    let staging = Staging::new(&a.out, a.force)?;
-    let out = staging.path();
-    std::fs::write(
-        out.join(loader::CONFIG_FILE),
-        serde_json::to_string_pretty(&cfg)? + "\n",
-    )?;
-    checkpoint::write_safetensors(out, &tensors, checkpoint::DEFAULT_SHARD_BYTES)?;
-    if let Some(t) = &lfiles.tokenizer {
-        std::fs::copy(t, out.join(loader::TOKENIZER_FILE))
-            .with_context(|| format!("copying {}", t.display()))?;
-    }
+    let folder = ModelFolder::new(&a.out.out, a.out.force)?;
+    folder.write_config(&cfg)?;
+    folder.write_weights(&tensors, checkpoint::DEFAULT_SHARD_BYTES)?;
+    folder.copy_tokenizer(lfiles.tokenizer.as_deref())?;
     // The written folder must load through the library's own loader.
-    let reloaded = loader::load_vl(
-        &loader::locate(&out.display().to_string(), &Default::default())?,
-        &dev,
-    )?;
+    let reloaded = loader::load_vl(&folder.files()?, &dev)?;
     let reload_diff = probe::max_abs_diff(&reloaded.language().forward(&input, None)?, &lm_ref)?;
     if reload_diff > TOLERANCE {
         bail!("the written merged model does not reload to the same function (max |Δ logit| {reload_diff:e}); nothing was written");
@@ -184,8 +146,5 @@ pub fn run(a: MergeArgs) -> Result<()> {
         "Usage",
         "```\ntokenformer score --model PATH --text \"...\"\ntokenformer classify --model PATH IMAGE\ntokenformer generate --model PATH --image IMAGE --prompt \"A photo of\"\n```",
     );
-    card.write(out)?;
-    let out = staging.commit()?;
-    println!("wrote {}", out.display());
-    Ok(())
+    folder.finish_and_say(&card)
 }

@@ -10,11 +10,11 @@ use candle_core::Device;
 use clap::Args;
 use serde_json::json;
 use tokenformer::card::ModelCard;
-use tokenformer::checkpoint;
 use tokenformer::loader::{self, ConfigSource, ModelFiles, Weights};
 
-use crate::output::{check_not_input, Staging};
-use crate::{probe, DtypeArg};
+use crate::args::{FolderOut, Shards, Storage};
+use crate::output::{check_not_input, ModelFolder};
+use crate::probe;
 
 #[derive(Args, Debug)]
 pub struct OfficialArgs {
@@ -30,25 +30,19 @@ pub struct OfficialArgs {
     /// tokenizer.json to put in the folder (default: the one beside the input, if any).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// The folder to write.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Replace a non-empty --out.
-    #[arg(long)]
-    pub force: bool,
-    /// Store weights in this dtype (default: as in the input).
-    #[arg(long, value_enum)]
-    pub dtype: Option<DtypeArg>,
-    /// Largest safetensors shard, e.g. 5GB (default, the Hub's) or 200MB.
-    #[arg(long, hide = true, default_value = "5GB", value_parser = crate::grow::parse_size)]
-    pub max_shard_size: u64,
+    #[command(flatten)]
+    pub out: FolderOut,
+    #[command(flatten)]
+    pub storage: Storage,
+    #[command(flatten)]
+    pub shards: Shards,
 }
 
 pub fn run(a: OfficialArgs) -> Result<()> {
     if !a.input.is_file() {
         bail!("{}: no such checkpoint file", a.input.display());
     }
-    check_not_input(&a.out, &a.input)?;
+    check_not_input(&a.out.out, &a.input)?;
     let (config, base_model) = match (&a.config, &a.zoo) {
         (Some(y), _) => (ConfigSource::OfficialYml(y.clone()), None),
         (None, Some(z)) => {
@@ -78,7 +72,7 @@ pub fn run(a: OfficialArgs) -> Result<()> {
         tokenizer: tokenizer.clone(),
     };
     let dev = Device::Cpu;
-    let w = loader::read_weights(&source, a.dtype.map(Into::into), &dev)?;
+    let w = loader::read_weights(&source, a.storage.dtype(), &dev)?;
     // Validate against the architecture before writing anything.
     let cfg = loader::lm_config(&w.config, &w.path)?;
     if !w.ignored.is_empty() {
@@ -89,38 +83,27 @@ pub fn run(a: OfficialArgs) -> Result<()> {
         );
     }
 
-    let staging = Staging::new(&a.out, a.force)?;
-    let dir = staging.path();
-    std::fs::write(
-        dir.join(loader::CONFIG_FILE),
-        serde_json::to_string_pretty(&w.config)? + "\n",
-    )?;
+    let folder = ModelFolder::new(&a.out.out, a.out.force)?;
+    folder.write_config(&w.config)?;
     let n_tensors = w.tensors.len();
-    checkpoint::write_safetensors(dir, &w.tensors, a.max_shard_size)?;
+    folder.write_weights(&w.tensors, a.shards.max_shard_size)?;
     drop(w);
-    if let Some(t) = &tokenizer {
-        std::fs::copy(t, dir.join(loader::TOKENIZER_FILE))
-            .with_context(|| format!("copying {}", t.display()))?;
-    }
+    folder.copy_tokenizer(tokenizer.as_deref())?;
 
     let original = loader::load_lm(&source, &dev)?;
-    let converted = loader::load_lm(
-        &loader::locate(&dir.display().to_string(), &Default::default())?,
-        &dev,
-    )?;
+    let converted = loader::load_lm(&folder.files()?, &dev)?;
     let diff = probe::max_abs_diff(
         &probe::lm_logits(&original)?,
         &probe::lm_logits(&converted)?,
     )?;
     // Same dtype: the tensors are copied bit for bit, so the logits must agree exactly.
-    let tolerance = if a.dtype.is_some() { 1e-1 } else { 0.0 };
-    if !probe::report(
+    let tolerance = a.storage.tolerance(0.0);
+    probe::require(
         "the official checkpoint and the converted folder",
         diff,
         tolerance,
-    ) {
-        bail!("the converted model does not reproduce the original (max |Δ logit| {diff:e}); nothing was written");
-    }
+        "the converted model does not reproduce the original",
+    )?;
 
     let mut card = ModelCard::new(
         format!(
@@ -148,8 +131,5 @@ pub fn run(a: OfficialArgs) -> Result<()> {
         "Usage",
         "```\ntokenformer generate --model PATH_OR_REPO --prompt \"Hello\"\n```",
     );
-    card.write(dir)?;
-    let out = staging.commit()?;
-    println!("wrote {}", out.display());
-    Ok(())
+    folder.finish_and_say(&card)
 }

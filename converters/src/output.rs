@@ -1,42 +1,115 @@
 //! Safe output for every converter: write into a temporary folder next to
 //! `--out`, rename it into place at the end, never touch the input, and refuse
 //! to replace an existing non-empty `--out` without `--force`. A converter that
-//! fails or is killed leaves no half-written `--out` behind.
+//! fails or is killed leaves no half-written `--out` behind. [`ModelFolder`] is
+//! the one writer of a model folder (config.json, safetensors, tokenizer.json,
+//! model card).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use tokenformer::card::ModelCard;
+use tokenformer::checkpoint::{self, Tensors};
+use tokenformer::loader::{self, ModelFiles};
 
-/// A folder being written; becomes `out` on [`Staging::commit`], vanishes on drop.
-pub struct Staging {
+/// A hidden temporary folder beside `out` (same filesystem, so a rename moves its
+/// contents into place); removed on drop.
+pub fn staging_dir(out: &Path) -> Result<tempfile::TempDir> {
+    let parent = parent_of(out);
+    let name = out
+        .file_name()
+        .map_or("out".into(), |n| n.to_string_lossy().into_owned());
+    tempfile::Builder::new()
+        .prefix(&format!(".{name}.partial-"))
+        .tempdir_in(&parent)
+        .with_context(|| format!("cannot create a temporary folder in {}", parent.display()))
+}
+
+/// Test hook: with `TOKENFORMER_CONVERT_ABORT_BEFORE_COMMIT` set, die like a killed
+/// process would, without any cleanup, just before the output is moved into place.
+pub fn abort_hook() {
+    if std::env::var_os("TOKENFORMER_CONVERT_ABORT_BEFORE_COMMIT").is_some() {
+        std::process::exit(137);
+    }
+}
+
+/// A model folder being written; becomes `out` on [`ModelFolder::commit`], vanishes on
+/// drop.
+pub struct ModelFolder {
     tmp: tempfile::TempDir,
     out: PathBuf,
 }
 
-impl Staging {
+impl ModelFolder {
+    /// Checks `out` (see [`check_target`]) and creates the folder to write into.
     pub fn new(out: &Path, force: bool) -> Result<Self> {
         check_target(out, force)?;
-        let parent = parent_of(out);
-        let name = out
-            .file_name()
-            .map_or("out".into(), |n| n.to_string_lossy().into_owned());
-        let tmp = tempfile::Builder::new()
-            .prefix(&format!(".{name}.partial-"))
-            .tempdir_in(&parent)
-            .with_context(|| format!("cannot create a temporary folder in {}", parent.display()))?;
         Ok(Self {
-            tmp,
+            tmp: staging_dir(out)?,
             out: out.to_path_buf(),
         })
     }
 
-    /// Where to write the files.
+    /// Where the files are written.
     pub fn path(&self) -> &Path {
         self.tmp.path()
     }
 
+    /// `name` as pretty-printed JSON with a final newline.
+    pub fn write_json<T: Serialize + ?Sized>(&self, name: &str, value: &T) -> Result<()> {
+        let path = self.path().join(name);
+        std::fs::write(&path, serde_json::to_string_pretty(value)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// `config.json`.
+    pub fn write_config<T: Serialize + ?Sized>(&self, config: &T) -> Result<()> {
+        self.write_json(loader::CONFIG_FILE, config)
+    }
+
+    /// The weights as safetensors (sharded above `max_shard_bytes`); the files written.
+    pub fn write_weights(&self, tensors: &Tensors, max_shard_bytes: u64) -> Result<Vec<PathBuf>> {
+        Ok(checkpoint::write_safetensors(
+            self.path(),
+            tensors,
+            max_shard_bytes,
+        )?)
+    }
+
+    /// A copy of `tokenizer` as `tokenizer.json`, if there is one.
+    pub fn copy_tokenizer(&self, tokenizer: Option<&Path>) -> Result<()> {
+        if let Some(t) = tokenizer {
+            std::fs::copy(t, self.path().join(loader::TOKENIZER_FILE))
+                .with_context(|| format!("copying {}", t.display()))?;
+        }
+        Ok(())
+    }
+
+    /// The folder as written so far, found the way users will find it.
+    pub fn files(&self) -> Result<ModelFiles> {
+        Ok(loader::locate(
+            &self.path().display().to_string(),
+            &Default::default(),
+        )?)
+    }
+
+    /// Writes the model card and moves the folder into place.
+    pub fn finish(self, card: &ModelCard) -> Result<PathBuf> {
+        card.write(self.path())?;
+        self.commit()
+    }
+
+    /// [`ModelFolder::finish`], then says where the folder is.
+    pub fn finish_and_say(self, card: &ModelCard) -> Result<()> {
+        let out = self.finish(card)?;
+        println!("wrote {}", out.display());
+        Ok(())
+    }
+
     /// Moves the finished folder to `out` (replacing it only if `--force` allowed that).
     pub fn commit(self) -> Result<PathBuf> {
+        abort_hook();
         default_permissions(self.tmp.path())?;
         let tmp = self.tmp.keep();
         if self.out.exists() {
@@ -89,6 +162,38 @@ pub fn check_target(out: &Path, force: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// [`check_not_input`] for every file a model was read from, and its folder unless it
+/// was named as one file.
+pub fn check_not_inputs(out: &Path, files: &ModelFiles) -> Result<()> {
+    for p in input_paths(files) {
+        check_not_input(out, &p)?;
+    }
+    Ok(())
+}
+
+/// The files a model was read from, and its folder unless it was named as one file: none
+/// of them may be written into.
+fn input_paths(files: &ModelFiles) -> Vec<PathBuf> {
+    let mut v = match &files.weights {
+        loader::Weights::Safetensors(p) => p.clone(),
+        loader::Weights::OfficialBin(p) => vec![p.clone()],
+    };
+    // A model named as a folder (or found in the Hub cache) owns its whole folder; one
+    // named as a single weights file owns only its files.
+    if !Path::new(&files.source).is_file() {
+        let folders: Vec<PathBuf> = v
+            .iter()
+            .filter_map(|p| p.parent().map(Path::to_path_buf))
+            .collect();
+        v.extend(folders);
+    }
+    if let loader::ConfigSource::OfficialYml(y) = &files.config {
+        v.push(y.clone());
+    }
+    v.extend(files.tokenizer.clone());
+    v
 }
 
 /// Fails if `out` is, holds or lies inside `input`, so the input is never modified (nor

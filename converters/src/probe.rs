@@ -2,7 +2,7 @@
 //! source and the result on the same probe input and report the largest
 //! logit difference.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use candle_core::Tensor;
 use tokenformer::models::tokenformer::TokenFormerLm;
 
@@ -26,4 +26,13 @@ pub fn report(what: &str, diff: f32, tolerance: f32) -> bool {
         if ok { ". Looks ok!" } else { ": MISMATCH" }
     );
     ok
+}
+
+/// [`report`], then fails with "`failure` (max |Δ logit| …); nothing was written" if
+/// the difference is above `tolerance`.
+pub fn require(what: &str, diff: f32, tolerance: f32, failure: &str) -> Result<()> {
+    if !report(what, diff, tolerance) {
+        bail!("{failure} (max |Δ logit| {diff:e}); nothing was written");
+    }
+    Ok(())
 }

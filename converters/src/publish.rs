@@ -15,8 +15,9 @@ use serde_json::{json, Map, Value};
 use tokenformer::card::{self, ModelCard};
 use tokenformer::hub::{self, PublishOptions, RepoRef};
 use tokenformer::loader;
-use tokenformer::models::{tokenformer as lm, vit, vl};
+use tokenformer::models::{lm, vit, vl, ModelConfig, ARCHITECTURES};
 
+use crate::family::{pipeline_tag, typed};
 use crate::probe;
 
 #[derive(Args, Debug)]
@@ -50,7 +51,7 @@ pub fn run(a: PublishArgs) -> Result<()> {
         bail!("{}: not a model folder", dir.display());
     }
     let repo = RepoRef::parse(&format!("{}@{}", a.repo, a.revision))?;
-    let summary = validate(dir)?;
+    let (summary, config) = validate(dir)?;
     println!("validated {}: {summary}", dir.display());
     model_files_inside(dir)?;
 
@@ -61,7 +62,8 @@ pub fn run(a: PublishArgs) -> Result<()> {
         .iter()
         .map(|p| loader::read_json(p).map_err(anyhow::Error::from))
         .collect::<Result<Vec<_>>>()?;
-    let new_readme = refresh_card(&old, dir, &repo, &results)?;
+    let pipeline = pipeline_tag(config.architecture());
+    let new_readme = refresh_card(&old, dir, &repo, pipeline, &results)?;
 
     // The refreshed README is uploaded from a temporary file; the folder itself is only
     // read (regular files inside it; see `hub::upload_listing` for what is left out).
@@ -138,8 +140,9 @@ fn model_files_inside(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Loads the folder the way users will and runs a probe forward pass.
-fn validate(dir: &Path) -> Result<String> {
+/// Loads the folder the way users will and runs a probe forward pass; returns what
+/// it found and the typed config.
+fn validate(dir: &Path) -> Result<(String, ModelConfig)> {
     let files = loader::locate(&dir.display().to_string(), &Default::default())?;
     let config = match &files.config {
         loader::ConfigSource::Json { value, .. } => value.clone(),
@@ -149,30 +152,46 @@ fn validate(dir: &Path) -> Result<String> {
         ),
     };
     let dev = Device::Cpu;
-    match loader::architecture(&config) {
-        lm::ARCHITECTURE => {
+    let origin = match &files.config {
+        loader::ConfigSource::Json { path: Some(p), .. } => p.clone(),
+        _ => dir.join(loader::CONFIG_FILE),
+    };
+    let named = loader::architecture(&config);
+    let typed = match typed(&config, &origin, &ARCHITECTURES)? {
+        Some(c) => c,
+        None if named.is_empty() => bail!("{}: config.json has no `architecture`", dir.display()),
+        None => bail!(
+            "{}: cannot validate architecture `{named}` (expected {}, {} or {})",
+            dir.display(),
+            lm::ARCHITECTURE,
+            vit::ARCHITECTURE,
+            vl::ARCHITECTURE
+        ),
+    };
+    let summary = match &typed {
+        ModelConfig::Lm(_) => {
             let model = loader::load_lm(&files, &dev)?;
             check_finite(&probe::lm_logits(&model)?, "")?;
             warn_no_tokenizer(&files, dir);
-            Ok(format!(
+            format!(
                 "{}, {} layers, probe forward ok",
                 lm::ARCHITECTURE,
                 model.config().num_layers
-            ))
+            )
         }
-        vit::ARCHITECTURE => {
+        ModelConfig::Vit(_) => {
             let model = loader::load_vit(&files, &dev)?;
             let cfg = model.config();
             let pixels = probe::probe_pixels(1, cfg.num_channels, cfg.image_size, &dev)?;
             check_finite(&model.forward(&pixels)?, "")?;
-            Ok(format!(
+            format!(
                 "{}, {} layers, {} classes, probe forward ok",
                 vit::ARCHITECTURE,
                 cfg.num_layers,
                 cfg.num_classes
-            ))
+            )
         }
-        vl::ARCHITECTURE => {
+        ModelConfig::Vl(_) => {
             // The mixed sequence exercises both routes and the shared attention at once.
             let model = loader::load_vl(&files, &dev)?;
             let (v, l) = (model.vision().config(), model.language().config());
@@ -185,22 +204,15 @@ fn validate(dir: &Path) -> Result<String> {
             }
             check_finite(&text, " (text)")?;
             warn_no_tokenizer(&files, dir);
-            Ok(format!(
+            format!(
                 "{}, {} layers, {} bridge tokens, mixed probe forward ok",
                 vl::ARCHITECTURE,
                 l.num_layers,
                 model.config().bridge_tokens
-            ))
+            )
         }
-        "" => bail!("{}: config.json has no `architecture`", dir.display()),
-        other => bail!(
-            "{}: cannot validate architecture `{other}` (expected {}, {} or {})",
-            dir.display(),
-            lm::ARCHITECTURE,
-            vit::ARCHITECTURE,
-            vl::ARCHITECTURE
-        ),
-    }
+    };
+    Ok((summary, typed))
 }
 
 /// A model that publishes NaN logits is broken however well its files load.
@@ -226,15 +238,15 @@ fn warn_no_tokenizer(files: &loader::ModelFiles, dir: &Path) {
 }
 
 /// The README with refreshed front matter; the body is kept if there was one.
-fn refresh_card(old: &str, dir: &Path, repo: &RepoRef, results: &[Value]) -> Result<String> {
+fn refresh_card(
+    old: &str,
+    dir: &Path,
+    repo: &RepoRef,
+    pipeline: &str,
+    results: &[Value],
+) -> Result<String> {
     let (mut meta, body) = card::parse(old)
         .map_err(|e| anyhow::anyhow!("{}: {e}", dir.join("README.md").display()))?;
-    let config = loader::read_json(&dir.join(loader::CONFIG_FILE))?;
-    let pipeline = match loader::architecture(&config) {
-        vit::ARCHITECTURE => "image-classification",
-        vl::ARCHITECTURE => "image-text-to-text",
-        _ => "text-generation",
-    };
     let fresh = ModelCard::new(repo.name.clone(), pipeline);
     for (k, v) in fresh.metadata {
         match (k.as_str(), meta.get_mut(&k)) {

@@ -258,28 +258,15 @@ fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
 
 /// Fresh weights for `cfg` as the official code initialises them: embeddings, keys and
 /// values N(0, 0.02) (and the untied output matrix likewise), the final norm's weight 1
-/// and bias 0. Deterministic for a seed.
+/// and bias 0. Deterministic for a seed: each tensor draws from its own stream of
+/// [`crate::init`].
 pub fn init_tensors(cfg: &Config, seed: u64, device: &Device) -> Result<Tensors> {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut normal = |shape: &[usize]| -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n)
-            .map(|_| {
-                // Box-Muller from two uniforms in (0, 1].
-                let u1: f64 = 1.0 - rng.random::<f64>();
-                let u2: f64 = rng.random();
-                ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos() * 0.02) as f32
-            })
-            .collect();
-        Tensor::from_vec(v, shape, device)
-    };
     let mut t = Tensors::new();
     for (name, shape) in expected_shapes(cfg) {
         let value = match name.as_str() {
             "final_norm.weight" => Tensor::ones(shape.as_slice(), DType::F32, device)?,
             "final_norm.bias" => Tensor::zeros(shape.as_slice(), DType::F32, device)?,
-            _ => normal(&shape)?,
+            _ => crate::init::normal_tensor(shape.as_slice(), 0.02, seed, &name, device)?,
         };
         t.insert(name, value);
     }

@@ -4,13 +4,25 @@
 //! attention.dense, post_attention_layernorm, mlp.dense_h_to_4h,
 //! mlp.dense_4h_to_h}`, `gpt_neox.final_layer_norm`, `embed_out`.
 //! The fused `query_key_value` rows are grouped per head as [q | k | v]
-//! (the module views its output as [.., heads, 3·head_dim]).
+//! (the module views its output as [.., heads, 3·head_dim]). [`import`] turns
+//! it into a TokenFormer language model and measures it on a text probe.
 
-use anyhow::{bail, Result};
-use candle_core::Tensor;
+use anyhow::{anyhow, bail, Result};
+use candle_core::{Device, Tensor};
 use serde_json::Value;
+use tokenformer::checkpoint::Tensors;
+use tokenformer::loader;
+use tokenformer::models::tokenformer::{self as lm, Rotary, ScaleTokens};
+use tokenformer::pattention::Activation;
 
-use super::{Dense, Norm, RawCheckpoint, SourceBody, SourceLayer};
+use super::args::ImportArgs;
+use super::fidelity::{self, finish, perplexity, CardText, EndToEnd, Report};
+use super::mapping::{import_layers, relative_error, Mapping};
+use super::source::{
+    layer_norm, run_layers, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
+};
+use crate::output::ModelFolder;
+use crate::probe;
 
 /// The hyper-parameters a TokenFormer needs, from `config.json`.
 #[derive(Clone, Debug)]
@@ -39,13 +51,6 @@ pub struct NeoxSource {
     pub embed_out: Option<Tensor>,
 }
 
-fn usize_key(c: &Value, key: &str, origin: &str) -> Result<usize> {
-    match c.get(key).and_then(Value::as_u64) {
-        Some(v) if v > 0 => Ok(v as usize),
-        _ => bail!("{origin}: config.json has no positive integer `{key}`"),
-    }
-}
-
 pub fn config(c: &Value, origin: &str) -> Result<NeoxConfig> {
     if let Some(mt) = c.get("model_type").and_then(Value::as_str) {
         if mt != "gpt_neox" {
@@ -57,8 +62,8 @@ pub fn config(c: &Value, origin: &str) -> Result<NeoxConfig> {
             bail!("{origin}: hidden_act `{act}` is not supported: Pattention's Θ uses the exact (erf) GELU, so only `gelu` sources map onto it")
         }
     }
-    let hidden_size = usize_key(c, "hidden_size", origin)?;
-    let num_heads = usize_key(c, "num_attention_heads", origin)?;
+    let hidden_size = usize_key(c, "hidden_size", origin, None)?;
+    let num_heads = usize_key(c, "num_attention_heads", origin, None)?;
     if hidden_size % num_heads != 0 {
         bail!("{origin}: hidden_size {hidden_size} is not divisible by num_attention_heads {num_heads}")
     }
@@ -68,13 +73,13 @@ pub fn config(c: &Value, origin: &str) -> Result<NeoxConfig> {
     let rope_f = |k: &str| rope.and_then(|r| r.get(k)).and_then(Value::as_f64);
     Ok(NeoxConfig {
         hidden_size,
-        num_layers: usize_key(c, "num_hidden_layers", origin)?,
+        num_layers: usize_key(c, "num_hidden_layers", origin, None)?,
         num_heads,
         intermediate_size: c
             .get("intermediate_size")
             .and_then(Value::as_u64)
             .map_or(4 * hidden_size, |v| v as usize),
-        vocab_size: usize_key(c, "vocab_size", origin)?,
+        vocab_size: usize_key(c, "vocab_size", origin, None)?,
         rotary_pct: rope_f("partial_rotary_factor").unwrap_or(f("rotary_pct", 0.25)),
         rotary_base: rope_f("rope_theta")
             .unwrap_or(f("rotary_emb_base", f("rope_theta", 10_000.0))),
@@ -184,4 +189,190 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<NeoxSource> {
         final_norm,
         embed_out,
     })
+}
+
+/// `import --from gpt-neox`: the TokenFormer language model, measured on the probe
+/// text against the source.
+pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
+    let src = read(raw)?;
+    let buffers = raw.finish(is_buffer)?;
+    let cfg = &src.cfg;
+    let d = cfg.hidden_size;
+    let dev = Device::Cpu;
+    let map = Mapping::new(d);
+
+    // Probe and calibration inputs: real text when the source has a tokenizer.
+    let tok_path = raw.dir.join(loader::TOKENIZER_FILE);
+    let max = cfg.max_position_embeddings;
+    let clip = |mut v: Vec<u32>| {
+        v.truncate(max);
+        v
+    };
+    let probe_ids = clip(
+        fidelity::tokenize(
+            &tok_path,
+            a.probe_text
+                .as_deref()
+                .unwrap_or(fidelity::DEFAULT_PROBE_TEXT),
+        )
+        .unwrap_or_else(|| probe::probe_ids(cfg.vocab_size, max)),
+    );
+    if probe_ids.len() < 2 {
+        bail!("the probe text must have at least 2 tokens");
+    }
+    let calib_ids = clip(
+        fidelity::tokenize(&tok_path, fidelity::CALIBRATION_TEXT)
+            .unwrap_or_else(|| fidelity::seeded_ids(cfg.vocab_size, 32.min(max), 17)),
+    );
+    if let Some(&bad) = probe_ids
+        .iter()
+        .chain(&calib_ids)
+        .find(|&&i| i as usize >= cfg.vocab_size)
+    {
+        bail!(
+            "token id {bad} of the probe is outside the source's vocabulary ({})",
+            cfg.vocab_size
+        );
+    }
+
+    // The source on both inputs.
+    let rotary_dims = ((d / cfg.num_heads) as f64 * cfg.rotary_pct) as usize;
+    if !rotary_dims.is_multiple_of(2) {
+        bail!(
+            "{}: rotary_pct {} gives an odd number of rotary dims ({rotary_dims})",
+            raw.origin,
+            cfg.rotary_pct
+        );
+    }
+    let rotary = Rotary::new(rotary_dims, cfg.rotary_base, max, &dev)?;
+    let embed = |ids: &[u32]| -> Result<Tensor> {
+        Ok(src
+            .embed_in
+            .index_select(&Tensor::new(ids, &dev)?, 0)?
+            .unsqueeze(0)?)
+    };
+    let source_logits = |h: &Tensor| -> Result<Tensor> {
+        let h = layer_norm(h, &src.final_norm, cfg.eps)?.squeeze(0)?;
+        Ok(h.matmul(&src.embed_out.as_ref().unwrap_or(&src.embed_in).t()?)?)
+    };
+    let mix = Mixing::Causal(&rotary);
+    let (_, calib) = run_layers(&src.body, &embed(&calib_ids)?, &mix, cfg.parallel_residual)?;
+    let (h, probe_trace) = run_layers(&src.body, &embed(&probe_ids)?, &mix, cfg.parallel_residual)?;
+    let src_logits = source_logits(&h)?;
+    let src_ppl = perplexity(&src_logits, &probe_ids)?;
+    let seq_ppl = if cfg.parallel_residual {
+        let (h, _) = run_layers(&src.body, &embed(&probe_ids)?, &mix, false)?;
+        Some(perplexity(&source_logits(&h)?, &probe_ids)?)
+    } else {
+        None
+    };
+
+    // The TokenFormer tensors.
+    let mut tensors = Tensors::new();
+    let mut copied = vec![];
+    let mut copy = |from: &str, to: &str, t: &Tensor| {
+        tensors.insert(to.to_string(), t.clone());
+        copied.push((from.to_string(), to.to_string()));
+    };
+    copy(
+        "gpt_neox.embed_in.weight",
+        "word_embeddings.weight",
+        &src.embed_in,
+    );
+    copy(
+        "gpt_neox.final_layer_norm.weight",
+        "final_norm.weight",
+        &src.final_norm.weight,
+    );
+    copy(
+        "gpt_neox.final_layer_norm.bias",
+        "final_norm.bias",
+        &src.final_norm.bias,
+    );
+    if let Some(e) = &src.embed_out {
+        copy("embed_out.weight", "final_linear.weight", e);
+    }
+    let layers = import_layers(&src.body, &map, &calib, &probe_trace, &mut tensors)?;
+    let m = cfg.intermediate_size;
+    let config = lm::Config {
+        hidden_size: d,
+        num_layers: cfg.num_layers,
+        num_heads: cfg.num_heads,
+        qkv_tokens: 4 * d,
+        proj_tokens: 4 * d,
+        ffn_tokens: m + 4 * d,
+        vocab_size: cfg.vocab_size,
+        max_position_embeddings: max,
+        rotary_pct: cfg.rotary_pct,
+        rotary_base: cfg.rotary_base,
+        norm_eps: cfg.eps,
+        pattention_activation: Activation::L2NormGelu,
+        eos_token_id: cfg.eos_token_id,
+        tie_word_embeddings: src.embed_out.is_none(),
+        pattention_scale_tokens: Some(ScaleTokens {
+            qkv: map.scale_tokens,
+            proj: map.scale_tokens,
+            ffn: map.scale_tokens,
+        }),
+    };
+    config
+        .validate()
+        .map_err(|e| anyhow!("the imported config is invalid: {e}"))?;
+
+    let folder = ModelFolder::new(&a.out.out, a.out.force)?;
+    folder.write_config(&config)?;
+    folder.write_weights(&tensors, tokenformer::checkpoint::DEFAULT_SHARD_BYTES)?;
+    folder.copy_tokenizer(tok_path.exists().then_some(tok_path.as_path()))?;
+
+    // The written folder, loaded as any user would, on the same probe.
+    let model = loader::load_lm(&folder.files()?, &dev)?;
+    let imp_logits = model
+        .forward(
+            &Tensor::new(probe_ids.as_slice(), &dev)?.unsqueeze(0)?,
+            None,
+        )?
+        .squeeze(0)?;
+    let imp_ppl = perplexity(&imp_logits, &probe_ids)?;
+    let end = EndToEnd {
+        source_perplexity: Some(src_ppl),
+        source_sequential_perplexity: seq_ppl,
+        import_perplexity: Some(imp_ppl),
+        top1_agreement: None,
+        logits_relative_error: relative_error(&imp_logits, &src_logits)?,
+    };
+    let mut not_rep = vec![
+        "MLP pre-activation biases (dense_h_to_4h.bias + W·post_attention_layernorm.bias): no constant score exists for LayerNorm outputs; dropped, norms per layer in `dropped_mlp_bias_norm`".to_string(),
+        "input/post-attention LayerNorm weights and biases: folded into the following Pattention keys and bias tokens (exact)".to_string(),
+        "attention.dense input scale: a Pattention is scale-invariant in its input; a per-layer constant is fitted on a calibration text (`proj_input_scale`)".to_string(),
+    ];
+    if cfg.parallel_residual {
+        not_rep.push("use_parallel_residual: true — a TokenFormer block is sequential (x + attn, then + mlp); the MLP now sees the attention output. Compare source_perplexity with source_sequential_perplexity".into());
+    }
+    let report = Report {
+        source: a.input.clone(),
+        from: "gpt-neox".into(),
+        mapping: map,
+        probe_ids: Some(probe_ids.clone()),
+        calibration_ids: Some(calib_ids),
+        probe_images: None,
+        parallel_residual_made_sequential: cfg.parallel_residual,
+        layers,
+        end_to_end: end,
+        copied,
+        ignored_buffers: buffers,
+        not_representable: not_rep,
+    };
+    let card = CardText {
+        title: format!(
+            "TokenFormer LM imported from GPT-NeoX ({} layers, d {})",
+            cfg.num_layers, d
+        ),
+        pipeline: "text-generation",
+        model: format!(
+            "A TokenFormer language model initialised from the GPT-NeoX checkpoint `{}` by `tokenformer-convert import --from gpt-neox` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Embeddings, final norm and the untied output matrix are copied unchanged.",
+            a.input, config.qkv_tokens, config.proj_tokens, config.ffn_tokens, map.scale_tokens
+        ),
+        fidelity_note: "",
+    };
+    finish(&a.input, folder, &report, card)
 }

@@ -8,8 +8,10 @@
 
 use anyhow::{bail, Result};
 use serde_json::Value;
+use tokenformer::models::vit::{Interpolation, Pool};
 
-use super::{Dense, Norm, RawCheckpoint, SourceBody, SourceLayer, VitSource};
+use super::{triple, Names, Qkv, VitMeta, VitSource};
+use crate::import::source::RawCheckpoint;
 
 /// timm's ViT sizes by name (`vit_tiny` … `vit_giant`): heads.
 fn heads_from_name(arch: &str) -> Option<usize> {
@@ -67,7 +69,6 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         .map(|v| v as usize)
         .or_else(|| dims(raw, "pos_embed").map(|p| (((p[1] - 1) as f64).sqrt() as usize) * patch))
         .unwrap_or(224);
-    let tokens = (image / patch) * (image / patch) + 1;
     let avg = match c.get("global_pool").and_then(Value::as_str).or(args
         .and_then(|a| a.get("global_pool"))
         .and_then(Value::as_str))
@@ -81,86 +82,10 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
     let classes = dims(raw, "head.weight").map(|s| s[0]).ok_or_else(|| {
         anyhow::anyhow!("{origin}: missing tensor `head.weight` (a classifier has it)")
     })?;
-    let eps = 1e-6;
 
-    let mut copied = vec![];
-    let mut take = |raw: &mut RawCheckpoint, from: &str, shape: &[usize], to: Option<&str>| {
-        if let Some(to) = to {
-            copied.push((from.to_string(), to.to_string()));
-        }
-        raw.take(from, shape)
-    };
-    let cls = take(raw, "cls_token", &[1, 1, d], Some("cls_token"))?;
-    let pos = take(raw, "pos_embed", &[1, tokens, d], Some("pos_embed"))?;
-    let patch_w = take(
-        raw,
-        "patch_embed.proj.weight",
-        &[d, channels, patch, patch],
-        Some("patch_embed.weight"),
-    )?;
-    let patch_b = take(raw, "patch_embed.proj.bias", &[d], Some("patch_embed.bias"))?;
-    let mut layers = Vec::with_capacity(layers_n);
-    for i in 0..layers_n {
-        let p = format!("blocks.{i}");
-        let norm = |raw: &mut RawCheckpoint, n: &str| raw.take_norm(&format!("{p}.{n}"), d);
-        let ln1 = norm(raw, "norm1")?;
-        let ln2 = norm(raw, "norm2")?;
-        let dense = |raw: &mut RawCheckpoint, n: &str, out: usize, inp: usize| {
-            raw.take_dense(&format!("{p}.{n}"), out, inp, false)
-        };
-        let qkv = dense(raw, "attn.qkv", 3 * d, d)?;
-        let part = |j: usize| -> Result<Dense> {
-            Ok(Dense {
-                weight: qkv.weight.narrow(0, j * d, d)?.contiguous()?,
-                bias: qkv
-                    .bias
-                    .as_ref()
-                    .map(|b| b.narrow(0, j * d, d))
-                    .transpose()?,
-            })
-        };
-        layers.push(SourceLayer {
-            ln1,
-            query: part(0)?,
-            key: part(1)?,
-            value: part(2)?,
-            dense: dense(raw, "attn.proj", d, d)?,
-            ln2,
-            fc1: dense(raw, "mlp.fc1", m, d)?,
-            fc2: dense(raw, "mlp.fc2", d, m)?,
-        });
-    }
-    let (nw, nb, to_w, to_b) = if avg {
-        (
-            "fc_norm.weight",
-            "fc_norm.bias",
-            "fc_norm.weight",
-            "fc_norm.bias",
-        )
-    } else {
-        (
-            "norm.weight",
-            "norm.bias",
-            "final_norm.weight",
-            "final_norm.bias",
-        )
-    };
-    let norm = Norm {
-        weight: take(raw, nw, &[d], Some(to_w))?,
-        bias: take(raw, nb, &[d], Some(to_b))?,
-    };
-    let head_w = take(raw, "head.weight", &[classes, d], Some("head.weight"))?;
-    let head_b = take(raw, "head.bias", &[classes], Some("head.bias"))?;
-    let triple = |k: &str, dflt: [f32; 3]| -> [f32; 3] {
-        pre.get(k)
-            .and_then(Value::as_array)
-            .filter(|a| a.len() == 3)
-            .map(|a| [0, 1, 2].map(|i| a[i].as_f64().unwrap_or(0.5) as f32))
-            .unwrap_or(dflt)
-    };
     let interpolation = match pre.get("interpolation").and_then(Value::as_str) {
-        Some("bilinear") => "bilinear",
-        _ => "bicubic",
+        Some("bilinear") => Interpolation::Bilinear,
+        _ => Interpolation::Bicubic,
     };
     let class_names = pre
         .get("label_names")
@@ -169,31 +94,35 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
             let v: Option<Vec<String>> = a.iter().map(|s| s.as_str().map(String::from)).collect();
             v.filter(|v| v.len() == classes)
         });
-    Ok(VitSource {
-        body: SourceBody {
-            num_heads: heads,
-            eps,
-            layers,
-        },
+    let meta = VitMeta {
+        hidden_size: d,
+        num_layers: layers_n,
+        num_heads: heads,
+        eps: 1e-6,
         image_size: image,
         patch_size: patch,
         num_channels: channels,
         intermediate_size: m,
         num_classes: classes,
-        pool_cls: !avg,
-        patch_w,
-        patch_b,
-        cls,
-        pos,
-        norm,
-        head_w,
-        head_b,
-        mean: triple("mean", [0.5; 3]),
-        std: triple("std", [0.5; 3]),
+        pool: if avg { Pool::Mean } else { Pool::Cls },
+        mean: triple(&pre, "mean", [0.5; 3]),
+        std: triple(&pre, "std", [0.5; 3]),
         crop_pct: pre.get("crop_pct").and_then(Value::as_f64).unwrap_or(0.9),
         interpolation,
         class_names,
-        copied,
         layout: "timm VisionTransformer",
-    })
+    };
+    let names = Names {
+        cls: "cls_token",
+        pos: "pos_embed",
+        patch: "patch_embed.proj",
+        block: "blocks",
+        norms: ["norm1", "norm2"],
+        qkv: Qkv::Fused("attn.qkv"),
+        proj: "attn.proj",
+        mlp: ["mlp.fc1", "mlp.fc2"],
+        final_norm: if avg { "fc_norm" } else { "norm" },
+        head: "head",
+    };
+    VitSource::take(raw, &names, meta)
 }

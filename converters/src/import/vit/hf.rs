@@ -9,16 +9,10 @@
 
 use anyhow::{bail, Result};
 use serde_json::Value;
+use tokenformer::models::vit::{Interpolation, Pool};
 
-use super::{Norm, RawCheckpoint, SourceBody, SourceLayer, VitSource};
-
-fn usize_key(c: &Value, key: &str, origin: &str, default: Option<usize>) -> Result<usize> {
-    match (c.get(key).and_then(Value::as_u64), default) {
-        (Some(v), _) if v > 0 => Ok(v as usize),
-        (None, Some(d)) => Ok(d),
-        _ => bail!("{origin}: config.json has no positive integer `{key}`"),
-    }
-}
+use super::{triple, Names, Qkv, VitMeta, VitSource};
+use crate::import::source::{usize_key, RawCheckpoint};
 
 /// Tensors a ViT state dict may hold that the classifier does not use.
 pub fn is_unused(name: &str) -> bool {
@@ -57,7 +51,6 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
     if image % patch != 0 {
         bail!("{origin}: image_size {image} is not divisible by patch_size {patch}")
     }
-    let tokens = (image / patch) * (image / patch) + 1;
     let eps = c
         .get("layer_norm_eps")
         .and_then(Value::as_f64)
@@ -72,79 +65,14 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
             )
         })?;
 
-    let mut copied = vec![];
-    let mut take = |raw: &mut RawCheckpoint, from: &str, shape: &[usize], to: Option<&str>| {
-        if let Some(to) = to {
-            copied.push((from.to_string(), to.to_string()));
-        }
-        raw.take(from, shape)
-    };
-    let cls = take(
-        raw,
-        "vit.embeddings.cls_token",
-        &[1, 1, d],
-        Some("cls_token"),
-    )?;
-    let pos = take(
-        raw,
-        "vit.embeddings.position_embeddings",
-        &[1, tokens, d],
-        Some("pos_embed"),
-    )?;
-    let patch_w = take(
-        raw,
-        "vit.embeddings.patch_embeddings.projection.weight",
-        &[d, channels, patch, patch],
-        Some("patch_embed.weight"),
-    )?;
-    let patch_b = take(
-        raw,
-        "vit.embeddings.patch_embeddings.projection.bias",
-        &[d],
-        Some("patch_embed.bias"),
-    )?;
-    let mut layers = Vec::with_capacity(layers_n);
-    for i in 0..layers_n {
-        let p = format!("vit.encoder.layer.{i}");
-        let norm = |raw: &mut RawCheckpoint, n: &str| raw.take_norm(&format!("{p}.{n}"), d);
-        let ln1 = norm(raw, "layernorm_before")?;
-        let ln2 = norm(raw, "layernorm_after")?;
-        let dense = |raw: &mut RawCheckpoint, n: &str, out: usize, inp: usize| {
-            raw.take_dense(&format!("{p}.{n}"), out, inp, false)
-        };
-        layers.push(SourceLayer {
-            ln1,
-            query: dense(raw, "attention.attention.query", d, d)?,
-            key: dense(raw, "attention.attention.key", d, d)?,
-            value: dense(raw, "attention.attention.value", d, d)?,
-            dense: dense(raw, "attention.output.dense", d, d)?,
-            ln2,
-            fc1: dense(raw, "intermediate.dense", m, d)?,
-            fc2: dense(raw, "output.dense", d, m)?,
-        });
-    }
-    let norm = Norm {
-        weight: take(raw, "vit.layernorm.weight", &[d], Some("final_norm.weight"))?,
-        bias: take(raw, "vit.layernorm.bias", &[d], Some("final_norm.bias"))?,
-    };
-    let head_w = take(raw, "classifier.weight", &[classes, d], Some("head.weight"))?;
-    let head_b = take(raw, "classifier.bias", &[classes], Some("head.bias"))?;
-
     // Eval preprocessing of the processor (defaults: google/vit-base-patch16-224's).
     let pre = std::fs::read_to_string(raw.dir.join("preprocessor_config.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<Value>(&t).ok())
         .unwrap_or(Value::Null);
-    let triple = |k: &str| -> [f32; 3] {
-        pre.get(k)
-            .and_then(Value::as_array)
-            .filter(|a| a.len() == 3)
-            .map(|a| [0, 1, 2].map(|i| a[i].as_f64().unwrap_or(0.5) as f32))
-            .unwrap_or([0.5; 3])
-    };
     let interpolation = match pre.get("resample").and_then(Value::as_u64) {
-        Some(3) => "bicubic",
-        _ => "bilinear",
+        Some(3) => Interpolation::Bicubic,
+        _ => Interpolation::Bilinear,
     };
     let class_names = c.get("id2label").and_then(Value::as_object).and_then(|m| {
         let names: Option<Vec<String>> = (0..classes)
@@ -156,32 +84,40 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
             .collect();
         names.filter(|n| n.iter().any(|s| !s.starts_with("LABEL_")))
     });
-    Ok(VitSource {
-        body: SourceBody {
-            num_heads: heads,
-            eps,
-            layers,
-        },
+    let meta = VitMeta {
+        hidden_size: d,
+        num_layers: layers_n,
+        num_heads: heads,
+        eps,
         image_size: image,
         patch_size: patch,
         num_channels: channels,
         intermediate_size: m,
         num_classes: classes,
-        pool_cls: true,
-        patch_w,
-        patch_b,
-        cls,
-        pos,
-        norm,
-        head_w,
-        head_b,
-        mean: triple("image_mean"),
-        std: triple("image_std"),
+        pool: Pool::Cls,
+        mean: triple(&pre, "image_mean", [0.5; 3]),
+        std: triple(&pre, "image_std", [0.5; 3]),
         // The processor resizes straight to image_size: no centre crop.
         crop_pct: 1.0,
         interpolation,
         class_names,
-        copied,
         layout: "transformers ViTForImageClassification",
-    })
+    };
+    let names = Names {
+        cls: "vit.embeddings.cls_token",
+        pos: "vit.embeddings.position_embeddings",
+        patch: "vit.embeddings.patch_embeddings.projection",
+        block: "vit.encoder.layer",
+        norms: ["layernorm_before", "layernorm_after"],
+        qkv: Qkv::Separate([
+            "attention.attention.query",
+            "attention.attention.key",
+            "attention.attention.value",
+        ]),
+        proj: "attention.output.dense",
+        mlp: ["intermediate.dense", "output.dense"],
+        final_norm: "vit.layernorm",
+        head: "classifier",
+    };
+    VitSource::take(raw, &names, meta)
 }

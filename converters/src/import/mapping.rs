@@ -1,0 +1,247 @@
+//! How a source layer becomes Pattention layers: the token groups of [`Mapping`],
+//! the LayerNorm affine folded into the linear after it, the fitted input scale of
+//! the output projection, and each new layer's error against the source layer on
+//! the source's own activations.
+
+use anyhow::Result;
+use candle_core::{DType, Device, Module, Tensor, D};
+use serde::Serialize;
+use tokenformer::checkpoint::Tensors;
+use tokenformer::models::tokenformer::PATTENTIONS;
+use tokenformer::pattention::{Activation, Pattention};
+
+use super::source::{Dense, LayerTrace, Norm, SourceBody, SourceLayer};
+
+/// How a linear layer or an MLP becomes a Pattention layer.
+///
+/// Θ(s) = GELU(s/‖s‖·√S) only sees the direction of the scores, so a
+/// Pattention is invariant to the scale of its input; it can represent
+/// functions of x̂ = x·√d/‖x‖ (for LayerNorm outputs, x̂ = x up to eps). Each
+/// imported layer has these token groups (d = input width):
+/// - anchors, 2·d tokens, keys ±e_i: they dominate ‖s‖ so that ‖s‖ = √2·‖x‖
+///   is known, which makes Θ elementwise: anchor i scores GELU(±κ_A·x̂_i).
+///   By GELU(a) − GELU(−a) = a, values ±(c/κ_A)·W_iᵀ give c·x̂·Wᵀ exactly.
+/// - bias tokens, 2·d tokens, keys ±(κ_b/κ_A)·e_i with κ_b small: by
+///   GELU(a) + GELU(−a) = a·erf(a/√2) ≈ √(2/π)·a², their sum over i is
+///   √(2/π)·κ_b²·‖x̂‖² = √(2/π)·κ_b²·d, a constant, so equal values
+///   b/(√(2/π)·κ_b²·d) reproduce a bias b (relative error ≈ κ_b²·x̂_i²/6).
+/// - MLP only, the memories: keys (1/κ_A)·W_in (with the norm's weight
+///   folded in), values W_outᵀ, scored GELU(x̂·W_inᵀ) up to the relative
+///   error ‖x̂·W_inᵀ‖²/(4·d·κ_A²) their own share of ‖s‖ causes; anchor values are 0.
+///
+/// S, the √n constant, is 2·d·κ_A²·(1 + (κ_b/κ_A)²) rounded (config
+/// `pattention_scale_tokens`). Not representable: the MLP's pre-activation
+/// bias (it would need a constant score, but LayerNorm outputs have zero
+/// mean), reported per layer; and the scale of un-normalised inputs (the
+/// attention output feeding the output projection): c is fitted per layer by
+/// least squares on a calibration input that is not the probe.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Mapping {
+    pub width: usize,
+    pub kappa_anchor: f64,
+    pub kappa_bias: f64,
+    pub bias_key_scale: f64,
+    pub scale_tokens: usize,
+}
+
+/// κ_A: large so that the MLP memories barely perturb ‖s‖.
+pub const KAPPA_ANCHOR: f64 = 1000.0;
+/// κ_b: small so that GELU(a) + GELU(−a) is quadratic, not so small that f32 loses it.
+pub const KAPPA_BIAS: f64 = 5e-3;
+
+impl Mapping {
+    pub fn new(width: usize) -> Self {
+        let lambda = KAPPA_BIAS / KAPPA_ANCHOR;
+        let s = (2.0 * width as f64 * KAPPA_ANCHOR * KAPPA_ANCHOR * (1.0 + lambda * lambda)).round()
+            as usize;
+        let kappa_anchor = (s as f64 / (2.0 * width as f64 * (1.0 + lambda * lambda))).sqrt();
+        Self {
+            width,
+            kappa_anchor,
+            kappa_bias: lambda * kappa_anchor,
+            bias_key_scale: lambda,
+            scale_tokens: s,
+        }
+    }
+
+    /// Anchor and bias keys [4d, d]: [I; −I; λI; −λI].
+    fn fixed_keys(&self, dev: &Device) -> Result<Tensor> {
+        let eye = Tensor::eye(self.width, DType::F32, dev)?;
+        let small = (&eye * self.bias_key_scale)?;
+        Ok(Tensor::cat(&[&eye, &eye.neg()?, &small, &small.neg()?], 0)?)
+    }
+
+    /// Values of the 2d bias tokens reproducing bias b [out].
+    fn bias_values(&self, bias: Option<&Tensor>, out: usize, dev: &Device) -> Result<Tensor> {
+        let rows = 2 * self.width;
+        match bias {
+            None => Ok(Tensor::zeros((rows, out), DType::F32, dev)?),
+            Some(b) => {
+                let per = (2.0 / std::f64::consts::PI).sqrt()
+                    * self.kappa_bias
+                    * self.kappa_bias
+                    * self.width as f64;
+                Ok((b / per)?
+                    .unsqueeze(0)?
+                    .broadcast_as((rows, out))?
+                    .contiguous()?)
+            }
+        }
+    }
+
+    /// y = c·x̂·Wᵀ + b as (keys [4d, d], values [4d, out]); w [out, d].
+    pub fn linear(&self, w: &Tensor, bias: Option<&Tensor>, c: f64) -> Result<(Tensor, Tensor)> {
+        let dev = w.device();
+        let out = w.dim(0)?;
+        let wt = (w.t()?.contiguous()? * (c / self.kappa_anchor))?;
+        let values = Tensor::cat(&[&wt, &wt.neg()?, &self.bias_values(bias, out, dev)?], 0)?;
+        Ok((self.fixed_keys(dev)?, values))
+    }
+
+    /// y = GELU(x̂·W_inᵀ)·W_outᵀ + b as (keys [m+4d, d], values [m+4d, out]).
+    pub fn mlp(
+        &self,
+        w_in: &Tensor,
+        w_out: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let dev = w_in.device();
+        let out = w_out.dim(0)?;
+        let mem_keys = (w_in / self.kappa_anchor)?;
+        let keys = Tensor::cat(&[&mem_keys, &self.fixed_keys(dev)?], 0)?;
+        let zeros = Tensor::zeros((2 * self.width, out), DType::F32, dev)?;
+        let values = Tensor::cat(
+            &[
+                &w_out.t()?.contiguous()?,
+                &zeros,
+                &self.bias_values(bias, out, dev)?,
+            ],
+            0,
+        )?;
+        Ok((keys, values))
+    }
+
+    pub fn pattention(&self, kv: &(Tensor, Tensor)) -> candle_core::Result<Pattention> {
+        Pattention::from_tensors(
+            kv.0.clone(),
+            kv.1.clone(),
+            Activation::L2NormGelu,
+            Some(self.scale_tokens),
+        )
+    }
+
+    /// The model card's description of the mapping.
+    pub fn describe(&self) -> String {
+        format!(
+            "Every linear layer y = x·Wᵀ + b (LayerNorm affine folded in) becomes 4·d parameter tokens: 2·d anchors with keys ±e_i and values ±(c/κ_A)·Wᵀ, exact by GELU(a) − GELU(−a) = a once the anchors fix ‖s‖; and 2·d bias tokens with keys ±(κ_b/κ_A)·e_i whose GELU(a)+GELU(−a) ≈ √(2/π)a² sums to a constant, values b/(√(2/π)·κ_b²·d). The MLP keeps its hidden units as key-value memories (keys W_in/κ_A, values W_outᵀ; Geva et al. 2021) plus the same 4·d anchor/bias tokens. κ_A = {:.3}, κ_b = {:.2e}, √n constant S = {} for d = {}.",
+            self.kappa_anchor, self.kappa_bias, self.scale_tokens, self.width
+        )
+    }
+}
+
+/// W·diag(g) and W·b + bias: a LayerNorm's affine part folded into the linear after it.
+fn fold_norm(l: &Dense, n: &Norm) -> Result<(Tensor, Tensor)> {
+    let w = l.weight.broadcast_mul(&n.weight.unsqueeze(0)?)?;
+    let mut b = l.weight.matmul(&n.bias.unsqueeze(1)?)?.squeeze(1)?;
+    if let Some(lb) = &l.bias {
+        b = (b + lb)?;
+    }
+    Ok((w, b))
+}
+
+/// The least-squares c for c·x̂·Wᵀ ≈ x·Wᵀ over the rows of x [rows, d].
+fn fit_input_scale(x: &Tensor, w: &Tensor) -> Result<f64> {
+    let d = x.dim(D::Minus1)? as f64;
+    let norm = x
+        .sqr()?
+        .sum_keepdim(D::Minus1)?
+        .sqrt()?
+        .clamp(1e-30, f64::INFINITY)?;
+    let xhat = (x.broadcast_div(&norm)? * d.sqrt())?;
+    let y = x.matmul(&w.t()?)?.to_dtype(DType::F64)?;
+    let yh = xhat.matmul(&w.t()?)?.to_dtype(DType::F64)?;
+    let num = (&y * &yh)?.sum_all()?.to_scalar::<f64>()?;
+    let den = yh.sqr()?.sum_all()?.to_scalar::<f64>()?;
+    Ok(if den > 0.0 { num / den } else { 1.0 })
+}
+
+/// ‖a − b‖ / ‖b‖ over all elements, in f64.
+pub fn relative_error(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.flatten_all()?.to_dtype(DType::F64)?;
+    let b = b.flatten_all()?.to_dtype(DType::F64)?;
+    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
+    let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
+    Ok(if den == 0.0 { num } else { num / den })
+}
+
+/// Per-layer fidelity of the new Pattention layers on the source's activations.
+#[derive(Clone, Debug, Serialize)]
+pub struct LayerFidelity {
+    pub layer: usize,
+    pub query: f64,
+    pub key: f64,
+    pub value: f64,
+    pub proj: f64,
+    pub mlp: f64,
+    /// The fitted c of the output projection (its input is not normalised).
+    pub proj_input_scale: f64,
+    /// ‖pre-activation bias‖₂ of the MLP (incl. the folded norm bias): not representable, dropped.
+    pub dropped_mlp_bias_norm: f64,
+}
+
+/// Source layer `i` as its five Pattention layers (q, k, v, proj, mlp) into
+/// `tensors` under their canonical names; returns their fidelity on the probe's
+/// activations (`calib` only fits the output projection's input scale).
+fn import_layer(
+    i: usize,
+    l: &SourceLayer,
+    map: &Mapping,
+    calib: &LayerTrace,
+    probe: &LayerTrace,
+    tensors: &mut Tensors,
+) -> Result<LayerFidelity> {
+    let (wq, bq) = fold_norm(&l.query, &l.ln1)?;
+    let (wk, bk) = fold_norm(&l.key, &l.ln1)?;
+    let (wv, bv) = fold_norm(&l.value, &l.ln1)?;
+    let (w1, b1) = fold_norm(&l.fc1, &l.ln2)?;
+    let c = fit_input_scale(&calib.proj_in, &l.dense.weight)?;
+    let q = map.linear(&wq, Some(&bq), 1.0)?;
+    let k = map.linear(&wk, Some(&bk), 1.0)?;
+    let v = map.linear(&wv, Some(&bv), 1.0)?;
+    let o = map.linear(&l.dense.weight, l.dense.bias.as_ref(), c)?;
+    let f = map.mlp(&w1, &l.fc2.weight, l.fc2.bias.as_ref())?;
+    let err = |kv: &(Tensor, Tensor), x: &Tensor, y: &Tensor| -> Result<f64> {
+        relative_error(&map.pattention(kv)?.forward(x)?, y)
+    };
+    let fidelity = LayerFidelity {
+        layer: i,
+        query: err(&q, &probe.attn_in, &probe.query)?,
+        key: err(&k, &probe.attn_in, &probe.key)?,
+        value: err(&v, &probe.attn_in, &probe.value)?,
+        proj: err(&o, &probe.proj_in, &probe.proj_out)?,
+        mlp: err(&f, &probe.mlp_in, &probe.mlp_out)?,
+        proj_input_scale: c,
+        dropped_mlp_bias_norm: b1.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt() as f64,
+    };
+    let p = format!("layers.{i}");
+    for (name, (keys, values)) in PATTENTIONS.into_iter().zip([q, k, v, o, f]) {
+        tensors.insert(format!("{p}.{name}.key_param_tokens"), keys);
+        tensors.insert(format!("{p}.{name}.value_param_tokens"), values);
+    }
+    Ok(fidelity)
+}
+
+/// Every layer of `body` through [`import_layer`].
+pub fn import_layers(
+    body: &SourceBody,
+    map: &Mapping,
+    calib: &[LayerTrace],
+    probe: &[LayerTrace],
+    tensors: &mut Tensors,
+) -> Result<Vec<LayerFidelity>> {
+    let layers = body.layers.iter().zip(calib.iter().zip(probe));
+    layers
+        .enumerate()
+        .map(|(i, (l, (c, p)))| import_layer(i, l, map, c, p, tensors))
+        .collect()
+}

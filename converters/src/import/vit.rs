@@ -1,0 +1,346 @@
+//! ViT image classifiers, in transformers' layout ([`hf`]) or timm's ([`timm`]),
+//! read into one [`VitSource`] and imported as a TokenFormer-ViT, measured on probe
+//! images against the source.
+
+mod hf;
+mod timm;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Device, Tensor, D};
+use serde_json::Value;
+use tokenformer::checkpoint::Tensors;
+use tokenformer::error::Error;
+use tokenformer::loader;
+use tokenformer::models::tokenformer::ScaleTokens;
+use tokenformer::models::vit::{self, Interpolation, Pool};
+use tokenformer::pattention::Activation;
+
+use super::args::ImportArgs;
+use super::fidelity::{finish, synthetic_pixels, CardText, EndToEnd, Report};
+use super::mapping::{import_layers, relative_error, Mapping};
+use super::source::{
+    layer_norm, run_layers, Dense, LayerTrace, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
+};
+use crate::output::ModelFolder;
+
+/// What a source's config says about a ViT classifier: everything but the tensors.
+pub struct VitMeta {
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub eps: f64,
+    pub image_size: usize,
+    pub patch_size: usize,
+    pub num_channels: usize,
+    pub intermediate_size: usize,
+    pub num_classes: usize,
+    /// Class token after the final norm, or mean of the patch tokens, then fc_norm.
+    pub pool: Pool,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+    pub crop_pct: f64,
+    pub interpolation: Interpolation,
+    pub class_names: Option<Vec<String>>,
+    pub layout: &'static str,
+}
+
+/// Where a layout keeps each tensor (source names; the TokenFormer names are the same
+/// for every layout). Prefixes name a module's `.weight` and `.bias`.
+struct Names {
+    cls: &'static str,
+    pos: &'static str,
+    patch: &'static str,
+    /// Block i is `{block}.{i}`; the rest of a block's names are relative to it.
+    block: &'static str,
+    norms: [&'static str; 2],
+    qkv: Qkv,
+    proj: &'static str,
+    mlp: [&'static str; 2],
+    final_norm: &'static str,
+    head: &'static str,
+}
+
+/// The attention's input projections: three linears, or one fused [q | k | v] (each
+/// over all heads).
+enum Qkv {
+    Separate([&'static str; 3]),
+    Fused(&'static str),
+}
+
+/// A ViT classifier in the shared source form (filled by [`hf`] or [`timm`]).
+pub struct VitSource {
+    pub meta: VitMeta,
+    pub body: SourceBody,
+    /// Conv weight [d, C, p, p] and bias.
+    pub patch_w: Tensor,
+    pub patch_b: Tensor,
+    pub cls: Tensor,
+    pub pos: Tensor,
+    pub norm: Norm,
+    pub head_w: Tensor,
+    pub head_b: Tensor,
+    /// (source name, TokenFormer name) of every copied tensor.
+    pub copied: Vec<(String, String)>,
+    /// The copied tensors under their TokenFormer names.
+    pub copies: Tensors,
+}
+
+impl VitSource {
+    /// Takes every tensor `meta` implies from `raw`, by the layout's `names`.
+    fn take(raw: &mut RawCheckpoint, names: &Names, meta: VitMeta) -> Result<Self> {
+        let (d, m, p) = (meta.hidden_size, meta.intermediate_size, meta.patch_size);
+        let tokens = (meta.image_size / p) * (meta.image_size / p) + 1;
+        let (mut copied, mut copies) = (vec![], Tensors::new());
+        let mut copy = |raw: &mut RawCheckpoint, from: String, shape: &[usize], to: String| {
+            let t = raw.take(&from, shape)?;
+            copies.insert(to.clone(), t.clone());
+            copied.push((from, to));
+            Ok::<_, anyhow::Error>(t)
+        };
+        let cls = copy(raw, names.cls.into(), &[1, 1, d], "cls_token".into())?;
+        let pos = copy(raw, names.pos.into(), &[1, tokens, d], "pos_embed".into())?;
+        // A module's `.weight` and `.bias`, copied under the TokenFormer name `to`.
+        let mut module =
+            |raw: &mut RawCheckpoint, from: &str, to: &str, w: &[usize], b: &[usize]| {
+                let weight = copy(raw, format!("{from}.weight"), w, format!("{to}.weight"))?;
+                Ok::<_, anyhow::Error>((
+                    weight,
+                    copy(raw, format!("{from}.bias"), b, format!("{to}.bias"))?,
+                ))
+            };
+        let patch_shape = [d, meta.num_channels, p, p];
+        let (patch_w, patch_b) = module(raw, names.patch, "patch_embed", &patch_shape, &[d])?;
+        let mut layers = Vec::with_capacity(meta.num_layers);
+        for i in 0..meta.num_layers {
+            let b = format!("{}.{i}", names.block);
+            let ln1 = raw.take_norm(&format!("{b}.{}", names.norms[0]), d)?;
+            let ln2 = raw.take_norm(&format!("{b}.{}", names.norms[1]), d)?;
+            let dense = |raw: &mut RawCheckpoint, n: &str, out: usize, inp: usize| {
+                raw.take_dense(&format!("{b}.{n}"), out, inp, false)
+            };
+            let [query, key, value] = match names.qkv {
+                Qkv::Separate([q, k, v]) => [
+                    dense(raw, q, d, d)?,
+                    dense(raw, k, d, d)?,
+                    dense(raw, v, d, d)?,
+                ],
+                Qkv::Fused(n) => {
+                    let qkv = dense(raw, n, 3 * d, d)?;
+                    let part = |j: usize| -> Result<Dense> {
+                        Ok(Dense {
+                            weight: qkv.weight.narrow(0, j * d, d)?.contiguous()?,
+                            bias: qkv
+                                .bias
+                                .as_ref()
+                                .map(|b| b.narrow(0, j * d, d))
+                                .transpose()?,
+                        })
+                    };
+                    [part(0)?, part(1)?, part(2)?]
+                }
+            };
+            layers.push(SourceLayer {
+                ln1,
+                query,
+                key,
+                value,
+                dense: dense(raw, names.proj, d, d)?,
+                ln2,
+                fc1: dense(raw, names.mlp[0], m, d)?,
+                fc2: dense(raw, names.mlp[1], d, m)?,
+            });
+        }
+        let to = if meta.pool == Pool::Cls {
+            "final_norm"
+        } else {
+            "fc_norm"
+        };
+        let (weight, bias) = module(raw, names.final_norm, to, &[d], &[d])?;
+        let norm = Norm { weight, bias };
+        let k = meta.num_classes;
+        let (head_w, head_b) = module(raw, names.head, "head", &[k, d], &[k])?;
+        Ok(Self {
+            body: SourceBody {
+                num_heads: meta.num_heads,
+                eps: meta.eps,
+                layers,
+            },
+            meta,
+            patch_w,
+            patch_b,
+            cls,
+            pos,
+            norm,
+            head_w,
+            head_b,
+            copied,
+            copies,
+        })
+    }
+}
+
+/// `import --from vit`: the TokenFormer-ViT, measured on probe images against the
+/// source.
+pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
+    let src = if raw.tensors.contains_key("vit.embeddings.cls_token") {
+        hf::read(raw)?
+    } else if raw.tensors.contains_key("cls_token") {
+        timm::read(raw)?
+    } else {
+        let example = raw.tensors.keys().next().cloned().unwrap_or_default();
+        bail!(
+            "{}: unknown ViT layout: neither `vit.embeddings.cls_token` (transformers) nor `cls_token` (timm) is present (found e.g. `{example}`)",
+            raw.origin
+        )
+    };
+    let buffers = raw.finish(hf::is_unused)?;
+    let d = src.cls.dim(2)?;
+    let dev = Device::Cpu;
+    let map = Mapping::new(d);
+    let (c, size) = (src.meta.num_channels, src.meta.image_size);
+    let probe_pixels = match &a.probe_pixels {
+        Some(p) => {
+            let mut t = candle_core::safetensors::load(p, &dev)
+                .with_context(|| format!("reading {}", p.display()))?;
+            let px = t
+                .remove("pixels")
+                .ok_or_else(|| anyhow!("{}: no tensor `pixels`", p.display()))?
+                .to_dtype(DType::F32)?;
+            if px.rank() != 4 || px.dims()[1..] != [c, size, size] {
+                bail!(
+                    "{}: `pixels` has shape {:?}, expected [n, {c}, {size}, {size}]",
+                    p.display(),
+                    px.dims()
+                );
+            }
+            px
+        }
+        None => synthetic_pixels(8, c, size, 0xC0FFEE, &dev)?,
+    };
+    let calib_pixels = synthetic_pixels(4, c, size, 0xBEEF, &dev)?;
+    let (_, calib) = vit_forward(&src, &calib_pixels)?;
+    let (src_logits, probe_trace) = vit_forward(&src, &probe_pixels)?;
+
+    let mut tensors = src.copies.clone();
+    let layers = import_layers(&src.body, &map, &calib, &probe_trace, &mut tensors)?;
+    let config = vit::Config {
+        image_size: size,
+        patch_size: src.meta.patch_size,
+        num_channels: c,
+        hidden_size: d,
+        num_layers: src.body.layers.len(),
+        num_heads: src.body.num_heads,
+        qkv_tokens: 4 * d,
+        proj_tokens: 4 * d,
+        ffn_tokens: src.meta.intermediate_size + 4 * d,
+        num_classes: src.meta.num_classes,
+        pool: src.meta.pool,
+        norm_eps: src.body.eps,
+        pattention_activation: Activation::L2NormGelu,
+        pattention_scale_tokens: Some(ScaleTokens {
+            qkv: map.scale_tokens,
+            proj: map.scale_tokens,
+            ffn: map.scale_tokens,
+        }),
+        crop_pct: src.meta.crop_pct,
+        interpolation: src.meta.interpolation,
+        mean: src.meta.mean,
+        std: src.meta.std,
+        class_wnids: None,
+        class_names: src.meta.class_names.clone(),
+    };
+    // Checked before anything is written.
+    config
+        .validate()
+        .map_err(|e| Error::config(raw.dir.join(loader::CONFIG_FILE), e))?;
+
+    let folder = ModelFolder::new(&a.out.out, a.out.force)?;
+    // As a JSON value: its keys sorted, as imported ViT configs have always been written.
+    folder.write_config(&serde_json::to_value(&config)?)?;
+    folder.write_weights(&tensors, tokenformer::checkpoint::DEFAULT_SHARD_BYTES)?;
+    let model = loader::load_vit(&folder.files()?, &dev)?;
+    let imp_logits = model.forward(&probe_pixels)?;
+    let agree = {
+        let s = src_logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let i = imp_logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        s.iter().zip(&i).filter(|(a, b)| a == b).count() as f64 / s.len() as f64
+    };
+    let end = EndToEnd {
+        source_perplexity: None,
+        source_sequential_perplexity: None,
+        import_perplexity: None,
+        top1_agreement: Some(agree),
+        logits_relative_error: relative_error(&imp_logits, &src_logits)?,
+    };
+    let report = Report {
+        source: a.input.clone(),
+        from: format!("vit ({})", src.meta.layout),
+        mapping: map,
+        probe_ids: None,
+        calibration_ids: None,
+        probe_images: Some(probe_pixels.dim(0)?),
+        parallel_residual_made_sequential: false,
+        layers,
+        end_to_end: end,
+        copied: src.copied.clone(),
+        ignored_buffers: buffers,
+        not_representable: vec![
+            "MLP pre-activation biases (fc1 bias + W·norm2 bias): no constant score exists for LayerNorm outputs; dropped, norms per layer in `dropped_mlp_bias_norm`".into(),
+            "norm1/norm2 weights and biases: folded into the following Pattention keys and bias tokens (exact)".into(),
+            "attention output projection input scale: a Pattention is scale-invariant in its input; a per-layer constant is fitted on calibration images (`proj_input_scale`)".into(),
+        ],
+    };
+    let card = CardText {
+        title: format!(
+            "TokenFormer-ViT imported from {} ({} layers, d {})",
+            src.meta.layout, config.num_layers, d
+        ),
+        pipeline: "image-classification",
+        model: format!(
+            "A TokenFormer image classifier initialised from the {} checkpoint `{}` by `tokenformer-convert import --from vit` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Patch embedding, class token, position embedding, final norm and head are copied unchanged.",
+            src.meta.layout, a.input, 4 * d, 4 * d, src.meta.intermediate_size + 4 * d, map.scale_tokens
+        ),
+        fidelity_note: if a.probe_pixels.is_none() {
+            " The probe images are seeded synthetic patterns, not photographs: pass --probe-pixels for a real-image probe."
+        } else {
+            ""
+        },
+    };
+    finish(&a.input, folder, &report, card)
+}
+
+/// A per-channel triple (mean, std) of a preprocessing config, `default` if absent.
+fn triple(pre: &Value, key: &str, default: [f32; 3]) -> [f32; 3] {
+    pre.get(key)
+        .and_then(Value::as_array)
+        .filter(|a| a.len() == 3)
+        .map(|a| [0, 1, 2].map(|i| a[i].as_f64().unwrap_or(0.5) as f32))
+        .unwrap_or(default)
+}
+
+/// The source ViT classifier: logits [b, classes] of normalised pixels
+/// [b, C, H, W], with the per-layer traces. The patch embedding is the
+/// stride-p convolution it is in both layouts.
+pub fn vit_forward(
+    src: &VitSource,
+    pixels: &Tensor,
+) -> candle_core::Result<(Tensor, Vec<LayerTrace>)> {
+    let p = src.meta.patch_size;
+    let x = pixels.conv2d(&src.patch_w, 0, p, 1, 1)?; // [b, d, g, g]
+    let (b, d, gh, gw) = x.dims4()?;
+    let x = x
+        .reshape((b, d, gh * gw))?
+        .transpose(1, 2)?
+        .broadcast_add(&src.patch_b)?;
+    let cls = src.cls.broadcast_as((b, 1, d))?;
+    let x = Tensor::cat(&[&cls, &x], 1)?.broadcast_add(&src.pos)?;
+    let (h, traces) = run_layers(&src.body, &x, &Mixing::Bidirectional, false)?;
+    let feat = if src.meta.pool == Pool::Cls {
+        layer_norm(&h.narrow(1, 0, 1)?.squeeze(1)?, &src.norm, src.body.eps)?
+    } else {
+        let n = h.dim(1)? - 1;
+        layer_norm(&h.narrow(1, 1, n)?.mean(1)?, &src.norm, src.body.eps)?
+    };
+    let logits = feat.matmul(&src.head_w.t()?)?.broadcast_add(&src.head_b)?;
+    Ok((logits, traces))
+}
