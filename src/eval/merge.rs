@@ -41,7 +41,7 @@ pub(crate) fn merge_values<R: Report>(parts: &[Value]) -> Result<Value> {
         .enumerate()
         .map(|(i, p)| serde_json::from_value::<R>(p.clone()).map_err(|e| R::parse_error(i, e)))
         .collect::<Result<Vec<_>>>()?;
-    Ok(serde_json::to_value(merge(&parsed)?).expect("serialisable"))
+    Ok(merge(&parsed)?.to_json())
 }
 
 /// Merges shard results of one run into the whole run's result, after
