@@ -8,8 +8,6 @@
 //! written; reading a result ([`super::merge`]) ignores these blocks and
 //! recomputes them.
 
-use std::collections::BTreeMap;
-
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
@@ -252,16 +250,6 @@ pub fn pile_task_name(set_name: &str) -> String {
         }
     }
     out.trim_end_matches('-').to_string()
-}
-
-/// Task names that would collide in a results file, with the names that
-/// map to them (two subsets whose harness names are equal).
-pub fn collisions<'a>(names: impl Iterator<Item = &'a str>) -> Vec<(String, Vec<String>)> {
-    let mut by: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for n in names {
-        by.entry(pile_task_name(n)).or_default().push(n.to_string());
-    }
-    by.into_iter().filter(|(_, v)| v.len() > 1).collect()
 }
 
 #[cfg(test)]
