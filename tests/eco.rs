@@ -128,13 +128,16 @@ fn dataset_files_come_from_the_hub_verified_cached_and_offline() {
     let hub = FakeHub::start();
     let home = tempfile::tempdir().unwrap();
     let arc = arc_parquet();
-    let sha = hub.add_repo("datasets/allenai/ai2_arc", &[("ARC-Easy/test.parquet", &arc)]);
+    let sha = hub.add_repo(
+        "datasets/allenai/ai2_arc",
+        &[("ARC-Easy/test.parquet", &arc)],
+    );
     let spec = "hf://datasets/allenai/ai2_arc/ARC-Easy/test.parquet";
     let client = HubClient::new(config(&hub.endpoint(), home.path(), false)).unwrap();
     let path = dataset::fetch_with(&client, spec).unwrap();
-    let want = home
-        .path()
-        .join(format!("hub/datasets--allenai--ai2_arc/snapshots/{sha}/ARC-Easy/test.parquet"));
+    let want = home.path().join(format!(
+        "hub/datasets--allenai--ai2_arc/snapshots/{sha}/ARC-Easy/test.parquet"
+    ));
     assert_eq!(path, want);
     assert_eq!(std::fs::read(&path).unwrap(), arc);
     assert!(hub
@@ -158,9 +161,12 @@ fn dataset_files_come_from_the_hub_verified_cached_and_offline() {
     let offline = HubClient::new(config("http://127.0.0.1:9", home.path(), true)).unwrap();
     assert_eq!(dataset::fetch_with(&offline, spec).unwrap(), want);
     // Not cached: a clear error, not a path.
-    let e = dataset::fetch_with(&offline, "hf://datasets/allenai/ai2_arc/ARC-Challenge/test.parquet")
-        .unwrap_err()
-        .to_string();
+    let e = dataset::fetch_with(
+        &offline,
+        "hf://datasets/allenai/ai2_arc/ARC-Challenge/test.parquet",
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("ARC-Challenge/test.parquet"), "{e}");
 }
 
@@ -209,7 +215,10 @@ fn tasks_from_hub_datasets_write_harness_results_samples_and_merge() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("model");
     model_dir(&model);
-    hub.add_repo("datasets/allenai/ai2_arc", &[("ARC-Easy/test.parquet", &arc_parquet())]);
+    hub.add_repo(
+        "datasets/allenai/ai2_arc",
+        &[("ARC-Easy/test.parquet", &arc_parquet())],
+    );
     hub.add_repo(
         "datasets/allenai/winogrande",
         &[("data/validation.parquet", &winogrande_parquet())],
@@ -217,8 +226,19 @@ fn tasks_from_hub_datasets_write_harness_results_samples_and_merge() {
     let arc = "hf://datasets/allenai/ai2_arc/ARC-Easy/test.parquet";
     let wino = "hf://datasets/allenai/winogrande@main/data/validation.parquet";
     let p = |n: &str| dir.path().join(n).to_string_lossy().to_string();
-    let (m, whole, samples) = (model.to_string_lossy().to_string(), p("whole.json"), p("samples"));
-    let base = ["eval", "tasks", "--model", &m, "--tasks", "arc_easy,winogrande"];
+    let (m, whole, samples) = (
+        model.to_string_lossy().to_string(),
+        p("whole.json"),
+        p("samples"),
+    );
+    let base = [
+        "eval",
+        "tasks",
+        "--model",
+        &m,
+        "--tasks",
+        "arc_easy,winogrande",
+    ];
     let data = ["--data", arc, "--data", wino];
     let mut args = base.to_vec();
     args.extend(data);
@@ -228,7 +248,10 @@ fn tasks_from_hub_datasets_write_harness_results_samples_and_merge() {
     assert_eq!(r["kind"], "tasks");
     assert_eq!(r["config"]["model"], "tokenformer");
     assert_eq!(r["config"]["model_dtype"], "f32");
-    assert!(r["config"]["model_args"].as_str().unwrap().starts_with("pretrained="));
+    assert!(r["config"]["model_args"]
+        .as_str()
+        .unwrap()
+        .starts_with("pretrained="));
     let ours = r["tasks"].as_array().unwrap();
     assert_eq!(ours.len(), 2);
     for (task, n, has_norm) in [("arc_easy", 2, true), ("winogrande", 3, false)] {
@@ -274,7 +297,10 @@ fn tasks_from_hub_datasets_write_harness_results_samples_and_merge() {
                 .collect();
             let best = (0..lls.len()).fold(0, |b, j| if lls[j] > lls[b] { j } else { b });
             let gold = s["target"].as_u64().unwrap() as usize;
-            assert_eq!(s["acc"].as_f64().unwrap(), f64::from(u8::from(best == gold)));
+            assert_eq!(
+                s["acc"].as_f64().unwrap(),
+                f64::from(u8::from(best == gold))
+            );
             assert!(s["arguments"]["gen_args_0"]["arg_0"].is_string());
             assert_eq!(s["resps"].as_array().unwrap().len(), lls.len());
             assert_eq!(s["doc_hash"].as_str().unwrap().len(), 64);
@@ -299,7 +325,14 @@ fn tasks_from_hub_datasets_write_harness_results_samples_and_merge() {
     let mg = cli(
         &hub,
         home.path(),
-        &["eval", "merge", &shard_files[0], &shard_files[1], "--json", &merged],
+        &[
+            "eval",
+            "merge",
+            &shard_files[0],
+            &shard_files[1],
+            "--json",
+            &merged,
+        ],
     );
     for task in ["arc_easy", "winogrande"] {
         let (a, _, n, _) = read_like_the_harness(&mg, task);
@@ -348,8 +381,14 @@ fn pile_subsets_are_the_harness_pile_tasks() {
     let report = PileReport::new(info, &opts, &totals);
     let r = report.to_json();
     let arxiv = &r["results"]["pile_arxiv"];
-    assert_eq!(arxiv["word_perplexity,none"].as_f64().unwrap(), (200.0f64 / 60.0).exp());
-    assert_eq!(arxiv["byte_perplexity,none"].as_f64().unwrap(), (200.0f64 / 250.0).exp());
+    assert_eq!(
+        arxiv["word_perplexity,none"].as_f64().unwrap(),
+        (200.0f64 / 60.0).exp()
+    );
+    assert_eq!(
+        arxiv["byte_perplexity,none"].as_f64().unwrap(),
+        (200.0f64 / 250.0).exp()
+    );
     assert_eq!(
         arxiv["bits_per_byte,none"].as_f64().unwrap(),
         200.0 / 250.0 / std::f64::consts::LN_2
@@ -359,14 +398,20 @@ fn pile_subsets_are_the_harness_pile_tasks() {
         r["results"]["pile_pile-cc"]["word_perplexity,none"],
         r["subsets"]["Pile-CC"]["word_perplexity"]
     );
-    assert_eq!(r["results"]["pile"]["bits_per_byte,none"], r["bits_per_byte"]);
+    assert_eq!(
+        r["results"]["pile"]["bits_per_byte,none"],
+        r["bits_per_byte"]
+    );
     assert_eq!(r["n-samples"]["pile_arxiv"]["original"], 4);
     assert_eq!(r["n-samples"]["pile_pile-cc"]["effective"], 2);
     assert_eq!(r["versions"]["pile_arxiv"], 2.0);
     assert_eq!(r["higher_is_better"]["pile_arxiv"]["bits_per_byte"], false);
     assert_eq!(r["config"]["model_sha"], "c".repeat(40));
     assert_eq!(r["config"]["model_dtype"], "f16");
-    assert_eq!(r["config"]["model_args"], "pretrained=o/m,revision=main,dtype=f16");
+    assert_eq!(
+        r["config"]["model_args"],
+        "pretrained=o/m,revision=main,dtype=f16"
+    );
     // Our own fields are all still there, and the file reads back as ours.
     assert_eq!(r["kind"], "pile");
     let back: PileReport = serde_json::from_value(r.clone()).unwrap();
@@ -406,8 +451,7 @@ fn imagenet_writes_timm_fields_and_appends_its_csv() {
         round4(100.0 - r["top5"].as_f64().unwrap())
     );
     let cfg: Value =
-        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
     assert_eq!(r["img_size"], cfg["image_size"]);
     assert!(r["param_count"].as_f64().unwrap() > 0.0);
     assert_eq!(r["interpolation"], "bicubic");
@@ -423,8 +467,14 @@ fn imagenet_writes_timm_fields_and_appends_its_csv() {
     assert_eq!(lines[1], lines[2]);
     let cells: Vec<&str> = lines[1].split(',').collect();
     assert_eq!(cells[1].parse::<f64>().unwrap(), round4(top1));
-    assert_eq!(cells[2].parse::<f64>().unwrap(), r["top1_err"].as_f64().unwrap());
-    assert_eq!(cells[5].parse::<f64>().unwrap(), r["param_count"].as_f64().unwrap());
+    assert_eq!(
+        cells[2].parse::<f64>().unwrap(),
+        r["top1_err"].as_f64().unwrap()
+    );
+    assert_eq!(
+        cells[5].parse::<f64>().unwrap(),
+        r["param_count"].as_f64().unwrap()
+    );
     assert_eq!(cells[8], "bicubic");
 
     // A file that is not timm's CSV is refused, not appended to.

@@ -146,8 +146,9 @@ pub struct MergeArgs {
 /// fetched into the Hugging Face cache (or found there offline) first.
 pub fn resolve_data(given: &Path) -> Result<PathBuf> {
     match given.to_str().filter(|s| s.starts_with(HF_SCHEME)) {
-        Some(spec) => Ok(tokenformer::hub::dataset::fetch(spec)
-            .with_context(|| format!("--data {spec}"))?),
+        Some(spec) => {
+            Ok(tokenformer::hub::dataset::fetch(spec).with_context(|| format!("--data {spec}"))?)
+        }
         None => Ok(given.to_path_buf()),
     }
 }
@@ -474,7 +475,8 @@ fn write_samples(dir: &Path, task: Task, samples: &[tasks::Sample]) -> Result<()
         serde_json::to_writer(&mut w, &s.to_harness(task))?;
         w.write_all(b"\n")?;
     }
-    w.flush().with_context(|| format!("writing {}", path.display()))
+    w.flush()
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 fn print_task(r: &TaskReport) {

@@ -147,7 +147,10 @@ impl ParquetLines {
     fn open(path: &Path, position: Arc<AtomicU64>, size: u64) -> Result<Self> {
         use parquet::file::reader::{FileReader, SerializedFileReader};
         let bad = |e: parquet::errors::ParquetError| {
-            Error::input(format!("{}: not a readable parquet file: {e}", path.display()))
+            Error::input(format!(
+                "{}: not a readable parquet file: {e}",
+                path.display()
+            ))
         };
         let file = crate::fsutil::open_regular(path)?;
         let reader = SerializedFileReader::new(file).map_err(bad)?;

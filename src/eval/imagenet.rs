@@ -458,10 +458,8 @@ pub fn evaluate_with(
         limit: opts.limit,
         shard: shard.map(|s| s.to_string()),
         merged_shards: vec![],
-        timm: TimmFields::new(cfg, opts.param_count).with_accuracy(
-            percent(correct1, images),
-            percent(correct5, images),
-        ),
+        timm: TimmFields::new(cfg, opts.param_count)
+            .with_accuracy(percent(correct1, images), percent(correct5, images)),
     })
 }
 

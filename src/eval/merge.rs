@@ -26,7 +26,9 @@ pub fn merge_results(parts: &[Value]) -> Result<Value> {
     let kind = common_kind(parts)?;
     match kind.as_str() {
         PileReport::KIND => merge_values::<PileReport>(parts),
-        TaskReport::KIND if parts.iter().any(|p| p.get("tasks").is_some()) => merge_task_lists(parts),
+        TaskReport::KIND if parts.iter().any(|p| p.get("tasks").is_some()) => {
+            merge_task_lists(parts)
+        }
         TaskReport::KIND => merge_values::<TaskReport>(parts),
         ImagenetResult::KIND => merge_values::<ImagenetResult>(parts),
         other => Err(Error::input(format!(
@@ -52,7 +54,12 @@ fn merge_task_lists(parts: &[Value]) -> Result<Value> {
         .collect::<Result<Vec<_>>>()?;
     let names = |l: &[Value]| -> Vec<String> {
         l.iter()
-            .map(|t| t.get("task").and_then(Value::as_str).unwrap_or("(none)").to_string())
+            .map(|t| {
+                t.get("task")
+                    .and_then(Value::as_str)
+                    .unwrap_or("(none)")
+                    .to_string()
+            })
             .collect()
     };
     let first = names(&lists[0]);
@@ -73,13 +80,14 @@ fn merge_task_lists(parts: &[Value]) -> Result<Value> {
             .enumerate()
             .map(|(i, l)| {
                 serde_json::from_value(l[t].clone()).map_err(|e| {
-                    Error::input(format!("result #{}, task {name}: not a valid result: {e}", i + 1))
+                    Error::input(format!(
+                        "result #{}, task {name}: not a valid result: {e}",
+                        i + 1
+                    ))
                 })
             })
             .collect::<Result<_>>()?;
-        reports.push(
-            merge(&of_task).map_err(|e| Error::input(format!("task {name}: {e}")))?,
-        );
+        reports.push(merge(&of_task).map_err(|e| Error::input(format!("task {name}: {e}")))?);
     }
     Ok(super::tasks::multi_task_json(&reports))
 }

@@ -655,7 +655,10 @@ impl Report for PileReport {
 
     fn to_json(&self) -> Value {
         let flat = serde_json::to_value(self).expect("serialisable");
-        harness::with_blocks(flat, harness::blocks(&self.harness_entries(), &self.run_config()))
+        harness::with_blocks(
+            flat,
+            harness::blocks(&self.harness_entries(), &self.run_config()),
+        )
     }
 
     /// Each count possible, the subsets within the whole.

@@ -883,7 +883,10 @@ impl Report for TaskReport {
 
     fn to_json(&self) -> Value {
         let flat = serde_json::to_value(self).expect("serialisable");
-        harness::with_blocks(flat, harness::blocks(&[self.harness_entry()], &self.run_config()))
+        harness::with_blocks(
+            flat,
+            harness::blocks(&[self.harness_entry()], &self.run_config()),
+        )
     }
 
     /// Correct ones within the documents.

@@ -39,12 +39,10 @@ impl DatasetFile {
         let mut parts = rest.splitn(3, '/');
         let (owner, name_rev, path) = match (parts.next(), parts.next(), parts.next()) {
             (Some(o), Some(n), Some(p)) if !p.is_empty() => (o, n, p),
-            _ => {
-                return Err(invalid(
-                    input,
-                    "no file path after OWNER/NAME (expected hf://datasets/OWNER/NAME[@REVISION]/PATH)",
-                ))
-            }
+            _ => return Err(invalid(
+                input,
+                "no file path after OWNER/NAME (expected hf://datasets/OWNER/NAME[@REVISION]/PATH)",
+            )),
         };
         let name_rev = decode_revision(name_rev).map_err(|r| invalid(input, &r))?;
         let repo = RepoRef::dataset(&format!("{owner}/{name_rev}"))?;
