@@ -43,7 +43,7 @@ pub struct PileArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub weights: WeightArgs,
-    /// The Pile's val/test.jsonl.zst, or any .jsonl, .jsonl.zst or .txt file (streamed).
+    /// The Pile's val/test.jsonl.zst, or any .jsonl, .jsonl.zst, .parquet or .txt file (streamed), or hf://datasets/OWNER/NAME[@REV]/PATH.
     #[arg(long)]
     pub data: PathBuf,
     #[arg(long, value_enum, default_value = "rolling")]
@@ -107,12 +107,12 @@ pub struct TasksArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub weights: WeightArgs,
-    /// lambada, hellaswag, piqa, arc_easy, arc_challenge or winogrande.
-    #[arg(long)]
-    pub task: Task,
-    /// The task's JSONL file (.jsonl or .jsonl.zst).
-    #[arg(long)]
-    pub data: PathBuf,
+    /// Tasks, comma-separated, run with one model load: lambada_openai (lambada), hellaswag, piqa, arc_easy, arc_challenge, winogrande.
+    #[arg(long, visible_alias = "task", value_delimiter = ',', required = true)]
+    pub tasks: Vec<Task>,
+    /// Each task's data, in the order of --tasks (repeat the flag): .jsonl, .jsonl.zst or .parquet, or hf://datasets/OWNER/NAME[@REV]/PATH.
+    #[arg(long, required = true)]
+    pub data: Vec<PathBuf>,
     /// PIQA: the answers file (valid-labels.lst, one 0/1 per line) when lines have no "label".
     #[arg(long)]
     pub labels: Option<PathBuf>,
@@ -125,6 +125,9 @@ pub struct TasksArgs {
     /// At most this many (padded) tokens per forward pass (default: 2048).
     #[arg(long, default_value_t = 2048)]
     pub max_batch_tokens: usize,
+    /// Write every scored document to DIR/samples_<task>_<time>.jsonl, as lm-evaluation-harness's --log_samples.
+    #[arg(long, value_name = "DIR")]
+    pub log_samples: Option<PathBuf>,
     #[command(flatten)]
     pub run: RunArgs,
 }
@@ -138,6 +141,20 @@ pub struct MergeArgs {
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
+
+/// A `--data` as a local file: `hf://datasets/OWNER/NAME[@REV]/PATH` is
+/// fetched into the Hugging Face cache (or found there offline) first.
+pub fn resolve_data(given: &Path) -> Result<PathBuf> {
+    match given.to_str().filter(|s| s.starts_with(HF_SCHEME)) {
+        Some(spec) => {
+            Ok(tokenformer::hub::dataset::fetch(spec).with_context(|| format!("--data {spec}"))?)
+        }
+        None => Ok(given.to_path_buf()),
+    }
+}
+
+/// The prefix of a `--data` on the Hub.
+const HF_SCHEME: &str = "hf://";
 
 /// The data file's sha256, hashed on another thread while the model runs.
 fn spawn_sha256(path: &Path) -> std::thread::JoinHandle<tokenformer::Result<String>> {
@@ -192,8 +209,10 @@ fn write_json(path: &Path, v: &impl serde::Serialize) -> Result<()> {
 }
 
 pub fn pile_cmd(a: PileArgs) -> Result<()> {
-    tokenformer::fsutil::regular_metadata(&a.data)?;
-    let sha = spawn_sha256(&a.data);
+    let given = a.data.clone();
+    let path = resolve_data(&a.data)?;
+    tokenformer::fsutil::regular_metadata(&path)?;
+    let sha = spawn_sha256(&path);
     let files = a.model.locate()?;
     let tokenizer = loader::load_tokenizer(&files)?;
     let model = a.weights.load_lm(&files)?;
@@ -218,11 +237,11 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
     };
     let by_docs = a.run.limit.map(|l| l.div_ceil(opts.shard.count) as u64);
     let pb = progress_bar(
-        by_docs.unwrap_or(std::fs::metadata(&a.data)?.len()),
+        by_docs.unwrap_or(std::fs::metadata(&path)?.len()),
         if by_docs.is_some() { "docs" } else { "of file" },
     );
     let start = Instant::now();
-    let totals = pile::evaluate(&scorer, &tokenizer, &a.data, &opts, |p| {
+    let totals = pile::evaluate(&scorer, &tokenizer, &path, &opts, |p| {
         pb.set_position(if by_docs.is_some() {
             p.documents
         } else {
@@ -243,7 +262,7 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
         model: files.source.clone(),
         model_commit: tokenformer::eval::model_commit(&files),
         weight_dtype: dtype_name(&a.weights),
-        data: a.data.display().to_string(),
+        data: given.display().to_string(),
         data_sha256: sha.join().expect("sha256 thread")?,
         max_length: max_len,
         elapsed_seconds: elapsed,
@@ -251,7 +270,7 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
     let report = PileReport::new(info, &opts, &totals);
     print_pile(&report);
     if let Some(p) = &a.run.json {
-        write_json(p, &report)?;
+        write_json(p, &report.to_json())?;
     }
     Ok(())
 }
@@ -325,8 +344,31 @@ fn print_pile(r: &PileReport) {
 }
 
 pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
-    tokenformer::fsutil::regular_metadata(&a.data)?;
-    let sha = spawn_sha256(&a.data);
+    let mut seen = Vec::new();
+    for t in &a.tasks {
+        if seen.contains(t) {
+            anyhow::bail!("--tasks: {} is given twice", t.name());
+        }
+        seen.push(*t);
+    }
+    if a.data.len() != a.tasks.len() {
+        anyhow::bail!(
+            "--tasks names {} task(s) but --data gives {} file(s): give one --data per task, in the order of --tasks",
+            a.tasks.len(),
+            a.data.len()
+        );
+    }
+    if a.labels.is_some() && !a.tasks.contains(&Task::Piqa) {
+        anyhow::bail!("--labels is PIQA's answers file, but --tasks has no piqa");
+    }
+    let data = a
+        .data
+        .iter()
+        .map(|d| resolve_data(d))
+        .collect::<Result<Vec<_>>>()?;
+    for d in &data {
+        tokenformer::fsutil::regular_metadata(d)?;
+    }
     let (labels, labels_sha256) = match &a.labels {
         Some(p) => {
             let text = tokenformer::fsutil::read_to_string_bounded(p, MAX_LABELS_FILE_BYTES)?;
@@ -339,12 +381,12 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
         }
         None => (None, None),
     };
+    if let Some(dir) = &a.log_samples {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     let files = a.model.locate()?;
     let tokenizer = loader::load_tokenizer(&files)?;
     let model = a.weights.load_lm(&files)?;
-    let scorer = Scorer::new(&model, a.max_length)?
-        .with_greedy(a.task == Task::Lambada)
-        .with_batch_tokens(a.max_batch_tokens);
     let opts = TaskOptions {
         batch_size: a.batch_size.max(1),
         limit: a.run.limit,
@@ -353,44 +395,88 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
         prefix_token: model.config().eos_token_id,
         max_line_bytes: a.run.max_line_bytes,
     };
-    let pb = progress_bar(0, "tokens");
-    let start = Instant::now();
-    let counts = tasks::evaluate(
-        &scorer,
-        &tokenizer,
-        a.task,
-        &a.data,
-        labels.as_deref(),
-        &opts,
-        |done, total| {
-            pb.set_length(total);
-            pb.set_position(done);
-            let secs = start.elapsed().as_secs_f64().max(1e-9);
-            pb.set_message(format!("{:.0} tok/s", done as f64 / secs));
-        },
-    )
-    .map_err(in_flag_words)?;
-    pb.finish_and_clear();
-    let info = RunInfo {
-        model: files.source.clone(),
-        model_commit: tokenformer::eval::model_commit(&files),
-        weight_dtype: dtype_name(&a.weights),
-        data: a.data.display().to_string(),
-        data_sha256: sha.join().expect("sha256 thread")?,
-        max_length: scorer.max_length(),
-        elapsed_seconds: start.elapsed().as_secs_f64(),
-    };
-    let mut report = TaskReport::new(info, a.task, &opts, counts);
-    // An explicit `--shard 0/1` is recorded as given.
-    report.shard = a.run.shard.map(|s| s.to_string());
-    if let (Some(p), Some(sha)) = (&a.labels, labels_sha256) {
-        report = report.with_labels(p.display().to_string(), sha);
+    let mut reports = Vec::new();
+    for ((&task, given), path) in a.tasks.iter().zip(&a.data).zip(&data) {
+        let sha = spawn_sha256(path);
+        let scorer = Scorer::new(&model, a.max_length)?
+            .with_greedy(task == Task::Lambada)
+            .with_batch_tokens(a.max_batch_tokens);
+        let task_labels = if task == Task::Piqa {
+            labels.as_deref()
+        } else {
+            None
+        };
+        let pb = progress_bar(0, "tokens");
+        pb.set_prefix(task.name());
+        let start = Instant::now();
+        let run = tasks::evaluate_full(
+            &scorer,
+            &tokenizer,
+            task,
+            path,
+            task_labels,
+            &opts,
+            a.log_samples.is_some(),
+            |done, total| {
+                pb.set_length(total);
+                pb.set_position(done);
+                let secs = start.elapsed().as_secs_f64().max(1e-9);
+                pb.set_message(format!("{} {:.0} tok/s", task.name(), done as f64 / secs));
+            },
+        )
+        .map_err(in_flag_words)?;
+        pb.finish_and_clear();
+        let info = RunInfo {
+            model: files.source.clone(),
+            model_commit: tokenformer::eval::model_commit(&files),
+            weight_dtype: dtype_name(&a.weights),
+            data: given.display().to_string(),
+            data_sha256: sha.join().expect("sha256 thread")?,
+            max_length: scorer.max_length(),
+            elapsed_seconds: start.elapsed().as_secs_f64(),
+        };
+        let mut report = TaskReport::new(info, task, &opts, run.counts);
+        report.documents_in_data = Some(run.documents_in_data);
+        // An explicit `--shard 0/1` is recorded as given.
+        report.shard = a.run.shard.map(|s| s.to_string());
+        if let (Some(p), Some(sha), Task::Piqa) = (&a.labels, &labels_sha256, task) {
+            report = report.with_labels(p.display().to_string(), sha.clone());
+        }
+        if let Some(dir) = &a.log_samples {
+            write_samples(dir, task, &run.samples)?;
+        }
+        print_task(&report);
+        reports.push(report);
     }
-    print_task(&report);
     if let Some(p) = &a.run.json {
-        write_json(p, &report)?;
+        let v = match reports.as_slice() {
+            [one] => one.to_json(),
+            many => tasks::multi_task_json(many),
+        };
+        write_json(p, &v)?;
     }
     Ok(())
+}
+
+/// `DIR/samples_<task>_<time>.jsonl`, one harness sample record per line.
+fn write_samples(dir: &Path, task: Task, samples: &[tasks::Sample]) -> Result<()> {
+    use std::io::Write;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let path = dir.join(format!(
+        "samples_{}_{}.jsonl",
+        task.name(),
+        tokenformer::eval::harness::date_id(now)
+    ));
+    let f = std::fs::File::create(&path).with_context(|| format!("creating {}", path.display()))?;
+    let mut w = std::io::BufWriter::new(f);
+    for s in samples {
+        serde_json::to_writer(&mut w, &s.to_harness(task))?;
+        w.write_all(b"\n")?;
+    }
+    w.flush()
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 fn print_task(r: &TaskReport) {
@@ -443,7 +529,14 @@ pub fn merge_cmd(a: MergeArgs) -> Result<()> {
     })?;
     match merged.get("kind").and_then(Value::as_str) {
         Some(PileReport::KIND) => print_pile(&serde_json::from_value(merged.clone())?),
-        Some(TaskReport::KIND) => print_task(&serde_json::from_value(merged.clone())?),
+        Some(TaskReport::KIND) => match merged.get("tasks") {
+            Some(list) => {
+                for r in serde_json::from_value::<Vec<TaskReport>>(list.clone())? {
+                    print_task(&r);
+                }
+            }
+            None => print_task(&serde_json::from_value(merged.clone())?),
+        },
         _ => println!("{}", serde_json::to_string_pretty(&merged)?),
     }
     if let Some(p) = &a.json {

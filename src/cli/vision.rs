@@ -42,6 +42,46 @@ pub struct ImagenetArgs {
     /// Images above this many pixels (width × height, read from the header) are listed as unreadable, not decoded.
     #[arg(long, env = "TOKENFORMER_MAX_IMAGE_PIXELS", default_value_t = DEFAULT_MAX_PIXELS)]
     pub max_image_pixels: u64,
+    /// Append the result as a row of timm validate.py's results CSV (the header is written once, to a new file).
+    #[arg(long, value_name = "X.csv")]
+    pub results_file: Option<PathBuf>,
+}
+
+/// Appends `r` to timm's results CSV `path`: a new or empty file gets the
+/// header first; an existing one must have that header.
+fn append_timm_csv(path: &std::path::Path, r: &imagenet::ImagenetResult) -> Result<()> {
+    use std::io::Write;
+    let header = imagenet::TIMM_CSV_COLUMNS.join(",");
+    let existing = match std::fs::metadata(path) {
+        Ok(m) if m.len() > 0 => {
+            let text = tokenformer::fsutil::read_to_string_bounded(path, 256 << 20)?;
+            let first = text.lines().next().unwrap_or("").trim_end_matches('\r');
+            if first != header {
+                bail!(
+                    "{}: not a timm results CSV (its header is {first:?}, expected {header:?}); give a new file",
+                    path.display()
+                );
+            }
+            Some(text)
+        }
+        _ => None,
+    };
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let mut out = String::new();
+    match &existing {
+        None => out.push_str(&format!("{header}\r\n")),
+        // A file whose last line has no line break gets one first.
+        Some(t) if !t.ends_with('\n') => out.push_str("\r\n"),
+        Some(_) => {}
+    }
+    out.push_str(&r.timm_csv_row());
+    out.push_str("\r\n");
+    f.write_all(out.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
@@ -58,7 +98,13 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
     }
     let files = a.model.locate()?;
     let model = loader::load_vit(&files, &Device::Cpu)?;
+    let weights = match &files.weights {
+        loader::Weights::Safetensors(p) => p.clone(),
+        loader::Weights::OfficialBin(p) => vec![p.clone()],
+    };
+    let param_count = imagenet::param_count(model.config(), &weights)?;
     let opts = imagenet::Options {
+        param_count: Some(param_count),
         labels: a.labels.clone(),
         batch_size: a.batch_size,
         limit: a.limit,
@@ -119,6 +165,9 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&r)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &a.results_file {
+        append_timm_csv(path, &r)?;
     }
     Ok(())
 }

@@ -1,5 +1,7 @@
-//! Reading evaluation data: a `.txt`, `.jsonl` or `.jsonl.zst` file streamed
-//! line by line with a bounded line length, and the sha256 results record.
+//! Reading evaluation data: a `.txt`, `.jsonl`, `.jsonl.zst` or `.parquet`
+//! file streamed line by line with a bounded line length (a parquet file's
+//! rows as JSON lines, through the `parquet` crate's record API), and the
+//! sha256 results record.
 //!
 //! A line longer than the limit is never held in memory (the reader skips to
 //! its end) and is a bad line; a `.txt` longer than the limit (one document)
@@ -88,7 +90,10 @@ impl DataFile {
             Some(s) => (s.to_string(), true),
             None => (name.clone(), false),
         };
-        let reader: Box<dyn BufRead + Send> = if zst {
+        let reader: Box<dyn BufRead + Send> = if name.ends_with(".parquet") {
+            let rows = ParquetLines::open(path, position.clone(), size)?;
+            Box::new(BufReader::with_capacity(1 << 20, rows))
+        } else if zst {
             let mut dec = zstd::Decoder::new(counting).map_err(|e| Error::io(path, e))?;
             dec.window_log_max(MAX_ZSTD_WINDOW_LOG)
                 .map_err(|e| Error::io(path, e))?;
@@ -121,6 +126,74 @@ impl DataFile {
             )));
         }
         Ok(raw)
+    }
+}
+
+/// A parquet file's rows as JSON lines (one object per row, columns by
+/// name; nested lists and structs as JSON arrays and objects). The position
+/// advances by the file's size over its rows.
+struct ParquetLines {
+    path: PathBuf,
+    rows: parquet::record::reader::RowIter<'static>,
+    line: Vec<u8>,
+    at: usize,
+    done_rows: u64,
+    total_rows: u64,
+    size: u64,
+    position: Arc<AtomicU64>,
+}
+
+impl ParquetLines {
+    fn open(path: &Path, position: Arc<AtomicU64>, size: u64) -> Result<Self> {
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+        let bad = |e: parquet::errors::ParquetError| {
+            Error::input(format!(
+                "{}: not a readable parquet file: {e}",
+                path.display()
+            ))
+        };
+        let file = crate::fsutil::open_regular(path)?;
+        let reader = SerializedFileReader::new(file).map_err(bad)?;
+        let total_rows = reader.metadata().file_metadata().num_rows().max(0) as u64;
+        Ok(Self {
+            path: path.to_path_buf(),
+            rows: reader.into_iter(),
+            line: Vec::new(),
+            at: 0,
+            done_rows: 0,
+            total_rows,
+            size,
+            position,
+        })
+    }
+}
+
+impl Read for ParquetLines {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.at == self.line.len() {
+            let Some(row) = self.rows.next() else {
+                return Ok(0);
+            };
+            let row = row.map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{}: row {}: {e}", self.path.display(), self.done_rows + 1),
+                )
+            })?;
+            self.line.clear();
+            self.at = 0;
+            serde_json::to_writer(&mut self.line, &row.to_json_value())
+                .map_err(std::io::Error::other)?;
+            self.line.push(b'\n');
+            self.done_rows += 1;
+            let pos = self.size as u128 * self.done_rows as u128 / self.total_rows.max(1) as u128;
+            self.position
+                .store(pos.min(self.size as u128) as u64, Ordering::Relaxed);
+        }
+        let n = buf.len().min(self.line.len() - self.at);
+        buf[..n].copy_from_slice(&self.line[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
     }
 }
 

@@ -43,6 +43,37 @@ pub struct Options {
     pub max_image_pixels: u64,
     /// The commit the model's files come from, recorded in the result.
     pub model_commit: Option<String>,
+    /// The model's parameters (timm's `param_count`), if known: see
+    /// [`param_count`].
+    pub param_count: Option<u64>,
+}
+
+/// The parameters of a model with `config` in the checkpoint files `files`:
+/// the elements of the tensors the model reads (as timm counts
+/// `model.parameters()`), in checked arithmetic.
+pub fn param_count(config: &crate::models::vit::Config, files: &[PathBuf]) -> Result<u64> {
+    let mut total = 0u64;
+    for f in files {
+        for t in crate::checkpoint::tensor_infos(f)? {
+            if !config.uses_tensor(&t.name) {
+                continue;
+            }
+            let n = t
+                .shape
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+                .and_then(|n| total.checked_add(n));
+            total = n.ok_or_else(|| {
+                Error::input(format!(
+                    "{}: tensor `{}` of shape {:?}: the parameter count overflows",
+                    f.display(),
+                    t.name,
+                    t.shape
+                ))
+            })?;
+        }
+    }
+    Ok(total)
 }
 
 impl Default for Options {
@@ -54,6 +85,7 @@ impl Default for Options {
             shard: None,
             max_image_pixels: crate::vision::decode::DEFAULT_MAX_PIXELS,
             model_commit: None,
+            param_count: None,
         }
     }
 }
@@ -114,6 +146,128 @@ pub struct ImagenetResult {
     /// The shards a merged result was made from.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub merged_shards: Vec<String>,
+    /// timm `validate.py`'s fields (`top1_err`, `param_count`, …; its
+    /// `top1`/`top5` are ours, unrounded).
+    #[serde(flatten)]
+    pub timm: TimmFields,
+}
+
+/// The fields timm's `validate.py` reports besides `model`, `top1` and
+/// `top5` (<https://github.com/huggingface/pytorch-image-models>).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TimmFields {
+    /// 100 − top-1, rounded to 4 decimals as timm does.
+    #[serde(default)]
+    pub top1_err: Option<f64>,
+    /// 100 − top-5, rounded to 4 decimals.
+    #[serde(default)]
+    pub top5_err: Option<f64>,
+    /// Parameters in millions, rounded to 2 decimals as timm does.
+    #[serde(default)]
+    pub param_count: Option<f64>,
+    /// The crop side (the model's image size).
+    #[serde(default)]
+    pub img_size: Option<usize>,
+    /// The eval resize's crop fraction.
+    #[serde(default)]
+    pub crop_pct: Option<f64>,
+    /// The eval resize's filter (`bicubic`, `bilinear`).
+    #[serde(default)]
+    pub interpolation: Option<String>,
+}
+
+/// Python's `round(x, digits)` for the values timm rounds (half to even
+/// on the decimal digit, as the shortest repr of the binary value decides).
+pub fn py_round(x: f64, digits: i32) -> f64 {
+    let p = 10f64.powi(digits);
+    let y = x * p;
+    let r = y.round();
+    // Exact halves go to even, as Python's round does.
+    let r = if (y - y.trunc()).abs() == 0.5 && r % 2.0 != 0.0 {
+        r - y.signum()
+    } else {
+        r
+    };
+    r / p
+}
+
+impl TimmFields {
+    /// The fields of a run of a model with `config` and `params` parameters.
+    pub fn new(config: &crate::models::vit::Config, params: Option<u64>) -> Self {
+        let interpolation = serde_json::to_value(config.interpolation)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string));
+        Self {
+            top1_err: None,
+            top5_err: None,
+            param_count: params.map(|p| py_round(p as f64 / 1e6, 2)),
+            img_size: Some(config.image_size),
+            crop_pct: Some(config.crop_pct),
+            interpolation,
+        }
+    }
+
+    /// These fields with the error rates of `top1`/`top5` (percent).
+    pub fn with_accuracy(mut self, top1: f64, top5: f64) -> Self {
+        self.top1_err = Some(py_round(100.0 - top1, 4));
+        self.top5_err = Some(py_round(100.0 - top5, 4));
+        self
+    }
+}
+
+/// The columns of timm's results CSV (`validate.py --results-file`), in its order.
+pub const TIMM_CSV_COLUMNS: [&str; 9] = [
+    "model",
+    "top1",
+    "top1_err",
+    "top5",
+    "top5_err",
+    "param_count",
+    "img_size",
+    "crop_pct",
+    "interpolation",
+];
+
+impl ImagenetResult {
+    /// The result's row of timm's results CSV ([`TIMM_CSV_COLUMNS`]), its
+    /// accuracies rounded to 4 decimals as timm writes them; a field that
+    /// needs it is quoted as Python's `csv` module does.
+    pub fn timm_csv_row(&self) -> String {
+        let t = &self.timm;
+        let num = |x: Option<f64>| x.map_or(String::new(), py_repr);
+        let cells = [
+            csv_cell(&self.model),
+            py_repr(py_round(self.top1, 4)),
+            num(t.top1_err),
+            py_repr(py_round(self.top5, 4)),
+            num(t.top5_err),
+            num(t.param_count),
+            t.img_size.map_or(String::new(), |s| s.to_string()),
+            num(t.crop_pct),
+            csv_cell(t.interpolation.as_deref().unwrap_or("")),
+        ];
+        cells.join(",")
+    }
+}
+
+/// A float as Python's `repr` writes it (`76.0`, `0.875`, `86.57`).
+fn py_repr(x: f64) -> String {
+    let s = format!("{x:?}");
+    if s.contains(['.', 'e', 'i', 'N']) {
+        s
+    } else {
+        format!("{s}.0")
+    }
+}
+
+/// A CSV cell quoted when it holds a comma, quote or line break (Python's
+/// `csv.QUOTE_MINIMAL`).
+fn csv_cell(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
 }
 
 /// Images per second, 0 for no time.
@@ -304,6 +458,8 @@ pub fn evaluate_with(
         limit: opts.limit,
         shard: shard.map(|s| s.to_string()),
         merged_shards: vec![],
+        timm: TimmFields::new(cfg, opts.param_count)
+            .with_accuracy(percent(correct1, images), percent(correct5, images)),
     })
 }
 
@@ -444,6 +600,10 @@ impl Report for ImagenetResult {
             limit: first.limit,
             shard: None,
             merged_shards: (0..n).map(|i| format!("{i}/{n}")).collect(),
+            timm: first
+                .timm
+                .clone()
+                .with_accuracy(percent(c1, images), percent(c5, images)),
         })
     }
 }

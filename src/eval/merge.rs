@@ -26,12 +26,70 @@ pub fn merge_results(parts: &[Value]) -> Result<Value> {
     let kind = common_kind(parts)?;
     match kind.as_str() {
         PileReport::KIND => merge_values::<PileReport>(parts),
+        TaskReport::KIND if parts.iter().any(|p| p.get("tasks").is_some()) => {
+            merge_task_lists(parts)
+        }
         TaskReport::KIND => merge_values::<TaskReport>(parts),
         ImagenetResult::KIND => merge_values::<ImagenetResult>(parts),
         other => Err(Error::input(format!(
             "unknown result kind `{other}` (expected pile, tasks or imagenet)"
         ))),
     }
+}
+
+/// Merges results of `--tasks a,b,…` runs (our reports under `tasks`) task
+/// by task; every result must hold the same tasks.
+fn merge_task_lists(parts: &[Value]) -> Result<Value> {
+    let lists = parts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match p.get("tasks") {
+            Some(Value::Array(a)) if !a.is_empty() => Ok(a.clone()),
+            Some(_) => Err(Error::input(format!(
+                "result #{}: `tasks` is not a list of task results",
+                i + 1
+            ))),
+            None => Ok(vec![p.clone()]),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let names = |l: &[Value]| -> Vec<String> {
+        l.iter()
+            .map(|t| {
+                t.get("task")
+                    .and_then(Value::as_str)
+                    .unwrap_or("(none)")
+                    .to_string()
+            })
+            .collect()
+    };
+    let first = names(&lists[0]);
+    for (i, l) in lists.iter().enumerate().skip(1) {
+        if names(l) != first {
+            return Err(Error::input(format!(
+                "cannot merge: result #{} holds the tasks {:?}, result #1 {:?} (shards of different runs)",
+                i + 1,
+                names(l),
+                first
+            )));
+        }
+    }
+    let mut reports = Vec::new();
+    for (t, name) in first.iter().enumerate() {
+        let of_task: Vec<TaskReport> = lists
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                serde_json::from_value(l[t].clone()).map_err(|e| {
+                    Error::input(format!(
+                        "result #{}, task {name}: not a valid result: {e}",
+                        i + 1
+                    ))
+                })
+            })
+            .collect::<Result<_>>()?;
+        reports.push(merge(&of_task).map_err(|e| Error::input(format!("task {name}: {e}")))?);
+    }
+    Ok(super::tasks::multi_task_json(&reports))
 }
 
 /// Parses `parts` as `R` and merges them.
@@ -41,7 +99,7 @@ pub(crate) fn merge_values<R: Report>(parts: &[Value]) -> Result<Value> {
         .enumerate()
         .map(|(i, p)| serde_json::from_value::<R>(p.clone()).map_err(|e| R::parse_error(i, e)))
         .collect::<Result<Vec<_>>>()?;
-    Ok(serde_json::to_value(merge(&parsed)?).expect("serialisable"))
+    Ok(merge(&parsed)?.to_json())
 }
 
 /// Merges shard results of one run into the whole run's result, after

@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod data;
+pub mod harness;
 pub mod imagenet;
 pub mod merge;
 pub mod pile;

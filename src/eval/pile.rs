@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::data::{non_finite, NOTE_SKIP_BAD};
+use super::harness::{self, RunConfig, TaskEntry};
 use super::report::{
     add_checked, check_loglikelihood, check_seconds, one_shard, run_settings, Report, Setting,
 };
@@ -551,6 +552,58 @@ impl PileReport {
         };
     }
 
+    /// The run's entries in lm-evaluation-harness's results layout: `pile`
+    /// for every document, and each subset as the harness's `pile_*` task
+    /// ([`harness::pile_task_name`]). `n-samples.original` is known when
+    /// every document was scored (no `limit`, not one shard).
+    pub fn harness_entries(&self) -> Vec<TaskEntry> {
+        let whole = self.limit.is_none() && self.shard.is_none();
+        let entry = |name: String, m: &Metrics| {
+            let metric = |name, value| harness::Metric {
+                name,
+                value,
+                stderr: None,
+                higher_is_better: false,
+            };
+            TaskEntry {
+                name,
+                version: 2.0,
+                dataset_path: "EleutherAI/pile",
+                output_type: "loglikelihood_rolling",
+                metrics: vec![
+                    metric("word_perplexity", m.word_perplexity),
+                    metric("byte_perplexity", m.byte_perplexity),
+                    metric("bits_per_byte", m.bits_per_byte),
+                ],
+                original: whole.then_some(m.counts.documents),
+                effective: m.counts.documents,
+            }
+        };
+        let mut out = vec![entry("pile".into(), &self.metrics)];
+        for (k, m) in &self.subsets {
+            let name = harness::pile_task_name(k);
+            // Two subset names that the harness names alike keep their own names.
+            let name = if out.iter().any(|e| e.name == name) {
+                format!("pile_{k}")
+            } else {
+                name
+            };
+            out.push(entry(name, m));
+        }
+        out
+    }
+
+    fn run_config(&self) -> RunConfig<'_> {
+        RunConfig {
+            model: &self.model,
+            commit: self.model_commit.as_deref(),
+            dtype: self.weight_dtype.as_deref(),
+            batch_size: self.batch_size,
+            limit: self.limit,
+            elapsed_seconds: self.elapsed_seconds,
+        }
+    }
+
     /// The totals this report was made from.
     pub fn totals(&self) -> PileTotals {
         PileTotals {
@@ -598,6 +651,14 @@ impl Report for PileReport {
             Setting::new("max_line_bytes", self.max_line_bytes),
         ]);
         s
+    }
+
+    fn to_json(&self) -> Value {
+        let flat = serde_json::to_value(self).expect("serialisable");
+        harness::with_blocks(
+            flat,
+            harness::blocks(&self.harness_entries(), &self.run_config()),
+        )
     }
 
     /// Each count possible, the subsets within the whole.

@@ -81,6 +81,12 @@ pub trait Report: Clone + Serialize + DeserializeOwned {
     /// The whole run's result from the checked results of its `n` shards.
     fn combine(parts: &[Self], n: usize) -> Result<Self>;
 
+    /// The result as written to a file: its fields, plus whatever else the
+    /// kind writes next to them (lm-evaluation-harness's or timm's layout).
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).expect("serialisable")
+    }
+
     /// How errors name result `i` (0-based).
     fn label(i: usize) -> String {
         format!("result #{}", i + 1)

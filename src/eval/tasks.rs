@@ -13,9 +13,10 @@
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::data::{non_finite, DataFile, JsonLines, NOTE_SKIP_BAD};
+use super::harness::{self, Metric, RunConfig, TaskEntry};
 use super::pytext::{py_isspace, py_strip};
 use super::report::RunInfo;
 use super::report::{
@@ -105,6 +106,25 @@ impl Task {
             Task::Winogrande => {
                 r#"{"sentence" (one "_"), "option1", "option2", "answer": "1"|"2"}"#
             }
+        }
+    }
+
+    /// The Hub dataset the harness loads the task from (its `dataset_path`).
+    pub fn dataset_path(&self) -> &'static str {
+        match self {
+            Task::Lambada => "EleutherAI/lambada_openai",
+            Task::Hellaswag => "Rowan/hellaswag",
+            Task::Piqa => "ybisk/piqa",
+            Task::ArcEasy | Task::ArcChallenge => "allenai/ai2_arc",
+            Task::Winogrande => "allenai/winogrande",
+        }
+    }
+
+    /// The harness's request type for the task.
+    pub fn output_type(&self) -> &'static str {
+        match self {
+            Task::Lambada => "loglikelihood",
+            _ => "multiple_choice",
         }
     }
 
@@ -411,15 +431,127 @@ pub fn evaluate(
     path: &Path,
     labels: Option<&[String]>,
     opts: &TaskOptions,
-    mut progress: impl FnMut(u64, u64),
+    progress: impl FnMut(u64, u64),
 ) -> Result<TaskCounts> {
+    let run = evaluate_full(scorer, tokenizer, task, path, labels, opts, false, progress)?;
+    Ok(run.counts)
+}
+
+/// One scored document, as the harness logs it (`--log-samples`).
+#[derive(Clone, Debug)]
+pub struct Sample {
+    /// The document's index among the data's documents (0-based).
+    pub doc_id: usize,
+    /// The document as read.
+    pub doc: Value,
+    /// (context, continuation) of each request.
+    pub requests: Vec<(String, String)>,
+    /// (log-likelihood, is greedy) of each request.
+    pub results: Vec<(f64, bool)>,
+    /// The right choice (lambada: 0).
+    pub gold: usize,
+    /// `acc` of this document (0 or 1).
+    pub acc: f64,
+    /// `acc_norm` of this document, where the task has it.
+    pub acc_norm: Option<f64>,
+}
+
+impl Sample {
+    /// The harness's sample record (`samples_<task>_*.jsonl`): `doc_id`,
+    /// `doc`, `target`, `arguments` (`gen_args_<i>`: `arg_0` context,
+    /// `arg_1` continuation), `resps`/`filtered_resps` (log-likelihood and
+    /// is-greedy as the harness writes them, strings), `filter`, `metrics`,
+    /// the sha256 `doc_hash`/`prompt_hash`/`target_hash`, and the per-document
+    /// metric values.
+    pub fn to_harness(&self, task: Task) -> Value {
+        let target = match task {
+            Task::Lambada => Value::String(self.requests[0].1.clone()),
+            _ => Value::from(self.gold),
+        };
+        let target_text = match &target {
+            Value::String(s) => s.clone(),
+            v => v.to_string(),
+        };
+        let arguments: serde_json::Map<String, Value> = self
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(i, (c, x))| (format!("gen_args_{i}"), json!({"arg_0": c, "arg_1": x})))
+            .collect();
+        let resp = |&(ll, greedy): &(f64, bool)| {
+            json!([format!("{ll:?}"), if greedy { "True" } else { "False" }])
+        };
+        let mut metrics = vec!["acc"];
+        let mut v = json!({
+            "doc_id": self.doc_id,
+            "doc": self.doc,
+            "target": target,
+            "arguments": arguments,
+            "resps": self.results.iter().map(|r| json!([resp(r)])).collect::<Vec<_>>(),
+            "filtered_resps": self.results.iter().map(resp).collect::<Vec<_>>(),
+            "filter": harness::FILTER,
+            "doc_hash": harness::hash_string(
+                &serde_json::to_string_pretty(&self.doc).expect("serialisable")
+            ),
+            "prompt_hash": harness::hash_string(&self.requests[0].0),
+            "target_hash": harness::hash_string(&target_text),
+            "acc": self.acc,
+        });
+        if task == Task::Lambada {
+            metrics.insert(0, "perplexity");
+            v["perplexity"] = json!(self.results[0].0);
+        }
+        if let Some(n) = self.acc_norm {
+            metrics.push("acc_norm");
+            v["acc_norm"] = json!(n);
+        }
+        v["metrics"] = json!(metrics);
+        v
+    }
+}
+
+/// What one task run found: the counts, the documents in the data, and
+/// (if asked for) every scored document.
+#[derive(Clone, Debug)]
+pub struct TaskRun {
+    /// The sums the metrics come from.
+    pub counts: TaskCounts,
+    /// Documents the data holds (all of the file, before `limit`).
+    pub documents_in_data: u64,
+    /// Every document this run scored, when `log_samples` was set.
+    pub samples: Vec<Sample>,
+}
+
+/// [`evaluate`], also counting the data's documents and, with
+/// `log_samples`, keeping each scored document's requests and results.
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate_full(
+    scorer: &Scorer,
+    tokenizer: &tokenizers::Tokenizer,
+    task: Task,
+    path: &Path,
+    labels: Option<&[String]>,
+    opts: &TaskOptions,
+    log_samples: bool,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<TaskRun> {
     let mut counts = TaskCounts::default();
     let mut examples = Vec::new();
     let mut k = 0usize;
     let mut lines = 0usize;
+    let mut in_data = 0u64;
+    let mut past_limit = false;
     for item in JsonLines::new(DataFile::open_with(path, opts.max_line_bytes)?) {
         let (line, value) = item?;
         lines += 1;
+        if past_limit {
+            // Only counted (n-samples.original): a line past the limit is
+            // never an error, as before the count was kept.
+            let label = labels.and_then(|l| l.get(lines - 1)).map(String::as_str);
+            let ok = value.is_ok_and(|v| build_example(task, &v, label).is_ok());
+            in_data += u64::from(ok);
+            continue;
+        }
         let label = match labels {
             Some(l) => Some(l.get(lines - 1).map(String::as_str).ok_or_else(|| {
                 Error::input(format!(
@@ -430,13 +562,20 @@ pub fn evaluate(
             })?),
             None => None,
         };
+        let doc = if log_samples {
+            value.as_ref().ok().cloned()
+        } else {
+            None
+        };
         match value.and_then(|v| build_example(task, &v, label)) {
             Ok(ex) => {
+                in_data += 1;
                 if opts.limit.is_some_and(|l| k >= l) {
-                    break;
+                    past_limit = true;
+                    continue;
                 }
                 if opts.shard.owns(k) {
-                    examples.push((line, ex));
+                    examples.push((line, k, doc, ex));
                 }
                 k += 1;
             }
@@ -472,7 +611,7 @@ pub fn evaluate(
         }
     }
     let mut requests = Vec::new();
-    for (_, ex) in &examples {
+    for (_, _, _, ex) in &examples {
         for (c, x) in &ex.requests {
             requests.push(encode_pair(tokenizer, opts.prefix_token, c, x)?);
         }
@@ -483,31 +622,65 @@ pub fn evaluate(
         done += n as u64;
         progress(done, total);
     })?;
+    let mut samples = Vec::new();
     let mut at = 0;
-    for (line, ex) in &examples {
+    for (line, doc_id, doc, ex) in examples {
         let res = &scored[at..at + ex.requests.len()];
         at += ex.requests.len();
         if let Some(bad) = res.iter().find(|r| !r.logprob.is_finite()) {
-            return Err(non_finite(path, *line, bad.logprob));
+            return Err(non_finite(path, line, bad.logprob));
         }
         counts.documents += 1;
-        if task == Task::Lambada {
+        let (acc, acc_norm) = if task == Task::Lambada {
             counts.loglikelihood += res[0].logprob;
-            counts.correct += res[0].is_greedy as u64;
-            continue;
-        }
-        let lls: Vec<f64> = res.iter().map(|r| r.logprob).collect();
-        counts.correct += (argmax(&lls) == ex.gold) as u64;
-        if task.has_acc_norm() {
-            let norm: Vec<f64> = lls
-                .iter()
-                .zip(&ex.choices)
-                .map(|(ll, c)| ll / c.chars().count() as f64)
-                .collect();
-            counts.correct_norm += (argmax(&norm) == ex.gold) as u64;
+            (res[0].is_greedy, None)
+        } else {
+            let lls: Vec<f64> = res.iter().map(|r| r.logprob).collect();
+            let right = argmax(&lls) == ex.gold;
+            let norm = task.has_acc_norm().then(|| {
+                let norm: Vec<f64> = lls
+                    .iter()
+                    .zip(&ex.choices)
+                    .map(|(ll, c)| ll / c.chars().count() as f64)
+                    .collect();
+                argmax(&norm) == ex.gold
+            });
+            (right, norm)
+        };
+        counts.correct += u64::from(acc);
+        counts.correct_norm += u64::from(acc_norm == Some(true));
+        if let Some(doc) = doc {
+            samples.push(Sample {
+                doc_id,
+                doc,
+                results: res.iter().map(|r| (r.logprob, r.is_greedy)).collect(),
+                requests: ex.requests,
+                gold: ex.gold,
+                acc: f64::from(u8::from(acc)),
+                acc_norm: acc_norm.map(|n| f64::from(u8::from(n))),
+            });
         }
     }
-    Ok(counts)
+    Ok(TaskRun {
+        counts,
+        documents_in_data: in_data,
+        samples,
+    })
+}
+
+/// The harness's layout for several tasks of one run in one file: our
+/// reports under `tasks`, `kind` `"tasks"`, and the harness's blocks over
+/// all of them (`eval merge` merges such files task by task).
+pub fn multi_task_json(reports: &[TaskReport]) -> Value {
+    let entries: Vec<TaskEntry> = reports.iter().map(TaskReport::harness_entry).collect();
+    let mut run = reports[0].run_config();
+    let total: f64 = reports.iter().map(|r| r.elapsed_seconds).sum();
+    run.elapsed_seconds = total;
+    let base = json!({
+        "kind": TaskReport::KIND,
+        "tasks": reports,
+    });
+    harness::with_blocks(base, harness::blocks(&entries, &run))
 }
 
 /// `--json` of `eval tasks` (and of `eval merge` over its shards).
@@ -548,6 +721,10 @@ pub struct TaskReport {
     pub merged_shards: Option<usize>,
     /// Requests per forward pass.
     pub batch_size: usize,
+    /// Documents the data file holds (every shard reads them all; before
+    /// `limit`): the harness's `n-samples.original`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub documents_in_data: Option<u64>,
     #[serde(flatten)]
     /// The sums the metrics come from.
     pub counts: TaskCounts,
@@ -585,6 +762,7 @@ impl TaskReport {
             shard: (opts.shard != Shard::WHOLE).then(|| opts.shard.to_string()),
             merged_shards: None,
             batch_size: opts.batch_size,
+            documents_in_data: None,
             counts: TaskCounts::default(),
             acc: None,
             acc_stderr: None,
@@ -602,6 +780,56 @@ impl TaskReport {
         self.labels = Some(labels);
         self.labels_sha256 = Some(sha256);
         self
+    }
+
+    /// The task's entry in lm-evaluation-harness's results layout.
+    pub fn harness_entry(&self) -> TaskEntry {
+        let lambada = self.task == Task::Lambada.name();
+        let mut metrics = Vec::new();
+        if lambada {
+            metrics.push(Metric {
+                name: "perplexity",
+                value: self.perplexity,
+                stderr: None,
+                higher_is_better: false,
+            });
+        }
+        metrics.push(Metric {
+            name: "acc",
+            value: self.acc,
+            stderr: self.acc_stderr,
+            higher_is_better: true,
+        });
+        if self.acc_norm.is_some() {
+            metrics.push(Metric {
+                name: "acc_norm",
+                value: self.acc_norm,
+                stderr: self.acc_norm_stderr,
+                higher_is_better: true,
+            });
+        }
+        let task = self.task.parse::<Task>().ok();
+        TaskEntry {
+            name: self.task.clone(),
+            version: 1.0,
+            dataset_path: task.map_or("", |t| t.dataset_path()),
+            output_type: task.map_or("multiple_choice", |t| t.output_type()),
+            metrics,
+            original: self.documents_in_data,
+            effective: self.counts.documents,
+        }
+    }
+
+    /// The harness `config` block's settings of this run.
+    fn run_config(&self) -> RunConfig<'_> {
+        RunConfig {
+            model: &self.model,
+            commit: self.model_commit.as_deref(),
+            dtype: self.weight_dtype.as_deref(),
+            batch_size: self.batch_size,
+            limit: self.limit,
+            elapsed_seconds: self.elapsed_seconds,
+        }
     }
 
     /// Recomputes every metric from `counts`.
@@ -648,8 +876,17 @@ impl Report for TaskReport {
             Setting::new("labels file sha256", &self.labels_sha256),
             Setting::new("max_length/limit", (self.max_length, self.limit)),
             Setting::new("max_line_bytes", self.max_line_bytes),
+            Setting::new("documents_in_data", self.documents_in_data),
         ]);
         s
+    }
+
+    fn to_json(&self) -> Value {
+        let flat = serde_json::to_value(self).expect("serialisable");
+        harness::with_blocks(
+            flat,
+            harness::blocks(&[self.harness_entry()], &self.run_config()),
+        )
     }
 
     /// Correct ones within the documents.

@@ -137,7 +137,7 @@ impl HubClient {
         &self.config
     }
 
-    /// `<cache>/models--owner--name`.
+    /// `<cache>/models--owner--name` (`datasets--owner--name`).
     pub fn repo_cache_dir(&self, repo: &RepoRef) -> PathBuf {
         self.config.cache_dir.join(repo.cache_folder_name())
     }
@@ -154,15 +154,21 @@ impl HubClient {
         url
     }
 
-    /// `{endpoint}/{owner}/{name}/resolve/{revision}/{file...}`.
+    /// `{endpoint}/{owner}/{name}/resolve/{revision}/{file...}` (a dataset:
+    /// `{endpoint}/datasets/{owner}/…`).
     pub(crate) fn resolve_url(&self, repo: &RepoRef, revision: &str, file: &str) -> Url {
-        let mut segs = vec![repo.owner.as_str(), repo.name.as_str(), "resolve", revision];
+        let mut segs: Vec<&str> = repo.url_prefix().into_iter().collect();
+        segs.extend([repo.owner.as_str(), repo.name.as_str(), "resolve", revision]);
         segs.extend(file.split('/'));
         self.url(&segs)
     }
 
     fn api_url(&self, repo: &RepoRef, tail: &[&str]) -> Url {
-        let mut segs = vec!["api", "models", repo.owner.as_str(), repo.name.as_str()];
+        let kind = match repo.kind {
+            super::repo::RepoKind::Model => "models",
+            super::repo::RepoKind::Dataset => "datasets",
+        };
+        let mut segs = vec!["api", kind, repo.owner.as_str(), repo.name.as_str()];
         segs.extend_from_slice(tail);
         self.url(&segs)
     }

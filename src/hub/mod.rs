@@ -19,11 +19,13 @@
 //! - `client`: the HTTP layer, error mapping, listing and commit resolution;
 //! - `cache`: the on-disk layout, verification markers and download locks;
 //! - `download`: the download loop; `upload`: publish and its file listing;
-//! - `progress`: download events and the terminal bars.
+//! - `progress`: download events and the terminal bars;
+//! - `dataset`: `hf://datasets/owner/name[@revision]/path` data files, fetched the same way.
 
 mod cache;
 mod client;
 mod config;
+pub mod dataset;
 mod download;
 mod error;
 mod progress;
@@ -40,7 +42,7 @@ pub use config::{
 pub use download::safetensors_index_shards;
 pub use error::HubError;
 pub use progress::DownloadEvent;
-pub use repo::{RepoRef, DEFAULT_REVISION};
+pub use repo::{RepoKind, RepoRef, DEFAULT_REVISION};
 pub use upload::{
     dry_run_listing, upload_listing, LocalFile, PublishOptions, PublishReport, SkippedEntry,
     UploadListing,

@@ -10,12 +10,23 @@ use super::error::HubError;
 /// Revision used when a repo id has no `@revision`.
 pub const DEFAULT_REVISION: &str = "main";
 
-/// A model repo on the Hub at a revision (branch, tag or commit sha).
+/// What a repo holds: the Hub keeps models and datasets apart (URLs
+/// `/datasets/owner/name/…`, API `/api/datasets/…`, cache `datasets--owner--name`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum RepoKind {
+    #[default]
+    Model,
+    Dataset,
+}
+
+/// A repo on the Hub at a revision (branch, tag or commit sha): a model
+/// unless made with [`RepoRef::dataset`].
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RepoRef {
     pub owner: String,
     pub name: String,
     pub revision: String,
+    pub kind: RepoKind,
 }
 
 impl RepoRef {
@@ -43,7 +54,24 @@ impl RepoRef {
             owner: owner.to_string(),
             name: name.to_string(),
             revision: revision.to_string(),
+            kind: RepoKind::Model,
         })
+    }
+
+    /// Parse a dataset repo `owner/name` or `owner/name@revision`.
+    pub fn dataset(input: &str) -> Result<Self, HubError> {
+        Ok(RepoRef {
+            kind: RepoKind::Dataset,
+            ..Self::parse(input)?
+        })
+    }
+
+    /// The URL path segment before `owner/name` (none for a model).
+    pub(crate) fn url_prefix(&self) -> Option<&'static str> {
+        match self.kind {
+            RepoKind::Model => None,
+            RepoKind::Dataset => Some("datasets"),
+        }
     }
 
     /// `owner/name` (without revision).
@@ -53,17 +81,27 @@ impl RepoRef {
 
     /// The same repo at another revision.
     pub fn at(&self, revision: &str) -> Result<Self, HubError> {
-        Self::parse(&format!("{}@{revision}", self.repo_id()))
+        Ok(RepoRef {
+            kind: self.kind,
+            ..Self::parse(&format!("{}@{revision}", self.repo_id()))?
+        })
     }
 
-    /// `models--owner--name`, the repo's folder in the HF cache.
+    /// `models--owner--name` (`datasets--owner--name`), the repo's folder in the HF cache.
     pub fn cache_folder_name(&self) -> String {
-        format!("models--{}--{}", self.owner, self.name)
+        let kind = match self.kind {
+            RepoKind::Model => "models",
+            RepoKind::Dataset => "datasets",
+        };
+        format!("{kind}--{}--{}", self.owner, self.name)
     }
 }
 
 impl fmt::Display for RepoRef {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(p) = self.url_prefix() {
+            write!(f, "{p}/")?;
+        }
         write!(f, "{}/{}@{}", self.owner, self.name, self.revision)
     }
 }

@@ -749,6 +749,20 @@ fn route(st: &mut State, path: &str, req: &Req) -> Reply {
         ("POST", ["api", "models", o, n, "branch", branch]) => {
             create_branch(st, &format!("{o}/{n}"), branch, req)
         }
+        // Dataset repos live in the same map under `datasets/owner/name`
+        // (add them with `add_repo("datasets/owner/name", …)`).
+        ("GET", ["api", "datasets", o, n]) => {
+            model_info(st, &format!("datasets/{o}/{n}"), "main", req)
+        }
+        ("GET", ["api", "datasets", o, n, "revision", rev]) => {
+            model_info(st, &format!("datasets/{o}/{n}"), rev, req)
+        }
+        ("GET", ["api", "datasets", o, n, "tree", rev, rest @ ..]) => {
+            tree(st, &format!("datasets/{o}/{n}"), rev, &rest.join("/"), req)
+        }
+        ("GET" | "HEAD", ["datasets", o, n, "resolve", rev, file @ ..]) if !file.is_empty() => {
+            resolve(st, &format!("datasets/{o}/{n}"), rev, &file.join("/"), req)
+        }
         ("GET" | "HEAD", ["__cdn", oid]) => cdn(st, oid, req),
         ("GET" | "HEAD", [o, n, "resolve", rev, file @ ..]) if !file.is_empty() => {
             resolve(st, &format!("{o}/{n}"), rev, &file.join("/"), req)
