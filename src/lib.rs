@@ -11,6 +11,7 @@ pub mod error;
 pub mod eval;
 pub mod fsutil;
 pub mod generate;
+pub mod grow;
 pub mod hub;
 pub mod kernels;
 pub mod loader;

@@ -14,12 +14,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use clap::{Args, ValueEnum};
-use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde_json::{json, Value};
 use tokenformer::card::ModelCard;
 use tokenformer::checkpoint::{self, Tensors};
+use tokenformer::grow::{append_rows, pattention_kind, Kind};
 use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::tokenformer::ScaleTokens;
 
@@ -129,63 +129,6 @@ pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
     }
 }
 
-/// The three Pattention kinds of a block, each with its own token count.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    Qkv,
-    Proj,
-    Ffn,
-}
-
-impl Kind {
-    const ALL: [Kind; 3] = [Kind::Qkv, Kind::Proj, Kind::Ffn];
-    fn config_key(self) -> &'static str {
-        match self {
-            Kind::Qkv => "qkv_tokens",
-            Kind::Proj => "proj_tokens",
-            Kind::Ffn => "ffn_tokens",
-        }
-    }
-    fn of(c: &ScaleTokens, k: Kind) -> usize {
-        match k {
-            Kind::Qkv => c.qkv,
-            Kind::Proj => c.proj,
-            Kind::Ffn => c.ffn,
-        }
-    }
-}
-
-fn set(c: &mut ScaleTokens, k: Kind, v: usize) {
-    match k {
-        Kind::Qkv => c.qkv = v,
-        Kind::Proj => c.proj = v,
-        Kind::Ffn => c.ffn = v,
-    }
-}
-
-/// Which token count governs a Pattention parameter tensor (None: not one).
-fn pattention_kind(name: &str) -> Result<Option<Kind>> {
-    let Some(module) = name
-        .strip_suffix(".key_param_tokens")
-        .or_else(|| name.strip_suffix(".value_param_tokens"))
-    else {
-        return Ok(None);
-    };
-    let kind = if [".attention.query", ".attention.key", ".attention.value"]
-        .iter()
-        .any(|m| module.ends_with(m))
-    {
-        Kind::Qkv
-    } else if module.ends_with(".attention.proj") {
-        Kind::Proj
-    } else if module.ends_with(".mlp") {
-        Kind::Ffn
-    } else {
-        bail!("tensor `{name}` belongs to a Pattention layer that is not q/k/v, proj or mlp of a block: don't know which token count to grow it by")
-    };
-    Ok(Some(kind))
-}
-
 /// Token counts (qkv, proj, ffn) from a config, generically.
 fn token_counts(config: &Value, origin: &Path) -> Result<ScaleTokens> {
     let get = |k: &str| {
@@ -251,45 +194,6 @@ fn targets_from_preset(name: &str, config: &Value) -> Result<ScaleTokens> {
     token_counts(&e.config, Path::new(&e.name))
 }
 
-/// Draws `rows × cols` normal samples with standard deviation `std` from a
-/// stream seeded by (seed, tensor name), so a tensor's new rows do not depend
-/// on which other tensors were grown.
-fn normal(rows: usize, cols: usize, std: f64, seed: u64, name: &str) -> Vec<f32> {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    let mut rng = StdRng::seed_from_u64(seed ^ h);
-    let n = rows * cols;
-    let mut out = Vec::with_capacity(n + 1);
-    while out.len() < n {
-        // Box–Muller: two independent N(0, 1) from two uniforms; 1 − u ∈ (0, 1].
-        let u1: f64 = 1.0 - rng.random::<f64>();
-        let u2: f64 = rng.random::<f64>();
-        let r = (-2.0 * u1.ln()).sqrt();
-        let a = std::f64::consts::TAU * u2;
-        out.push((std * r * a.cos()) as f32);
-        out.push((std * r * a.sin()) as f32);
-    }
-    out.truncate(n);
-    out
-}
-
-/// Appends `extra` rows to a [n, d] parameter-token tensor, keeping its dtype.
-fn append_rows(t: &Tensor, extra: usize, init: Option<(f64, u64)>, name: &str) -> Result<Tensor> {
-    let (_, d) = t
-        .dims2()
-        .with_context(|| format!("tensor `{name}` is not a matrix"))?;
-    let new = match init {
-        None => Tensor::zeros((extra, d), t.dtype(), t.device())?,
-        Some((std, seed)) => {
-            Tensor::from_vec(normal(extra, d, std, seed, name), (extra, d), t.device())?
-                .to_dtype(t.dtype())?
-        }
-    };
-    Ok(Tensor::cat(&[t, &new], 0)?)
-}
-
 pub fn run(a: GrowArgs) -> Result<()> {
     for (what, std) in [("--key-std", a.key_std), ("--value-std", a.value_std)] {
         if !std.is_finite() || std < 0.0 {
@@ -342,7 +246,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
             .into_iter()
             .filter(|&k| Kind::of(&target, k) > Kind::of(&old, k))
         {
-            set(&mut new_scale, k, Kind::of(&target, k));
+            Kind::set(&mut new_scale, k, Kind::of(&target, k));
         }
     }
     let mut config = w.config.clone();
@@ -351,6 +255,13 @@ pub fn run(a: GrowArgs) -> Result<()> {
         .context("config.json is not a JSON object")?;
     for k in Kind::ALL {
         obj.insert(k.config_key().into(), json!(Kind::of(&target, k)));
+    }
+    // What `train --train new` trains: the rows after the old counts (the vision
+    // config has no such field).
+    if family == Family::Language && target != old {
+        obj.insert("grown_from_tokens".into(), serde_json::to_value(old)?);
+    } else {
+        obj.remove("grown_from_tokens");
     }
     if new_scale == target {
         obj.remove("pattention_scale_tokens");
@@ -605,6 +516,7 @@ fn growth_card(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokenformer::grow::normal;
 
     #[test]
     fn sizes_parse() {

@@ -762,6 +762,7 @@ fn import_gpt_neox(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             proj: map.scale_tokens,
             ffn: map.scale_tokens,
         }),
+        grown_from_tokens: None,
     };
     config
         .validate()
