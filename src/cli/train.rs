@@ -19,8 +19,11 @@ use tokenformer::train::{lm::init_tensors, LmTrainer, Split, TokenWindows, Train
 
 #[derive(Args, Debug)]
 pub struct TrainArgs {
-    /// Model to start from: zoo name, Hub repo or local folder/file (or --init).
-    #[arg(long, short, conflicts_with_all = ["init", "resume"])]
+    /// Model to start from: zoo name, Hub repo or local folder/file (or --init). With
+    /// --resume: the weights to continue with, e.g. the checkpoint grown by
+    /// `tokenformer-convert grow` (old tokens keep their optimiser moments, new ones
+    /// start at zero).
+    #[arg(long, short, conflicts_with = "init")]
     pub model: Option<String>,
     /// Start from fresh weights for this config.json (official init, --seed).
     #[arg(long, conflicts_with = "resume")]
@@ -84,9 +87,16 @@ pub struct TrainArgs {
     /// Seed of the fresh initialisation (--init).
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
-    /// What trains: `all`, or comma-separated tensor-name globs (`layers.*.mlp.*`).
-    #[arg(long, default_value = "all")]
-    pub train: String,
+    /// What trains: `all` (default), `new` (the parameter tokens appended by the last
+    /// growth), `bridge` (a merged model's bridge tokens), or comma-separated
+    /// tensor-name globs (`layers.*.mlp.*`). With --resume: the run's own unless given.
+    #[arg(long)]
+    pub train: Option<String>,
+    /// Grow every Pattention layer after step STEP to SPEC tokens (`ffn=1024` or
+    /// `qkv=256,proj=256,ffn=1024`; zero keys, √n kept: the function is unchanged).
+    /// Repeatable.
+    #[arg(long, value_name = "STEP:SPEC")]
+    pub grow_at: Vec<String>,
     /// Save a checkpoint every N steps (and always at the end).
     #[arg(long, default_value_t = 500)]
     pub save_every: u64,
@@ -99,6 +109,18 @@ pub struct TrainArgs {
     /// Print a JSON summary on stdout at the end.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--train`: `all`, `new`, `bridge` or comma-separated globs.
+fn parse_train(s: &str) -> Vec<String> {
+    match s.trim() {
+        "all" => vec!["*".into()],
+        _ => s
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect(),
+    }
 }
 
 fn parse_betas(s: &str) -> Result<(f64, f64)> {
@@ -131,15 +153,21 @@ pub fn flops_per_token(cfg: &Config, seq_len: usize) -> f64 {
 pub fn run(a: TrainArgs) -> Result<()> {
     let dev = Device::Cpu;
     let (betas_1, betas_2) = parse_betas(&a.betas)?;
-    let train_globs: Vec<String> = if a.train.trim() == "all" {
-        vec!["*".into()]
-    } else {
-        a.train
-            .split(',')
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty())
-            .collect()
-    };
+    let train_globs = a.train.as_deref().map(parse_train);
+    let grow_at = a
+        .grow_at
+        .iter()
+        .map(|g| {
+            let (step, spec) = g
+                .split_once(':')
+                .with_context(|| format!("--grow-at {g:?}: expected STEP:SPEC, e.g. 100:ffn=1024"))?;
+            let step: u64 = step
+                .trim()
+                .parse()
+                .with_context(|| format!("--grow-at {g:?}: STEP is not a step number"))?;
+            Ok((step, spec.trim().to_string()))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mut opts = TrainOptions {
         steps: a.steps.unwrap_or(1000),
         batch_size: a.batch_size,
@@ -154,14 +182,17 @@ pub fn run(a: TrainArgs) -> Result<()> {
         weight_decay: a.weight_decay,
         clip_grad: a.clip_grad,
         seed: a.seed,
-        train: train_globs,
+        train: train_globs.clone().unwrap_or_else(|| vec!["*".into()]),
+        grow_at: grow_at.clone(),
     };
 
     // Where the weights, config and tokenizer come from.
     let (cfg, tensors, tokenizer_path, resume, source) = if let Some(dir) = &a.resume {
         let ckpt = trainer::resume_dir(dir)?;
         let (state, moments) = trainer::read_resume_state(&ckpt)?;
-        let files = loader::locate(&ckpt.display().to_string(), &LocateOptions::default())?;
+        // The weights: the checkpoint's own, or --model's (the checkpoint grown since).
+        let weights = a.model.clone().unwrap_or_else(|| ckpt.display().to_string());
+        let files = loader::locate(&weights, &LocateOptions::default())?;
         let w = loader::read_weights(&files, Some(DType::F32), &dev)?;
         let cfg = loader::lm_config(&w.config, &w.config_path)?;
         let steps = a.steps.unwrap_or(0).max(state.options.steps);
@@ -169,6 +200,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
             steps,
             ..state.options.clone()
         };
+        if let Some(t) = train_globs {
+            opts.train = t;
+        }
+        if !grow_at.is_empty() {
+            opts.grow_at = grow_at;
+        }
         let tok = a.tokenizer.clone().or(files.tokenizer.clone());
         (
             cfg,
@@ -300,7 +337,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         ));
         bar.set_position(r.step);
         if r.step % a.save_every.max(1) == 0 || end {
-            let card = card(&cfg, &t, &source, &a.data, last_val);
+            let card = card(t.model().config(), &t, &source, &a.data, last_val);
             let dir = t.save(
                 &a.out,
                 &[

@@ -63,6 +63,10 @@ impl TrainableLm {
         &self.cfg
     }
 
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Every variable by canonical name.
     pub fn params(&self) -> &BTreeMap<String, Var> {
         &self.params
