@@ -158,9 +158,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .grow_at
         .iter()
         .map(|g| {
-            let (step, spec) = g
-                .split_once(':')
-                .with_context(|| format!("--grow-at {g:?}: expected STEP:SPEC, e.g. 100:ffn=1024"))?;
+            let (step, spec) = g.split_once(':').with_context(|| {
+                format!("--grow-at {g:?}: expected STEP:SPEC, e.g. 100:ffn=1024")
+            })?;
             let step: u64 = step
                 .trim()
                 .parse()
@@ -191,7 +191,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
         let ckpt = trainer::resume_dir(dir)?;
         let (state, moments) = trainer::read_resume_state(&ckpt)?;
         // The weights: the checkpoint's own, or --model's (the checkpoint grown since).
-        let weights = a.model.clone().unwrap_or_else(|| ckpt.display().to_string());
+        let weights = a
+            .model
+            .clone()
+            .unwrap_or_else(|| ckpt.display().to_string());
         let files = loader::locate(&weights, &LocateOptions::default())?;
         let w = loader::read_weights(&files, Some(DType::F32), &dev)?;
         let cfg = loader::lm_config(&w.config, &w.config_path)?;

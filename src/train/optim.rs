@@ -162,7 +162,8 @@ impl AdamW {
                 var.set(&new)?;
                 *mom = Moments { m, v };
             } else {
-                let keep = |t: &Tensor, tail: &Tensor| Tensor::cat(&[&t.narrow(0, 0, r0)?, tail], 0);
+                let keep =
+                    |t: &Tensor, tail: &Tensor| Tensor::cat(&[&t.narrow(0, 0, r0)?, tail], 0);
                 var.set(&keep(full, &new)?)?;
                 *mom = Moments {
                     m: keep(&mom.m, &m)?,
