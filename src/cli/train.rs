@@ -32,7 +32,9 @@ pub struct TrainArgs {
     /// with its recorded settings; --steps may extend it.
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// Training text: .txt (one document), .jsonl or .jsonl.zst (`text` field). Repeatable.
+    /// Training data. Language models: .txt (one document), .jsonl or .jsonl.zst (`text`
+    /// field), repeatable. Classifiers: a folder of class folders, or one holding `train/`
+    /// (and `val/`, used for validation unless --val-data names another).
     #[arg(long, required = true)]
     pub data: Vec<PathBuf>,
     /// Held-out text for validation (same formats).
@@ -41,7 +43,7 @@ pub struct TrainArgs {
     /// Hold out this fraction of the training documents for validation instead.
     #[arg(long)]
     pub val_fraction: Option<f64>,
-    /// Validation windows evaluated at most (the first ones of the held-out text).
+    /// Validation windows (classifiers: images) evaluated at most (the first ones).
     #[arg(long, default_value_t = 64)]
     pub val_windows: usize,
     /// Output folder: checkpoint-NNNNNN/ folders and metrics.jsonl.
@@ -150,6 +152,9 @@ pub fn flops_per_token(cfg: &Config, seq_len: usize) -> f64 {
     6.0 * (pattention + head) + attention
 }
 
+#[path = "train_vit.rs"]
+mod train_vit;
+
 pub fn run(a: TrainArgs) -> Result<()> {
     let dev = Device::Cpu;
     let (betas_1, betas_2) = parse_betas(&a.betas)?;
@@ -186,8 +191,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         grow_at: grow_at.clone(),
     };
 
-    // Where the weights, config and tokenizer come from.
-    let (cfg, tensors, tokenizer_path, resume, source) = if let Some(dir) = &a.resume {
+    // Where the weights, config and tokenizer come from (no weights: a fresh init).
+    let (value, config_path, tensors, tokenizer_path, resume, source) = if let Some(dir) = &a.resume
+    {
         let ckpt = trainer::resume_dir(dir)?;
         let (state, moments) = trainer::read_resume_state(&ckpt)?;
         // The weights: the checkpoint's own, or --model's (the checkpoint grown since).
@@ -197,7 +203,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
             .unwrap_or_else(|| ckpt.display().to_string());
         let files = loader::locate(&weights, &LocateOptions::default())?;
         let w = loader::read_weights(&files, Some(DType::F32), &dev)?;
-        let cfg = loader::lm_config(&w.config, &w.config_path)?;
         let steps = a.steps.unwrap_or(0).max(state.options.steps);
         opts = TrainOptions {
             steps,
@@ -211,19 +216,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
         let tok = a.tokenizer.clone().or(files.tokenizer.clone());
         (
-            cfg,
-            w.tensors,
+            w.config,
+            w.config_path,
+            Some(w.tensors),
             tok,
             Some((state, moments)),
             ckpt.display().to_string(),
         )
     } else if let Some(init) = &a.init {
-        let value = loader::read_json(init)?;
-        let cfg = loader::lm_config(&value, init)?;
-        let t = init_tensors(&cfg, a.seed, &dev)?;
         (
-            cfg,
-            t,
+            loader::read_json(init)?,
+            init.clone(),
+            None,
             a.tokenizer.clone(),
             None,
             format!("fresh weights for {}", init.display()),
@@ -238,22 +242,32 @@ pub fn run(a: TrainArgs) -> Result<()> {
             },
         )?;
         let w = loader::read_weights(&files, Some(DType::F32), &dev)?;
-        if loader::architecture(&w.config) != tokenformer::models::tokenformer::ARCHITECTURE {
-            bail!(
-                "{m}: `train` trains language models (`tokenformer-lm`) so far; this is `{}`",
-                loader::architecture(&w.config)
-            );
-        }
-        let cfg = loader::lm_config(&w.config, &w.config_path)?;
         (
-            cfg,
-            w.tensors,
+            w.config,
+            w.config_path,
+            Some(w.tensors),
             files.tokenizer.clone(),
             None,
             files.source.clone(),
         )
     } else {
         bail!("name what to train: --model M, --init config.json or --resume DIR");
+    };
+    match loader::architecture(&value) {
+        tokenformer::models::tokenformer::ARCHITECTURE => {}
+        tokenformer::models::vit::ARCHITECTURE => {
+            let cfg = loader::vit_config(&value, &config_path)?;
+            return train_vit::run(&a, opts, cfg, tensors, resume, source);
+        }
+        other => bail!(
+            "{}: `train` trains `tokenformer-lm` and `tokenformer-vit` models; this is `{other}`",
+            config_path.display()
+        ),
+    }
+    let cfg = loader::lm_config(&value, &config_path)?;
+    let tensors = match tensors {
+        Some(t) => t,
+        None => init_tensors(&cfg, a.seed, &dev)?,
     };
     let tokenizer_path =
         tokenizer_path.context("no tokenizer.json for this model: pass --tokenizer PATH")?;
@@ -301,6 +315,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .open(a.out.join("metrics.jsonl"))
         .with_context(|| format!("opening {}", a.out.join("metrics.jsonl").display()))?;
     let fpt = flops_per_token(&cfg, opts.seq_len);
+    let mut curve = Curve::read(&a.out.join("metrics.jsonl"));
 
     let start_step = t.step_count();
     let bar = ProgressBar::new(opts.steps);
@@ -332,6 +347,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             last_val = Some(v);
         }
         writeln!(metrics, "{line}").context("writing metrics.jsonl")?;
+        curve.push(&line);
         bar.set_message(format!(
             "loss {:.4}{}  {:.0} tok/s",
             r.loss,
@@ -348,6 +364,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                     ("README.md", card.into_bytes()),
                 ],
             )?;
+            curve.draw(&a.out)?;
             if a.keep_last > 0 {
                 trainer::prune(&a.out, a.keep_last)?;
             }
@@ -389,6 +406,51 @@ pub fn run(a: TrainArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The train and validation curves of `metrics.jsonl`, for `loss.png`.
+pub(crate) struct Curve {
+    train: Vec<(f64, f64)>,
+    val: Vec<(f64, f64)>,
+}
+
+impl Curve {
+    /// The points of an existing `metrics.jsonl` (a resumed run continues its curve);
+    /// none when there is none.
+    pub(crate) fn read(metrics: &Path) -> Self {
+        let mut c = Self {
+            train: vec![],
+            val: vec![],
+        };
+        if let Ok(text) = std::fs::read_to_string(metrics) {
+            for line in text.lines() {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+                    c.push(&v);
+                }
+            }
+        }
+        c
+    }
+
+    pub(crate) fn push(&mut self, line: &serde_json::Value) {
+        let Some(step) = line["step"].as_f64() else {
+            return;
+        };
+        // A resumed run rewrites the steps after its checkpoint: keep the newest.
+        self.train.retain(|p| p.0 < step);
+        self.val.retain(|p| p.0 < step);
+        if let Some(l) = line["loss"].as_f64() {
+            self.train.push((step, l));
+        }
+        if let Some(l) = line["val_loss"].as_f64() {
+            self.val.push((step, l));
+        }
+    }
+
+    pub(crate) fn draw(&self, out: &Path) -> Result<()> {
+        tokenformer::train::plot::draw_loss_png(&out.join("loss.png"), &self.train, &self.val)?;
+        Ok(())
+    }
 }
 
 /// The model card of a checkpoint: how it was trained.

@@ -151,10 +151,13 @@ impl TrainableLm {
 
     /// Θ(x·Kᵀ)·V for the Pattention under `prefix`.
     fn pattention(&self, prefix: &str, x: &Tensor, scale_tokens: usize) -> Result<Tensor> {
-        let k = self.p(&format!("{prefix}.key_param_tokens"))?;
-        let v = self.p(&format!("{prefix}.value_param_tokens"))?;
-        let scores = x.broadcast_matmul(&k.t()?)?;
-        theta(&scores, self.cfg.pattention_activation, scale_tokens)?.broadcast_matmul(v)
+        pattention(
+            &self.params,
+            prefix,
+            x,
+            self.cfg.pattention_activation,
+            scale_tokens,
+        )
     }
 
     fn attention(
@@ -165,24 +168,20 @@ impl TrainableLm {
         cos: &Tensor,
         sin: &Tensor,
     ) -> Result<Tensor> {
-        let (b, t, d) = h.dims3()?;
-        let heads = self.cfg.num_heads;
-        let hd = d / heads;
-        let split = |name: &str| -> Result<Tensor> {
-            self.pattention(&format!("layers.{i}.attention.{name}"), h, self.scale(0))?
-                .reshape((b, t, heads, hd))?
-                .transpose(1, 2)
+        let spec = AttentionSpec {
+            heads: self.cfg.num_heads,
+            activation: self.cfg.pattention_activation,
+            scale_qkv: self.scale(0),
+            scale_proj: self.scale(3),
         };
-        let q = self.rotate(&split("query")?, cos, sin)?;
-        let k = self.rotate(&split("key")?, cos, sin)?;
-        let v = split("value")?.contiguous()?;
-        let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?
-            .broadcast_add(mask)?;
-        let out = softmax_last(&scores)?
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .reshape((b, t, d))?;
-        self.pattention(&format!("layers.{i}.attention.proj"), &out, self.scale(3))
+        attention(
+            &self.params,
+            &format!("layers.{i}.attention"),
+            h,
+            &spec,
+            Some(mask),
+            |x| self.rotate(x, cos, sin),
+        )
     }
 
     /// cos/sin [t, rotary_dims] for positions 0..t, both halves (rotate-half layout).
@@ -217,6 +216,80 @@ impl TrainableLm {
     }
 }
 
+fn param<'a>(params: &'a BTreeMap<String, Var>, name: &str) -> Result<&'a Tensor> {
+    match params.get(name) {
+        Some(v) => Ok(v.as_tensor()),
+        None => candle_core::bail!("missing tensor `{name}`"),
+    }
+}
+
+/// Θ(x·Kᵀ)·V for the Pattention under `prefix`.
+pub(crate) fn pattention(
+    params: &BTreeMap<String, Var>,
+    prefix: &str,
+    x: &Tensor,
+    activation: crate::pattention::Activation,
+    scale_tokens: usize,
+) -> Result<Tensor> {
+    let k = param(params, &format!("{prefix}.key_param_tokens"))?;
+    let v = param(params, &format!("{prefix}.value_param_tokens"))?;
+    let scores = x.broadcast_matmul(&k.t()?)?;
+    theta(&scores, activation, scale_tokens)?.broadcast_matmul(v)
+}
+
+/// What a block's token-token attention needs besides its tensors.
+pub(crate) struct AttentionSpec {
+    pub heads: usize,
+    pub activation: crate::pattention::Activation,
+    pub scale_qkv: usize,
+    pub scale_proj: usize,
+}
+
+/// Multi-head attention with Pattention q/k/v/proj under `prefix` on h [b, t, d]:
+/// `mask` added to the scores (None: bidirectional), `rotate` applied to q and k
+/// [b, heads, t, hd].
+pub(crate) fn attention(
+    params: &BTreeMap<String, Var>,
+    prefix: &str,
+    h: &Tensor,
+    spec: &AttentionSpec,
+    mask: Option<&Tensor>,
+    rotate: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (b, t, d) = h.dims3()?;
+    let heads = spec.heads;
+    let hd = d / heads;
+    let split = |name: &str| -> Result<Tensor> {
+        pattention(
+            params,
+            &format!("{prefix}.{name}"),
+            h,
+            spec.activation,
+            spec.scale_qkv,
+        )?
+        .reshape((b, t, heads, hd))?
+        .transpose(1, 2)
+    };
+    let q = rotate(&split("query")?)?;
+    let k = rotate(&split("key")?)?;
+    let v = split("value")?.contiguous()?;
+    let mut scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
+    if let Some(mask) = mask {
+        scores = scores.broadcast_add(mask)?;
+    }
+    let out = softmax_last(&scores)?
+        .matmul(&v)?
+        .transpose(1, 2)?
+        .reshape((b, t, d))?;
+    pattention(
+        params,
+        &format!("{prefix}.proj"),
+        &out,
+        spec.activation,
+        spec.scale_proj,
+    )
+}
+
 /// Canonical tensor names and shapes of a language-model config.
 pub fn expected_shapes(cfg: &Config) -> Vec<(String, Vec<usize>)> {
     let d = cfg.hidden_size;
@@ -239,13 +312,13 @@ pub fn expected_shapes(cfg: &Config) -> Vec<(String, Vec<usize>)> {
 }
 
 /// Softmax over the last axis, the row maximum subtracted first.
-fn softmax_last(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
     let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?.exp()?;
     e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
 /// LayerNorm without weight and bias over the last axis (biased variance, as torch).
-fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
+pub(crate) fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;
     let centred = x.broadcast_sub(&mean)?;
     let var = centred.sqr()?.mean_keepdim(D::Minus1)?;

@@ -8,7 +8,9 @@
 pub mod data;
 pub mod lm;
 pub mod optim;
+pub mod plot;
 pub mod trainer;
+pub mod vit;
 
 pub use data::{Split, TokenWindows};
 pub use lm::TrainableLm;

@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
@@ -167,8 +168,12 @@ impl LmTrainer {
         resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
     ) -> Result<Self> {
         opts.validate()?;
-        let trained = select(&model, &opts.train)?;
-        let mut opt = optimizer(&model, &trained, opts.adamw())?;
+        let trained = select(
+            model.params(),
+            model.config().grown_from_tokens,
+            &opts.train,
+        )?;
+        let mut opt = optimizer(model.params(), &trained, opts.adamw())?;
         let (mut step, mut tokens) = (0, 0);
         if let Some((state, moments)) = resume {
             opt.restore(state.step, moments)?;
@@ -220,8 +225,12 @@ impl LmTrainer {
         let new_cfg = grow::grown_lm_config(cfg, target)?;
         let (tensors, _) = grow::grow_tensors(self.model.tensors(), &old, target, init)?;
         let model = TrainableLm::new(&new_cfg, &tensors, self.model.dtype(), &self.device)?;
-        let trained = select(&model, &self.opts.train)?;
-        let mut opt = optimizer(&model, &trained, self.opts.adamw())?;
+        let trained = select(
+            model.params(),
+            model.config().grown_from_tokens,
+            &self.opts.train,
+        )?;
+        let mut opt = optimizer(model.params(), &trained, self.opts.adamw())?;
         opt.restore(self.opt.step_count(), self.opt.moments().clone())?;
         self.model = model;
         self.trained = trained;
@@ -289,26 +298,15 @@ impl LmTrainer {
                 self.step + 1
             )));
         }
-        // Frozen rows get no gradient, so they count neither in the norm nor in clipping.
-        for (name, &r0) in &self.trained {
-            let var = self.model.params()[name].as_tensor();
-            if let (true, Some(g)) = (r0 > 0, store.get(var)) {
-                let n = g.dim(0)?;
-                let mut zshape = g.dims().to_vec();
-                zshape[0] = r0;
-                let z = Tensor::zeros(zshape, g.dtype(), g.device())?;
-                let masked = Tensor::cat(&[&z, &g.narrow(0, r0, n - r0)?], 0)?;
-                store.insert(var, masked);
-            }
-        }
-        let vars: Vec<&Var> = self
-            .trained
-            .keys()
-            .map(|n| &self.model.params()[n])
-            .collect();
-        let grad_norm = clip_grad_norm(&mut store, vars.iter().copied(), self.opts.clip_grad)?;
         let lr = self.opts.schedule().at(self.step);
-        self.opt.step(&store, lr)?;
+        let grad_norm = update(
+            self.model.params(),
+            &self.trained,
+            &mut self.opt,
+            store,
+            self.opts.clip_grad,
+            lr,
+        )?;
         self.step += 1;
         self.tokens += (self.opts.batch_size * accum * self.opts.seq_len) as u64;
         let growth: Vec<String> = self
@@ -372,71 +370,94 @@ impl LmTrainer {
     /// weights, the `extra` files such as the tokenizer and a model card) plus optimiser
     /// and trainer state. Returns its path.
     pub fn save(&self, out: &Path, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
-        std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-        let name = format!("{CHECKPOINT_PREFIX}{:06}", self.step);
-        let tmp = tempfile::Builder::new()
-            .prefix(&format!(".{name}.partial-"))
-            .tempdir_in(out)
-            .map_err(|e| Error::io(out, e))?;
-        let dir = tmp.path();
         let config = serde_json::to_string_pretty(self.model.config()).expect("serialisable");
-        write(dir, "config.json", config.as_bytes())?;
-        checkpoint::write_safetensors(dir, &self.model.tensors(), checkpoint::DEFAULT_SHARD_BYTES)?;
-        let mut moments = Tensors::new();
-        for (k, m) in self.opt.moments() {
-            moments.insert(format!("m.{k}"), m.m.clone());
-            moments.insert(format!("v.{k}"), m.v.clone());
-        }
-        let opt_path = dir.join(OPTIMIZER_FILE);
-        safetensors::serialize_to_file(&moments, None, &opt_path)
-            .map_err(|e| Error::checkpoint(&opt_path, format!("cannot write: {e}")))?;
-        checkpoint::set_default_permissions(&opt_path)?;
-        let state = serde_json::to_string_pretty(&self.state()).expect("serialisable");
-        write(dir, STATE_FILE, state.as_bytes())?;
-        for (file, bytes) in extra {
-            write(dir, file, bytes)?;
-        }
-        for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-            let p = entry.map_err(|e| Error::io(dir, e))?.path();
-            std::fs::File::open(&p)
-                .and_then(|f| f.sync_all())
-                .map_err(|e| Error::io(&p, e))?;
-        }
-        checkpoint::set_default_permissions(dir)?;
-        if std::env::var_os("TOKENFORMER_TRAIN_ABORT_IN_SAVE").is_some() {
-            // Test hook: die like a killed process would, with the checkpoint half placed.
-            std::process::exit(137);
-        }
-        let target = out.join(&name);
-        let kept = tmp.keep();
-        if target.exists() {
-            std::fs::remove_dir_all(&target).map_err(|e| Error::io(&target, e))?;
-        }
-        std::fs::rename(&kept, &target).map_err(|e| Error::io(&target, e))?;
-        Ok(target)
+        write_checkpoint(
+            out,
+            &config,
+            &self.model.tensors(),
+            &self.opt,
+            &self.state(),
+            extra,
+        )
     }
 }
 
+/// Writes `checkpoint-{state.step}` into `out` atomically (temporary folder, then
+/// rename): config, weights, optimiser moments, trainer state and the `extra` files.
+pub(crate) fn write_checkpoint(
+    out: &Path,
+    config: &str,
+    tensors: &Tensors,
+    opt: &AdamW,
+    state: &TrainerState,
+    extra: &[(&str, Vec<u8>)],
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let name = format!("{CHECKPOINT_PREFIX}{:06}", state.step);
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}.partial-"))
+        .tempdir_in(out)
+        .map_err(|e| Error::io(out, e))?;
+    let dir = tmp.path();
+    write(dir, "config.json", config.as_bytes())?;
+    checkpoint::write_safetensors(dir, tensors, checkpoint::DEFAULT_SHARD_BYTES)?;
+    let mut moments = Tensors::new();
+    for (k, m) in opt.moments() {
+        moments.insert(format!("m.{k}"), m.m.clone());
+        moments.insert(format!("v.{k}"), m.v.clone());
+    }
+    let opt_path = dir.join(OPTIMIZER_FILE);
+    safetensors::serialize_to_file(&moments, None, &opt_path)
+        .map_err(|e| Error::checkpoint(&opt_path, format!("cannot write: {e}")))?;
+    checkpoint::set_default_permissions(&opt_path)?;
+    let state = serde_json::to_string_pretty(state).expect("serialisable");
+    write(dir, STATE_FILE, state.as_bytes())?;
+    for (file, bytes) in extra {
+        write(dir, file, bytes)?;
+    }
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let p = entry.map_err(|e| Error::io(dir, e))?.path();
+        std::fs::File::open(&p)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| Error::io(&p, e))?;
+    }
+    checkpoint::set_default_permissions(dir)?;
+    if std::env::var_os("TOKENFORMER_TRAIN_ABORT_IN_SAVE").is_some() {
+        // Test hook: die like a killed process would, with the checkpoint half placed.
+        std::process::exit(137);
+    }
+    let target = out.join(&name);
+    let kept = tmp.keep();
+    if target.exists() {
+        std::fs::remove_dir_all(&target).map_err(|e| Error::io(&target, e))?;
+    }
+    std::fs::rename(&kept, &target).map_err(|e| Error::io(&target, e))?;
+    Ok(target)
+}
+
 /// What `--train` selects: each trained tensor with its leading frozen rows.
-fn select(model: &TrainableLm, train: &[String]) -> Result<BTreeMap<String, usize>> {
+pub(crate) fn select(
+    params: &BTreeMap<String, Var>,
+    grown_from: Option<ScaleTokens>,
+    train: &[String],
+) -> Result<BTreeMap<String, usize>> {
     let mut out = BTreeMap::new();
     if let [word] = train {
         if word == "bridge" {
             return Err(Error::input(
-                "--train bridge trains a merged vision-language model's bridge tokens; this is a language model",
+                "--train bridge trains a merged vision-language model's bridge tokens; this is not one",
             ));
         }
         if word == "new" {
-            let cfg = model.config();
-            let Some(old) = cfg.grown_from_tokens else {
+            let Some(old) = grown_from else {
                 return Err(Error::input(
                     "--train new: the model records no growth (config.json has no `grown_from_tokens`); grow it with `tokenformer-convert grow` or --grow-at first",
                 ));
             };
-            for name in model.params().keys() {
+            for (name, var) in params {
                 if let Some(kind) = grow::pattention_kind(name)? {
                     let old_rows = Kind::of(&old, kind);
-                    let rows = model.params()[name].dim(0)?;
+                    let rows = var.dim(0)?;
                     if rows > old_rows {
                         out.insert(name.clone(), old_rows);
                     }
@@ -458,7 +479,7 @@ fn select(model: &TrainableLm, train: &[String]) -> Result<BTreeMap<String, usiz
                 .map_err(|e| Error::input(format!("--train {p:?}: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
-    for name in model.params().keys() {
+    for name in params.keys() {
         if globs.iter().any(|g| g.is_match(name.as_str())) {
             out.insert(name.clone(), 0);
         }
@@ -472,15 +493,43 @@ fn select(model: &TrainableLm, train: &[String]) -> Result<BTreeMap<String, usiz
     Ok(out)
 }
 
+/// Masks the frozen rows' gradients, clips the global norm and takes the AdamW step at
+/// `lr`. Returns the gradient norm before clipping.
+pub(crate) fn update(
+    params: &BTreeMap<String, Var>,
+    trained: &BTreeMap<String, usize>,
+    opt: &mut AdamW,
+    mut store: GradStore,
+    clip: f64,
+    lr: f64,
+) -> Result<f64> {
+    // Frozen rows get no gradient, so they count neither in the norm nor in clipping.
+    for (name, &r0) in trained {
+        let var = params[name].as_tensor();
+        if let (true, Some(g)) = (r0 > 0, store.get(var)) {
+            let n = g.dim(0)?;
+            let mut zshape = g.dims().to_vec();
+            zshape[0] = r0;
+            let z = Tensor::zeros(zshape, g.dtype(), g.device())?;
+            let masked = Tensor::cat(&[&z, &g.narrow(0, r0, n - r0)?], 0)?;
+            store.insert(var, masked);
+        }
+    }
+    let vars: Vec<&Var> = trained.keys().map(|n| &params[n]).collect();
+    let grad_norm = clip_grad_norm(&mut store, vars.iter().copied(), clip)?;
+    opt.step(&store, lr)?;
+    Ok(grad_norm)
+}
+
 /// AdamW over the selected tensors, their frozen rows excluded from updates.
-fn optimizer(
-    model: &TrainableLm,
+pub(crate) fn optimizer(
+    params: &BTreeMap<String, Var>,
     trained: &BTreeMap<String, usize>,
     cfg: AdamWConfig,
 ) -> Result<AdamW> {
     let vars = trained
         .keys()
-        .map(|k| (k.clone(), model.params()[k].clone()))
+        .map(|k| (k.clone(), params[k].clone()))
         .collect();
     let mut opt = AdamW::new(vars, cfg)?;
     for (name, &rows) in trained {
