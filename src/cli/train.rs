@@ -154,6 +154,8 @@ pub fn flops_per_token(cfg: &Config, seq_len: usize) -> f64 {
 
 #[path = "train_vit.rs"]
 mod train_vit;
+#[path = "train_vl.rs"]
+mod train_vl;
 
 pub fn run(a: TrainArgs) -> Result<()> {
     let dev = Device::Cpu;
@@ -259,8 +261,16 @@ pub fn run(a: TrainArgs) -> Result<()> {
             let cfg = loader::vit_config(&value, &config_path)?;
             return train_vit::run(&a, opts, cfg, tensors, resume, source);
         }
+        tokenformer::models::vl::ARCHITECTURE => {
+            let cfg: tokenformer::models::vl::Config = serde_json::from_value(value)
+                .with_context(|| format!("config {}", config_path.display()))?;
+            if let Err(e) = cfg.validate() {
+                bail!("config {}: {e}", config_path.display());
+            }
+            return train_vl::run(&a, opts, cfg, tensors, tokenizer_path, resume, source);
+        }
         other => bail!(
-            "{}: `train` trains `tokenformer-lm` and `tokenformer-vit` models; this is `{other}`",
+            "{}: `train` trains `tokenformer-lm`, `tokenformer-vit` and `tokenformer-vl` models; this is `{other}`",
             config_path.display()
         ),
     }

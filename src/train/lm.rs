@@ -184,48 +184,43 @@ impl TrainableLm {
         )
     }
 
-    /// cos/sin [t, rotary_dims] for positions 0..t, both halves (rotate-half layout).
     fn rotary_tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
-        let (_, cos, sin) = self.rotary.tables();
-        let full = |x: &Tensor| -> Result<Tensor> {
-            let x = x.narrow(0, 0, t)?.to_dtype(self.dtype)?;
-            Tensor::cat(&[&x, &x], D::Minus1)
-        };
-        Ok((full(cos)?, full(sin)?))
+        rotary_tables(&self.rotary, t, self.dtype)
     }
 
     /// GPT-NeoX rotary on the first rotary_dims features of x [b, h, t, hd].
     fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let (dims, _, _) = self.rotary.tables();
-        if dims == 0 {
-            return Ok(x.clone());
-        }
-        let hd = x.dim(D::Minus1)?;
-        let half = dims / 2;
-        let rot = x.narrow(D::Minus1, 0, dims)?;
-        let (x1, x2) = (
-            rot.narrow(D::Minus1, 0, half)?,
-            rot.narrow(D::Minus1, half, half)?,
-        );
-        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-        let rot = (rot.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?;
-        if dims == hd {
-            return Ok(rot);
-        }
-        Tensor::cat(&[&rot, &x.narrow(D::Minus1, dims, hd - dims)?], D::Minus1)
+        rotate(x, self.rotary.tables().0, cos, sin)
     }
 }
 
-fn param<'a>(params: &'a BTreeMap<String, Var>, name: &str) -> Result<&'a Tensor> {
-    match params.get(name) {
-        Some(v) => Ok(v.as_tensor()),
+/// Tensors by canonical name: variables, or views of them (a merged model's routes).
+pub(crate) trait Params {
+    fn tensor(&self, name: &str) -> Option<Tensor>;
+}
+
+impl Params for BTreeMap<String, Var> {
+    fn tensor(&self, name: &str) -> Option<Tensor> {
+        self.get(name).map(|v| v.as_tensor().clone())
+    }
+}
+
+impl Params for BTreeMap<String, Tensor> {
+    fn tensor(&self, name: &str) -> Option<Tensor> {
+        self.get(name).cloned()
+    }
+}
+
+fn param<P: Params + ?Sized>(params: &P, name: &str) -> Result<Tensor> {
+    match params.tensor(name) {
+        Some(t) => Ok(t),
         None => candle_core::bail!("missing tensor `{name}`"),
     }
 }
 
 /// Θ(x·Kᵀ)·V for the Pattention under `prefix`.
-pub(crate) fn pattention(
-    params: &BTreeMap<String, Var>,
+pub(crate) fn pattention<P: Params + ?Sized>(
+    params: &P,
     prefix: &str,
     x: &Tensor,
     activation: crate::pattention::Activation,
@@ -234,7 +229,7 @@ pub(crate) fn pattention(
     let k = param(params, &format!("{prefix}.key_param_tokens"))?;
     let v = param(params, &format!("{prefix}.value_param_tokens"))?;
     let scores = x.broadcast_matmul(&k.t()?)?;
-    theta(&scores, activation, scale_tokens)?.broadcast_matmul(v)
+    theta(&scores, activation, scale_tokens)?.broadcast_matmul(&v)
 }
 
 /// What a block's token-token attention needs besides its tensors.
@@ -248,8 +243,8 @@ pub(crate) struct AttentionSpec {
 /// Multi-head attention with Pattention q/k/v/proj under `prefix` on h [b, t, d]:
 /// `mask` added to the scores (None: bidirectional), `rotate` applied to q and k
 /// [b, heads, t, hd].
-pub(crate) fn attention(
-    params: &BTreeMap<String, Var>,
+pub(crate) fn attention<P: Params + ?Sized>(
+    params: &P,
     prefix: &str,
     h: &Tensor,
     spec: &AttentionSpec,
@@ -290,6 +285,37 @@ pub(crate) fn attention(
     )
 }
 
+/// GPT-NeoX rotary on the first `dims` features of x [b, h, t, hd] with cos/sin
+/// [t, dims] (rotate-half layout).
+pub(crate) fn rotate(x: &Tensor, dims: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if dims == 0 {
+        return Ok(x.clone());
+    }
+    let hd = x.dim(D::Minus1)?;
+    let half = dims / 2;
+    let rot = x.narrow(D::Minus1, 0, dims)?;
+    let (x1, x2) = (
+        rot.narrow(D::Minus1, 0, half)?,
+        rot.narrow(D::Minus1, half, half)?,
+    );
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    let rot = (rot.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?;
+    if dims == hd {
+        return Ok(rot);
+    }
+    Tensor::cat(&[&rot, &x.narrow(D::Minus1, dims, hd - dims)?], D::Minus1)
+}
+
+/// cos/sin [t, rotary_dims] for positions 0..t, both halves (rotate-half layout).
+pub(crate) fn rotary_tables(rotary: &Rotary, t: usize, dtype: DType) -> Result<(Tensor, Tensor)> {
+    let (_, cos, sin) = rotary.tables();
+    let full = |x: &Tensor| -> Result<Tensor> {
+        let x = x.narrow(0, 0, t)?.to_dtype(dtype)?;
+        Tensor::cat(&[&x, &x], D::Minus1)
+    };
+    Ok((full(cos)?, full(sin)?))
+}
+
 /// Canonical tensor names and shapes of a language-model config.
 pub fn expected_shapes(cfg: &Config) -> Vec<(String, Vec<usize>)> {
     let d = cfg.hidden_size;
@@ -326,7 +352,7 @@ pub(crate) fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 /// 0 on and below the diagonal, -inf above: [t, t].
-fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+pub(crate) fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let v: Vec<f32> = (0..t)
         .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
         .collect();

@@ -11,6 +11,7 @@ pub mod optim;
 pub mod plot;
 pub mod trainer;
 pub mod vit;
+pub mod vl;
 
 pub use data::{Split, TokenWindows};
 pub use lm::TrainableLm;

@@ -171,6 +171,7 @@ impl LmTrainer {
         let trained = select(
             model.params(),
             model.config().grown_from_tokens,
+            None,
             &opts.train,
         )?;
         let mut opt = optimizer(model.params(), &trained, opts.adamw())?;
@@ -228,6 +229,7 @@ impl LmTrainer {
         let trained = select(
             model.params(),
             model.config().grown_from_tokens,
+            None,
             &self.opts.train,
         )?;
         let mut opt = optimizer(model.params(), &trained, self.opts.adamw())?;
@@ -439,21 +441,22 @@ pub(crate) fn write_checkpoint(
 pub(crate) fn select(
     params: &BTreeMap<String, Var>,
     grown_from: Option<ScaleTokens>,
+    bridge_from: Option<ScaleTokens>,
     train: &[String],
 ) -> Result<BTreeMap<String, usize>> {
     let mut out = BTreeMap::new();
     if let [word] = train {
-        if word == "bridge" {
-            return Err(Error::input(
-                "--train bridge trains a merged vision-language model's bridge tokens; this is not one",
-            ));
-        }
-        if word == "new" {
-            let Some(old) = grown_from else {
-                return Err(Error::input(
+        if word == "bridge" || word == "new" {
+            let rows_from = if word == "bridge" {
+                bridge_from.ok_or_else(|| Error::input(
+                    "--train bridge trains a merged vision-language model's bridge tokens; this is not one",
+                ))?
+            } else {
+                grown_from.ok_or_else(|| Error::input(
                     "--train new: the model records no growth (config.json has no `grown_from_tokens`); grow it with `tokenformer-convert grow` or --grow-at first",
-                ));
+                ))?
             };
+            let old = rows_from;
             for (name, var) in params {
                 if let Some(kind) = grow::pattention_kind(name)? {
                     let old_rows = Kind::of(&old, kind);
@@ -464,9 +467,9 @@ pub(crate) fn select(
                 }
             }
             if out.is_empty() {
-                return Err(Error::input(
-                    "--train new: the last growth appended no tokens",
-                ));
+                return Err(Error::input(format!(
+                    "--train {word}: the model has no such tokens (none appended)"
+                )));
             }
             return Ok(out);
         }

@@ -299,6 +299,51 @@ impl TrainTransform {
     }
 }
 
+/// A seeded walk over `n` items: a fresh shuffle each epoch (position / n), and an RNG
+/// per position (for augmentation), so a run resumed at a position draws the same.
+pub(crate) struct Order {
+    n: usize,
+    seed: u64,
+    position: u64,
+    epoch: Option<(u64, Vec<usize>)>,
+}
+
+impl Order {
+    pub(crate) fn new(n: usize, seed: u64, position: u64) -> Self {
+        Self {
+            n,
+            seed,
+            position,
+            epoch: None,
+        }
+    }
+
+    pub(crate) fn position(&self) -> u64 {
+        self.position
+    }
+
+    /// The next item and the RNG of its augmentation.
+    pub(crate) fn next(&mut self) -> (usize, rand::rngs::StdRng) {
+        let n = self.n as u64;
+        let epoch = self.position / n;
+        if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let mut idx: Vec<usize> = (0..self.n).collect();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed ^ epoch.rotate_left(32));
+            for i in (1..idx.len()).rev() {
+                let j = rng.random_range(0..=i);
+                idx.swap(i, j);
+            }
+            self.epoch = Some((epoch, idx));
+        }
+        let i = self.epoch.as_ref().expect("set above").1[(self.position % n) as usize];
+        let rng = rand::rngs::StdRng::seed_from_u64(
+            self.seed.rotate_left(17) ^ self.position.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        );
+        self.position += 1;
+        (i, rng)
+    }
+}
+
 /// One optimiser step's numbers (images instead of tokens).
 pub use super::trainer::StepReport;
 
@@ -311,9 +356,7 @@ pub struct VitTrainer {
     trained: BTreeMap<String, usize>,
     step: u64,
     images: u64,
-    /// Images drawn so far: epoch = position / samples, order reshuffled per epoch.
-    position: u64,
-    order: (u64, Vec<usize>),
+    order: Order,
     transform: TrainTransform,
     device: Device,
 }
@@ -333,9 +376,10 @@ impl VitTrainer {
         if !opts.grow_at.is_empty() {
             return Err(Error::input("--grow-at grows language models only so far"));
         }
-        let trained = select(model.params(), None, &opts.train)?;
+        let trained = select(model.params(), None, None, &opts.train)?;
         let mut opt = optimizer(model.params(), &trained, opts.adamw())?;
         let (mut step, mut images, mut position) = (0, 0, 0);
+        let n = samples.len();
         if let Some((state, moments)) = resume {
             opt.restore(state.step, moments)?;
             step = state.step;
@@ -348,6 +392,7 @@ impl VitTrainer {
             .next()
             .map_or(Device::Cpu, |v| v.device().clone());
         let transform = TrainTransform::from_config(model.config());
+        let opts_seed = opts.seed;
         Ok(Self {
             model,
             opt,
@@ -356,8 +401,7 @@ impl VitTrainer {
             trained,
             step,
             images,
-            position,
-            order: (u64::MAX, vec![]),
+            order: Order::new(n, opts_seed, position),
             transform,
             device,
         })
@@ -383,36 +427,13 @@ impl VitTrainer {
         self.step >= self.opts.steps
     }
 
-    /// The sample at the current position (a seeded shuffle per epoch) and the RNG of
-    /// its augmentation (seeded by run seed and position, so a resumed run draws the
-    /// same views).
-    fn next_sample(&mut self) -> (usize, rand::rngs::StdRng) {
-        let n = self.samples.len() as u64;
-        let epoch = self.position / n;
-        if self.order.0 != epoch {
-            let mut idx: Vec<usize> = (0..self.samples.len()).collect();
-            let mut rng = rand::rngs::StdRng::seed_from_u64(self.opts.seed ^ epoch.rotate_left(32));
-            for i in (1..idx.len()).rev() {
-                let j = rng.random_range(0..=i);
-                idx.swap(i, j);
-            }
-            self.order = (epoch, idx);
-        }
-        let i = self.order.1[(self.position % n) as usize];
-        let rng = rand::rngs::StdRng::seed_from_u64(
-            self.opts.seed.rotate_left(17) ^ self.position.wrapping_mul(0x9e37_79b9_7f4a_7c15),
-        );
-        self.position += 1;
-        (i, rng)
-    }
-
     fn batch(&mut self) -> Result<(Tensor, Tensor)> {
         let size = self.model.config().image_size;
         let b = self.opts.batch_size;
         let mut pixels = Vec::with_capacity(b * 3 * size * size);
         let mut labels = Vec::with_capacity(b);
         for _ in 0..b {
-            let (i, mut rng) = self.next_sample();
+            let (i, mut rng) = self.order.next();
             let s = &self.samples[i];
             let img = open_rgb(&s.path)?;
             let v = self
@@ -508,7 +529,7 @@ impl VitTrainer {
         TrainerState {
             step: self.step,
             tokens: self.images,
-            data_position: self.position,
+            data_position: self.order.position(),
             options: self.opts.clone(),
         }
     }
