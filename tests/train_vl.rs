@@ -28,7 +28,11 @@ fn merged() -> (vl::Config, Tensors) {
     let mut seed = 1u64;
     let mut t = vl::assemble(&cfg, &vw.tensors, &lw.tensors, |_, r, c| {
         seed += 1;
-        Ok(common::randn(&mut rand::SeedableRng::seed_from_u64(seed), &[r, c], 0.05))
+        Ok(common::randn(
+            &mut rand::SeedableRng::seed_from_u64(seed),
+            &[r, c],
+            0.05,
+        ))
     })
     .unwrap();
     for (name, v) in t.iter_mut() {

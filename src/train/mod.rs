@@ -7,6 +7,7 @@
 
 pub mod data;
 pub mod lm;
+pub mod loss;
 pub mod optim;
 pub mod plot;
 pub mod trainer;

@@ -213,7 +213,7 @@ impl TrainableVit {
 
     /// Mean cross-entropy of the logits of `pixels` against `labels` [b] (u32).
     pub fn loss(&self, pixels: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
-        candle_nn::loss::cross_entropy(&self.forward(pixels)?, labels)
+        super::loss::cross_entropy(&self.forward(pixels)?, &labels.to_vec1::<u32>()?)
     }
 }
 
