@@ -229,7 +229,13 @@ pub(crate) fn pattention<P: Params + ?Sized>(
     let k = param(params, &format!("{prefix}.key_param_tokens"))?;
     let v = param(params, &format!("{prefix}.value_param_tokens"))?;
     let scores = x.broadcast_matmul(&k.t()?)?;
-    theta(&scores, activation, scale_tokens)?.broadcast_matmul(&v)
+    let weights = match activation {
+        crate::pattention::Activation::L2NormGelu => {
+            super::theta::l2_norm_gelu(&scores, scale_tokens)?
+        }
+        _ => theta(&scores, activation, scale_tokens)?,
+    };
+    weights.broadcast_matmul(&v)
 }
 
 /// What a block's token-token attention needs besides its tensors.

@@ -10,6 +10,7 @@ pub mod lm;
 pub mod loss;
 pub mod optim;
 pub mod plot;
+mod theta;
 pub mod trainer;
 pub mod vit;
 pub mod vl;
