@@ -149,9 +149,11 @@ impl AdamW {
                     t.narrow(0, r0, n - r0)
                 }
             };
-            let (g, theta) = (rows(g)?, rows(full)?);
-            let m = ((rows(&mom.m)? * beta1)? + (&g * (1.0 - beta1))?)?;
-            let v = ((rows(&mom.v)? * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            // Detached: a gradient can carry its graph, and moments that kept it would
+            // chain every step's activations to the next (memory growing without bound).
+            let (g, theta) = (rows(&g.detach())?, rows(&full.detach())?);
+            let m = ((rows(&mom.m)? * beta1)? + (&g * (1.0 - beta1))?)?.detach();
+            let v = ((rows(&mom.v)? * beta2)? + (g.sqr()? * (1.0 - beta2))?)?.detach();
             let decay = if full.rank() >= 2 { weight_decay } else { 0.0 };
             let decayed = (&theta * (1.0 - lr * decay))?;
             // torch: θ -= lr/bc1 · m / (√v / √bc2 + eps)
