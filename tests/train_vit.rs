@@ -116,7 +116,7 @@ fn random_resized_crops_follow_torchvisions_ranges() {
         assert!((0.07..=1.0).contains(&area), "area {area}");
         // Rounding moves the ratio a little past the range on small crops.
         let r = w as f64 / h as f64;
-        if area > 0.2 && r >= 0.7 && r <= 1.4 {
+        if area > 0.2 && (0.7..=1.4).contains(&r) {
             n += 1;
         }
         small += usize::from(area < 0.3);
