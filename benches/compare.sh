@@ -10,6 +10,7 @@
 # MKL_ENABLE_INSTRUCTIONS (its gemm) and ONEDNN_MAX_CPU_ISA.
 #   pip install torch numpy   # once, from PyPI
 #   [RUNS=3] [ISA=avx2] benches/compare.sh [150m] [path/to/torch_baseline.py]
+#   [RUNS=3] benches/compare.sh train [path/to/torch_train_baseline.py]   # training
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model="${1:-150m}"
@@ -26,6 +27,32 @@ case "${ISA:-}" in
 esac
 cargo build --release --quiet
 sync  # nothing left for the kernel to write back during the timed runs
+if [ "$model" = train ]; then
+    # Training: `bench --only train` against the shared training peer (small LM
+    # tokens/s, tiny ViT images/s), alternating RUNS times; ratios and their medians.
+    peer="${2:-../shared/bench/torch_train_baseline.py}"
+    results=()
+    for _ in $(seq "$runs"); do
+        results+=("$(./target/release/tokenformer bench --only train --json)")
+        results+=("$(python3 "$peer" --model small)")
+    done
+    python3 - "${results[@]}" <<'PY'
+import json, statistics, sys
+docs = [json.loads(a) for a in sys.argv[1:]]
+ours, theirs = docs[0::2], docs[1::2]
+print(f"PyTorch {theirs[0].get('torch', '?')} with {theirs[0].get('threads', '?')} threads, "
+      f"{len(ours)} alternating run(s)")
+for k in ("train_lm_tokens_per_s", "train_vit_images_per_s"):
+    a, b = [o[k] for o in ours], [t[k] for t in theirs]
+    r = [x / y for x, y in zip(a, b) if y]
+    print(f"{k:<26} tokenformer {' / '.join(map(str, a))}  pytorch {' / '.join(map(str, b))}"
+          f"  ratio {' / '.join(f'{x:.2f}' for x in r)}  median {statistics.median(r):.2f}"
+          f"  (target >= 1.0, goal 1.5)")
+for k in ("train_lm_peak_rss_mb", "train_vit_peak_rss_mb"):
+    print(f"{k:<26} {' / '.join(str(o.get(k)) for o in ours)}")
+PY
+    exit 0
+fi
 results=()
 for _ in $(seq "$runs"); do
     results+=("$(./target/release/tokenformer bench --config "$model" --json)")

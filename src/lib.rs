@@ -33,6 +33,7 @@ pub mod error;
 pub mod eval;
 pub mod fsutil;
 pub mod generate;
+pub mod grow;
 pub mod hub;
 pub mod init;
 pub mod kernels;

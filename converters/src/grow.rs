@@ -14,12 +14,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use clap::{Args, ValueEnum};
 use serde_json::json;
 use tokenformer::card::ModelCard;
 use tokenformer::checkpoint::Tensors;
-use tokenformer::init;
+use tokenformer::grow::{append_rows, pattention_kind, Kind};
 use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::block::ScaleTokens;
 use tokenformer::pattention::Activation;
@@ -97,63 +97,6 @@ pub enum Scale {
     Grow,
 }
 
-/// The three Pattention kinds of a block, each with its own token count.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    Qkv,
-    Proj,
-    Ffn,
-}
-
-impl Kind {
-    const ALL: [Kind; 3] = [Kind::Qkv, Kind::Proj, Kind::Ffn];
-    fn config_key(self) -> &'static str {
-        match self {
-            Kind::Qkv => "qkv_tokens",
-            Kind::Proj => "proj_tokens",
-            Kind::Ffn => "ffn_tokens",
-        }
-    }
-    fn of(c: &ScaleTokens, k: Kind) -> usize {
-        match k {
-            Kind::Qkv => c.qkv,
-            Kind::Proj => c.proj,
-            Kind::Ffn => c.ffn,
-        }
-    }
-}
-
-fn set(c: &mut ScaleTokens, k: Kind, v: usize) {
-    match k {
-        Kind::Qkv => c.qkv = v,
-        Kind::Proj => c.proj = v,
-        Kind::Ffn => c.ffn = v,
-    }
-}
-
-/// Which token count governs a Pattention parameter tensor (None: not one).
-fn pattention_kind(name: &str) -> Result<Option<Kind>> {
-    let Some(module) = name
-        .strip_suffix(".key_param_tokens")
-        .or_else(|| name.strip_suffix(".value_param_tokens"))
-    else {
-        return Ok(None);
-    };
-    let kind = if [".attention.query", ".attention.key", ".attention.value"]
-        .iter()
-        .any(|m| module.ends_with(m))
-    {
-        Kind::Qkv
-    } else if module.ends_with(".attention.proj") {
-        Kind::Proj
-    } else if module.ends_with(".mlp") {
-        Kind::Ffn
-    } else {
-        bail!("tensor `{name}` belongs to a Pattention layer that is not q/k/v, proj or mlp of a block: don't know which token count to grow it by")
-    };
-    Ok(Some(kind))
-}
-
 /// Resolves `--preset` to a zoo ladder entry: an exact zoo name or a size like 354M / 1.4B.
 fn preset(name: &str) -> Result<&'static tokenformer::zoo::ZooEntry> {
     let norm = name.trim().to_ascii_lowercase().replace('.', "-");
@@ -195,23 +138,6 @@ fn targets_from_preset(name: &str, family: &Family) -> Result<ScaleTokens> {
         }
     }
     Ok(preset.token_counts())
-}
-
-/// Appends `extra` rows to a [n, d] parameter-token tensor, keeping its dtype.
-fn append_rows(t: &Tensor, extra: usize, init: Option<(f64, u64)>, name: &str) -> Result<Tensor> {
-    let (_, d) = t
-        .dims2()
-        .with_context(|| format!("tensor `{name}` is not a matrix"))?;
-    let new = match init {
-        None => Tensor::zeros((extra, d), t.dtype(), t.device())?,
-        Some((std, seed)) => Tensor::from_vec(
-            init::normal(extra, d, std, seed, name),
-            (extra, d),
-            t.device(),
-        )?
-        .to_dtype(t.dtype())?,
-    };
-    Ok(Tensor::cat(&[t, &new], 0)?)
 }
 
 pub fn run(a: GrowArgs) -> Result<()> {
@@ -257,7 +183,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
             .into_iter()
             .filter(|&k| Kind::of(&target, k) > Kind::of(&old, k))
         {
-            set(&mut new_scale, k, Kind::of(&target, k));
+            Kind::set(&mut new_scale, k, Kind::of(&target, k));
         }
     }
     let mut config = w.config.clone();
@@ -266,6 +192,12 @@ pub fn run(a: GrowArgs) -> Result<()> {
         .context("config.json is not a JSON object")?;
     for k in Kind::ALL {
         obj.insert(k.config_key().into(), json!(Kind::of(&target, k)));
+    }
+    // What `train --train new` needs to tell the appended tokens from the old ones.
+    if matches!(family, Family::Language(_)) && target != old {
+        obj.insert("grown_from_tokens".into(), serde_json::to_value(old)?);
+    } else {
+        obj.remove("grown_from_tokens");
     }
     if new_scale == target {
         obj.remove("pattention_scale_tokens");

@@ -250,6 +250,11 @@ fn grown_twice_along_a_ladder_still_equals_the_original() {
         config(&b)["pattention_scale_tokens"],
         fixture_token_counts()
     );
+    // The last growth's starting counts, for `train --train new`.
+    assert_eq!(
+        config(&b)["grown_from_tokens"],
+        serde_json::json!({"qkv": 30, "proj": 20, "ffn": 60})
+    );
     let d = lm_shift(&lm_bin(), &b, &test_ids(50304));
     assert!(d <= 1e-5, "twice grown differs by {d}");
     assert_eq!(

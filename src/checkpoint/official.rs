@@ -243,6 +243,7 @@ pub fn config_from_settings(
         eos_token_id: 0,
         tie_word_embeddings: !no_weight_tying,
         pattention_scale_tokens: None,
+        grown_from_tokens: None,
     };
     cfg.validate().map_err(|e| err(official_key_names(&e)))?;
     Ok(cfg)

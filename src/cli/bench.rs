@@ -29,7 +29,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub skip_vit: bool,
     /// Run only these parts (comma-separated): prefill, decode, decode_f16, decode_q8, pattention,
-    /// matmul, vit. `TOKENFORMER_KERNELS=portable|avx2|avx512` forces a kernel path.
+    /// matmul, vit, train (training throughput; not run unless named). `TOKENFORMER_KERNELS=portable|avx2|avx512` forces a kernel path.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Print one JSON object (the peer's field names).
@@ -58,7 +58,17 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         }
         only.retain(|o| o != "vit");
     }
-    let out = run_lm(&a.config, &cfg, &dev, &only)?;
+    // `train` (only when asked for): training throughput, see bench_train.
+    let train = only.iter().any(|o| o == "train");
+    only.retain(|o| o != "train");
+    let mut out = if train && only.is_empty() {
+        serde_json::Map::new()
+    } else {
+        run_lm(&a.config, &cfg, &dev, &only)?
+    };
+    if train {
+        out.extend(super::bench_train::run(&dev)?);
+    }
     if a.json {
         println!("{}", serde_json::to_string(&out)?);
     } else {

@@ -1,6 +1,7 @@
 //! The `tokenformer` command line: one module per command family. Library
 //! errors become `anyhow` errors here, at the edge.
 pub mod bench;
+pub mod bench_train;
 pub mod eval_lm;
 pub mod inspect;
 pub mod lm;

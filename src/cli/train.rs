@@ -19,8 +19,11 @@ use tokenformer::train::{lm::init_tensors, LmTrainer, Split, TokenWindows, Train
 
 #[derive(Args, Debug)]
 pub struct TrainArgs {
-    /// Model to start from: zoo name, Hub repo or local folder/file (or --init).
-    #[arg(long, short, conflicts_with_all = ["init", "resume"])]
+    /// Model to start from: zoo name, Hub repo or local folder/file (or --init). With
+    /// --resume: the weights to continue with, e.g. the checkpoint grown by
+    /// `tokenformer-convert grow` (old tokens keep their optimiser moments, new ones
+    /// start at zero).
+    #[arg(long, short, conflicts_with = "init")]
     pub model: Option<String>,
     /// Start from fresh weights for this config.json (official init, --seed).
     #[arg(long, conflicts_with = "resume")]
@@ -29,7 +32,9 @@ pub struct TrainArgs {
     /// with its recorded settings; --steps may extend it.
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// Training text: .txt (one document), .jsonl or .jsonl.zst (`text` field). Repeatable.
+    /// Training data. Language models: .txt (one document), .jsonl or .jsonl.zst (`text`
+    /// field), repeatable. Classifiers: a folder of class folders, or one holding `train/`
+    /// (and `val/`, used for validation unless --val-data names another).
     #[arg(long, required = true)]
     pub data: Vec<PathBuf>,
     /// Held-out text for validation (same formats).
@@ -38,7 +43,7 @@ pub struct TrainArgs {
     /// Hold out this fraction of the training documents for validation instead.
     #[arg(long)]
     pub val_fraction: Option<f64>,
-    /// Validation windows evaluated at most (the first ones of the held-out text).
+    /// Validation windows (classifiers: images) evaluated at most (the first ones).
     #[arg(long, default_value_t = 64)]
     pub val_windows: usize,
     /// Output folder: checkpoint-NNNNNN/ folders and metrics.jsonl.
@@ -84,9 +89,16 @@ pub struct TrainArgs {
     /// Seed of the fresh initialisation (--init).
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
-    /// What trains: `all`, or comma-separated tensor-name globs (`layers.*.mlp.*`).
-    #[arg(long, default_value = "all")]
-    pub train: String,
+    /// What trains: `all` (default), `new` (the parameter tokens appended by the last
+    /// growth), `bridge` (a merged model's bridge tokens), or comma-separated
+    /// tensor-name globs (`layers.*.mlp.*`). With --resume: the run's own unless given.
+    #[arg(long)]
+    pub train: Option<String>,
+    /// Grow every Pattention layer after step STEP to SPEC tokens (`ffn=1024` or
+    /// `qkv=256,proj=256,ffn=1024`; zero keys, √n kept: the function is unchanged).
+    /// Repeatable.
+    #[arg(long, value_name = "STEP:SPEC")]
+    pub grow_at: Vec<String>,
     /// Save a checkpoint every N steps (and always at the end).
     #[arg(long, default_value_t = 500)]
     pub save_every: u64,
@@ -99,6 +111,18 @@ pub struct TrainArgs {
     /// Print a JSON summary on stdout at the end.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--train`: `all`, `new`, `bridge` or comma-separated globs.
+fn parse_train(s: &str) -> Vec<String> {
+    match s.trim() {
+        "all" => vec!["*".into()],
+        _ => s
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect(),
+    }
 }
 
 fn parse_betas(s: &str) -> Result<(f64, f64)> {
@@ -128,18 +152,29 @@ pub fn flops_per_token(cfg: &Config, seq_len: usize) -> f64 {
     6.0 * (pattention + head) + attention
 }
 
+#[path = "train_vit.rs"]
+mod train_vit;
+#[path = "train_vl.rs"]
+mod train_vl;
+
 pub fn run(a: TrainArgs) -> Result<()> {
     let dev = Device::Cpu;
     let (betas_1, betas_2) = parse_betas(&a.betas)?;
-    let train_globs: Vec<String> = if a.train.trim() == "all" {
-        vec!["*".into()]
-    } else {
-        a.train
-            .split(',')
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty())
-            .collect()
-    };
+    let train_globs = a.train.as_deref().map(parse_train);
+    let grow_at = a
+        .grow_at
+        .iter()
+        .map(|g| {
+            let (step, spec) = g.split_once(':').with_context(|| {
+                format!("--grow-at {g:?}: expected STEP:SPEC, e.g. 100:ffn=1024")
+            })?;
+            let step: u64 = step
+                .trim()
+                .parse()
+                .with_context(|| format!("--grow-at {g:?}: STEP is not a step number"))?;
+            Ok((step, spec.trim().to_string()))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mut opts = TrainOptions {
         steps: a.steps.unwrap_or(1000),
         batch_size: a.batch_size,
@@ -154,36 +189,47 @@ pub fn run(a: TrainArgs) -> Result<()> {
         weight_decay: a.weight_decay,
         clip_grad: a.clip_grad,
         seed: a.seed,
-        train: train_globs,
+        train: train_globs.clone().unwrap_or_else(|| vec!["*".into()]),
+        grow_at: grow_at.clone(),
     };
 
-    // Where the weights, config and tokenizer come from.
-    let (cfg, tensors, tokenizer_path, resume, source) = if let Some(dir) = &a.resume {
+    // Where the weights, config and tokenizer come from (no weights: a fresh init).
+    let (value, config_path, tensors, tokenizer_path, resume, source) = if let Some(dir) = &a.resume
+    {
         let ckpt = trainer::resume_dir(dir)?;
         let (state, moments) = trainer::read_resume_state(&ckpt)?;
-        let files = loader::locate(&ckpt.display().to_string(), &LocateOptions::default())?;
+        // The weights: the checkpoint's own, or --model's (the checkpoint grown since).
+        let weights = a
+            .model
+            .clone()
+            .unwrap_or_else(|| ckpt.display().to_string());
+        let files = loader::locate(&weights, &LocateOptions::default())?;
         let w = loader::read_weights(&files, Some(DType::F32), &dev)?;
-        let cfg = loader::lm_config(&w.config, &w.config_path)?;
         let steps = a.steps.unwrap_or(0).max(state.options.steps);
         opts = TrainOptions {
             steps,
             ..state.options.clone()
         };
+        if let Some(t) = train_globs {
+            opts.train = t;
+        }
+        if !grow_at.is_empty() {
+            opts.grow_at = grow_at;
+        }
         let tok = a.tokenizer.clone().or(files.tokenizer.clone());
         (
-            cfg,
-            w.tensors,
+            w.config,
+            w.config_path,
+            Some(w.tensors),
             tok,
             Some((state, moments)),
             ckpt.display().to_string(),
         )
     } else if let Some(init) = &a.init {
-        let value = loader::read_json(init)?;
-        let cfg = loader::lm_config(&value, init)?;
-        let t = init_tensors(&cfg, a.seed, &dev)?;
         (
-            cfg,
-            t,
+            loader::read_json(init)?,
+            init.clone(),
+            None,
             a.tokenizer.clone(),
             None,
             format!("fresh weights for {}", init.display()),
@@ -198,22 +244,40 @@ pub fn run(a: TrainArgs) -> Result<()> {
             },
         )?;
         let w = loader::read_weights(&files, Some(DType::F32), &dev)?;
-        if loader::architecture(&w.config) != tokenformer::models::tokenformer::ARCHITECTURE {
-            bail!(
-                "{m}: `train` trains language models (`tokenformer-lm`) so far; this is `{}`",
-                loader::architecture(&w.config)
-            );
-        }
-        let cfg = loader::lm_config(&w.config, &w.config_path)?;
         (
-            cfg,
-            w.tensors,
+            w.config,
+            w.config_path,
+            Some(w.tensors),
             files.tokenizer.clone(),
             None,
             files.source.clone(),
         )
     } else {
         bail!("name what to train: --model M, --init config.json or --resume DIR");
+    };
+    match loader::architecture(&value) {
+        tokenformer::models::tokenformer::ARCHITECTURE => {}
+        tokenformer::models::vit::ARCHITECTURE => {
+            let cfg = loader::vit_config(&value, &config_path)?;
+            return train_vit::run(&a, opts, cfg, tensors, resume, source);
+        }
+        tokenformer::models::vl::ARCHITECTURE => {
+            let cfg: tokenformer::models::vl::Config = serde_json::from_value(value)
+                .with_context(|| format!("config {}", config_path.display()))?;
+            if let Err(e) = cfg.validate() {
+                bail!("config {}: {e}", config_path.display());
+            }
+            return train_vl::run(&a, opts, cfg, tensors, tokenizer_path, resume, source);
+        }
+        other => bail!(
+            "{}: `train` trains `tokenformer-lm`, `tokenformer-vit` and `tokenformer-vl` models; this is `{other}`",
+            config_path.display()
+        ),
+    }
+    let cfg = loader::lm_config(&value, &config_path)?;
+    let tensors = match tensors {
+        Some(t) => t,
+        None => init_tensors(&cfg, a.seed, &dev)?,
     };
     let tokenizer_path =
         tokenizer_path.context("no tokenizer.json for this model: pass --tokenizer PATH")?;
@@ -261,6 +325,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .open(a.out.join("metrics.jsonl"))
         .with_context(|| format!("opening {}", a.out.join("metrics.jsonl").display()))?;
     let fpt = flops_per_token(&cfg, opts.seq_len);
+    let mut curve = Curve::read(&a.out.join("metrics.jsonl"));
 
     let start_step = t.step_count();
     let bar = ProgressBar::new(opts.steps);
@@ -292,6 +357,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             last_val = Some(v);
         }
         writeln!(metrics, "{line}").context("writing metrics.jsonl")?;
+        curve.push(&line);
         bar.set_message(format!(
             "loss {:.4}{}  {:.0} tok/s",
             r.loss,
@@ -300,7 +366,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         ));
         bar.set_position(r.step);
         if r.step % a.save_every.max(1) == 0 || end {
-            let card = card(&cfg, &t, &source, &a.data, last_val);
+            let card = card(t.model().config(), &t, &source, &a.data, last_val);
             let dir = t.save(
                 &a.out,
                 &[
@@ -308,6 +374,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
                     ("README.md", card.into_bytes()),
                 ],
             )?;
+            curve.draw(&a.out)?;
             if a.keep_last > 0 {
                 trainer::prune(&a.out, a.keep_last)?;
             }
@@ -349,6 +416,51 @@ pub fn run(a: TrainArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The train and validation curves of `metrics.jsonl`, for `loss.png`.
+pub(crate) struct Curve {
+    train: Vec<(f64, f64)>,
+    val: Vec<(f64, f64)>,
+}
+
+impl Curve {
+    /// The points of an existing `metrics.jsonl` (a resumed run continues its curve);
+    /// none when there is none.
+    pub(crate) fn read(metrics: &Path) -> Self {
+        let mut c = Self {
+            train: vec![],
+            val: vec![],
+        };
+        if let Ok(text) = std::fs::read_to_string(metrics) {
+            for line in text.lines() {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+                    c.push(&v);
+                }
+            }
+        }
+        c
+    }
+
+    pub(crate) fn push(&mut self, line: &serde_json::Value) {
+        let Some(step) = line["step"].as_f64() else {
+            return;
+        };
+        // A resumed run rewrites the steps after its checkpoint: keep the newest.
+        self.train.retain(|p| p.0 < step);
+        self.val.retain(|p| p.0 < step);
+        if let Some(l) = line["loss"].as_f64() {
+            self.train.push((step, l));
+        }
+        if let Some(l) = line["val_loss"].as_f64() {
+            self.val.push((step, l));
+        }
+    }
+
+    pub(crate) fn draw(&self, out: &Path) -> Result<()> {
+        tokenformer::train::plot::draw_loss_png(&out.join("loss.png"), &self.train, &self.val)?;
+        Ok(())
+    }
 }
 
 /// The model card of a checkpoint: how it was trained.

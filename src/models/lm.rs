@@ -70,6 +70,10 @@ pub struct Config {
     /// √n constants when they differ from the token counts (grown models).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pattention_scale_tokens: Option<ScaleTokens>,
+    /// Token counts before the last `grow`: the rows after these are the appended
+    /// tokens (what `train --train new` trains).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grown_from_tokens: Option<ScaleTokens>,
 }
 
 pub const ARCHITECTURE: &str = "tokenformer-lm";
@@ -93,6 +97,7 @@ impl Config {
             eos_token_id: 0,
             tie_word_embeddings: true,
             pattention_scale_tokens: None,
+            grown_from_tokens: None,
         }
     }
 
@@ -138,6 +143,15 @@ impl Config {
             1,
             MAX_CACHE_VALUES,
         )?;
+        if let Some(g) = self.grown_from_tokens {
+            for (key, old, now) in [
+                ("qkv", g.qkv, self.qkv_tokens),
+                ("proj", g.proj, self.proj_tokens),
+                ("ffn", g.ffn, self.ffn_tokens),
+            ] {
+                check_range(&format!("grown_from_tokens.{key}"), old, 1, now)?;
+            }
+        }
         check_float("rotary_pct", self.rotary_pct, 0.0, false, 1.0)?;
         check_float("rotary_base", self.rotary_base, 1.0, true, MAX_ROTARY_BASE)?;
         check_float("norm_eps", self.norm_eps, 0.0, false, 1.0)?;

@@ -63,6 +63,10 @@ impl TrainableLm {
         &self.cfg
     }
 
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Every variable by canonical name.
     pub fn params(&self) -> &BTreeMap<String, Var> {
         &self.params
@@ -127,10 +131,10 @@ impl TrainableLm {
             candle_core::bail!("a training sequence needs at least 2 tokens, got {t1}")
         }
         let logits = self.forward(&ids.narrow(1, 0, t1 - 1)?)?;
-        let targets = ids.narrow(1, 1, t1 - 1)?;
-        candle_nn::loss::cross_entropy(
+        let targets = ids.narrow(1, 1, t1 - 1)?.flatten_all()?.to_vec1::<u32>()?;
+        super::loss::cross_entropy(
             &logits.reshape((b * (t1 - 1), self.cfg.vocab_size))?,
-            &targets.flatten_all()?,
+            &targets,
         )
     }
 
@@ -147,10 +151,13 @@ impl TrainableLm {
 
     /// Θ(x·Kᵀ)·V for the Pattention under `prefix`.
     fn pattention(&self, prefix: &str, x: &Tensor, scale_tokens: usize) -> Result<Tensor> {
-        let k = self.p(&format!("{prefix}.key_param_tokens"))?;
-        let v = self.p(&format!("{prefix}.value_param_tokens"))?;
-        let scores = x.broadcast_matmul(&k.t()?)?;
-        theta(&scores, self.cfg.pattention_activation, scale_tokens)?.broadcast_matmul(v)
+        pattention(
+            &self.params,
+            prefix,
+            x,
+            self.cfg.pattention_activation,
+            scale_tokens,
+        )
     }
 
     fn attention(
@@ -161,56 +168,158 @@ impl TrainableLm {
         cos: &Tensor,
         sin: &Tensor,
     ) -> Result<Tensor> {
-        let (b, t, d) = h.dims3()?;
-        let heads = self.cfg.num_heads;
-        let hd = d / heads;
-        let split = |name: &str| -> Result<Tensor> {
-            self.pattention(&format!("layers.{i}.attention.{name}"), h, self.scale(0))?
-                .reshape((b, t, heads, hd))?
-                .transpose(1, 2)
+        let spec = AttentionSpec {
+            heads: self.cfg.num_heads,
+            activation: self.cfg.pattention_activation,
+            scale_qkv: self.scale(0),
+            scale_proj: self.scale(3),
         };
-        let q = self.rotate(&split("query")?, cos, sin)?;
-        let k = self.rotate(&split("key")?, cos, sin)?;
-        let v = split("value")?.contiguous()?;
-        let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?
-            .broadcast_add(mask)?;
-        let out = softmax_last(&scores)?
-            .matmul(&v)?
-            .transpose(1, 2)?
-            .reshape((b, t, d))?;
-        self.pattention(&format!("layers.{i}.attention.proj"), &out, self.scale(3))
+        attention(
+            &self.params,
+            &format!("layers.{i}.attention"),
+            h,
+            &spec,
+            Some(mask),
+            |x| self.rotate(x, cos, sin),
+        )
     }
 
-    /// cos/sin [t, rotary_dims] for positions 0..t, both halves (rotate-half layout).
     fn rotary_tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
-        let (_, cos, sin) = self.rotary.tables();
-        let full = |x: &Tensor| -> Result<Tensor> {
-            let x = x.narrow(0, 0, t)?.to_dtype(self.dtype)?;
-            Tensor::cat(&[&x, &x], D::Minus1)
-        };
-        Ok((full(cos)?, full(sin)?))
+        rotary_tables(&self.rotary, t, self.dtype)
     }
 
     /// GPT-NeoX rotary on the first rotary_dims features of x [b, h, t, hd].
     fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let (dims, _, _) = self.rotary.tables();
-        if dims == 0 {
-            return Ok(x.clone());
-        }
-        let hd = x.dim(D::Minus1)?;
-        let half = dims / 2;
-        let rot = x.narrow(D::Minus1, 0, dims)?;
-        let (x1, x2) = (
-            rot.narrow(D::Minus1, 0, half)?,
-            rot.narrow(D::Minus1, half, half)?,
-        );
-        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-        let rot = (rot.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?;
-        if dims == hd {
-            return Ok(rot);
-        }
-        Tensor::cat(&[&rot, &x.narrow(D::Minus1, dims, hd - dims)?], D::Minus1)
+        rotate(x, self.rotary.tables().0, cos, sin)
     }
+}
+
+/// Tensors by canonical name: variables, or views of them (a merged model's routes).
+pub(crate) trait Params {
+    fn tensor(&self, name: &str) -> Option<Tensor>;
+}
+
+impl Params for BTreeMap<String, Var> {
+    fn tensor(&self, name: &str) -> Option<Tensor> {
+        self.get(name).map(|v| v.as_tensor().clone())
+    }
+}
+
+impl Params for BTreeMap<String, Tensor> {
+    fn tensor(&self, name: &str) -> Option<Tensor> {
+        self.get(name).cloned()
+    }
+}
+
+fn param<P: Params + ?Sized>(params: &P, name: &str) -> Result<Tensor> {
+    match params.tensor(name) {
+        Some(t) => Ok(t),
+        None => candle_core::bail!("missing tensor `{name}`"),
+    }
+}
+
+/// Θ(x·Kᵀ)·V for the Pattention under `prefix`.
+pub(crate) fn pattention<P: Params + ?Sized>(
+    params: &P,
+    prefix: &str,
+    x: &Tensor,
+    activation: crate::pattention::Activation,
+    scale_tokens: usize,
+) -> Result<Tensor> {
+    let k = param(params, &format!("{prefix}.key_param_tokens"))?;
+    let v = param(params, &format!("{prefix}.value_param_tokens"))?;
+    let scores = x.broadcast_matmul(&k.t()?)?;
+    let weights = match activation {
+        crate::pattention::Activation::L2NormGelu => {
+            super::theta::l2_norm_gelu(&scores, scale_tokens)?
+        }
+        _ => theta(&scores, activation, scale_tokens)?,
+    };
+    weights.broadcast_matmul(&v)
+}
+
+/// What a block's token-token attention needs besides its tensors.
+pub(crate) struct AttentionSpec {
+    pub heads: usize,
+    pub activation: crate::pattention::Activation,
+    pub scale_qkv: usize,
+    pub scale_proj: usize,
+}
+
+/// Multi-head attention with Pattention q/k/v/proj under `prefix` on h [b, t, d]:
+/// `mask` added to the scores (None: bidirectional), `rotate` applied to q and k
+/// [b, heads, t, hd].
+pub(crate) fn attention<P: Params + ?Sized>(
+    params: &P,
+    prefix: &str,
+    h: &Tensor,
+    spec: &AttentionSpec,
+    mask: Option<&Tensor>,
+    rotate: impl Fn(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (b, t, d) = h.dims3()?;
+    let heads = spec.heads;
+    let hd = d / heads;
+    let split = |name: &str| -> Result<Tensor> {
+        pattention(
+            params,
+            &format!("{prefix}.{name}"),
+            h,
+            spec.activation,
+            spec.scale_qkv,
+        )?
+        .reshape((b, t, heads, hd))?
+        .transpose(1, 2)
+    };
+    let q = rotate(&split("query")?)?;
+    let k = rotate(&split("key")?)?;
+    let v = split("value")?.contiguous()?;
+    let mut scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
+    if let Some(mask) = mask {
+        scores = scores.broadcast_add(mask)?;
+    }
+    let out = softmax_last(&scores)?
+        .matmul(&v)?
+        .transpose(1, 2)?
+        .reshape((b, t, d))?;
+    pattention(
+        params,
+        &format!("{prefix}.proj"),
+        &out,
+        spec.activation,
+        spec.scale_proj,
+    )
+}
+
+/// GPT-NeoX rotary on the first `dims` features of x [b, h, t, hd] with cos/sin
+/// [t, dims] (rotate-half layout).
+pub(crate) fn rotate(x: &Tensor, dims: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if dims == 0 {
+        return Ok(x.clone());
+    }
+    let hd = x.dim(D::Minus1)?;
+    let half = dims / 2;
+    let rot = x.narrow(D::Minus1, 0, dims)?;
+    let (x1, x2) = (
+        rot.narrow(D::Minus1, 0, half)?,
+        rot.narrow(D::Minus1, half, half)?,
+    );
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    let rot = (rot.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?;
+    if dims == hd {
+        return Ok(rot);
+    }
+    Tensor::cat(&[&rot, &x.narrow(D::Minus1, dims, hd - dims)?], D::Minus1)
+}
+
+/// cos/sin [t, rotary_dims] for positions 0..t, both halves (rotate-half layout).
+pub(crate) fn rotary_tables(rotary: &Rotary, t: usize, dtype: DType) -> Result<(Tensor, Tensor)> {
+    let (_, cos, sin) = rotary.tables();
+    let full = |x: &Tensor| -> Result<Tensor> {
+        let x = x.narrow(0, 0, t)?.to_dtype(dtype)?;
+        Tensor::cat(&[&x, &x], D::Minus1)
+    };
+    Ok((full(cos)?, full(sin)?))
 }
 
 /// Canonical tensor names and shapes of a language-model config.
@@ -235,13 +344,13 @@ pub fn expected_shapes(cfg: &Config) -> Vec<(String, Vec<usize>)> {
 }
 
 /// Softmax over the last axis, the row maximum subtracted first.
-fn softmax_last(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
     let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?.exp()?;
     e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
 /// LayerNorm without weight and bias over the last axis (biased variance, as torch).
-fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
+pub(crate) fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;
     let centred = x.broadcast_sub(&mean)?;
     let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
@@ -249,7 +358,7 @@ fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 /// 0 on and below the diagonal, -inf above: [t, t].
-fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+pub(crate) fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let v: Vec<f32> = (0..t)
         .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
         .collect();

@@ -7,8 +7,13 @@
 
 pub mod data;
 pub mod lm;
+pub mod loss;
 pub mod optim;
+pub mod plot;
+mod theta;
 pub mod trainer;
+pub mod vit;
+pub mod vl;
 
 pub use data::{Split, TokenWindows};
 pub use lm::TrainableLm;

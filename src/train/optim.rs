@@ -45,6 +45,8 @@ pub struct AdamW {
     cfg: AdamWConfig,
     vars: BTreeMap<String, Var>,
     moments: BTreeMap<String, Moments>,
+    /// Leading rows that stay as they are (the old tokens of a grown tensor).
+    frozen_rows: BTreeMap<String, usize>,
     step: u64,
 }
 
@@ -62,8 +64,15 @@ impl AdamW {
             cfg,
             vars,
             moments,
+            frozen_rows: BTreeMap::new(),
             step: 0,
         })
+    }
+
+    /// Keeps the first `rows` rows of `name` bit for bit: only the rows after them are
+    /// updated (and decayed), and only their moments change.
+    pub fn freeze_rows(&mut self, name: &str, rows: usize) {
+        self.frozen_rows.insert(name.to_string(), rows);
     }
 
     pub fn config(&self) -> &AdamWConfig {
@@ -129,16 +138,40 @@ impl AdamW {
                 continue;
             };
             let mom = self.moments.get_mut(name).expect("one moment per variable");
-            let m = ((&mom.m * beta1)? + (g * (1.0 - beta1))?)?;
-            let v = ((&mom.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-            let theta = var.as_tensor();
-            let decay = if theta.rank() >= 2 { weight_decay } else { 0.0 };
-            let decayed = (theta * (1.0 - lr * decay))?;
+            let full = var.as_tensor();
+            let r0 = self.frozen_rows.get(name).copied().unwrap_or(0);
+            let n = full.dim(0).unwrap_or(0);
+            // The trainable rows only (all of them when nothing is frozen).
+            let rows = |t: &Tensor| -> Result<Tensor> {
+                if r0 == 0 {
+                    Ok(t.clone())
+                } else {
+                    t.narrow(0, r0, n - r0)
+                }
+            };
+            // Detached: a gradient can carry its graph, and moments that kept it would
+            // chain every step's activations to the next (memory growing without bound).
+            let (g, theta) = (rows(&g.detach())?, rows(&full.detach())?);
+            let m = ((rows(&mom.m)? * beta1)? + (&g * (1.0 - beta1))?)?.detach();
+            let v = ((rows(&mom.v)? * beta2)? + (g.sqr()? * (1.0 - beta2))?)?.detach();
+            let decay = if full.rank() >= 2 { weight_decay } else { 0.0 };
+            let decayed = (&theta * (1.0 - lr * decay))?;
             // torch: θ -= lr/bc1 · m / (√v / √bc2 + eps)
             let denom = ((v.sqrt()? / bc2.sqrt())? + eps)?;
             let update = ((&m / denom)? * (lr / bc1))?;
-            var.set(&(decayed - update)?)?;
-            *mom = Moments { m, v };
+            let new = (decayed - update)?;
+            if r0 == 0 {
+                var.set(&new)?;
+                *mom = Moments { m, v };
+            } else {
+                let keep =
+                    |t: &Tensor, tail: &Tensor| Tensor::cat(&[&t.narrow(0, 0, r0)?, tail], 0);
+                var.set(&keep(full, &new)?)?;
+                *mom = Moments {
+                    m: keep(&mom.m, &m)?,
+                    v: keep(&mom.v, &v)?,
+                };
+            }
         }
         Ok(())
     }

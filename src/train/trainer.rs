@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
@@ -18,6 +19,8 @@ use super::lm::TrainableLm;
 use super::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule, Moments};
 use crate::checkpoint::{self, Tensors};
 use crate::error::{Error, Result};
+use crate::grow::{self, GrowInit, Kind};
+use crate::models::tokenformer::ScaleTokens;
 
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const STATE_FILE: &str = "trainer_state.json";
@@ -40,8 +43,12 @@ pub struct TrainOptions {
     /// Global gradient-norm bound; 0 = no clipping.
     pub clip_grad: f64,
     pub seed: u64,
-    /// Tensor-name globs of what trains (`*` = everything); the rest stays frozen.
+    /// Tensor-name globs of what trains (`*` = everything), or the single word `new`
+    /// (the tokens appended by the last growth); the rest stays frozen.
     pub train: Vec<String>,
+    /// In-run growth: after step `.0`, grow to the target `.1` (`ffn=1024,qkv=256`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub grow_at: Vec<(u64, String)>,
 }
 
 impl TrainOptions {
@@ -106,6 +113,14 @@ impl TrainOptions {
         if self.train.is_empty() {
             return bad("--train selects nothing".into());
         }
+        for (step, spec) in &self.grow_at {
+            if *step == 0 || *step >= self.steps {
+                return bad(format!(
+                    "--grow-at {step}:{spec}: the step must be between 1 and {} (--steps - 1)",
+                    self.steps.saturating_sub(1)
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -136,7 +151,8 @@ pub struct LmTrainer {
     opt: AdamW,
     data: TokenWindows,
     opts: TrainOptions,
-    trained: Vec<String>,
+    /// Trained tensors with their leading frozen rows (0: the whole tensor trains).
+    trained: BTreeMap<String, usize>,
     step: u64,
     tokens: u64,
     device: Device,
@@ -152,29 +168,13 @@ impl LmTrainer {
         resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
     ) -> Result<Self> {
         opts.validate()?;
-        let globs = opts
-            .train
-            .iter()
-            .map(|p| {
-                globset::Glob::new(p)
-                    .map(|g| g.compile_matcher())
-                    .map_err(|e| Error::input(format!("--train {p:?}: {e}")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let selected: BTreeMap<String, Var> = model
-            .params()
-            .iter()
-            .filter(|(name, _)| globs.iter().any(|g| g.is_match(name.as_str())))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        if selected.is_empty() {
-            return Err(Error::input(format!(
-                "--train {} matches no tensor of the model",
-                opts.train.join(",")
-            )));
-        }
-        let trained = selected.keys().cloned().collect();
-        let mut opt = AdamW::new(selected, opts.adamw())?;
+        let trained = select(
+            model.params(),
+            model.config().grown_from_tokens,
+            None,
+            &opts.train,
+        )?;
+        let mut opt = optimizer(model.params(), &trained, opts.adamw())?;
         let (mut step, mut tokens) = (0, 0);
         if let Some((state, moments)) = resume {
             opt.restore(state.step, moments)?;
@@ -203,9 +203,41 @@ impl LmTrainer {
         &self.model
     }
 
-    /// Names of the tensors that train.
-    pub fn trained(&self) -> &[String] {
+    /// The tensors that train, each with its leading rows that stay frozen.
+    pub fn trained(&self) -> &BTreeMap<String, usize> {
         &self.trained
+    }
+
+    pub fn optimizer(&self) -> &AdamW {
+        &self.opt
+    }
+
+    /// Grows every Pattention layer to `target` tokens in the middle of the run, with
+    /// the function-preserving rule (zero keys, normal values, √n constants kept): the
+    /// old tokens keep their AdamW moments, the new ones start at zero, and the step
+    /// count (bias correction, schedule) goes on.
+    pub fn grow(&mut self, target: &ScaleTokens, init: &GrowInit) -> Result<()> {
+        let cfg = self.model.config();
+        let old = ScaleTokens {
+            qkv: cfg.qkv_tokens,
+            proj: cfg.proj_tokens,
+            ffn: cfg.ffn_tokens,
+        };
+        let new_cfg = grow::grown_lm_config(cfg, target)?;
+        let (tensors, _) = grow::grow_tensors(self.model.tensors(), &old, target, init)?;
+        let model = TrainableLm::new(&new_cfg, &tensors, self.model.dtype(), &self.device)?;
+        let trained = select(
+            model.params(),
+            model.config().grown_from_tokens,
+            None,
+            &self.opts.train,
+        )?;
+        let mut opt = optimizer(model.params(), &trained, self.opts.adamw())?;
+        opt.restore(self.opt.step_count(), self.opt.moments().clone())?;
+        self.model = model;
+        self.trained = trained;
+        self.opt = opt;
+        Ok(())
     }
 
     pub fn step_count(&self) -> u64 {
@@ -245,7 +277,7 @@ impl LmTrainer {
             loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             let grads = (loss / accum as f64)?.backward()?;
             if accum > 1 {
-                for name in &self.trained {
+                for name in self.trained.keys() {
                     if let Some(g) = grads.get(self.model.params()[name].as_tensor()) {
                         let sum = match sums.remove(name) {
                             Some(prev) => (prev + g)?,
@@ -268,16 +300,38 @@ impl LmTrainer {
                 self.step + 1
             )));
         }
-        let vars: Vec<&Var> = self
-            .trained
-            .iter()
-            .map(|n| &self.model.params()[n])
-            .collect();
-        let grad_norm = clip_grad_norm(&mut store, vars.iter().copied(), self.opts.clip_grad)?;
         let lr = self.opts.schedule().at(self.step);
-        self.opt.step(&store, lr)?;
+        let grad_norm = update(
+            self.model.params(),
+            &self.trained,
+            &mut self.opt,
+            store,
+            self.opts.clip_grad,
+            lr,
+        )?;
         self.step += 1;
         self.tokens += (self.opts.batch_size * accum * self.opts.seq_len) as u64;
+        let growth: Vec<String> = self
+            .opts
+            .grow_at
+            .iter()
+            .filter(|(s, _)| *s == self.step)
+            .map(|(_, spec)| spec.clone())
+            .collect();
+        for spec in growth {
+            let cfg = self.model.config();
+            let current = ScaleTokens {
+                qkv: cfg.qkv_tokens,
+                proj: cfg.proj_tokens,
+                ffn: cfg.ffn_tokens,
+            };
+            let target = grow::parse_target(&spec, &current)?;
+            let init = GrowInit {
+                seed: self.opts.seed ^ self.step,
+                ..GrowInit::default()
+            };
+            self.grow(&target, &init)?;
+        }
         Ok(StepReport {
             step: self.step,
             lr,
@@ -318,49 +372,175 @@ impl LmTrainer {
     /// weights, the `extra` files such as the tokenizer and a model card) plus optimiser
     /// and trainer state. Returns its path.
     pub fn save(&self, out: &Path, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
-        std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-        let name = format!("{CHECKPOINT_PREFIX}{:06}", self.step);
-        let tmp = tempfile::Builder::new()
-            .prefix(&format!(".{name}.partial-"))
-            .tempdir_in(out)
-            .map_err(|e| Error::io(out, e))?;
-        let dir = tmp.path();
         let config = serde_json::to_string_pretty(self.model.config()).expect("serialisable");
-        write(dir, "config.json", config.as_bytes())?;
-        checkpoint::write_safetensors(dir, &self.model.tensors(), checkpoint::DEFAULT_SHARD_BYTES)?;
-        let mut moments = Tensors::new();
-        for (k, m) in self.opt.moments() {
-            moments.insert(format!("m.{k}"), m.m.clone());
-            moments.insert(format!("v.{k}"), m.v.clone());
-        }
-        let opt_path = dir.join(OPTIMIZER_FILE);
-        safetensors::serialize_to_file(&moments, None, &opt_path)
-            .map_err(|e| Error::checkpoint(&opt_path, format!("cannot write: {e}")))?;
-        checkpoint::set_default_permissions(&opt_path)?;
-        let state = serde_json::to_string_pretty(&self.state()).expect("serialisable");
-        write(dir, STATE_FILE, state.as_bytes())?;
-        for (file, bytes) in extra {
-            write(dir, file, bytes)?;
-        }
-        for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-            let p = entry.map_err(|e| Error::io(dir, e))?.path();
-            std::fs::File::open(&p)
-                .and_then(|f| f.sync_all())
-                .map_err(|e| Error::io(&p, e))?;
-        }
-        checkpoint::set_default_permissions(dir)?;
-        if std::env::var_os("TOKENFORMER_TRAIN_ABORT_IN_SAVE").is_some() {
-            // Test hook: die like a killed process would, with the checkpoint half placed.
-            std::process::exit(137);
-        }
-        let target = out.join(&name);
-        let kept = tmp.keep();
-        if target.exists() {
-            std::fs::remove_dir_all(&target).map_err(|e| Error::io(&target, e))?;
-        }
-        std::fs::rename(&kept, &target).map_err(|e| Error::io(&target, e))?;
-        Ok(target)
+        write_checkpoint(
+            out,
+            &config,
+            &self.model.tensors(),
+            &self.opt,
+            &self.state(),
+            extra,
+        )
     }
+}
+
+/// Writes `checkpoint-{state.step}` into `out` atomically (temporary folder, then
+/// rename): config, weights, optimiser moments, trainer state and the `extra` files.
+pub(crate) fn write_checkpoint(
+    out: &Path,
+    config: &str,
+    tensors: &Tensors,
+    opt: &AdamW,
+    state: &TrainerState,
+    extra: &[(&str, Vec<u8>)],
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let name = format!("{CHECKPOINT_PREFIX}{:06}", state.step);
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}.partial-"))
+        .tempdir_in(out)
+        .map_err(|e| Error::io(out, e))?;
+    let dir = tmp.path();
+    write(dir, "config.json", config.as_bytes())?;
+    checkpoint::write_safetensors(dir, tensors, checkpoint::DEFAULT_SHARD_BYTES)?;
+    let mut moments = Tensors::new();
+    for (k, m) in opt.moments() {
+        moments.insert(format!("m.{k}"), m.m.clone());
+        moments.insert(format!("v.{k}"), m.v.clone());
+    }
+    let opt_path = dir.join(OPTIMIZER_FILE);
+    safetensors::serialize_to_file(&moments, None, &opt_path)
+        .map_err(|e| Error::checkpoint(&opt_path, format!("cannot write: {e}")))?;
+    checkpoint::set_default_permissions(&opt_path)?;
+    let state = serde_json::to_string_pretty(state).expect("serialisable");
+    write(dir, STATE_FILE, state.as_bytes())?;
+    for (file, bytes) in extra {
+        write(dir, file, bytes)?;
+    }
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let p = entry.map_err(|e| Error::io(dir, e))?.path();
+        std::fs::File::open(&p)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| Error::io(&p, e))?;
+    }
+    checkpoint::set_default_permissions(dir)?;
+    if std::env::var_os("TOKENFORMER_TRAIN_ABORT_IN_SAVE").is_some() {
+        // Test hook: die like a killed process would, with the checkpoint half placed.
+        std::process::exit(137);
+    }
+    let target = out.join(&name);
+    let kept = tmp.keep();
+    if target.exists() {
+        std::fs::remove_dir_all(&target).map_err(|e| Error::io(&target, e))?;
+    }
+    std::fs::rename(&kept, &target).map_err(|e| Error::io(&target, e))?;
+    Ok(target)
+}
+
+/// What `--train` selects: each trained tensor with its leading frozen rows.
+pub(crate) fn select(
+    params: &BTreeMap<String, Var>,
+    grown_from: Option<ScaleTokens>,
+    bridge_from: Option<ScaleTokens>,
+    train: &[String],
+) -> Result<BTreeMap<String, usize>> {
+    let mut out = BTreeMap::new();
+    if let [word] = train {
+        if word == "bridge" || word == "new" {
+            let rows_from = if word == "bridge" {
+                bridge_from.ok_or_else(|| Error::input(
+                    "--train bridge trains a merged vision-language model's bridge tokens; this is not one",
+                ))?
+            } else {
+                grown_from.ok_or_else(|| Error::input(
+                    "--train new: the model records no growth (config.json has no `grown_from_tokens`); grow it with `tokenformer-convert grow` or --grow-at first",
+                ))?
+            };
+            let old = rows_from;
+            for (name, var) in params {
+                if let Some(kind) = grow::pattention_kind(name)? {
+                    let old_rows = Kind::of(&old, kind);
+                    let rows = var.dim(0)?;
+                    if rows > old_rows {
+                        out.insert(name.clone(), old_rows);
+                    }
+                }
+            }
+            if out.is_empty() {
+                return Err(Error::input(format!(
+                    "--train {word}: the model has no such tokens (none appended)"
+                )));
+            }
+            return Ok(out);
+        }
+    }
+    let globs = train
+        .iter()
+        .map(|p| {
+            globset::Glob::new(p)
+                .map(|g| g.compile_matcher())
+                .map_err(|e| Error::input(format!("--train {p:?}: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for name in params.keys() {
+        if globs.iter().any(|g| g.is_match(name.as_str())) {
+            out.insert(name.clone(), 0);
+        }
+    }
+    if out.is_empty() {
+        return Err(Error::input(format!(
+            "--train {} matches no tensor of the model",
+            train.join(",")
+        )));
+    }
+    Ok(out)
+}
+
+/// Masks the frozen rows' gradients, clips the global norm and takes the AdamW step at
+/// `lr`. Returns the gradient norm before clipping.
+pub(crate) fn update(
+    params: &BTreeMap<String, Var>,
+    trained: &BTreeMap<String, usize>,
+    opt: &mut AdamW,
+    mut store: GradStore,
+    clip: f64,
+    lr: f64,
+) -> Result<f64> {
+    // Frozen rows get no gradient, so they count neither in the norm nor in clipping.
+    for (name, &r0) in trained {
+        let var = params[name].as_tensor();
+        if let (true, Some(g)) = (r0 > 0, store.get(var)) {
+            let n = g.dim(0)?;
+            let mut zshape = g.dims().to_vec();
+            zshape[0] = r0;
+            let z = Tensor::zeros(zshape, g.dtype(), g.device())?;
+            let masked = Tensor::cat(&[&z, &g.narrow(0, r0, n - r0)?], 0)?;
+            store.insert(var, masked);
+        }
+    }
+    let vars: Vec<&Var> = trained.keys().map(|n| &params[n]).collect();
+    let grad_norm = clip_grad_norm(&mut store, vars.iter().copied(), clip)?;
+    opt.step(&store, lr)?;
+    Ok(grad_norm)
+}
+
+/// AdamW over the selected tensors, their frozen rows excluded from updates.
+pub(crate) fn optimizer(
+    params: &BTreeMap<String, Var>,
+    trained: &BTreeMap<String, usize>,
+    cfg: AdamWConfig,
+) -> Result<AdamW> {
+    let vars = trained
+        .keys()
+        .map(|k| (k.clone(), params[k].clone()))
+        .collect();
+    let mut opt = AdamW::new(vars, cfg)?;
+    for (name, &rows) in trained {
+        if rows > 0 {
+            opt.freeze_rows(name, rows);
+        }
+    }
+    Ok(opt)
 }
 
 fn write(dir: &Path, file: &str, bytes: &[u8]) -> Result<()> {

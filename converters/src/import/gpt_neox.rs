@@ -314,6 +314,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             proj: map.scale_tokens,
             ffn: map.scale_tokens,
         }),
+        grown_from_tokens: None,
     };
     config
         .validate()

@@ -1,0 +1,227 @@
+//! Θ = GELU(s / ‖s‖₂ · √n) (the `l2_norm_gelu` activation every released model uses)
+//! as one operation with its own backward, for training. Composed from candle ops the
+//! same function keeps six score-sized intermediates alive until the backward pass
+//! and walks the scores a dozen times; this keeps only the scores and makes one pass
+//! each way. Its values are the definition's ([`crate::pattention::theta`]) up to
+//! rounding: row norms are summed in f64.
+//!
+//! Backward, with f = √n / ‖s‖, u = f·s and g = ∂L/∂Θ · GELU′(u):
+//! ∂L/∂s = f·g − f · s · (s·g) / ‖s‖² (the normalisation's projection), and f·g for a
+//! row whose norm is clamped at the floor (an all-zero row).
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// The smallest norm divided by, as in the inference Θ.
+const MIN_NORM: f64 = 1e-30;
+
+/// Θ over the last axis of contiguous f32 or f64 scores with the √n constant of
+/// `scale_tokens`.
+pub(crate) fn l2_norm_gelu(scores: &Tensor, scale_tokens: usize) -> Result<Tensor> {
+    scores.contiguous()?.apply_op1(L2NormGelu {
+        c: (scale_tokens as f64).sqrt(),
+    })
+}
+
+struct L2NormGelu {
+    c: f64,
+}
+
+trait Float: Copy + Send + Sync + Into<f64> {
+    fn from_f64(x: f64) -> Self;
+    fn erf(self) -> f64;
+}
+
+impl Float for f32 {
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+    fn erf(self) -> f64 {
+        libm::erff(self) as f64
+    }
+}
+
+impl Float for f64 {
+    fn from_f64(x: f64) -> Self {
+        x
+    }
+    fn erf(self) -> f64 {
+        libm::erf(self)
+    }
+}
+
+fn norm<T: Float>(row: &[T]) -> f64 {
+    row.iter().map(|&x| x.into() * x.into()).sum::<f64>().sqrt()
+}
+
+fn forward<T: Float>(s: &[T], n: usize, c: f64) -> Vec<T> {
+    let mut out = s.to_vec();
+    out.par_chunks_mut(n).for_each(|row| {
+        let f = c / norm(row).max(MIN_NORM);
+        for v in row.iter_mut() {
+            let u = T::from_f64((*v).into() * f);
+            let e = T::from_f64(u.into() * std::f64::consts::FRAC_1_SQRT_2).erf();
+            *v = T::from_f64(0.5 * u.into() * (1.0 + e));
+        }
+    });
+    out
+}
+
+fn backward<T: Float>(s: &[T], dy: &[T], n: usize, c: f64) -> Vec<T> {
+    let mut out = s.to_vec();
+    out.par_chunks_mut(n)
+        .zip(dy.par_chunks(n))
+        .for_each(|(row, dy)| {
+            let r = norm(row);
+            let f = c / r.max(MIN_NORM);
+            let inv_sqrt_2pi =
+                0.5 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2;
+            // g = dy · GELU′(u), kept in `row` (as f64 would need a buffer per row).
+            let mut dot = 0.0;
+            let g: Vec<f64> = row
+                .iter()
+                .zip(dy)
+                .map(|(&x, &d)| {
+                    let u = x.into() * f;
+                    let e = T::from_f64(u * std::f64::consts::FRAC_1_SQRT_2).erf();
+                    let dgelu = 0.5 * (1.0 + e) + u * (-0.5 * u * u).exp() * inv_sqrt_2pi;
+                    let g = d.into() * dgelu;
+                    dot += x.into() * g;
+                    g
+                })
+                .collect();
+            let proj = if r > MIN_NORM { dot / (r * r) } else { 0.0 };
+            for (v, g) in row.iter_mut().zip(g) {
+                *v = T::from_f64(f * (g - (*v).into() * proj));
+            }
+        });
+    out
+}
+
+fn slice<'a, T>(s: &'a [T], l: &Layout) -> Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s[a..b]),
+        None => candle_core::bail!("Θ needs contiguous scores"),
+    }
+}
+
+impl CustomOp1 for L2NormGelu {
+    fn name(&self) -> &'static str {
+        "l2-norm-gelu"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let n = layout.dims().last().copied().unwrap_or(1).max(1);
+        let out = match storage {
+            CpuStorage::F32(s) => CpuStorage::F32(forward(slice(s, layout)?, n, self.c)),
+            CpuStorage::F64(s) => CpuStorage::F64(forward(slice(s, layout)?, n, self.c)),
+            _ => candle_core::bail!("Θ needs f32 or f64 scores"),
+        };
+        Ok((out, layout.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let g = grad_res.contiguous()?;
+        Ok(Some(arg.apply_op2_no_bwd(&g, &Grad { c: self.c })?))
+    }
+}
+
+struct Grad {
+    c: f64,
+}
+
+impl CustomOp2 for Grad {
+    fn name(&self) -> &'static str {
+        "l2-norm-gelu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let n = l1.dims().last().copied().unwrap_or(1).max(1);
+        let out = match (s1, s2) {
+            (CpuStorage::F32(s), CpuStorage::F32(d)) => {
+                CpuStorage::F32(backward(slice(s, l1)?, slice(d, l2)?, n, self.c))
+            }
+            (CpuStorage::F64(s), CpuStorage::F64(d)) => {
+                CpuStorage::F64(backward(slice(s, l1)?, slice(d, l2)?, n, self.c))
+            }
+            _ => candle_core::bail!("Θ's gradient needs f32 or f64"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    /// Values and gradients equal the composite definition's (f64), also for a zero row.
+    #[test]
+    fn matches_the_definition_and_its_autograd() {
+        let dev = Device::Cpu;
+        let mut v: Vec<f64> = (0..3 * 7)
+            .map(|i| ((i * 37 % 11) as f64 - 5.0) * 0.3)
+            .collect();
+        v[14..21].iter_mut().for_each(|x| *x = 0.0);
+        let s = Var::from_tensor(&Tensor::from_vec(v, (3, 7), &dev).unwrap()).unwrap();
+        let w = Tensor::arange(0f64, 21.0, &dev)
+            .unwrap()
+            .reshape((3, 7))
+            .unwrap();
+        let fused = l2_norm_gelu(s.as_tensor(), 5).unwrap();
+        let def =
+            crate::pattention::theta(s.as_tensor(), crate::pattention::Activation::L2NormGelu, 5)
+                .unwrap();
+        let diff = |a: &Tensor, b: &Tensor| -> f64 {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+        };
+        assert!(diff(&fused, &def) < 1e-12);
+        let gf = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let a = gf.get(s.as_tensor()).unwrap();
+        // Central differences of Σ Θ(s)·w on the non-zero rows (candle's own gelu_erf
+        // gradient is off by ~2e-5 relative; PyTorch agrees with these).
+        let base: Vec<f64> = s.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let got: Vec<f64> = a.flatten_all().unwrap().to_vec1().unwrap();
+        let f = |v: &[f64]| -> f64 {
+            let t = Tensor::from_vec(v.to_vec(), (3, 7), &dev).unwrap();
+            (l2_norm_gelu(&t, 5).unwrap() * &w)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+        };
+        for i in 0..14 {
+            let (mut p, mut m) = (base.clone(), base.clone());
+            p[i] += 1e-6;
+            m[i] -= 1e-6;
+            let fd = (f(&p) - f(&m)) / 2e-6;
+            assert!(
+                (got[i] - fd).abs() < 1e-7 * fd.abs().max(1.0),
+                "{i}: {} vs {fd}",
+                got[i]
+            );
+        }
+        // The zero row: the definition's autograd gives NaN (√ at 0); here the clamped
+        // norm's gradient, √n / 1e-30 · GELU′(0) · upstream.
+        let zero: Vec<f64> = a.get(2).unwrap().to_vec1().unwrap();
+        for (j, g) in zero.iter().enumerate() {
+            let want = 5f64.sqrt() / 1e-30 * 0.5 * (14 + j) as f64;
+            assert!((g - want).abs() <= 1e-12 * want, "{g} vs {want}");
+        }
+        assert_eq!(a.dtype(), DType::F64);
+    }
+}

@@ -1,0 +1,549 @@
+//! Training the TokenFormer image classifier: its forward as plain, differentiable
+//! tensor ops over [`Var`]s (the semantics of [`crate::models::vit::VisionTransformer`]),
+//! timm's training preprocessing (random-resized crop with scale (0.08, 1) and ratio
+//! (3/4, 4/3), then a horizontal flip with probability ½; the model's eval transform
+//! for validation), and the training loop over an image folder of class folders.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::{Rng, SeedableRng};
+
+use super::lm::{attention, layer_norm, pattention, AttentionSpec};
+use super::optim::AdamW;
+use super::trainer::{optimizer, select, update, write_checkpoint, TrainOptions, TrainerState};
+use crate::checkpoint::Tensors;
+use crate::error::{Error, Result};
+use crate::models::vit::{Config, Pool};
+use crate::vision::dataset::Sample;
+use crate::vision::resample::{self, Filter};
+use crate::vision::{open_rgb, EvalTransform, RgbImage};
+
+/// A classifier whose every tensor is a [`Var`], in f32 or f64.
+pub struct TrainableVit {
+    cfg: Config,
+    params: BTreeMap<String, Var>,
+    dtype: DType,
+}
+
+/// Canonical tensor names and shapes of a classifier config.
+pub fn expected_shapes(cfg: &Config) -> Vec<(String, Vec<usize>)> {
+    let (d, c, p) = (cfg.hidden_size, cfg.num_channels, cfg.patch_size);
+    let mut v = vec![
+        ("patch_embed.weight".to_string(), vec![d, c, p, p]),
+        ("patch_embed.bias".to_string(), vec![d]),
+        ("cls_token".to_string(), vec![1, 1, d]),
+        ("pos_embed".to_string(), vec![1, cfg.num_patches() + 1, d]),
+    ];
+    let counts = [
+        ("attention.query", cfg.qkv_tokens),
+        ("attention.key", cfg.qkv_tokens),
+        ("attention.value", cfg.qkv_tokens),
+        ("attention.proj", cfg.proj_tokens),
+        ("mlp", cfg.ffn_tokens),
+    ];
+    for i in 0..cfg.num_layers {
+        for (m, n) in counts {
+            v.push((format!("layers.{i}.{m}.key_param_tokens"), vec![n, d]));
+            v.push((format!("layers.{i}.{m}.value_param_tokens"), vec![n, d]));
+        }
+    }
+    let norm = match cfg.pool {
+        Pool::Mean => "fc_norm",
+        Pool::Cls => "final_norm",
+    };
+    v.push((format!("{norm}.weight"), vec![d]));
+    v.push((format!("{norm}.bias"), vec![d]));
+    v.push(("head.weight".into(), vec![cfg.num_classes, d]));
+    v.push(("head.bias".into(), vec![cfg.num_classes]));
+    v
+}
+
+/// Fresh weights as ViTs initialise them: the patch embedding, class token, position
+/// embeddings, parameter tokens and head N(0, 0.02); biases 0, the norm's weight 1.
+/// Deterministic for a seed.
+pub fn init_tensors(cfg: &Config, seed: u64, device: &Device) -> Result<Tensors> {
+    let mut t = Tensors::new();
+    for (i, (name, shape)) in expected_shapes(cfg).into_iter().enumerate() {
+        let value = if name.ends_with("bias") {
+            Tensor::zeros(shape.as_slice(), DType::F32, device)?
+        } else if name.ends_with("norm.weight") {
+            Tensor::ones(shape.as_slice(), DType::F32, device)?
+        } else {
+            let n: usize = shape.iter().product();
+            let v = crate::init::normal(n, 1, 0.02, seed.wrapping_add(i as u64), &name);
+            Tensor::from_vec(v, shape.as_slice(), device)?
+        };
+        t.insert(name, value);
+    }
+    Ok(t)
+}
+
+impl TrainableVit {
+    /// Wraps canonical-name tensors (converted to `dtype`) as variables; every tensor
+    /// the config needs must be present with its shape, and none left over.
+    pub fn new(cfg: &Config, tensors: &Tensors, dtype: DType, device: &Device) -> Result<Self> {
+        cfg.validate()
+            .map_err(|e| Error::input(format!("invalid config: {e}")))?;
+        let mut params = BTreeMap::new();
+        for (name, shape) in expected_shapes(cfg) {
+            let Some(t) = tensors.get(&name) else {
+                return Err(Error::Tensor {
+                    name,
+                    msg: "missing".into(),
+                });
+            };
+            if t.dims() != shape.as_slice() {
+                return Err(Error::Tensor {
+                    msg: format!("has shape {:?}, expected {shape:?}", t.dims()),
+                    name,
+                });
+            }
+            let t = t.to_device(device)?.to_dtype(dtype)?;
+            params.insert(name, Var::from_tensor(&t)?);
+        }
+        if let Some(extra) = tensors.keys().find(|k| !params.contains_key(*k)) {
+            return Err(Error::Tensor {
+                name: extra.clone(),
+                msg: "is not used by this config".into(),
+            });
+        }
+        Ok(Self {
+            cfg: cfg.clone(),
+            params,
+            dtype,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn params(&self) -> &BTreeMap<String, Var> {
+        &self.params
+    }
+
+    /// The current values, by canonical name (for saving).
+    pub fn tensors(&self) -> Tensors {
+        self.params
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect()
+    }
+
+    fn p(&self, name: &str) -> candle_core::Result<&Tensor> {
+        match self.params.get(name) {
+            Some(v) => Ok(v.as_tensor()),
+            None => candle_core::bail!("missing tensor `{name}`"),
+        }
+    }
+
+    fn scales(&self) -> [usize; 3] {
+        let c = &self.cfg;
+        match c.pattention_scale_tokens {
+            Some(s) => [s.qkv, s.proj, s.ffn],
+            None => [c.qkv_tokens, c.proj_tokens, c.ffn_tokens],
+        }
+    }
+
+    /// Logits [b, classes] of normalised pixels [b, C, H, W].
+    pub fn forward(&self, pixels: &Tensor) -> candle_core::Result<Tensor> {
+        let cfg = &self.cfg;
+        let (b, c, h, w) = pixels.dims4()?;
+        if c != cfg.num_channels || h != cfg.image_size || w != cfg.image_size {
+            candle_core::bail!(
+                "pixels of shape {:?}, expected [batch, {}, {}, {}]",
+                pixels.dims(),
+                cfg.num_channels,
+                cfg.image_size,
+                cfg.image_size
+            )
+        }
+        let (p, d) = (cfg.patch_size, cfg.hidden_size);
+        let (gh, gw) = (h / p, w / p);
+        // The stride-p convolution as unfold + matmul.
+        let patches = pixels
+            .to_dtype(self.dtype)?
+            .reshape((b, c, gh, p, gw, p))?
+            .permute((0, 2, 4, 1, 3, 5))?
+            .contiguous()?
+            .reshape((b * gh * gw, c * p * p))?;
+        let weight = self.p("patch_embed.weight")?.reshape((d, c * p * p))?;
+        let patches = patches
+            .matmul(&weight.t()?)?
+            .broadcast_add(self.p("patch_embed.bias")?)?
+            .reshape((b, gh * gw, d))?;
+        let cls = self.p("cls_token")?.broadcast_as((b, 1, d))?;
+        let mut x = Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(self.p("pos_embed")?)?;
+        let [sq, sp, sf] = self.scales();
+        let act = cfg.pattention_activation;
+        let spec = AttentionSpec {
+            heads: cfg.num_heads,
+            activation: act,
+            scale_qkv: sq,
+            scale_proj: sp,
+        };
+        for i in 0..cfg.num_layers {
+            let hn = layer_norm(&x, cfg.norm_eps)?;
+            let a = attention(
+                &self.params,
+                &format!("layers.{i}.attention"),
+                &hn,
+                &spec,
+                None,
+                |t| Ok(t.clone()),
+            )?;
+            x = (x + a)?;
+            let hn = layer_norm(&x, cfg.norm_eps)?;
+            x = (&x + pattention(&self.params, &format!("layers.{i}.mlp"), &hn, act, sf)?)?;
+        }
+        let n = x.dim(1)? - 1;
+        let (feature, norm) = match cfg.pool {
+            Pool::Mean => (x.narrow(1, 1, n)?.mean(1)?, "fc_norm"),
+            Pool::Cls => (x.narrow(1, 0, 1)?.squeeze(1)?, "final_norm"),
+        };
+        let feature = layer_norm(&feature, cfg.norm_eps)?
+            .broadcast_mul(self.p(&format!("{norm}.weight"))?)?
+            .broadcast_add(self.p(&format!("{norm}.bias"))?)?;
+        feature
+            .matmul(&self.p("head.weight")?.t()?)?
+            .broadcast_add(self.p("head.bias")?)
+    }
+
+    /// Mean cross-entropy of the logits of `pixels` against `labels` [b] (u32).
+    pub fn loss(&self, pixels: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
+        super::loss::cross_entropy(&self.forward(pixels)?, &labels.to_vec1::<u32>()?)
+    }
+}
+
+/// timm's training transform for a config: random-resized crop (scale (0.08, 1),
+/// ratio (3/4, 4/3), torchvision's `get_params` with ten tries and the centre-crop
+/// fallback), resize of the crop with the model's filter, flip with probability ½,
+/// then ToTensor and Normalize.
+#[derive(Clone, Debug)]
+pub struct TrainTransform {
+    eval: EvalTransform,
+}
+
+impl TrainTransform {
+    pub fn from_config(cfg: &Config) -> Self {
+        Self {
+            eval: EvalTransform::from_config(cfg),
+        }
+    }
+
+    /// The crop box (x, y, w, h) torchvision's `RandomResizedCrop.get_params` draws.
+    pub fn crop_box(
+        width: usize,
+        height: usize,
+        rng: &mut impl Rng,
+    ) -> (usize, usize, usize, usize) {
+        let area = (width * height) as f64;
+        let (lr0, lr1) = ((3.0f64 / 4.0).ln(), (4.0f64 / 3.0).ln());
+        for _ in 0..10 {
+            let target = area * rng.random_range(0.08..1.0);
+            let ratio = rng.random_range(lr0..lr1).exp();
+            let w = (target * ratio).sqrt().round() as usize;
+            let h = (target / ratio).sqrt().round() as usize;
+            if 0 < w && w <= width && 0 < h && h <= height {
+                let y = rng.random_range(0..=height - h);
+                let x = rng.random_range(0..=width - w);
+                return (x, y, w, h);
+            }
+        }
+        // Fallback: the whole image, its aspect clamped to the ratio range, centred.
+        let in_ratio = width as f64 / height as f64;
+        let (w, h) = if in_ratio < 3.0 / 4.0 {
+            (width, ((width as f64) / (3.0 / 4.0)).round() as usize)
+        } else if in_ratio > 4.0 / 3.0 {
+            (((height as f64) * (4.0 / 3.0)).round() as usize, height)
+        } else {
+            (width, height)
+        };
+        let (w, h) = (w.min(width), h.min(height));
+        ((width - w) / 2, (height - h) / 2, w, h)
+    }
+
+    /// The normalised [3, size, size] values of one training view of `img`.
+    pub fn apply(&self, img: &RgbImage, rng: &mut impl Rng) -> Result<Vec<f32>> {
+        if img.width == 0 || img.height == 0 {
+            return Err(Error::input("empty image"));
+        }
+        let (x0, y0, w, h) = Self::crop_box(img.width, img.height, rng);
+        let mut crop = Vec::with_capacity(w * h * 3);
+        for y in y0..y0 + h {
+            let row = (y * img.width + x0) * 3;
+            crop.extend_from_slice(&img.data[row..row + w * 3]);
+        }
+        let crop = RgbImage {
+            width: w,
+            height: h,
+            data: crop,
+        };
+        let size = self.eval.crop;
+        let filter: Filter = self.eval.filter;
+        let mut view = resample::resize(&crop, size, size, filter);
+        if rng.random_bool(0.5) {
+            for row in view.data.chunks_exact_mut(size * 3) {
+                for x in 0..size / 2 {
+                    for c in 0..3 {
+                        row.swap(x * 3 + c, (size - 1 - x) * 3 + c);
+                    }
+                }
+            }
+        }
+        let mut out = vec![0f32; 3 * size * size];
+        self.eval.normalise_into(&view, &mut out);
+        Ok(out)
+    }
+}
+
+/// A seeded walk over `n` items: a fresh shuffle each epoch (position / n), and an RNG
+/// per position (for augmentation), so a run resumed at a position draws the same.
+pub(crate) struct Order {
+    n: usize,
+    seed: u64,
+    position: u64,
+    epoch: Option<(u64, Vec<usize>)>,
+}
+
+impl Order {
+    pub(crate) fn new(n: usize, seed: u64, position: u64) -> Self {
+        Self {
+            n,
+            seed,
+            position,
+            epoch: None,
+        }
+    }
+
+    pub(crate) fn position(&self) -> u64 {
+        self.position
+    }
+
+    /// The next item and the RNG of its augmentation.
+    pub(crate) fn next(&mut self) -> (usize, rand::rngs::StdRng) {
+        let n = self.n as u64;
+        let epoch = self.position / n;
+        if self.epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let mut idx: Vec<usize> = (0..self.n).collect();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(self.seed ^ epoch.rotate_left(32));
+            for i in (1..idx.len()).rev() {
+                let j = rng.random_range(0..=i);
+                idx.swap(i, j);
+            }
+            self.epoch = Some((epoch, idx));
+        }
+        let i = self.epoch.as_ref().expect("set above").1[(self.position % n) as usize];
+        let rng = rand::rngs::StdRng::seed_from_u64(
+            self.seed.rotate_left(17) ^ self.position.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        );
+        self.position += 1;
+        (i, rng)
+    }
+}
+
+/// One optimiser step's numbers (images instead of tokens).
+pub use super::trainer::StepReport;
+
+/// A classifier being trained on labelled images.
+pub struct VitTrainer {
+    model: TrainableVit,
+    opt: AdamW,
+    samples: Vec<Sample>,
+    opts: TrainOptions,
+    trained: BTreeMap<String, usize>,
+    step: u64,
+    images: u64,
+    order: Order,
+    transform: TrainTransform,
+    device: Device,
+}
+
+impl VitTrainer {
+    /// Starts (or, with `resume`, continues) training on `samples`.
+    pub fn new(
+        model: TrainableVit,
+        samples: Vec<Sample>,
+        opts: TrainOptions,
+        resume: Option<(TrainerState, BTreeMap<String, super::optim::Moments>)>,
+    ) -> Result<Self> {
+        opts.validate()?;
+        if samples.is_empty() {
+            return Err(Error::input("no training images"));
+        }
+        if !opts.grow_at.is_empty() {
+            return Err(Error::input("--grow-at grows language models only so far"));
+        }
+        let trained = select(model.params(), None, None, &opts.train)?;
+        let mut opt = optimizer(model.params(), &trained, opts.adamw())?;
+        let (mut step, mut images, mut position) = (0, 0, 0);
+        let n = samples.len();
+        if let Some((state, moments)) = resume {
+            opt.restore(state.step, moments)?;
+            step = state.step;
+            images = state.tokens;
+            position = state.data_position;
+        }
+        let device = model
+            .params()
+            .values()
+            .next()
+            .map_or(Device::Cpu, |v| v.device().clone());
+        let transform = TrainTransform::from_config(model.config());
+        let opts_seed = opts.seed;
+        Ok(Self {
+            model,
+            opt,
+            samples,
+            opts,
+            trained,
+            step,
+            images,
+            order: Order::new(n, opts_seed, position),
+            transform,
+            device,
+        })
+    }
+
+    pub fn model(&self) -> &TrainableVit {
+        &self.model
+    }
+
+    pub fn optimizer(&self) -> &AdamW {
+        &self.opt
+    }
+
+    pub fn options(&self) -> &TrainOptions {
+        &self.opts
+    }
+
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    pub fn done(&self) -> bool {
+        self.step >= self.opts.steps
+    }
+
+    fn batch(&mut self) -> Result<(Tensor, Tensor)> {
+        let size = self.model.config().image_size;
+        let b = self.opts.batch_size;
+        let mut pixels = Vec::with_capacity(b * 3 * size * size);
+        let mut labels = Vec::with_capacity(b);
+        for _ in 0..b {
+            let (i, mut rng) = self.order.next();
+            let s = &self.samples[i];
+            let img = open_rgb(&s.path)?;
+            let v = self
+                .transform
+                .apply(&img, &mut rng)
+                .map_err(|e| Error::input(format!("{}: {e}", s.path.display())))?;
+            pixels.extend(v);
+            labels.push(s.label as u32);
+        }
+        Ok((
+            Tensor::from_vec(pixels, (b, 3, size, size), &self.device)?,
+            Tensor::from_vec(labels, b, &self.device)?,
+        ))
+    }
+
+    /// One optimiser step over `grad_accum` batches.
+    pub fn step(&mut self) -> Result<StepReport> {
+        let accum = self.opts.grad_accum;
+        let mut sums: HashMap<String, Tensor> = HashMap::new();
+        let mut store = None;
+        let mut loss_sum = 0.0;
+        for _ in 0..accum {
+            let (x, y) = self.batch()?;
+            let loss = self.model.loss(&x, &y)?;
+            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let grads = (loss / accum as f64)?.backward()?;
+            if accum > 1 {
+                for name in self.trained.keys() {
+                    if let Some(g) = grads.get(self.model.params()[name].as_tensor()) {
+                        let sum = match sums.remove(name) {
+                            Some(prev) => (prev + g)?,
+                            None => g.clone(),
+                        };
+                        sums.insert(name.clone(), sum);
+                    }
+                }
+            }
+            store = Some(grads);
+        }
+        let mut store = store.expect("at least one batch");
+        for (name, g) in sums {
+            store.insert(self.model.params()[&name].as_tensor(), g);
+        }
+        let loss = loss_sum / accum as f64;
+        if !loss.is_finite() {
+            return Err(Error::input(format!(
+                "the training loss is {loss} at step {}: lower --lr or check the data",
+                self.step + 1
+            )));
+        }
+        let lr = self.opts.schedule().at(self.step);
+        let grad_norm = update(
+            self.model.params(),
+            &self.trained,
+            &mut self.opt,
+            store,
+            self.opts.clip_grad,
+            lr,
+        )?;
+        self.step += 1;
+        self.images += (self.opts.batch_size * accum) as u64;
+        Ok(StepReport {
+            step: self.step,
+            lr,
+            loss,
+            grad_norm,
+            tokens: self.images,
+        })
+    }
+
+    /// Mean loss and top-1 accuracy over preprocessed (eval transform) images.
+    pub fn evaluate(&self, images: &[(Vec<f32>, u32)], batch: usize) -> Result<(f64, f64)> {
+        let size = self.model.config().image_size;
+        let (mut loss, mut correct) = (0.0, 0usize);
+        for chunk in images.chunks(batch.max(1)) {
+            let flat: Vec<f32> = chunk.iter().flat_map(|(p, _)| p.iter().copied()).collect();
+            let labels: Vec<u32> = chunk.iter().map(|(_, l)| *l).collect();
+            let x = Tensor::from_vec(flat, (chunk.len(), 3, size, size), &self.device)?;
+            let y = Tensor::from_vec(labels.clone(), chunk.len(), &self.device)?;
+            let logits = self.model.forward(&x)?;
+            let l = candle_nn::loss::cross_entropy(&logits, &y)?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
+            loss += l * chunk.len() as f64;
+            let pred: Vec<u32> = logits.argmax(1)?.to_vec1()?;
+            correct += pred.iter().zip(&labels).filter(|(a, b)| a == b).count();
+        }
+        let n = images.len().max(1) as f64;
+        Ok((loss / n, correct as f64 / n))
+    }
+
+    pub fn state(&self) -> TrainerState {
+        TrainerState {
+            step: self.step,
+            tokens: self.images,
+            data_position: self.order.position(),
+            options: self.opts.clone(),
+        }
+    }
+
+    /// Writes `checkpoint-{step}` into `out` atomically (see [`super::trainer`]).
+    pub fn save(&self, out: &Path, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
+        let config = serde_json::to_string_pretty(self.model.config()).expect("serialisable");
+        write_checkpoint(
+            out,
+            &config,
+            &self.model.tensors(),
+            &self.opt,
+            &self.state(),
+            extra,
+        )
+    }
+}

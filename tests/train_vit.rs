@@ -1,0 +1,219 @@
+//! Training the image classifier: one step against PyTorch autograd and AdamW
+//! (tests/fixtures/vit-train-step, made by scripts/vit_train_step.py), and
+//! `tokenformer train` on a small generated image folder learning its classes.
+
+mod common;
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::Value;
+use tokenformer::checkpoint;
+use tokenformer::models::vit::Config;
+use tokenformer::train::vit::{TrainTransform, TrainableVit};
+use tokenformer::train::{clip_grad_norm, AdamW, AdamWConfig};
+
+fn fixture() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vit-train-step")
+}
+
+fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn close(what: &str, got: f64, want: f64, rel: f64) {
+    assert!(
+        (got - want).abs() <= rel * want.abs(),
+        "{what}: {got} vs PyTorch {want}"
+    );
+}
+
+fn close8(what: &str, got: &Tensor, want: &Value) {
+    let got = f64s(got);
+    for (i, w) in want.as_array().unwrap().iter().enumerate() {
+        let w = w.as_f64().unwrap();
+        assert!(
+            (got[i] - w).abs() <= 1e-6,
+            "{what}[{i}]: {} vs PyTorch {w}",
+            got[i]
+        );
+    }
+}
+
+#[test]
+fn one_classifier_training_step_matches_pytorch_autograd_and_adamw() {
+    let dir = fixture();
+    let want: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("train_step.json")).unwrap())
+            .unwrap();
+    let cfg: Config =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let dev = Device::Cpu;
+    let w = checkpoint::read_safetensors(&[dir.join("model.safetensors")], None, &dev).unwrap();
+    let px = checkpoint::read_safetensors(&[dir.join("pixels.safetensors")], None, &dev).unwrap();
+    let labels: Vec<u32> = want["labels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let labels = Tensor::from_vec(labels, 4, &dev).unwrap();
+    let model = TrainableVit::new(&cfg, &w, DType::F32, &dev).unwrap();
+    let loss = model.loss(&px["pixels"], &labels).unwrap();
+    close(
+        "loss",
+        loss.to_scalar::<f32>().unwrap() as f64,
+        want["loss"].as_f64().unwrap(),
+        1e-5,
+    );
+    let mut grads = loss.backward().unwrap();
+    assert_eq!(
+        want["grad_norm"].as_object().unwrap().len(),
+        model.params().len()
+    );
+    for (name, var) in model.params() {
+        let g = grads.get(var.as_tensor()).unwrap();
+        let n = f64s(g).iter().map(|x| x * x).sum::<f64>().sqrt();
+        close(name, n, want["grad_norm"][name].as_f64().unwrap(), 1e-5);
+        close8(name, g, &want["grad_first8"][name]);
+    }
+    let norm = clip_grad_norm(&mut grads, model.params().values(), 1.0).unwrap();
+    close(
+        "global norm",
+        norm,
+        want["grad_global_norm_before_clip"].as_f64().unwrap(),
+        1e-5,
+    );
+    let opt_cfg = AdamWConfig {
+        weight_decay: 0.1,
+        ..AdamWConfig::default()
+    };
+    let mut opt = AdamW::new(model.params().clone(), opt_cfg).unwrap();
+    opt.step(&grads, 1e-3).unwrap();
+    for (name, var) in model.params() {
+        close8(
+            &format!("{name} after the step"),
+            var.as_tensor(),
+            &want["after_step_first8"][name],
+        );
+    }
+}
+
+#[test]
+fn random_resized_crops_follow_torchvisions_ranges() {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let (mut small, mut n) = (0, 0);
+    for _ in 0..2000 {
+        let (x, y, w, h) = TrainTransform::crop_box(100, 100, &mut rng);
+        assert!(x + w <= 100 && y + h <= 100 && w > 0 && h > 0);
+        let area = (w * h) as f64 / 10000.0;
+        assert!((0.07..=1.0).contains(&area), "area {area}");
+        // Rounding moves the ratio a little past the range on small crops.
+        let r = w as f64 / h as f64;
+        if area > 0.2 && (0.7..=1.4).contains(&r) {
+            n += 1;
+        }
+        small += usize::from(area < 0.3);
+    }
+    // The scale is uniform on (0.08, 1): about a quarter of the draws (0.22 / 0.92, a
+    // little more as large crops of extreme ratio are redrawn) are below 0.3.
+    assert!((400..650).contains(&small), "{small}");
+    assert!(n > 1000, "{n}");
+}
+
+/// A 24×24 image of `class`: red, green or blue dominant, with noise.
+fn image(class: usize, seed: u32) -> image::RgbImage {
+    let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(class as u32);
+    image::RgbImage::from_fn(24, 24, |_, _| {
+        let mut px = [0u8; 3];
+        for (c, v) in px.iter_mut().enumerate() {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            let noise = (s % 120) as u8;
+            *v = if c == class { 120 + noise } else { noise };
+        }
+        image::Rgb(px)
+    })
+}
+
+#[test]
+fn training_a_tiny_classifier_on_generated_images_learns_its_classes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let classes = ["n01", "n02", "n03"];
+    for (split, count) in [("train", 12), ("val", 4)] {
+        for (c, wnid) in classes.iter().enumerate() {
+            let dir = data.join(split).join(wnid);
+            std::fs::create_dir_all(&dir).unwrap();
+            for i in 0..count {
+                let seed = i + if split == "val" { 1000 } else { 0 };
+                image(c, seed).save(dir.join(format!("{i}.png"))).unwrap();
+            }
+        }
+    }
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("config.json")).unwrap())
+            .unwrap();
+    cfg["image_size"] = 16.into();
+    cfg["class_wnids"] = serde_json::json!(classes);
+    let init = tmp.path().join("init.json");
+    std::fs::write(&init, cfg.to_string()).unwrap();
+    let out = tmp.path().join("run");
+    let (i, d, o) = (
+        init.to_str().unwrap(),
+        data.to_str().unwrap(),
+        out.to_str().unwrap(),
+    );
+    let (output, stdout, stderr) = common::tokenformer(&[
+        "train",
+        "--init",
+        i,
+        "--data",
+        d,
+        "--out",
+        o,
+        "--steps",
+        "60",
+        "--batch-size",
+        "8",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "5",
+        "--eval-every",
+        "30",
+        "--json",
+    ]);
+    assert!(output.status.success(), "{stderr}");
+    let summary: Value = serde_json::from_str(&stdout).unwrap();
+    let lines: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let first = lines[0]["loss"].as_f64().unwrap();
+    assert!((first - 3f64.ln()).abs() < 0.3, "first loss {first}");
+    let val = summary["val_loss"].as_f64().unwrap();
+    assert!(val < 0.5 * first, "validation loss {val}, start {first}");
+    assert!(summary["val_top1"].as_f64().unwrap() >= 0.9, "{summary}");
+    assert_eq!(summary["images"], 60 * 8);
+    let ckpt = out.join("checkpoint-000060");
+    let card = std::fs::read_to_string(ckpt.join("README.md")).unwrap();
+    assert!(card.contains("60 of 60 steps"), "{card}");
+    // Every command loads the checkpoint; loss.png is a real picture.
+    let files = tokenformer::loader::locate(ckpt.to_str().unwrap(), &Default::default()).unwrap();
+    let model = tokenformer::loader::load_vit(&files, &Device::Cpu).unwrap();
+    assert_eq!(model.config().num_classes, 3);
+    let png = image::open(out.join("loss.png")).unwrap().to_rgb8();
+    assert_eq!(png.dimensions(), (800, 480));
+    let orange = png.pixels().filter(|p| p.0 == [255, 127, 14]).count();
+    let blue = png.pixels().filter(|p| p.0 == [31, 119, 180]).count();
+    assert!(orange > 100 && blue > 100, "{orange} {blue}");
+}

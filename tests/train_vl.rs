@@ -1,0 +1,202 @@
+//! Training the merged vision-language model: its differentiable forward computes the
+//! inference model's mixed sequence, and `tokenformer train --train bridge` on
+//! (image, caption) pairs moves only the bridge tokens while the caption loss falls.
+
+mod common;
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use tokenformer::checkpoint::{self, Tensors};
+use tokenformer::loader;
+use tokenformer::models::vl::{self, VisionLanguageModel};
+use tokenformer::train::vl::TrainableVl;
+
+fn weights(spec: &Path) -> loader::LoadedWeights {
+    let files = loader::locate(spec.to_str().unwrap(), &Default::default()).unwrap();
+    loader::read_weights(&files, Some(DType::F32), &Device::Cpu).unwrap()
+}
+
+/// The shipped tiny classifier and language model merged with 6 bridge tokens whose
+/// keys and values are random (non-zero keys: the bridge takes part in both routes).
+fn merged() -> (vl::Config, Tensors) {
+    let vw = weights(&common::fixtures().join("vit-tiny-imagenet/vit-tiny"));
+    let lw = weights(&common::lm_fixture().join("pytorch_model.bin"));
+    let vcfg = loader::vit_config(&vw.config, &vw.path).unwrap();
+    let lcfg = loader::lm_config(&lw.config, &lw.path).unwrap();
+    let cfg = vl::Config::merged(&vcfg, &lcfg, 6).unwrap();
+    let mut seed = 1u64;
+    let mut t = vl::assemble(&cfg, &vw.tensors, &lw.tensors, |_, r, c| {
+        seed += 1;
+        Ok(common::randn(
+            &mut rand::SeedableRng::seed_from_u64(seed),
+            &[r, c],
+            0.05,
+        ))
+    })
+    .unwrap();
+    for (name, v) in t.iter_mut() {
+        if name.ends_with("key_param_tokens") {
+            let n = v.dim(0).unwrap();
+            seed += 1;
+            let keys = common::randn(&mut rand::SeedableRng::seed_from_u64(seed), &[6, 32], 0.3);
+            *v = Tensor::cat(&[&v.narrow(0, 0, n - 6).unwrap(), &keys], 0).unwrap();
+        }
+    }
+    (cfg, t)
+}
+
+fn pixels() -> Tensor {
+    candle_core::safetensors::load(
+        common::fixtures().join("vit-tiny-imagenet/pixels.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap()
+    .remove("pixels")
+    .unwrap()
+}
+
+#[test]
+fn the_training_forward_of_the_merged_model_computes_the_mixed_sequence() {
+    let (cfg, tensors) = merged();
+    let dev = Device::Cpu;
+    let inference = VisionLanguageModel::from_tensors(&cfg, &tensors, &dev).unwrap();
+    let train = TrainableVl::new(&cfg, &tensors, DType::F32, &dev).unwrap();
+    let px = pixels();
+    let b = px.dim(0).unwrap();
+    let ids: Vec<u32> = (0..b * 12).map(|i| (i * 7919 % 50000) as u32).collect();
+    let ids = Tensor::from_vec(ids, (b, 12), &dev).unwrap();
+    let (_, want) = inference.forward_mixed(Some(&px), &ids, None).unwrap();
+    let got = train.forward(&px, &ids).unwrap();
+    let diff = (got - &want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let scale = want
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(
+        diff <= 1e-5 * scale.max(1.0),
+        "max |Δ logit| {diff} (scale {scale})"
+    );
+}
+
+/// A 32×32 image: red, green or blue dominant with noise.
+fn image(class: usize, seed: u32) -> image::RgbImage {
+    let mut s = seed.wrapping_mul(2_654_435_761) | 1;
+    image::RgbImage::from_fn(32, 32, |_, _| {
+        let mut px = [0u8; 3];
+        for (c, v) in px.iter_mut().enumerate() {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            *v = (s % 100) as u8 + if c == class { 150 } else { 0 };
+        }
+        image::Rgb(px)
+    })
+}
+
+#[test]
+fn train_bridge_moves_only_the_bridge_and_lowers_the_caption_loss() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, tensors) = merged();
+    let model = tmp.path().join("merged");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(
+        model.join("config.json"),
+        serde_json::to_string(&cfg).unwrap(),
+    )
+    .unwrap();
+    checkpoint::write_safetensors(&model, &tensors, checkpoint::DEFAULT_SHARD_BYTES).unwrap();
+    std::fs::copy(common::tokenizer_fixture(), model.join("tokenizer.json")).unwrap();
+    let colours = ["red", "green", "blue"];
+    let mut jsonl = String::new();
+    for i in 0..6u32 {
+        let c = i as usize % 3;
+        let file = format!("{i}.png");
+        image(c, i + 1).save(tmp.path().join(&file)).unwrap();
+        jsonl += &serde_json::json!({"image": file, "text": format!("a {} square", colours[c])})
+            .to_string();
+        jsonl.push('\n');
+    }
+    let pairs = tmp.path().join("pairs.jsonl");
+    std::fs::write(&pairs, jsonl).unwrap();
+    let out = tmp.path().join("run");
+    let (m, p, o) = (
+        model.to_str().unwrap(),
+        pairs.to_str().unwrap(),
+        out.to_str().unwrap(),
+    );
+    let (status, _, stderr) = common::tokenformer(&[
+        "train",
+        "--model",
+        m,
+        "--data",
+        p,
+        "--out",
+        o,
+        "--train",
+        "bridge",
+        "--steps",
+        "20",
+        "--batch-size",
+        "3",
+        "--lr",
+        "1e-2",
+        "--warmup-steps",
+        "2",
+        "--seq-len",
+        "16",
+    ]);
+    assert!(status.status.success(), "{stderr}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let loss = |i: usize| lines[i]["loss"].as_f64().unwrap();
+    let (first, last) = ((loss(0) + loss(1)) / 2.0, (loss(18) + loss(19)) / 2.0);
+    // Six bridge tokens per layer on a random-weight language model: a nat in 20 steps.
+    assert!(last < first - 0.5, "caption loss {first} -> {last}");
+    let end = weights(&out.join("checkpoint-000020")).tensors;
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    let mut moved = 0;
+    for (name, t) in &tensors {
+        let after = &end[name];
+        if !name.starts_with("layers.") {
+            assert_eq!(bits(t), bits(after), "{name}");
+            continue;
+        }
+        let n = t.dim(0).unwrap();
+        let (old, new) = (n - 6, 6);
+        assert_eq!(
+            bits(&t.narrow(0, 0, old).unwrap()),
+            bits(&after.narrow(0, 0, old).unwrap()),
+            "{name}"
+        );
+        let (b0, b1) = (
+            bits(&t.narrow(0, old, new).unwrap()),
+            bits(&after.narrow(0, old, new).unwrap()),
+        );
+        if b0 != b1 {
+            moved += 1;
+        }
+    }
+    assert_eq!(moved, 2 * 5 * 2, "every bridge tensor trains");
+}
