@@ -94,7 +94,7 @@ pub fn run(a: ExportArgs) -> Result<()> {
         &LocateOptions {
             config: a.config.clone(),
             tokenizer: None,
-            progress: true,
+            progress: None,
         },
     )?;
     for p in input_paths(&files) {

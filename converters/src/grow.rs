@@ -299,7 +299,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
     let opts = LocateOptions {
         config: a.config.clone(),
         tokenizer: None,
-        progress: true,
+        progress: None,
     };
     let files = loader::locate(&a.model, &opts)?;
     for p in input_paths(&files) {
