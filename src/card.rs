@@ -125,7 +125,7 @@ fn json_to_yaml(v: &Value) -> yaml_rust2::Yaml {
 }
 
 /// Block-style YAML for front matter (without the leading `---`).
-pub fn to_yaml(v: &Value) -> String {
+pub(crate) fn to_yaml(v: &Value) -> String {
     let mut s = String::new();
     yaml_rust2::YamlEmitter::new(&mut s)
         .dump(&json_to_yaml(v))

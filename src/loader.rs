@@ -71,7 +71,7 @@ fn is_repo_id(spec: &str) -> bool {
 }
 
 /// [`locate`] with a Hub client the caller keeps (`None`: local paths only).
-pub fn locate_with(
+pub(crate) fn locate_with(
     spec: &str,
     opts: &LocateOptions,
     hub: Option<&HubClient>,
@@ -118,7 +118,7 @@ fn config_source_from_path(p: &Path) -> Result<ConfigSource> {
 }
 
 /// The largest config.json read (with 1000 class names one is about 60 KB).
-pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+pub(crate) const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 pub fn read_json(p: &Path) -> Result<Value> {
     let text = checkpoint::read_text(p, MAX_CONFIG_BYTES)?;
@@ -451,7 +451,7 @@ fn not_a<A: Architecture>(found: &ModelConfig, origin: &Path) -> Error {
 /// of its own architecture or of one it is part of (a merged model's route).
 /// Every tensor must be used: one left over means the config and the
 /// checkpoint disagree. Errors name the config or the checkpoint.
-pub fn build<A: Architecture>(w: LoadedWeights, device: &Device) -> Result<A> {
+pub(crate) fn build<A: Architecture>(w: LoadedWeights, device: &Device) -> Result<A> {
     let cfg = ModelConfig::from_value(&w.config, &w.config_path)?;
     build_from::<A>(&cfg, w, device)
 }

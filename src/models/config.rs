@@ -50,7 +50,7 @@ impl ModelConfig {
 
     /// Parses and validates a config read from `origin` (named in every
     /// error, with the architecture found when it is missing or unknown).
-    pub fn from_value(value: &Value, origin: &Path) -> Result<Self> {
+    pub(crate) fn from_value(value: &Value, origin: &Path) -> Result<Self> {
         match value.get("architecture") {
             Some(Value::String(a)) if ARCHITECTURES.contains(&a.as_str()) => {}
             found => {

@@ -20,10 +20,10 @@ use sha2::{Digest, Sha256};
 use crate::error::{Error, Result};
 
 /// Largest label file read (`LOC_val_solution.csv` of ImageNet is 2 MB).
-pub const MAX_LABELS_FILE_BYTES: u64 = 256 << 20;
+pub(crate) const MAX_LABELS_FILE_BYTES: u64 = 256 << 20;
 
 /// File extensions read as images (case-insensitive).
-pub const IMAGE_EXTENSIONS: &[&str] = &["jpg", "jpeg", "png", "webp"];
+pub(crate) const IMAGE_EXTENSIONS: &[&str] = &["jpg", "jpeg", "png", "webp"];
 
 /// One labelled image.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,7 +47,7 @@ impl Dataset {
     /// sha256 of the listing: one line `relative path, size in bytes, label`
     /// per sample, in order (size `-` when it cannot be read). Two runs agree
     /// on it when they saw the same files with the same labels.
-    pub fn listing_sha256(&self, root: &Path) -> String {
+    pub(crate) fn listing_sha256(&self, root: &Path) -> String {
         let mut h = Sha256::new();
         for s in &self.samples {
             let rel = s.path.strip_prefix(root).unwrap_or(&s.path);
