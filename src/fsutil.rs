@@ -138,7 +138,7 @@ pub(crate) fn read_bounded(path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// [`read_bounded`] as UTF-8 text.
+/// `read_bounded` as UTF-8 text.
 pub fn read_to_string_bounded(path: &Path, max_bytes: u64) -> Result<String> {
     let bytes = read_bounded(path, max_bytes)?;
     String::from_utf8(bytes).map_err(|e| {

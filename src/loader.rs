@@ -494,17 +494,17 @@ pub fn vit_config(value: &Value, origin: &Path) -> Result<vit::Config> {
     config::<VisionTransformer>(value, origin)
 }
 
-/// [`build`] for the language model.
+/// `build` for the language model.
 pub fn build_lm(w: LoadedWeights, device: &Device) -> Result<TokenFormerLm> {
     build(w, device)
 }
 
-/// [`build`] for the image classifier.
+/// `build` for the image classifier.
 pub fn build_vit(w: LoadedWeights, device: &Device) -> Result<VisionTransformer> {
     build(w, device)
 }
 
-/// [`build`] for the merged vision-language model.
+/// `build` for the merged vision-language model.
 pub fn build_vl(w: LoadedWeights, device: &Device) -> Result<VisionLanguageModel> {
     build(w, device)
 }

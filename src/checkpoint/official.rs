@@ -35,7 +35,7 @@ pub(crate) fn to_canonical(name: &str, num_layers: usize) -> Option<String> {
     }
 }
 
-/// Canonical key → official state-dict key (the inverse of [`to_canonical`]).
+/// Canonical key → official state-dict key (the inverse of `to_canonical`).
 pub fn to_official(name: &str, num_layers: usize) -> Option<String> {
     if name == "word_embeddings.weight" {
         return Some("sequential.0.word_embeddings.weight".into());

@@ -1,7 +1,7 @@
 //! PyTorch checkpoints: the zip archive `torch.save` produces. Writing, so
 //! that `torch.load(path, weights_only=True)` (and the official TokenFormer
 //! trainer) can read a state dict we export; and reading, with the restricted
-//! pickle reader of [`super::pickle`], every record's CRC-32 checked and every
+//! pickle reader of `super::pickle`, every record's CRC-32 checked and every
 //! tensor view checked against its storage record before anything is read.
 //!
 //! Layout (PyTorch serialization format, `torch/serialization.py` and

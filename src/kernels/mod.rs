@@ -11,16 +11,16 @@
 //! The row kernels are written so that all paths add in the same order, and
 //! where they do the results are the same to the bit (tested).
 //!
-//! - [`math`]: vectorisable erf, exp and GELU;
-//! - [`rows`]: per-row primitives (dot, axpy, sums, softmax) and the dispatch
+//! - `math`: vectorisable erf, exp and GELU;
+//! - `rows`: per-row primitives (dot, axpy, sums, softmax) and the dispatch
 //!   between instruction sets;
 //! - [`theta`]: Θ, the Pattention non-linearity (reference and fused);
-//! - [`rotary`]: GPT-NeoX rotary embeddings;
-//! - [`attention`]: fused token-token attention;
-//! - [`gemv`]: the matrix-vector products of decoding (f32 or f16 weights,
-//!   the latter widened by [`half`]);
+//! - `rotary`: GPT-NeoX rotary embeddings;
+//! - `attention`: fused token-token attention;
+//! - `gemv`: the matrix-vector products of decoding (f32 or f16 weights,
+//!   the latter widened by `half`);
 //! - [`q8`]: 8-bit weights (int8 blocks of 32 with an f32 scale each);
-//! - [`matmul`]: the products' entry points, gemm for the compute-bound ones.
+//! - `matmul`: the products' entry points, gemm for the compute-bound ones.
 
 use std::sync::OnceLock;
 

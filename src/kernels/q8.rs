@@ -1,8 +1,8 @@
 //! 8-bit weights for decoding (`--weight-dtype q8`): rows [out, in] of
 //! symmetric int8 in blocks of [`BLOCK`] along the input dimension, one f32
 //! scale (largest magnitude / 127) per block. The dot kernels widen to f32 and
-//! follow the lane contract of [`super::rows`], so they give the bits of the
-//! f32 kernel on [`Q8Matrix::dequantize`]d weights, on every path.
+//! follow the lane contract of `super::rows`, so they give the bits of the
+//! f32 kernel on dequantized weights (`Q8Matrix::dequantize`), on every path.
 
 use std::sync::Arc;
 

@@ -113,7 +113,7 @@ impl Config {
     }
 
     /// Checks what serde cannot: every number within its range (see
-    /// [`limits`]), divisibility, and the sizes derived from them. Every
+    /// `limits`), divisibility, and the sizes derived from them. Every
     /// loader calls this before anything is allocated from the config.
     pub fn validate(&self) -> std::result::Result<(), String> {
         use limits::*;

@@ -9,7 +9,7 @@
 //! [`Dataset::skipped`], so no image is counted twice. Entries with an image
 //! extension that are not regular files (FIFOs, sockets, devices, dangling
 //! links) are listed like any image and are never opened: decoding refuses
-//! them (see [`crate::fsutil::open_regular`]), so an evaluation lists them as
+//! them (see `crate::fsutil::open_regular`), so an evaluation lists them as
 //! unreadable.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -47,7 +47,7 @@ impl Dataset {
     /// sha256 of the listing: one line `relative path, size in bytes, label`
     /// per sample, in order (size `-` when it cannot be read). Two runs agree
     /// on it when they saw the same files with the same labels.
-    pub(crate) fn listing_sha256(&self, root: &Path) -> String {
+    pub fn listing_sha256(&self, root: &Path) -> String {
         let mut h = Sha256::new();
         for s in &self.samples {
             let rel = s.path.strip_prefix(root).unwrap_or(&s.path);

@@ -100,7 +100,7 @@ pub fn open_rgb(path: &Path) -> Result<RgbImage> {
     open_rgb_with(path, &DecodeLimits::default())
 }
 
-/// Reads (regular files only, at most [`DecodeLimits::max_file_bytes`]) and
+/// Reads (regular files only, at most `DecodeLimits::max_file_bytes`) and
 /// decodes an image file; errors name the path.
 pub fn open_rgb_with(path: &Path, limits: &DecodeLimits) -> Result<RgbImage> {
     let bytes = crate::fsutil::read_bounded(path, limits.max_file_bytes())?;
