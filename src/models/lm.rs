@@ -289,7 +289,7 @@ impl Cache {
     pub fn len(&self) -> usize {
         self.layers.first().map_or(0, LayerCache::len)
     }
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }

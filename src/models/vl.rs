@@ -389,7 +389,7 @@ impl VlCache {
     pub fn len(&self) -> usize {
         self.cache.len()
     }
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.cache.is_empty()
     }
     /// Text tokens cached = the next text position.
