@@ -65,7 +65,7 @@ impl ModelCard {
 
 /// Splits a README into (front matter as JSON, body); no front matter → empty
 /// map. Front matter that is not a YAML mapping, or uses anchors/aliases
-/// (see [`crate::checkpoint::official::load_yaml`]), is an error rather than
+/// (see `crate::checkpoint::official::load_yaml`), is an error rather than
 /// dropped, so refreshing a card never loses what it said.
 pub fn parse(text: &str) -> std::result::Result<(Map<String, Value>, String), String> {
     let Some(rest) = text.strip_prefix("---\n") else {
@@ -125,7 +125,7 @@ fn json_to_yaml(v: &Value) -> yaml_rust2::Yaml {
 }
 
 /// Block-style YAML for front matter (without the leading `---`).
-pub fn to_yaml(v: &Value) -> String {
+pub(crate) fn to_yaml(v: &Value) -> String {
     let mut s = String::new();
     yaml_rust2::YamlEmitter::new(&mut s)
         .dump(&json_to_yaml(v))

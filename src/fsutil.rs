@@ -14,7 +14,7 @@ use std::path::Path;
 use crate::error::{Error, Result};
 
 /// What a non-regular file is, for messages.
-pub fn kind(ft: &FileType) -> &'static str {
+pub(crate) fn kind(ft: &FileType) -> &'static str {
     #[cfg(unix)]
     {
         use std::os::unix::fs::FileTypeExt;
@@ -63,7 +63,7 @@ pub fn regular_metadata(path: &Path) -> Result<Metadata> {
 
 /// Opens `path` for reading if it is a regular file (symlinks followed);
 /// anything else (FIFO, socket, device, folder) is refused without blocking.
-pub fn open_regular(path: &Path) -> Result<File> {
+pub(crate) fn open_regular(path: &Path) -> Result<File> {
     let before = regular_metadata(path)?;
     let file = open_nonblocking(path)?;
     let after = file.metadata().map_err(|e| Error::io(path, e))?;
@@ -113,7 +113,7 @@ fn open_nonblocking(path: &Path) -> Result<File> {
 
 /// Reads a whole regular file of at most `max_bytes` bytes; a larger file is
 /// an error naming the limit (also if it grows while being read).
-pub fn read_bounded(path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
+pub(crate) fn read_bounded(path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
     let file = open_regular(path)?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     let too_big = |n: u64| {
@@ -138,7 +138,7 @@ pub fn read_bounded(path: &Path, max_bytes: u64) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// [`read_bounded`] as UTF-8 text.
+/// `read_bounded` as UTF-8 text.
 pub fn read_to_string_bounded(path: &Path, max_bytes: u64) -> Result<String> {
     let bytes = read_bounded(path, max_bytes)?;
     String::from_utf8(bytes).map_err(|e| {

@@ -31,7 +31,7 @@ impl Default for SamplingParams {
 }
 
 /// Picks the next token from one row of logits.
-pub struct Sampler {
+pub(crate) struct Sampler {
     params: SamplingParams,
     rng: StdRng,
 }
@@ -42,7 +42,7 @@ impl Sampler {
         Self { params, rng }
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    pub(crate) fn sample(&mut self, logits: &[f32]) -> u32 {
         let argmax = || {
             logits
                 .iter()

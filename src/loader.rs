@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use crate::checkpoint::{self, official, Tensors};
 use crate::error::{Error, Result};
-use crate::hub::{self, HubClient, RepoRef};
+use crate::hub::{self, DownloadProgress, HubClient, RepoRef};
 use crate::models::tokenformer::{self, TokenFormerLm};
 use crate::models::vit::{self, VisionTransformer};
 use crate::models::vl::VisionLanguageModel;
@@ -53,7 +53,8 @@ pub struct LocateOptions {
     /// An official yml or a canonical config.json to use instead of the found one.
     pub config: Option<PathBuf>,
     pub tokenizer: Option<PathBuf>,
-    pub progress: bool,
+    /// Receives the progress of downloads (the library draws nothing itself).
+    pub progress: Option<DownloadProgress>,
 }
 
 /// Resolves a model name to files on disk, downloading from the Hub if
@@ -70,7 +71,7 @@ fn is_repo_id(spec: &str) -> bool {
 }
 
 /// [`locate`] with a Hub client the caller keeps (`None`: local paths only).
-pub fn locate_with(
+pub(crate) fn locate_with(
     spec: &str,
     opts: &LocateOptions,
     hub: Option<&HubClient>,
@@ -86,9 +87,9 @@ pub fn locate_with(
     let mut files = if path.exists() {
         locate_local(path)?
     } else if let Some(entry) = zoo::find(spec) {
-        locate_zoo(need_hub()?, entry, spec, opts.progress)?
+        locate_zoo(need_hub()?, entry, spec, opts.progress.as_ref())?
     } else if is_repo_id(spec) {
-        locate_hub(need_hub()?, &RepoRef::parse(spec)?, opts.progress)?
+        locate_hub(need_hub()?, &RepoRef::parse(spec)?, opts.progress.as_ref())?
     } else {
         return Err(Error::UnknownModel(spec.to_string()));
     };
@@ -117,7 +118,7 @@ fn config_source_from_path(p: &Path) -> Result<ConfigSource> {
 }
 
 /// The largest config.json read (with 1000 class names one is about 60 KB).
-pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+pub(crate) const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 pub fn read_json(p: &Path) -> Result<Value> {
     let text = checkpoint::read_text(p, MAX_CONFIG_BYTES)?;
@@ -202,7 +203,12 @@ fn zoo_config_for_dir(dir: &Path) -> Option<Value> {
     zoo::find(name).map(|e| e.config.clone())
 }
 
-fn locate_zoo(hub: &HubClient, entry: &ZooEntry, spec: &str, progress: bool) -> Result<ModelFiles> {
+fn locate_zoo(
+    hub: &HubClient,
+    entry: &ZooEntry,
+    spec: &str,
+    progress: Option<&DownloadProgress>,
+) -> Result<ModelFiles> {
     let Some(w) = &entry.weights else {
         return Err(Error::NoReleasedWeights(entry.name.clone()));
     };
@@ -234,7 +240,7 @@ fn hub_tokenizer(
     hub: &HubClient,
     repo: &RepoRef,
     fallback: &zoo::HubFile,
-    progress: bool,
+    progress: Option<&DownloadProgress>,
 ) -> Result<PathBuf> {
     if let Ok(list) = hub_listing(hub, repo) {
         if list.iter().any(|f| f == TOKENIZER_FILE) {
@@ -245,7 +251,11 @@ fn hub_tokenizer(
     Ok(hub.download_files(&t, &[fallback.file.as_str()], progress)?[0].clone())
 }
 
-fn locate_hub(hub: &HubClient, repo: &RepoRef, progress: bool) -> Result<ModelFiles> {
+fn locate_hub(
+    hub: &HubClient,
+    repo: &RepoRef,
+    progress: Option<&DownloadProgress>,
+) -> Result<ModelFiles> {
     let list = hub_listing(hub, repo)?;
     let has = |f: &str| list.iter().any(|x| x == f);
     let source = format!("{}/{}@{}", repo.owner, repo.name, repo.revision);
@@ -441,7 +451,7 @@ fn not_a<A: Architecture>(found: &ModelConfig, origin: &Path) -> Error {
 /// of its own architecture or of one it is part of (a merged model's route).
 /// Every tensor must be used: one left over means the config and the
 /// checkpoint disagree. Errors name the config or the checkpoint.
-pub fn build<A: Architecture>(w: LoadedWeights, device: &Device) -> Result<A> {
+pub(crate) fn build<A: Architecture>(w: LoadedWeights, device: &Device) -> Result<A> {
     let cfg = ModelConfig::from_value(&w.config, &w.config_path)?;
     build_from::<A>(&cfg, w, device)
 }
@@ -484,17 +494,17 @@ pub fn vit_config(value: &Value, origin: &Path) -> Result<vit::Config> {
     config::<VisionTransformer>(value, origin)
 }
 
-/// [`build`] for the language model.
+/// `build` for the language model.
 pub fn build_lm(w: LoadedWeights, device: &Device) -> Result<TokenFormerLm> {
     build(w, device)
 }
 
-/// [`build`] for the image classifier.
+/// `build` for the image classifier.
 pub fn build_vit(w: LoadedWeights, device: &Device) -> Result<VisionTransformer> {
     build(w, device)
 }
 
-/// [`build`] for the merged vision-language model.
+/// `build` for the merged vision-language model.
 pub fn build_vl(w: LoadedWeights, device: &Device) -> Result<VisionLanguageModel> {
     build(w, device)
 }

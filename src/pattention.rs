@@ -40,7 +40,7 @@ impl Layout {
     /// This CPU's: [`Layout::Rows`] where the streaming kernels run fastest
     /// that way (see [`kernels::prefers_row_products`]), else [`Layout::Gemm`];
     /// `TOKENFORMER_LAYOUT=gemm|rows` overrides it (so tests can run both).
-    pub fn for_this_cpu() -> Self {
+    pub(crate) fn for_this_cpu() -> Self {
         match std::env::var("TOKENFORMER_LAYOUT").as_deref() {
             Ok("gemm") => Layout::Gemm,
             Ok("rows") => Layout::Rows,
@@ -89,7 +89,7 @@ impl Pattention {
     }
 
     /// [`Self::from_tensors`] in a given layout.
-    pub fn from_tensors_in(
+    pub(crate) fn from_tensors_in(
         key: Tensor,
         value: Tensor,
         activation: Activation,
@@ -208,7 +208,7 @@ impl Pattention {
     }
 
     /// The raw token-parameter scores X·Kᵀ, flattened to [rows, n].
-    pub fn scores(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn scores(&self, x: &Tensor) -> Result<Tensor> {
         let d_in = x.dim(D::Minus1)?;
         let rows = x.elem_count() / d_in.max(1);
         let x = x.reshape((rows, d_in))?;

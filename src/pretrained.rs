@@ -47,7 +47,7 @@ impl PretrainedOptions {
         let opts = LocateOptions {
             config: self.config.clone(),
             tokenizer: self.tokenizer.clone(),
-            progress: false,
+            progress: None,
         };
         match &self.hub {
             Some(hub) => loader::locate_with(name, &opts, Some(hub)),

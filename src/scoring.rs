@@ -167,7 +167,7 @@ impl<'m> Scorer<'m> {
 
     /// The model input of a request: `(context + continuation)[-(L+1):][:-1]`,
     /// the harness's left truncation; the continuation is its last positions.
-    pub fn model_input(&self, r: &Request) -> Result<Vec<u32>> {
+    pub(crate) fn model_input(&self, r: &Request) -> Result<Vec<u32>> {
         if r.continuation.len() > self.max_length {
             return Err(Error::input(format!(
                 "a continuation of {} tokens does not fit the maximum length {}",
@@ -270,7 +270,7 @@ impl<'m> Scorer<'m> {
     /// time, longest inputs first so that a batch holds similar lengths
     /// (little padding); `progress` gets the number of scored tokens after
     /// each batch. Results are in input order.
-    pub fn score_all(
+    pub(crate) fn score_all(
         &self,
         requests: &[Request],
         batch_size: usize,

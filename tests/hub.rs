@@ -80,7 +80,7 @@ fn download_two_files_into_the_standard_cache() {
     let r = repo("acme/tiny");
 
     let paths = c
-        .download_files(&r, &["config.json", "model.safetensors"], true)
+        .download_files(&r, &["config.json", "model.safetensors"], None)
         .unwrap();
 
     let repo_dir = home.path().join("hub").join("models--acme--tiny");
@@ -140,7 +140,7 @@ fn download_two_files_into_the_standard_cache() {
     // A second download of cached files re-uses the blobs (no new GET of content).
     hub.clear_requests();
     let again = c
-        .download_files(&r, &["config.json", "model.safetensors"], false)
+        .download_files(&r, &["config.json", "model.safetensors"], None)
         .unwrap();
     assert_eq!(again, paths);
     assert!(
@@ -152,7 +152,7 @@ fn download_two_files_into_the_standard_cache() {
     // A branch with '/' is one URL segment (percent-encoded) and nested folders under refs/.
     let feature_sha = hub.add_commit("acme/tiny", "feature/x", &[("config.json", b"{}")]);
     let feature = repo("acme/tiny@feature/x");
-    let p = c.download_files(&feature, &["config.json"], false).unwrap();
+    let p = c.download_files(&feature, &["config.json"], None).unwrap();
     assert_eq!(std::fs::read(&p[0]).unwrap(), b"{}");
     assert_eq!(
         std::fs::read_to_string(repo_dir.join("refs/feature/x")).unwrap(),
@@ -164,7 +164,7 @@ fn download_two_files_into_the_standard_cache() {
     hub.clear_requests();
     let pinned = repo(&format!("acme/tiny@{sha}"));
     assert_eq!(
-        c.download_files(&pinned, &["config.json"], false).unwrap()[0],
+        c.download_files(&pinned, &["config.json"], None).unwrap()[0],
         paths[0]
     );
     assert!(hub.requests().is_empty());
@@ -178,18 +178,18 @@ fn offline_mode_and_failing_server_use_the_cache() {
     let r = repo("acme/tiny");
     let online = client(&hub.endpoint(), home.path());
     let paths = online
-        .download_files(&r, &["config.json", "model.safetensors"], false)
+        .download_files(&r, &["config.json", "model.safetensors"], None)
         .unwrap();
 
     // Server answering 500: cached files still resolve (like huggingface_hub), an uncached
     // one is a server error naming it.
     hub.fail_all(500);
     assert_eq!(
-        online.download_files(&r, &["config.json"], false).unwrap()[0],
+        online.download_files(&r, &["config.json"], None).unwrap()[0],
         paths[0]
     );
     let e = online
-        .download_files(&r, &["tokenizer.json"], false)
+        .download_files(&r, &["tokenizer.json"], None)
         .unwrap_err();
     assert!(matches!(e, HubError::Server { status: 500, .. }), "{e}");
     let msg = e.to_string();
@@ -206,7 +206,7 @@ fn offline_mode_and_failing_server_use_the_cache() {
         assert!(cfg.offline, "{flag}");
         let offline = HubClient::new(cfg).unwrap();
         let got = offline
-            .download_files(&r, &["config.json", "model.safetensors"], false)
+            .download_files(&r, &["config.json", "model.safetensors"], None)
             .unwrap();
         assert_eq!(got, paths);
         assert_eq!(offline.resolve_commit(&r).unwrap(), sha);
@@ -218,7 +218,7 @@ fn offline_mode_and_failing_server_use_the_cache() {
             .collect();
         assert_eq!(cached, ["config.json", "model.safetensors"]);
         let e = offline
-            .download_files(&r, &["tokenizer.json"], false)
+            .download_files(&r, &["tokenizer.json"], None)
             .unwrap_err();
         assert!(matches!(e, HubError::NotCached { .. }), "{e}");
         let msg = e.to_string();
@@ -237,7 +237,7 @@ fn offline_mode_and_failing_server_use_the_cache() {
     let offline =
         HubClient::new(config(&endpoint, home.path(), &[("HF_HUB_OFFLINE", "1")])).unwrap();
     let got = offline
-        .download_files(&r, &["config.json", "model.safetensors"], false)
+        .download_files(&r, &["config.json", "model.safetensors"], None)
         .unwrap();
     assert_eq!(std::fs::read(&got[0]).unwrap(), CONFIG_JSON);
     assert_eq!(std::fs::read(&got[1]).unwrap(), weights());
@@ -258,13 +258,13 @@ fn errors_are_classified_name_repo_and_file_and_fail_fast() {
     let c = HubClient::new(config(&hub.endpoint(), home.path(), &[]).without_token()).unwrap();
 
     let e = c
-        .download_files(&repo("acme/nope"), &["config.json"], false)
+        .download_files(&repo("acme/nope"), &["config.json"], None)
         .unwrap_err();
     assert!(matches!(e, HubError::RepoNotFound { .. }), "{e}");
     assert!(e.to_string().contains("acme/nope"), "{e}");
 
     let e = c
-        .download_files(&repo("acme/tiny"), &["missing.bin"], false)
+        .download_files(&repo("acme/tiny"), &["missing.bin"], None)
         .unwrap_err();
     assert!(matches!(e, HubError::FileNotFound { .. }), "{e}");
     let msg = e.to_string();
@@ -274,7 +274,7 @@ fn errors_are_classified_name_repo_and_file_and_fail_fast() {
     );
 
     let e = c
-        .download_files(&repo("acme/tiny@v9"), &["config.json"], false)
+        .download_files(&repo("acme/tiny@v9"), &["config.json"], None)
         .unwrap_err();
     assert!(matches!(e, HubError::RevisionNotFound { .. }), "{e}");
     assert!(
@@ -292,21 +292,21 @@ fn errors_are_classified_name_repo_and_file_and_fail_fast() {
     if !HubConfig::from_env().has_token() {
         // Anonymous access to a private repo looks like a missing repo (401 + RepoNotFound).
         let e = c
-            .download_files(&repo("acme/secret"), &["config.json"], false)
+            .download_files(&repo("acme/secret"), &["config.json"], None)
             .unwrap_err();
         assert!(matches!(e, HubError::RepoNotFound { .. }), "{e}");
         assert!(e.to_string().contains("token"), "{e}");
     }
 
     let e = c
-        .download_files(&repo("acme/tiny"), &["../escape"], false)
+        .download_files(&repo("acme/tiny"), &["../escape"], None)
         .unwrap_err();
     assert!(matches!(e, HubError::InvalidFileName { .. }), "{e}");
 
     // 500 from a fresh cache.
     hub.fail_all(500);
     let e = c
-        .download_files(&repo("acme/tiny"), &["config.json"], false)
+        .download_files(&repo("acme/tiny"), &["config.json"], None)
         .unwrap_err();
     assert!(matches!(e, HubError::Server { status: 500, .. }), "{e}");
     assert!(
@@ -320,7 +320,7 @@ fn errors_are_classified_name_repo_and_file_and_fail_fast() {
     // Connection refused.
     let dead = HubClient::new(config(&refused_endpoint(), home.path(), &[])).unwrap();
     let e = dead
-        .download_files(&repo("acme/tiny"), &["config.json"], false)
+        .download_files(&repo("acme/tiny"), &["config.json"], None)
         .unwrap_err();
     assert!(matches!(e, HubError::Network { .. }), "{e}");
     let msg = e.to_string();
@@ -352,7 +352,7 @@ fn a_failed_lfs_download_is_not_cached() {
     // body of the failed response as the blob; here it is an error and nothing is kept.
     hub.fail_matching(Some("GET"), "/__cdn/", 500);
     let e = c
-        .download_files(&r, &["model.safetensors"], false)
+        .download_files(&r, &["model.safetensors"], None)
         .unwrap_err();
     assert!(matches!(e, HubError::Server { status: 500, .. }), "{e}");
     assert!(e.to_string().contains("model.safetensors"), "{e}");
@@ -362,7 +362,7 @@ fn a_failed_lfs_download_is_not_cached() {
     assert!(!blob.exists());
 
     hub.clear_failures();
-    let p = c.download_files(&r, &["model.safetensors"], false).unwrap();
+    let p = c.download_files(&r, &["model.safetensors"], None).unwrap();
     assert_eq!(std::fs::read(&p[0]).unwrap(), weights());
     assert!(blob.is_file());
 }
@@ -482,7 +482,7 @@ fn publish_then_download_back() {
     let home2 = tempfile::tempdir().unwrap();
     let c2 = client(&hub.endpoint(), home2.path());
     let files = ["config.json", "extra/notes.txt", "model.safetensors"];
-    let got = c2.download_files(&r, &files, false).unwrap();
+    let got = c2.download_files(&r, &files, None).unwrap();
     for (p, name) in got.iter().zip(files) {
         assert_eq!(
             std::fs::read(p).unwrap(),
@@ -507,7 +507,7 @@ fn publish_then_download_back() {
     assert_eq!(hub.head("acme/new-model", "main").unwrap(), head);
     let dev_head = hub.head("acme/new-model", "dev").unwrap();
     assert!(report2.commit_url.ends_with(&dev_head));
-    let p = c2.download_files(&dev, &["config.json"], false).unwrap();
+    let p = c2.download_files(&dev, &["config.json"], None).unwrap();
     assert_eq!(std::fs::read(&p[0]).unwrap(), b"{\"v\": 2}");
     assert_eq!(
         std::fs::read_to_string(home2.path().join("hub/models--acme--new-model/refs/dev")).unwrap(),
@@ -526,7 +526,7 @@ fn tokens_are_sent_but_never_shown() {
     let cfg = config(&hub.endpoint(), home.path(), &[]);
     assert!(cfg.has_token());
     let c = HubClient::new(cfg.clone()).unwrap();
-    c.download_files(&repo("acme/tiny"), &["config.json"], false)
+    c.download_files(&repo("acme/tiny"), &["config.json"], None)
         .unwrap();
     assert!(hub.requests().iter().all(|q| q.bearer() == Some(TOKEN)));
     assert!(!format!("{cfg:?} {c:?}").contains(TOKEN));
@@ -536,7 +536,7 @@ fn tokens_are_sent_but_never_shown() {
     let bad = HubClient::new(config(&hub.endpoint(), home.path(), &[("HF_TOKEN", wrong)])).unwrap();
     let folder = model_folder();
     let mut errors = vec![
-        bad.download_files(&repo("acme/tiny"), &["tokenizer.json"], false)
+        bad.download_files(&repo("acme/tiny"), &["tokenizer.json"], None)
             .unwrap_err(),
         bad.list_files(&repo("acme/tiny")).unwrap_err(),
         bad.publish_folder(
@@ -1065,7 +1065,7 @@ fn a_hostile_server_cannot_escape_the_cache_or_poison_it() {
         let c = HubClient::new(hostile_config(&hub.endpoint(), &sandbox.hf())).unwrap();
         hub.attack(case.method, case.path, case.attack.clone(), case.times);
         let t = Instant::now();
-        let got = c.download_files(&repo("acme/tiny"), &[case.file], false);
+        let got = c.download_files(&repo("acme/tiny"), &[case.file], None);
         let took = t.elapsed();
         let name = case.name;
         match (case.expect, got) {
@@ -1128,7 +1128,7 @@ fn a_resumed_download_asks_for_the_rest_only() {
     let c = HubClient::new(hostile_config(&hub.endpoint(), &sandbox.hf())).unwrap();
     hub.attack(Some("GET"), "/__cdn/", Attack::CutAfter(3000), Some(1));
     let p = c
-        .download_files(&repo("acme/tiny"), &["model.safetensors"], false)
+        .download_files(&repo("acme/tiny"), &["model.safetensors"], None)
         .unwrap();
     assert_eq!(std::fs::read(&p[0]).unwrap(), weights());
     let ranges: Vec<Option<String>> = hub
@@ -1157,7 +1157,7 @@ fn retry_after_is_honoured_and_bounded() {
         Some(1),
     );
     let t = Instant::now();
-    c.download_files(&repo("acme/tiny"), &["config.json"], false)
+    c.download_files(&repo("acme/tiny"), &["config.json"], None)
         .unwrap();
     let took = t.elapsed();
     assert!(took >= Duration::from_millis(950), "did not wait: {took:?}");
@@ -1170,7 +1170,7 @@ fn retry_after_is_honoured_and_bounded() {
         Some(1),
     );
     let t = Instant::now();
-    c.download_files(&repo("acme/tiny"), &["tokenizer.json"], false)
+    c.download_files(&repo("acme/tiny"), &["tokenizer.json"], None)
         .unwrap();
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
 }
@@ -1193,7 +1193,7 @@ fn the_token_never_follows_a_redirect_to_another_host() {
         .download_files(
             &repo("acme/tiny"),
             &["config.json", "model.safetensors"],
-            false,
+            None,
         )
         .unwrap();
     assert_eq!(std::fs::read(&paths[0]).unwrap(), CONFIG_JSON);
@@ -1285,7 +1285,7 @@ fn a_blob_left_unverified_by_a_killed_process_is_never_trusted() {
     let r = repo("acme/tiny");
     let c = HubClient::new(hostile_config(&hub.endpoint(), &hf)).unwrap();
     let files = ["config.json", "model.safetensors"];
-    c.download_files(&r, &files, false).unwrap();
+    c.download_files(&r, &files, None).unwrap();
     let blobs = [
         blob_path(&hf, CONFIG_JSON, false),
         blob_path(&hf, &weights(), true),
@@ -1308,7 +1308,7 @@ fn a_blob_left_unverified_by_a_killed_process_is_never_trusted() {
     plant();
     // Offline: reported as corrupt, naming the file, and removed (never used).
     let offline = HubClient::new(hostile_config(&hub.endpoint(), &hf).with_offline(true)).unwrap();
-    let e = offline.download_files(&r, &files, false).unwrap_err();
+    let e = offline.download_files(&r, &files, None).unwrap_err();
     assert!(matches!(e, HubError::Integrity { .. }), "{e}");
     assert!(e.to_string().contains("config.json") && e.to_string().contains("acme/tiny"));
     assert!(!blobs[0].exists());
@@ -1316,13 +1316,13 @@ fn a_blob_left_unverified_by_a_killed_process_is_never_trusted() {
     plant();
     hub.clear_requests();
     let pinned = repo(&format!("acme/tiny@{sha}"));
-    let p = c.download_files(&pinned, &files, false).unwrap();
+    let p = c.download_files(&pinned, &files, None).unwrap();
     assert_eq!(std::fs::read(&p[0]).unwrap(), CONFIG_JSON);
     assert_eq!(std::fs::read(&p[1]).unwrap(), weights());
     assert!(hub.requests().iter().any(|q| q.method == "GET"));
     // Online by branch: the same.
     plant();
-    let p = c.download_files(&r, &files, false).unwrap();
+    let p = c.download_files(&r, &files, None).unwrap();
     assert_eq!(std::fs::read(&p[1]).unwrap(), weights());
     // The stale partial files were taken over (truncated, then renamed when checked).
     assert_cache_clean(&hf);
@@ -1331,14 +1331,14 @@ fn a_blob_left_unverified_by_a_killed_process_is_never_trusted() {
     // checked once and used without downloading it again.
     std::fs::remove_dir_all(hf.join("hub/models--acme--tiny/.tokenformer")).unwrap();
     hub.clear_requests();
-    c.download_files(&r, &files, false).unwrap();
+    c.download_files(&r, &files, None).unwrap();
     assert!(
         hub.requests().iter().all(|q| q.method == "HEAD"),
         "{:?}",
         hub.requests()
     );
     hub.clear_requests();
-    offline.download_files(&pinned, &files, false).unwrap();
+    offline.download_files(&pinned, &files, None).unwrap();
     assert!(hub.requests().is_empty());
 }
 
@@ -1366,7 +1366,7 @@ fn concurrent_downloads_of_one_file_wait_for_each_other() {
                 s.spawn(move || {
                     // Separate clients, as separate processes would have.
                     let c = HubClient::new(hostile_config(&endpoint, &hf)).unwrap();
-                    c.download_files(&repo("acme/tiny"), &["model.safetensors"], false)
+                    c.download_files(&repo("acme/tiny"), &["model.safetensors"], None)
                         .map(|p| std::fs::read(&p[0]).unwrap())
                         .map_err(|e| e.to_string())
                 })
@@ -1407,14 +1407,14 @@ fn a_lock_holder_without_progress_is_given_up_on() {
     .unwrap();
     let t = Instant::now();
     let e = c
-        .download_files(&repo("acme/tiny"), &["config.json"], false)
+        .download_files(&repo("acme/tiny"), &["config.json"], None)
         .unwrap_err();
     assert!(matches!(e, HubError::LockTimeout { .. }), "{e}");
     assert!(e.to_string().contains("config.json") && e.to_string().contains("acme/tiny"));
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     // Released (the holder exits): the download goes through.
     drop(held);
-    c.download_files(&repo("acme/tiny"), &["config.json"], false)
+    c.download_files(&repo("acme/tiny"), &["config.json"], None)
         .unwrap();
     assert_cache_clean(&hf);
 }
@@ -1526,7 +1526,7 @@ fn a_silent_server_is_given_up_on_after_three_timeouts() {
     );
     let t = Instant::now();
     let e = c
-        .download_files(&repo("acme/tiny"), &["model.safetensors"], false)
+        .download_files(&repo("acme/tiny"), &["model.safetensors"], None)
         .unwrap_err();
     assert!(matches!(e, HubError::Network { .. }), "{e}");
     let msg = e.to_string();

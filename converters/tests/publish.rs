@@ -127,7 +127,7 @@ fn publish_then_download_gives_the_same_model() {
     let client = tokenformer::hub::HubClient::new(cfg).unwrap();
     let repo = tokenformer::hub::RepoRef::parse("me/tiny").unwrap();
     let paths = client
-        .download_files(&repo, &["config.json", "model.safetensors"], false)
+        .download_files(&repo, &["config.json", "model.safetensors"], None)
         .unwrap();
     let dev = candle_core::Device::Cpu;
     let a =

@@ -28,7 +28,7 @@ pub type Tensors = BTreeMap<String, Tensor>;
 
 /// `model.safetensors.index.json`.
 #[derive(Debug, Serialize, Deserialize)]
-pub struct ShardIndex {
+pub(crate) struct ShardIndex {
     #[serde(default)]
     pub metadata: serde_json::Map<String, serde_json::Value>,
     pub weight_map: BTreeMap<String, String>,
@@ -36,7 +36,7 @@ pub struct ShardIndex {
 
 /// The largest `model.safetensors.index.json` read (real ones are a few
 /// hundred KB).
-pub const MAX_INDEX_BYTES: u64 = 64 << 20;
+pub(crate) const MAX_INDEX_BYTES: u64 = 64 << 20;
 
 /// The safetensors files of a model folder: the single file, or the shards
 /// listed by the index (each confined to the folder, see [`shard_path`]).
@@ -115,7 +115,7 @@ pub fn shard_path(dir: &Path, name: &str) -> std::result::Result<PathBuf, String
 
 /// A small text file (config, index), refusing anything that is not a
 /// regular file (a FIFO would block) or is larger than `limit` bytes.
-pub fn read_text(path: &Path, limit: u64) -> Result<String> {
+pub(crate) fn read_text(path: &Path, limit: u64) -> Result<String> {
     use std::io::Read;
     let invalid = |msg: String| {
         Error::io(
@@ -427,7 +427,10 @@ pub fn var_builder(tensors: Tensors, device: &Device) -> candle_nn::VarBuilder<'
 }
 
 /// [`var_builder`], and what the model built from it did not take.
-pub fn hand_over(tensors: Tensors, device: &Device) -> (candle_nn::VarBuilder<'static>, Untaken) {
+pub(crate) fn hand_over(
+    tensors: Tensors,
+    device: &Device,
+) -> (candle_nn::VarBuilder<'static>, Untaken) {
     let dtype = tensors.values().next().map_or(DType::F32, |t| t.dtype());
     let backend = HandOver(std::sync::Arc::new(std::sync::Mutex::new(
         tensors.into_iter().collect(),
@@ -438,11 +441,11 @@ pub fn hand_over(tensors: Tensors, device: &Device) -> (candle_nn::VarBuilder<'s
 }
 
 /// The tensors of a [`hand_over`] VarBuilder no model has taken (yet).
-pub struct Untaken(std::sync::Arc<std::sync::Mutex<HashMap<String, Tensor>>>);
+pub(crate) struct Untaken(std::sync::Arc<std::sync::Mutex<HashMap<String, Tensor>>>);
 
 impl Untaken {
     /// Their names, sorted.
-    pub fn names(&self) -> Vec<String> {
+    pub(crate) fn names(&self) -> Vec<String> {
         let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let mut names: Vec<String> = map.keys().cloned().collect();
         names.sort();
@@ -560,7 +563,7 @@ pub fn write_safetensors(
 
 /// The process umask, read from `/proc/self/status` (no race with other threads, unlike
 /// calling `umask` twice); 0o022 where that is not available.
-pub fn umask() -> u32 {
+pub(crate) fn umask() -> u32 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {

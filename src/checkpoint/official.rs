@@ -15,7 +15,7 @@ use crate::models::tokenformer::Config;
 use crate::pattention::Activation;
 
 /// Official state-dict key → canonical key, or None if the key is not ours.
-pub fn to_canonical(name: &str, num_layers: usize) -> Option<String> {
+pub(crate) fn to_canonical(name: &str, num_layers: usize) -> Option<String> {
     let rest = name.strip_prefix("sequential.")?;
     let (idx, tail) = rest.split_once('.')?;
     let idx: usize = idx.parse().ok()?;
@@ -35,7 +35,7 @@ pub fn to_canonical(name: &str, num_layers: usize) -> Option<String> {
     }
 }
 
-/// Canonical key → official state-dict key (the inverse of [`to_canonical`]).
+/// Canonical key → official state-dict key (the inverse of `to_canonical`).
 pub fn to_official(name: &str, num_layers: usize) -> Option<String> {
     if name == "word_embeddings.weight" {
         return Some("sequential.0.word_embeddings.weight".into());
@@ -65,16 +65,16 @@ fn is_block_tensor(t: &str) -> bool {
 }
 
 /// The largest YAML text parsed (official eval configs are about 2 KB).
-pub const MAX_YAML_BYTES: usize = 1 << 20;
+pub(crate) const MAX_YAML_BYTES: usize = 1 << 20;
 /// Deepest nesting of YAML mappings and sequences accepted.
-pub const MAX_YAML_DEPTH: usize = 32;
+pub(crate) const MAX_YAML_DEPTH: usize = 32;
 
 /// The first document of a YAML text, refusing what a config or a model
 /// card never needs and an attacker would use: anchors and aliases (an alias
 /// bomb of a few hundred bytes expands to gigabytes), nesting deeper than
 /// [`MAX_YAML_DEPTH`] and text longer than [`MAX_YAML_BYTES`]. The events
 /// are checked before any document is built.
-pub fn load_yaml(text: &str) -> std::result::Result<Option<yaml_rust2::Yaml>, String> {
+pub(crate) fn load_yaml(text: &str) -> std::result::Result<Option<yaml_rust2::Yaml>, String> {
     use yaml_rust2::parser::{Event, Parser};
     if text.len() > MAX_YAML_BYTES {
         return Err(format!(
@@ -127,7 +127,7 @@ pub fn load_yaml(text: &str) -> std::result::Result<Option<yaml_rust2::Yaml>, St
 
 /// Parses the official eval yml: a JSON-like YAML mapping with `#` comments
 /// and Python literals (`False`), read by NeoX with PyYAML.
-pub fn parse_yml(text: &str, path: &Path) -> Result<Map<String, Value>> {
+pub(crate) fn parse_yml(text: &str, path: &Path) -> Result<Map<String, Value>> {
     let doc = load_yaml(text).map_err(|e| Error::config(path, e))?;
     match doc.map(yaml_to_json) {
         Some(Value::Object(m)) => Ok(m),
@@ -136,7 +136,7 @@ pub fn parse_yml(text: &str, path: &Path) -> Result<Map<String, Value>> {
 }
 
 /// Reads and parses an official eval yml.
-pub fn read_yml(path: &Path) -> Result<Map<String, Value>> {
+pub(crate) fn read_yml(path: &Path) -> Result<Map<String, Value>> {
     let text = crate::checkpoint::read_text(path, MAX_YAML_BYTES as u64)?;
     parse_yml(&text, path)
 }
@@ -178,7 +178,7 @@ pub fn config_from_yml(path: &Path, vocab_size: usize) -> Result<Config> {
     config_from_settings(&read_yml(path)?, path, vocab_size)
 }
 
-pub fn config_from_settings(
+pub(crate) fn config_from_settings(
     m: &Map<String, Value>,
     path: &Path,
     vocab_size: usize,

@@ -1,7 +1,7 @@
 //! PyTorch checkpoints: the zip archive `torch.save` produces. Writing, so
 //! that `torch.load(path, weights_only=True)` (and the official TokenFormer
 //! trainer) can read a state dict we export; and reading, with the restricted
-//! pickle reader of [`super::pickle`], every record's CRC-32 checked and every
+//! pickle reader of `super::pickle`, every record's CRC-32 checked and every
 //! tensor view checked against its storage record before anything is read.
 //!
 //! Layout (PyTorch serialization format, `torch/serialization.py` and
@@ -27,7 +27,7 @@ use super::{convert, decode, pickle, Scratch, Tensors};
 use crate::error::{Error, Result};
 
 /// Record payloads start at multiples of this (torch's `kFieldAlignment`).
-pub const ALIGNMENT: u64 = 64;
+pub(crate) const ALIGNMENT: u64 = 64;
 const ARCHIVE: &str = "archive";
 
 /// Options for [`write_state_dict`].
@@ -371,7 +371,7 @@ impl<W: Write> ZipWriter<W> {
 
 /// The largest `data.pkl` read: a state dict of 100,000 tensors needs about
 /// 20 MB.
-pub const MAX_PICKLE_BYTES: u64 = 64 << 20;
+pub(crate) const MAX_PICKLE_BYTES: u64 = 64 << 20;
 
 /// Where one record's bytes are, and their CRC-32 from the central directory.
 #[derive(Clone, Copy, Debug)]
@@ -384,7 +384,7 @@ struct Record {
 /// One tensor of a torch checkpoint: its storage's dtype and the view
 /// (element offset, shape, strides) of the storage record it reads.
 #[derive(Clone, Debug)]
-pub struct StoredTensor {
+pub(crate) struct StoredTensor {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<usize>,
@@ -395,7 +395,7 @@ pub struct StoredTensor {
 
 impl StoredTensor {
     /// Elements of the tensor (checked against its storage at open).
-    pub fn elem_count(&self) -> usize {
+    pub(crate) fn elem_count(&self) -> usize {
         self.shape.iter().product()
     }
 }
@@ -403,7 +403,7 @@ impl StoredTensor {
 /// A torch zip checkpoint opened for reading: the directory and the state
 /// dict are parsed and checked; tensor bytes are read by [`Self::read`].
 #[derive(Debug)]
-pub struct TorchReader {
+pub(crate) struct TorchReader {
     path: PathBuf,
     file: std::fs::File,
     /// Sorted by name.
@@ -419,7 +419,7 @@ impl TorchReader {
     /// `data.pkl` (CRC-checked) with the restricted pickle reader, and checks
     /// that every tensor's storage record exists, has exactly the storage's
     /// size, and holds the tensor's whole view.
-    pub fn open(path: &Path) -> Result<Self> {
+    pub(crate) fn open(path: &Path) -> Result<Self> {
         let bad = |msg: String| {
             Error::checkpoint(path, format!("not a readable PyTorch checkpoint: {msg}"))
         };
@@ -558,7 +558,7 @@ impl TorchReader {
     }
 
     /// The tensors, sorted by name.
-    pub fn tensors(&self) -> &[StoredTensor] {
+    pub(crate) fn tensors(&self) -> &[StoredTensor] {
         &self.tensors
     }
 
@@ -567,7 +567,7 @@ impl TorchReader {
     /// records are read in file order with positioned reads into one reused
     /// buffer and CRC-checked before use, so the peak is the converted
     /// tensors plus one record.
-    pub fn read(
+    pub(crate) fn read(
         &self,
         mut rename: impl FnMut(&str) -> Option<String>,
         dtype: Option<DType>,

@@ -5,6 +5,7 @@ pub mod bench_train;
 pub mod eval_lm;
 pub mod inspect;
 pub mod lm;
+pub mod progress;
 pub mod train;
 pub mod vision;
 pub mod zoo;
@@ -65,7 +66,7 @@ impl ModelArgs {
         let opts = tokenformer::loader::LocateOptions {
             config: self.config.clone(),
             tokenizer: self.tokenizer.clone(),
-            progress: true,
+            progress: Some(progress::download_bars()),
         };
         Ok(tokenformer::loader::locate(&self.model, &opts)?)
     }

@@ -239,7 +239,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             m,
             &LocateOptions {
                 tokenizer: a.tokenizer.clone(),
-                progress: true,
+                progress: Some(super::progress::download_bars()),
                 ..Default::default()
             },
         )?;

@@ -4,7 +4,7 @@
 //! that `tokenformer eval merge` dispatches on ([`merge::Report`]).
 //!
 //! Shared pieces: [`data`] (bounded reading of `.txt`/`.jsonl[.zst]`, file
-//! hashes), [`shard`] (one part of a run), [`pytext`] (Python's string rules
+//! hashes), [`shard`] (one part of a run), `pytext` (Python's string rules
 //! the harness relies on). Progress and warnings reach the caller through
 //! callbacks and returned values; nothing here prints.
 

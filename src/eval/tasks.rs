@@ -167,7 +167,7 @@ fn index(v: &Value, name: &str) -> std::result::Result<usize, String> {
 }
 
 /// HellaSwag's cleaning (harness `hellaswag/utils.py::preprocess`): strip,
-/// " [title]" → ". ", drop `[...]` (WikiHow artefacts), "  " → " ".
+/// " \[title\]" → ". ", drop `[...]` (WikiHow artefacts), "  " → " ".
 pub fn hellaswag_preprocess(text: &str) -> String {
     static BRACKETS: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
     let re = BRACKETS.get_or_init(|| regex::Regex::new(r"\[.*?\]").expect("valid regex"));

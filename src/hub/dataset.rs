@@ -92,7 +92,7 @@ pub fn fetch(spec: &str) -> Result<PathBuf, HubError> {
 /// [`fetch`] with a given client.
 pub fn fetch_with(client: &HubClient, spec: &str) -> Result<PathBuf, HubError> {
     let f = DatasetFile::parse(spec)?;
-    let mut paths = client.download_files(&f.repo, &[f.path.as_str()], false)?;
+    let mut paths = client.download_files(&f.repo, &[f.path.as_str()], None)?;
     paths.pop().ok_or_else(|| HubError::InvalidRepoId {
         input: spec.to_string(),
         reason: "the download returned no file".into(),

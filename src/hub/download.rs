@@ -22,7 +22,7 @@ use super::client::{
     io_error_detail, io_timed_out, Ctx, HubClient, Redirects, RepoFile, MAX_TIMEOUT_RETRIES,
 };
 use super::error::HubError;
-use super::progress::{DownloadBar, DownloadEvent};
+use super::progress::{DownloadEvent, DownloadProgress};
 use super::repo::{check_repo_path, is_commit_sha, parse_etag, shown, EtagKind, RepoRef};
 
 /// What the HEAD of a file says, checked.
@@ -36,18 +36,16 @@ struct FileMeta {
 impl HubClient {
     /// Download `files` of `repo` into the cache (or find them there when offline) and
     /// return their paths inside `snapshots/<commit>/`, in the order given, all from one
-    /// commit. `progress` draws a bar per file on stderr (for CLIs; a library caller
-    /// wanting its own display uses [`download_files_with`](Self::download_files_with)).
+    /// commit, reporting progress to `progress` if given.
     pub fn download_files(
         &self,
         repo: &RepoRef,
         files: &[&str],
-        progress: bool,
+        progress: Option<&DownloadProgress>,
     ) -> Result<Vec<PathBuf>, HubError> {
-        let mut bar = DownloadBar::default();
         self.download_files_with(repo, files, &mut |e| {
-            if progress {
-                bar.on(e)
+            if let Some(p) = progress {
+                p.report(e)
             }
         })
     }
@@ -78,7 +76,7 @@ impl HubClient {
         &self,
         repo: &RepoRef,
         file: &str,
-        progress: bool,
+        progress: Option<&DownloadProgress>,
     ) -> Result<PathBuf, HubError> {
         Ok(self.download_files(repo, &[file], progress)?.remove(0))
     }

@@ -19,7 +19,7 @@
 //! - `client`: the HTTP layer, error mapping, listing and commit resolution;
 //! - `cache`: the on-disk layout, verification markers and download locks;
 //! - `download`: the download loop; `upload`: publish and its file listing;
-//! - `progress`: download events and the terminal bars;
+//! - `progress`: download and upload events, and the callbacks that receive them;
 //! - `dataset`: `hf://datasets/owner/name[@revision]/path` data files, fetched the same way.
 
 mod cache;
@@ -41,7 +41,7 @@ pub use config::{
 };
 pub use download::safetensors_index_shards;
 pub use error::HubError;
-pub use progress::DownloadEvent;
+pub use progress::{DownloadEvent, DownloadProgress, UploadEvent, UploadProgress};
 pub use repo::{RepoKind, RepoRef, DEFAULT_REVISION};
 pub use upload::{
     dry_run_listing, upload_listing, LocalFile, PublishOptions, PublishReport, SkippedEntry,
@@ -52,7 +52,7 @@ pub use upload::{
 pub fn download_files(
     repo: &RepoRef,
     files: &[&str],
-    progress: bool,
+    progress: Option<&DownloadProgress>,
 ) -> Result<Vec<PathBuf>, HubError> {
     HubClient::from_env()?.download_files(repo, files, progress)
 }

@@ -1,8 +1,10 @@
-//! Download progress as events for the caller to display, and the terminal bar that the
-//! `progress: bool` convenience entry points draw with them.
+//! Download and upload progress as events for the caller to display; the library
+//! draws nothing itself (the command line turns the events into terminal bars).
 
-use hf_hub::progress::{ProgressEvent, ProgressHandler, UploadEvent};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::fmt;
+use std::sync::Arc;
+
+use hf_hub::progress::{ProgressEvent, ProgressHandler};
 
 /// What a download reports while it runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,85 +27,82 @@ pub enum DownloadEvent<'a> {
     Finished { file: &'a str },
 }
 
-fn new_bar(label: &str) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
-    let style = ProgressStyle::with_template(
-        "{msg:24!} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
-    )
-    .map(|s| s.progress_chars("=> "))
-    .unwrap_or_else(|_| ProgressStyle::default_bar());
-    bar.set_style(style);
-    bar.set_message(label.to_string());
-    bar
+/// What a publish reports while it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum UploadEvent<'a> {
+    /// The commit to `repo` starts (`repo` as `owner/name@revision`).
+    Started { repo: &'a str },
+    /// Bytes sent so far, of `total_bytes`.
+    Progress { bytes: u64, total_bytes: u64 },
+    /// All content is sent; the commit is being created.
+    Committing,
+    /// The commit is done (`ok`) or failed.
+    Finished { ok: bool },
 }
 
-/// A stderr bar per downloaded file, driven by [`DownloadEvent`]s.
-#[derive(Default)]
-pub(crate) struct DownloadBar(Option<ProgressBar>);
+/// A download progress callback that option structs can hold and clone.
+#[derive(Clone)]
+pub struct DownloadProgress(Arc<dyn Fn(&DownloadEvent) + Send + Sync>);
 
-impl DownloadBar {
-    pub(crate) fn on(&mut self, e: &DownloadEvent) {
-        match *e {
-            DownloadEvent::Started { file, total_bytes } => {
-                let bar = new_bar(file);
-                bar.set_length(total_bytes.unwrap_or(0));
-                self.0 = Some(bar);
-            }
-            DownloadEvent::Progress {
-                bytes, total_bytes, ..
-            } => {
-                if let Some(bar) = &self.0 {
-                    if let Some(t) = total_bytes {
-                        bar.set_length(t);
-                    }
-                    bar.set_position(bytes);
-                }
-            }
-            DownloadEvent::Waiting { file } => {
-                let bar = new_bar(&format!("{file} (other process)"));
-                self.0 = Some(bar);
-            }
-            DownloadEvent::Finished { .. } => {
-                if let Some(bar) = self.0.take() {
-                    bar.finish();
-                }
-            }
-        }
+impl DownloadProgress {
+    pub fn new(f: impl Fn(&DownloadEvent) + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    pub fn report(&self, e: &DownloadEvent) {
+        (self.0)(e)
     }
 }
 
-impl Drop for DownloadBar {
-    fn drop(&mut self) {
-        if let Some(bar) = self.0.take() {
-            bar.abandon();
-        }
+impl fmt::Debug for DownloadProgress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DownloadProgress(..)")
     }
 }
 
-/// An upload bar fed by `hf-hub`'s progress events.
-pub(crate) fn upload_bar(label: &str) -> ProgressBar {
-    new_bar(label)
+/// An upload progress callback that [`PublishOptions`](super::PublishOptions) can hold.
+#[derive(Clone)]
+pub struct UploadProgress(Arc<dyn Fn(&UploadEvent) + Send + Sync>);
+
+impl UploadProgress {
+    pub fn new(f: impl Fn(&UploadEvent) + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    pub fn report(&self, e: &UploadEvent) {
+        (self.0)(e)
+    }
 }
 
-pub(crate) struct UploadBar(pub ProgressBar);
+impl fmt::Debug for UploadProgress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("UploadProgress(..)")
+    }
+}
 
-impl ProgressHandler for UploadBar {
+/// Feeds `hf-hub`'s upload events to an [`UploadProgress`].
+pub(crate) struct UploadHandler(pub(crate) UploadProgress);
+
+impl ProgressHandler for UploadHandler {
     fn on_progress(&self, event: &ProgressEvent) {
-        let bar = &self.0;
-        match event {
-            ProgressEvent::Upload(UploadEvent::Start { total_bytes, .. }) => {
-                bar.set_length(*total_bytes)
-            }
-            ProgressEvent::Upload(UploadEvent::Progress {
+        use hf_hub::progress::UploadEvent as Hf;
+        let e = match event {
+            ProgressEvent::Upload(Hf::Progress {
                 bytes_completed,
                 total_bytes,
                 ..
-            }) => {
-                bar.set_length(*total_bytes);
-                bar.set_position(*bytes_completed);
-            }
-            ProgressEvent::Upload(UploadEvent::Committing) => bar.set_message("committing"),
-            _ => {}
-        }
+            }) => UploadEvent::Progress {
+                bytes: *bytes_completed,
+                total_bytes: *total_bytes,
+            },
+            ProgressEvent::Upload(Hf::Start { total_bytes, .. }) => UploadEvent::Progress {
+                bytes: 0,
+                total_bytes: *total_bytes,
+            },
+            ProgressEvent::Upload(Hf::Committing) => UploadEvent::Committing,
+            _ => return,
+        };
+        self.0.report(&e)
     }
 }

@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 
 use super::client::{error_chain, file_not_found, revision_not_found, HubClient};
 use super::error::HubError;
-use super::progress::{upload_bar, UploadBar};
+use super::progress::{UploadEvent, UploadHandler, UploadProgress};
 use super::repo::{check_repo_path, is_commit_sha, RepoRef, DEFAULT_REVISION};
 
 /// Deepest folder nesting a listing descends into, and most entries it looks at.
@@ -60,8 +60,8 @@ pub struct PublishOptions {
     pub message: Option<String>,
     /// Commit description.
     pub description: Option<String>,
-    /// Show a progress bar on stderr.
-    pub progress: bool,
+    /// Receives the upload's progress.
+    pub progress: Option<UploadProgress>,
     /// Files uploaded from elsewhere under the given repo path, replacing the folder's
     /// file of that path if any (e.g. a refreshed model card not yet written back).
     pub replace: Vec<(String, PathBuf)>,
@@ -347,7 +347,10 @@ impl HubClient {
             .iter()
             .map(|f| CommitOperation::add_file(f.path_in_repo.clone(), f.local_path.clone()))
             .collect();
-        let bar = opts.progress.then(|| upload_bar(&format!("upload {repo}")));
+        let repo_shown = repo.to_string();
+        if let Some(p) = &opts.progress {
+            p.report(&UploadEvent::Started { repo: &repo_shown });
+        }
         let op = format!(
             "committing {} file(s) from {} to {repo}",
             listing.files.len(),
@@ -363,14 +366,14 @@ impl HubClient {
             )
             .maybe_commit_description(opts.description.clone())
             .revision(repo.revision.clone())
-            .maybe_progress(bar.clone().map(|b| Progress::new(UploadBar(b))))
+            .maybe_progress(
+                opts.progress
+                    .clone()
+                    .map(|p| Progress::new(UploadHandler(p))),
+            )
             .send();
-        if let Some(b) = &bar {
-            if result.is_ok() {
-                b.finish();
-            } else {
-                b.abandon();
-            }
+        if let Some(p) = &opts.progress {
+            p.report(&UploadEvent::Finished { ok: result.is_ok() });
         }
         let info = result.map_err(|e| self.map_hf_err(e, repo, &op))?;
         let commit_url = info

@@ -170,7 +170,7 @@ thread_local! {
 
 /// softmax(q·kᵀ/√hd)·v for q [b, h, t, hd] and k, v [b, h, T, hd] → [b, t, h·hd].
 /// `causal`: query i (of the last t positions) sees keys 0..=T−t+i.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
     let (b, h, t, hd) = q.dims4()?;
     let scale = 1.0 / (hd as f64).sqrt();
     let fused = [q, k, v]
@@ -211,7 +211,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Ten
 /// last t) may see keys 0..=past+i, past = total − t; masked entries are 0.
 /// Plain tensor ops: the path of devices and dtypes the fused attention
 /// kernel does not take.
-pub fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
+pub(crate) fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
     let dims = scores.dims();
     let (t, total) = (dims[dims.len() - 2], dims[dims.len() - 1]);
     let past = total - t;

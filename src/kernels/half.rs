@@ -9,7 +9,7 @@ use super::rows::{reduce16, tail_dot};
 use super::{Isa, Path};
 
 /// Σ x[i]·w[i] on `path`.
-pub fn dot_on(path: Path, x: &[f32], w: &[f16]) -> f32 {
+pub(crate) fn dot_on(path: Path, x: &[f32], w: &[f16]) -> f32 {
     let n = x.len().min(w.len());
     let (x, w) = (&x[..n], &w[..n]);
     match path.isa() {
@@ -28,7 +28,7 @@ pub fn dot_on(path: Path, x: &[f32], w: &[f16]) -> f32 {
 ///
 /// # Panics
 /// If `rows` holds fewer than out.len() rows.
-pub fn dot_rows_on(path: Path, x: &[f32], rows: &[f16], out: &mut [f32]) {
+pub(crate) fn dot_rows_on(path: Path, x: &[f32], rows: &[f16], out: &mut [f32]) {
     let w = x.len();
     assert!(rows.len() >= out.len() * w);
     let row = |j: usize| &rows[j * w..(j + 1) * w];
@@ -51,7 +51,7 @@ pub fn dot_rows_on(path: Path, x: &[f32], rows: &[f16], out: &mut [f32]) {
 }
 
 /// y[i] += a·w[i] on `path`.
-pub fn axpy_on(path: Path, a: f32, w: &[f16], y: &mut [f32]) {
+pub(crate) fn axpy_on(path: Path, a: f32, w: &[f16], y: &mut [f32]) {
     let n = y.len().min(w.len());
     let (w, y) = (&w[..n], &mut y[..n]);
     match path.isa() {
@@ -101,7 +101,7 @@ mod avx2 {
     /// x and w of equal length.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
+    pub(crate) unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
         let whole = x.len() / 16 * 16;
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
@@ -121,7 +121,7 @@ mod avx2 {
 
     /// w and y of equal length.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn axpy(a: f32, w: &[f16], y: &mut [f32]) {
+    pub(crate) unsafe fn axpy(a: f32, w: &[f16], y: &mut [f32]) {
         let whole = y.len() / 8 * 8;
         let (wp, yp) = (w.as_ptr(), y.as_mut_ptr());
         let av = _mm256_set1_ps(a);
@@ -159,7 +159,7 @@ mod avx512 {
     /// x and w of equal length.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
+    pub(crate) unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
         let whole = x.len() / 16 * 16;
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         let mut acc = _mm512_setzero_ps();
@@ -177,7 +177,7 @@ mod avx512 {
 
     /// w and y of equal length.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn axpy(a: f32, w: &[f16], y: &mut [f32]) {
+    pub(crate) unsafe fn axpy(a: f32, w: &[f16], y: &mut [f32]) {
         let whole = y.len() / 16 * 16;
         let (wp, yp) = (w.as_ptr(), y.as_mut_ptr());
         let av = _mm512_set1_ps(a);

@@ -5,7 +5,7 @@
 /// on all of R, checked in the tests), branch-free so it vectorises. Plain
 /// `*`/`+` on purpose: without a target FMA, `mul_add` is a libm call.
 #[inline(always)]
-pub fn erf_f32(x: f32) -> f32 {
+pub(crate) fn erf_f32(x: f32) -> f32 {
     let x = x.clamp(-4.0, 4.0);
     let x2 = x * x;
     let mut p = -2.726_142_3e-10_f32;
@@ -27,7 +27,7 @@ pub fn erf_f32(x: f32) -> f32 {
 /// so softmax rows vectorise instead of calling libm per element. Inputs are
 /// clamped to [−87, 88]: below, the result is ~1e-38 rather than 0.
 #[inline(always)]
-pub fn exp_f32(x: f32) -> f32 {
+pub(crate) fn exp_f32(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
     // Round x·log2(e) to the nearest integer n with the 1.5·2²³ trick: the
     // sum's low mantissa bits then hold n itself, so 2ⁿ is built with integer
@@ -47,7 +47,7 @@ pub fn exp_f32(x: f32) -> f32 {
 
 /// Exact (erf) GELU.
 #[inline(always)]
-pub fn gelu_erf_f32(x: f32) -> f32 {
+pub(crate) fn gelu_erf_f32(x: f32) -> f32 {
     0.5 * x * (1.0 + erf_f32(x * std::f32::consts::FRAC_1_SQRT_2))
 }
 

@@ -11,16 +11,16 @@
 //! The row kernels are written so that all paths add in the same order, and
 //! where they do the results are the same to the bit (tested).
 //!
-//! - [`math`]: vectorisable erf, exp and GELU;
-//! - [`rows`]: per-row primitives (dot, axpy, sums, softmax) and the dispatch
+//! - `math`: vectorisable erf, exp and GELU;
+//! - `rows`: per-row primitives (dot, axpy, sums, softmax) and the dispatch
 //!   between instruction sets;
 //! - [`theta`]: Θ, the Pattention non-linearity (reference and fused);
-//! - [`rotary`]: GPT-NeoX rotary embeddings;
-//! - [`attention`]: fused token-token attention;
-//! - [`gemv`]: the matrix-vector products of decoding (f32 or f16 weights,
-//!   the latter widened by [`half`]);
+//! - `rotary`: GPT-NeoX rotary embeddings;
+//! - `attention`: fused token-token attention;
+//! - `gemv`: the matrix-vector products of decoding (f32 or f16 weights,
+//!   the latter widened by `half`);
 //! - [`q8`]: 8-bit weights (int8 blocks of 32 with an f32 scale each);
-//! - [`matmul`]: the products' entry points, gemm for the compute-bound ones.
+//! - `matmul`: the products' entry points, gemm for the compute-bound ones.
 
 use std::sync::OnceLock;
 
@@ -36,11 +36,10 @@ mod rotary;
 mod rows;
 pub mod theta;
 
-pub use attention::{attention, causal_softmax};
-pub use math::{erf_f32, exp_f32, gelu_erf_f32};
+pub(crate) use attention::attention;
 pub use matmul::{matmul_nn, matmul_nt, matmul_nt_q8, SMALL_ROWS};
 pub use q8::Q8Matrix;
-pub use rotary::rotary;
+pub(crate) use rotary::rotary;
 pub use rows::{max_and_exp_sum, sum};
 pub use theta::theta_owned;
 
@@ -118,18 +117,18 @@ impl Path {
     }
 
     /// Every path this CPU supports, portable first.
-    pub fn all() -> Vec<Path> {
+    pub(crate) fn all() -> Vec<Path> {
         Isa::ALL.into_iter().filter_map(Path::new).collect()
     }
 
     /// The fastest path this CPU supports.
-    pub fn best() -> Path {
+    pub(crate) fn best() -> Path {
         *Path::all().last().expect("portable is always supported")
     }
 }
 
 /// The environment variable that forces a kernel path.
-pub const KERNELS_ENV: &str = "TOKENFORMER_KERNELS";
+pub(crate) const KERNELS_ENV: &str = "TOKENFORMER_KERNELS";
 
 /// The kernel path of this process and how it was chosen.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -144,7 +143,7 @@ pub struct Selection {
 }
 
 /// The path for a `TOKENFORMER_KERNELS` value (`None`, empty or `auto`: the best).
-pub fn select(request: Option<&str>) -> Selection {
+pub(crate) fn select(request: Option<&str>) -> Selection {
     let requested = request.map(str::trim).filter(|r| !r.is_empty());
     let requested = requested.unwrap_or("auto").to_ascii_lowercase();
     let best = Path::best();
@@ -186,7 +185,7 @@ pub fn selection() -> &'static Selection {
 
 /// The path every kernel of this process takes.
 #[inline]
-pub fn active() -> Path {
+pub(crate) fn active() -> Path {
     selection().path
 }
 
@@ -194,7 +193,7 @@ pub fn active() -> Path {
 /// whole weight rows (everything but Intel's), or as weighted sums of rows
 /// with software prefetch (Intel), see docs/PERFORMANCE.md. Decides how
 /// Pattention lays out f32/f16 weights.
-pub fn prefers_row_products() -> bool {
+pub(crate) fn prefers_row_products() -> bool {
     !gemv::is_intel()
 }
 
@@ -203,7 +202,7 @@ pub fn prefers_row_products() -> bool {
 /// instead of putting the caller to sleep each time; larger ones on the
 /// calling thread, whose malloc arena keeps freed activations
 /// (docs/PERFORMANCE.md).
-pub fn run_forward<R: Send>(rows: usize, forward: impl FnOnce() -> R + Send) -> R {
+pub(crate) fn run_forward<R: Send>(rows: usize, forward: impl FnOnce() -> R + Send) -> R {
     if rows <= SMALL_ROWS {
         rayon::scope(|_| forward())
     } else {
@@ -258,7 +257,7 @@ pub(crate) mod test_util {
 
     /// Deterministic values of unit-ish spread (an unseeded randn would make
     /// the tolerances a matter of luck).
-    pub fn spread(shape: impl Into<candle_core::Shape>) -> Tensor {
+    pub(crate) fn spread(shape: impl Into<candle_core::Shape>) -> Tensor {
         let shape = shape.into();
         let v: Vec<f32> = (0..shape.elem_count())
             .map(|i| ((i as f32 * 0.754_877_7).fract() - 0.5) * 3.4)
@@ -278,7 +277,7 @@ pub(crate) mod test_util {
             .unwrap()
     }
 
-    pub fn bits(t: &Tensor) -> Vec<u32> {
+    pub(crate) fn bits(t: &Tensor) -> Vec<u32> {
         let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
         v.iter().map(|x| x.to_bits()).collect()
     }

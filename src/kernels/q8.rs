@@ -1,8 +1,8 @@
 //! 8-bit weights for decoding (`--weight-dtype q8`): rows [out, in] of
 //! symmetric int8 in blocks of [`BLOCK`] along the input dimension, one f32
 //! scale (largest magnitude / 127) per block. The dot kernels widen to f32 and
-//! follow the lane contract of [`super::rows`], so they give the bits of the
-//! f32 kernel on [`Q8Matrix::dequantize`]d weights, on every path.
+//! follow the lane contract of `super::rows`, so they give the bits of the
+//! f32 kernel on dequantized weights (`Q8Matrix::dequantize`), on every path.
 
 use std::sync::Arc;
 
@@ -51,7 +51,7 @@ impl Q8Matrix {
     /// widening one block at a time (no f32 copy of the matrix is made).
     /// `name` names the tensor in errors: a value that is not finite cannot
     /// be quantised (its block's scale would not be either) and is refused.
-    pub fn quantize(t: &Tensor, name: &str) -> Result<Self> {
+    pub(crate) fn quantize(t: &Tensor, name: &str) -> Result<Self> {
         let (rows, cols) = t.dims2()?;
         if !t.device().is_cpu() {
             candle_core::bail!("tensor `{name}`: 8-bit weights are for the CPU only")
@@ -126,17 +126,17 @@ impl Q8Matrix {
         })
     }
 
-    pub fn dims(&self) -> (usize, usize) {
+    pub(crate) fn dims(&self) -> (usize, usize) {
         (self.rows, self.cols)
     }
 
     /// Scales per row.
-    pub fn blocks(&self) -> usize {
+    pub(crate) fn blocks(&self) -> usize {
         self.cols.div_ceil(BLOCK)
     }
 
     /// Bytes held (values and scales).
-    pub fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         self.q.len() + 4 * self.scales.len()
     }
 
@@ -165,7 +165,7 @@ impl Q8Matrix {
 
     /// The f32 matrix [rows, cols] the kernels compute with (for the
     /// compute-bound products, which run gemm on it).
-    pub fn dequantize(&self) -> Result<Tensor> {
+    pub(crate) fn dequantize(&self) -> Result<Tensor> {
         let mut out = vec![0f32; self.rows * self.cols];
         if self.cols > 0 {
             out.par_chunks_mut(self.cols)
@@ -176,7 +176,7 @@ impl Q8Matrix {
     }
 
     /// Rows `ids` as f32 [ids.len(), cols] (an embedding lookup).
-    pub fn select_rows(&self, ids: &[u32]) -> Result<Tensor> {
+    pub(crate) fn select_rows(&self, ids: &[u32]) -> Result<Tensor> {
         let mut out = vec![0f32; ids.len() * self.cols];
         for (&id, o) in ids.iter().zip(out.chunks_mut(self.cols.max(1))) {
             let r = id as usize;
@@ -195,7 +195,7 @@ impl Q8Matrix {
 /// last unpaired whole block's value 4k + j moves to 8j + k; a partial block
 /// at the end stays in place. The kernels then find, for the four bytes of
 /// each 32-bit word of a block, their x values side by side.
-pub fn arrange(x: &[f32], out: &mut [f32]) {
+pub(crate) fn arrange(x: &[f32], out: &mut [f32]) {
     let n = x.len().min(out.len());
     let blocks = n / BLOCK;
     let mut b = 0;
@@ -225,7 +225,7 @@ pub fn arrange(x: &[f32], out: &mut [f32]) {
 ///
 /// # Panics
 /// If the lengths do not match (xa and q one row long, a scale per block).
-pub fn dot_on(path: Path, xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+pub(crate) fn dot_on(path: Path, xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
     let n = q.len();
     assert!(
         xa.len() == n && scales.len() == n.div_ceil(BLOCK),
@@ -251,7 +251,7 @@ pub fn dot_on(path: Path, xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
 ///
 /// # Panics
 /// If q or scales hold fewer than out.len() rows.
-pub fn dot_rows_on(path: Path, xa: &[f32], q: &[i8], scales: &[f32], out: &mut [f32]) {
+pub(crate) fn dot_rows_on(path: Path, xa: &[f32], q: &[i8], scales: &[f32], out: &mut [f32]) {
     let (w, b) = (xa.len(), xa.len().div_ceil(BLOCK));
     assert!(q.len() >= out.len() * w && scales.len() >= out.len() * b);
     let row = |j: usize| (&q[j * w..(j + 1) * w], &scales[j * b..(j + 1) * b]);
@@ -351,7 +351,7 @@ mod avx2 {
     /// Lengths as [`dot_on`] checks them.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+    pub(crate) unsafe fn dot(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
         let blocks = q.len() / BLOCK;
         let (xp, qp) = (xa.as_ptr(), q.as_ptr());
         let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
@@ -388,7 +388,7 @@ mod avx512 {
     /// Lengths as [`dot_on`] checks them.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub unsafe fn dot(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+    pub(crate) unsafe fn dot(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
         let blocks = q.len() / BLOCK;
         let (xp, qp) = (xa.as_ptr(), q.as_ptr());
         // Lanes 0..8 hold the even blocks, 8..16 the odd ones (AVX2's two registers).

@@ -50,7 +50,7 @@ impl candle_core::CustomOp3 for Rotary {
 
 /// Rotary positions for x [b, t, h, hd] (contiguous f32 on the CPU) with
 /// the cos/sin rows [t, dims/2] of its positions.
-pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor, dims: usize) -> Result<Tensor> {
+pub(crate) fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor, dims: usize) -> Result<Tensor> {
     x.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &Rotary { dims })
 }
 

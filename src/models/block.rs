@@ -32,7 +32,7 @@ pub struct BlockConfig {
 }
 
 /// LayerNorm without weight and bias (the official `layernorm_nonparam`).
-pub fn nonparam_layer_norm(hidden: usize, eps: f64, device: &Device) -> Result<LayerNorm> {
+pub(crate) fn nonparam_layer_norm(hidden: usize, eps: f64, device: &Device) -> Result<LayerNorm> {
     Ok(LayerNorm::new(
         Tensor::ones(hidden, DType::F32, device)?,
         Tensor::zeros(hidden, DType::F32, device)?,
@@ -73,7 +73,7 @@ impl Rotary {
 
     /// Rotated features per head, and the cos/sin tables [max_positions, dims/2]
     /// (the training path rotates with plain, differentiable tensor ops).
-    pub fn tables(&self) -> (usize, &Tensor, &Tensor) {
+    pub(crate) fn tables(&self) -> (usize, &Tensor, &Tensor) {
         (self.dims, &self.cos, &self.sin)
     }
 
@@ -103,7 +103,7 @@ impl Rotary {
 }
 
 /// Keys and values [b, h, t, head_dim] of one attention layer.
-pub type KeyValues = (Tensor, Tensor);
+pub(crate) type KeyValues = (Tensor, Tensor);
 
 /// How a block's token-token attention is masked and positioned.
 pub enum AttentionMode<'a> {
@@ -166,7 +166,7 @@ impl Attention {
     /// values after `prefix` ones (cached with x's own) that every query
     /// sees: the image tokens of a vision-language sequence. Also returns
     /// x's own keys (rotated) and values.
-    pub fn forward_kv(
+    pub(crate) fn forward_kv(
         &self,
         x: &Tensor,
         mode: AttentionMode,
@@ -227,7 +227,7 @@ impl Block {
 
     /// [`Self::forward`] after `prefix` keys and values, returning x's own
     /// (see [`Attention::forward_kv`]).
-    pub fn forward_kv(
+    pub(crate) fn forward_kv(
         &self,
         x: &Tensor,
         mode: AttentionMode,
@@ -262,7 +262,7 @@ impl LayerCache {
     }
 
     /// Appends k, v [b, h, t, hd] and returns all cached keys and values.
-    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    pub(crate) fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let t = k.dim(2)?;
         if self.len + t > self.capacity {
             candle_core::bail!(

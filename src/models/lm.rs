@@ -118,7 +118,7 @@ impl Config {
     }
 
     /// Checks what serde cannot: every number within its range (see
-    /// [`limits`]), divisibility, and the sizes derived from them. Every
+    /// `limits`), divisibility, and the sizes derived from them. Every
     /// loader calls this before anything is allocated from the config.
     pub fn validate(&self) -> std::result::Result<(), String> {
         use limits::*;
@@ -178,7 +178,7 @@ impl Config {
         (self.head_dim() as f64 * self.rotary_pct) as usize
     }
 
-    pub fn block(&self) -> BlockConfig {
+    pub(crate) fn block(&self) -> BlockConfig {
         BlockConfig {
             hidden_size: self.hidden_size,
             num_heads: self.num_heads,
@@ -196,23 +196,28 @@ impl Config {
 /// low enough that nothing computed from them (rotary tables, KV caches,
 /// token and shape products) overflows or allocates without bound before
 /// the checkpoint's own tensor sizes are checked against the config.
-pub mod limits {
-    pub const MAX_HIDDEN_SIZE: usize = 1 << 16;
-    pub const MAX_LAYERS: usize = 1 << 10;
+pub(crate) mod limits {
+    pub(crate) const MAX_HIDDEN_SIZE: usize = 1 << 16;
+    pub(crate) const MAX_LAYERS: usize = 1 << 10;
     /// Parameter tokens of one Pattention layer.
-    pub const MAX_TOKENS: usize = 1 << 24;
+    pub(crate) const MAX_TOKENS: usize = 1 << 24;
     /// A √n constant (`pattention_scale_tokens`): only a number, but one that
     /// converts to f64 exactly (imported models use 2·d·10⁶).
-    pub const MAX_SCALE_TOKENS: usize = 1 << 53;
-    pub const MAX_VOCAB: usize = 1 << 24;
-    pub const MAX_POSITIONS: usize = 1 << 20;
+    pub(crate) const MAX_SCALE_TOKENS: usize = 1 << 53;
+    pub(crate) const MAX_VOCAB: usize = 1 << 24;
+    pub(crate) const MAX_POSITIONS: usize = 1 << 20;
     /// Positions × hidden size: one layer's preallocated KV cache (batch 1).
-    pub const MAX_CACHE_VALUES: usize = 1 << 30;
-    pub const MAX_ROTARY_BASE: f64 = 1e12;
+    pub(crate) const MAX_CACHE_VALUES: usize = 1 << 30;
+    pub(crate) const MAX_ROTARY_BASE: f64 = 1e12;
 }
 
 /// `key` must lie in lo..=hi.
-pub fn check_range(key: &str, v: usize, lo: usize, hi: usize) -> std::result::Result<(), String> {
+pub(crate) fn check_range(
+    key: &str,
+    v: usize,
+    lo: usize,
+    hi: usize,
+) -> std::result::Result<(), String> {
     if (lo..=hi).contains(&v) {
         Ok(())
     } else {
@@ -221,7 +226,7 @@ pub fn check_range(key: &str, v: usize, lo: usize, hi: usize) -> std::result::Re
 }
 
 /// `key` must be finite and in (lo, hi], or [lo, hi] with `lo_inclusive`.
-pub fn check_float(
+pub(crate) fn check_float(
     key: &str,
     v: f64,
     lo: f64,
@@ -240,7 +245,7 @@ pub fn check_float(
 }
 
 /// `a` must be a multiple of `b` (b ≥ 1).
-pub fn check_divides(
+pub(crate) fn check_divides(
     a_key: &str,
     a: usize,
     b_key: &str,
@@ -254,7 +259,7 @@ pub fn check_divides(
 
 /// The block shape every architecture shares: width, depth, heads, the Pattention
 /// token counts (q/k/v, proj, ffn) and their √n constants.
-pub fn check_block(
+pub(crate) fn check_block(
     hidden_size: usize,
     num_layers: usize,
     num_heads: usize,
@@ -424,12 +429,12 @@ impl TokenFormerLm {
     }
 
     /// The rotary tables (text positions of the vision-language model).
-    pub fn rotary(&self) -> &Rotary {
+    pub(crate) fn rotary(&self) -> &Rotary {
         &self.rotary
     }
 
     /// Rejects ids outside the embedding table (a tokenizer/model mismatch).
-    pub fn check_ids(&self, ids: &[u32]) -> crate::Result<()> {
+    pub(crate) fn check_ids(&self, ids: &[u32]) -> crate::Result<()> {
         match ids.iter().find(|&&i| i as usize >= self.cfg.vocab_size) {
             Some(bad) => Err(crate::Error::input(format!(
                 "token id {bad} is outside the model's vocabulary of {} (does the tokenizer belong to this model?)",
@@ -440,7 +445,7 @@ impl TokenFormerLm {
     }
 
     /// Token embeddings [b, t, d] of ids [b, t].
-    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+    pub(crate) fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let rows = match &self.word_embeddings {
             Matrix::Dense(w) => w.index_select(&ids.flatten_all()?, 0)?,
@@ -453,7 +458,7 @@ impl TokenFormerLm {
     }
 
     /// Final norm and output projection: hidden [b, t, d] → logits [b, t, vocab].
-    pub fn head(&self, h: &Tensor) -> Result<Tensor> {
+    pub(crate) fn head(&self, h: &Tensor) -> Result<Tensor> {
         match self.final_linear.as_ref().unwrap_or(&self.word_embeddings) {
             Matrix::Dense(out) => self.head_with(h, out),
             Matrix::Q8(out) => {
@@ -466,7 +471,7 @@ impl TokenFormerLm {
 
     /// The output projection [vocab, d] in its stored precision (f32 for
     /// 8-bit weights, dequantised).
-    pub fn output_matrix(&self) -> Tensor {
+    pub(crate) fn output_matrix(&self) -> Tensor {
         match self.final_linear.as_ref().unwrap_or(&self.word_embeddings) {
             Matrix::Dense(t) => t.clone(),
             Matrix::Q8(q) => q.dequantize().expect("a CPU tensor of its own size"),
@@ -476,7 +481,7 @@ impl TokenFormerLm {
     /// [`Self::head`] against `out`, the output matrix or a copy of it in
     /// another precision: a caller running the head on many row chunks widens
     /// f16 weights once instead of once per chunk.
-    pub fn head_with(&self, h: &Tensor, out: &Tensor) -> Result<Tensor> {
+    pub(crate) fn head_with(&self, h: &Tensor, out: &Tensor) -> Result<Tensor> {
         let (b, t, d) = h.dims3()?;
         let h = self.final_norm.forward(h)?.reshape((b * t, d))?;
         crate::kernels::matmul_nt(&h, out)?.reshape((b, t, self.cfg.vocab_size))

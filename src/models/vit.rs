@@ -18,10 +18,10 @@ use crate::pattention::Activation;
 pub const ARCHITECTURE: &str = "tokenformer-vit";
 
 /// Largest `image_size`: one preprocessed image is image_size² × 3 floats.
-pub const MAX_IMAGE_SIZE: usize = 4096;
-pub const MAX_CLASSES: usize = 1 << 20;
+pub(crate) const MAX_IMAGE_SIZE: usize = 4096;
+pub(crate) const MAX_CLASSES: usize = 1 << 20;
 /// Smallest `crop_pct`: images are resized to image_size / crop_pct first.
-pub const MIN_CROP_PCT: f64 = 0.125;
+pub(crate) const MIN_CROP_PCT: f64 = 0.125;
 
 /// How the token sequence becomes one feature vector.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -137,7 +137,7 @@ impl Config {
     }
 
     /// Patches per side.
-    pub fn grid(&self) -> usize {
+    pub(crate) fn grid(&self) -> usize {
         self.image_size / self.patch_size
     }
 
@@ -202,7 +202,7 @@ impl Config {
     }
 
     /// The shared block's settings.
-    pub fn block(&self) -> BlockConfig {
+    pub(crate) fn block(&self) -> BlockConfig {
         BlockConfig {
             hidden_size: self.hidden_size,
             num_heads: self.num_heads,
@@ -328,7 +328,7 @@ impl VisionTransformer {
 
     /// The input token sequence [b, N+1, d]: class token, then patches, plus
     /// position embeddings (also the image part of a vision-language sequence).
-    pub fn embed(&self, pixels: &Tensor) -> Result<Tensor> {
+    pub(crate) fn embed(&self, pixels: &Tensor) -> Result<Tensor> {
         let patches = self.embed_patches(pixels)?;
         let b = patches.dim(0)?;
         let cls = self.cls_token.broadcast_as((b, 1, self.cfg.hidden_size))?;
@@ -336,7 +336,7 @@ impl VisionTransformer {
     }
 
     /// The final token states [b, N+1, d] (class token first), before pooling.
-    pub fn forward_features(&self, pixels: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward_features(&self, pixels: &Tensor) -> Result<Tensor> {
         let mut x = self.embed(pixels)?;
         for layer in &self.layers {
             x = layer.forward(&x, AttentionMode::Bidirectional)?;
@@ -345,12 +345,12 @@ impl VisionTransformer {
     }
 
     /// Logits [b, num_classes] of final token states [b, N+1, d].
-    pub fn head(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn head(&self, x: &Tensor) -> Result<Tensor> {
         self.head.forward(&self.pool(x)?)
     }
 
     /// The pooled, normalised feature [b, d] that the head reads.
-    pub fn pool(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn pool(&self, x: &Tensor) -> Result<Tensor> {
         let n = x.dim(1)? - 1;
         match self.cfg.pool {
             Pool::Mean => self.norm.forward(&x.narrow(1, 1, n)?.mean(1)?),
@@ -367,6 +367,6 @@ impl VisionTransformer {
 }
 
 /// Class probabilities [b, classes] from logits.
-pub fn probabilities(logits: &Tensor) -> Result<Tensor> {
+pub(crate) fn probabilities(logits: &Tensor) -> Result<Tensor> {
     candle_nn::ops::softmax(logits, D::Minus1)
 }

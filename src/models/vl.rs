@@ -30,7 +30,7 @@ pub struct Groups {
 }
 
 impl Groups {
-    pub fn total(&self) -> usize {
+    pub(crate) fn total(&self) -> usize {
         self.vision + self.language + self.bridge
     }
 }
@@ -142,7 +142,7 @@ impl Config {
     }
 
     /// The vision route as a classifier config: its tokens plus the bridge, its own √n.
-    pub fn vision_route(&self) -> vit::Config {
+    pub(crate) fn vision_route(&self) -> vit::Config {
         let v = &self.vision;
         let mut c = v.clone();
         c.pattention_scale_tokens = Some(scale_or(
@@ -158,7 +158,7 @@ impl Config {
     }
 
     /// The language route as a language-model config.
-    pub fn language_route(&self) -> lm::Config {
+    pub(crate) fn language_route(&self) -> lm::Config {
         let l = &self.language;
         let mut c = l.clone();
         c.pattention_scale_tokens = Some(scale_or(

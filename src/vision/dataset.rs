@@ -9,7 +9,7 @@
 //! [`Dataset::skipped`], so no image is counted twice. Entries with an image
 //! extension that are not regular files (FIFOs, sockets, devices, dangling
 //! links) are listed like any image and are never opened: decoding refuses
-//! them (see [`crate::fsutil::open_regular`]), so an evaluation lists them as
+//! them (see `crate::fsutil::open_regular`), so an evaluation lists them as
 //! unreadable.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -20,10 +20,10 @@ use sha2::{Digest, Sha256};
 use crate::error::{Error, Result};
 
 /// Largest label file read (`LOC_val_solution.csv` of ImageNet is 2 MB).
-pub const MAX_LABELS_FILE_BYTES: u64 = 256 << 20;
+pub(crate) const MAX_LABELS_FILE_BYTES: u64 = 256 << 20;
 
 /// File extensions read as images (case-insensitive).
-pub const IMAGE_EXTENSIONS: &[&str] = &["jpg", "jpeg", "png", "webp"];
+pub(crate) const IMAGE_EXTENSIONS: &[&str] = &["jpg", "jpeg", "png", "webp"];
 
 /// One labelled image.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -57,7 +57,7 @@ impl DecodeLimits {
 
     /// The largest file read: 8 bytes per allowed pixel (16-bit RGBA stored
     /// uncompressed) plus 1 MiB of headers and metadata.
-    pub fn max_file_bytes(&self) -> u64 {
+    pub(crate) fn max_file_bytes(&self) -> u64 {
         self.max_pixels.saturating_mul(8).saturating_add(1 << 20)
     }
 
@@ -68,7 +68,7 @@ impl DecodeLimits {
     }
 
     /// Refuses a header's dimensions above the limit (or empty ones).
-    pub fn check(&self, width: u64, height: u64) -> std::result::Result<(), String> {
+    pub(crate) fn check(&self, width: u64, height: u64) -> std::result::Result<(), String> {
         if width == 0 || height == 0 {
             return Err(format!(
                 "the header says {width}x{height} pixels: an empty image"
@@ -100,7 +100,7 @@ pub fn open_rgb(path: &Path) -> Result<RgbImage> {
     open_rgb_with(path, &DecodeLimits::default())
 }
 
-/// Reads (regular files only, at most [`DecodeLimits::max_file_bytes`]) and
+/// Reads (regular files only, at most `DecodeLimits::max_file_bytes`) and
 /// decodes an image file; errors name the path.
 pub fn open_rgb_with(path: &Path, limits: &DecodeLimits) -> Result<RgbImage> {
     let bytes = crate::fsutil::read_bounded(path, limits.max_file_bytes())?;
@@ -147,7 +147,7 @@ pub fn decode_bytes_with(
 }
 
 /// Pillow's `convert("RGB")` for each decoded layout.
-pub fn to_rgb_like_pillow(img: DynamicImage) -> RgbImage {
+pub(crate) fn to_rgb_like_pillow(img: DynamicImage) -> RgbImage {
     let (width, height) = (img.width() as usize, img.height() as usize);
     let data: Vec<u8> = match img {
         DynamicImage::ImageRgb8(b) => b.into_raw(),

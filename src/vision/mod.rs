@@ -113,7 +113,7 @@ impl EvalTransform {
 
     /// ToTensor + Normalize into `out` (3 × crop × crop, channel-major), in f32
     /// exactly as torchvision computes it: v / 255, then (x − mean) / std.
-    pub fn normalise_into(&self, img: &RgbImage, out: &mut [f32]) {
+    pub(crate) fn normalise_into(&self, img: &RgbImage, out: &mut [f32]) {
         let plane = img.width * img.height;
         for (i, px) in img.data.chunks_exact(3).enumerate() {
             for ch in 0..3 {
@@ -196,13 +196,13 @@ pub fn imagenet_classes() -> &'static (Vec<String>, Vec<String>) {
 /// without `class_wnids` but with 1000 classes is taken to use the standard
 /// ImageNet-1k order; names missing from the config are looked up by wnid.
 #[derive(Clone, Debug, Default)]
-pub struct ClassLabels {
+pub(crate) struct ClassLabels {
     pub wnids: Option<Vec<String>>,
     pub names: Option<Vec<String>>,
 }
 
 impl ClassLabels {
-    pub fn for_config(cfg: &Config) -> Self {
+    pub(crate) fn for_config(cfg: &Config) -> Self {
         let (in_wnids, in_names) = imagenet_classes();
         let wnids = cfg
             .class_wnids
@@ -224,11 +224,11 @@ impl ClassLabels {
         Self { wnids, names }
     }
 
-    pub fn wnid(&self, i: usize) -> Option<&str> {
+    pub(crate) fn wnid(&self, i: usize) -> Option<&str> {
         self.wnids.as_ref()?.get(i).map(String::as_str)
     }
 
-    pub fn name(&self, i: usize) -> Option<&str> {
+    pub(crate) fn name(&self, i: usize) -> Option<&str> {
         self.names.as_ref()?.get(i).map(String::as_str)
     }
 }

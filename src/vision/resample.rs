@@ -128,7 +128,7 @@ fn clip8(acc: i32) -> u8 {
 /// Resizes `src` to `out_w`×`out_h` as Pillow's `Image.resize` does and
 /// returns only the window `cols`×`rows` of the result (the center crop), which
 /// is bit-identical to resizing fully and cropping afterwards.
-pub fn resize_window(
+pub(crate) fn resize_window(
     src: &RgbImage,
     out_w: usize,
     out_h: usize,
