@@ -268,46 +268,18 @@ impl LmTrainer {
     /// One optimiser step over `grad_accum` micro-batches.
     pub fn step(&mut self) -> Result<StepReport> {
         let accum = self.opts.grad_accum;
-        let mut sums: HashMap<String, Tensor> = HashMap::new();
-        let mut store = None;
-        let mut loss_sum = 0.0;
+        let mut acc = Accumulation::new(accum);
         for _ in 0..accum {
             let ids = self.batch()?;
             let loss = self.model.loss(&ids)?;
-            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            let grads = (loss / accum as f64)?.backward()?;
-            if accum > 1 {
-                for name in self.trained.keys() {
-                    if let Some(g) = grads.get(self.model.params()[name].as_tensor()) {
-                        let sum = match sums.remove(name) {
-                            Some(prev) => (prev + g)?,
-                            None => g.clone(),
-                        };
-                        sums.insert(name.clone(), sum);
-                    }
-                }
-            }
-            store = Some(grads);
+            acc.add(loss, self.model.params(), &self.trained)?;
         }
-        let mut store = store.expect("at least one micro-batch");
-        for (name, g) in sums {
-            store.insert(self.model.params()[&name].as_tensor(), g);
-        }
-        let loss = loss_sum / accum as f64;
-        if !loss.is_finite() {
-            return Err(Error::input(format!(
-                "the training loss is {loss} at step {}: lower --lr or check the data",
-                self.step + 1
-            )));
-        }
-        let lr = self.opts.schedule().at(self.step);
-        let grad_norm = update(
+        let (loss, lr, grad_norm) = acc.update(
             self.model.params(),
             &self.trained,
             &mut self.opt,
-            store,
-            self.opts.clip_grad,
-            lr,
+            &self.opts,
+            self.step,
         )?;
         self.step += 1;
         self.tokens += (self.opts.batch_size * accum * self.opts.seq_len) as u64;
@@ -494,6 +466,76 @@ pub(crate) fn select(
         )));
     }
     Ok(out)
+}
+
+/// Gradients summed over the micro-batches of one optimiser step, then the step itself:
+/// the loop every trainer (language model, classifier, merged model) runs.
+pub(crate) struct Accumulation {
+    accum: usize,
+    sums: HashMap<String, Tensor>,
+    store: Option<GradStore>,
+    loss_sum: f64,
+}
+
+impl Accumulation {
+    pub(crate) fn new(accum: usize) -> Self {
+        Self {
+            accum,
+            sums: HashMap::new(),
+            store: None,
+            loss_sum: 0.0,
+        }
+    }
+
+    /// Back-propagates one micro-batch's mean loss (scaled by 1/accum) and keeps its gradients.
+    pub(crate) fn add(
+        &mut self,
+        loss: Tensor,
+        params: &BTreeMap<String, Var>,
+        trained: &BTreeMap<String, usize>,
+    ) -> Result<()> {
+        self.loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let grads = (loss / self.accum as f64)?.backward()?;
+        if self.accum > 1 {
+            for name in trained.keys() {
+                if let Some(g) = grads.get(params[name].as_tensor()) {
+                    let sum = match self.sums.remove(name) {
+                        Some(prev) => (prev + g)?,
+                        None => g.clone(),
+                    };
+                    self.sums.insert(name.clone(), sum);
+                }
+            }
+        }
+        self.store = Some(grads);
+        Ok(())
+    }
+
+    /// The optimiser step at `step` (0-based) with the summed gradients; returns the mean
+    /// loss, the learning rate and the gradient norm before clipping.
+    pub(crate) fn update(
+        self,
+        params: &BTreeMap<String, Var>,
+        trained: &BTreeMap<String, usize>,
+        opt: &mut AdamW,
+        opts: &TrainOptions,
+        step: u64,
+    ) -> Result<(f64, f64, f64)> {
+        let mut store = self.store.expect("at least one micro-batch");
+        for (name, g) in self.sums {
+            store.insert(params[&name].as_tensor(), g);
+        }
+        let loss = self.loss_sum / self.accum as f64;
+        if !loss.is_finite() {
+            return Err(Error::input(format!(
+                "the training loss is {loss} at step {}: lower --lr or check the data",
+                step + 1
+            )));
+        }
+        let lr = opts.schedule().at(step);
+        let grad_norm = update(params, trained, opt, store, opts.clip_grad, lr)?;
+        Ok((loss, lr, grad_norm))
+    }
 }
 
 /// Masks the frozen rows' gradients, clips the global norm and takes the AdamW step at

@@ -4,7 +4,7 @@
 //! (3/4, 4/3), then a horizontal flip with probability ½; the model's eval transform
 //! for validation), and the training loop over an image folder of class folders.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -12,7 +12,9 @@ use rand::{Rng, SeedableRng};
 
 use super::lm::{attention, layer_norm, pattention, AttentionSpec};
 use super::optim::AdamW;
-use super::trainer::{optimizer, select, update, write_checkpoint, TrainOptions, TrainerState};
+use super::trainer::{
+    optimizer, select, write_checkpoint, Accumulation, TrainOptions, TrainerState,
+};
 use crate::checkpoint::Tensors;
 use crate::error::{Error, Result};
 use crate::models::vit::{Config, Pool};
@@ -452,46 +454,18 @@ impl VitTrainer {
     /// One optimiser step over `grad_accum` batches.
     pub fn step(&mut self) -> Result<StepReport> {
         let accum = self.opts.grad_accum;
-        let mut sums: HashMap<String, Tensor> = HashMap::new();
-        let mut store = None;
-        let mut loss_sum = 0.0;
+        let mut acc = Accumulation::new(accum);
         for _ in 0..accum {
             let (x, y) = self.batch()?;
             let loss = self.model.loss(&x, &y)?;
-            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            let grads = (loss / accum as f64)?.backward()?;
-            if accum > 1 {
-                for name in self.trained.keys() {
-                    if let Some(g) = grads.get(self.model.params()[name].as_tensor()) {
-                        let sum = match sums.remove(name) {
-                            Some(prev) => (prev + g)?,
-                            None => g.clone(),
-                        };
-                        sums.insert(name.clone(), sum);
-                    }
-                }
-            }
-            store = Some(grads);
+            acc.add(loss, self.model.params(), &self.trained)?;
         }
-        let mut store = store.expect("at least one batch");
-        for (name, g) in sums {
-            store.insert(self.model.params()[&name].as_tensor(), g);
-        }
-        let loss = loss_sum / accum as f64;
-        if !loss.is_finite() {
-            return Err(Error::input(format!(
-                "the training loss is {loss} at step {}: lower --lr or check the data",
-                self.step + 1
-            )));
-        }
-        let lr = self.opts.schedule().at(self.step);
-        let grad_norm = update(
+        let (loss, lr, grad_norm) = acc.update(
             self.model.params(),
             &self.trained,
             &mut self.opt,
-            store,
-            self.opts.clip_grad,
-            lr,
+            &self.opts,
+            self.step,
         )?;
         self.step += 1;
         self.images += (self.opts.batch_size * accum) as u64;

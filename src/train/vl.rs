@@ -16,12 +16,10 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
-use std::collections::HashMap;
-
 use super::lm::{causal_mask, layer_norm, pattention, rotary_tables, rotate, softmax_last, Params};
 use super::optim::{AdamW, Moments};
 use super::trainer::{
-    optimizer, select, update, write_checkpoint, StepReport, TrainOptions, TrainerState,
+    optimizer, select, write_checkpoint, Accumulation, StepReport, TrainOptions, TrainerState,
 };
 use super::vit::Order;
 use crate::checkpoint::Tensors;
@@ -506,9 +504,7 @@ impl VlTrainer {
     /// One optimiser step over `grad_accum` batches.
     pub fn step(&mut self) -> Result<StepReport> {
         let accum = self.opts.grad_accum;
-        let mut sums: HashMap<String, Tensor> = HashMap::new();
-        let mut store = None;
-        let mut loss_sum = 0.0;
+        let mut acc = Accumulation::new(accum);
         let mut tokens = 0u64;
         for _ in 0..accum {
             let picked: Vec<Pair> = (0..self.opts.batch_size)
@@ -524,40 +520,14 @@ impl VlTrainer {
             )?;
             tokens += mask.sum_all()?.to_scalar::<f32>()? as u64;
             let loss = self.model.loss(&px, &ids, &mask)?;
-            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            let grads = (loss / accum as f64)?.backward()?;
-            if accum > 1 {
-                for name in self.trained.keys() {
-                    if let Some(g) = grads.get(self.model.params()[name].as_tensor()) {
-                        let sum = match sums.remove(name) {
-                            Some(prev) => (prev + g)?,
-                            None => g.clone(),
-                        };
-                        sums.insert(name.clone(), sum);
-                    }
-                }
-            }
-            store = Some(grads);
+            acc.add(loss, self.model.params(), &self.trained)?;
         }
-        let mut store = store.expect("at least one batch");
-        for (name, g) in sums {
-            store.insert(self.model.params()[&name].as_tensor(), g);
-        }
-        let loss = loss_sum / accum as f64;
-        if !loss.is_finite() {
-            return Err(Error::input(format!(
-                "the training loss is {loss} at step {}: lower --lr or check the data",
-                self.step + 1
-            )));
-        }
-        let lr = self.opts.schedule().at(self.step);
-        let grad_norm = update(
+        let (loss, lr, grad_norm) = acc.update(
             self.model.params(),
             &self.trained,
             &mut self.opt,
-            store,
-            self.opts.clip_grad,
-            lr,
+            &self.opts,
+            self.step,
         )?;
         self.step += 1;
         self.tokens += tokens;
