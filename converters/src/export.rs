@@ -93,7 +93,7 @@ pub fn run(a: ExportArgs) -> Result<()> {
         &LocateOptions {
             config: a.config.clone(),
             tokenizer: None,
-            progress: None,
+            progress: Some(crate::progress::download_bars()),
         },
     )?;
     check_not_inputs(&a.out, &files)?;

@@ -149,7 +149,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
     let opts = LocateOptions {
         config: a.config.clone(),
         tokenizer: None,
-        progress: None,
+        progress: Some(crate::progress::download_bars()),
     };
     let files = loader::locate(&a.model, &opts)?;
     check_not_inputs(&a.out.out, &files)?;

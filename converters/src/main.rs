@@ -12,6 +12,8 @@ mod merge;
 mod official;
 mod output;
 mod probe;
+#[path = "../../src/cli/progress.rs"]
+mod progress;
 mod publish;
 
 use anyhow::Result;

@@ -47,9 +47,9 @@ pub const TOLERANCE: f32 = 1e-5;
 
 pub fn run(a: MergeArgs) -> Result<()> {
     let dev = Device::Cpu;
-    let vfiles = loader::locate(&a.vision, &Default::default())
+    let vfiles = loader::locate(&a.vision, &with_bars())
         .with_context(|| format!("--vision {}", a.vision))?;
-    let lfiles = loader::locate(&a.language, &Default::default())
+    let lfiles = loader::locate(&a.language, &with_bars())
         .with_context(|| format!("--language {}", a.language))?;
     for f in [&vfiles, &lfiles] {
         let p = std::path::Path::new(&f.source);
@@ -147,4 +147,12 @@ pub fn run(a: MergeArgs) -> Result<()> {
         "```\ntokenformer score --model PATH --text \"...\"\ntokenformer classify --model PATH IMAGE\ntokenformer generate --model PATH --image IMAGE --prompt \"A photo of\"\n```",
     );
     folder.finish_and_say(&card)
+}
+
+/// Locate options that draw download bars.
+fn with_bars() -> loader::LocateOptions {
+    loader::LocateOptions {
+        progress: Some(crate::progress::download_bars()),
+        ..Default::default()
+    }
 }

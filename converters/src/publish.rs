@@ -96,7 +96,7 @@ pub fn run(a: PublishArgs) -> Result<()> {
         private: a.private,
         message: a.message.clone(),
         description: None,
-        progress: None,
+        progress: Some(crate::progress::upload_bars()),
         replace,
     };
     let report = hub::publish_folder(dir, &repo, &opts)?;

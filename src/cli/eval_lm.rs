@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use serde_json::Value;
 use tokenformer::eval::data::{
     sha256_file, DEFAULT_MAX_LINE_BYTES, NOTE_MAX_LINE_BYTES, NOTE_SKIP_BAD,
@@ -163,13 +163,9 @@ fn spawn_sha256(path: &Path) -> std::thread::JoinHandle<tokenformer::Result<Stri
 }
 
 fn progress_bar(len: u64, unit: &str) -> ProgressBar {
-    let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template(&format!(
-            "{{elapsed_precise}} [{{bar:30}}] {{percent:>3}}% {unit} {{msg}} ETA {{eta}}"
-        ))
-        .expect("valid template")
-        .progress_chars("=> "),
+    let pb = super::progress::bar(
+        len,
+        &format!("{{elapsed_precise}} [{{bar:30}}] {{percent:>3}}% {unit} {{msg}} ETA {{eta}}"),
     );
     pb.enable_steady_tick(Duration::from_millis(500));
     pb

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Device;
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use tokenformer::eval::{imagenet, Shard};
 use tokenformer::loader;
 use tokenformer::vision::decode::DEFAULT_MAX_PIXELS;
@@ -115,11 +115,9 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
     let bar = if a.quiet {
         ProgressBar::hidden()
     } else {
-        ProgressBar::new(0).with_style(
-            ProgressStyle::with_template(
-                "{bar:40} {pos}/{len} images  {per_sec}  ETA {eta}  {msg}",
-            )
-            .expect("valid template"),
+        super::progress::bar(
+            0,
+            "{bar:40} {pos}/{len} images  {per_sec}  ETA {eta}  {msg}",
         )
     };
     let r = imagenet::evaluate_with(&model, &files.source, &a.data, &opts, |p| {

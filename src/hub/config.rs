@@ -261,6 +261,12 @@ impl fmt::Debug for HubConfig {
     }
 }
 
+/// Whether the environment variable `name` is set to a true value, as
+/// `huggingface_hub` reads its flags (`1`, `true`, `yes`, `on`, any case).
+pub fn env_flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| is_truthy(&v))
+}
+
 /// `huggingface_hub`'s notion of a true environment flag.
 fn is_truthy(v: &str) -> bool {
     matches!(

@@ -36,8 +36,8 @@ use std::path::{Path, PathBuf};
 
 pub use client::{HubClient, RepoFile};
 pub use config::{
-    HubConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_ENDPOINT, DEFAULT_LOCK_WAIT, DEFAULT_MAX_RETRIES,
-    DEFAULT_MAX_RETRY_WAIT, DEFAULT_READ_TIMEOUT, DEFAULT_RETRY_BASE_DELAY,
+    env_flag, HubConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_ENDPOINT, DEFAULT_LOCK_WAIT,
+    DEFAULT_MAX_RETRIES, DEFAULT_MAX_RETRY_WAIT, DEFAULT_READ_TIMEOUT, DEFAULT_RETRY_BASE_DELAY,
 };
 pub use download::safetensors_index_shards;
 pub use error::HubError;

@@ -242,7 +242,8 @@ pub fn locate_input(spec: &str) -> Result<PathBuf> {
     }
     want.dedup();
     let names: Vec<&str> = want.iter().map(String::as_str).collect();
-    let paths = hub::download_files(&repo, &names, None).map_err(|e| anyhow!("{spec}: {e}"))?;
+    let paths = hub::download_files(&repo, &names, Some(&crate::progress::download_bars()))
+        .map_err(|e| anyhow!("{spec}: {e}"))?;
     Ok(paths[0]
         .parent()
         .expect("a downloaded file is in a folder")
