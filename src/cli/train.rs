@@ -11,11 +11,14 @@ use candle_core::{DType, Device};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
+use serde_json::Value;
 use tokenformer::card::ModelCard;
 use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::tokenformer::Config;
 use tokenformer::train::trainer::{self, TrainOptions};
-use tokenformer::train::{lm::init_tensors, LmTrainer, Split, TokenWindows, TrainableLm};
+use tokenformer::train::{
+    lm::init_tensors, LmTrainer, Split, StepReport, TokenWindows, TrainableLm,
+};
 
 #[derive(Args, Debug)]
 pub struct TrainArgs {
@@ -315,20 +318,59 @@ pub fn run(a: TrainArgs) -> Result<()> {
 
     let model = TrainableLm::new(&cfg, &tensors, DType::F32, &dev)?;
     drop(tensors);
-    let mut t = LmTrainer::new(model, data, opts.clone(), resume)?;
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let trainer = LmTrainer::new(model, data, opts.clone(), resume)?;
     let tokenizer_bytes = std::fs::read(&tokenizer_path)
         .with_context(|| format!("reading {}", tokenizer_path.display()))?;
+    drive(
+        &a,
+        LmRun {
+            fpt: flops_per_token(&cfg, opts.seq_len),
+            t: trainer,
+            val,
+            last_val: None,
+            tokenizer: tokenizer_bytes,
+            source,
+            data: a.data.clone(),
+        },
+    )
+}
+
+/// What the shared loop ([`drive`]) asks of an architecture's run.
+pub(crate) trait Run {
+    fn step(&mut self) -> Result<StepReport>;
+    fn done(&self) -> bool;
+    fn step_count(&self) -> u64;
+    fn total_steps(&self) -> u64;
+    /// The `metrics.jsonl` line of a step, without validation.
+    fn line(&self, r: &StepReport) -> Value;
+    /// Whether there is held-out data.
+    fn has_validation(&self) -> bool;
+    /// Evaluates on the held-out data and adds the results to `line`.
+    fn validate(&mut self, line: &mut Value) -> Result<()>;
+    /// The progress bar's message after step `r`, `steps` steps and `secs` into this run.
+    fn progress(&self, r: &StepReport, steps: u64, secs: f64) -> String;
+    /// Writes a checkpoint (with its model card) into `out`.
+    fn save(&self, out: &Path) -> Result<PathBuf>;
+    /// The `--json` summary.
+    fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value;
+    /// The end of run message's loss part, e.g. `loss 2.1, validation 2.3`.
+    fn outcome(&self, r: &StepReport) -> String;
+}
+
+/// The loop every architecture runs: steps, `metrics.jsonl`, validation every
+/// `--eval-every` steps, checkpoints (and `loss.png`) every `--save-every` steps and at
+/// the end, `--keep-last`, a progress bar and the closing summary.
+pub(crate) fn drive(a: &TrainArgs, mut t: impl Run) -> Result<()> {
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let metrics_path = a.out.join("metrics.jsonl");
     let mut metrics = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .open(a.out.join("metrics.jsonl"))
-        .with_context(|| format!("opening {}", a.out.join("metrics.jsonl").display()))?;
-    let fpt = flops_per_token(&cfg, opts.seq_len);
-    let mut curve = Curve::read(&a.out.join("metrics.jsonl"));
-
+        .open(&metrics_path)
+        .with_context(|| format!("opening {}", metrics_path.display()))?;
+    let mut curve = Curve::read(&metrics_path);
     let start_step = t.step_count();
-    let bar = ProgressBar::new(opts.steps);
+    let bar = ProgressBar::new(t.total_steps());
     bar.set_style(
         ProgressStyle::with_template(
             "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
@@ -337,48 +379,25 @@ pub fn run(a: TrainArgs) -> Result<()> {
     );
     bar.set_position(start_step);
     let started = Instant::now();
-    let mut last = None;
-    let mut last_val = None;
-    let mut last_ckpt = None;
+    let (mut last, mut last_ckpt) = (None, None);
     while !t.done() {
         let r = t.step()?;
-        let secs = started.elapsed().as_secs_f64();
-        let tokens_run = (r.step - start_step) as f64
-            * (opts.batch_size * opts.grad_accum * opts.seq_len) as f64;
-        let mut line = json!({
-            "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
-            "tokens": r.tokens, "flops": fpt * r.tokens as f64,
-        });
+        let mut line = t.line(&r);
         let end = t.done();
-        if !val.is_empty() && (r.step % a.eval_every.max(1) == 0 || end) {
-            let v = t.evaluate(&val, opts.batch_size)?;
-            line["val_loss"] = json!(v);
-            line["val_perplexity"] = json!(v.exp());
-            last_val = Some(v);
+        if t.has_validation() && (r.step % a.eval_every.max(1) == 0 || end) {
+            t.validate(&mut line)?;
         }
         writeln!(metrics, "{line}").context("writing metrics.jsonl")?;
         curve.push(&line);
-        bar.set_message(format!(
-            "loss {:.4}{}  {:.0} tok/s",
-            r.loss,
-            last_val.map_or(String::new(), |v| format!("  val {v:.4}")),
-            tokens_run / secs.max(1e-9)
-        ));
+        let secs = started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(t.progress(&r, r.step - start_step, secs));
         bar.set_position(r.step);
         if r.step % a.save_every.max(1) == 0 || end {
-            let card = card(t.model().config(), &t, &source, &a.data, last_val);
-            let dir = t.save(
-                &a.out,
-                &[
-                    ("tokenizer.json", tokenizer_bytes.clone()),
-                    ("README.md", card.into_bytes()),
-                ],
-            )?;
+            last_ckpt = Some(t.save(&a.out)?);
             curve.draw(&a.out)?;
             if a.keep_last > 0 {
                 trainer::prune(&a.out, a.keep_last)?;
             }
-            last_ckpt = Some(dir);
             if std::env::var("TOKENFORMER_TRAIN_ABORT_AFTER_STEP")
                 .is_ok_and(|v| v == r.step.to_string())
             {
@@ -393,29 +412,116 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let Some(r) = last else {
         bail!(
             "nothing to do: the run already has its {} steps (raise --steps)",
-            opts.steps
+            t.total_steps()
         );
     };
     let ckpt = last_ckpt.expect("saved at the end");
     if a.json {
-        println!(
-            "{}",
-            json!({
-                "steps": r.step, "train_loss": r.loss, "val_loss": last_val,
-                "val_perplexity": last_val.map(f64::exp), "tokens": r.tokens,
-                "seconds": secs, "checkpoint": ckpt,
-            })
-        );
+        println!("{}", t.summary(&r, secs, &ckpt));
     } else {
         eprintln!(
-            "trained to step {} (loss {:.4}{}) in {secs:.1} s; saved {}",
+            "trained to step {} ({}) in {secs:.1} s; saved {}",
             r.step,
-            r.loss,
-            last_val.map_or(String::new(), |v| format!(", validation {v:.4}")),
+            t.outcome(&r),
             ckpt.display()
         );
     }
     Ok(())
+}
+
+/// A language model's run.
+struct LmRun {
+    t: LmTrainer,
+    /// Training FLOPs per token.
+    fpt: f64,
+    val: Vec<Vec<u32>>,
+    last_val: Option<f64>,
+    tokenizer: Vec<u8>,
+    source: String,
+    data: Vec<PathBuf>,
+}
+
+impl Run for LmRun {
+    fn step(&mut self) -> Result<StepReport> {
+        Ok(self.t.step()?)
+    }
+
+    fn done(&self) -> bool {
+        self.t.done()
+    }
+
+    fn step_count(&self) -> u64 {
+        self.t.step_count()
+    }
+
+    fn total_steps(&self) -> u64 {
+        self.t.options().steps
+    }
+
+    fn line(&self, r: &StepReport) -> Value {
+        json!({
+            "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
+            "tokens": r.tokens, "flops": self.fpt * r.tokens as f64,
+        })
+    }
+
+    fn has_validation(&self) -> bool {
+        !self.val.is_empty()
+    }
+
+    fn validate(&mut self, line: &mut Value) -> Result<()> {
+        let v = self.t.evaluate(&self.val, self.t.options().batch_size)?;
+        line["val_loss"] = json!(v);
+        line["val_perplexity"] = json!(v.exp());
+        self.last_val = Some(v);
+        Ok(())
+    }
+
+    fn progress(&self, r: &StepReport, steps: u64, secs: f64) -> String {
+        let o = self.t.options();
+        let tokens = steps as f64 * (o.batch_size * o.grad_accum * o.seq_len) as f64;
+        format!(
+            "loss {:.4}{}  {:.0} tok/s",
+            r.loss,
+            self.last_val
+                .map_or(String::new(), |v| format!("  val {v:.4}")),
+            tokens / secs
+        )
+    }
+
+    fn save(&self, out: &Path) -> Result<PathBuf> {
+        let card = card(
+            self.t.model().config(),
+            &self.t,
+            &self.source,
+            &self.data,
+            self.last_val,
+        );
+        Ok(self.t.save(
+            out,
+            &[
+                ("tokenizer.json", self.tokenizer.clone()),
+                ("README.md", card.into_bytes()),
+            ],
+        )?)
+    }
+
+    fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value {
+        json!({
+            "steps": r.step, "train_loss": r.loss, "val_loss": self.last_val,
+            "val_perplexity": self.last_val.map(f64::exp), "tokens": r.tokens,
+            "seconds": secs, "checkpoint": ckpt,
+        })
+    }
+
+    fn outcome(&self, r: &StepReport) -> String {
+        format!(
+            "loss {:.4}{}",
+            r.loss,
+            self.last_val
+                .map_or(String::new(), |v| format!(", validation {v:.4}"))
+        )
+    }
 }
 
 /// The train and validation curves of `metrics.jsonl`, for `loss.png`.

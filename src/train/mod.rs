@@ -19,4 +19,4 @@ pub mod vl;
 pub use data::{Split, TokenWindows};
 pub use lm::TrainableLm;
 pub use optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
-pub use trainer::{LmTrainer, StepReport, Trainable, Trainer, TrainOptions, TrainerState};
+pub use trainer::{LmTrainer, StepReport, TrainOptions, Trainable, Trainer, TrainerState};

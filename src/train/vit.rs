@@ -13,7 +13,7 @@ use rand::{Rng, SeedableRng};
 use super::lm::{attention, layer_norm, pattention, AttentionSpec};
 use super::optim::Moments;
 use super::parts::{device_of, embed_image, wrap_vars};
-use super::trainer::{Trainable, Trainer, TrainOptions, TrainerState};
+use super::trainer::{TrainOptions, Trainable, Trainer, TrainerState};
 use crate::checkpoint::Tensors;
 use crate::error::{Error, Result};
 use crate::grow::{self, GrowInit};
@@ -396,8 +396,12 @@ impl VitTrainer {
     pub fn step(&mut self) -> Result<StepReport> {
         let size = self.core.model().config().image_size;
         let b = self.core.options().batch_size;
-        let (order, samples, transform, device) =
-            (&mut self.order, &self.samples, &self.transform, &self.device);
+        let (order, samples, transform, device) = (
+            &mut self.order,
+            &self.samples,
+            &self.transform,
+            &self.device,
+        );
         self.core.step(|| {
             let mut pixels = Vec::with_capacity(b * 3 * size * size);
             let mut labels = Vec::with_capacity(b);

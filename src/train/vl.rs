@@ -19,7 +19,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use super::lm::{causal_mask, layer_norm, pattention, rotary_tables, rotate, softmax_last, Params};
 use super::optim::Moments;
 use super::parts::{device_of, embed_image, wrap_vars};
-use super::trainer::{StepReport, Trainable, Trainer, TrainOptions, TrainerState};
+use super::trainer::{StepReport, TrainOptions, Trainable, Trainer, TrainerState};
 use super::vit::Order;
 use crate::checkpoint::Tensors;
 use crate::error::{Error, Result};
