@@ -16,6 +16,7 @@ use tokenformer::card::ModelCard;
 use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::tokenformer::Config;
 use tokenformer::train::trainer::{self, TrainOptions};
+use tokenformer::train::trainer::{Fed, LmSource, Source, Trainable};
 use tokenformer::train::{
     lm::init_tensors, LmTrainer, Split, StepReport, TokenWindows, TrainableLm,
 };
@@ -321,36 +322,29 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let trainer = LmTrainer::new(model, data, opts.clone(), resume)?;
     let tokenizer_bytes = std::fs::read(&tokenizer_path)
         .with_context(|| format!("reading {}", tokenizer_path.display()))?;
-    drive(
-        &a,
-        LmRun {
-            fpt: flops_per_token(&cfg, opts.seq_len),
-            t: trainer,
-            val,
-            last_val: None,
-            tokenizer: tokenizer_bytes,
-            source,
-            data: a.data.clone(),
-        },
-    )
+    let run = LmRun {
+        fpt: flops_per_token(&cfg, opts.seq_len),
+        val,
+        last_val: Perplexity::default(),
+        tokenizer: tokenizer_bytes,
+        source,
+        data: a.data.clone(),
+    };
+    drive(&a, trainer, run)
 }
 
-/// What the shared loop ([`drive`]) asks of an architecture's run.
-pub(crate) trait Run {
-    fn step(&mut self) -> Result<StepReport>;
-    fn done(&self) -> bool;
-    fn step_count(&self) -> u64;
-    fn total_steps(&self) -> u64;
+/// What the shared loop ([`drive`]) asks of an architecture's run besides its trainer.
+pub(crate) trait Run<M: Trainable, S: Source<M>> {
     /// The `metrics.jsonl` line of a step, without validation.
     fn line(&self, r: &StepReport) -> Value;
     /// Whether there is held-out data.
     fn has_validation(&self) -> bool;
     /// Evaluates on the held-out data and adds the results to `line`.
-    fn validate(&mut self, line: &mut Value) -> Result<()>;
+    fn validate(&mut self, t: &Fed<M, S>, line: &mut Value) -> Result<()>;
     /// The progress bar's message after step `r`, `steps` steps and `secs` into this run.
-    fn progress(&self, r: &StepReport, steps: u64, secs: f64) -> String;
+    fn progress(&self, t: &Fed<M, S>, r: &StepReport, steps: u64, secs: f64) -> String;
     /// Writes a checkpoint (with its model card) into `out`.
-    fn save(&self, out: &Path) -> Result<PathBuf>;
+    fn save(&self, t: &Fed<M, S>, out: &Path) -> Result<PathBuf>;
     /// The `--json` summary.
     fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value;
     /// The end of run message's loss part, e.g. `loss 2.1, validation 2.3`.
@@ -360,7 +354,11 @@ pub(crate) trait Run {
 /// The loop every architecture runs: steps, `metrics.jsonl`, validation every
 /// `--eval-every` steps, checkpoints (and `loss.png`) every `--save-every` steps and at
 /// the end, `--keep-last`, a progress bar and the closing summary.
-pub(crate) fn drive(a: &TrainArgs, mut t: impl Run) -> Result<()> {
+pub(crate) fn drive<M: Trainable, S: Source<M>>(
+    a: &TrainArgs,
+    mut t: Fed<M, S>,
+    mut run: impl Run<M, S>,
+) -> Result<()> {
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let metrics_path = a.out.join("metrics.jsonl");
     let mut metrics = std::fs::OpenOptions::new()
@@ -370,7 +368,7 @@ pub(crate) fn drive(a: &TrainArgs, mut t: impl Run) -> Result<()> {
         .with_context(|| format!("opening {}", metrics_path.display()))?;
     let mut curve = Curve::read(&metrics_path);
     let start_step = t.step_count();
-    let bar = ProgressBar::new(t.total_steps());
+    let bar = ProgressBar::new(t.options().steps);
     bar.set_style(
         ProgressStyle::with_template(
             "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
@@ -382,18 +380,18 @@ pub(crate) fn drive(a: &TrainArgs, mut t: impl Run) -> Result<()> {
     let (mut last, mut last_ckpt) = (None, None);
     while !t.done() {
         let r = t.step()?;
-        let mut line = t.line(&r);
+        let mut line = run.line(&r);
         let end = t.done();
-        if t.has_validation() && (r.step % a.eval_every.max(1) == 0 || end) {
-            t.validate(&mut line)?;
+        if run.has_validation() && (r.step % a.eval_every.max(1) == 0 || end) {
+            run.validate(&t, &mut line)?;
         }
         writeln!(metrics, "{line}").context("writing metrics.jsonl")?;
         curve.push(&line);
         let secs = started.elapsed().as_secs_f64().max(1e-9);
-        bar.set_message(t.progress(&r, r.step - start_step, secs));
+        bar.set_message(run.progress(&t, &r, r.step - start_step, secs));
         bar.set_position(r.step);
         if r.step % a.save_every.max(1) == 0 || end {
-            last_ckpt = Some(t.save(&a.out)?);
+            last_ckpt = Some(run.save(&t, &a.out)?);
             curve.draw(&a.out)?;
             if a.keep_last > 0 {
                 trainer::prune(&a.out, a.keep_last)?;
@@ -412,52 +410,88 @@ pub(crate) fn drive(a: &TrainArgs, mut t: impl Run) -> Result<()> {
     let Some(r) = last else {
         bail!(
             "nothing to do: the run already has its {} steps (raise --steps)",
-            t.total_steps()
+            t.options().steps
         );
     };
     let ckpt = last_ckpt.expect("saved at the end");
     if a.json {
-        println!("{}", t.summary(&r, secs, &ckpt));
+        println!("{}", run.summary(&r, secs, &ckpt));
     } else {
         eprintln!(
             "trained to step {} ({}) in {secs:.1} s; saved {}",
             r.step,
-            t.outcome(&r),
+            run.outcome(&r),
             ckpt.display()
         );
     }
     Ok(())
 }
 
+/// A checkpoint with its model card and, for text models, the tokenizer.
+pub(crate) fn save_with<M: Trainable, S: Source<M>>(
+    t: &Fed<M, S>,
+    out: &Path,
+    tokenizer: Option<&[u8]>,
+    card: String,
+) -> Result<PathBuf> {
+    let mut files = vec![];
+    if let Some(tok) = tokenizer {
+        files.push(("tokenizer.json", tok.to_vec()));
+    }
+    files.push(("README.md", card.into_bytes()));
+    Ok(t.save(out, &files)?)
+}
+
+/// The latest validation loss of a text model (language model, captions): reported with
+/// its perplexity.
+#[derive(Default)]
+pub(crate) struct Perplexity(Option<f64>);
+
+impl Perplexity {
+    pub(crate) fn record(&mut self, line: &mut Value, v: f64) {
+        line["val_loss"] = json!(v);
+        line["val_perplexity"] = json!(v.exp());
+        self.0 = Some(v);
+    }
+
+    pub(crate) fn get(&self) -> Option<f64> {
+        self.0
+    }
+
+    /// `  val 2.3456` for the progress bar (empty before the first validation).
+    pub(crate) fn bar(&self) -> String {
+        self.0.map_or(String::new(), |v| format!("  val {v:.4}"))
+    }
+
+    pub(crate) fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value {
+        json!({
+            "steps": r.step, "train_loss": r.loss, "val_loss": self.0,
+            "val_perplexity": self.0.map(f64::exp), "tokens": r.tokens,
+            "seconds": secs, "checkpoint": ckpt,
+        })
+    }
+
+    /// `{what} 2.1234, validation 2.3456`.
+    pub(crate) fn outcome(&self, what: &str, r: &StepReport) -> String {
+        let v = self
+            .0
+            .map_or(String::new(), |v| format!(", validation {v:.4}"));
+        format!("{what} {:.4}{v}", r.loss)
+    }
+}
+
 /// A language model's run.
 struct LmRun {
-    t: LmTrainer,
     /// Training FLOPs per token.
     fpt: f64,
     val: Vec<Vec<u32>>,
-    last_val: Option<f64>,
+    last_val: Perplexity,
     tokenizer: Vec<u8>,
     source: String,
     data: Vec<PathBuf>,
 }
 
-impl Run for LmRun {
-    fn step(&mut self) -> Result<StepReport> {
-        Ok(self.t.step()?)
-    }
-
-    fn done(&self) -> bool {
-        self.t.done()
-    }
-
-    fn step_count(&self) -> u64 {
-        self.t.step_count()
-    }
-
-    fn total_steps(&self) -> u64 {
-        self.t.options().steps
-    }
-
+impl Run<TrainableLm, LmSource> for LmRun {
     fn line(&self, r: &StepReport) -> Value {
         json!({
             "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
@@ -469,58 +503,30 @@ impl Run for LmRun {
         !self.val.is_empty()
     }
 
-    fn validate(&mut self, line: &mut Value) -> Result<()> {
-        let v = self.t.evaluate(&self.val, self.t.options().batch_size)?;
-        line["val_loss"] = json!(v);
-        line["val_perplexity"] = json!(v.exp());
-        self.last_val = Some(v);
+    fn validate(&mut self, t: &LmTrainer, line: &mut Value) -> Result<()> {
+        let v = t.evaluate(&self.val, t.options().batch_size)?;
+        self.last_val.record(line, v);
         Ok(())
     }
 
-    fn progress(&self, r: &StepReport, steps: u64, secs: f64) -> String {
-        let o = self.t.options();
+    fn progress(&self, t: &LmTrainer, r: &StepReport, steps: u64, secs: f64) -> String {
+        let o = t.options();
         let tokens = steps as f64 * (o.batch_size * o.grad_accum * o.seq_len) as f64;
-        format!(
-            "loss {:.4}{}  {:.0} tok/s",
-            r.loss,
-            self.last_val
-                .map_or(String::new(), |v| format!("  val {v:.4}")),
-            tokens / secs
-        )
+        let rate = tokens / secs;
+        format!("loss {:.4}{}  {rate:.0} tok/s", r.loss, self.last_val.bar())
     }
 
-    fn save(&self, out: &Path) -> Result<PathBuf> {
-        let card = card(
-            self.t.model().config(),
-            &self.t,
-            &self.source,
-            &self.data,
-            self.last_val,
-        );
-        Ok(self.t.save(
-            out,
-            &[
-                ("tokenizer.json", self.tokenizer.clone()),
-                ("README.md", card.into_bytes()),
-            ],
-        )?)
+    fn save(&self, t: &LmTrainer, out: &Path) -> Result<PathBuf> {
+        let card = card(t, &self.source, &self.data, self.last_val.get());
+        save_with(t, out, Some(&self.tokenizer), card)
     }
 
     fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value {
-        json!({
-            "steps": r.step, "train_loss": r.loss, "val_loss": self.last_val,
-            "val_perplexity": self.last_val.map(f64::exp), "tokens": r.tokens,
-            "seconds": secs, "checkpoint": ckpt,
-        })
+        self.last_val.summary(r, secs, ckpt)
     }
 
     fn outcome(&self, r: &StepReport) -> String {
-        format!(
-            "loss {:.4}{}",
-            r.loss,
-            self.last_val
-                .map_or(String::new(), |v| format!(", validation {v:.4}"))
-        )
+        self.last_val.outcome("loss", r)
     }
 }
 
@@ -570,8 +576,8 @@ impl Curve {
 }
 
 /// The model card of a checkpoint: how it was trained.
-fn card(cfg: &Config, t: &LmTrainer, source: &str, data: &[PathBuf], val: Option<f64>) -> String {
-    let o = t.options();
+fn card(t: &LmTrainer, source: &str, data: &[PathBuf], val: Option<f64>) -> String {
+    let (o, cfg) = (t.options(), t.model().config());
     let mut c = ModelCard::new(
         "TokenFormer language model (trained with tokenformer)",
         "text-generation",

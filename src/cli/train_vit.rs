@@ -12,7 +12,7 @@ use tokenformer::checkpoint::Tensors;
 use tokenformer::models::vit::Config;
 use tokenformer::train::optim::Moments;
 use tokenformer::train::trainer::{TrainOptions, TrainerState};
-use tokenformer::train::vit::{init_tensors, TrainableVit, VitTrainer};
+use tokenformer::train::vit::{init_tensors, ImageSource, TrainableVit, VitTrainer};
 use tokenformer::train::{Split, StepReport};
 use tokenformer::vision::{dataset, EvalTransform};
 
@@ -91,22 +91,18 @@ pub fn run(
     drop(tensors);
     let n_train = samples.len();
     let t = VitTrainer::new(model, samples, opts, resume)?;
-    super::drive(
-        a,
-        VitRun {
-            t,
-            val,
-            last_val: None,
-            source,
-            train_dir,
-            n_train,
-        },
-    )
+    let run = VitRun {
+        val,
+        last_val: None,
+        source,
+        train_dir,
+        n_train,
+    };
+    super::drive(a, t, run)
 }
 
 /// A classifier's run.
 struct VitRun {
-    t: VitTrainer,
     val: Vec<(Vec<f32>, u32)>,
     /// Validation loss and top-1.
     last_val: Option<(f64, f64)>,
@@ -115,23 +111,7 @@ struct VitRun {
     n_train: usize,
 }
 
-impl super::Run for VitRun {
-    fn step(&mut self) -> Result<StepReport> {
-        Ok(self.t.step()?)
-    }
-
-    fn done(&self) -> bool {
-        self.t.done()
-    }
-
-    fn step_count(&self) -> u64 {
-        self.t.step_count()
-    }
-
-    fn total_steps(&self) -> u64 {
-        self.t.options().steps
-    }
-
+impl super::Run<TrainableVit, ImageSource> for VitRun {
     fn line(&self, r: &StepReport) -> Value {
         json!({
             "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
@@ -143,37 +123,32 @@ impl super::Run for VitRun {
         !self.val.is_empty()
     }
 
-    fn validate(&mut self, line: &mut Value) -> Result<()> {
-        let (l, top1) = self.t.evaluate(&self.val, self.t.options().batch_size)?;
+    fn validate(&mut self, t: &VitTrainer, line: &mut Value) -> Result<()> {
+        let (l, top1) = t.evaluate(&self.val, t.options().batch_size)?;
         line["val_loss"] = json!(l);
         line["val_top1"] = json!(top1);
         self.last_val = Some((l, top1));
         Ok(())
     }
 
-    fn progress(&self, r: &StepReport, steps: u64, secs: f64) -> String {
-        let o = self.t.options();
+    fn progress(&self, t: &VitTrainer, r: &StepReport, steps: u64, secs: f64) -> String {
+        let o = t.options();
         let images = steps as f64 * (o.batch_size * o.grad_accum) as f64;
-        format!(
-            "loss {:.4}{}  {:.1} img/s",
-            r.loss,
-            self.last_val.map_or(String::new(), |(l, a)| format!(
-                "  val {l:.4} top-1 {:.1}%",
-                a * 100.0
-            )),
-            images / secs
-        )
+        let val = self.last_val.map_or(String::new(), |(l, a)| {
+            format!("  val {l:.4} top-1 {:.1}%", a * 100.0)
+        });
+        format!("loss {:.4}{val}  {:.1} img/s", r.loss, images / secs)
     }
 
-    fn save(&self, out: &Path) -> Result<PathBuf> {
+    fn save(&self, t: &VitTrainer, out: &Path) -> Result<PathBuf> {
         let card = card(
-            &self.t,
+            t,
             &self.source,
             &self.train_dir,
             self.n_train,
             self.last_val,
         );
-        Ok(self.t.save(out, &[("README.md", card.into_bytes())])?)
+        super::save_with(t, out, None, card)
     }
 
     fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value {
@@ -186,14 +161,10 @@ impl super::Run for VitRun {
     }
 
     fn outcome(&self, r: &StepReport) -> String {
-        format!(
-            "loss {:.4}{}",
-            r.loss,
-            self.last_val.map_or(String::new(), |(l, a)| format!(
-                ", validation {l:.4}, top-1 {:.2}%",
-                a * 100.0
-            ))
-        )
+        let val = self.last_val.map_or(String::new(), |(l, a)| {
+            format!(", validation {l:.4}, top-1 {:.2}%", a * 100.0)
+        });
+        format!("loss {:.4}{val}", r.loss)
     }
 }
 

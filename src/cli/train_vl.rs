@@ -12,10 +12,10 @@ use tokenformer::checkpoint::Tensors;
 use tokenformer::models::vl::Config;
 use tokenformer::train::optim::Moments;
 use tokenformer::train::trainer::{TrainOptions, TrainerState};
-use tokenformer::train::vl::{init_tensors, read_pairs, Pair, TrainableVl, VlTrainer};
+use tokenformer::train::vl::{init_tensors, read_pairs, Pair, PairSource, TrainableVl, VlTrainer};
 use tokenformer::train::{Split, StepReport};
 
-use super::TrainArgs;
+use super::{Perplexity, TrainArgs};
 
 /// Trains a merged model. `tensors` None: fresh weights (`--init`, `--seed`).
 pub fn run(
@@ -63,25 +63,21 @@ pub fn run(
     let t = VlTrainer::new(model, pairs, tokenizer, opts, resume)?;
     let tokenizer = std::fs::read(&tokenizer_path)
         .with_context(|| format!("reading {}", tokenizer_path.display()))?;
-    super::drive(
-        a,
-        VlRun {
-            start_tokens: t.state().tokens,
-            t,
-            val,
-            last_val: None,
-            tokenizer,
-            source,
-            data: data.clone(),
-        },
-    )
+    let run = VlRun {
+        start_tokens: t.state().tokens,
+        val,
+        last_val: Perplexity::default(),
+        tokenizer,
+        source,
+        data: data.clone(),
+    };
+    super::drive(a, t, run)
 }
 
 /// A merged model's run.
 struct VlRun {
-    t: VlTrainer,
     val: Vec<Pair>,
-    last_val: Option<f64>,
+    last_val: Perplexity,
     /// Caption tokens seen before this run (a resumed one).
     start_tokens: u64,
     tokenizer: Vec<u8>,
@@ -89,23 +85,7 @@ struct VlRun {
     data: PathBuf,
 }
 
-impl super::Run for VlRun {
-    fn step(&mut self) -> Result<StepReport> {
-        Ok(self.t.step()?)
-    }
-
-    fn done(&self) -> bool {
-        self.t.done()
-    }
-
-    fn step_count(&self) -> u64 {
-        self.t.step_count()
-    }
-
-    fn total_steps(&self) -> u64 {
-        self.t.options().steps
-    }
-
+impl super::Run<TrainableVl, PairSource> for VlRun {
     fn line(&self, r: &StepReport) -> Value {
         json!({
             "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
@@ -117,53 +97,36 @@ impl super::Run for VlRun {
         !self.val.is_empty()
     }
 
-    fn validate(&mut self, line: &mut Value) -> Result<()> {
-        let v = self.t.evaluate(&self.val, self.t.options().batch_size)?;
-        line["val_loss"] = json!(v);
-        line["val_perplexity"] = json!(v.exp());
-        self.last_val = Some(v);
+    fn validate(&mut self, t: &VlTrainer, line: &mut Value) -> Result<()> {
+        let v = t.evaluate(&self.val, t.options().batch_size)?;
+        self.last_val.record(line, v);
         Ok(())
     }
 
-    fn progress(&self, r: &StepReport, steps: u64, secs: f64) -> String {
-        let o = self.t.options();
+    fn progress(&self, t: &VlTrainer, r: &StepReport, steps: u64, secs: f64) -> String {
+        let o = t.options();
         let images = steps as f64 * (o.batch_size * o.grad_accum) as f64;
+        let tokens = (r.tokens - self.start_tokens) as f64;
         format!(
             "loss {:.4}{}  {:.0} tok/s  {:.1} img/s",
             r.loss,
-            self.last_val
-                .map_or(String::new(), |v| format!("  val {v:.4}")),
-            (r.tokens - self.start_tokens) as f64 / secs,
+            self.last_val.bar(),
+            tokens / secs,
             images / secs
         )
     }
 
-    fn save(&self, out: &Path) -> Result<PathBuf> {
-        let card = card(&self.t, &self.source, &self.data, self.last_val);
-        Ok(self.t.save(
-            out,
-            &[
-                ("tokenizer.json", self.tokenizer.clone()),
-                ("README.md", card.into_bytes()),
-            ],
-        )?)
+    fn save(&self, t: &VlTrainer, out: &Path) -> Result<PathBuf> {
+        let card = card(t, &self.source, &self.data, self.last_val.get());
+        super::save_with(t, out, Some(&self.tokenizer), card)
     }
 
     fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value {
-        json!({
-            "steps": r.step, "train_loss": r.loss, "val_loss": self.last_val,
-            "val_perplexity": self.last_val.map(f64::exp), "tokens": r.tokens,
-            "seconds": secs, "checkpoint": ckpt,
-        })
+        self.last_val.summary(r, secs, ckpt)
     }
 
     fn outcome(&self, r: &StepReport) -> String {
-        format!(
-            "caption loss {:.4}{}",
-            r.loss,
-            self.last_val
-                .map_or(String::new(), |v| format!(", validation {v:.4}"))
-        )
+        self.last_val.outcome("caption loss", r)
     }
 }
 

@@ -406,87 +406,57 @@ impl TrainableLm {
         };
         let new_cfg = grow::grown_lm_config(cfg, target)?;
         let (tensors, _) = grow::grow_tensors(Trainable::tensors(self), &old, target, init)?;
-        let device = self
-            .params()
-            .values()
-            .next()
-            .map_or(Device::Cpu, |v| v.device().clone());
-        Ok(TrainableLm::new(&new_cfg, &tensors, self.dtype(), &device)?)
+        let device = super::parts::device_of(self.params());
+        TrainableLm::new(&new_cfg, &tensors, self.dtype(), &device)
     }
 }
 
-/// A language model being trained on a stream of token windows.
-pub struct LmTrainer {
-    core: Trainer<TrainableLm>,
-    data: TokenWindows,
-    device: Device,
+/// Where a [`Fed`] trainer's micro-batches come from.
+pub trait Source<M: Trainable> {
+    /// The next micro-batch of `batch_size` examples, with the tokens (or images) it
+    /// counts.
+    fn next_batch(&mut self, batch_size: usize) -> Result<(M::Batch, u64)>;
+    /// Examples consumed so far (what a checkpoint records to resume at).
+    fn position(&self) -> u64;
 }
 
-impl std::ops::Deref for LmTrainer {
-    type Target = Trainer<TrainableLm>;
+/// A [`Trainer`] fed from a data source: the language model's token windows, the
+/// classifier's images, the merged model's pairs.
+pub struct Fed<M: Trainable, S> {
+    core: Trainer<M>,
+    data: S,
+}
+
+impl<M: Trainable, S> std::ops::Deref for Fed<M, S> {
+    type Target = Trainer<M>;
     fn deref(&self) -> &Self::Target {
         &self.core
     }
 }
 
-impl LmTrainer {
-    /// Starts (or, with `state`, resumes) training `model` on `data`. `moments` are a
-    /// checkpoint's optimiser moments.
-    pub fn new(
-        model: TrainableLm,
-        mut data: TokenWindows,
+impl<M: Trainable, S: Source<M>> Fed<M, S> {
+    /// `data` already at the resumed position, when resuming.
+    pub(crate) fn with(
+        model: M,
+        data: S,
         opts: TrainOptions,
         resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
     ) -> Result<Self> {
-        let device = model
-            .params()
-            .values()
-            .next()
-            .map_or(Device::Cpu, |v| v.device().clone());
-        if let Some((state, _)) = &resume {
-            data.skip(state.data_position)?;
-        }
-        let core = Trainer::new(model, opts, resume)?;
-        Ok(Self { core, data, device })
+        Ok(Self {
+            core: Trainer::new(model, opts, resume)?,
+            data,
+        })
     }
 
-    /// Grows every Pattention layer to `target` tokens in the middle of the run, with
-    /// the function-preserving rule (zero keys, normal values, √n constants kept): the
-    /// old tokens keep their AdamW moments, the new ones start at zero, and the step
-    /// count (bias correction, schedule) goes on.
-    pub fn grow(&mut self, target: &ScaleTokens, init: &GrowInit) -> Result<()> {
-        let grown = self.core.model().grown_to(target, init)?;
-        self.core.replace_model(grown)
+    pub(crate) fn source(&self) -> &S {
+        &self.data
     }
 
     /// One optimiser step over `grad_accum` micro-batches.
     pub fn step(&mut self) -> Result<StepReport> {
-        let (b, t) = (self.core.options().batch_size, self.core.options().seq_len);
-        let (data, device) = (&mut self.data, &self.device);
-        self.core.step(|| {
-            let mut ids = Vec::with_capacity(b * (t + 1));
-            for _ in 0..b {
-                ids.extend(data.next_window()?);
-            }
-            Ok((Tensor::from_vec(ids, (b, t + 1), device)?, (b * t) as u64))
-        })
-    }
-
-    /// Mean next-token loss over `windows` (each `seq_len + 1` tokens), `batch` at a time.
-    pub fn evaluate(&self, windows: &[Vec<u32>], batch: usize) -> Result<f64> {
-        let mut sum = 0.0;
-        for chunk in windows.chunks(batch.max(1)) {
-            let t = chunk[0].len();
-            let flat: Vec<u32> = chunk.iter().flatten().copied().collect();
-            let ids = Tensor::from_vec(flat, (chunk.len(), t), &self.device)?;
-            let loss = self
-                .model()
-                .loss(&ids)?
-                .to_dtype(DType::F64)?
-                .to_scalar::<f64>()?;
-            sum += loss * chunk.len() as f64;
-        }
-        Ok(sum / windows.len().max(1) as f64)
+        let b = self.core.options().batch_size;
+        let data = &mut self.data;
+        self.core.step(|| data.next_batch(b))
     }
 
     /// The state a checkpoint records now.
@@ -499,6 +469,81 @@ impl LmTrainer {
     /// and trainer state. Returns its path.
     pub fn save(&self, out: &Path, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
         self.core.save(out, self.data.position(), extra)
+    }
+}
+
+/// Packed windows of `seq_len + 1` token ids.
+pub struct LmSource {
+    windows: TokenWindows,
+    seq_len: usize,
+    device: Device,
+}
+
+impl Source<TrainableLm> for LmSource {
+    fn next_batch(&mut self, b: usize) -> Result<(Tensor, u64)> {
+        let t = self.seq_len;
+        let mut ids = Vec::with_capacity(b * (t + 1));
+        for _ in 0..b {
+            ids.extend(self.windows.next_window()?);
+        }
+        Ok((
+            Tensor::from_vec(ids, (b, t + 1), &self.device)?,
+            (b * t) as u64,
+        ))
+    }
+
+    fn position(&self) -> u64 {
+        self.windows.position()
+    }
+}
+
+/// A language model being trained on a stream of token windows.
+pub type LmTrainer = Fed<TrainableLm, LmSource>;
+
+impl LmTrainer {
+    /// Starts (or, with `state`, resumes) training `model` on `data`. `moments` are a
+    /// checkpoint's optimiser moments.
+    pub fn new(
+        model: TrainableLm,
+        mut data: TokenWindows,
+        opts: TrainOptions,
+        resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
+    ) -> Result<Self> {
+        if let Some((state, _)) = &resume {
+            data.skip(state.data_position)?;
+        }
+        let source = LmSource {
+            windows: data,
+            seq_len: opts.seq_len,
+            device: super::parts::device_of(model.params()),
+        };
+        Self::with(model, source, opts, resume)
+    }
+
+    /// Grows every Pattention layer to `target` tokens in the middle of the run, with
+    /// the function-preserving rule (zero keys, normal values, √n constants kept): the
+    /// old tokens keep their AdamW moments, the new ones start at zero, and the step
+    /// count (bias correction, schedule) goes on.
+    pub fn grow(&mut self, target: &ScaleTokens, init: &GrowInit) -> Result<()> {
+        let grown = self.core.model().grown_to(target, init)?;
+        self.core.replace_model(grown)
+    }
+
+    /// Mean next-token loss over `windows` (each `seq_len + 1` tokens), `batch` at a time.
+    pub fn evaluate(&self, windows: &[Vec<u32>], batch: usize) -> Result<f64> {
+        let mut sum = 0.0;
+        for chunk in windows.chunks(batch.max(1)) {
+            let t = chunk[0].len();
+            let flat: Vec<u32> = chunk.iter().flatten().copied().collect();
+            let ids = Tensor::from_vec(flat, (chunk.len(), t), &self.data.device)?;
+            let loss = self
+                .model()
+                .loss(&ids)?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
+            sum += loss * chunk.len() as f64;
+        }
+        Ok(sum / windows.len().max(1) as f64)
     }
 }
 

@@ -5,7 +5,6 @@
 //! for validation), and the training loop over an image folder of class folders.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
@@ -13,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use super::lm::{attention, layer_norm, pattention, AttentionSpec};
 use super::optim::Moments;
 use super::parts::{device_of, embed_image, wrap_vars};
-use super::trainer::{TrainOptions, Trainable, Trainer, TrainerState};
+use super::trainer::{Fed, Source, TrainOptions, Trainable, TrainerState};
 use crate::checkpoint::Tensors;
 use crate::error::{Error, Result};
 use crate::grow::{self, GrowInit};
@@ -352,21 +351,45 @@ impl Trainable for TrainableVit {
     }
 }
 
-/// A classifier being trained on labelled images.
-pub struct VitTrainer {
-    core: Trainer<TrainableVit>,
+/// Labelled images in a seeded order, each with timm's training preprocessing.
+pub struct ImageSource {
     samples: Vec<Sample>,
     order: Order,
     transform: TrainTransform,
+    size: usize,
     device: Device,
 }
 
-impl std::ops::Deref for VitTrainer {
-    type Target = Trainer<TrainableVit>;
-    fn deref(&self) -> &Self::Target {
-        &self.core
+impl Source<TrainableVit> for ImageSource {
+    fn next_batch(&mut self, b: usize) -> Result<((Tensor, Tensor), u64)> {
+        let size = self.size;
+        let mut pixels = Vec::with_capacity(b * 3 * size * size);
+        let mut labels = Vec::with_capacity(b);
+        for _ in 0..b {
+            let (i, mut rng) = self.order.next();
+            let s = &self.samples[i];
+            let img = open_rgb(&s.path)?;
+            let v = self
+                .transform
+                .apply(&img, &mut rng)
+                .map_err(|e| Error::input(format!("{}: {e}", s.path.display())))?;
+            pixels.extend(v);
+            labels.push(s.label as u32);
+        }
+        let batch = (
+            Tensor::from_vec(pixels, (b, 3, size, size), &self.device)?,
+            Tensor::from_vec(labels, b, &self.device)?,
+        );
+        Ok((batch, b as u64))
+    }
+
+    fn position(&self) -> u64 {
+        self.order.position()
     }
 }
+
+/// A classifier being trained on labelled images.
+pub type VitTrainer = Fed<TrainableVit, ImageSource>;
 
 impl VitTrainer {
     /// Starts (or, with `resume`, continues) training on `samples`.
@@ -380,47 +403,14 @@ impl VitTrainer {
             return Err(Error::input("no training images"));
         }
         let position = resume.as_ref().map_or(0, |(s, _)| s.data_position);
-        let order = Order::new(samples.len(), opts.seed, position);
-        let device = device_of(model.params());
-        let transform = TrainTransform::from_config(model.config());
-        Ok(Self {
-            core: Trainer::new(model, opts, resume)?,
+        let source = ImageSource {
+            order: Order::new(samples.len(), opts.seed, position),
             samples,
-            order,
-            transform,
-            device,
-        })
-    }
-
-    /// One optimiser step over `grad_accum` batches.
-    pub fn step(&mut self) -> Result<StepReport> {
-        let size = self.core.model().config().image_size;
-        let b = self.core.options().batch_size;
-        let (order, samples, transform, device) = (
-            &mut self.order,
-            &self.samples,
-            &self.transform,
-            &self.device,
-        );
-        self.core.step(|| {
-            let mut pixels = Vec::with_capacity(b * 3 * size * size);
-            let mut labels = Vec::with_capacity(b);
-            for _ in 0..b {
-                let (i, mut rng) = order.next();
-                let s = &samples[i];
-                let img = open_rgb(&s.path)?;
-                let v = transform
-                    .apply(&img, &mut rng)
-                    .map_err(|e| Error::input(format!("{}: {e}", s.path.display())))?;
-                pixels.extend(v);
-                labels.push(s.label as u32);
-            }
-            let batch = (
-                Tensor::from_vec(pixels, (b, 3, size, size), device)?,
-                Tensor::from_vec(labels, b, device)?,
-            );
-            Ok((batch, b as u64))
-        })
+            transform: TrainTransform::from_config(model.config()),
+            size: model.config().image_size,
+            device: device_of(model.params()),
+        };
+        Self::with(model, source, opts, resume)
     }
 
     /// Mean loss and top-1 accuracy over preprocessed (eval transform) images.
@@ -430,8 +420,8 @@ impl VitTrainer {
         for chunk in images.chunks(batch.max(1)) {
             let flat: Vec<f32> = chunk.iter().flat_map(|(p, _)| p.iter().copied()).collect();
             let labels: Vec<u32> = chunk.iter().map(|(_, l)| *l).collect();
-            let x = Tensor::from_vec(flat, (chunk.len(), 3, size, size), &self.device)?;
-            let y = Tensor::from_vec(labels.clone(), chunk.len(), &self.device)?;
+            let x = Tensor::from_vec(flat, (chunk.len(), 3, size, size), &self.source().device)?;
+            let y = Tensor::from_vec(labels.clone(), chunk.len(), &self.source().device)?;
             let logits = self.model().forward(&x)?;
             let l = candle_nn::loss::cross_entropy(&logits, &y)?
                 .to_dtype(DType::F64)?
@@ -442,14 +432,5 @@ impl VitTrainer {
         }
         let n = images.len().max(1) as f64;
         Ok((loss / n, correct as f64 / n))
-    }
-
-    pub fn state(&self) -> TrainerState {
-        self.core.state(self.order.position())
-    }
-
-    /// Writes `checkpoint-{step}` into `out` atomically (see [`super::trainer`]).
-    pub fn save(&self, out: &Path, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
-        self.core.save(out, self.order.position(), extra)
     }
 }

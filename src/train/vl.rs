@@ -19,7 +19,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use super::lm::{causal_mask, layer_norm, pattention, rotary_tables, rotate, softmax_last, Params};
 use super::optim::Moments;
 use super::parts::{device_of, embed_image, wrap_vars};
-use super::trainer::{StepReport, TrainOptions, Trainable, Trainer, TrainerState};
+use super::trainer::{Fed, Source, TrainOptions, Trainable, TrainerState};
 use super::vit::Order;
 use crate::checkpoint::Tensors;
 use crate::error::{Error, Result};
@@ -396,23 +396,48 @@ impl Trainable for TrainableVl {
     }
 }
 
-/// A merged model being trained on captions.
-pub struct VlTrainer {
-    core: Trainer<TrainableVl>,
+/// (image, caption) pairs in a seeded order: eval-preprocessed images, tokenised
+/// captions ended with EOS and capped at `max_len` tokens.
+pub struct PairSource {
     pairs: Vec<Pair>,
     tokenizer: tokenizers::Tokenizer,
     eos: u32,
+    max_len: usize,
     order: Order,
     eval: EvalTransform,
     device: Device,
 }
 
-impl std::ops::Deref for VlTrainer {
-    type Target = Trainer<TrainableVl>;
-    fn deref(&self) -> &Self::Target {
-        &self.core
+impl PairSource {
+    fn batch(&self, pairs: &[Pair]) -> Result<(Tensor, Tensor, Tensor)> {
+        batch(
+            pairs,
+            &self.tokenizer,
+            self.eos,
+            self.max_len,
+            &self.eval,
+            &self.device,
+        )
     }
 }
+
+impl Source<TrainableVl> for PairSource {
+    fn next_batch(&mut self, b: usize) -> Result<((Tensor, Tensor, Tensor), u64)> {
+        let picked: Vec<Pair> = (0..b)
+            .map(|_| self.pairs[self.order.next().0].clone())
+            .collect();
+        let (px, ids, mask) = self.batch(&picked)?;
+        let tokens = mask.sum_all()?.to_scalar::<f32>()? as u64;
+        Ok(((px, ids, mask), tokens))
+    }
+
+    fn position(&self) -> u64 {
+        self.order.position()
+    }
+}
+
+/// A merged model being trained on captions.
+pub type VlTrainer = Fed<TrainableVl, PairSource>;
 
 impl VlTrainer {
     /// Starts (or, with `resume`, continues) training on `pairs`; `--seq-len` caps a
@@ -428,52 +453,23 @@ impl VlTrainer {
             return Err(Error::input("no (image, caption) pairs"));
         }
         let position = resume.as_ref().map_or(0, |(s, _)| s.data_position);
-        let order = Order::new(pairs.len(), opts.seed, position);
-        let device = device_of(model.params());
-        let eos = model.config().language.eos_token_id;
-        let eval = EvalTransform::from_config(&model.config().vision);
-        Ok(Self {
-            core: Trainer::new(model, opts, resume)?,
+        let source = PairSource {
+            order: Order::new(pairs.len(), opts.seed, position),
             pairs,
             tokenizer,
-            eos,
-            order,
-            eval,
-            device,
-        })
-    }
-
-    /// One optimiser step over `grad_accum` batches.
-    pub fn step(&mut self) -> Result<StepReport> {
-        let (b, max_len) = (self.core.options().batch_size, self.core.options().seq_len);
-        let (order, pairs, tokenizer, eos, eval, device) = (
-            &mut self.order,
-            &self.pairs,
-            &self.tokenizer,
-            self.eos,
-            &self.eval,
-            &self.device,
-        );
-        self.core.step(|| {
-            let picked: Vec<Pair> = (0..b).map(|_| pairs[order.next().0].clone()).collect();
-            let (px, ids, mask) = batch(&picked, tokenizer, eos, max_len, eval, device)?;
-            let tokens = mask.sum_all()?.to_scalar::<f32>()? as u64;
-            Ok(((px, ids, mask), tokens))
-        })
+            eos: model.config().language.eos_token_id,
+            max_len: opts.seq_len,
+            eval: EvalTransform::from_config(&model.config().vision),
+            device: device_of(model.params()),
+        };
+        Self::with(model, source, opts, resume)
     }
 
     /// Mean caption loss over `pairs`, `batch` at a time.
     pub fn evaluate(&self, pairs: &[Pair], batch_size: usize) -> Result<f64> {
         let (mut sum, mut n) = (0.0, 0.0);
         for chunk in pairs.chunks(batch_size.max(1)) {
-            let (px, ids, mask) = batch(
-                chunk,
-                &self.tokenizer,
-                self.eos,
-                self.options().seq_len,
-                &self.eval,
-                &self.device,
-            )?;
+            let (px, ids, mask) = self.source().batch(chunk)?;
             let count = mask.sum_all()?.to_scalar::<f32>()? as f64;
             let l = self
                 .model()
@@ -484,14 +480,5 @@ impl VlTrainer {
             n += count;
         }
         Ok(sum / n.max(1.0))
-    }
-
-    pub fn state(&self) -> TrainerState {
-        self.core.state(self.order.position())
-    }
-
-    /// Writes `checkpoint-{step}` into `out` atomically (see [`super::trainer`]).
-    pub fn save(&self, out: &Path, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
-        self.core.save(out, self.order.position(), extra)
     }
 }
