@@ -324,8 +324,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .with_context(|| format!("reading {}", tokenizer_path.display()))?;
     let run = LmRun {
         fpt: flops_per_token(&cfg, opts.seq_len),
-        val,
-        last_val: Perplexity::default(),
+        val: Perplexity::new(val),
         tokenizer: tokenizer_bytes,
         source,
         data: a.data.clone(),
@@ -335,8 +334,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
 
 /// What the shared loop ([`drive`]) asks of an architecture's run besides its trainer.
 pub(crate) trait Run<M: Trainable, S: Source<M>> {
-    /// The `metrics.jsonl` line of a step, without validation.
-    fn line(&self, r: &StepReport) -> Value;
+    /// What [`StepReport::tokens`] counts, as `metrics.jsonl` names it.
+    const COUNTS: &'static str = "tokens";
+    /// Adds the fields of this architecture to a step's `metrics.jsonl` line.
+    fn add_fields(&self, r: &StepReport, line: &mut Value) {
+        let _ = (r, line);
+    }
     /// Whether there is held-out data.
     fn has_validation(&self) -> bool;
     /// Evaluates on the held-out data and adds the results to `line`.
@@ -354,10 +357,10 @@ pub(crate) trait Run<M: Trainable, S: Source<M>> {
 /// The loop every architecture runs: steps, `metrics.jsonl`, validation every
 /// `--eval-every` steps, checkpoints (and `loss.png`) every `--save-every` steps and at
 /// the end, `--keep-last`, a progress bar and the closing summary.
-pub(crate) fn drive<M: Trainable, S: Source<M>>(
+pub(crate) fn drive<M: Trainable, S: Source<M>, R: Run<M, S>>(
     a: &TrainArgs,
     mut t: Fed<M, S>,
-    mut run: impl Run<M, S>,
+    mut run: R,
 ) -> Result<()> {
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let metrics_path = a.out.join("metrics.jsonl");
@@ -380,7 +383,11 @@ pub(crate) fn drive<M: Trainable, S: Source<M>>(
     let (mut last, mut last_ckpt) = (None, None);
     while !t.done() {
         let r = t.step()?;
-        let mut line = run.line(&r);
+        let mut line = json!({
+            "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
+        });
+        line[R::COUNTS] = json!(r.tokens);
+        run.add_fields(&r, &mut line);
         let end = t.done();
         if run.has_validation() && (r.step % a.eval_every.max(1) == 0 || end) {
             run.validate(&t, &mut line)?;
@@ -442,31 +449,48 @@ pub(crate) fn save_with<M: Trainable, S: Source<M>>(
     Ok(t.save(out, &files)?)
 }
 
-/// The latest validation loss of a text model (language model, captions): reported with
-/// its perplexity.
-#[derive(Default)]
-pub(crate) struct Perplexity(Option<f64>);
+/// A text model's held-out data (windows, captions) and its latest validation loss,
+/// reported with its perplexity.
+pub(crate) struct Perplexity<V> {
+    data: Vec<V>,
+    last: Option<f64>,
+}
 
-impl Perplexity {
-    pub(crate) fn record(&mut self, line: &mut Value, v: f64) {
+impl<V> Perplexity<V> {
+    pub(crate) fn new(data: Vec<V>) -> Self {
+        Self { data, last: None }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// Evaluates the mean loss over the held-out data with `eval` and adds it to `line`.
+    pub(crate) fn record(
+        &mut self,
+        line: &mut Value,
+        eval: impl FnOnce(&[V]) -> tokenformer::Result<f64>,
+    ) -> Result<()> {
+        let v = eval(&self.data)?;
         line["val_loss"] = json!(v);
         line["val_perplexity"] = json!(v.exp());
-        self.0 = Some(v);
+        self.last = Some(v);
+        Ok(())
     }
 
     pub(crate) fn get(&self) -> Option<f64> {
-        self.0
+        self.last
     }
 
     /// `  val 2.3456` for the progress bar (empty before the first validation).
     pub(crate) fn bar(&self) -> String {
-        self.0.map_or(String::new(), |v| format!("  val {v:.4}"))
+        self.last.map_or(String::new(), |v| format!("  val {v:.4}"))
     }
 
     pub(crate) fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value {
         json!({
-            "steps": r.step, "train_loss": r.loss, "val_loss": self.0,
-            "val_perplexity": self.0.map(f64::exp), "tokens": r.tokens,
+            "steps": r.step, "train_loss": r.loss, "val_loss": self.last,
+            "val_perplexity": self.last.map(f64::exp), "tokens": r.tokens,
             "seconds": secs, "checkpoint": ckpt,
         })
     }
@@ -474,7 +498,7 @@ impl Perplexity {
     /// `{what} 2.1234, validation 2.3456`.
     pub(crate) fn outcome(&self, what: &str, r: &StepReport) -> String {
         let v = self
-            .0
+            .last
             .map_or(String::new(), |v| format!(", validation {v:.4}"));
         format!("{what} {:.4}{v}", r.loss)
     }
@@ -484,19 +508,15 @@ impl Perplexity {
 struct LmRun {
     /// Training FLOPs per token.
     fpt: f64,
-    val: Vec<Vec<u32>>,
-    last_val: Perplexity,
+    val: Perplexity<Vec<u32>>,
     tokenizer: Vec<u8>,
     source: String,
     data: Vec<PathBuf>,
 }
 
 impl Run<TrainableLm, LmSource> for LmRun {
-    fn line(&self, r: &StepReport) -> Value {
-        json!({
-            "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
-            "tokens": r.tokens, "flops": self.fpt * r.tokens as f64,
-        })
+    fn add_fields(&self, r: &StepReport, line: &mut Value) {
+        line["flops"] = json!(self.fpt * r.tokens as f64);
     }
 
     fn has_validation(&self) -> bool {
@@ -504,29 +524,28 @@ impl Run<TrainableLm, LmSource> for LmRun {
     }
 
     fn validate(&mut self, t: &LmTrainer, line: &mut Value) -> Result<()> {
-        let v = t.evaluate(&self.val, t.options().batch_size)?;
-        self.last_val.record(line, v);
-        Ok(())
+        let b = t.options().batch_size;
+        self.val.record(line, |v| t.evaluate(v, b))
     }
 
     fn progress(&self, t: &LmTrainer, r: &StepReport, steps: u64, secs: f64) -> String {
         let o = t.options();
         let tokens = steps as f64 * (o.batch_size * o.grad_accum * o.seq_len) as f64;
         let rate = tokens / secs;
-        format!("loss {:.4}{}  {rate:.0} tok/s", r.loss, self.last_val.bar())
+        format!("loss {:.4}{}  {rate:.0} tok/s", r.loss, self.val.bar())
     }
 
     fn save(&self, t: &LmTrainer, out: &Path) -> Result<PathBuf> {
-        let card = card(t, &self.source, &self.data, self.last_val.get());
+        let card = card(t, &self.source, &self.data, self.val.get());
         save_with(t, out, Some(&self.tokenizer), card)
     }
 
     fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value {
-        self.last_val.summary(r, secs, ckpt)
+        self.val.summary(r, secs, ckpt)
     }
 
     fn outcome(&self, r: &StepReport) -> String {
-        self.last_val.outcome("loss", r)
+        self.val.outcome("loss", r)
     }
 }
 
@@ -586,14 +605,21 @@ fn card(t: &LmTrainer, source: &str, data: &[PathBuf], val: Option<f64>) -> Stri
     let mut body = format!(
         "Started from {source}; {} of {} steps on {}.\n\n\
          | setting | value |\n|---|---|\n\
-         | sequence length × batch × accumulation | {} × {} × {} |\n\
-         | learning rate | {} → {} (warm-up {} steps, cosine) |\n\
-         | AdamW | betas {}, {}, eps {}, weight decay {} (matrices only) |\n\
-         | gradient clipping | {} |\n| trained tensors | {} |\n| shape | {} layers, d {}, {} heads, tokens {}/{}/{} |\n",
-        t.step_count(), o.steps, files.join(", "), o.seq_len, o.batch_size, o.grad_accum,
-        o.lr, o.min_lr, o.warmup_steps, o.beta1, o.beta2, o.eps, o.weight_decay, o.clip_grad,
-        o.train.join(", "), cfg.num_layers, cfg.hidden_size, cfg.num_heads,
-        cfg.qkv_tokens, cfg.proj_tokens, cfg.ffn_tokens,
+         | sequence length × batch × accumulation | {} × {} × {} |\n{}\
+         | shape | {} |\n",
+        t.step_count(),
+        o.steps,
+        files.join(", "),
+        o.seq_len,
+        o.batch_size,
+        o.grad_accum,
+        optimiser_rows(o),
+        shape(
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            [cfg.qkv_tokens, cfg.proj_tokens, cfg.ffn_tokens]
+        ),
     );
     if let Some(v) = val {
         body.push_str(&format!(
@@ -603,6 +629,42 @@ fn card(t: &LmTrainer, source: &str, data: &[PathBuf], val: Option<f64>) -> Stri
     }
     c.section("Training", body);
     c.render()
+}
+
+/// The model card's rows of the optimiser, the schedule and what trains.
+pub(crate) fn optimiser_rows(o: &TrainOptions) -> String {
+    format!(
+        "| learning rate | {} → {} (warm-up {} steps, cosine) |\n\
+         | AdamW | betas {}, {}, eps {}, weight decay {} (matrices only) |\n\
+         | gradient clipping | {} |\n| trained tensors | {} |\n",
+        o.lr,
+        o.min_lr,
+        o.warmup_steps,
+        o.beta1,
+        o.beta2,
+        o.eps,
+        o.weight_decay,
+        o.clip_grad,
+        o.train.join(", "),
+    )
+}
+
+/// The model card's shape: `4 layers, d 256, 4 heads, tokens 256/256/1024`.
+pub(crate) fn shape(layers: usize, d: usize, heads: usize, [q, p, f]: [usize; 3]) -> String {
+    format!("{layers} layers, d {d}, {heads} heads, tokens {q}/{p}/{f}")
+}
+
+/// `--val-fraction`: moves every round(1/f)-th item of `items` to `val`.
+pub(crate) fn hold_out<T>(items: &mut Vec<T>, val: &mut Vec<T>, fraction: f64) -> Result<()> {
+    let every = Split::every_for(fraction)? as usize;
+    for (i, x) in std::mem::take(items).into_iter().enumerate() {
+        if (i + 1) % every == 0 {
+            val.push(x);
+        } else {
+            items.push(x);
+        }
+    }
+    Ok(())
 }
 
 fn name(p: &Path) -> String {

@@ -13,7 +13,7 @@ use tokenformer::models::vit::Config;
 use tokenformer::train::optim::Moments;
 use tokenformer::train::trainer::{TrainOptions, TrainerState};
 use tokenformer::train::vit::{init_tensors, ImageSource, TrainableVit, VitTrainer};
-use tokenformer::train::{Split, StepReport};
+use tokenformer::train::StepReport;
 use tokenformer::vision::{dataset, EvalTransform};
 
 use super::TrainArgs;
@@ -54,15 +54,7 @@ pub fn run(
         if val_dir.is_some() {
             bail!("--val-fraction holds out training images, but a validation folder is given");
         }
-        let every = Split::every_for(f)? as usize;
-        let all = std::mem::take(&mut samples);
-        for (i, s) in all.into_iter().enumerate() {
-            if (i + 1) % every == 0 {
-                val_samples.push(s);
-            } else {
-                samples.push(s);
-            }
-        }
+        super::hold_out(&mut samples, &mut val_samples, f)?;
     }
     if let Some(s) = samples
         .iter()
@@ -112,12 +104,7 @@ struct VitRun {
 }
 
 impl super::Run<TrainableVit, ImageSource> for VitRun {
-    fn line(&self, r: &StepReport) -> Value {
-        json!({
-            "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
-            "images": r.tokens,
-        })
-    }
+    const COUNTS: &'static str = "images";
 
     fn has_validation(&self) -> bool {
         !self.val.is_empty()
@@ -185,31 +172,20 @@ fn card(
         "Started from {source}; {} of {} steps on {} ({images} images, random-resized crop \
          and horizontal flip).\n\n\
          | setting | value |\n|---|---|\n\
-         | batch × accumulation | {} × {} |\n\
-         | learning rate | {} → {} (warm-up {} steps, cosine) |\n\
-         | AdamW | betas {}, {}, eps {}, weight decay {} (matrices only) |\n\
-         | gradient clipping | {} |\n| trained tensors | {} |\n\
-         | shape | {} layers, d {}, {} heads, tokens {}/{}/{}, {}² images, patch {} |\n",
+         | batch × accumulation | {} × {} |\n{}\
+         | shape | {}, {}² images, patch {} |\n",
         t.step_count(),
         o.steps,
         super::name(data),
         o.batch_size,
         o.grad_accum,
-        o.lr,
-        o.min_lr,
-        o.warmup_steps,
-        o.beta1,
-        o.beta2,
-        o.eps,
-        o.weight_decay,
-        o.clip_grad,
-        o.train.join(", "),
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.qkv_tokens,
-        cfg.proj_tokens,
-        cfg.ffn_tokens,
+        super::optimiser_rows(o),
+        super::shape(
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            [cfg.qkv_tokens, cfg.proj_tokens, cfg.ffn_tokens]
+        ),
         cfg.image_size,
         cfg.patch_size,
     );

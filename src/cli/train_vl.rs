@@ -6,14 +6,14 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokenformer::card::ModelCard;
 use tokenformer::checkpoint::Tensors;
 use tokenformer::models::vl::Config;
 use tokenformer::train::optim::Moments;
 use tokenformer::train::trainer::{TrainOptions, TrainerState};
 use tokenformer::train::vl::{init_tensors, read_pairs, Pair, PairSource, TrainableVl, VlTrainer};
-use tokenformer::train::{Split, StepReport};
+use tokenformer::train::StepReport;
 
 use super::{Perplexity, TrainArgs};
 
@@ -47,15 +47,7 @@ pub fn run(
         None => vec![],
     };
     if let Some(f) = a.val_fraction {
-        let every = Split::every_for(f)? as usize;
-        let all = std::mem::take(&mut pairs);
-        for (i, p) in all.into_iter().enumerate() {
-            if (i + 1) % every == 0 {
-                val.push(p);
-            } else {
-                pairs.push(p);
-            }
-        }
+        super::hold_out(&mut pairs, &mut val, f)?;
     }
     val.truncate(a.val_windows);
     let model = TrainableVl::new(&cfg, &tensors, DType::F32, &dev)?;
@@ -65,8 +57,7 @@ pub fn run(
         .with_context(|| format!("reading {}", tokenizer_path.display()))?;
     let run = VlRun {
         start_tokens: t.state().tokens,
-        val,
-        last_val: Perplexity::default(),
+        val: Perplexity::new(val),
         tokenizer,
         source,
         data: data.clone(),
@@ -76,8 +67,7 @@ pub fn run(
 
 /// A merged model's run.
 struct VlRun {
-    val: Vec<Pair>,
-    last_val: Perplexity,
+    val: Perplexity<Pair>,
     /// Caption tokens seen before this run (a resumed one).
     start_tokens: u64,
     tokenizer: Vec<u8>,
@@ -86,21 +76,13 @@ struct VlRun {
 }
 
 impl super::Run<TrainableVl, PairSource> for VlRun {
-    fn line(&self, r: &StepReport) -> Value {
-        json!({
-            "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
-            "tokens": r.tokens,
-        })
-    }
-
     fn has_validation(&self) -> bool {
         !self.val.is_empty()
     }
 
     fn validate(&mut self, t: &VlTrainer, line: &mut Value) -> Result<()> {
-        let v = t.evaluate(&self.val, t.options().batch_size)?;
-        self.last_val.record(line, v);
-        Ok(())
+        let b = t.options().batch_size;
+        self.val.record(line, |v| t.evaluate(v, b))
     }
 
     fn progress(&self, t: &VlTrainer, r: &StepReport, steps: u64, secs: f64) -> String {
@@ -110,23 +92,23 @@ impl super::Run<TrainableVl, PairSource> for VlRun {
         format!(
             "loss {:.4}{}  {:.0} tok/s  {:.1} img/s",
             r.loss,
-            self.last_val.bar(),
+            self.val.bar(),
             tokens / secs,
             images / secs
         )
     }
 
     fn save(&self, t: &VlTrainer, out: &Path) -> Result<PathBuf> {
-        let card = card(t, &self.source, &self.data, self.last_val.get());
+        let card = card(t, &self.source, &self.data, self.val.get());
         super::save_with(t, out, Some(&self.tokenizer), card)
     }
 
     fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value {
-        self.last_val.summary(r, secs, ckpt)
+        self.val.summary(r, secs, ckpt)
     }
 
     fn outcome(&self, r: &StepReport) -> String {
-        self.last_val.outcome("caption loss", r)
+        self.val.outcome("caption loss", r)
     }
 }
 
@@ -140,25 +122,14 @@ fn card(t: &VlTrainer, source: &str, data: &Path, val: Option<f64>) -> String {
         "Started from {source}; {} of {} steps on the (image, caption) pairs of {} \
          (loss on caption tokens).\n\n\
          | setting | value |\n|---|---|\n\
-         | caption tokens × batch × accumulation | ≤ {} × {} × {} |\n\
-         | learning rate | {} → {} (warm-up {} steps, cosine) |\n\
-         | AdamW | betas {}, {}, eps {}, weight decay {} (matrices only) |\n\
-         | gradient clipping | {} |\n| trained tensors | {} |\n",
+         | caption tokens × batch × accumulation | ≤ {} × {} × {} |\n{}",
         t.step_count(),
         o.steps,
         super::name(data),
         o.seq_len,
         o.batch_size,
         o.grad_accum,
-        o.lr,
-        o.min_lr,
-        o.warmup_steps,
-        o.beta1,
-        o.beta2,
-        o.eps,
-        o.weight_decay,
-        o.clip_grad,
-        o.train.join(", "),
+        super::optimiser_rows(o),
     );
     if let Some(v) = val {
         body.push_str(&format!(

@@ -103,11 +103,6 @@ impl TrainableVit {
         &self.params
     }
 
-    /// The current values, by canonical name (for saving).
-    pub fn tensors(&self) -> Tensors {
-        Trainable::tensors(self)
-    }
-
     fn p(&self, name: &str) -> candle_core::Result<&Tensor> {
         match self.params.get(name) {
             Some(v) => Ok(v.as_tensor()),

@@ -114,10 +114,6 @@ impl TrainableVl {
         &self.params
     }
 
-    pub fn tensors(&self) -> Tensors {
-        Trainable::tensors(self)
-    }
-
     fn p(&self, name: &str) -> candle_core::Result<Tensor> {
         match self.params.tensor(name) {
             Some(t) => Ok(t),
