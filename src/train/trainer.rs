@@ -1,6 +1,7 @@
-//! The language-model training loop: micro-batches of packed windows, gradient
-//! accumulation, clipping, AdamW on the selected tensors, the schedule, held-out
-//! evaluation, and checkpoints that a later run resumes exactly.
+//! The training loop every architecture shares ([`Trainer`] over a [`Trainable`]
+//! model, fed by a [`Source`] of micro-batches in [`Fed`]): gradient accumulation,
+//! clipping, AdamW on the selected tensors, the schedule, in-run growth, and
+//! checkpoints that a later run resumes exactly; and the language model's trainer.
 //!
 //! A checkpoint is `checkpoint-{step:06}/` in the output folder: a canonical model folder
 //! (loadable by every command) plus `optimizer.safetensors` (AdamW moments) and
