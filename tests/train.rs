@@ -367,3 +367,24 @@ fn frozen_tensors_stay_bit_identical_and_the_selected_ones_train() {
         assert_eq!(bits(t) != bits(&end[name]), trained, "{name}");
     }
 }
+
+#[test]
+fn token_ids_beyond_the_vocabulary_are_a_clean_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config(64, 64);
+    cfg.hidden_size = 32;
+    let init = tmp.path().join("init.json");
+    std::fs::write(&init, serde_json::to_string(&cfg).unwrap()).unwrap();
+    let out = tmp.path().join("run");
+    let t = text();
+    let o = tokenformer_train(
+        &train_args(init.to_str().unwrap(), out.to_str().unwrap(), &t, "1"),
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("vocabulary has 64 entries") && !err.contains("panicked"),
+        "{err}"
+    );
+}

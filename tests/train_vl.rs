@@ -400,3 +400,26 @@ fn a_fresh_merged_model_trains_and_resumes_exactly_and_a_kill_in_save_keeps_the_
         .sqrt();
     assert!((std - 0.02).abs() < 2e-4, "embedding std {std}");
 }
+
+#[test]
+fn caption_ids_beyond_the_vocabulary_are_a_clean_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    // The fixture's 64-entry vocabulary against the GPT-NeoX tokenizer.
+    let init = common::fixtures().join("vl-train-step/config.json");
+    let pairs = pairs_file(tmp.path());
+    let out = tmp.path().join("run");
+    let res = common::tokenformer(&[
+        "train",
+        "--init",
+        init.to_str().unwrap(),
+        "--tokenizer",
+        common::tokenizer_fixture().to_str().unwrap(),
+        "--data",
+        pairs.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--steps",
+        "1",
+    ]);
+    common::assert_clean_failure(&res, &["a caption of", "vocabulary has 64 entries"]);
+}

@@ -477,7 +477,19 @@ impl<M: Trainable, S: Source<M>> Fed<M, S> {
 pub struct LmSource {
     windows: TokenWindows,
     seq_len: usize,
+    vocab: usize,
     device: Device,
+}
+
+/// Refuses token ids the model has no embedding for (a tokenizer of another model).
+pub(crate) fn check_ids(ids: &[u32], vocab: usize) -> Result<()> {
+    match ids.iter().max() {
+        Some(&id) if id as usize >= vocab => Err(Error::input(format!(
+            "the tokenizer gives token id {id}, but the model's vocabulary has {vocab} entries: \
+             is --tokenizer the model's?"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 impl Source<TrainableLm> for LmSource {
@@ -487,6 +499,7 @@ impl Source<TrainableLm> for LmSource {
         for _ in 0..b {
             ids.extend(self.windows.next_window()?);
         }
+        check_ids(&ids, self.vocab)?;
         Ok((
             Tensor::from_vec(ids, (b, t + 1), &self.device)?,
             (b * t) as u64,
@@ -516,6 +529,7 @@ impl LmTrainer {
         let source = LmSource {
             windows: data,
             seq_len: opts.seq_len,
+            vocab: model.config().vocab_size,
             device: super::parts::device_of(model.params()),
         };
         Self::with(model, source, opts, resume)

@@ -309,10 +309,11 @@ pub fn read_pairs(path: &Path) -> Result<Vec<Pair>> {
 }
 
 /// A batch of pairs: pixels [b, 3, s, s], ids [b, t+1] padded with EOS, loss mask [b, t].
+/// Token ids must be below `vocab`.
 pub fn batch(
     pairs: &[Pair],
     tokenizer: &tokenizers::Tokenizer,
-    eos: u32,
+    (eos, vocab): (u32, usize),
     max_len: usize,
     eval: &EvalTransform,
     device: &Device,
@@ -329,6 +330,8 @@ pub fn batch(
         })?;
         let mut ids = enc.get_ids().to_vec();
         ids.push(eos);
+        super::trainer::check_ids(&ids, vocab)
+            .map_err(|e| Error::input(format!("a caption of {}: {e}", p.image.display())))?;
         ids.truncate(max_len + 1);
         if ids.len() < 2 {
             return Err(Error::input(format!(
@@ -398,6 +401,7 @@ pub struct PairSource {
     pairs: Vec<Pair>,
     tokenizer: tokenizers::Tokenizer,
     eos: u32,
+    vocab: usize,
     max_len: usize,
     order: Order,
     eval: EvalTransform,
@@ -409,7 +413,7 @@ impl PairSource {
         batch(
             pairs,
             &self.tokenizer,
-            self.eos,
+            (self.eos, self.vocab),
             self.max_len,
             &self.eval,
             &self.device,
@@ -454,6 +458,7 @@ impl VlTrainer {
             pairs,
             tokenizer,
             eos: model.config().language.eos_token_id,
+            vocab: model.config().language.vocab_size,
             max_len: opts.seq_len,
             eval: EvalTransform::from_config(&model.config().vision),
             device: device_of(model.params()),
