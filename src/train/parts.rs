@@ -96,3 +96,29 @@ pub(crate) fn embed_image<P: Params + ?Sized>(
     let cls = p("cls_token")?.broadcast_as((b, 1, d))?;
     Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(&p("pos_embed")?)
 }
+
+/// `pub(super) fn NAME(args)` calling `GENERIC(args)` compiled for the instruction set
+/// the kernels selected (AVX-512, AVX2 + FMA, or the build target's), so that plain
+/// element loops vectorise as wide as the CPU allows.
+macro_rules! by_isa {
+    ($name:ident($($arg:ident: $ty:ty),*) = $generic:ident) => {
+        pub(super) fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn v4($($arg: $ty),*) { $generic($($arg),*) }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn v3($($arg: $ty),*) { $generic($($arg),*) }
+                match $crate::kernels::active().isa() {
+                    // SAFETY: the selected ISA is one this CPU supports.
+                    $crate::kernels::Isa::Avx512 => return unsafe { v4($($arg),*) },
+                    // SAFETY: as above.
+                    $crate::kernels::Isa::Avx2 => return unsafe { v3($($arg),*) },
+                    $crate::kernels::Isa::Portable => {}
+                }
+            }
+            $generic($($arg),*)
+        }
+    };
+}
+pub(crate) use by_isa;

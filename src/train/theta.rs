@@ -103,8 +103,8 @@ fn backward<T: Float>(s: &[T], dy: &[T], n: usize, c: f64) -> Vec<T> {
 /// 3e-7, exp to about an ulp) so that the element loops vectorise; norms and the
 /// projection's dot product are still summed in f64.
 mod fast {
+    use super::super::parts::by_isa;
     use crate::kernels::math::{erf_f32, exp_f32};
-    use crate::kernels::{active, Isa};
 
     const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
 
@@ -147,28 +147,6 @@ mod fast {
         for (v, &gi) in row.iter_mut().zip(g.iter()) {
             *v = f * (gi - *v * proj);
         }
-    }
-
-    macro_rules! by_isa {
-        ($name:ident($($arg:ident: $ty:ty),*) = $generic:ident) => {
-            pub(super) fn $name($($arg: $ty),*) {
-                #[cfg(target_arch = "x86_64")]
-                {
-                    #[target_feature(enable = "avx512f,avx2,fma")]
-                    unsafe fn v4($($arg: $ty),*) { $generic($($arg),*) }
-                    #[target_feature(enable = "avx2,fma")]
-                    unsafe fn v3($($arg: $ty),*) { $generic($($arg),*) }
-                    match active().isa() {
-                        // SAFETY: the selected ISA is one this CPU supports.
-                        Isa::Avx512 => return unsafe { v4($($arg),*) },
-                        // SAFETY: as above.
-                        Isa::Avx2 => return unsafe { v3($($arg),*) },
-                        Isa::Portable => {}
-                    }
-                }
-                $generic($($arg),*)
-            }
-        };
     }
 
     by_isa!(forward_row(row: &mut [f32], c: f64) = forward_row_generic);
