@@ -53,12 +53,18 @@ fn advise(ptr: *mut u8, size: usize) {
 pub fn keep_freed_memory() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
-        // 1 GiB: above any activation (2048 tokens of logits are 412 MB).
-        const NEVER: libc::c_int = 1 << 30;
+        // -1 (as size_t: the largest size) turns trimming off, as mallopt(3) documents:
+        // a finite threshold below the working set (training the `small` model keeps
+        // ~2.8 GB) lets one large free hand the heap top back, and the next step faults
+        // it in again page by page.
+        const NO_TRIM: libc::c_int = -1;
+        // 1 GiB: above any activation (2048 tokens of logits are 412 MB). glibc 2.36
+        // takes it (mallopt returns 1); older ones capped it at 32 MiB and refused.
+        const NO_MMAP_BELOW: libc::c_int = 1 << 30;
         // SAFETY: mallopt only changes malloc's tuning parameters.
         unsafe {
-            libc::mallopt(libc::M_TRIM_THRESHOLD, NEVER) == 1
-                && libc::mallopt(libc::M_MMAP_THRESHOLD, NEVER) == 1
+            libc::mallopt(libc::M_TRIM_THRESHOLD, NO_TRIM) == 1
+                && libc::mallopt(libc::M_MMAP_THRESHOLD, NO_MMAP_BELOW) == 1
         }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]

@@ -5,6 +5,9 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
+use common::train::{
+    assert_resume_equals_uninterrupted, bits, metrics, ok, tokenformer_train, weights,
+};
 use common::{lm_fixture, random_lm_tensors, tiny_config};
 use serde_json::Value;
 use tokenformer::checkpoint::official::to_official;
@@ -256,20 +259,6 @@ fn the_schedule_warms_up_linearly_then_decays_by_cosine_to_the_minimum() {
     assert!((s.at(500) - 1e-4).abs() < 1e-12);
 }
 
-fn tokenformer_train(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
-    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_tokenformer"));
-    c.arg("train").args(args).env("HF_HUB_OFFLINE", "1");
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.output().unwrap()
-}
-
-fn ok(o: &std::process::Output) -> String {
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
 /// A tiny config for training tests, written into `dir`.
 fn init_config(dir: &std::path::Path) -> std::path::PathBuf {
     let mut cfg = tiny_config(50304, 64);
@@ -280,46 +269,24 @@ fn init_config(dir: &std::path::Path) -> std::path::PathBuf {
     p
 }
 
-fn metrics(out: &std::path::Path) -> Vec<Value> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn weights(dir: &std::path::Path) -> tokenformer::checkpoint::Tensors {
-    let files = loader::locate(dir.to_str().unwrap(), &LocateOptions::default()).unwrap();
-    loader::read_weights(&files, None, &Device::Cpu)
-        .unwrap()
-        .tensors
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .map(|x| x.to_bits())
-        .collect()
-}
-
 fn train_args<'a>(init: &'a str, out: &'a str, text: &'a str, steps: &'a str) -> Vec<&'a str> {
+    let mut v = base_args(init, text);
+    v.extend(["--out", out, "--steps", steps]);
+    v
+}
+
+/// Everything but `--out` and `--steps`.
+fn base_args<'a>(init: &'a str, text: &'a str) -> Vec<&'a str> {
     vec![
         "--init",
         init,
         "--data",
         text,
-        "--out",
-        out,
         "--tokenizer",
         concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/tests/fixtures/gpt-neox-20b-tokenizer.json"
         ),
-        "--steps",
-        steps,
         "--batch-size",
         "4",
         "--seq-len",
@@ -374,55 +341,13 @@ fn training_a_tiny_model_on_a_short_text_lowers_its_loss_far_below_the_start() {
 fn a_resumed_run_equals_an_uninterrupted_one_and_a_kill_in_save_keeps_the_last_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let init = init_config(tmp.path());
-    let (whole, parts) = (tmp.path().join("whole"), tmp.path().join("parts"));
     let t = text();
-    let i = init.to_str().unwrap();
-    let mut a = train_args(i, whole.to_str().unwrap(), &t, "8");
-    a.extend(["--save-every", "4"]);
-    ok(&tokenformer_train(&a, &[]));
-
-    let mut b = train_args(i, parts.to_str().unwrap(), &t, "8");
-    b.extend(["--save-every", "4"]);
-    let o = tokenformer_train(&b, &[("TOKENFORMER_TRAIN_ABORT_AFTER_STEP", "4")]);
-    assert_eq!(o.status.code(), Some(137));
-    // Killed while placing the next checkpoint: the step-4 one is untouched and loads.
-    let resume = [
-        "--resume",
-        parts.to_str().unwrap(),
-        "--data",
-        &t,
-        "--out",
-        parts.to_str().unwrap(),
-    ];
-    let o = tokenformer_train(&resume, &[("TOKENFORMER_TRAIN_ABORT_IN_SAVE", "1")]);
-    assert_eq!(o.status.code(), Some(137));
-    let names: Vec<String> = std::fs::read_dir(&parts)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| !n.starts_with('.'))
-        .collect();
-    assert!(
-        names.contains(&"checkpoint-000004".to_string())
-            && !names.contains(&"checkpoint-000008".to_string()),
-        "{names:?}"
+    assert_resume_equals_uninterrupted(
+        tmp.path(),
+        &base_args(init.to_str().unwrap(), &t),
+        &["--data", &t],
+        4,
     );
-    weights(&parts.join("checkpoint-000004"));
-    // Resumed from step 4 (its metrics lines for 5..8 were written by the killed run
-    // too, so compare the final state and the last lines).
-    std::fs::remove_file(parts.join("metrics.jsonl")).unwrap();
-    ok(&tokenformer_train(&resume, &[]));
-    let (w, p) = (metrics(&whole), metrics(&parts));
-    assert_eq!(p.len(), 4);
-    for (x, y) in w[4..].iter().zip(&p) {
-        assert_eq!(x, y, "step {}", x["step"]);
-    }
-    let (ww, pw) = (
-        weights(&whole.join("checkpoint-000008")),
-        weights(&parts.join("checkpoint-000008")),
-    );
-    for (name, t) in &ww {
-        assert_eq!(bits(t), bits(&pw[name]), "{name}");
-    }
 }
 
 #[test]
@@ -441,4 +366,25 @@ fn frozen_tensors_stay_bit_identical_and_the_selected_ones_train() {
         let trained = name.starts_with("layers.1.mlp.") || name == "final_norm.bias";
         assert_eq!(bits(t) != bits(&end[name]), trained, "{name}");
     }
+}
+
+#[test]
+fn token_ids_beyond_the_vocabulary_are_a_clean_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config(64, 64);
+    cfg.hidden_size = 32;
+    let init = tmp.path().join("init.json");
+    std::fs::write(&init, serde_json::to_string(&cfg).unwrap()).unwrap();
+    let out = tmp.path().join("run");
+    let t = text();
+    let o = tokenformer_train(
+        &train_args(init.to_str().unwrap(), out.to_str().unwrap(), &t, "1"),
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("vocabulary has 64 entries") && !err.contains("panicked"),
+        "{err}"
+    );
 }

@@ -217,3 +217,157 @@ fn training_a_tiny_classifier_on_generated_images_learns_its_classes() {
     let blue = png.pixels().filter(|p| p.0 == [31, 119, 180]).count();
     assert!(orange > 100 && blue > 100, "{orange} {blue}");
 }
+
+/// A folder of 16×16-class images (`train/` only) and a 16² classifier config with
+/// those classes; returns (data, init).
+fn small_run(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let data = dir.join("data");
+    let classes = ["n01", "n02", "n03"];
+    for (c, wnid) in classes.iter().enumerate() {
+        let d = data.join("train").join(wnid);
+        std::fs::create_dir_all(&d).unwrap();
+        for i in 0..4 {
+            image(c, i).save(d.join(format!("{i}.png"))).unwrap();
+        }
+    }
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("config.json")).unwrap())
+            .unwrap();
+    cfg["image_size"] = 16.into();
+    cfg["class_wnids"] = serde_json::json!(classes);
+    let init = dir.join("init.json");
+    std::fs::write(&init, cfg.to_string()).unwrap();
+    (data, init)
+}
+
+const SMALL: [&str; 8] = [
+    "--batch-size",
+    "4",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "1",
+    "--seed",
+    "5",
+];
+
+#[test]
+fn a_resumed_classifier_run_equals_an_uninterrupted_one_and_a_kill_in_save_keeps_the_last() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, init) = small_run(tmp.path());
+    let (d, i) = (data.to_str().unwrap(), init.to_str().unwrap());
+    let mut start = vec!["--init", i, "--data", d];
+    start.extend(SMALL);
+    common::train::assert_resume_equals_uninterrupted(tmp.path(), &start, &["--data", d], 2);
+}
+
+#[test]
+fn train_new_on_a_grown_classifier_moves_only_the_appended_tokens_and_grow_at_grows_in_the_run() {
+    use common::train::{bits, ok, tokenformer_train, weights};
+    use tokenformer::grow::{grow_tensors, GrowInit};
+    use tokenformer::models::tokenformer::ScaleTokens;
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, init) = small_run(tmp.path());
+    let d = data.to_str().unwrap();
+    let cfg: Config = serde_json::from_str(&std::fs::read_to_string(&init).unwrap()).unwrap();
+    let old = ScaleTokens {
+        qkv: cfg.qkv_tokens,
+        proj: cfg.proj_tokens,
+        ffn: cfg.ffn_tokens,
+    };
+    let target = ScaleTokens {
+        qkv: 16,
+        proj: 10,
+        ffn: 32,
+    };
+    // Grown as `tokenformer-convert grow` does: zero keys, √n kept, old counts recorded.
+    let start = tokenformer::train::vit::init_tensors(&cfg, 9, &Device::Cpu).unwrap();
+    let init_grow = GrowInit {
+        seed: 4,
+        ..GrowInit::default()
+    };
+    let (grown, _) = grow_tensors(start, &old, &target, &init_grow).unwrap();
+    let gcfg = tokenformer::train::vit::grown_config(&cfg, &target).unwrap();
+    assert_eq!(gcfg.grown_from_tokens, Some(old));
+    let model = tmp.path().join("grown");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::write(
+        model.join("config.json"),
+        serde_json::to_string(&gcfg).unwrap(),
+    )
+    .unwrap();
+    checkpoint::write_safetensors(&model, &grown, checkpoint::DEFAULT_SHARD_BYTES).unwrap();
+
+    let out = tmp.path().join("new");
+    let (m, o) = (model.to_str().unwrap(), out.to_str().unwrap());
+    let mut args = vec![
+        "--model", m, "--data", d, "--out", o, "--train", "new", "--steps", "3",
+    ];
+    args.extend(SMALL);
+    ok(&tokenformer_train(&args, &[]));
+    let end = weights(&out.join("checkpoint-000003"));
+    let mut moved = 0;
+    for (name, t) in &grown {
+        let after = &end[name];
+        let rows = match tokenformer::grow::pattention_kind(name).unwrap() {
+            Some(k) => tokenformer::grow::Kind::of(&old, k),
+            None => t.dim(0).unwrap(),
+        };
+        // The old rows (every row of a tensor that did not grow) stay bit-identical.
+        assert_eq!(
+            bits(&t.narrow(0, 0, rows).unwrap()),
+            bits(&after.narrow(0, 0, rows).unwrap()),
+            "{name}"
+        );
+        let n = t.dim(0).unwrap();
+        if n > rows {
+            let new = |x: &Tensor| bits(&x.narrow(0, rows, n - rows).unwrap());
+            moved += usize::from(new(t) != new(after));
+        }
+    }
+    // q, k, v and the MLP grew (proj did not): 4 Pattentions × keys and values × 2 layers.
+    assert_eq!(moved, 4 * 2 * 2);
+
+    // --grow-at: the same growth after step 2 of a fresh run; the checkpoint is the
+    // grown model, its old counts recorded, and the appended tokens trained since.
+    let out = tmp.path().join("grow-at");
+    let (i, o) = (init.to_str().unwrap(), out.to_str().unwrap());
+    let mut args = vec![
+        "--init",
+        i,
+        "--data",
+        d,
+        "--out",
+        o,
+        "--steps",
+        "4",
+        "--grow-at",
+        "2:qkv=16,ffn=32",
+    ];
+    args.extend(SMALL);
+    ok(&tokenformer_train(&args, &[]));
+    let ckpt = out.join("checkpoint-000004");
+    let saved: Config =
+        serde_json::from_str(&std::fs::read_to_string(ckpt.join("config.json")).unwrap()).unwrap();
+    assert_eq!((saved.qkv_tokens, saved.ffn_tokens), (16, 32));
+    assert_eq!(saved.grown_from_tokens, Some(old));
+    assert_eq!(
+        saved.pattention_scale_tokens,
+        Some(old),
+        "√n kept at the old counts"
+    );
+    let w = weights(&ckpt);
+    let keys = w["layers.0.mlp.key_param_tokens"].narrow(0, 24, 8).unwrap();
+    assert!(
+        keys.abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            > 0.0,
+        "the appended keys (zero at growth) trained in steps 3 and 4"
+    );
+    let files = tokenformer::loader::locate(ckpt.to_str().unwrap(), &Default::default()).unwrap();
+    tokenformer::loader::load_vit(&files, &Device::Cpu).unwrap();
+}

@@ -7,6 +7,7 @@ mod common;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
+use common::train::bits;
 use tokenformer::checkpoint::{self, Tensors};
 use tokenformer::loader;
 use tokenformer::models::vl::{self, VisionLanguageModel};
@@ -167,15 +168,6 @@ fn train_bridge_moves_only_the_bridge_and_lowers_the_caption_loss() {
     // Six bridge tokens per layer on a random-weight language model: a nat in 20 steps.
     assert!(last < first - 0.5, "caption loss {first} -> {last}");
     let end = weights(&out.join("checkpoint-000020")).tensors;
-    let bits = |t: &Tensor| -> Vec<u32> {
-        t.flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits())
-            .collect()
-    };
     let mut moved = 0;
     for (name, t) in &tensors {
         let after = &end[name];
@@ -199,4 +191,235 @@ fn train_bridge_moves_only_the_bridge_and_lowers_the_caption_loss() {
         }
     }
     assert_eq!(moved, 2 * 5 * 2, "every bridge tensor trains");
+}
+
+fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// The largest absolute and relative differences seen, for the closing note.
+#[derive(Default)]
+struct Diff {
+    abs: f64,
+    rel: f64,
+}
+
+impl Diff {
+    fn rel(&mut self, what: &str, got: f64, want: f64) {
+        let r = (got - want).abs() / want.abs();
+        assert!(
+            r <= 1e-5,
+            "{what}: {got} vs PyTorch {want} (relative {r:e})"
+        );
+        self.rel = self.rel.max(r);
+    }
+
+    fn abs(&mut self, what: &str, got: &[f64], want: &serde_json::Value) {
+        let want = want.as_array().unwrap();
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let w = w.as_f64().unwrap();
+            assert!((g - w).abs() <= 1e-6, "{what}[{i}]: {g} vs PyTorch {w}");
+            self.abs = self.abs.max((g - w).abs());
+        }
+    }
+}
+
+#[test]
+fn one_bridge_training_step_matches_pytorch_autograd_and_adamw() {
+    use tokenformer::train::{TrainOptions, Trainable, Trainer};
+    let dir = common::fixtures().join("vl-train-step");
+    let want: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("train_step.json")).unwrap())
+            .unwrap();
+    let cfg: vl::Config =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let dev = Device::Cpu;
+    let w = checkpoint::read_safetensors(&[dir.join("model.safetensors")], None, &dev).unwrap();
+    let b = checkpoint::read_safetensors(&[dir.join("batch.safetensors")], None, &dev).unwrap();
+    let batch = (b["pixels"].clone(), b["ids"].clone(), b["mask"].clone());
+    let rows = want["bridge_rows"].as_u64().unwrap() as usize;
+    let bridge = |t: &Tensor| {
+        let n = t.dim(0).unwrap();
+        t.narrow(0, n - rows, rows).unwrap()
+    };
+    let mut diff = Diff::default();
+
+    // The loss and every bridge's gradient.
+    let model = TrainableVl::new(&cfg, &w, DType::F32, &dev).unwrap();
+    let loss = model.loss_of(&batch).unwrap();
+    let grads = loss.backward().unwrap();
+    diff.rel(
+        "loss",
+        loss.to_scalar::<f32>().unwrap() as f64,
+        want["loss"].as_f64().unwrap(),
+    );
+    let names = want["grad"].as_object().unwrap();
+    assert_eq!(names.len(), 2 * 5 * 2);
+    for name in names.keys() {
+        let g = bridge(grads.get(model.params()[name].as_tensor()).unwrap());
+        let got = f64s(&g);
+        let norm = got.iter().map(|x| x * x).sum::<f64>().sqrt();
+        diff.rel(name, norm, want["grad_norm"][name].as_f64().unwrap());
+        diff.abs(name, &got, &want["grad"][name]);
+    }
+
+    // The step as `train --train bridge` takes it: frozen rows masked, clipping, AdamW.
+    let lr = want["lr"].as_f64().unwrap();
+    let opts = TrainOptions {
+        steps: 1,
+        batch_size: 2,
+        grad_accum: 1,
+        seq_len: 6,
+        lr,
+        min_lr: lr,
+        warmup_steps: 0,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        clip_grad: want["clip"].as_f64().unwrap(),
+        seed: 0,
+        train: vec!["bridge".into()],
+        grow_at: vec![],
+    };
+    let model = TrainableVl::new(&cfg, &w, DType::F32, &dev).unwrap();
+    let mut t = Trainer::new(model, opts, None).unwrap();
+    assert_eq!(t.trained().len(), 20);
+    let mut once = Some(batch);
+    let r = t.step(|| Ok((once.take().unwrap(), 10))).unwrap();
+    diff.rel("step loss", r.loss, want["loss"].as_f64().unwrap());
+    diff.rel(
+        "global norm",
+        r.grad_norm,
+        want["grad_global_norm_before_clip"].as_f64().unwrap(),
+    );
+    assert!(
+        r.grad_norm > want["clip"].as_f64().unwrap(),
+        "the step clips"
+    );
+    let after = t.model().tensors();
+    for (name, before) in &w {
+        let now = &after[name];
+        match want["bridge_after_step"].get(name) {
+            Some(values) => {
+                let n = before.dim(0).unwrap();
+                assert_eq!(
+                    bits(&before.narrow(0, 0, n - rows).unwrap()),
+                    bits(&now.narrow(0, 0, n - rows).unwrap()),
+                    "{name}: frozen rows"
+                );
+                diff.abs(name, &f64s(&bridge(now)), values);
+            }
+            None => assert_eq!(bits(before), bits(now), "{name}"),
+        }
+    }
+    eprintln!(
+        "VL bridge step vs PyTorch: max relative {:e}, max absolute {:e}",
+        diff.rel, diff.abs
+    );
+}
+
+/// Six (image, caption) pairs in `dir`; returns the JSONL.
+fn pairs_file(dir: &Path) -> std::path::PathBuf {
+    let colours = ["red", "green", "blue"];
+    let mut jsonl = String::new();
+    for i in 0..6u32 {
+        let c = i as usize % 3;
+        let file = format!("{i}.png");
+        image(c, i + 1).save(dir.join(&file)).unwrap();
+        jsonl += &serde_json::json!({"image": file, "text": format!("a {} square", colours[c])})
+            .to_string();
+        jsonl.push('\n');
+    }
+    let pairs = dir.join("pairs.jsonl");
+    std::fs::write(&pairs, jsonl).unwrap();
+    pairs
+}
+
+#[test]
+fn a_fresh_merged_model_trains_and_resumes_exactly_and_a_kill_in_save_keeps_the_last() {
+    let tmp = tempfile::tempdir().unwrap();
+    // The fixture's shape at 32² images with the tokenizer's vocabulary, from --init.
+    let mut cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::fixtures().join("vl-train-step/config.json")).unwrap(),
+    )
+    .unwrap();
+    cfg["vision"]["image_size"] = 32.into();
+    cfg["vision"]["patch_size"] = 8.into();
+    cfg["language"]["vocab_size"] = 50304.into();
+    let init = tmp.path().join("vl.json");
+    std::fs::write(&init, cfg.to_string()).unwrap();
+    let pairs = pairs_file(tmp.path());
+    let (i, p, tok) = (
+        init.to_str().unwrap(),
+        pairs.to_str().unwrap(),
+        common::tokenizer_fixture(),
+    );
+    let tok = tok.to_str().unwrap();
+    let start = [
+        "--init",
+        i,
+        "--tokenizer",
+        tok,
+        "--data",
+        p,
+        "--batch-size",
+        "2",
+        "--lr",
+        "1e-2",
+        "--warmup-steps",
+        "1",
+        "--seq-len",
+        "8",
+        "--seed",
+        "2",
+    ];
+    common::train::assert_resume_equals_uninterrupted(tmp.path(), &start, &["--data", p], 2);
+    // Fresh weights as --init draws them (the vision head has no gradient from captions,
+    // so it is still the draw): N(0, 0.02) matrices, zero biases.
+    let vcfg: vl::Config = serde_json::from_value(cfg).unwrap();
+    let fresh = tokenformer::train::vl::init_tensors(&vcfg, 2, &Device::Cpu).unwrap();
+    let w = common::train::weights(&tmp.path().join("whole/checkpoint-000004"));
+    for name in ["vision.head.weight", "vision.head.bias"] {
+        assert_eq!(bits(&fresh[name]), bits(&w[name]), "{name}");
+    }
+    let emb = &fresh["language.word_embeddings.weight"];
+    let std = emb
+        .sqr()
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        .sqrt();
+    assert!((std - 0.02).abs() < 2e-4, "embedding std {std}");
+}
+
+#[test]
+fn caption_ids_beyond_the_vocabulary_are_a_clean_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    // The fixture's 64-entry vocabulary against the GPT-NeoX tokenizer.
+    let init = common::fixtures().join("vl-train-step/config.json");
+    let pairs = pairs_file(tmp.path());
+    let out = tmp.path().join("run");
+    let res = common::tokenformer(&[
+        "train",
+        "--init",
+        init.to_str().unwrap(),
+        "--tokenizer",
+        common::tokenizer_fixture().to_str().unwrap(),
+        "--data",
+        pairs.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--steps",
+        "1",
+    ]);
+    common::assert_clean_failure(&res, &["a caption of", "vocabulary has 64 entries"]);
 }

@@ -194,7 +194,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
         obj.insert(k.config_key().into(), json!(Kind::of(&target, k)));
     }
     // What `train --train new` needs to tell the appended tokens from the old ones.
-    if matches!(family, Family::Language(_)) && target != old {
+    if target != old {
         obj.insert("grown_from_tokens".into(), serde_json::to_value(old)?);
     } else {
         obj.remove("grown_from_tokens");

@@ -11,11 +11,15 @@ use candle_core::{DType, Device};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
+use serde_json::Value;
 use tokenformer::card::ModelCard;
 use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::tokenformer::Config;
 use tokenformer::train::trainer::{self, TrainOptions};
-use tokenformer::train::{lm::init_tensors, LmTrainer, Split, TokenWindows, TrainableLm};
+use tokenformer::train::trainer::{Fed, LmSource, Source, Trainable};
+use tokenformer::train::{
+    lm::init_tensors, LmTrainer, Split, StepReport, TokenWindows, TrainableLm,
+};
 
 #[derive(Args, Debug)]
 pub struct TrainArgs {
@@ -315,20 +319,59 @@ pub fn run(a: TrainArgs) -> Result<()> {
 
     let model = TrainableLm::new(&cfg, &tensors, DType::F32, &dev)?;
     drop(tensors);
-    let mut t = LmTrainer::new(model, data, opts.clone(), resume)?;
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let trainer = LmTrainer::new(model, data, opts.clone(), resume)?;
     let tokenizer_bytes = std::fs::read(&tokenizer_path)
         .with_context(|| format!("reading {}", tokenizer_path.display()))?;
+    let run = LmRun {
+        fpt: flops_per_token(&cfg, opts.seq_len),
+        val: Perplexity::new(val),
+        tokenizer: tokenizer_bytes,
+        source,
+        data: a.data.clone(),
+    };
+    drive(&a, trainer, run)
+}
+
+/// What the shared loop ([`drive`]) asks of an architecture's run besides its trainer.
+pub(crate) trait Run<M: Trainable, S: Source<M>> {
+    /// What [`StepReport::tokens`] counts, as `metrics.jsonl` names it.
+    const COUNTS: &'static str = "tokens";
+    /// Adds the fields of this architecture to a step's `metrics.jsonl` line.
+    fn add_fields(&self, r: &StepReport, line: &mut Value) {
+        let _ = (r, line);
+    }
+    /// Whether there is held-out data.
+    fn has_validation(&self) -> bool;
+    /// Evaluates on the held-out data and adds the results to `line`.
+    fn validate(&mut self, t: &Fed<M, S>, line: &mut Value) -> Result<()>;
+    /// The progress bar's message after step `r`, `steps` steps and `secs` into this run.
+    fn progress(&self, t: &Fed<M, S>, r: &StepReport, steps: u64, secs: f64) -> String;
+    /// Writes a checkpoint (with its model card) into `out`.
+    fn save(&self, t: &Fed<M, S>, out: &Path) -> Result<PathBuf>;
+    /// The `--json` summary.
+    fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value;
+    /// The end of run message's loss part, e.g. `loss 2.1, validation 2.3`.
+    fn outcome(&self, r: &StepReport) -> String;
+}
+
+/// The loop every architecture runs: steps, `metrics.jsonl`, validation every
+/// `--eval-every` steps, checkpoints (and `loss.png`) every `--save-every` steps and at
+/// the end, `--keep-last`, a progress bar and the closing summary.
+pub(crate) fn drive<M: Trainable, S: Source<M>, R: Run<M, S>>(
+    a: &TrainArgs,
+    mut t: Fed<M, S>,
+    mut run: R,
+) -> Result<()> {
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let metrics_path = a.out.join("metrics.jsonl");
     let mut metrics = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .open(a.out.join("metrics.jsonl"))
-        .with_context(|| format!("opening {}", a.out.join("metrics.jsonl").display()))?;
-    let fpt = flops_per_token(&cfg, opts.seq_len);
-    let mut curve = Curve::read(&a.out.join("metrics.jsonl"));
-
+        .open(&metrics_path)
+        .with_context(|| format!("opening {}", metrics_path.display()))?;
+    let mut curve = Curve::read(&metrics_path);
     let start_step = t.step_count();
-    let bar = ProgressBar::new(opts.steps);
+    let bar = ProgressBar::new(t.options().steps);
     bar.set_style(
         ProgressStyle::with_template(
             "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
@@ -337,48 +380,29 @@ pub fn run(a: TrainArgs) -> Result<()> {
     );
     bar.set_position(start_step);
     let started = Instant::now();
-    let mut last = None;
-    let mut last_val = None;
-    let mut last_ckpt = None;
+    let (mut last, mut last_ckpt) = (None, None);
     while !t.done() {
         let r = t.step()?;
-        let secs = started.elapsed().as_secs_f64();
-        let tokens_run = (r.step - start_step) as f64
-            * (opts.batch_size * opts.grad_accum * opts.seq_len) as f64;
         let mut line = json!({
             "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
-            "tokens": r.tokens, "flops": fpt * r.tokens as f64,
         });
+        line[R::COUNTS] = json!(r.tokens);
+        run.add_fields(&r, &mut line);
         let end = t.done();
-        if !val.is_empty() && (r.step % a.eval_every.max(1) == 0 || end) {
-            let v = t.evaluate(&val, opts.batch_size)?;
-            line["val_loss"] = json!(v);
-            line["val_perplexity"] = json!(v.exp());
-            last_val = Some(v);
+        if run.has_validation() && (r.step % a.eval_every.max(1) == 0 || end) {
+            run.validate(&t, &mut line)?;
         }
         writeln!(metrics, "{line}").context("writing metrics.jsonl")?;
         curve.push(&line);
-        bar.set_message(format!(
-            "loss {:.4}{}  {:.0} tok/s",
-            r.loss,
-            last_val.map_or(String::new(), |v| format!("  val {v:.4}")),
-            tokens_run / secs.max(1e-9)
-        ));
+        let secs = started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(run.progress(&t, &r, r.step - start_step, secs));
         bar.set_position(r.step);
         if r.step % a.save_every.max(1) == 0 || end {
-            let card = card(t.model().config(), &t, &source, &a.data, last_val);
-            let dir = t.save(
-                &a.out,
-                &[
-                    ("tokenizer.json", tokenizer_bytes.clone()),
-                    ("README.md", card.into_bytes()),
-                ],
-            )?;
+            last_ckpt = Some(run.save(&t, &a.out)?);
             curve.draw(&a.out)?;
             if a.keep_last > 0 {
                 trainer::prune(&a.out, a.keep_last)?;
             }
-            last_ckpt = Some(dir);
             if std::env::var("TOKENFORMER_TRAIN_ABORT_AFTER_STEP")
                 .is_ok_and(|v| v == r.step.to_string())
             {
@@ -393,29 +417,136 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let Some(r) = last else {
         bail!(
             "nothing to do: the run already has its {} steps (raise --steps)",
-            opts.steps
+            t.options().steps
         );
     };
     let ckpt = last_ckpt.expect("saved at the end");
     if a.json {
-        println!(
-            "{}",
-            json!({
-                "steps": r.step, "train_loss": r.loss, "val_loss": last_val,
-                "val_perplexity": last_val.map(f64::exp), "tokens": r.tokens,
-                "seconds": secs, "checkpoint": ckpt,
-            })
-        );
+        println!("{}", run.summary(&r, secs, &ckpt));
     } else {
         eprintln!(
-            "trained to step {} (loss {:.4}{}) in {secs:.1} s; saved {}",
+            "trained to step {} ({}) in {secs:.1} s; saved {}",
             r.step,
-            r.loss,
-            last_val.map_or(String::new(), |v| format!(", validation {v:.4}")),
+            run.outcome(&r),
             ckpt.display()
         );
     }
     Ok(())
+}
+
+/// A checkpoint with its model card and, for text models, the tokenizer.
+pub(crate) fn save_with<M: Trainable, S: Source<M>>(
+    t: &Fed<M, S>,
+    out: &Path,
+    tokenizer: Option<&[u8]>,
+    card: String,
+) -> Result<PathBuf> {
+    let mut files = vec![];
+    if let Some(tok) = tokenizer {
+        files.push(("tokenizer.json", tok.to_vec()));
+    }
+    files.push(("README.md", card.into_bytes()));
+    Ok(t.save(out, &files)?)
+}
+
+/// A text model's held-out data (windows, captions) and its latest validation loss,
+/// reported with its perplexity.
+pub(crate) struct Perplexity<V> {
+    data: Vec<V>,
+    last: Option<f64>,
+}
+
+impl<V> Perplexity<V> {
+    pub(crate) fn new(data: Vec<V>) -> Self {
+        Self { data, last: None }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// Evaluates the mean loss over the held-out data with `eval` and adds it to `line`.
+    pub(crate) fn record(
+        &mut self,
+        line: &mut Value,
+        eval: impl FnOnce(&[V]) -> tokenformer::Result<f64>,
+    ) -> Result<()> {
+        let v = eval(&self.data)?;
+        line["val_loss"] = json!(v);
+        line["val_perplexity"] = json!(v.exp());
+        self.last = Some(v);
+        Ok(())
+    }
+
+    pub(crate) fn get(&self) -> Option<f64> {
+        self.last
+    }
+
+    /// `  val 2.3456` for the progress bar (empty before the first validation).
+    pub(crate) fn bar(&self) -> String {
+        self.last.map_or(String::new(), |v| format!("  val {v:.4}"))
+    }
+
+    pub(crate) fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value {
+        json!({
+            "steps": r.step, "train_loss": r.loss, "val_loss": self.last,
+            "val_perplexity": self.last.map(f64::exp), "tokens": r.tokens,
+            "seconds": secs, "checkpoint": ckpt,
+        })
+    }
+
+    /// `{what} 2.1234, validation 2.3456`.
+    pub(crate) fn outcome(&self, what: &str, r: &StepReport) -> String {
+        let v = self
+            .last
+            .map_or(String::new(), |v| format!(", validation {v:.4}"));
+        format!("{what} {:.4}{v}", r.loss)
+    }
+}
+
+/// A language model's run.
+struct LmRun {
+    /// Training FLOPs per token.
+    fpt: f64,
+    val: Perplexity<Vec<u32>>,
+    tokenizer: Vec<u8>,
+    source: String,
+    data: Vec<PathBuf>,
+}
+
+impl Run<TrainableLm, LmSource> for LmRun {
+    fn add_fields(&self, r: &StepReport, line: &mut Value) {
+        line["flops"] = json!(self.fpt * r.tokens as f64);
+    }
+
+    fn has_validation(&self) -> bool {
+        !self.val.is_empty()
+    }
+
+    fn validate(&mut self, t: &LmTrainer, line: &mut Value) -> Result<()> {
+        let b = t.options().batch_size;
+        self.val.record(line, |v| t.evaluate(v, b))
+    }
+
+    fn progress(&self, t: &LmTrainer, r: &StepReport, steps: u64, secs: f64) -> String {
+        let o = t.options();
+        let tokens = steps as f64 * (o.batch_size * o.grad_accum * o.seq_len) as f64;
+        let rate = tokens / secs;
+        format!("loss {:.4}{}  {rate:.0} tok/s", r.loss, self.val.bar())
+    }
+
+    fn save(&self, t: &LmTrainer, out: &Path) -> Result<PathBuf> {
+        let card = card(t, &self.source, &self.data, self.val.get());
+        save_with(t, out, Some(&self.tokenizer), card)
+    }
+
+    fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value {
+        self.val.summary(r, secs, ckpt)
+    }
+
+    fn outcome(&self, r: &StepReport) -> String {
+        self.val.outcome("loss", r)
+    }
 }
 
 /// The train and validation curves of `metrics.jsonl`, for `loss.png`.
@@ -464,8 +595,8 @@ impl Curve {
 }
 
 /// The model card of a checkpoint: how it was trained.
-fn card(cfg: &Config, t: &LmTrainer, source: &str, data: &[PathBuf], val: Option<f64>) -> String {
-    let o = t.options();
+fn card(t: &LmTrainer, source: &str, data: &[PathBuf], val: Option<f64>) -> String {
+    let (o, cfg) = (t.options(), t.model().config());
     let mut c = ModelCard::new(
         "TokenFormer language model (trained with tokenformer)",
         "text-generation",
@@ -474,14 +605,21 @@ fn card(cfg: &Config, t: &LmTrainer, source: &str, data: &[PathBuf], val: Option
     let mut body = format!(
         "Started from {source}; {} of {} steps on {}.\n\n\
          | setting | value |\n|---|---|\n\
-         | sequence length × batch × accumulation | {} × {} × {} |\n\
-         | learning rate | {} → {} (warm-up {} steps, cosine) |\n\
-         | AdamW | betas {}, {}, eps {}, weight decay {} (matrices only) |\n\
-         | gradient clipping | {} |\n| trained tensors | {} |\n| shape | {} layers, d {}, {} heads, tokens {}/{}/{} |\n",
-        t.step_count(), o.steps, files.join(", "), o.seq_len, o.batch_size, o.grad_accum,
-        o.lr, o.min_lr, o.warmup_steps, o.beta1, o.beta2, o.eps, o.weight_decay, o.clip_grad,
-        o.train.join(", "), cfg.num_layers, cfg.hidden_size, cfg.num_heads,
-        cfg.qkv_tokens, cfg.proj_tokens, cfg.ffn_tokens,
+         | sequence length × batch × accumulation | {} × {} × {} |\n{}\
+         | shape | {} |\n",
+        t.step_count(),
+        o.steps,
+        files.join(", "),
+        o.seq_len,
+        o.batch_size,
+        o.grad_accum,
+        optimiser_rows(o),
+        shape(
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            [cfg.qkv_tokens, cfg.proj_tokens, cfg.ffn_tokens]
+        ),
     );
     if let Some(v) = val {
         body.push_str(&format!(
@@ -491,6 +629,42 @@ fn card(cfg: &Config, t: &LmTrainer, source: &str, data: &[PathBuf], val: Option
     }
     c.section("Training", body);
     c.render()
+}
+
+/// The model card's rows of the optimiser, the schedule and what trains.
+pub(crate) fn optimiser_rows(o: &TrainOptions) -> String {
+    format!(
+        "| learning rate | {} → {} (warm-up {} steps, cosine) |\n\
+         | AdamW | betas {}, {}, eps {}, weight decay {} (matrices only) |\n\
+         | gradient clipping | {} |\n| trained tensors | {} |\n",
+        o.lr,
+        o.min_lr,
+        o.warmup_steps,
+        o.beta1,
+        o.beta2,
+        o.eps,
+        o.weight_decay,
+        o.clip_grad,
+        o.train.join(", "),
+    )
+}
+
+/// The model card's shape: `4 layers, d 256, 4 heads, tokens 256/256/1024`.
+pub(crate) fn shape(layers: usize, d: usize, heads: usize, [q, p, f]: [usize; 3]) -> String {
+    format!("{layers} layers, d {d}, {heads} heads, tokens {q}/{p}/{f}")
+}
+
+/// `--val-fraction`: moves every round(1/f)-th item of `items` to `val`.
+pub(crate) fn hold_out<T>(items: &mut Vec<T>, val: &mut Vec<T>, fraction: f64) -> Result<()> {
+    let every = Split::every_for(fraction)? as usize;
+    for (i, x) in std::mem::take(items).into_iter().enumerate() {
+        if (i + 1) % every == 0 {
+            val.push(x);
+        } else {
+            items.push(x);
+        }
+    }
+    Ok(())
 }
 
 fn name(p: &Path) -> String {

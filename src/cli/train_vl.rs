@@ -2,25 +2,22 @@
 //! from JSONL, the loss on caption tokens, checkpoints, `metrics.jsonl`, a progress bar.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::PathBuf;
-use std::time::Instant;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
-use indicatif::{ProgressBar, ProgressStyle};
-use serde_json::json;
+use serde_json::Value;
 use tokenformer::card::ModelCard;
 use tokenformer::checkpoint::Tensors;
 use tokenformer::models::vl::Config;
 use tokenformer::train::optim::Moments;
-use tokenformer::train::trainer::{self, TrainOptions, TrainerState};
-use tokenformer::train::vl::{read_pairs, TrainableVl, VlTrainer};
-use tokenformer::train::Split;
+use tokenformer::train::trainer::{TrainOptions, TrainerState};
+use tokenformer::train::vl::{init_tensors, read_pairs, Pair, PairSource, TrainableVl, VlTrainer};
+use tokenformer::train::StepReport;
 
-use super::TrainArgs;
+use super::{Perplexity, TrainArgs};
 
-/// Trains a merged model (its weights are required: a merge has no fresh init).
+/// Trains a merged model. `tensors` None: fresh weights (`--init`, `--seed`).
 pub fn run(
     a: &TrainArgs,
     opts: TrainOptions,
@@ -31,10 +28,9 @@ pub fn run(
     source: String,
 ) -> Result<()> {
     let dev = Device::Cpu;
-    let Some(tensors) = tensors else {
-        bail!(
-            "a merged model starts from `tokenformer-convert merge`'s folder (--model), not --init"
-        );
+    let tensors = match tensors {
+        Some(t) => t,
+        None => init_tensors(&cfg, a.seed, &dev)?,
     };
     let tokenizer_path =
         tokenizer_path.context("no tokenizer.json for this model: pass --tokenizer PATH")?;
@@ -51,115 +47,72 @@ pub fn run(
         None => vec![],
     };
     if let Some(f) = a.val_fraction {
-        let every = Split::every_for(f)? as usize;
-        let all = std::mem::take(&mut pairs);
-        for (i, p) in all.into_iter().enumerate() {
-            if (i + 1) % every == 0 {
-                val.push(p);
-            } else {
-                pairs.push(p);
-            }
-        }
+        super::hold_out(&mut pairs, &mut val, f)?;
     }
     val.truncate(a.val_windows);
     let model = TrainableVl::new(&cfg, &tensors, DType::F32, &dev)?;
     drop(tensors);
-    let mut t = VlTrainer::new(model, pairs, tokenizer, opts.clone(), resume)?;
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    let tokenizer_bytes = std::fs::read(&tokenizer_path)
+    let t = VlTrainer::new(model, pairs, tokenizer, opts, resume)?;
+    let tokenizer = std::fs::read(&tokenizer_path)
         .with_context(|| format!("reading {}", tokenizer_path.display()))?;
-    let metrics_path = a.out.join("metrics.jsonl");
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&metrics_path)
-        .with_context(|| format!("opening {}", metrics_path.display()))?;
-    let mut curve = super::Curve::read(&metrics_path);
-    let start_step = t.step_count();
-    let bar = ProgressBar::new(opts.steps);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
-        )
-        .expect("valid template"),
-    );
-    bar.set_position(start_step);
-    let started = Instant::now();
-    let start_tokens = t.state().tokens;
-    let (mut last, mut last_val, mut last_ckpt) = (None, None, None);
-    while !t.done() {
-        let r = t.step()?;
-        let secs = started.elapsed().as_secs_f64();
-        let mut line = json!({
-            "step": r.step, "lr": r.lr, "loss": r.loss, "grad_norm": r.grad_norm,
-            "tokens": r.tokens,
-        });
-        let end = t.done();
-        if !val.is_empty() && (r.step % a.eval_every.max(1) == 0 || end) {
-            let v = t.evaluate(&val, opts.batch_size)?;
-            line["val_loss"] = json!(v);
-            line["val_perplexity"] = json!(v.exp());
-            last_val = Some(v);
-        }
-        writeln!(metrics, "{line}").context("writing metrics.jsonl")?;
-        curve.push(&line);
-        let images = (r.step - start_step) as f64 * (opts.batch_size * opts.grad_accum) as f64;
-        bar.set_message(format!(
-            "loss {:.4}{}  {:.0} tok/s  {:.1} img/s",
-            r.loss,
-            last_val.map_or(String::new(), |v| format!("  val {v:.4}")),
-            (r.tokens - start_tokens) as f64 / secs.max(1e-9),
-            images / secs.max(1e-9)
-        ));
-        bar.set_position(r.step);
-        if r.step % a.save_every.max(1) == 0 || end {
-            let card = card(&t, &source, data, last_val);
-            let dir = t.save(
-                &a.out,
-                &[
-                    ("tokenizer.json", tokenizer_bytes.clone()),
-                    ("README.md", card.into_bytes()),
-                ],
-            )?;
-            curve.draw(&a.out)?;
-            if a.keep_last > 0 {
-                trainer::prune(&a.out, a.keep_last)?;
-            }
-            last_ckpt = Some(dir);
-        }
-        last = Some(r);
-    }
-    bar.finish_and_clear();
-    let secs = started.elapsed().as_secs_f64();
-    let Some(r) = last else {
-        bail!(
-            "nothing to do: the run already has its {} steps (raise --steps)",
-            opts.steps
-        );
+    let run = VlRun {
+        start_tokens: t.state().tokens,
+        val: Perplexity::new(val),
+        tokenizer,
+        source,
+        data: data.clone(),
     };
-    let ckpt = last_ckpt.expect("saved at the end");
-    if a.json {
-        println!(
-            "{}",
-            json!({
-                "steps": r.step, "train_loss": r.loss, "val_loss": last_val,
-                "val_perplexity": last_val.map(f64::exp), "tokens": r.tokens,
-                "seconds": secs, "checkpoint": ckpt,
-            })
-        );
-    } else {
-        eprintln!(
-            "trained to step {} (caption loss {:.4}{}) in {secs:.1} s; saved {}",
-            r.step,
-            r.loss,
-            last_val.map_or(String::new(), |v| format!(", validation {v:.4}")),
-            ckpt.display()
-        );
-    }
-    Ok(())
+    super::drive(a, t, run)
 }
 
-fn card(t: &VlTrainer, source: &str, data: &std::path::Path, val: Option<f64>) -> String {
+/// A merged model's run.
+struct VlRun {
+    val: Perplexity<Pair>,
+    /// Caption tokens seen before this run (a resumed one).
+    start_tokens: u64,
+    tokenizer: Vec<u8>,
+    source: String,
+    data: PathBuf,
+}
+
+impl super::Run<TrainableVl, PairSource> for VlRun {
+    fn has_validation(&self) -> bool {
+        !self.val.is_empty()
+    }
+
+    fn validate(&mut self, t: &VlTrainer, line: &mut Value) -> Result<()> {
+        let b = t.options().batch_size;
+        self.val.record(line, |v| t.evaluate(v, b))
+    }
+
+    fn progress(&self, t: &VlTrainer, r: &StepReport, steps: u64, secs: f64) -> String {
+        let o = t.options();
+        let images = steps as f64 * (o.batch_size * o.grad_accum) as f64;
+        let tokens = (r.tokens - self.start_tokens) as f64;
+        format!(
+            "loss {:.4}{}  {:.0} tok/s  {:.1} img/s",
+            r.loss,
+            self.val.bar(),
+            tokens / secs,
+            images / secs
+        )
+    }
+
+    fn save(&self, t: &VlTrainer, out: &Path) -> Result<PathBuf> {
+        let card = card(t, &self.source, &self.data, self.val.get());
+        super::save_with(t, out, Some(&self.tokenizer), card)
+    }
+
+    fn summary(&self, r: &StepReport, secs: f64, ckpt: &Path) -> Value {
+        self.val.summary(r, secs, ckpt)
+    }
+
+    fn outcome(&self, r: &StepReport) -> String {
+        self.val.outcome("caption loss", r)
+    }
+}
+
+fn card(t: &VlTrainer, source: &str, data: &Path, val: Option<f64>) -> String {
     let o = t.options();
     let mut c = ModelCard::new(
         "TokenFormer vision-language model (trained with tokenformer)",
@@ -169,25 +122,14 @@ fn card(t: &VlTrainer, source: &str, data: &std::path::Path, val: Option<f64>) -
         "Started from {source}; {} of {} steps on the (image, caption) pairs of {} \
          (loss on caption tokens).\n\n\
          | setting | value |\n|---|---|\n\
-         | caption tokens × batch × accumulation | ≤ {} × {} × {} |\n\
-         | learning rate | {} → {} (warm-up {} steps, cosine) |\n\
-         | AdamW | betas {}, {}, eps {}, weight decay {} (matrices only) |\n\
-         | gradient clipping | {} |\n| trained tensors | {} |\n",
+         | caption tokens × batch × accumulation | ≤ {} × {} × {} |\n{}",
         t.step_count(),
         o.steps,
         super::name(data),
         o.seq_len,
         o.batch_size,
         o.grad_accum,
-        o.lr,
-        o.min_lr,
-        o.warmup_steps,
-        o.beta1,
-        o.beta2,
-        o.eps,
-        o.weight_decay,
-        o.clip_grad,
-        o.train.join(", "),
+        super::optimiser_rows(o),
     );
     if let Some(v) = val {
         body.push_str(&format!(

@@ -29,7 +29,7 @@ use candle_core::{CpuStorage, Layout, Result};
 mod attention;
 mod gemv;
 mod half;
-mod math;
+pub(crate) mod math;
 mod matmul;
 pub mod q8;
 mod rotary;

@@ -101,6 +101,9 @@ pub struct Config {
     pub class_wnids: Option<Vec<String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub class_names: Option<Vec<String>>,
+    /// Token counts before the last `grow` (what `train --train new` leaves frozen).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grown_from_tokens: Option<ScaleTokens>,
 }
 
 impl Config {
@@ -133,6 +136,7 @@ impl Config {
             std: default_std(),
             class_wnids: None,
             class_names: None,
+            grown_from_tokens: None,
         }
     }
 
@@ -168,6 +172,15 @@ impl Config {
             self.pattention_scale_tokens,
         )?;
         check_range("num_classes", self.num_classes, 1, MAX_CLASSES)?;
+        if let Some(g) = self.grown_from_tokens {
+            for (key, old, now) in [
+                ("qkv", g.qkv, self.qkv_tokens),
+                ("proj", g.proj, self.proj_tokens),
+                ("ffn", g.ffn, self.ffn_tokens),
+            ] {
+                check_range(&format!("grown_from_tokens.{key}"), old, 1, now)?;
+            }
+        }
         check_float("norm_eps", self.norm_eps, 0.0, false, 1.0)?;
         check_float("crop_pct", self.crop_pct, MIN_CROP_PCT, true, 1.0)?;
         for c in 0..3 {

@@ -24,27 +24,15 @@ pub struct TrainableLm {
 impl TrainableLm {
     /// Wraps canonical-name tensors (converted to `dtype`) as variables. Every tensor the
     /// config needs must be present with its shape, and none may be left over.
-    pub fn new(cfg: &Config, tensors: &Tensors, dtype: DType, device: &Device) -> Result<Self> {
-        if let Err(e) = cfg.validate() {
-            candle_core::bail!("invalid config: {e}")
-        }
-        let mut params = BTreeMap::new();
-        for (name, shape) in expected_shapes(cfg) {
-            let Some(t) = tensors.get(&name) else {
-                candle_core::bail!("missing tensor `{name}`")
-            };
-            if t.dims() != shape.as_slice() {
-                candle_core::bail!(
-                    "tensor `{name}` has shape {:?}, expected {shape:?}",
-                    t.dims()
-                )
-            }
-            let t = t.to_device(device)?.to_dtype(dtype)?;
-            params.insert(name, Var::from_tensor(&t)?);
-        }
-        if let Some(extra) = tensors.keys().find(|k| !params.contains_key(*k)) {
-            candle_core::bail!("tensor `{extra}` is not used by this config")
-        }
+    pub fn new(
+        cfg: &Config,
+        tensors: &Tensors,
+        dtype: DType,
+        device: &Device,
+    ) -> crate::error::Result<Self> {
+        cfg.validate()
+            .map_err(|e| crate::error::Error::input(format!("invalid config: {e}")))?;
+        let params = super::parts::wrap_vars(expected_shapes(cfg), tensors, dtype, device)?;
         let rotary = Rotary::new(
             cfg.rotary_dims(),
             cfg.rotary_base,
@@ -74,10 +62,7 @@ impl TrainableLm {
 
     /// The current values, by canonical name (for saving).
     pub fn tensors(&self) -> Tensors {
-        self.params
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect()
+        super::trainer::Trainable::tensors(self)
     }
 
     fn p(&self, name: &str) -> Result<&Tensor> {

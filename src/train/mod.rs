@@ -1,5 +1,6 @@
-//! Training on CPU: a differentiable forward of the language model, AdamW with the
-//! official parameter groups, the learning-rate schedule and gradient clipping.
+//! Training on CPU: differentiable forwards of the language model, the classifier and
+//! the merged model, one training loop for the three (AdamW with the official
+//! parameter groups, the learning-rate schedule, gradient clipping, checkpoints).
 //!
 //! The inference path runs fused kernels that have no backward pass; the training
 //! path computes the same function with plain candle tensor ops, which candle's
@@ -9,6 +10,7 @@ pub mod data;
 pub mod lm;
 pub mod loss;
 pub mod optim;
+mod parts;
 pub mod plot;
 mod theta;
 pub mod trainer;
@@ -18,4 +20,6 @@ pub mod vl;
 pub use data::{Split, TokenWindows};
 pub use lm::TrainableLm;
 pub use optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
-pub use trainer::{LmTrainer, StepReport, TrainOptions, TrainerState};
+pub use trainer::{
+    Fed, LmTrainer, Source, StepReport, TrainOptions, Trainable, Trainer, TrainerState,
+};

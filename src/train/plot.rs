@@ -1,19 +1,33 @@
 //! `loss.png`: the training loss (blue) and the validation loss (orange) against the
-//! step, on a light grid, drawn with plotters' bitmap backend and no text, so no font
-//! is needed. The grid has ten columns across the steps; the vertical axis runs from
-//! the lowest to the highest loss drawn.
+//! step, with a labelled grid (tick numbers on both axes, "step" and "loss"), drawn
+//! with plotters' bitmap backend. The text uses a font compiled into the binary
+//! (DejaVu Sans cut to ASCII, `assets/fonts`), so no system font is needed.
 
 use std::path::Path;
+use std::sync::Once;
 
 use plotters::prelude::*;
+use plotters::style::FontStyle;
 
 use crate::error::{Error, Result};
 
 const SIZE: (u32, u32) = (800, 480);
+const FAMILY: &str = "sans-serif";
+static FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans-ASCII.ttf");
+static REGISTER: Once = Once::new();
+
+/// Decimals that tell ticks `span` apart (about two significant digits of the span).
+fn decimals(span: f64) -> usize {
+    (1.0 - span.log10().floor()).clamp(0.0, 6.0) as usize
+}
 
 /// Draws the curves into `path` (written to a temporary file, then renamed). Each
 /// curve is (step, loss) points; non-finite losses are left out.
 pub fn draw_loss_png(path: &Path, train: &[(f64, f64)], val: &[(f64, f64)]) -> Result<()> {
+    REGISTER.call_once(|| {
+        // The font is part of the binary and known to parse (tested).
+        let _ = plotters::style::register_font(FAMILY, FontStyle::Normal, FONT);
+    });
     let finite = |v: &[(f64, f64)]| -> Vec<(f64, f64)> {
         v.iter()
             .copied()
@@ -34,32 +48,56 @@ pub fn draw_loss_png(path: &Path, train: &[(f64, f64)], val: &[(f64, f64)]) -> R
     }
     let pad = ((y1 - y0) * 0.05).max(1e-3);
     let (y0, y1) = (y0 - pad, y1 + pad);
+    let y_decimals = decimals(y1 - y0);
     let mut buf = vec![0u8; (SIZE.0 * SIZE.1 * 3) as usize];
     let draw = |buf: &mut [u8]| -> std::result::Result<(), String> {
         let root = BitMapBackend::with_buffer(buf, SIZE).into_drawing_area();
         root.fill(&WHITE).map_err(|e| e.to_string())?;
         let mut chart = ChartBuilder::on(&root)
             .margin(16)
+            .x_label_area_size(44)
+            .y_label_area_size(64)
             .build_cartesian_2d(x0..x1, y0..y1)
             .map_err(|e| e.to_string())?;
-        let grey = RGBColor(225, 225, 225);
-        for i in 0..=10 {
-            let x = x0 + (x1 - x0) * i as f64 / 10.0;
-            let y = y0 + (y1 - y0) * i as f64 / 10.0;
-            chart
-                .draw_series(LineSeries::new([(x, y0), (x, y1)], grey))
-                .map_err(|e| e.to_string())?;
-            chart
-                .draw_series(LineSeries::new([(x0, y), (x1, y)], grey))
-                .map_err(|e| e.to_string())?;
-        }
-        let blue = RGBColor(31, 119, 180).stroke_width(2);
-        let orange = RGBColor(255, 127, 14).stroke_width(3);
+        let text = (FAMILY, 15).into_font().color(&RGBColor(60, 60, 60));
         chart
-            .draw_series(LineSeries::new(train.iter().copied(), blue))
+            .configure_mesh()
+            .x_labels(11)
+            .y_labels(11)
+            .bold_line_style(RGBColor(225, 225, 225))
+            .light_line_style(RGBColor(245, 245, 245))
+            .axis_style(RGBColor(150, 150, 150))
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.y_decimals$}"))
+            .label_style(text.clone())
+            .axis_desc_style((FAMILY, 17).into_font().color(&RGBColor(60, 60, 60)))
+            .x_desc("step")
+            .y_desc("loss")
+            .draw()
             .map_err(|e| e.to_string())?;
+        let blue = RGBColor(31, 119, 180);
+        let orange = RGBColor(255, 127, 14);
         chart
-            .draw_series(LineSeries::new(val.iter().copied(), orange))
+            .draw_series(LineSeries::new(train.iter().copied(), blue.stroke_width(2)))
+            .map_err(|e| e.to_string())?
+            .label("train")
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], blue.stroke_width(2)));
+        if !val.is_empty() {
+            chart
+                .draw_series(LineSeries::new(val.iter().copied(), orange.stroke_width(3)))
+                .map_err(|e| e.to_string())?
+                .label("validation")
+                .legend(move |(x, y)| {
+                    PathElement::new([(x, y), (x + 20, y)], orange.stroke_width(3))
+                });
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(200, 200, 200))
+            .label_font(text)
+            .draw()
             .map_err(|e| e.to_string())?;
         root.present().map_err(|e| e.to_string())
     };
@@ -75,4 +113,28 @@ pub fn draw_loss_png(path: &Path, train: &[(f64, f64)], val: &[(f64, f64)]) -> R
         .map_err(|e| Error::input(format!("writing {}: {e}", path.display())))?;
     tmp.persist(path).map_err(|e| Error::io(path, e.error))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_font_parses_and_the_plot_has_text() {
+        assert!(plotters::style::register_font(FAMILY, FontStyle::Normal, FONT).is_ok());
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("loss.png");
+        let train: Vec<(f64, f64)> = (1..=50).map(|s| (s as f64, 5.0 / s as f64)).collect();
+        draw_loss_png(&p, &train, &[(25.0, 0.4), (50.0, 0.3)]).unwrap();
+        let img = image::open(&p).unwrap().to_rgb8();
+        // The text colour: tick numbers and axis names in the left and bottom margins.
+        let dark = |x0: u32, x1: u32, y0: u32, y1: u32| {
+            (x0..x1)
+                .flat_map(|x| (y0..y1).map(move |y| (x, y)))
+                .filter(|&(x, y)| img.get_pixel(x, y).0.iter().all(|&c| c < 120))
+                .count()
+        };
+        assert!(dark(0, 70, 0, 420) > 200, "no y-axis text");
+        assert!(dark(80, 800, 430, 480) > 200, "no x-axis text");
+    }
 }

@@ -1,6 +1,7 @@
-//! The language-model training loop: micro-batches of packed windows, gradient
-//! accumulation, clipping, AdamW on the selected tensors, the schedule, held-out
-//! evaluation, and checkpoints that a later run resumes exactly.
+//! The training loop every architecture shares ([`Trainer`] over a [`Trainable`]
+//! model, fed by a [`Source`] of micro-batches in [`Fed`]): gradient accumulation,
+//! clipping, AdamW on the selected tensors, the schedule, in-run growth, and
+//! checkpoints that a later run resumes exactly; and the language model's trainer.
 //!
 //! A checkpoint is `checkpoint-{step:06}/` in the output folder: a canonical model folder
 //! (loadable by every command) plus `optimizer.safetensors` (AdamW moments) and
@@ -145,61 +146,97 @@ pub struct StepReport {
     pub tokens: u64,
 }
 
-/// A language model being trained.
-pub struct LmTrainer {
-    model: TrainableLm,
+/// A model the generic [`Trainer`] trains: its variables, the loss of a batch, and
+/// what a checkpoint of it holds.
+pub trait Trainable: Sized {
+    /// One micro-batch.
+    type Batch;
+    /// Whether `--grow-at` can grow this model inside a run.
+    const GROWS: bool = false;
+
+    fn params(&self) -> &BTreeMap<String, Var>;
+    /// The mean loss of one micro-batch (a scalar).
+    fn loss_of(&self, batch: &Self::Batch) -> candle_core::Result<Tensor>;
+    /// `config.json` of a checkpoint.
+    fn config_json(&self) -> String;
+    /// Token counts before the last growth (what `--train new` leaves frozen).
+    fn grown_from(&self) -> Option<ScaleTokens> {
+        None
+    }
+    /// Rows before the bridge (what `--train bridge` leaves frozen).
+    fn bridge_from(&self) -> Option<ScaleTokens> {
+        None
+    }
+    /// The model grown to the target `spec` (`ffn=1024,qkv=256`) by the
+    /// function-preserving rule.
+    fn grown(&self, spec: &str, init: &GrowInit) -> Result<Self> {
+        let _ = init;
+        Err(Error::input(format!(
+            "--grow-at {spec}: this architecture cannot grow inside a run"
+        )))
+    }
+
+    /// The current values, by canonical name (for saving).
+    fn tensors(&self) -> Tensors {
+        self.params()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect()
+    }
+}
+
+/// The training loop every architecture shares: AdamW on the tensors `--train`
+/// selects, gradient accumulation, clipping, the schedule, in-run growth and
+/// checkpoints. The data comes from the caller, one micro-batch at a time.
+pub struct Trainer<M: Trainable> {
+    model: M,
     opt: AdamW,
-    data: TokenWindows,
     opts: TrainOptions,
     /// Trained tensors with their leading frozen rows (0: the whole tensor trains).
     trained: BTreeMap<String, usize>,
     step: u64,
-    tokens: u64,
-    device: Device,
+    /// Tokens (or images) seen so far.
+    seen: u64,
 }
 
-impl LmTrainer {
-    /// Starts (or, with `state`, resumes) training `model` on `data`. `moments` are a
-    /// checkpoint's optimiser moments.
+impl<M: Trainable> Trainer<M> {
+    /// Starts (or, with `resume`, continues at its step with its optimiser moments)
+    /// training `model`.
     pub fn new(
-        model: TrainableLm,
-        mut data: TokenWindows,
+        model: M,
         opts: TrainOptions,
         resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
     ) -> Result<Self> {
         opts.validate()?;
+        if !M::GROWS && !opts.grow_at.is_empty() {
+            return Err(Error::input(
+                "--grow-at grows language models and classifiers only",
+            ));
+        }
         let trained = select(
             model.params(),
-            model.config().grown_from_tokens,
-            None,
+            model.grown_from(),
+            model.bridge_from(),
             &opts.train,
         )?;
         let mut opt = optimizer(model.params(), &trained, opts.adamw())?;
-        let (mut step, mut tokens) = (0, 0);
+        let (mut step, mut seen) = (0, 0);
         if let Some((state, moments)) = resume {
             opt.restore(state.step, moments)?;
-            data.skip(state.data_position)?;
             step = state.step;
-            tokens = state.tokens;
+            seen = state.tokens;
         }
-        let device = model
-            .params()
-            .values()
-            .next()
-            .map_or(Device::Cpu, |v| v.device().clone());
         Ok(Self {
             model,
             opt,
-            data,
             opts,
             trained,
             step,
-            tokens,
-            device,
+            seen,
         })
     }
 
-    pub fn model(&self) -> &TrainableLm {
+    pub fn model(&self) -> &M {
         &self.model
     }
 
@@ -212,40 +249,17 @@ impl LmTrainer {
         &self.opt
     }
 
-    /// Grows every Pattention layer to `target` tokens in the middle of the run, with
-    /// the function-preserving rule (zero keys, normal values, √n constants kept): the
-    /// old tokens keep their AdamW moments, the new ones start at zero, and the step
-    /// count (bias correction, schedule) goes on.
-    pub fn grow(&mut self, target: &ScaleTokens, init: &GrowInit) -> Result<()> {
-        let cfg = self.model.config();
-        let old = ScaleTokens {
-            qkv: cfg.qkv_tokens,
-            proj: cfg.proj_tokens,
-            ffn: cfg.ffn_tokens,
-        };
-        let new_cfg = grow::grown_lm_config(cfg, target)?;
-        let (tensors, _) = grow::grow_tensors(self.model.tensors(), &old, target, init)?;
-        let model = TrainableLm::new(&new_cfg, &tensors, self.model.dtype(), &self.device)?;
-        let trained = select(
-            model.params(),
-            model.config().grown_from_tokens,
-            None,
-            &self.opts.train,
-        )?;
-        let mut opt = optimizer(model.params(), &trained, self.opts.adamw())?;
-        opt.restore(self.opt.step_count(), self.opt.moments().clone())?;
-        self.model = model;
-        self.trained = trained;
-        self.opt = opt;
-        Ok(())
+    pub fn options(&self) -> &TrainOptions {
+        &self.opts
     }
 
     pub fn step_count(&self) -> u64 {
         self.step
     }
 
-    pub fn options(&self) -> &TrainOptions {
-        &self.opts
+    /// Tokens (or images) trained on so far.
+    pub fn seen(&self) -> u64 {
+        self.seen
     }
 
     /// Whether every step has been taken.
@@ -253,26 +267,38 @@ impl LmTrainer {
         self.step >= self.opts.steps
     }
 
-    fn batch(&mut self) -> Result<Tensor> {
-        let mut ids = Vec::with_capacity(self.opts.batch_size * (self.opts.seq_len + 1));
-        for _ in 0..self.opts.batch_size {
-            ids.extend(self.data.next_window()?);
-        }
-        Ok(Tensor::from_vec(
-            ids,
-            (self.opts.batch_size, self.opts.seq_len + 1),
-            &self.device,
-        )?)
+    /// Continues with `grown` (the model after a growth): the old tokens keep their
+    /// AdamW moments, the new ones start at zero, and the step count (bias correction,
+    /// schedule) goes on.
+    pub fn replace_model(&mut self, grown: M) -> Result<()> {
+        let trained = select(
+            grown.params(),
+            grown.grown_from(),
+            grown.bridge_from(),
+            &self.opts.train,
+        )?;
+        let mut opt = optimizer(grown.params(), &trained, self.opts.adamw())?;
+        opt.restore(self.opt.step_count(), self.opt.moments().clone())?;
+        self.model = grown;
+        self.trained = trained;
+        self.opt = opt;
+        Ok(())
     }
 
-    /// One optimiser step over `grad_accum` micro-batches.
-    pub fn step(&mut self) -> Result<StepReport> {
+    /// One optimiser step over `grad_accum` micro-batches from `next` (each with the
+    /// tokens or images it counts), then the growth `--grow-at` asks for after it.
+    pub fn step(
+        &mut self,
+        mut next: impl FnMut() -> Result<(M::Batch, u64)>,
+    ) -> Result<StepReport> {
         let accum = self.opts.grad_accum;
         let mut acc = Accumulation::new(accum);
+        let mut seen = 0;
         for _ in 0..accum {
-            let ids = self.batch()?;
-            let loss = self.model.loss(&ids)?;
+            let (batch, n) = next()?;
+            let loss = self.model.loss_of(&batch)?;
             acc.add(loss, self.model.params(), &self.trained)?;
+            seen += n;
         }
         let (loss, lr, grad_norm) = acc.update(
             self.model.params(),
@@ -282,7 +308,7 @@ impl LmTrainer {
             self.step,
         )?;
         self.step += 1;
-        self.tokens += (self.opts.batch_size * accum * self.opts.seq_len) as u64;
+        self.seen += seen;
         let growth: Vec<String> = self
             .opts
             .grow_at
@@ -291,26 +317,231 @@ impl LmTrainer {
             .map(|(_, spec)| spec.clone())
             .collect();
         for spec in growth {
-            let cfg = self.model.config();
-            let current = ScaleTokens {
-                qkv: cfg.qkv_tokens,
-                proj: cfg.proj_tokens,
-                ffn: cfg.ffn_tokens,
-            };
-            let target = grow::parse_target(&spec, &current)?;
             let init = GrowInit {
                 seed: self.opts.seed ^ self.step,
                 ..GrowInit::default()
             };
-            self.grow(&target, &init)?;
+            let grown = self.model.grown(&spec, &init)?;
+            self.replace_model(grown)?;
         }
         Ok(StepReport {
             step: self.step,
             lr,
             loss,
             grad_norm,
-            tokens: self.tokens,
+            tokens: self.seen,
         })
+    }
+
+    /// The state a checkpoint records now, at `data_position` in the data.
+    pub fn state(&self, data_position: u64) -> TrainerState {
+        TrainerState {
+            step: self.step,
+            tokens: self.seen,
+            data_position,
+            options: self.opts.clone(),
+        }
+    }
+
+    /// Writes `checkpoint-{step}` into `out` atomically: the model folder (config,
+    /// weights, the `extra` files such as the tokenizer and a model card) plus optimiser
+    /// and trainer state. Returns its path.
+    pub fn save(
+        &self,
+        out: &Path,
+        data_position: u64,
+        extra: &[(&str, Vec<u8>)],
+    ) -> Result<PathBuf> {
+        write_checkpoint(
+            out,
+            &self.model.config_json(),
+            &self.model.tensors(),
+            &self.opt,
+            &self.state(data_position),
+            extra,
+        )
+    }
+}
+
+impl Trainable for TrainableLm {
+    /// Windows of `seq_len + 1` token ids [b, t+1].
+    type Batch = Tensor;
+    const GROWS: bool = true;
+
+    fn params(&self) -> &BTreeMap<String, Var> {
+        TrainableLm::params(self)
+    }
+
+    fn loss_of(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        self.loss(ids)
+    }
+
+    fn config_json(&self) -> String {
+        serde_json::to_string_pretty(self.config()).expect("serialisable")
+    }
+
+    fn grown_from(&self) -> Option<ScaleTokens> {
+        self.config().grown_from_tokens
+    }
+
+    fn grown(&self, spec: &str, init: &GrowInit) -> Result<Self> {
+        let cfg = self.config();
+        let current = ScaleTokens {
+            qkv: cfg.qkv_tokens,
+            proj: cfg.proj_tokens,
+            ffn: cfg.ffn_tokens,
+        };
+        self.grown_to(&grow::parse_target(spec, &current)?, init)
+    }
+}
+
+impl TrainableLm {
+    /// This model with every Pattention layer grown to `target` tokens (zero keys,
+    /// normal values, √n constants kept).
+    pub fn grown_to(&self, target: &ScaleTokens, init: &GrowInit) -> Result<Self> {
+        let cfg = self.config();
+        let old = ScaleTokens {
+            qkv: cfg.qkv_tokens,
+            proj: cfg.proj_tokens,
+            ffn: cfg.ffn_tokens,
+        };
+        let new_cfg = grow::grown_lm_config(cfg, target)?;
+        let (tensors, _) = grow::grow_tensors(Trainable::tensors(self), &old, target, init)?;
+        let device = super::parts::device_of(self.params());
+        TrainableLm::new(&new_cfg, &tensors, self.dtype(), &device)
+    }
+}
+
+/// Where a [`Fed`] trainer's micro-batches come from.
+pub trait Source<M: Trainable> {
+    /// The next micro-batch of `batch_size` examples, with the tokens (or images) it
+    /// counts.
+    fn next_batch(&mut self, batch_size: usize) -> Result<(M::Batch, u64)>;
+    /// Examples consumed so far (what a checkpoint records to resume at).
+    fn position(&self) -> u64;
+}
+
+/// A [`Trainer`] fed from a data source: the language model's token windows, the
+/// classifier's images, the merged model's pairs.
+pub struct Fed<M: Trainable, S> {
+    core: Trainer<M>,
+    data: S,
+}
+
+impl<M: Trainable, S> std::ops::Deref for Fed<M, S> {
+    type Target = Trainer<M>;
+    fn deref(&self) -> &Self::Target {
+        &self.core
+    }
+}
+
+impl<M: Trainable, S: Source<M>> Fed<M, S> {
+    /// `data` already at the resumed position, when resuming.
+    pub(crate) fn with(
+        model: M,
+        data: S,
+        opts: TrainOptions,
+        resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
+    ) -> Result<Self> {
+        Ok(Self {
+            core: Trainer::new(model, opts, resume)?,
+            data,
+        })
+    }
+
+    pub(crate) fn source(&self) -> &S {
+        &self.data
+    }
+
+    /// One optimiser step over `grad_accum` micro-batches.
+    pub fn step(&mut self) -> Result<StepReport> {
+        let b = self.core.options().batch_size;
+        let data = &mut self.data;
+        self.core.step(|| data.next_batch(b))
+    }
+
+    /// The state a checkpoint records now.
+    pub fn state(&self) -> TrainerState {
+        self.core.state(self.data.position())
+    }
+
+    /// Writes `checkpoint-{step}` into `out` atomically: the model folder (config,
+    /// weights, the `extra` files such as the tokenizer and a model card) plus optimiser
+    /// and trainer state. Returns its path.
+    pub fn save(&self, out: &Path, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
+        self.core.save(out, self.data.position(), extra)
+    }
+}
+
+/// Packed windows of `seq_len + 1` token ids.
+pub struct LmSource {
+    windows: TokenWindows,
+    seq_len: usize,
+    vocab: usize,
+    device: Device,
+}
+
+/// Refuses token ids the model has no embedding for (a tokenizer of another model).
+pub(crate) fn check_ids(ids: &[u32], vocab: usize) -> Result<()> {
+    match ids.iter().max() {
+        Some(&id) if id as usize >= vocab => Err(Error::input(format!(
+            "the tokenizer gives token id {id}, but the model's vocabulary has {vocab} entries: \
+             is --tokenizer the model's?"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+impl Source<TrainableLm> for LmSource {
+    fn next_batch(&mut self, b: usize) -> Result<(Tensor, u64)> {
+        let t = self.seq_len;
+        let mut ids = Vec::with_capacity(b * (t + 1));
+        for _ in 0..b {
+            ids.extend(self.windows.next_window()?);
+        }
+        check_ids(&ids, self.vocab)?;
+        Ok((
+            Tensor::from_vec(ids, (b, t + 1), &self.device)?,
+            (b * t) as u64,
+        ))
+    }
+
+    fn position(&self) -> u64 {
+        self.windows.position()
+    }
+}
+
+/// A language model being trained on a stream of token windows.
+pub type LmTrainer = Fed<TrainableLm, LmSource>;
+
+impl LmTrainer {
+    /// Starts (or, with `state`, resumes) training `model` on `data`. `moments` are a
+    /// checkpoint's optimiser moments.
+    pub fn new(
+        model: TrainableLm,
+        mut data: TokenWindows,
+        opts: TrainOptions,
+        resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
+    ) -> Result<Self> {
+        if let Some((state, _)) = &resume {
+            data.skip(state.data_position)?;
+        }
+        let source = LmSource {
+            windows: data,
+            seq_len: opts.seq_len,
+            vocab: model.config().vocab_size,
+            device: super::parts::device_of(model.params()),
+        };
+        Self::with(model, source, opts, resume)
+    }
+
+    /// Grows every Pattention layer to `target` tokens in the middle of the run, with
+    /// the function-preserving rule (zero keys, normal values, √n constants kept): the
+    /// old tokens keep their AdamW moments, the new ones start at zero, and the step
+    /// count (bias correction, schedule) goes on.
+    pub fn grow(&mut self, target: &ScaleTokens, init: &GrowInit) -> Result<()> {
+        let grown = self.core.model().grown_to(target, init)?;
+        self.core.replace_model(grown)
     }
 
     /// Mean next-token loss over `windows` (each `seq_len + 1` tokens), `batch` at a time.
@@ -319,40 +550,15 @@ impl LmTrainer {
         for chunk in windows.chunks(batch.max(1)) {
             let t = chunk[0].len();
             let flat: Vec<u32> = chunk.iter().flatten().copied().collect();
-            let ids = Tensor::from_vec(flat, (chunk.len(), t), &self.device)?;
+            let ids = Tensor::from_vec(flat, (chunk.len(), t), &self.data.device)?;
             let loss = self
-                .model
+                .model()
                 .loss(&ids)?
                 .to_dtype(DType::F64)?
                 .to_scalar::<f64>()?;
             sum += loss * chunk.len() as f64;
         }
         Ok(sum / windows.len().max(1) as f64)
-    }
-
-    /// The state a checkpoint records now.
-    pub fn state(&self) -> TrainerState {
-        TrainerState {
-            step: self.step,
-            tokens: self.tokens,
-            data_position: self.data.position(),
-            options: self.opts.clone(),
-        }
-    }
-
-    /// Writes `checkpoint-{step}` into `out` atomically: the model folder (config,
-    /// weights, the `extra` files such as the tokenizer and a model card) plus optimiser
-    /// and trainer state. Returns its path.
-    pub fn save(&self, out: &Path, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
-        let config = serde_json::to_string_pretty(self.model.config()).expect("serialisable");
-        write_checkpoint(
-            out,
-            &config,
-            &self.model.tensors(),
-            &self.opt,
-            &self.state(),
-            extra,
-        )
     }
 }
 

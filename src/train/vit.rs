@@ -5,18 +5,18 @@
 //! for validation), and the training loop over an image folder of class folders.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
 use super::lm::{attention, layer_norm, pattention, AttentionSpec};
-use super::optim::AdamW;
-use super::trainer::{
-    optimizer, select, write_checkpoint, Accumulation, TrainOptions, TrainerState,
-};
+use super::optim::Moments;
+use super::parts::{device_of, embed_image, wrap_vars};
+use super::trainer::{Fed, Source, TrainOptions, Trainable, TrainerState};
 use crate::checkpoint::Tensors;
 use crate::error::{Error, Result};
+use crate::grow::{self, GrowInit};
+use crate::models::tokenformer::ScaleTokens;
 use crate::models::vit::{Config, Pool};
 use crate::vision::dataset::Sample;
 use crate::vision::resample::{self, Filter};
@@ -88,32 +88,9 @@ impl TrainableVit {
     pub fn new(cfg: &Config, tensors: &Tensors, dtype: DType, device: &Device) -> Result<Self> {
         cfg.validate()
             .map_err(|e| Error::input(format!("invalid config: {e}")))?;
-        let mut params = BTreeMap::new();
-        for (name, shape) in expected_shapes(cfg) {
-            let Some(t) = tensors.get(&name) else {
-                return Err(Error::Tensor {
-                    name,
-                    msg: "missing".into(),
-                });
-            };
-            if t.dims() != shape.as_slice() {
-                return Err(Error::Tensor {
-                    msg: format!("has shape {:?}, expected {shape:?}", t.dims()),
-                    name,
-                });
-            }
-            let t = t.to_device(device)?.to_dtype(dtype)?;
-            params.insert(name, Var::from_tensor(&t)?);
-        }
-        if let Some(extra) = tensors.keys().find(|k| !params.contains_key(*k)) {
-            return Err(Error::Tensor {
-                name: extra.clone(),
-                msg: "is not used by this config".into(),
-            });
-        }
         Ok(Self {
+            params: wrap_vars(expected_shapes(cfg), tensors, dtype, device)?,
             cfg: cfg.clone(),
-            params,
             dtype,
         })
     }
@@ -124,14 +101,6 @@ impl TrainableVit {
 
     pub fn params(&self) -> &BTreeMap<String, Var> {
         &self.params
-    }
-
-    /// The current values, by canonical name (for saving).
-    pub fn tensors(&self) -> Tensors {
-        self.params
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect()
     }
 
     fn p(&self, name: &str) -> candle_core::Result<&Tensor> {
@@ -152,32 +121,7 @@ impl TrainableVit {
     /// Logits [b, classes] of normalised pixels [b, C, H, W].
     pub fn forward(&self, pixels: &Tensor) -> candle_core::Result<Tensor> {
         let cfg = &self.cfg;
-        let (b, c, h, w) = pixels.dims4()?;
-        if c != cfg.num_channels || h != cfg.image_size || w != cfg.image_size {
-            candle_core::bail!(
-                "pixels of shape {:?}, expected [batch, {}, {}, {}]",
-                pixels.dims(),
-                cfg.num_channels,
-                cfg.image_size,
-                cfg.image_size
-            )
-        }
-        let (p, d) = (cfg.patch_size, cfg.hidden_size);
-        let (gh, gw) = (h / p, w / p);
-        // The stride-p convolution as unfold + matmul.
-        let patches = pixels
-            .to_dtype(self.dtype)?
-            .reshape((b, c, gh, p, gw, p))?
-            .permute((0, 2, 4, 1, 3, 5))?
-            .contiguous()?
-            .reshape((b * gh * gw, c * p * p))?;
-        let weight = self.p("patch_embed.weight")?.reshape((d, c * p * p))?;
-        let patches = patches
-            .matmul(&weight.t()?)?
-            .broadcast_add(self.p("patch_embed.bias")?)?
-            .reshape((b, gh * gw, d))?;
-        let cls = self.p("cls_token")?.broadcast_as((b, 1, d))?;
-        let mut x = Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(self.p("pos_embed")?)?;
+        let mut x = embed_image(&self.params, "", cfg, pixels, self.dtype)?;
         let [sq, sp, sf] = self.scales();
         let act = cfg.pattention_activation;
         let spec = AttentionSpec {
@@ -349,89 +293,71 @@ impl Order {
 /// One optimiser step's numbers (images instead of tokens).
 pub use super::trainer::StepReport;
 
-/// A classifier being trained on labelled images.
-pub struct VitTrainer {
-    model: TrainableVit,
-    opt: AdamW,
+/// The classifier config after growing to `target` with the √n constants kept (the
+/// function-preserving rule), recording the old counts in `grown_from_tokens`.
+pub fn grown_config(cfg: &Config, target: &ScaleTokens) -> Result<Config> {
+    let old = counts(cfg);
+    let mut c = cfg.clone();
+    c.pattention_scale_tokens = Some(cfg.pattention_scale_tokens.unwrap_or(old));
+    if c.pattention_scale_tokens == Some(*target) {
+        c.pattention_scale_tokens = None;
+    }
+    (c.qkv_tokens, c.proj_tokens, c.ffn_tokens) = (target.qkv, target.proj, target.ffn);
+    c.grown_from_tokens = (old != *target).then_some(old);
+    c.validate()
+        .map_err(|e| Error::input(format!("the grown config is invalid: {e}")))?;
+    Ok(c)
+}
+
+fn counts(cfg: &Config) -> ScaleTokens {
+    ScaleTokens {
+        qkv: cfg.qkv_tokens,
+        proj: cfg.proj_tokens,
+        ffn: cfg.ffn_tokens,
+    }
+}
+
+impl Trainable for TrainableVit {
+    /// Pixels [b, 3, s, s] and labels [b] (u32).
+    type Batch = (Tensor, Tensor);
+    const GROWS: bool = true;
+
+    fn params(&self) -> &BTreeMap<String, Var> {
+        &self.params
+    }
+
+    fn loss_of(&self, (pixels, labels): &Self::Batch) -> candle_core::Result<Tensor> {
+        self.loss(pixels, labels)
+    }
+
+    fn config_json(&self) -> String {
+        serde_json::to_string_pretty(&self.cfg).expect("serialisable")
+    }
+
+    fn grown_from(&self) -> Option<ScaleTokens> {
+        self.cfg.grown_from_tokens
+    }
+
+    fn grown(&self, spec: &str, init: &GrowInit) -> Result<Self> {
+        let target = grow::parse_target(spec, &counts(&self.cfg))?;
+        let cfg = grown_config(&self.cfg, &target)?;
+        let (tensors, _) = grow::grow_tensors(self.tensors(), &counts(&self.cfg), &target, init)?;
+        Self::new(&cfg, &tensors, self.dtype, &device_of(&self.params))
+    }
+}
+
+/// Labelled images in a seeded order, each with timm's training preprocessing.
+pub struct ImageSource {
     samples: Vec<Sample>,
-    opts: TrainOptions,
-    trained: BTreeMap<String, usize>,
-    step: u64,
-    images: u64,
     order: Order,
     transform: TrainTransform,
+    size: usize,
     device: Device,
 }
 
-impl VitTrainer {
-    /// Starts (or, with `resume`, continues) training on `samples`.
-    pub fn new(
-        model: TrainableVit,
-        samples: Vec<Sample>,
-        opts: TrainOptions,
-        resume: Option<(TrainerState, BTreeMap<String, super::optim::Moments>)>,
-    ) -> Result<Self> {
-        opts.validate()?;
-        if samples.is_empty() {
-            return Err(Error::input("no training images"));
-        }
-        if !opts.grow_at.is_empty() {
-            return Err(Error::input("--grow-at grows language models only so far"));
-        }
-        let trained = select(model.params(), None, None, &opts.train)?;
-        let mut opt = optimizer(model.params(), &trained, opts.adamw())?;
-        let (mut step, mut images, mut position) = (0, 0, 0);
-        let n = samples.len();
-        if let Some((state, moments)) = resume {
-            opt.restore(state.step, moments)?;
-            step = state.step;
-            images = state.tokens;
-            position = state.data_position;
-        }
-        let device = model
-            .params()
-            .values()
-            .next()
-            .map_or(Device::Cpu, |v| v.device().clone());
-        let transform = TrainTransform::from_config(model.config());
-        let opts_seed = opts.seed;
-        Ok(Self {
-            model,
-            opt,
-            samples,
-            opts,
-            trained,
-            step,
-            images,
-            order: Order::new(n, opts_seed, position),
-            transform,
-            device,
-        })
-    }
-
-    pub fn model(&self) -> &TrainableVit {
-        &self.model
-    }
-
-    pub fn optimizer(&self) -> &AdamW {
-        &self.opt
-    }
-
-    pub fn options(&self) -> &TrainOptions {
-        &self.opts
-    }
-
-    pub fn step_count(&self) -> u64 {
-        self.step
-    }
-
-    pub fn done(&self) -> bool {
-        self.step >= self.opts.steps
-    }
-
-    fn batch(&mut self) -> Result<(Tensor, Tensor)> {
-        let size = self.model.config().image_size;
-        let b = self.opts.batch_size;
+impl Source<TrainableVit> for ImageSource {
+    fn next_batch(&mut self, b: usize) -> Result<((Tensor, Tensor), u64)> {
+        let size = self.size;
         let mut pixels = Vec::with_capacity(b * 3 * size * size);
         let mut labels = Vec::with_capacity(b);
         for _ in 0..b {
@@ -445,49 +371,53 @@ impl VitTrainer {
             pixels.extend(v);
             labels.push(s.label as u32);
         }
-        Ok((
+        let batch = (
             Tensor::from_vec(pixels, (b, 3, size, size), &self.device)?,
             Tensor::from_vec(labels, b, &self.device)?,
-        ))
+        );
+        Ok((batch, b as u64))
     }
 
-    /// One optimiser step over `grad_accum` batches.
-    pub fn step(&mut self) -> Result<StepReport> {
-        let accum = self.opts.grad_accum;
-        let mut acc = Accumulation::new(accum);
-        for _ in 0..accum {
-            let (x, y) = self.batch()?;
-            let loss = self.model.loss(&x, &y)?;
-            acc.add(loss, self.model.params(), &self.trained)?;
+    fn position(&self) -> u64 {
+        self.order.position()
+    }
+}
+
+/// A classifier being trained on labelled images.
+pub type VitTrainer = Fed<TrainableVit, ImageSource>;
+
+impl VitTrainer {
+    /// Starts (or, with `resume`, continues) training on `samples`.
+    pub fn new(
+        model: TrainableVit,
+        samples: Vec<Sample>,
+        opts: TrainOptions,
+        resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
+    ) -> Result<Self> {
+        if samples.is_empty() {
+            return Err(Error::input("no training images"));
         }
-        let (loss, lr, grad_norm) = acc.update(
-            self.model.params(),
-            &self.trained,
-            &mut self.opt,
-            &self.opts,
-            self.step,
-        )?;
-        self.step += 1;
-        self.images += (self.opts.batch_size * accum) as u64;
-        Ok(StepReport {
-            step: self.step,
-            lr,
-            loss,
-            grad_norm,
-            tokens: self.images,
-        })
+        let position = resume.as_ref().map_or(0, |(s, _)| s.data_position);
+        let source = ImageSource {
+            order: Order::new(samples.len(), opts.seed, position),
+            samples,
+            transform: TrainTransform::from_config(model.config()),
+            size: model.config().image_size,
+            device: device_of(model.params()),
+        };
+        Self::with(model, source, opts, resume)
     }
 
     /// Mean loss and top-1 accuracy over preprocessed (eval transform) images.
     pub fn evaluate(&self, images: &[(Vec<f32>, u32)], batch: usize) -> Result<(f64, f64)> {
-        let size = self.model.config().image_size;
+        let size = self.model().config().image_size;
         let (mut loss, mut correct) = (0.0, 0usize);
         for chunk in images.chunks(batch.max(1)) {
             let flat: Vec<f32> = chunk.iter().flat_map(|(p, _)| p.iter().copied()).collect();
             let labels: Vec<u32> = chunk.iter().map(|(_, l)| *l).collect();
-            let x = Tensor::from_vec(flat, (chunk.len(), 3, size, size), &self.device)?;
-            let y = Tensor::from_vec(labels.clone(), chunk.len(), &self.device)?;
-            let logits = self.model.forward(&x)?;
+            let x = Tensor::from_vec(flat, (chunk.len(), 3, size, size), &self.source().device)?;
+            let y = Tensor::from_vec(labels.clone(), chunk.len(), &self.source().device)?;
+            let logits = self.model().forward(&x)?;
             let l = candle_nn::loss::cross_entropy(&logits, &y)?
                 .to_dtype(DType::F64)?
                 .to_scalar::<f64>()?;
@@ -497,27 +427,5 @@ impl VitTrainer {
         }
         let n = images.len().max(1) as f64;
         Ok((loss / n, correct as f64 / n))
-    }
-
-    pub fn state(&self) -> TrainerState {
-        TrainerState {
-            step: self.step,
-            tokens: self.images,
-            data_position: self.order.position(),
-            options: self.opts.clone(),
-        }
-    }
-
-    /// Writes `checkpoint-{step}` into `out` atomically (see [`super::trainer`]).
-    pub fn save(&self, out: &Path, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
-        let config = serde_json::to_string_pretty(self.model.config()).expect("serialisable");
-        write_checkpoint(
-            out,
-            &config,
-            &self.model.tensors(),
-            &self.opt,
-            &self.state(),
-            extra,
-        )
     }
 }

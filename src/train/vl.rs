@@ -17,10 +17,9 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::lm::{causal_mask, layer_norm, pattention, rotary_tables, rotate, softmax_last, Params};
-use super::optim::{AdamW, Moments};
-use super::trainer::{
-    optimizer, select, write_checkpoint, Accumulation, StepReport, TrainOptions, TrainerState,
-};
+use super::optim::Moments;
+use super::parts::{device_of, embed_image, wrap_vars};
+use super::trainer::{Fed, Source, TrainOptions, Trainable, TrainerState};
 use super::vit::Order;
 use crate::checkpoint::Tensors;
 use crate::error::{Error, Result};
@@ -89,29 +88,7 @@ impl TrainableVl {
     pub fn new(cfg: &Config, tensors: &Tensors, dtype: DType, device: &Device) -> Result<Self> {
         cfg.validate()
             .map_err(|e| Error::input(format!("invalid config: {e}")))?;
-        let mut params = BTreeMap::new();
-        for (name, shape) in expected_shapes(cfg) {
-            let Some(t) = tensors.get(&name) else {
-                return Err(Error::Tensor {
-                    name,
-                    msg: "missing".into(),
-                });
-            };
-            if t.dims() != shape.as_slice() {
-                return Err(Error::Tensor {
-                    msg: format!("has shape {:?}, expected {shape:?}", t.dims()),
-                    name,
-                });
-            }
-            let t = t.to_device(device)?.to_dtype(dtype)?;
-            params.insert(name, Var::from_tensor(&t)?);
-        }
-        if let Some(extra) = tensors.keys().find(|k| !params.contains_key(*k)) {
-            return Err(Error::Tensor {
-                name: extra.clone(),
-                msg: "is not used by this config".into(),
-            });
-        }
+        let params = wrap_vars(expected_shapes(cfg), tensors, dtype, device)?;
         let language = cfg.language_route();
         let rotary = Rotary::new(
             language.rotary_dims(),
@@ -135,13 +112,6 @@ impl TrainableVl {
 
     pub fn params(&self) -> &BTreeMap<String, Var> {
         &self.params
-    }
-
-    pub fn tensors(&self) -> Tensors {
-        self.params
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect()
     }
 
     fn p(&self, name: &str) -> candle_core::Result<Tensor> {
@@ -183,37 +153,6 @@ impl TrainableVl {
         Ok(out)
     }
 
-    /// Image tokens [b, N+1, d]: class token, patches, position embeddings.
-    fn embed_image(&self, pixels: &Tensor) -> candle_core::Result<Tensor> {
-        let c = &self.vision;
-        let (b, ch, h, w) = pixels.dims4()?;
-        if ch != c.num_channels || h != c.image_size || w != c.image_size {
-            candle_core::bail!(
-                "pixels of shape {:?}, expected [batch, 3, {}, {}]",
-                pixels.dims(),
-                c.image_size,
-                c.image_size
-            )
-        }
-        let (p, d) = (c.patch_size, c.hidden_size);
-        let (gh, gw) = (h / p, w / p);
-        let patches = pixels
-            .to_dtype(self.dtype)?
-            .reshape((b, ch, gh, p, gw, p))?
-            .permute((0, 2, 4, 1, 3, 5))?
-            .contiguous()?
-            .reshape((b * gh * gw, ch * p * p))?;
-        let weight = self
-            .p("vision.patch_embed.weight")?
-            .reshape((d, ch * p * p))?;
-        let patches = patches
-            .matmul(&weight.t()?)?
-            .broadcast_add(&self.p("vision.patch_embed.bias")?)?
-            .reshape((b, gh * gw, d))?;
-        let cls = self.p("vision.cls_token")?.broadcast_as((b, 1, d))?;
-        Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(&self.p("vision.pos_embed")?)
-    }
-
     /// Caption logits [b, t, vocab] of the mixed sequence [image(pixels); ids].
     pub fn forward(&self, pixels: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (b, t) = ids.dims2()?;
@@ -231,7 +170,7 @@ impl TrainableVl {
         let [vq, vp, vf] = scales(self.vision.pattention_scale_tokens);
         let [lq, lp, lf] = scales(l.pattention_scale_tokens);
         let (vact, lact) = (self.vision.pattention_activation, l.pattention_activation);
-        let mut img = self.embed_image(pixels)?;
+        let mut img = embed_image(&self.params, "vision.", &self.vision, pixels, self.dtype)?;
         let n_img = img.dim(1)?;
         let emb = self.p("language.word_embeddings.weight")?;
         let mut txt = emb
@@ -370,10 +309,11 @@ pub fn read_pairs(path: &Path) -> Result<Vec<Pair>> {
 }
 
 /// A batch of pairs: pixels [b, 3, s, s], ids [b, t+1] padded with EOS, loss mask [b, t].
+/// Token ids must be below `vocab`.
 pub fn batch(
     pairs: &[Pair],
     tokenizer: &tokenizers::Tokenizer,
-    eos: u32,
+    (eos, vocab): (u32, usize),
     max_len: usize,
     eval: &EvalTransform,
     device: &Device,
@@ -390,6 +330,8 @@ pub fn batch(
         })?;
         let mut ids = enc.get_ids().to_vec();
         ids.push(eos);
+        super::trainer::check_ids(&ids, vocab)
+            .map_err(|e| Error::input(format!("a caption of {}: {e}", p.image.display())))?;
         ids.truncate(max_len + 1);
         if ids.len() < 2 {
             return Err(Error::input(format!(
@@ -413,21 +355,89 @@ pub fn batch(
     ))
 }
 
-/// A merged model being trained on captions.
-pub struct VlTrainer {
-    model: TrainableVl,
-    opt: AdamW,
+/// Fresh weights for a merged config as the official code initialises them: embeddings,
+/// class token, position embeddings, patch embedding, keys, values and heads N(0, 0.02)
+/// (each tensor from its own stream of [`crate::init`] for `seed`), biases 0 and norm
+/// weights 1. Deterministic for a seed.
+pub fn init_tensors(cfg: &Config, seed: u64, device: &Device) -> Result<Tensors> {
+    let mut t = Tensors::new();
+    for (name, shape) in expected_shapes(cfg) {
+        let value = if name.ends_with("bias") {
+            Tensor::zeros(shape.as_slice(), DType::F32, device)?
+        } else if name.ends_with("norm.weight") {
+            Tensor::ones(shape.as_slice(), DType::F32, device)?
+        } else {
+            crate::init::normal_tensor(shape.as_slice(), 0.02, seed, &name, device)?
+        };
+        t.insert(name, value);
+    }
+    Ok(t)
+}
+
+impl Trainable for TrainableVl {
+    /// Pixels [b, 3, s, s], caption ids [b, t+1], loss mask [b, t].
+    type Batch = (Tensor, Tensor, Tensor);
+
+    fn params(&self) -> &BTreeMap<String, Var> {
+        &self.params
+    }
+
+    fn loss_of(&self, (pixels, ids, mask): &Self::Batch) -> candle_core::Result<Tensor> {
+        self.loss(pixels, ids, mask)
+    }
+
+    fn config_json(&self) -> String {
+        serde_json::to_string_pretty(&self.cfg).expect("serialisable")
+    }
+
+    fn bridge_from(&self) -> Option<ScaleTokens> {
+        Some(bridge_starts(&self.cfg))
+    }
+}
+
+/// (image, caption) pairs in a seeded order: eval-preprocessed images, tokenised
+/// captions ended with EOS and capped at `max_len` tokens.
+pub struct PairSource {
     pairs: Vec<Pair>,
     tokenizer: tokenizers::Tokenizer,
     eos: u32,
-    opts: TrainOptions,
-    trained: BTreeMap<String, usize>,
-    step: u64,
-    tokens: u64,
+    vocab: usize,
+    max_len: usize,
     order: Order,
     eval: EvalTransform,
     device: Device,
 }
+
+impl PairSource {
+    fn batch(&self, pairs: &[Pair]) -> Result<(Tensor, Tensor, Tensor)> {
+        batch(
+            pairs,
+            &self.tokenizer,
+            (self.eos, self.vocab),
+            self.max_len,
+            &self.eval,
+            &self.device,
+        )
+    }
+}
+
+impl Source<TrainableVl> for PairSource {
+    fn next_batch(&mut self, b: usize) -> Result<((Tensor, Tensor, Tensor), u64)> {
+        let picked: Vec<Pair> = (0..b)
+            .map(|_| self.pairs[self.order.next().0].clone())
+            .collect();
+        let (px, ids, mask) = self.batch(&picked)?;
+        let tokens = mask.sum_all()?.to_scalar::<f32>()? as u64;
+        Ok(((px, ids, mask), tokens))
+    }
+
+    fn position(&self) -> u64 {
+        self.order.position()
+    }
+}
+
+/// A merged model being trained on captions.
+pub type VlTrainer = Fed<TrainableVl, PairSource>;
 
 impl VlTrainer {
     /// Starts (or, with `resume`, continues) training on `pairs`; `--seq-len` caps a
@@ -439,122 +449,31 @@ impl VlTrainer {
         opts: TrainOptions,
         resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
     ) -> Result<Self> {
-        opts.validate()?;
         if pairs.is_empty() {
             return Err(Error::input("no (image, caption) pairs"));
         }
-        if !opts.grow_at.is_empty() {
-            return Err(Error::input("--grow-at grows language models only so far"));
-        }
-        let bridge = bridge_starts(model.config());
-        let trained = select(model.params(), None, Some(bridge), &opts.train)?;
-        let mut opt = optimizer(model.params(), &trained, opts.adamw())?;
-        let (mut step, mut tokens, mut position) = (0, 0, 0);
-        if let Some((state, moments)) = resume {
-            opt.restore(state.step, moments)?;
-            step = state.step;
-            tokens = state.tokens;
-            position = state.data_position;
-        }
-        let device = model
-            .params()
-            .values()
-            .next()
-            .map_or(Device::Cpu, |v| v.device().clone());
-        let eos = model.config().language.eos_token_id;
-        let eval = EvalTransform::from_config(&model.config().vision);
-        let order = Order::new(pairs.len(), opts.seed, position);
-        Ok(Self {
-            model,
-            opt,
+        let position = resume.as_ref().map_or(0, |(s, _)| s.data_position);
+        let source = PairSource {
+            order: Order::new(pairs.len(), opts.seed, position),
             pairs,
             tokenizer,
-            eos,
-            opts,
-            trained,
-            step,
-            tokens,
-            order,
-            eval,
-            device,
-        })
-    }
-
-    pub fn model(&self) -> &TrainableVl {
-        &self.model
-    }
-
-    pub fn options(&self) -> &TrainOptions {
-        &self.opts
-    }
-
-    pub fn step_count(&self) -> u64 {
-        self.step
-    }
-
-    pub fn done(&self) -> bool {
-        self.step >= self.opts.steps
-    }
-
-    /// The tensors that train, each with its leading frozen rows.
-    pub fn trained(&self) -> &BTreeMap<String, usize> {
-        &self.trained
-    }
-
-    /// One optimiser step over `grad_accum` batches.
-    pub fn step(&mut self) -> Result<StepReport> {
-        let accum = self.opts.grad_accum;
-        let mut acc = Accumulation::new(accum);
-        let mut tokens = 0u64;
-        for _ in 0..accum {
-            let picked: Vec<Pair> = (0..self.opts.batch_size)
-                .map(|_| self.pairs[self.order.next().0].clone())
-                .collect();
-            let (px, ids, mask) = batch(
-                &picked,
-                &self.tokenizer,
-                self.eos,
-                self.opts.seq_len,
-                &self.eval,
-                &self.device,
-            )?;
-            tokens += mask.sum_all()?.to_scalar::<f32>()? as u64;
-            let loss = self.model.loss(&px, &ids, &mask)?;
-            acc.add(loss, self.model.params(), &self.trained)?;
-        }
-        let (loss, lr, grad_norm) = acc.update(
-            self.model.params(),
-            &self.trained,
-            &mut self.opt,
-            &self.opts,
-            self.step,
-        )?;
-        self.step += 1;
-        self.tokens += tokens;
-        Ok(StepReport {
-            step: self.step,
-            lr,
-            loss,
-            grad_norm,
-            tokens: self.tokens,
-        })
+            eos: model.config().language.eos_token_id,
+            vocab: model.config().language.vocab_size,
+            max_len: opts.seq_len,
+            eval: EvalTransform::from_config(&model.config().vision),
+            device: device_of(model.params()),
+        };
+        Self::with(model, source, opts, resume)
     }
 
     /// Mean caption loss over `pairs`, `batch` at a time.
     pub fn evaluate(&self, pairs: &[Pair], batch_size: usize) -> Result<f64> {
         let (mut sum, mut n) = (0.0, 0.0);
         for chunk in pairs.chunks(batch_size.max(1)) {
-            let (px, ids, mask) = batch(
-                chunk,
-                &self.tokenizer,
-                self.eos,
-                self.opts.seq_len,
-                &self.eval,
-                &self.device,
-            )?;
+            let (px, ids, mask) = self.source().batch(chunk)?;
             let count = mask.sum_all()?.to_scalar::<f32>()? as f64;
             let l = self
-                .model
+                .model()
                 .loss(&px, &ids, &mask)?
                 .to_dtype(DType::F64)?
                 .to_scalar::<f64>()?;
@@ -562,27 +481,5 @@ impl VlTrainer {
             n += count;
         }
         Ok(sum / n.max(1.0))
-    }
-
-    pub fn state(&self) -> TrainerState {
-        TrainerState {
-            step: self.step,
-            tokens: self.tokens,
-            data_position: self.order.position(),
-            options: self.opts.clone(),
-        }
-    }
-
-    /// Writes `checkpoint-{step}` into `out` atomically (see [`super::trainer`]).
-    pub fn save(&self, out: &Path, extra: &[(&str, Vec<u8>)]) -> Result<PathBuf> {
-        let config = serde_json::to_string_pretty(self.model.config()).expect("serialisable");
-        write_checkpoint(
-            out,
-            &config,
-            &self.model.tensors(),
-            &self.opt,
-            &self.state(),
-            extra,
-        )
     }
 }

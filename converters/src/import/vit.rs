@@ -248,6 +248,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         std: src.meta.std,
         class_wnids: None,
         class_names: src.meta.class_names.clone(),
+        grown_from_tokens: None,
     };
     // Checked before anything is written.
     config

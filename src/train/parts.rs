@@ -1,0 +1,124 @@
+//! Pieces the three trainable models share: wrapping a checkpoint's tensors as
+//! variables, and the classifier's image embedding (which the merged model's image
+//! rows use too).
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::lm::Params;
+use crate::checkpoint::Tensors;
+use crate::error::{Error, Result};
+use crate::models::vit;
+
+/// The tensors of `expected` (name, shape) from `tensors`, converted to `dtype` on
+/// `device`, as variables. Every expected tensor must be present with its shape, and
+/// none may be left over.
+pub(crate) fn wrap_vars(
+    expected: Vec<(String, Vec<usize>)>,
+    tensors: &Tensors,
+    dtype: DType,
+    device: &Device,
+) -> Result<BTreeMap<String, Var>> {
+    let mut params = BTreeMap::new();
+    for (name, shape) in expected {
+        let Some(t) = tensors.get(&name) else {
+            return Err(Error::Tensor {
+                name,
+                msg: "missing".into(),
+            });
+        };
+        if t.dims() != shape.as_slice() {
+            return Err(Error::Tensor {
+                msg: format!("has shape {:?}, expected {shape:?}", t.dims()),
+                name,
+            });
+        }
+        let t = t.to_device(device)?.to_dtype(dtype)?;
+        params.insert(name, Var::from_tensor(&t)?);
+    }
+    if let Some(extra) = tensors.keys().find(|k| !params.contains_key(*k)) {
+        return Err(Error::Tensor {
+            name: extra.clone(),
+            msg: "is not used by this config".into(),
+        });
+    }
+    Ok(params)
+}
+
+/// The device the variables live on (CPU when there are none).
+pub(crate) fn device_of(params: &BTreeMap<String, Var>) -> Device {
+    params
+        .values()
+        .next()
+        .map_or(Device::Cpu, |v| v.device().clone())
+}
+
+/// Image tokens [b, N+1, d] of normalised pixels [b, C, H, W]: the class token, then
+/// the patches (the stride-p convolution as unfold + matmul), plus the position
+/// embeddings; tensors under `prefix` (`""` or `"vision."`).
+pub(crate) fn embed_image<P: Params + ?Sized>(
+    params: &P,
+    prefix: &str,
+    cfg: &vit::Config,
+    pixels: &Tensor,
+    dtype: DType,
+) -> candle_core::Result<Tensor> {
+    let (b, c, h, w) = pixels.dims4()?;
+    if c != cfg.num_channels || h != cfg.image_size || w != cfg.image_size {
+        candle_core::bail!(
+            "pixels of shape {:?}, expected [batch, {}, {}, {}]",
+            pixels.dims(),
+            cfg.num_channels,
+            cfg.image_size,
+            cfg.image_size
+        )
+    }
+    let p = |name: &str| -> candle_core::Result<Tensor> {
+        match params.tensor(&format!("{prefix}{name}")) {
+            Some(t) => Ok(t),
+            None => candle_core::bail!("missing tensor `{prefix}{name}`"),
+        }
+    };
+    let (ps, d) = (cfg.patch_size, cfg.hidden_size);
+    let (gh, gw) = (h / ps, w / ps);
+    let patches = pixels
+        .to_dtype(dtype)?
+        .reshape((b, c, gh, ps, gw, ps))?
+        .permute((0, 2, 4, 1, 3, 5))?
+        .contiguous()?
+        .reshape((b * gh * gw, c * ps * ps))?;
+    let weight = p("patch_embed.weight")?.reshape((d, c * ps * ps))?;
+    let patches = patches
+        .matmul(&weight.t()?)?
+        .broadcast_add(&p("patch_embed.bias")?)?
+        .reshape((b, gh * gw, d))?;
+    let cls = p("cls_token")?.broadcast_as((b, 1, d))?;
+    Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(&p("pos_embed")?)
+}
+
+/// `pub(super) fn NAME(args)` calling `GENERIC(args)` compiled for the instruction set
+/// the kernels selected (AVX-512, AVX2 + FMA, or the build target's), so that plain
+/// element loops vectorise as wide as the CPU allows.
+macro_rules! by_isa {
+    ($name:ident($($arg:ident: $ty:ty),*) = $generic:ident) => {
+        pub(super) fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn v4($($arg: $ty),*) { $generic($($arg),*) }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn v3($($arg: $ty),*) { $generic($($arg),*) }
+                match $crate::kernels::active().isa() {
+                    // SAFETY: the selected ISA is one this CPU supports.
+                    $crate::kernels::Isa::Avx512 => return unsafe { v4($($arg),*) },
+                    // SAFETY: as above.
+                    $crate::kernels::Isa::Avx2 => return unsafe { v3($($arg),*) },
+                    $crate::kernels::Isa::Portable => {}
+                }
+            }
+            $generic($($arg),*)
+        }
+    };
+}
+pub(crate) use by_isa;
