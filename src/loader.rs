@@ -60,7 +60,8 @@ pub struct LocateOptions {
 /// Resolves a model name to files on disk, downloading from the Hub if
 /// needed (with a client configured from the environment, built only then).
 pub fn locate(spec: &str, opts: &LocateOptions) -> Result<ModelFiles> {
-    if Path::new(spec).exists() || (zoo::find(spec).is_none() && !is_repo_id(spec)) {
+    let bundled_or_unknown = zoo::find(spec).is_none_or(|e| e.bundled);
+    if Path::new(spec).exists() || (bundled_or_unknown && !is_repo_id(spec)) {
         return locate_with(spec, opts, None);
     }
     locate_with(spec, opts, Some(&HubClient::from_env()?))
@@ -86,6 +87,8 @@ pub(crate) fn locate_with(
     };
     let mut files = if path.exists() {
         locate_local(path)?
+    } else if let Some(entry) = zoo::find(spec).filter(|e| e.bundled) {
+        locate_local(&zoo::bundled_folder(entry)?)?
     } else if let Some(entry) = zoo::find(spec) {
         locate_zoo(need_hub()?, entry, spec, opts.progress.as_ref())?
     } else if is_repo_id(spec) {

@@ -202,6 +202,7 @@ fn growth_in_a_run_keeps_the_function_and_the_old_moments() {
         seed: 1,
         train: vec!["*".into()],
         grow_at: vec![],
+        augment: Default::default(),
     };
     let mut t = LmTrainer::new(model, data, opts, None).unwrap();
     t.step().unwrap();

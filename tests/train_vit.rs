@@ -110,7 +110,7 @@ fn random_resized_crops_follow_torchvisions_ranges() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let (mut small, mut n) = (0, 0);
     for _ in 0..2000 {
-        let (x, y, w, h) = TrainTransform::crop_box(100, 100, &mut rng);
+        let (x, y, w, h) = TrainTransform::crop_box(100, 100, (0.08, 1.0), &mut rng);
         assert!(x + w <= 100 && y + h <= 100 && w > 0 && h > 0);
         let area = (w * h) as f64 / 10000.0;
         assert!((0.07..=1.0).contains(&area), "area {area}");

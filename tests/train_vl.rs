@@ -287,6 +287,7 @@ fn one_bridge_training_step_matches_pytorch_autograd_and_adamw() {
         seed: 0,
         train: vec!["bridge".into()],
         grow_at: vec![],
+        augment: Default::default(),
     };
     let model = TrainableVl::new(&cfg, &w, DType::F32, &dev).unwrap();
     let mut t = Trainer::new(model, opts, None).unwrap();

@@ -15,7 +15,7 @@ use serde_json::Value;
 use tokenformer::card::ModelCard;
 use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::tokenformer::Config;
-use tokenformer::train::trainer::{self, TrainOptions};
+use tokenformer::train::trainer::{self, Augment, TrainOptions};
 use tokenformer::train::trainer::{Fed, LmSource, Source, Trainable};
 use tokenformer::train::{
     lm::init_tensors, LmTrainer, Split, StepReport, TokenWindows, TrainableLm,
@@ -103,6 +103,12 @@ pub struct TrainArgs {
     /// Repeatable.
     #[arg(long, value_name = "STEP:SPEC")]
     pub grow_at: Vec<String>,
+    /// Classifiers: the random-resized crop's area range, `MIN,MAX` (timm's --scale).
+    #[arg(long, default_value = "0.08,1")]
+    pub scale: String,
+    /// Classifiers: probability of a horizontal flip (timm's --hflip).
+    #[arg(long, default_value_t = 0.5)]
+    pub hflip: f64,
     /// Save a checkpoint every N steps (and always at the end).
     #[arg(long, default_value_t = 500)]
     pub save_every: u64,
@@ -130,13 +136,21 @@ fn parse_train(s: &str) -> Vec<String> {
 }
 
 fn parse_betas(s: &str) -> Result<(f64, f64)> {
+    parse_pair("--betas", "`B1,B2`", s)
+}
+
+fn parse_scale(s: &str) -> Result<(f64, f64)> {
+    parse_pair("--scale", "`MIN,MAX`", s)
+}
+
+fn parse_pair(flag: &str, form: &str, s: &str) -> Result<(f64, f64)> {
     let parts: Vec<&str> = s.split(',').map(str::trim).collect();
     let [a, b] = parts.as_slice() else {
-        bail!("--betas takes two numbers, `B1,B2`, got {s:?}")
+        bail!("{flag} takes two numbers, {form}, got {s:?}")
     };
     Ok((
-        a.parse().with_context(|| format!("--betas {s:?}"))?,
-        b.parse().with_context(|| format!("--betas {s:?}"))?,
+        a.parse().with_context(|| format!("{flag} {s:?}"))?,
+        b.parse().with_context(|| format!("{flag} {s:?}"))?,
     ))
 }
 
@@ -195,6 +209,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
         seed: a.seed,
         train: train_globs.clone().unwrap_or_else(|| vec!["*".into()]),
         grow_at: grow_at.clone(),
+        augment: Augment {
+            scale: parse_scale(&a.scale)?,
+            hflip: a.hflip,
+        },
     };
 
     // Where the weights, config and tokenizer come from (no weights: a fresh init).

@@ -24,21 +24,28 @@ pub fn run(c: ZooCommand) -> Result<()> {
             }
             println!(
                 "{:<26} {:<16} {:>6}  {:<30} {:>9}",
-                "name", "task", "params", "hub repo", "paper"
+                "name", "task", "params", "weights", "metric"
             );
             for e in zoo::entries() {
-                let repo = e
-                    .weights
-                    .as_ref()
-                    .map_or("(config only, no weights)".to_string(), |w| w.repo.clone());
-                let metric = ["pile_perplexity", "imagenet_top1"]
-                    .iter()
-                    .find_map(|k| {
-                        e.reported
-                            .get(*k)
-                            .map(|v| format!("{}={v}", k.split('_').next().unwrap_or(k)))
-                    })
-                    .unwrap_or_default();
+                let repo = match &e.weights {
+                    Some(w) => w.repo.clone(),
+                    None if e.bundled => "(in the binary, offline)".to_string(),
+                    None => "(config only, no weights)".to_string(),
+                };
+                let metric = [
+                    "pile_perplexity",
+                    "imagenet_top1",
+                    "kjv_val_perplexity",
+                    "digits_val_top1",
+                    "caption_accuracy",
+                ]
+                .iter()
+                .find_map(|k| {
+                    e.reported
+                        .get(*k)
+                        .map(|v| format!("{}={v}", k.split('_').next().unwrap_or(k)))
+                })
+                .unwrap_or_default();
                 println!(
                     "{:<26} {:<16} {:>6}  {:<30} {:>9}",
                     e.name, e.task, e.params, repo, metric
@@ -50,7 +57,7 @@ pub fn run(c: ZooCommand) -> Result<()> {
             let e = zoo::find(&name).ok_or_else(|| {
                 anyhow!("`{name}` is not in the zoo (see `tokenformer zoo list`)")
             })?;
-            if e.weights.is_none() {
+            if e.weights.is_none() && !e.bundled {
                 println!(
                     "note: {} has no released weights; it is a configuration.",
                     e.name

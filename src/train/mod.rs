@@ -21,5 +21,5 @@ pub use data::{Split, TokenWindows};
 pub use lm::TrainableLm;
 pub use optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
 pub use trainer::{
-    Fed, LmTrainer, Source, StepReport, TrainOptions, Trainable, Trainer, TrainerState,
+    Augment, Fed, LmTrainer, Source, StepReport, TrainOptions, Trainable, Trainer, TrainerState,
 };

@@ -50,6 +50,32 @@ pub struct TrainOptions {
     /// In-run growth: after step `.0`, grow to the target `.1` (`ffn=1024,qkv=256`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub grow_at: Vec<(u64, String)>,
+    /// Classifiers' training augmentation (timm's `--scale` and `--hflip`).
+    #[serde(default, skip_serializing_if = "Augment::is_default")]
+    pub augment: Augment,
+}
+
+/// The random-resized crop's area range and the horizontal-flip probability.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Augment {
+    pub scale: (f64, f64),
+    pub hflip: f64,
+}
+
+impl Default for Augment {
+    /// timm's defaults.
+    fn default() -> Self {
+        Self {
+            scale: (0.08, 1.0),
+            hflip: 0.5,
+        }
+    }
+}
+
+impl Augment {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 impl TrainOptions {
@@ -87,6 +113,18 @@ impl TrainOptions {
             if !(v.is_finite() && v >= 0.0) {
                 return bad(format!("{name} must be a non-negative number, got {v}"));
             }
+        }
+        let (s0, s1) = self.augment.scale;
+        if !(0.0 < s0 && s0 <= s1 && s1 <= 1.0) {
+            return bad(format!(
+                "the crop scale range must satisfy 0 < min <= max <= 1, got {s0},{s1}"
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.augment.hflip) {
+            return bad(format!(
+                "the flip probability must be in [0, 1], got {}",
+                self.augment.hflip
+            ));
         }
         if self.min_lr > self.lr {
             return bad(format!(

@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use super::lm::{attention, layer_norm, pattention, AttentionSpec};
 use super::optim::Moments;
 use super::parts::{device_of, embed_image, wrap_vars};
-use super::trainer::{Fed, Source, TrainOptions, Trainable, TrainerState};
+use super::trainer::{Augment, Fed, Source, TrainOptions, Trainable, TrainerState};
 use crate::checkpoint::Tensors;
 use crate::error::{Error, Result};
 use crate::grow::{self, GrowInit};
@@ -170,12 +170,14 @@ impl TrainableVit {
 #[derive(Clone, Debug)]
 pub struct TrainTransform {
     eval: EvalTransform,
+    augment: Augment,
 }
 
 impl TrainTransform {
-    pub fn from_config(cfg: &Config) -> Self {
+    pub fn from_config(cfg: &Config, augment: Augment) -> Self {
         Self {
             eval: EvalTransform::from_config(cfg),
+            augment,
         }
     }
 
@@ -183,12 +185,13 @@ impl TrainTransform {
     pub fn crop_box(
         width: usize,
         height: usize,
+        scale: (f64, f64),
         rng: &mut impl Rng,
     ) -> (usize, usize, usize, usize) {
         let area = (width * height) as f64;
         let (lr0, lr1) = ((3.0f64 / 4.0).ln(), (4.0f64 / 3.0).ln());
         for _ in 0..10 {
-            let target = area * rng.random_range(0.08..1.0);
+            let target = area * rng.random_range(scale.0..=scale.1);
             let ratio = rng.random_range(lr0..lr1).exp();
             let w = (target * ratio).sqrt().round() as usize;
             let h = (target / ratio).sqrt().round() as usize;
@@ -216,7 +219,7 @@ impl TrainTransform {
         if img.width == 0 || img.height == 0 {
             return Err(Error::input("empty image"));
         }
-        let (x0, y0, w, h) = Self::crop_box(img.width, img.height, rng);
+        let (x0, y0, w, h) = Self::crop_box(img.width, img.height, self.augment.scale, rng);
         let mut crop = Vec::with_capacity(w * h * 3);
         for y in y0..y0 + h {
             let row = (y * img.width + x0) * 3;
@@ -230,7 +233,7 @@ impl TrainTransform {
         let size = self.eval.crop;
         let filter: Filter = self.eval.filter;
         let mut view = resample::resize(&crop, size, size, filter);
-        if rng.random_bool(0.5) {
+        if rng.random_bool(self.augment.hflip) {
             for row in view.data.chunks_exact_mut(size * 3) {
                 for x in 0..size / 2 {
                     for c in 0..3 {
@@ -401,7 +404,7 @@ impl VitTrainer {
         let source = ImageSource {
             order: Order::new(samples.len(), opts.seed, position),
             samples,
-            transform: TrainTransform::from_config(model.config()),
+            transform: TrainTransform::from_config(model.config(), opts.augment),
             size: model.config().image_size,
             device: device_of(model.params()),
         };
