@@ -59,17 +59,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 out = sys.argv[1]
 def rows(*names):
-    # metrics.jsonl's `flops` is tokens x the FLOPs per token of the model being
-    # trained, so after a growth it counts the earlier, smaller phases at the new
-    # size; integrate phase by phase instead.
-    r, done_flops, done_tokens = [], 0.0, 0
+    r = []
     for n in names:
-        phase = [json.loads(l) for l in open(f"{out}/{n}/metrics.jsonl")]
-        rate = phase[0]["flops"] / phase[0]["tokens"]
-        for x in phase:
-            x["flops"] = done_flops + rate * (x["tokens"] - done_tokens)
-        r += phase
-        done_flops, done_tokens = phase[-1]["flops"], phase[-1]["tokens"]
+        r += [json.loads(l) for l in open(f"{out}/{n}/metrics.jsonl")]
     return [x for x in r if "val_loss" in x]
 runs = {
     "large from scratch": rows("scratch"),

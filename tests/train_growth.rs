@@ -303,4 +303,27 @@ fn resuming_a_checkpoint_grown_since_equals_growing_in_the_run() {
     for (name, t) in &oa {
         assert_eq!(bits(t), bits(&ob[name]), "{name}");
     }
+    // Training FLOPs count each step at the size it trained, across the growth
+    // and across the resume: 6 per weight of every product (five Pattentions a
+    // layer with keys and values, the tied head) plus the causal attention.
+    let fpt = |c: &Config| {
+        let (d, l) = (c.hidden_size as f64, c.num_layers as f64);
+        let tokens = (3 * c.qkv_tokens + c.proj_tokens + c.ffn_tokens) as f64;
+        6.0 * (2.0 * tokens * d * l + c.vocab_size as f64 * d) + 6.0 * l * 16.0 * d
+    };
+    let flops = |d: &Path| -> Vec<f64> {
+        std::fs::read_to_string(d.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter_map(|v| v["flops"].as_f64())
+            .collect()
+    };
+    let per_step = 2.0 * 16.0;
+    let want = 3.0 * per_step * (fpt(&cfg) + fpt(&gcfg));
+    let (fa, fb) = (flops(&a), flops(&b2));
+    assert_eq!(fa.len(), 6);
+    assert!((fa[5] - want).abs() <= 1e-9 * want, "{} vs {want}", fa[5]);
+    assert!((fa[2] - 3.0 * per_step * fpt(&cfg)).abs() <= 1e-9 * want);
+    assert_eq!(fb.last(), fa.last(), "the resumed run counts the same FLOPs");
 }

@@ -14,7 +14,6 @@ use serde_json::json;
 use serde_json::Value;
 use tokenformer::card::ModelCard;
 use tokenformer::loader::{self, LocateOptions};
-use tokenformer::models::tokenformer::Config;
 use tokenformer::train::trainer::{self, Augment, TrainOptions};
 use tokenformer::train::trainer::{Fed, LmSource, Source, Trainable};
 use tokenformer::train::{
@@ -152,22 +151,6 @@ fn parse_pair(flag: &str, form: &str, s: &str) -> Result<(f64, f64)> {
         a.parse().with_context(|| format!("{flag} {s:?}"))?,
         b.parse().with_context(|| format!("{flag} {s:?}"))?,
     ))
-}
-
-/// Training FLOPs per token: 6 per weight of every matrix product (Pattention keys and
-/// values, the output projection), plus the attention scores and mixing over a causal
-/// window (fwd + bwd).
-pub fn flops_per_token(cfg: &Config, seq_len: usize) -> f64 {
-    let d = cfg.hidden_size as f64;
-    let pattention: f64 = cfg
-        .pattentions()
-        .iter()
-        .map(|(_, n)| 2.0 * *n as f64 * d)
-        .sum::<f64>()
-        * cfg.num_layers as f64;
-    let head = cfg.vocab_size as f64 * d;
-    let attention = 6.0 * cfg.num_layers as f64 * seq_len as f64 * d;
-    6.0 * (pattention + head) + attention
 }
 
 #[path = "train_vit.rs"]
@@ -341,7 +324,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let tokenizer_bytes = std::fs::read(&tokenizer_path)
         .with_context(|| format!("reading {}", tokenizer_path.display()))?;
     let run = LmRun {
-        fpt: flops_per_token(&cfg, opts.seq_len),
         val: Perplexity::new(val),
         tokenizer: tokenizer_bytes,
         source,
@@ -524,8 +506,6 @@ impl<V> Perplexity<V> {
 
 /// A language model's run.
 struct LmRun {
-    /// Training FLOPs per token.
-    fpt: f64,
     val: Perplexity<Vec<u32>>,
     tokenizer: Vec<u8>,
     source: String,
@@ -534,7 +514,7 @@ struct LmRun {
 
 impl Run<TrainableLm, LmSource> for LmRun {
     fn add_fields(&self, r: &StepReport, line: &mut Value) {
-        line["flops"] = json!(self.fpt * r.tokens as f64);
+        line["flops"] = json!(r.flops);
     }
 
     fn has_validation(&self) -> bool {

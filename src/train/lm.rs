@@ -366,3 +366,19 @@ pub fn init_tensors(cfg: &Config, seed: u64, device: &Device) -> Result<Tensors>
     }
     Ok(t)
 }
+
+/// Training FLOPs per token: 6 per weight of every matrix product (Pattention keys and
+/// values, the output projection), plus the attention scores and mixing over a causal
+/// window (fwd + bwd).
+pub fn flops_per_token(cfg: &Config, seq_len: usize) -> f64 {
+    let d = cfg.hidden_size as f64;
+    let pattention: f64 = cfg
+        .pattentions()
+        .iter()
+        .map(|(_, n)| 2.0 * *n as f64 * d)
+        .sum::<f64>()
+        * cfg.num_layers as f64;
+    let head = cfg.vocab_size as f64 * d;
+    let attention = 6.0 * cfg.num_layers as f64 * seq_len as f64 * d;
+    6.0 * (pattention + head) + attention
+}

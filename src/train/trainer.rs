@@ -172,6 +172,14 @@ pub struct TrainerState {
     /// Training windows consumed from the data stream.
     pub data_position: u64,
     pub options: TrainOptions,
+    /// Training FLOPs so far, each step counted at the size it trained
+    /// (0 for models without a FLOPs count and for runs saved before it was kept).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub flops: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// One optimiser step's numbers.
@@ -182,6 +190,8 @@ pub struct StepReport {
     pub loss: f64,
     pub grad_norm: f64,
     pub tokens: u64,
+    /// Training FLOPs so far (0 where the model has no FLOPs count).
+    pub flops: f64,
 }
 
 /// A model the generic [`Trainer`] trains: its variables, the loss of a batch, and
@@ -197,6 +207,11 @@ pub trait Trainable: Sized {
     fn loss_of(&self, batch: &Self::Batch) -> candle_core::Result<Tensor>;
     /// `config.json` of a checkpoint.
     fn config_json(&self) -> String;
+    /// Training FLOPs per token (or image) of a step at `seq_len`; 0 if not counted.
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        let _ = seq_len;
+        0.0
+    }
     /// Token counts before the last growth (what `--train new` leaves frozen).
     fn grown_from(&self) -> Option<ScaleTokens> {
         None
@@ -235,6 +250,7 @@ pub struct Trainer<M: Trainable> {
     step: u64,
     /// Tokens (or images) seen so far.
     seen: u64,
+    flops: f64,
 }
 
 impl<M: Trainable> Trainer<M> {
@@ -258,11 +274,17 @@ impl<M: Trainable> Trainer<M> {
             &opts.train,
         )?;
         let mut opt = optimizer(model.params(), &trained, opts.adamw())?;
-        let (mut step, mut seen) = (0, 0);
+        let (mut step, mut seen, mut flops) = (0, 0, 0.0);
         if let Some((state, moments)) = resume {
             opt.restore(state.step, moments)?;
             step = state.step;
             seen = state.tokens;
+            // A checkpoint from before the count was kept: every token at this size.
+            flops = if state.flops == 0.0 {
+                model.flops_per_token(opts.seq_len) * seen as f64
+            } else {
+                state.flops
+            };
         }
         Ok(Self {
             model,
@@ -271,6 +293,7 @@ impl<M: Trainable> Trainer<M> {
             trained,
             step,
             seen,
+            flops,
         })
     }
 
@@ -347,6 +370,7 @@ impl<M: Trainable> Trainer<M> {
         )?;
         self.step += 1;
         self.seen += seen;
+        self.flops += self.model.flops_per_token(self.opts.seq_len) * seen as f64;
         let growth: Vec<String> = self
             .opts
             .grow_at
@@ -368,6 +392,7 @@ impl<M: Trainable> Trainer<M> {
             loss,
             grad_norm,
             tokens: self.seen,
+            flops: self.flops,
         })
     }
 
@@ -378,6 +403,7 @@ impl<M: Trainable> Trainer<M> {
             tokens: self.seen,
             data_position,
             options: self.opts.clone(),
+            flops: self.flops,
         }
     }
 
@@ -416,6 +442,10 @@ impl Trainable for TrainableLm {
 
     fn config_json(&self) -> String {
         serde_json::to_string_pretty(self.config()).expect("serialisable")
+    }
+
+    fn flops_per_token(&self, seq_len: usize) -> f64 {
+        super::lm::flops_per_token(self.config(), seq_len)
     }
 
     fn grown_from(&self) -> Option<ScaleTokens> {
