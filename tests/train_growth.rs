@@ -325,5 +325,9 @@ fn resuming_a_checkpoint_grown_since_equals_growing_in_the_run() {
     assert_eq!(fa.len(), 6);
     assert!((fa[5] - want).abs() <= 1e-9 * want, "{} vs {want}", fa[5]);
     assert!((fa[2] - 3.0 * per_step * fpt(&cfg)).abs() <= 1e-9 * want);
-    assert_eq!(fb.last(), fa.last(), "the resumed run counts the same FLOPs");
+    assert_eq!(
+        fb.last(),
+        fa.last(),
+        "the resumed run counts the same FLOPs"
+    );
 }

@@ -136,3 +136,29 @@ fn the_merged_model_names_the_digit_it_sees() {
     );
     assert!(rate >= 0.5, "{rate}");
 }
+
+/// The merged model's bridge was trained, yet a text alone or an image alone
+/// runs exactly its source: the bridge acts only in mixed sequences.
+#[test]
+fn the_merged_model_still_runs_each_source_exactly() {
+    let text = "And he said, Let me go, for the day breaketh.";
+    let score = |model: &str| {
+        let (out, so, se) = tokenformer(&["score", "--model", model, "--text", text, "--json"]);
+        assert!(out.status.success(), "{se}");
+        serde_json::from_str::<Value>(&so).unwrap()["next_token_logprobs"].clone()
+    };
+    assert_eq!(score("tiny-digits-vl"), score("tiny-kjv-lm"));
+    let images: Vec<String> = ["seven", "zero", "four"]
+        .iter()
+        .map(|c| examples().join("digits").join(c).join("0010.png"))
+        .map(|p| p.to_str().unwrap().to_string())
+        .collect();
+    let classify = |model: &str| {
+        let mut args = vec!["classify", "--model", model, "--json"];
+        args.extend(images.iter().map(String::as_str));
+        let (out, so, se) = tokenformer(&args);
+        assert!(out.status.success(), "{se}");
+        serde_json::from_str::<Value>(&so).unwrap()
+    };
+    assert_eq!(classify("tiny-digits-vl"), classify("tiny-digits-vit"));
+}

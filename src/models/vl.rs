@@ -4,7 +4,10 @@
 //! An image token's Θ runs over the vision and bridge tokens, a text token's
 //! over the language and bridge tokens, each with its source's √n. Bridge keys
 //! start at zero (a zero score adds nothing to the L2 norm, GELU(0) = 0), so
-//! at creation each modality computes exactly what its source computed.
+//! at creation each modality computes exactly what its source computed. The
+//! bridge acts in mixed [image; text] sequences only: a merged checkpoint loaded
+//! as a language model or a classifier runs its source's own tokens, so text
+//! alone and images alone stay exact after the bridge is trained.
 //!
 //! A route is an ordinary [`VisionTransformer`] / [`TokenFormerLm`] over its
 //! group plus the bridge; the mixed sequence runs both routes' [`Block`]s, text
@@ -261,26 +264,27 @@ pub fn assemble(
     Ok(out)
 }
 
-/// Rows of one route: its own group and the bridge.
-fn route_rows(t: &Tensor, g: Groups, vision: bool) -> Result<Tensor> {
+/// Rows of one route: its own group, and the bridge if `bridge`.
+fn route_rows(t: &Tensor, g: Groups, vision: bool, bridge: bool) -> Result<Tensor> {
     let own = if vision {
         t.narrow(0, 0, g.vision)?
     } else {
         t.narrow(0, g.vision, g.language)?
     };
-    if g.bridge == 0 {
+    if g.bridge == 0 || !bridge {
         return Ok(own);
     }
     Tensor::cat(&[&own, &t.narrow(0, g.vision + g.language, g.bridge)?], 0)
 }
 
 /// The shared layers' Pattention tokens of the vision and/or language route
-/// (the rows of its own group and the bridge), taken from `vb`.
+/// (the rows of its own group, and the bridge if `bridge`), taken from `vb`.
 fn split_layers(
     cfg: &Config,
     vb: &VarBuilder,
     vision: bool,
     language: bool,
+    bridge: bool,
 ) -> Result<(Tensors, Tensors)> {
     if let Err(e) = cfg.validate() {
         candle_core::bail!("invalid config: {e}")
@@ -298,26 +302,29 @@ fn split_layers(
                 )
             }
             if vision {
-                vis.insert(name.clone(), route_rows(&t, g, true)?);
+                vis.insert(name.clone(), route_rows(&t, g, true, bridge)?);
             }
             if language {
-                lang.insert(name, route_rows(&t, g, false)?);
+                lang.insert(name, route_rows(&t, g, false, bridge)?);
             }
         }
     }
     Ok((vis, lang))
 }
 
-/// The language route alone (text-only use of a merged checkpoint).
+/// The language model a merged checkpoint holds, for text alone: the source's
+/// own tokens and config, without the bridge, which acts only in mixed
+/// sequences; so text runs exactly what the source ran, however the bridge trained.
 pub(crate) fn language_route(cfg: &Config, vb: VarBuilder) -> Result<TokenFormerLm> {
-    let (_, lang) = split_layers(cfg, &vb, false, true)?;
-    TokenFormerLm::new(&cfg.language_route(), overlay(lang, vb.pp("language")))
+    let (_, lang) = split_layers(cfg, &vb, false, true, false)?;
+    TokenFormerLm::new(&cfg.language, overlay(lang, vb.pp("language")))
 }
 
-/// The vision route alone (image-only use of a merged checkpoint).
+/// The classifier a merged checkpoint holds, for images alone: the source's own
+/// tokens and config, without the bridge (as [`language_route`]).
 pub(crate) fn vision_route(cfg: &Config, vb: VarBuilder) -> Result<VisionTransformer> {
-    let (vis, _) = split_layers(cfg, &vb, true, false)?;
-    VisionTransformer::new(&cfg.vision_route(), overlay(vis, vb.pp("vision")))
+    let (vis, _) = split_layers(cfg, &vb, true, false, false)?;
+    VisionTransformer::new(&cfg.vision, overlay(vis, vb.pp("vision")))
 }
 
 /// A VarBuilder that hands out `own` tensors by name and asks `rest` for the others.
@@ -409,7 +416,7 @@ pub struct VisionLanguageModel {
 impl VisionLanguageModel {
     /// Builds both routes from a merged checkpoint.
     pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
-        let (vis, lang) = split_layers(cfg, &vb, true, true)?;
+        let (vis, lang) = split_layers(cfg, &vb, true, true, true)?;
         Ok(Self {
             vision: VisionTransformer::new(&cfg.vision_route(), overlay(vis, vb.pp("vision")))?,
             language: TokenFormerLm::new(&cfg.language_route(), overlay(lang, vb.pp("language")))?,
