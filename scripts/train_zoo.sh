@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 TF=./target/release/tokenformer
 TC=./target/release/tokenformer-convert
 RUNS=${RUNS:-runs}
-mkdir -p "$RUNS"
+ZOO=${ZOO:-zoo}     # where the fp16 model folders go
+mkdir -p "$RUNS" "$ZOO"
 [ -f data/kjv/train.jsonl ] || python3 scripts/prepare_data.py --out data kjv digits
 
 # The two sources share width, depth and heads, so `merge` can join them.
@@ -54,7 +55,7 @@ $TF train --model "$RUNS/vl0" --train bridge --data data/digits/train.jsonl --va
 for pair in "lm/checkpoint-001500 tiny-kjv-lm" "vit/checkpoint-000800 tiny-digits-vit" \
     "vl/checkpoint-000600 tiny-digits-vl"; do
     set -- $pair
-    rm -rf "zoo/$2"
-    python3 scripts/to_fp16.py "$RUNS/$1" "zoo/$2"
+    rm -rf "${ZOO:?}/$2"
+    python3 scripts/to_fp16.py "$RUNS/$1" "$ZOO/$2"
 done
-echo "models written to zoo/; measure them with scripts/measure_zoo.sh"
+echo "models written to $ZOO/ (caption accuracy: scripts/caption_accuracy.py $ZOO/tiny-digits-vl data/digits/val)"
