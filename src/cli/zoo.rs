@@ -23,7 +23,7 @@ pub fn run(c: ZooCommand) -> Result<()> {
                 return Ok(());
             }
             println!(
-                "{:<26} {:<16} {:>6}  {:<30} {:>9}",
+                "{:<26} {:<20} {:>6}  {:<30} {:>9}",
                 "name", "task", "params", "weights", "metric"
             );
             for e in zoo::entries() {
@@ -47,7 +47,7 @@ pub fn run(c: ZooCommand) -> Result<()> {
                 })
                 .unwrap_or_default();
                 println!(
-                    "{:<26} {:<16} {:>6}  {:<30} {:>9}",
+                    "{:<26} {:<20} {:>6}  {:<30} {:>9}",
                     e.name, e.task, e.params, repo, metric
                 );
             }
