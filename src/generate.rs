@@ -1,7 +1,11 @@
 //! Text generation with a KV cache: the prompt is run once, then one token per
-//! step. Sampling follows Hugging Face transformers' conventions: temperature,
-//! then top-k, then top-p (nucleus), greedy when temperature is 0. A merged
-//! vision-language model generates the same way after an image.
+//! step. Sampling follows Hugging Face transformers' conventions: repetition
+//! penalty, temperature, then top-k, then top-p (nucleus), greedy when
+//! temperature is 0. A merged vision-language model generates the same way
+//! after an image. [`TextStream`] turns the tokens into text as they come and
+//! ends generation at a stop string.
+
+use std::ops::ControlFlow;
 
 use candle_core::{DType, Tensor, D};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -17,6 +21,13 @@ pub struct SamplingParams {
     pub top_k: Option<usize>,
     pub top_p: Option<f64>,
     pub seed: u64,
+    /// Divides a positive logit (multiplies a negative one) of every token
+    /// seen in the last `repeat_last_n` tokens, as transformers'
+    /// `repetition_penalty` does; 1 is off.
+    pub repeat_penalty: f32,
+    /// How many of the latest tokens (prompt included) the penalty looks at;
+    /// 0 means all of them, as in transformers.
+    pub repeat_last_n: usize,
 }
 
 impl Default for SamplingParams {
@@ -26,6 +37,8 @@ impl Default for SamplingParams {
             top_k: None,
             top_p: None,
             seed: 299_792_458,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
         }
     }
 }
@@ -42,7 +55,15 @@ impl Sampler {
         Self { params, rng }
     }
 
-    pub(crate) fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// The next token after `history` (the prompt and what was generated).
+    pub(crate) fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let penalised;
+        let logits = if self.params.repeat_penalty != 1.0 && !history.is_empty() {
+            penalised = self.penalise(logits, history);
+            &penalised[..]
+        } else {
+            logits
+        };
         let argmax = || {
             logits
                 .iter()
@@ -96,16 +117,135 @@ impl Sampler {
         }
         cand[probs.len() - 1].0
     }
+
+    fn penalise(&self, logits: &[f32], history: &[u32]) -> Vec<f32> {
+        let (p, n) = (self.params.repeat_penalty, self.params.repeat_last_n);
+        let window = if n == 0 {
+            history
+        } else {
+            &history[history.len().saturating_sub(n)..]
+        };
+        let mut out = logits.to_vec();
+        let mut seen = vec![false; out.len()];
+        for &t in window {
+            let Some(l) = out.get_mut(t as usize) else {
+                continue;
+            };
+            if !std::mem::replace(&mut seen[t as usize], true) {
+                *l = if *l < 0.0 { *l * p } else { *l / p };
+            }
+        }
+        out
+    }
+}
+
+/// Generated tokens as text, decoded as they come: [`push`](Self::push)
+/// returns the text that is safe to show (never half a character, never
+/// the start of what may become a stop string) and says when a stop string
+/// was reached. The text ends before the stop string, as
+/// lm-evaluation-harness's `until` and the OpenAI API do.
+pub struct TextStream<'t> {
+    tokenizer: &'t tokenizers::Tokenizer,
+    stop: Vec<String>,
+    ids: Vec<u32>,
+    text: String,
+    shown: usize,
+    stopped: bool,
+}
+
+impl<'t> TextStream<'t> {
+    /// Empty stop strings are ignored.
+    pub fn new(tokenizer: &'t tokenizers::Tokenizer, stop: &[impl AsRef<str>]) -> Self {
+        Self {
+            tokenizer,
+            stop: stop
+                .iter()
+                .map(|s| s.as_ref().to_string())
+                .filter(|s| !s.is_empty())
+                .collect(),
+            ids: Vec::new(),
+            text: String::new(),
+            shown: 0,
+            stopped: false,
+        }
+    }
+
+    /// Adds one generated token: the new text to show, and `Break` once a
+    /// stop string has appeared (later tokens are ignored).
+    pub fn push(&mut self, id: u32) -> Result<(String, ControlFlow<()>)> {
+        if self.stopped {
+            return Ok((String::new(), ControlFlow::Break(())));
+        }
+        self.ids.push(id);
+        self.text = self
+            .tokenizer
+            .decode(&self.ids, false)
+            .map_err(|e| Error::input(format!("decoding the generated tokens: {e}")))?;
+        let first_stop = self
+            .stop
+            .iter()
+            .filter_map(|s| self.text.find(s.as_str()))
+            .min();
+        let end = match first_stop {
+            Some(at) => {
+                self.text.truncate(at);
+                self.stopped = true;
+                at
+            }
+            None => self.safe_end(),
+        };
+        let new = match self.text.get(self.shown..end) {
+            Some(piece) if end > self.shown => piece.to_string(),
+            _ => String::new(),
+        };
+        self.shown = self.shown.max(end);
+        let flow = if self.stopped {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        };
+        Ok((new, flow))
+    }
+
+    /// What was held back when generation ended without a stop string.
+    pub fn rest(&mut self) -> String {
+        let rest = self.text.get(self.shown..).unwrap_or_default().to_string();
+        self.shown = self.text.len();
+        rest
+    }
+
+    /// The whole generated text (up to the stop string, if one came).
+    pub fn into_text(self) -> String {
+        self.text
+    }
+
+    /// The end of the text that is safe to show now: before a trailing
+    /// partial character (U+FFFD) and before a suffix that begins a stop string.
+    fn safe_end(&self) -> usize {
+        let text = self.text.trim_end_matches('\u{FFFD}');
+        let hold = self
+            .stop
+            .iter()
+            .flat_map(|s| {
+                (1..s.len())
+                    .filter(|&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
+                    .max()
+            })
+            .max()
+            .unwrap_or(0);
+        text.len() - hold
+    }
 }
 
 /// Generates up to `max_new_tokens` after `prompt`, calling `on_token` for each
-/// new token as soon as it is chosen; stops after the EOS token.
+/// new token as soon as it is chosen; stops after the EOS token or when
+/// `on_token` says `Break` (e.g. at a stop string, see [`TextStream`]).
 pub fn generate(
     model: &TokenFormerLm,
     prompt: &[u32],
     max_new_tokens: usize,
     params: SamplingParams,
-    on_token: impl FnMut(u32) -> Result<()>,
+    on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
 ) -> Result<Vec<u32>> {
     let mut cache = Cache::new(model.config());
     decode(model, prompt, max_new_tokens, params, on_token, |ids| {
@@ -123,7 +263,7 @@ pub fn generate_with_image(
     prompt: &[u32],
     max_new_tokens: usize,
     params: SamplingParams,
-    on_token: impl FnMut(u32) -> Result<()>,
+    on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
 ) -> Result<Vec<u32>> {
     if pixels.dim(0)? != 1 {
         return Err(Error::input(format!(
@@ -151,7 +291,7 @@ fn decode(
     prompt: &[u32],
     max_new_tokens: usize,
     params: SamplingParams,
-    mut on_token: impl FnMut(u32) -> Result<()>,
+    mut on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
     mut step: impl FnMut(&[u32]) -> candle_core::Result<Tensor>,
 ) -> Result<Vec<u32>> {
     let cfg = text.config();
@@ -169,14 +309,15 @@ fn decode(
     let budget = token_budget(max, prompt.len(), max_new_tokens);
     let mut sampler = Sampler::new(params);
     let mut out = Vec::with_capacity(budget);
+    let mut history = prompt.to_vec();
     let mut input = prompt.to_vec();
     for _ in 0..budget {
         let logits = step(&input)?;
         let last = logits.squeeze(0)?.get(logits.dim(1)? - 1)?;
-        let next = sampler.sample(&last.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        let next = sampler.sample(&last.to_dtype(DType::F32)?.to_vec1::<f32>()?, &history);
         out.push(next);
-        on_token(next)?;
-        if next == cfg.eos_token_id {
+        history.push(next);
+        if on_token(next)?.is_break() || next == cfg.eos_token_id {
             break;
         }
         input = vec![next];
@@ -204,14 +345,17 @@ mod tests {
     #[test]
     fn greedy_and_filters() {
         let logits = [0.0f32, 3.0, 1.0, 2.9];
-        assert_eq!(Sampler::new(SamplingParams::default()).sample(&logits), 1);
+        assert_eq!(
+            Sampler::new(SamplingParams::default()).sample(&logits, &[]),
+            1
+        );
         // top-k 1 is greedy whatever the temperature.
         let p = SamplingParams {
             temperature: 5.0,
             top_k: Some(1),
             ..Default::default()
         };
-        assert_eq!(Sampler::new(p).sample(&logits), 1);
+        assert_eq!(Sampler::new(p).sample(&logits, &[]), 1);
         // top-p keeps only tokens 1 and 3 (the two large logits).
         let p = SamplingParams {
             temperature: 1.0,
@@ -220,8 +364,108 @@ mod tests {
             ..Default::default()
         };
         let mut s = Sampler::new(p);
-        let picks: Vec<u32> = (0..200).map(|_| s.sample(&logits)).collect();
+        let picks: Vec<u32> = (0..200).map(|_| s.sample(&logits, &[])).collect();
         assert!(picks.iter().all(|&t| t == 1 || t == 3));
         assert!(picks.contains(&1) && picks.contains(&3));
+    }
+
+    #[test]
+    fn repetition_penalty() {
+        let logits = [2.0f32, -1.0, 1.5];
+        let p = SamplingParams {
+            repeat_penalty: 2.0,
+            ..Default::default()
+        };
+        let s = Sampler::new(p.clone());
+        // Seen tokens: 2 → 1 (divided), −1 → −2 (multiplied), each once however often seen.
+        assert_eq!(s.penalise(&logits, &[0, 1, 0, 0]), vec![1.0, -2.0, 1.5]);
+        assert_eq!(Sampler::new(p.clone()).sample(&logits, &[0, 1]), 2);
+        // Only the last token is in a window of 1, so token 0 keeps its lead.
+        let last1 = SamplingParams {
+            repeat_last_n: 1,
+            ..p.clone()
+        };
+        assert_eq!(Sampler::new(last1).sample(&logits, &[0, 1]), 0);
+        // The default window of 64 sees only the 2s; 0 = the whole history
+        // sees the 0 too. Ids past the vocabulary are ignored.
+        let logits = [2.0f32, 1.9, 1.0];
+        let history: Vec<u32> = [0, 7].into_iter().chain([2; 70]).collect();
+        assert_eq!(Sampler::new(p.clone()).sample(&logits, &history), 0);
+        let all = SamplingParams {
+            repeat_last_n: 0,
+            ..p
+        };
+        assert_eq!(Sampler::new(all).sample(&logits, &history), 1);
+    }
+
+    fn tokenizer() -> tokenizers::Tokenizer {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/gpt-neox-20b-tokenizer.json"
+        );
+        tokenizers::Tokenizer::from_file(path).unwrap()
+    }
+
+    /// Streams `text`'s tokens with `stop`: (pieces shown, final text, token index that stopped).
+    fn stream(
+        tok: &tokenizers::Tokenizer,
+        text: &str,
+        stop: &[&str],
+    ) -> (Vec<String>, String, Option<usize>) {
+        let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
+        let mut s = TextStream::new(tok, stop);
+        let (mut pieces, mut stopped_at) = (vec![], None);
+        for (i, &id) in ids.iter().enumerate() {
+            let (piece, flow) = s.push(id).unwrap();
+            pieces.push(piece);
+            if flow.is_break() {
+                stopped_at = Some(i);
+                break;
+            }
+        }
+        pieces.push(s.rest());
+        (pieces, s.into_text(), stopped_at)
+    }
+
+    #[test]
+    fn stop_strings_end_the_text_before_them() {
+        let tok = tokenizer();
+        let text = "Question: what is 2+2?\nAnswer: 4\n\nQuestion: next";
+        let (pieces, out, at) = stream(&tok, text, &["\n\n", "Question: n"]);
+        assert_eq!(out, "Question: what is 2+2?\nAnswer: 4");
+        assert_eq!(pieces.concat(), out);
+        // The stream stops at the token that completes the stop string, not later.
+        let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
+        let first = (1..=ids.len())
+            .find(|&n| tok.decode(&ids[..n], false).unwrap().contains("\n\n"))
+            .unwrap();
+        assert_eq!(at, Some(first - 1));
+        // No stop string: everything comes out, in order.
+        let (pieces, out, at) = stream(&tok, text, &["zebra"]);
+        assert_eq!(
+            (pieces.concat(), out.as_str(), at),
+            (text.to_string(), text, None)
+        );
+    }
+
+    #[test]
+    fn stream_holds_back_a_possible_stop_and_partial_characters() {
+        let tok = tokenizer();
+        // "Ans" could begin "Answer:"; it is shown only once it cannot.
+        let mut s = TextStream::new(&tok, &["Answer:"]);
+        let ids = tok.encode("x Ans", false).unwrap().get_ids().to_vec();
+        let shown: String = ids.iter().map(|&i| s.push(i).unwrap().0).collect();
+        assert_eq!(shown, "x ");
+        assert_eq!(s.rest(), "Ans");
+        // A character split over byte tokens is never shown in halves.
+        let mut s = TextStream::new(&tok, &[] as &[&str]);
+        let ids = tok
+            .encode("日本語のテキスト", false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        let pieces: Vec<String> = ids.iter().map(|&i| s.push(i).unwrap().0).collect();
+        assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
+        assert_eq!(pieces.concat() + &s.rest(), "日本語のテキスト");
     }
 }

@@ -3,6 +3,7 @@
 //! Hub repo id `owner/name[@revision]` or a local path — with the text or
 //! image in and log-probabilities, text or classes out.
 
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
@@ -125,24 +126,44 @@ impl LanguageModel {
         max_new_tokens: usize,
         params: SamplingParams,
     ) -> Result<String> {
-        self.generate_with(prompt, max_new_tokens, params, |_| Ok(()))
+        self.generate_with(prompt, max_new_tokens, params, &[] as &[&str], |_| Ok(()))
     }
 
-    /// [`generate`](Self::generate), calling `on_token` with each new token id as it comes.
+    /// [`generate`](Self::generate) that also ends at the first of the `stop`
+    /// strings; the text returned stops before it.
+    pub fn generate_until(
+        &self,
+        prompt: &str,
+        max_new_tokens: usize,
+        params: SamplingParams,
+        stop: &[impl AsRef<str>],
+    ) -> Result<String> {
+        self.generate_with(prompt, max_new_tokens, params, stop, |_| Ok(()))
+    }
+
+    /// [`generate_until`](Self::generate_until), calling `on_text` with each
+    /// new piece of text as soon as it is safe to show.
     pub fn generate_with(
         &self,
         prompt: &str,
         max_new_tokens: usize,
         params: SamplingParams,
-        on_token: impl FnMut(u32) -> Result<()>,
+        stop: &[impl AsRef<str>],
+        mut on_text: impl FnMut(&str) -> Result<()>,
     ) -> Result<String> {
         let ids = self.encode(prompt)?;
-        let mut out = generate::generate(&self.model, &ids, max_new_tokens, params, on_token)?;
         let eos = self.model.config().eos_token_id;
-        if out.last() == Some(&eos) {
-            out.pop();
-        }
-        self.decode(&out)
+        let mut stream = generate::TextStream::new(&self.tokenizer, stop);
+        generate::generate(&self.model, &ids, max_new_tokens, params, |id| {
+            if id == eos {
+                return Ok(ControlFlow::Continue(()));
+            }
+            let (piece, flow) = stream.push(id)?;
+            on_text(&piece)?;
+            Ok(flow)
+        })?;
+        on_text(&stream.rest())?;
+        Ok(stream.into_text())
     }
 }
 

@@ -134,7 +134,7 @@ fn generate_with_an_image_equals_the_mixed_forward_and_text_only_equals_the_lm()
         &prompt,
         NEW_TOKENS,
         Default::default(),
-        |_| Ok(()),
+        |_| Ok(std::ops::ControlFlow::Continue(())),
     )
     .unwrap();
     assert_eq!(ids, with_image);

@@ -1,12 +1,15 @@
 //! `tokenformer generate` and `tokenformer score`.
 
-use std::io::Write;
+use std::io::{IsTerminal, Read, Write};
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use clap::Args;
-use tokenformer::generate::{generate, generate_with_image, token_budget, SamplingParams};
+use tokenformer::generate::{
+    generate, generate_with_image, token_budget, SamplingParams, TextStream,
+};
 use tokenformer::loader;
 use tokenformer::models::tokenformer::TokenFormerLm;
 use tokenformer::models::vl::{self, VisionLanguageModel};
@@ -20,20 +23,36 @@ pub struct GenerateArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub weights: WeightArgs,
-    /// The text to continue.
-    #[arg(long, short)]
-    pub prompt: String,
+    /// The text to continue (or --prompt-file, or the prompt piped on stdin).
+    #[arg(long, short, conflicts_with = "prompt_file")]
+    pub prompt: Option<String>,
+    /// A UTF-8 file holding the prompt, used as it is (a trailing newline is part of it); `-` is stdin.
+    #[arg(long, value_name = "FILE")]
+    pub prompt_file: Option<PathBuf>,
+    /// The most tokens to generate (fewer at EOS, a stop string or the end of the model's context).
     #[arg(long, default_value_t = 64)]
     pub max_new_tokens: usize,
-    /// 0 = greedy decoding.
+    /// Sampling temperature; 0 = greedy decoding.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f64,
-    #[arg(long)]
+    /// Sample only among the K most likely tokens.
+    #[arg(long, value_name = "K")]
     pub top_k: Option<usize>,
-    #[arg(long)]
+    /// Sample only among the most likely tokens whose probabilities add up to P (nucleus sampling).
+    #[arg(long, value_name = "P")]
     pub top_p: Option<f64>,
+    /// Seed of the sampler: the same seed gives the same text.
     #[arg(long, default_value_t = 299_792_458)]
     pub seed: u64,
+    /// End the text before this string (repeatable; the first one to appear wins).
+    #[arg(long, value_name = "STR")]
+    pub stop: Vec<String>,
+    /// Penalise tokens already seen: divide a positive logit by it, multiply a negative one (1 = off; 1.1–1.3 is usual).
+    #[arg(long, default_value_t = 1.0, value_name = "X")]
+    pub repeat_penalty: f32,
+    /// How many of the latest tokens the repeat penalty looks at (0 = all, prompt included).
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub repeat_last_n: usize,
     /// An image to condition on (tokenformer-vl models): the sequence is [image tokens; prompt].
     #[arg(long, value_name = "IMG")]
     pub image: Option<PathBuf>,
@@ -62,11 +81,18 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         );
     }
     let tokenizer = loader::load_tokenizer(&files)?;
-    if a.prompt.is_empty() {
-        bail!("the prompt is empty: pass --prompt TEXT");
+    let text = prompt_text(&a)?;
+    if text.is_empty() {
+        bail!("the prompt is empty: pass --prompt TEXT, --prompt-file FILE or pipe it on stdin");
+    }
+    if !(a.repeat_penalty > 0.0 && a.repeat_penalty.is_finite()) {
+        bail!(
+            "--repeat-penalty must be a positive number, got {}",
+            a.repeat_penalty
+        );
     }
     let prompt = tokenizer
-        .encode(a.prompt.as_str(), false)
+        .encode(text.as_str(), false)
         .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
         .get_ids()
         .to_vec();
@@ -75,6 +101,8 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         top_k: a.top_k,
         top_p: a.top_p,
         seed: a.seed,
+        repeat_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
     };
     let dev = Device::Cpu;
     // Image + text runs the merged model; text alone runs a language model
@@ -94,23 +122,17 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     };
     let (eos, max) = (text_cfg.eos_token_id, text_cfg.max_position_embeddings);
     let mut stdout = std::io::stdout().lock();
-    write!(stdout, "{}", a.prompt)?;
+    write!(stdout, "{text}")?;
     stdout.flush()?;
-    // Decode the growing suffix so multi-token characters print correctly.
-    let mut generated: Vec<u32> = Vec::new();
-    let mut printed = 0usize;
-    let on_token = |tok: u32| {
+    let mut stream = TextStream::new(&tokenizer, &a.stop);
+    let mut on_token = |tok: u32| {
         if tok == eos {
-            return Ok(());
+            return Ok(ControlFlow::Continue(()));
         }
-        generated.push(tok);
-        let text = tokenizer.decode(&generated, false).unwrap_or_default();
-        if text.len() > printed && !text.ends_with('\u{FFFD}') && text.is_char_boundary(printed) {
-            let _ = write!(stdout, "{}", &text[printed..]);
-            let _ = stdout.flush();
-            printed = text.len();
-        }
-        Ok(())
+        let (piece, flow) = stream.push(tok)?;
+        let _ = write!(stdout, "{piece}");
+        let _ = stdout.flush();
+        Ok(flow)
     };
     let budget = token_budget(max, prompt.len(), a.max_new_tokens);
     if prompt.len() < max && budget < a.max_new_tokens {
@@ -123,12 +145,41 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     }
     match &model {
         Generator::WithImage(m, pixels) => {
-            generate_with_image(m, pixels, &prompt, a.max_new_tokens, params, on_token)?
+            generate_with_image(m, pixels, &prompt, a.max_new_tokens, params, &mut on_token)?
         }
-        Generator::Text(m) => generate(m, &prompt, a.max_new_tokens, params, on_token)?,
+        Generator::Text(m) => generate(m, &prompt, a.max_new_tokens, params, &mut on_token)?,
     };
-    writeln!(std::io::stdout())?;
+    writeln!(std::io::stdout(), "{}", stream.rest())?;
     Ok(())
+}
+
+/// The prompt from --prompt, --prompt-file (`-` = stdin) or, when neither is
+/// given and stdin is not a terminal, stdin; at most 16 MiB.
+fn prompt_text(a: &GenerateArgs) -> Result<String> {
+    const MAX: u64 = 16 << 20;
+    match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => Ok(p.clone()),
+        (None, Some(f)) if f.as_os_str() == "-" => read_stdin(MAX),
+        (None, Some(f)) => Ok(tokenformer::fsutil::read_to_string_bounded(f, MAX)?),
+        (None, None) if !std::io::stdin().is_terminal() => read_stdin(MAX),
+        (None, None) => {
+            bail!("no prompt: pass --prompt TEXT, --prompt-file FILE or pipe it on stdin")
+        }
+    }
+}
+
+/// All of stdin as UTF-8, refusing more than `max` bytes.
+pub(crate) fn read_stdin(max: u64) -> Result<String> {
+    let mut buf = Vec::new();
+    std::io::stdin()
+        .lock()
+        .take(max + 1)
+        .read_to_end(&mut buf)
+        .context("reading stdin")?;
+    if buf.len() as u64 > max {
+        bail!("stdin: more than {max} bytes");
+    }
+    String::from_utf8(buf).map_err(|e| anyhow::anyhow!("stdin: not UTF-8 text ({e})"))
 }
 
 #[derive(Args, Debug)]

@@ -1,0 +1,188 @@
+//! The command-line habits people bring from other tools: prompts and texts
+//! from files and stdin, stop strings, a repetition penalty, many texts
+//! scored in one run, shell completions and help on every flag. Run on the
+//! shipped `tiny-kjv-lm`, whose text is real enough for stop strings to
+//! land mid-generation.
+
+mod common;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use candle_core::{Tensor, D};
+use common::tokenformer;
+use tokenformer::{LanguageModel, PretrainedOptions};
+
+fn kjv() -> String {
+    concat!(env!("CARGO_MANIFEST_DIR"), "/zoo/tiny-kjv-lm").to_string()
+}
+
+/// Runs the binary with `input` on stdin; returns (success, stdout, stderr).
+fn with_stdin(args: &[&str], input: &str) -> (bool, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tokenformer"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn generate(extra: &[&str]) -> String {
+    let model = kjv();
+    let mut args = vec![
+        "generate",
+        "--model",
+        model.as_str(),
+        "--max-new-tokens",
+        "40",
+    ];
+    args.extend(extra);
+    let (out, so, se) = tokenformer(&args);
+    assert!(out.status.success(), "{args:?}: {se}");
+    so
+}
+
+const PROMPT: &str = "And God said unto Moses,";
+
+#[test]
+fn generate_stops_before_a_stop_string() {
+    let full = generate(&["--prompt", PROMPT]);
+    let cont = full
+        .strip_prefix(PROMPT)
+        .unwrap()
+        .strip_suffix('\n')
+        .unwrap();
+    // A stop string taken from the middle of what greedy decoding writes.
+    let words: Vec<&str> = cont.split_whitespace().collect();
+    assert!(words.len() > 6, "continuation too short: {cont:?}");
+    let stop = format!(" {}", words[3]);
+    let at = cont.find(&stop).unwrap();
+    let stopped = generate(&["--prompt", PROMPT, "--stop", &stop, "--stop", "zzzz"]);
+    assert_eq!(stopped, format!("{PROMPT}{}\n", &cont[..at]));
+    // The library does the same.
+    let lm = LanguageModel::from_pretrained(&kjv(), &PretrainedOptions::default()).unwrap();
+    let text = lm
+        .generate_until(PROMPT, 40, Default::default(), &[stop.as_str()])
+        .unwrap();
+    assert_eq!(text, &cont[..at]);
+    assert_eq!(lm.generate(PROMPT, 40, Default::default()).unwrap(), cont);
+}
+
+#[test]
+fn generate_reads_the_prompt_from_a_file_or_stdin() {
+    let full = generate(&["--prompt", PROMPT]);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, PROMPT).unwrap();
+    assert_eq!(generate(&["--prompt-file", file.to_str().unwrap()]), full);
+    let model = kjv();
+    let base = [
+        "generate",
+        "--model",
+        model.as_str(),
+        "--max-new-tokens",
+        "40",
+    ];
+    let (ok, so, se) = with_stdin(&base, PROMPT);
+    assert!(ok, "{se}");
+    assert_eq!(so, full);
+    let mut dash = base.to_vec();
+    dash.extend(["--prompt-file", "-"]);
+    let (ok, so, se) = with_stdin(&dash, PROMPT);
+    assert!(ok, "{se}");
+    assert_eq!(so, full);
+    // An empty pipe is an error that says what to give.
+    let (ok, _, se) = with_stdin(&base, "");
+    assert!(!ok && se.contains("--prompt"), "{se}");
+}
+
+/// Greedy decoding with transformers' repetition penalty, written out: the
+/// whole sequence through the model each step (no cache), the penalty on
+/// every distinct token of the last `last_n`.
+fn penalised_greedy(
+    lm: &LanguageModel,
+    prompt: &str,
+    n: usize,
+    penalty: f32,
+    last_n: usize,
+) -> String {
+    let mut ids = lm.encode(prompt).unwrap();
+    let start = ids.len();
+    for _ in 0..n {
+        let input = Tensor::new(ids.as_slice(), &candle_core::Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let logits = lm.model().forward(&input, None).unwrap();
+        let mut last: Vec<f32> = logits
+            .squeeze(0)
+            .unwrap()
+            .get(ids.len() - 1)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut window: Vec<u32> = ids[ids.len().saturating_sub(last_n)..].to_vec();
+        window.sort();
+        window.dedup();
+        for t in window {
+            let l = &mut last[t as usize];
+            *l = if *l < 0.0 { *l * penalty } else { *l / penalty };
+        }
+        let next = Tensor::new(last.as_slice(), &candle_core::Device::Cpu)
+            .unwrap()
+            .argmax(D::Minus1)
+            .unwrap()
+            .to_scalar::<u32>()
+            .unwrap();
+        ids.push(next);
+    }
+    lm.decode(&ids[start..]).unwrap()
+}
+
+#[test]
+fn generate_applies_a_repetition_penalty() {
+    let lm = LanguageModel::from_pretrained(&kjv(), &PretrainedOptions::default()).unwrap();
+    let plain = generate(&["--prompt", PROMPT]);
+    let got = generate(&[
+        "--prompt",
+        PROMPT,
+        "--repeat-penalty",
+        "1.5",
+        "--repeat-last-n",
+        "16",
+    ]);
+    let want = penalised_greedy(&lm, PROMPT, 40, 1.5, 16);
+    assert_eq!(got, format!("{PROMPT}{want}\n"));
+    assert!(
+        !plain.starts_with(got.trim_end()),
+        "the penalty changed nothing"
+    );
+    let (out, _, se) = tokenformer(&[
+        "generate",
+        "--model",
+        &kjv(),
+        "--prompt",
+        "x",
+        "--repeat-penalty",
+        "0",
+    ]);
+    assert!(
+        !out.status.success() && se.contains("--repeat-penalty"),
+        "{se}"
+    );
+}
