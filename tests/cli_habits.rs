@@ -186,3 +186,66 @@ fn generate_applies_a_repetition_penalty() {
         "{se}"
     );
 }
+
+fn score_json(text: &str) -> serde_json::Value {
+    let (out, so, se) = tokenformer(&["score", "--model", &kjv(), "--text", text, "--json"]);
+    assert!(out.status.success(), "{se}");
+    serde_json::from_str(&so).unwrap()
+}
+
+#[test]
+fn score_takes_many_texts_from_json_lines_and_stdin() {
+    let texts = [
+        "In the beginning God created the heaven and the earth.",
+        "And the earth was without form, and void.",
+        "Jesus wept.",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("texts.jsonl");
+    let body: String = texts
+        .iter()
+        .map(|t| format!("{}\n\n", serde_json::json!({"text": t, "id": 1})))
+        .collect();
+    std::fs::write(&file, &body).unwrap();
+    let model = kjv();
+    let (out, so, se) =
+        tokenformer(&["score", "--model", &model, "--file", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{se}");
+    let lines: Vec<serde_json::Value> = so
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for (i, (got, text)) in lines.iter().zip(texts).enumerate() {
+        let mut want = score_json(text);
+        want["line"] = (2 * i + 1).into();
+        assert_eq!(got, &want, "{text}");
+    }
+    // The same lines on stdin with --jsonl, and one text on stdin.
+    let (ok, so2, se) = with_stdin(&["score", "--model", &model, "--jsonl"], &body);
+    assert!(ok, "{se}");
+    assert_eq!(so2, so);
+    let (ok, one, se) = with_stdin(&["score", "--model", &model, "--json"], texts[0]);
+    assert!(ok, "{se}");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&one).unwrap(),
+        score_json(texts[0])
+    );
+    // A bad line is named, after the good lines before it were printed.
+    std::fs::write(
+        &file,
+        format!(
+            "{}\n{{\"txt\": 1}}\n",
+            serde_json::json!({"text": texts[2]})
+        ),
+    )
+    .unwrap();
+    let (out, so, se) =
+        tokenformer(&["score", "--model", &model, "--file", file.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        se.contains("texts.jsonl line 2") && se.contains("`text`"),
+        "{se}"
+    );
+    assert_eq!(so.lines().count(), 1);
+}

@@ -191,9 +191,15 @@ pub struct ScoreArgs {
     /// Text to score.
     #[arg(long, conflicts_with_all = ["file", "ids"])]
     pub text: Option<String>,
-    /// A UTF-8 text file to score.
-    #[arg(long, conflicts_with = "ids")]
+    /// A UTF-8 text file to score as one text; a .jsonl, .jsonl.zst or .parquet file holds many
+    /// (a `text` field per line), each scored on its own, one JSON line out per text.
+    /// `-` reads stdin (as one text, or JSON lines with --jsonl); with no --text, --file or --ids,
+    /// a piped stdin is read.
+    #[arg(long, conflicts_with = "ids", value_name = "FILE")]
     pub file: Option<PathBuf>,
+    /// Read stdin as JSON lines (a `text` field per line) rather than as one text.
+    #[arg(long)]
+    pub jsonl: bool,
     /// Comma-separated token ids to score (no tokenizer needed).
     #[arg(long, value_delimiter = ',')]
     pub ids: Option<Vec<u32>>,
@@ -202,19 +208,81 @@ pub struct ScoreArgs {
     pub json: bool,
 }
 
+/// Where `score` reads its input.
+enum ScoreInput {
+    One(String),
+    Lines(tokenformer::eval::data::DataFile),
+    Ids(Vec<u32>),
+}
+
+fn score_input(a: &ScoreArgs) -> Result<ScoreInput> {
+    use tokenformer::eval::data::{DataFile, DEFAULT_MAX_LINE_BYTES};
+    let max = DEFAULT_MAX_LINE_BYTES as u64;
+    let stdin = a.file.as_ref().is_some_and(|f| f.as_os_str() == "-")
+        || (a.text.is_none() && a.file.is_none() && a.ids.is_none());
+    if a.jsonl && !stdin {
+        bail!("--jsonl is for stdin: a file's format comes from its name (.jsonl, .jsonl.zst, .parquet)");
+    }
+    Ok(match (&a.text, &a.file, &a.ids) {
+        (Some(t), _, _) => ScoreInput::One(t.clone()),
+        (None, None, Some(ids)) => ScoreInput::Ids(ids.clone()),
+        _ if stdin && std::io::stdin().is_terminal() => {
+            bail!("give --text, --file or --ids, or pipe the text on stdin")
+        }
+        _ if stdin && a.jsonl => ScoreInput::Lines(DataFile::stdin(max as usize)),
+        _ if stdin => ScoreInput::One(read_stdin(max)?),
+        (None, Some(f), _) => {
+            let name = f.to_string_lossy().to_lowercase();
+            let lines = [".jsonl", ".jsonl.zst", ".parquet"];
+            if lines.iter().any(|e| name.ends_with(e)) {
+                ScoreInput::Lines(DataFile::open(f)?)
+            } else {
+                // Bounded and regular files only: a FIFO or a huge file cannot hang or exhaust memory.
+                ScoreInput::One(tokenformer::fsutil::read_to_string_bounded(f, max)?)
+            }
+        }
+        (None, None, None) => unreachable!("stdin was read above"),
+    })
+}
+
+/// Scores each `text` of a JSON-lines input; prints one JSON line per text
+/// (the `score --json` object and its line number) as it goes.
+fn score_lines(
+    file: tokenformer::eval::data::DataFile,
+    model: &TokenFormerLm,
+    tokenizer: &tokenizers::Tokenizer,
+) -> Result<()> {
+    let path = file.path.display().to_string();
+    let mut out = std::io::stdout().lock();
+    for line in tokenformer::eval::data::JsonLines::new(file) {
+        let (n, value) = line?;
+        let value = value.map_err(|e| anyhow::anyhow!("{path} line {n}: {e}"))?;
+        let Some(text) = value.get("text").and_then(|t| t.as_str()) else {
+            bail!("{path} line {n}: no `text` string field");
+        };
+        let ids = tokenizer
+            .encode(text, false)
+            .map_err(|e| anyhow::anyhow!("{path} line {n}: tokenizing: {e}"))?
+            .get_ids()
+            .to_vec();
+        let s = tokenformer::scoring::score_ids(model, &ids)
+            .with_context(|| format!("{path} line {n}"))?;
+        #[derive(serde::Serialize)]
+        struct Scored<'a> {
+            #[serde(flatten)]
+            score: &'a tokenformer::SequenceScore,
+            line: usize,
+        }
+        let json = serde_json::to_string(&Scored { score: &s, line: n })?;
+        writeln!(out, "{json}")?;
+    }
+    Ok(())
+}
+
 pub fn score_cmd(a: ScoreArgs) -> Result<()> {
     let files = a.model.locate()?;
-    let text = match (&a.text, &a.file) {
-        (Some(t), _) => Some(t.clone()),
-        // Bounded and regular files only: a FIFO or a huge file cannot hang or exhaust memory.
-        (None, Some(f)) => Some(tokenformer::fsutil::read_to_string_bounded(
-            f,
-            tokenformer::eval::pile::DEFAULT_MAX_LINE_BYTES as u64,
-        )?),
-        _ => None,
-    };
-    let (ids, tokenizer) = match (text, a.ids) {
-        (Some(t), _) => {
+    let (ids, tokenizer) = match score_input(&a)? {
+        ScoreInput::One(t) => {
             let tok = loader::load_tokenizer(&files)?;
             let ids = tok
                 .encode(t.as_str(), false)
@@ -223,8 +291,12 @@ pub fn score_cmd(a: ScoreArgs) -> Result<()> {
                 .to_vec();
             (ids, Some(tok))
         }
-        (None, Some(ids)) => (ids, None),
-        (None, None) => bail!("give --text, --file or --ids"),
+        ScoreInput::Ids(ids) => (ids, None),
+        ScoreInput::Lines(data) => {
+            let tok = loader::load_tokenizer(&files)?;
+            let model = a.weights.load_lm(&files)?;
+            return score_lines(data, &model, &tok);
+        }
     };
     let model = a.weights.load_lm(&files)?;
     let s = tokenformer::scoring::score_ids(&model, &ids).with_context(|| match &a.file {

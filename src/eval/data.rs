@@ -111,6 +111,23 @@ impl DataFile {
         })
     }
 
+    /// Standard input as JSON lines, named `<stdin>` in errors.
+    pub fn stdin(max_line_bytes: usize) -> Self {
+        let position = Arc::new(AtomicU64::new(0));
+        let counting = Counting {
+            inner: std::io::stdin(),
+            read: position.clone(),
+        };
+        Self {
+            path: PathBuf::from("<stdin>"),
+            reader: Box::new(BufReader::with_capacity(1 << 20, counting)),
+            position,
+            size: 0,
+            is_text: false,
+            max_line_bytes,
+        }
+    }
+
     /// The whole stream as one document (a `.txt`), at most `max_line_bytes`.
     pub fn read_document(&mut self) -> Result<Vec<u8>> {
         let mut raw = Vec::new();
