@@ -40,6 +40,8 @@ enum Command {
     /// Evaluate: Pile perplexity, zero-shot tasks, ImageNet, merging shard results.
     #[command(subcommand)]
     Eval(EvalCommand),
+    /// Print a shell completion script (bash, zsh, fish, powershell, elvish).
+    Completions(cli::shell::CompletionsArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -81,6 +83,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval(EvalCommand::Pile(a)) => cli::eval_lm::pile_cmd(a),
         Command::Eval(EvalCommand::Tasks(a)) => cli::eval_lm::tasks_cmd(a),
         Command::Eval(EvalCommand::Merge(a)) => cli::eval_lm::merge_cmd(a),
+        Command::Completions(a) => {
+            cli::shell::print::<Cli>(&a);
+            Ok(())
+        }
     }
 }
 
@@ -89,5 +95,17 @@ fn run(cli: Cli) -> Result<()> {
 fn quiet_backtraces() {
     if std::env::var_os("TOKENFORMER_BACKTRACE").is_none() {
         std::env::set_var("RUST_BACKTRACE", "0");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn every_flag_and_command_has_help() {
+        let cmd = super::Cli::command();
+        cmd.clone().debug_assert();
+        assert_eq!(super::cli::shell::undocumented(&cmd), Vec::<String>::new());
     }
 }

@@ -249,3 +249,28 @@ fn score_takes_many_texts_from_json_lines_and_stdin() {
     );
     assert_eq!(so.lines().count(), 1);
 }
+
+#[test]
+fn completions_cover_the_subcommands_and_flags() {
+    let (out, bash, se) = tokenformer(&["completions", "bash"]);
+    assert!(out.status.success(), "{se}");
+    assert!(
+        bash.contains("_tokenformer()"),
+        "a bash completion function"
+    );
+    for word in [
+        "generate",
+        "--repeat-penalty",
+        "--prompt-file",
+        "imagenet",
+        "--log-samples",
+    ] {
+        assert!(bash.contains(word), "bash completion knows {word}");
+    }
+    let (out, zsh, _) = tokenformer(&["completions", "zsh"]);
+    assert!(out.status.success() && zsh.starts_with("#compdef tokenformer"));
+    let (out, fish, _) = tokenformer(&["completions", "fish"]);
+    assert!(out.status.success() && fish.contains("complete -c tokenformer"));
+    let (out, _, se) = tokenformer(&["completions", "tcsh"]);
+    assert!(!out.status.success() && se.contains("bash"), "{se}");
+}

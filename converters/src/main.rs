@@ -15,6 +15,8 @@ mod probe;
 #[path = "../../src/cli/progress.rs"]
 mod progress;
 mod publish;
+#[path = "../../src/cli/shell.rs"]
+mod shell;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -44,6 +46,8 @@ enum Command {
     Import(import::ImportArgs),
     /// A vision and a language TokenFormer of the same shape → one tokenformer-vl model.
     Merge(merge::MergeArgs),
+    /// Print a shell completion script (bash, zsh, fish, powershell, elvish).
+    Completions(shell::CompletionsArgs),
 }
 
 fn main() {
@@ -59,9 +63,25 @@ fn main() {
         Command::Publish(a) => publish::run(a),
         Command::Import(a) => import::run(a),
         Command::Merge(a) => merge::run(a),
+        Command::Completions(a) => {
+            shell::print::<Cli>(&a);
+            Ok(())
+        }
     };
     if let Err(e) = r {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn every_flag_and_command_has_help() {
+        let cmd = super::Cli::command();
+        cmd.clone().debug_assert();
+        assert_eq!(super::shell::undocumented(&cmd), Vec::<String>::new());
     }
 }

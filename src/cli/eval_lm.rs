@@ -46,6 +46,8 @@ pub struct PileArgs {
     /// The Pile's val/test.jsonl.zst, or any .jsonl, .jsonl.zst, .parquet or .txt file (streamed), or hf://datasets/OWNER/NAME[@REV]/PATH.
     #[arg(long)]
     pub data: PathBuf,
+    /// rolling: every token scored once in non-overlapping windows (the harness's
+    /// loglikelihood_rolling); strided: Hugging Face's sliding-window perplexity (see --stride).
     #[arg(long, value_enum, default_value = "rolling")]
     pub method: MethodArg,
     /// Strided: tokens between window starts (default 512, at most the window length).

@@ -6,6 +6,7 @@ pub mod eval_lm;
 pub mod inspect;
 pub mod lm;
 pub mod progress;
+pub mod shell;
 pub mod train;
 pub mod vision;
 pub mod zoo;

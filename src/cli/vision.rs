@@ -31,6 +31,7 @@ pub struct ImagenetArgs {
     /// Evaluate only the first N images of the sorted list.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Images per forward pass (results do not depend on it).
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
     /// Evaluate shard I of N (images whose sorted index ≡ I mod N); combine with `eval merge`.
@@ -180,6 +181,7 @@ pub struct ClassifyArgs {
     /// Print JSON: `[{"file", "top5": [{"index", "wnid", "name", "prob"}]}]`.
     #[arg(long)]
     pub json: bool,
+    /// Images per forward pass (results do not depend on it).
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
     /// Images above this many pixels (width × height, read from the header) are refused, not decoded.

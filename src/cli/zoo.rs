@@ -8,11 +8,15 @@ use tokenformer::zoo;
 pub enum ZooCommand {
     /// A table of the registered models.
     List {
+        /// Print the registry as JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
     /// Everything the registry knows about one model.
-    Show { name: String },
+    Show {
+        /// The model's zoo name (`tokenformer zoo list`).
+        name: String,
+    },
 }
 
 pub fn run(c: ZooCommand) -> Result<()> {
