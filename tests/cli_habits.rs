@@ -7,7 +7,6 @@
 mod common;
 
 use std::io::Write;
-use std::path::Path;
 use std::process::{Command, Stdio};
 
 use candle_core::{Tensor, D};
