@@ -1,7 +1,9 @@
 //! Model cards: the `README.md` of a model folder, with the YAML front matter
-//! the Hugging Face Hub reads (license, library_name, tags, pipeline_tag,
-//! datasets, base_model, model-index). Reference:
-//! <https://huggingface.co/docs/hub/model-cards>.
+//! the Hugging Face Hub reads (license, tags, pipeline_tag, datasets,
+//! base_model, model-index). Reference:
+//! <https://huggingface.co/docs/hub/model-cards>. No `library_name`: the Hub
+//! accepts only the libraries it lists (huggingface.js `model-libraries.ts`),
+//! and neither this toolkit nor candle is one of them.
 
 use std::path::Path;
 
@@ -23,7 +25,6 @@ impl ModelCard {
     pub fn new(title: impl Into<String>, pipeline_tag: &str) -> Self {
         let mut metadata = Map::new();
         metadata.insert("license".into(), json!("apache-2.0"));
-        metadata.insert("library_name".into(), json!("tokenformer"));
         metadata.insert(
             "tags".into(),
             json!(["tokenformer", "pattention", "candle", "safetensors"]),

@@ -263,6 +263,10 @@ fn refresh_card(
             }
         }
     }
+    // Cards written before: a library the Hub does not know.
+    if meta.get("library_name") == Some(&json!("tokenformer")) {
+        meta.remove("library_name");
+    }
     if pipeline == "text-generation" && !meta.contains_key("datasets") {
         meta.insert("datasets".into(), json!(["EleutherAI/pile"]));
     }
@@ -288,26 +292,61 @@ fn refresh_card(
     Ok(format!("{front}\n{body}"))
 }
 
-/// `model-index` entries (Hub evaluation results) from `eval --json` outputs.
+/// `model-index` entries (Hub evaluation results) from `eval --json` outputs,
+/// per the Hub's spec (<https://huggingface.co/docs/hub/model-cards#evaluation-results>):
+/// the dataset `type` a Hub dataset id with its `config` and `split`, the metric
+/// `type` a metric id (`accuracy`, `perplexity`) and its `name` the harness's
+/// (or timm's) metric name. Harness-layout files give one entry per task.
 fn model_index(name: &str, results: &[Value]) -> Result<Value> {
     let mut entries = Vec::new();
     for r in results {
         let kind = r.get("kind").and_then(Value::as_str).unwrap_or("");
+        if let Some(tasks) = r.get("results").and_then(Value::as_object) {
+            for (task, res) in tasks {
+                let config = &r["configs"][task];
+                let mut dataset = Map::new();
+                dataset.insert("name".into(), json!(task));
+                let id = config["dataset_path"].as_str().filter(|p| !p.is_empty());
+                dataset.insert("type".into(), json!(id.unwrap_or(task)));
+                if let Some(c) = config["dataset_name"].as_str() {
+                    dataset.insert("config".into(), json!(c));
+                }
+                let split = config["test_split"].as_str();
+                if let Some(s) = split.or(config["validation_split"].as_str()) {
+                    dataset.insert("split".into(), json!(s));
+                }
+                let metrics: Vec<Value> = res
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|(k, v)| {
+                        let metric = k.strip_suffix(",none")?;
+                        let value = v.as_f64()?;
+                        (!metric.ends_with("_stderr")).then(|| metric_entry(metric, value))
+                    })
+                    .collect();
+                if !metrics.is_empty() {
+                    entries.push(result_entry("text-generation", dataset, metrics));
+                }
+            }
+            continue;
+        }
         let (task, dataset, keys): (&str, Value, &[&str]) = match kind {
+            "imagenet" => (
+                "image-classification",
+                json!({"name": "ImageNet-1k", "type": "ILSVRC/imagenet-1k", "split": "validation"}),
+                &["top1", "top5"],
+            ),
+            // Files written before the harness layout: the flat fields.
             "pile" => (
                 "text-generation",
-                json!({"name": "The Pile", "type": "EleutherAI/pile"}),
+                json!({"name": "pile", "type": "EleutherAI/pile"}),
                 &[
                     "word_perplexity",
                     "byte_perplexity",
                     "bits_per_byte",
                     "token_perplexity",
                 ],
-            ),
-            "imagenet" => (
-                "image-classification",
-                json!({"name": "ImageNet-1k", "type": "imagenet-1k", "split": "validation"}),
-                &["top1", "top5"],
             ),
             "tasks" => {
                 let t = r.get("task").and_then(Value::as_str).unwrap_or("task");
@@ -326,17 +365,115 @@ fn model_index(name: &str, results: &[Value]) -> Result<Value> {
             .filter_map(|k| {
                 r.get(*k)
                     .and_then(Value::as_f64)
-                    .map(|v| json!({"type": k, "value": v, "name": k}))
+                    .map(|v| metric_entry(k, v))
             })
             .collect();
         if metrics.is_empty() {
             bail!("results file of kind `{kind}` has none of the metrics {keys:?}");
         }
-        let mut e = Map::new();
-        e.insert("task".into(), json!({"type": task}));
-        e.insert("dataset".into(), dataset);
-        e.insert("metrics".into(), Value::Array(metrics));
-        entries.push(Value::Object(e));
+        let dataset = dataset.as_object().cloned().unwrap_or_default();
+        entries.push(result_entry(task, dataset, metrics));
+    }
+    if entries.is_empty() {
+        bail!("the results files hold no metric values");
     }
     Ok(json!([{"name": name, "results": entries}]))
+}
+
+fn result_entry(task: &str, dataset: Map<String, Value>, metrics: Vec<Value>) -> Value {
+    json!({"task": {"type": task}, "dataset": dataset, "metrics": metrics})
+}
+
+/// A model-index metric: the Hub metric id for `name`, which stays as the `name`.
+fn metric_entry(name: &str, value: f64) -> Value {
+    let id = match name {
+        "acc" | "acc_norm" | "top1" | "top5" => "accuracy",
+        n if n.ends_with("perplexity") => "perplexity",
+        n => n,
+    };
+    json!({"type": id, "name": name, "value": value})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenformer::eval::harness::{blocks, with_blocks, Metric, RunConfig, TaskEntry};
+    use tokenformer::eval::tasks::Task;
+
+    fn metric(name: &'static str, value: f64) -> Metric {
+        Metric {
+            name,
+            value: Some(value),
+            stderr: Some(0.01),
+            higher_is_better: true,
+        }
+    }
+
+    #[test]
+    fn model_index_follows_the_hub_spec() {
+        let arc = Task::ArcEasy;
+        let tasks = [
+            TaskEntry {
+                name: arc.name().into(),
+                version: 1.0,
+                dataset_path: arc.dataset_path(),
+                dataset_name: arc.dataset_name(),
+                split: Some(arc.split()),
+                output_type: arc.output_type(),
+                metrics: vec![metric("acc", 0.5), metric("acc_norm", 0.25)],
+                original: Some(4),
+                effective: 4,
+            },
+            TaskEntry {
+                name: "pile_arxiv".into(),
+                version: 2.0,
+                dataset_path: "EleutherAI/pile",
+                dataset_name: None,
+                split: None,
+                output_type: "loglikelihood_rolling",
+                metrics: vec![metric("word_perplexity", 31.5)],
+                original: None,
+                effective: 2,
+            },
+        ];
+        let run = RunConfig {
+            model: "me/m@abc",
+            commit: None,
+            dtype: Some("float32"),
+            batch_size: 1,
+            limit: None,
+            elapsed_seconds: 1.0,
+        };
+        let harness = with_blocks(json!({"kind": "tasks"}), blocks(&tasks, &run));
+        let imagenet = json!({"kind": "imagenet", "top1": 81.5, "top5": 95.0});
+        let index = model_index("m", &[harness, imagenet]).unwrap();
+        let results = index[0]["results"].as_array().unwrap();
+        assert_eq!(index[0]["name"], "m");
+        assert_eq!(results.len(), 3);
+        assert_eq!(
+            results[0],
+            json!({
+                "task": {"type": "text-generation"},
+                "dataset": {"name": "arc_easy", "type": "allenai/ai2_arc", "config": "ARC-Easy", "split": "test"},
+                "metrics": [
+                    {"type": "accuracy", "name": "acc", "value": 0.5},
+                    {"type": "accuracy", "name": "acc_norm", "value": 0.25},
+                ],
+            })
+        );
+        assert_eq!(
+            results[1]["dataset"],
+            json!({"name": "pile_arxiv", "type": "EleutherAI/pile"})
+        );
+        assert_eq!(
+            results[1]["metrics"],
+            json!([{"type": "perplexity", "name": "word_perplexity", "value": 31.5}])
+        );
+        assert_eq!(results[2]["dataset"]["type"], "ILSVRC/imagenet-1k");
+        assert_eq!(
+            results[2]["metrics"][0],
+            json!({"type": "accuracy", "name": "top1", "value": 81.5})
+        );
+        assert!(model_index("m", &[json!({"kind": "other"})]).is_err());
+    }
 }

@@ -108,6 +108,14 @@ fn publish_then_download_gives_the_same_model() {
         meta["model-index"][0]["results"][0]["metrics"][0]["value"],
         12.5
     );
+    assert!(
+        meta.get("library_name").is_none(),
+        "no library the Hub does not list"
+    );
+    assert_eq!(
+        meta["model-index"][0]["results"][0]["metrics"][0]["type"],
+        "perplexity"
+    );
     assert!(meta["tags"]
         .as_array()
         .unwrap()

@@ -42,6 +42,10 @@ pub struct TaskEntry {
     pub version: f64,
     /// The dataset the harness loads it from (`dataset_path`).
     pub dataset_path: &'static str,
+    /// Its configuration (`dataset_name`), if it has several.
+    pub dataset_name: Option<&'static str>,
+    /// The split evaluated (`test` or `validation`), if known.
+    pub split: Option<&'static str>,
     /// The harness's request type (`multiple_choice`, `loglikelihood`, …).
     pub output_type: &'static str,
     /// Its metrics.
@@ -98,19 +102,25 @@ pub fn blocks(tasks: &[TaskEntry], run: &RunConfig) -> Map<String, Value> {
         }
         results.insert(t.name.clone(), Value::Object(r));
         subtasks.insert(t.name.clone(), json!([]));
-        configs.insert(
-            t.name.clone(),
-            json!({
-                "task": t.name,
-                "dataset_path": t.dataset_path,
-                "output_type": t.output_type,
-                "num_fewshot": 0,
-                "metric_list": t.metrics.iter().map(|m| json!({
-                    "metric": m.name, "higher_is_better": m.higher_is_better
-                })).collect::<Vec<_>>(),
-                "metadata": {"version": t.version},
-            }),
-        );
+        let mut config = json!({
+            "task": t.name,
+            "dataset_path": t.dataset_path,
+            "output_type": t.output_type,
+            "num_fewshot": 0,
+            "metric_list": t.metrics.iter().map(|m| json!({
+                "metric": m.name, "higher_is_better": m.higher_is_better
+            })).collect::<Vec<_>>(),
+            "metadata": {"version": t.version},
+        });
+        if let Some(name) = t.dataset_name {
+            config["dataset_name"] = json!(name);
+        }
+        match t.split {
+            Some("test") => config["test_split"] = json!("test"),
+            Some(split) => config["validation_split"] = json!(split),
+            None => {}
+        }
+        configs.insert(t.name.clone(), config);
         versions.insert(t.name.clone(), json!(t.version));
         n_shot.insert(t.name.clone(), json!(0));
         better.insert(t.name.clone(), Value::Object(hib));

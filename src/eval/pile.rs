@@ -569,6 +569,8 @@ impl PileReport {
                 name,
                 version: 2.0,
                 dataset_path: "EleutherAI/pile",
+                dataset_name: None,
+                split: None,
                 output_type: "loglikelihood_rolling",
                 metrics: vec![
                     metric("word_perplexity", m.word_perplexity),

@@ -120,6 +120,25 @@ impl Task {
         }
     }
 
+    /// The configuration of [`dataset_path`](Self::dataset_path) (the harness's `dataset_name`).
+    pub fn dataset_name(&self) -> Option<&'static str> {
+        match self {
+            Task::Lambada => Some("default"),
+            Task::ArcEasy => Some("ARC-Easy"),
+            Task::ArcChallenge => Some("ARC-Challenge"),
+            Task::Winogrande => Some("winogrande_xl"),
+            Task::Hellaswag | Task::Piqa => None,
+        }
+    }
+
+    /// The split the harness evaluates (the test split where it is labelled).
+    pub fn split(&self) -> &'static str {
+        match self {
+            Task::Lambada | Task::ArcEasy | Task::ArcChallenge => "test",
+            Task::Hellaswag | Task::Piqa | Task::Winogrande => "validation",
+        }
+    }
+
     /// The harness's request type for the task.
     pub fn output_type(&self) -> &'static str {
         match self {
@@ -813,6 +832,8 @@ impl TaskReport {
             name: self.task.clone(),
             version: 1.0,
             dataset_path: task.map_or("", |t| t.dataset_path()),
+            dataset_name: task.and_then(|t| t.dataset_name()),
+            split: task.map(|t| t.split()),
             output_type: task.map_or("multiple_choice", |t| t.output_type()),
             metrics,
             original: self.documents_in_data,
