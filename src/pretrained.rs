@@ -10,12 +10,17 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::eval::imagenet::{self, Prediction};
+use crate::eval::{pile, tasks};
 use crate::generate::{self, SamplingParams};
 use crate::hub::HubClient;
 use crate::loader::{self, LocateOptions, ModelFiles};
 use crate::models::lm::TokenFormerLm;
 use crate::models::vit::VisionTransformer;
-use crate::scoring::{self, SequenceScore};
+use crate::scoring::{self, Loglikelihood, Scorer, SequenceScore};
+
+/// Requests per forward pass of the facade's harness-style scoring (also
+/// bounded by the scorer's token cap).
+const SCORE_BATCH: usize = 16;
 
 /// The precision a language model's weight matrices are kept in (compute is f32).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -118,6 +123,41 @@ impl LanguageModel {
         scoring::score_ids(&self.model, &self.encode(text)?)
     }
 
+    /// log p(continuation | context) of each (context, continuation) pair and
+    /// whether greedy decoding would produce the continuation: the
+    /// lm-evaluation-harness `loglikelihood` request, with its tokenization
+    /// (context whitespace moved to the continuation) and left truncation to
+    /// the model's context.
+    pub fn loglikelihood(
+        &self,
+        pairs: &[(impl AsRef<str>, impl AsRef<str>)],
+    ) -> Result<Vec<Loglikelihood>> {
+        let prefix = self.model.config().eos_token_id;
+        let requests = pairs
+            .iter()
+            .map(|(c, x)| tasks::encode_pair(&self.tokenizer, prefix, c.as_ref(), x.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
+        let scorer = Scorer::new(&self.model, None)?.with_greedy(true);
+        scorer.score_all(&requests, SCORE_BATCH, |_| {})
+    }
+
+    /// The total log-likelihood of each text, every token scored once in
+    /// windows of the model's context (the first given the end-of-text token):
+    /// the lm-evaluation-harness `loglikelihood_rolling` request.
+    pub fn loglikelihood_rolling(&self, texts: &[impl AsRef<str>]) -> Result<Vec<f64>> {
+        let prefix = self.model.config().eos_token_id;
+        let scorer = Scorer::new(&self.model, None)?;
+        texts
+            .iter()
+            .map(|t| {
+                let ids = self.encode(t.as_ref())?;
+                let windows = pile::rolling_windows(&ids, prefix, scorer.max_length());
+                let scored = scorer.score_all(&windows, SCORE_BATCH, |_| {})?;
+                Ok(scored.iter().map(|l| l.logprob).sum())
+            })
+            .collect()
+    }
+
     /// Continues `prompt` by up to `max_new_tokens` tokens (fewer at the end
     /// of the context or at the end-of-text token) and returns the new text.
     pub fn generate(
@@ -149,12 +189,23 @@ impl LanguageModel {
         max_new_tokens: usize,
         params: SamplingParams,
         stop: &[impl AsRef<str>],
+        on_text: impl FnMut(&str) -> Result<()>,
+    ) -> Result<String> {
+        self.generate_from_ids(&self.encode(prompt)?, max_new_tokens, params, stop, on_text)
+    }
+
+    /// [`generate_with`](Self::generate_with) from a prompt already in token ids.
+    pub fn generate_from_ids(
+        &self,
+        ids: &[u32],
+        max_new_tokens: usize,
+        params: SamplingParams,
+        stop: &[impl AsRef<str>],
         mut on_text: impl FnMut(&str) -> Result<()>,
     ) -> Result<String> {
-        let ids = self.encode(prompt)?;
         let eos = self.model.config().eos_token_id;
         let mut stream = generate::TextStream::new(&self.tokenizer, stop);
-        generate::generate(&self.model, &ids, max_new_tokens, params, |id| {
+        generate::generate(&self.model, ids, max_new_tokens, params, |id| {
             if id == eos {
                 return Ok(ControlFlow::Continue(()));
             }

@@ -1,0 +1,335 @@
+//! The `tokenformer` Python package's native module (`tokenformer._tokenformer`):
+//! thin PyO3 wrappers over the library's facade ([`tokenformer::LanguageModel`],
+//! [`tokenformer::ImageClassifier`]). Compute runs with the GIL released;
+//! library errors become `tokenformer.TokenFormerError` with the same message.
+
+use std::path::PathBuf;
+
+use numpy::{IntoPyArray, PyArray1};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use tokenformer::generate::SamplingParams;
+use tokenformer::{PretrainedOptions, SequenceScore, WeightPrecision};
+
+create_exception!(
+    _tokenformer,
+    TokenFormerError,
+    PyException,
+    "An error of the tokenformer library (bad input, a missing file, a Hub failure)."
+);
+
+fn err(e: tokenformer::Error) -> PyErr {
+    TokenFormerError::new_err(e.to_string())
+}
+
+fn options(
+    tokenizer: Option<PathBuf>,
+    config: Option<PathBuf>,
+    weights: &str,
+) -> PyResult<PretrainedOptions> {
+    let weights = match weights {
+        "f32" => WeightPrecision::F32,
+        "f16" => WeightPrecision::F16,
+        "q8" => WeightPrecision::Q8,
+        other => {
+            return Err(TokenFormerError::new_err(format!(
+                "weights must be \"f32\", \"f16\" or \"q8\", not {other:?}"
+            )))
+        }
+    };
+    Ok(PretrainedOptions {
+        config,
+        tokenizer,
+        weights,
+        hub: None,
+    })
+}
+
+/// Per-token scores of one text: `ids`, `next_token_logprobs` (log p of
+/// ids[t+1] given ids[..=t]), `argmax`, `logsumexp` as numpy arrays, and
+/// `nll` and `perplexity`.
+#[pyclass(module = "tokenformer", frozen)]
+struct Score {
+    inner: SequenceScore,
+}
+
+#[pymethods]
+impl Score {
+    #[getter]
+    fn ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        self.inner.ids.clone().into_pyarray(py)
+    }
+    #[getter]
+    fn next_token_logprobs<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f32>> {
+        self.inner.next_token_logprobs.clone().into_pyarray(py)
+    }
+    #[getter]
+    fn argmax<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        self.inner.argmax.clone().into_pyarray(py)
+    }
+    #[getter]
+    fn logsumexp<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<f32>> {
+        self.inner.logsumexp.clone().into_pyarray(py)
+    }
+    #[getter]
+    fn nll(&self) -> f64 {
+        self.inner.nll
+    }
+    #[getter]
+    fn perplexity(&self) -> f64 {
+        self.inner.perplexity
+    }
+    fn __len__(&self) -> usize {
+        self.inner.next_token_logprobs.len()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Score(tokens={}, nll={:.4}, perplexity={:.4})",
+            self.inner.ids.len(),
+            self.inner.nll,
+            self.inner.perplexity
+        )
+    }
+}
+
+/// One text or many.
+#[derive(FromPyObject)]
+enum Texts {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// A prompt as text or as token ids.
+#[derive(FromPyObject)]
+enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// A TokenFormer language model with its tokenizer.
+#[pyclass(module = "tokenformer", frozen)]
+struct LanguageModel {
+    inner: tokenformer::LanguageModel,
+}
+
+#[pymethods]
+impl LanguageModel {
+    /// Loads a model by zoo name, Hub repo id `owner/name[@revision]` or local
+    /// path, with its tokenizer. `weights`: "f32", "f16" or "q8".
+    #[staticmethod]
+    #[pyo3(signature = (name, *, tokenizer=None, config=None, weights="f32"))]
+    fn from_pretrained(
+        py: Python<'_>,
+        name: &str,
+        tokenizer: Option<PathBuf>,
+        config: Option<PathBuf>,
+        weights: &str,
+    ) -> PyResult<Self> {
+        let opts = options(tokenizer, config, weights)?;
+        let inner = py
+            .detach(|| tokenformer::LanguageModel::from_pretrained(name, &opts))
+            .map_err(err)?;
+        Ok(Self { inner })
+    }
+
+    /// Where the model was loaded from (`owner/name@revision` or a path).
+    #[getter]
+    fn source(&self) -> String {
+        self.inner.source().to_string()
+    }
+
+    /// The model's context length in tokens.
+    #[getter]
+    fn max_length(&self) -> usize {
+        self.inner.model().config().max_position_embeddings
+    }
+
+    /// The end-of-text token id.
+    #[getter]
+    fn eot_token_id(&self) -> u32 {
+        self.inner.model().config().eos_token_id
+    }
+
+    /// The token ids of `text` (no special tokens added).
+    fn encode(&self, text: &str) -> PyResult<Vec<u32>> {
+        self.inner.encode(text).map_err(err)
+    }
+
+    /// The text of `ids`.
+    fn decode(&self, ids: Vec<u32>) -> PyResult<String> {
+        self.inner.decode(&ids).map_err(err)
+    }
+
+    /// Scores a text (a `Score`) or a list of texts (a list of `Score`s), as
+    /// `tokenformer score --json` does.
+    fn score(&self, py: Python<'_>, texts: Texts) -> PyResult<Py<PyAny>> {
+        match texts {
+            Texts::One(t) => {
+                let inner = py.detach(|| self.inner.score(&t)).map_err(err)?;
+                Ok(Py::new(py, Score { inner })?.into_any())
+            }
+            Texts::Many(ts) => {
+                let scores = py
+                    .detach(|| {
+                        ts.iter()
+                            .map(|t| self.inner.score(t))
+                            .collect::<Result<Vec<_>, _>>()
+                    })
+                    .map_err(err)?;
+                let list = scores
+                    .into_iter()
+                    .map(|inner| Py::new(py, Score { inner }))
+                    .collect::<PyResult<Vec<_>>>()?;
+                Ok(list.into_pyobject(py)?.into_any().unbind())
+            }
+        }
+    }
+
+    /// `(log p(continuation | context), is_greedy)` for each (context,
+    /// continuation) pair: lm-evaluation-harness's `loglikelihood`.
+    fn loglikelihood(
+        &self,
+        py: Python<'_>,
+        pairs: Vec<(String, String)>,
+    ) -> PyResult<Vec<(f64, bool)>> {
+        let scored = py
+            .detach(|| self.inner.loglikelihood(&pairs))
+            .map_err(err)?;
+        Ok(scored.iter().map(|l| (l.logprob, l.is_greedy)).collect())
+    }
+
+    /// The total log-likelihood of each text in windows of the model's
+    /// context: lm-evaluation-harness's `loglikelihood_rolling`.
+    fn loglikelihood_rolling(&self, py: Python<'_>, texts: Vec<String>) -> PyResult<Vec<f64>> {
+        py.detach(|| self.inner.loglikelihood_rolling(&texts))
+            .map_err(err)
+    }
+
+    /// Continues `prompt` (text or token ids) and returns the new text.
+    /// Greedy when `temperature` is 0; `stop` strings end the text before them.
+    #[pyo3(signature = (
+        prompt, max_new_tokens=64, *, temperature=0.0, top_k=None, top_p=None,
+        seed=299_792_458, repeat_penalty=1.0, repeat_last_n=64, stop=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate(
+        &self,
+        py: Python<'_>,
+        prompt: Prompt,
+        max_new_tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        top_p: Option<f64>,
+        seed: u64,
+        repeat_penalty: f32,
+        repeat_last_n: usize,
+        stop: Option<Vec<String>>,
+    ) -> PyResult<String> {
+        let params = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            repeat_penalty,
+            repeat_last_n,
+        };
+        let stop = stop.unwrap_or_default();
+        py.detach(|| {
+            let lm = &self.inner;
+            match prompt {
+                Prompt::Text(t) => lm.generate_until(&t, max_new_tokens, params, &stop),
+                Prompt::Ids(ids) => {
+                    lm.generate_from_ids(&ids, max_new_tokens, params, &stop, |_| Ok(()))
+                }
+            }
+        })
+        .map_err(err)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("LanguageModel({:?})", self.inner.source())
+    }
+}
+
+/// A TokenFormer image classifier with its preprocessing and class names.
+#[pyclass(module = "tokenformer", frozen)]
+struct ImageClassifier {
+    inner: tokenformer::ImageClassifier,
+}
+
+#[pymethods]
+impl ImageClassifier {
+    /// Loads a classifier by zoo name, Hub repo id or local path.
+    #[staticmethod]
+    #[pyo3(signature = (name, *, config=None))]
+    fn from_pretrained(py: Python<'_>, name: &str, config: Option<PathBuf>) -> PyResult<Self> {
+        let opts = options(None, config, "f32")?;
+        let inner = py
+            .detach(|| tokenformer::ImageClassifier::from_pretrained(name, &opts))
+            .map_err(err)?;
+        Ok(Self { inner })
+    }
+
+    /// Where the model was loaded from.
+    #[getter]
+    fn source(&self) -> String {
+        self.inner.source().to_string()
+    }
+
+    /// The `k` most likely classes of each image file (JPEG, PNG, WebP), most
+    /// likely first: per path a list of dicts `index`, `prob` and, when the
+    /// model has class names, `wnid` and `name`. One path gives one list.
+    #[pyo3(signature = (paths, k=5))]
+    fn classify(&self, py: Python<'_>, paths: Texts, k: usize) -> PyResult<Py<PyAny>> {
+        let (files, one) = match paths {
+            Texts::One(p) => (vec![PathBuf::from(p)], true),
+            Texts::Many(ps) => (ps.into_iter().map(PathBuf::from).collect(), false),
+        };
+        let results = py
+            .detach(|| {
+                tokenformer::eval::imagenet::classify_files(self.inner.model(), &files, k, 32)
+            })
+            .map_err(err)?;
+        let mut out = Vec::with_capacity(results.len());
+        for (path, r) in results {
+            let preds =
+                r.map_err(|e| TokenFormerError::new_err(format!("{}: {e}", path.display())))?;
+            let list = preds
+                .iter()
+                .map(|p| {
+                    let d = PyDict::new(py);
+                    d.set_item("index", p.index)?;
+                    if let Some(w) = &p.wnid {
+                        d.set_item("wnid", w)?;
+                    }
+                    if let Some(n) = &p.name {
+                        d.set_item("name", n)?;
+                    }
+                    d.set_item("prob", p.prob)?;
+                    Ok(d)
+                })
+                .collect::<PyResult<Vec<_>>>()?;
+            out.push(list);
+        }
+        if one {
+            Ok(out.remove(0).into_pyobject(py)?.into_any().unbind())
+        } else {
+            Ok(out.into_pyobject(py)?.into_any().unbind())
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ImageClassifier({:?})", self.inner.source())
+    }
+}
+
+#[pymodule]
+fn _tokenformer(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("TokenFormerError", m.py().get_type::<TokenFormerError>())?;
+    m.add_class::<LanguageModel>()?;
+    m.add_class::<ImageClassifier>()?;
+    m.add_class::<Score>()?;
+    Ok(())
+}

@@ -1,0 +1,215 @@
+"""The Python package against the `tokenformer` command line (the same engine
+must give the same numbers) and against lm-evaluation-harness's own API."""
+
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tokenformer
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(os.environ.get("TOKENFORMER_BIN", ROOT / "target" / "release" / "tokenformer"))
+KJV = str(ROOT / "zoo" / "tiny-kjv-lm")
+DIGITS = str(ROOT / "zoo" / "tiny-digits-vit")
+EXAMPLES = ROOT / "zoo" / "examples" / "digits"
+TEXTS = [
+    "In the beginning God created the heaven and the earth.",
+    "And the earth was without form, and void; and darkness was upon the face of the deep.",
+]
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    r = subprocess.run([str(BIN), *args], capture_output=True, text=True, env=env)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tokenformer.LanguageModel.from_pretrained(KJV)
+
+
+def test_score_equals_the_cli(lm):
+    for text in TEXTS:
+        want = json.loads(cli("score", "--model", KJV, "--text", text, "--json").stdout)
+        got = lm.score(text)
+        assert got.ids.dtype == np.uint32 and got.next_token_logprobs.dtype == np.float32
+        assert got.ids.tolist() == want["ids"]
+        np.testing.assert_array_equal(got.next_token_logprobs, np.array(want["next_token_logprobs"], np.float32))
+        assert got.argmax.tolist() == want["argmax"]
+        assert got.nll == pytest.approx(want["nll"], rel=1e-12)
+        assert got.perplexity == pytest.approx(want["perplexity"], rel=1e-12)
+    many = lm.score(TEXTS)
+    assert [s.nll for s in many] == [lm.score(t).nll for t in TEXTS]
+
+
+def test_generate_equals_the_cli(lm):
+    prompt = "And God said unto Moses,"
+    out = cli("generate", "--model", KJV, "--prompt", prompt, "--max-new-tokens", "30").stdout
+    assert lm.generate(prompt, 30) + "\n" == out[len(prompt):]
+    stop = out[len(prompt):].split()[2]
+    out = cli("generate", "--model", KJV, "--prompt", prompt, "--max-new-tokens", "30", "--stop", stop).stdout
+    assert lm.generate(prompt, 30, stop=[stop]) + "\n" == out[len(prompt):]
+    sampled = dict(temperature=0.8, top_k=20, seed=7, repeat_penalty=1.3, repeat_last_n=16)
+    out = cli(
+        "generate", "--model", KJV, "--prompt", prompt, "--max-new-tokens", "20",
+        "--temperature", "0.8", "--top-k", "20", "--seed", "7",
+        "--repeat-penalty", "1.3", "--repeat-last-n", "16",
+    ).stdout
+    assert lm.generate(prompt, 20, **sampled) + "\n" == out[len(prompt):]
+    # A prompt in token ids continues the same way.
+    assert lm.generate(lm.encode(prompt), 30) == lm.generate(prompt, 30)
+
+
+def test_classify_equals_the_cli():
+    clf = tokenformer.ImageClassifier.from_pretrained(DIGITS)
+    images = sorted(str(p) for p in (EXAMPLES / "seven").iterdir())[:2] + sorted(
+        str(p) for p in (EXAMPLES / "three").iterdir()
+    )[:1]
+    want = json.loads(cli("classify", "--model", DIGITS, "--json", *images).stdout)
+    got = clf.classify(images, k=5)
+    assert len(got) == 3
+    for g, w in zip(got, want):
+        assert [p["index"] for p in g] == [p["index"] for p in w["top5"]]
+        assert [p["name"] for p in g] == [p["name"] for p in w["top5"]]
+        np.testing.assert_allclose([p["prob"] for p in g], [p["prob"] for p in w["top5"]], rtol=1e-6)
+    assert clf.classify(images[0], k=1)[0]["name"] == "seven"
+
+
+def test_errors_carry_the_library_message(tmp_path):
+    bad = tmp_path / "model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"architecture": "tokenformer-lm", "hidden_size": "x"}')
+    with pytest.raises(tokenformer.TokenFormerError) as e:
+        tokenformer.LanguageModel.from_pretrained(str(bad))
+    r = cli("score", "--model", str(bad), "--text", "a b c", check=False)
+    assert r.returncode == 1
+    assert str(e.value) in r.stderr
+    assert "model.safetensors" in str(e.value)
+    with pytest.raises(tokenformer.TokenFormerError, match="weights must be"):
+        tokenformer.LanguageModel.from_pretrained(KJV, weights="int4")
+
+
+def test_compute_releases_the_gil(lm):
+    text = " ".join(TEXTS * 40)
+    done = threading.Event()
+
+    def work():
+        for _ in range(3):
+            lm.loglikelihood_rolling([text])
+        done.set()
+
+    t = threading.Thread(target=work)
+    start = time.perf_counter()
+    t.start()
+    spins = 0
+    while not done.is_set():
+        spins += 1
+    t.join()
+    # With the GIL held for the whole call this thread could not spin at all.
+    assert spins > 10_000, (spins, time.perf_counter() - start)
+
+
+class Req:
+    """The harness's Instance, as far as an LM reads it."""
+
+    def __init__(self, *args):
+        self.args = args
+
+
+def by_hand_loglikelihood(lm, context, continuation):
+    ctx, whole = lm.encode(context), lm.encode(context + continuation)
+    n = len(whole) - len(ctx)
+    s = lm.score(context + continuation)
+    logprob = float(np.sum(s.next_token_logprobs[-n:].astype(np.float64)))
+    greedy = s.argmax[-n:].tolist() == whole[-n:]
+    return logprob, greedy
+
+
+def test_harness_adapter_requests(lm):
+    from tokenformer.harness import TokenFormerLM
+
+    h = TokenFormerLM(model=lm, batch_size=4, device="cpu")
+    pairs = [("And God said", " unto Moses"), ("In the beginning", " God created"), ("Jesus", " wept")]
+    got = h.loglikelihood([Req(c, x) for c, x in pairs])
+    for (lp, greedy), (c, x) in zip(got, pairs):
+        want_lp, want_greedy = by_hand_loglikelihood(lm, c, x)
+        assert lp == pytest.approx(want_lp, abs=1e-4)
+        assert greedy == want_greedy
+    # Rolling: one window here, every token given the end-of-text token first.
+    eot = lm.decode([h.eot_token_id])
+    for text in TEXTS:
+        (rolled,) = h.loglikelihood_rolling([Req(text)])
+        s = lm.score(eot + text)
+        assert s.ids[0] == h.eot_token_id
+        assert rolled == pytest.approx(float(np.sum(s.next_token_logprobs.astype(np.float64))), abs=1e-4)
+    # Longer than the context (256 tokens): windows still score every token once.
+    long = " ".join(TEXTS * 20)
+    n = len(lm.encode(long))
+    assert n > h.max_length
+    (rolled,) = h.loglikelihood_rolling([Req(long)])
+    assert rolled < 0 and np.isfinite(rolled)
+    # generate_until stops before the first `until` string and honours max_gen_toks.
+    prompt = "And God said unto Moses,"
+    free = lm.generate(prompt, 30)
+    word = free.split()[3]
+    (text,) = h.generate_until([Req(prompt, {"until": [word], "max_gen_toks": 30})])
+    assert text == free[: free.index(word)]
+    (short,) = h.generate_until([Req(prompt, {"until": ["zzzz"], "max_gen_toks": 5})])
+    assert len(lm.encode(short)) <= 5 and free.startswith(short)
+
+
+def test_through_the_harness(tmp_path, lm):
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import get_model
+
+    import tokenformer.harness  # noqa: F401  (registers "tokenformer")
+
+    cls = get_model("tokenformer")
+    assert issubclass(cls, LM)
+    h = cls.create_from_arg_string(f"pretrained={KJV},weights=f32", {"batch_size": 8, "device": "cpu"})
+    req = Instance(request_type="loglikelihood", doc={}, arguments=("And God said", " unto Moses"), idx=0)
+    ((lp, greedy),) = h.loglikelihood([req])
+    assert lp == pytest.approx(by_hand_loglikelihood(lm, "And God said", " unto Moses")[0], abs=1e-4)
+
+    # A whole harness run on a local multiple-choice task.
+    data = tmp_path / "kjv_mc.jsonl"
+    docs = [
+        {"q": "In the beginning God created the heaven and the", "choices": ["earth.", "fish.", "bread."], "gold": 0},
+        {"q": "And God said, Let there be", "choices": ["spoons", "light:", "wheels"], "gold": 1},
+    ]
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "kjv_mc.yaml").write_text(
+        "task: kjv_mc\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        "doc_to_text: '{{q}}'\n"
+        "doc_to_choice: '{{choices}}'\n"
+        "doc_to_target: gold\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    from lm_eval.tasks import TaskManager
+
+    results = lm_eval.simple_evaluate(
+        model=h, tasks=["kjv_mc"], task_manager=TaskManager(include_path=str(tmp_path))
+    )
+    acc = results["results"]["kjv_mc"]["acc,none"]
+    # The same decision by hand: the choice (after the harness's " " delimiter)
+    # with the highest log-likelihood.
+    want = np.mean([
+        int(np.argmax([by_hand_loglikelihood(lm, d["q"], " " + c)[0] for c in d["choices"]]) == d["gold"])
+        for d in docs
+    ])
+    assert acc == pytest.approx(want)
