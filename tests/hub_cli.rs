@@ -615,3 +615,66 @@ fn a_download_killed_midway_leaves_nothing_a_later_run_trusts() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[test]
+fn eval_imagenet_reads_an_image_folder_from_a_hub_dataset() {
+    let hub = FakeHub::start();
+    let home = tempfile::tempdir().unwrap();
+    let fixture = fixtures().join("vit-tiny-imagenet");
+    // The repo holds the images under val/ and other files beside them.
+    hub.add_folder("datasets/me/tiny-val", "main", &fixture);
+    let model = fixture.join("vit-tiny");
+    let endpoint = hub.endpoint();
+    let run = |data: &str, offline: bool, json: &Path| {
+        let args = [
+            "eval",
+            "imagenet",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data,
+            "--json",
+            json.to_str().unwrap(),
+            "--quiet",
+        ];
+        let (out, _, se) = cli(&endpoint, home.path(), offline, &args);
+        assert!(out.status.success(), "{data}: {se}");
+        let v: serde_json::Value = serde_json::from_slice(&read(json)).unwrap();
+        v
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let local = run(
+        fixture.join("val").to_str().unwrap(),
+        false,
+        &dir.path().join("a.json"),
+    );
+    let spec = "hf://datasets/me/tiny-val/val";
+    let remote = run(spec, false, &dir.path().join("b.json"));
+    for k in ["images", "top1", "top5", "correct_top1", "correct_top5"] {
+        assert_eq!(remote[k], local[k], "{k}");
+    }
+    assert!(local["images"].as_u64().unwrap() >= 3);
+    assert!(hub
+        .requests()
+        .iter()
+        .any(|r| r.path.starts_with("/api/datasets/me/tiny-val/tree/")));
+    // Cached: offline with the server gone, the same result.
+    hub.stop();
+    let offline = run(spec, true, &dir.path().join("c.json"));
+    assert_eq!(offline["top1"], local["top1"]);
+    // A folder the repo does not have is named.
+    let (out, _, se) = cli(
+        "http://127.0.0.1:9",
+        home.path(),
+        true,
+        &[
+            "eval",
+            "imagenet",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            "hf://datasets/me/tiny-val/nope",
+        ],
+    );
+    assert!(!out.status.success() && se.contains("nope/"), "{se}");
+}

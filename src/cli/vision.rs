@@ -19,10 +19,11 @@ use super::ModelArgs;
 pub struct ImagenetArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// `val/` with one folder per wnid (`val/<wnid>/*.JPEG`), or a flat folder with --labels.
+    /// `val/` with one folder per wnid (`val/<wnid>/*.JPEG`), or a flat folder with --labels;
+    /// or such a folder in a Hub dataset, hf://datasets/OWNER/NAME[@REV]/DIR (downloaded into the cache).
     #[arg(long)]
     pub data: PathBuf,
-    /// Labels of a flat folder: `LOC_val_solution.csv` or lines `file label_index`.
+    /// Labels of a flat folder: `LOC_val_solution.csv` or lines `file label_index` (or hf://datasets/…).
     #[arg(long)]
     pub labels: Option<PathBuf>,
     /// Write the result as JSON to this file.
@@ -104,9 +105,22 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
         loader::Weights::OfficialBin(p) => vec![p.clone()],
     };
     let param_count = imagenet::param_count(model.config(), &weights)?;
+    let data = match a.data.to_str().filter(|s| s.starts_with("hf://")) {
+        Some(spec) => {
+            let client = tokenformer::HubClient::from_env()?;
+            tokenformer::hub::dataset::fetch_folder_with(&client, spec)
+                .with_context(|| format!("--data {spec}"))?
+        }
+        None => a.data.clone(),
+    };
+    let labels = a
+        .labels
+        .as_deref()
+        .map(super::eval_lm::resolve_data)
+        .transpose()?;
     let opts = imagenet::Options {
         param_count: Some(param_count),
-        labels: a.labels.clone(),
+        labels,
         batch_size: a.batch_size,
         limit: a.limit,
         shard: shard.map(|s| (s.index, s.count)),
@@ -121,7 +135,7 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
             "{bar:40} {pos}/{len} images  {per_sec}  ETA {eta}  {msg}",
         )
     };
-    let r = imagenet::evaluate_with(&model, &files.source, &a.data, &opts, |p| {
+    let r = imagenet::evaluate_with(&model, &files.source, &data, &opts, |p| {
         for e in &p.unreadable {
             bar.suspend(|| eprintln!("warning: unreadable image, counted and skipped: {e}"));
         }

@@ -99,6 +99,48 @@ pub fn fetch_with(client: &HubClient, spec: &str) -> Result<PathBuf, HubError> {
     })
 }
 
+/// The most files [`fetch_folder_with`] downloads for one folder (ImageNet's
+/// validation set has 50,000 images plus a few label files).
+pub const MAX_FOLDER_FILES: usize = 200_000;
+
+/// Fetches every file under the folder `hf://datasets/OWNER/NAME[@REV]/DIR`
+/// (an image folder for `eval imagenet`) into the cache, or finds it there
+/// offline, and returns the local folder: the snapshot's `DIR`.
+pub fn fetch_folder_with(client: &HubClient, spec: &str) -> Result<PathBuf, HubError> {
+    let f = DatasetFile::parse(spec.trim_end_matches('/'))?;
+    let prefix = format!("{}/", f.path);
+    let files: Vec<String> = client
+        .list_files(&f.repo)?
+        .into_iter()
+        .filter_map(|e| e.path.starts_with(&prefix).then_some(e.path))
+        .collect();
+    let invalid = |reason: String| HubError::InvalidRepoId {
+        input: spec.to_string(),
+        reason,
+    };
+    if files.is_empty() {
+        return Err(invalid(format!("no files under {prefix} in {}", f.repo)));
+    }
+    if files.len() > MAX_FOLDER_FILES {
+        return Err(invalid(format!(
+            "{} files under {prefix}, more than the limit of {MAX_FOLDER_FILES}",
+            files.len()
+        )));
+    }
+    let names: Vec<&str> = files.iter().map(String::as_str).collect();
+    let local = client.download_files(&f.repo, &names, None)?;
+    // The first file's local path minus its part below the folder.
+    let below = files[0][prefix.len()..].split('/').count();
+    let mut dir = local
+        .first()
+        .cloned()
+        .ok_or_else(|| invalid("the download returned no file".into()))?;
+    for _ in 0..below {
+        dir.pop();
+    }
+    Ok(dir)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
