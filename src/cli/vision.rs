@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use clap::Args;
 use indicatif::ProgressBar;
@@ -37,7 +37,7 @@ pub struct ImagenetArgs {
     pub batch_size: usize,
     /// Evaluate shard I of N (images whose sorted index ≡ I mod N); combine with `eval merge`.
     #[arg(long, value_name = "I/N")]
-    pub shard: Option<String>,
+    pub shard: Option<Shard>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -87,14 +87,6 @@ fn append_timm_csv(path: &std::path::Path, r: &imagenet::ImagenetResult) -> Resu
 }
 
 pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
-    let shard = a
-        .shard
-        .as_deref()
-        .map(|s| {
-            s.parse::<Shard>()
-                .map_err(|_| anyhow!("--shard `{s}`: expected I/N with 0 <= I < N, e.g. 0/4"))
-        })
-        .transpose()?;
     if a.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
@@ -123,7 +115,7 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
         labels,
         batch_size: a.batch_size,
         limit: a.limit,
-        shard: shard.map(|s| (s.index, s.count)),
+        shard: a.shard,
         max_image_pixels: a.max_image_pixels,
         model_commit: tokenformer::eval::model_commit(&files),
     };

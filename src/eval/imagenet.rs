@@ -38,7 +38,7 @@ pub struct Options {
     /// Only the first N images of the sorted list (before sharding).
     pub limit: Option<usize>,
     /// `(I, N)`: every N-th image of the sorted list starting at I (a [`Shard`]).
-    pub shard: Option<(usize, usize)>,
+    pub shard: Option<Shard>,
     /// Images above this many pixels are unreadable (not decoded).
     pub max_image_pixels: u64,
     /// The commit the model's files come from, recorded in the result.
@@ -333,11 +333,7 @@ pub fn evaluate_with(
     opts: &Options,
     mut progress: impl FnMut(&ImagenetProgress),
 ) -> Result<ImagenetResult> {
-    let shard = opts
-        .shard
-        .map(|(i, n)| Shard::new(i, n))
-        .transpose()
-        .map_err(Error::input)?;
+    let shard = opts.shard;
     let cfg = model.config();
     let classes = ClassLabels::for_config(cfg);
     let ds = dataset::list(data, opts.labels.as_deref(), classes.wnids.as_deref())?;

@@ -369,31 +369,3 @@ fn list_with_labels(
         skipped: Vec::new(),
     })
 }
-
-/// `--shard I/N`: the samples whose index in the sorted list is ≡ I (mod N).
-pub fn shard<T: Clone>(items: &[T], index: usize, count: usize) -> Vec<T> {
-    items
-        .iter()
-        .skip(index)
-        .step_by(count.max(1))
-        .cloned()
-        .collect()
-}
-
-/// Parses `I/N` with 0 ≤ I < N.
-pub fn parse_shard(s: &str) -> Result<(usize, usize)> {
-    let err = || {
-        Error::input(format!(
-            "--shard `{s}`: expected I/N with 0 <= I < N, e.g. 0/4"
-        ))
-    };
-    let (i, n) = s.split_once('/').ok_or_else(err)?;
-    let (i, n): (usize, usize) = (
-        i.trim().parse().map_err(|_| err())?,
-        n.trim().parse().map_err(|_| err())?,
-    );
-    if n == 0 || i >= n {
-        return Err(err());
-    }
-    Ok((i, n))
-}
