@@ -18,6 +18,21 @@ pub struct ScaleTokens {
     pub ffn: usize,
 }
 
+impl ScaleTokens {
+    /// `grown_from_tokens` of a config: each count between 1 and the layer's
+    /// token count `now` (a model grows by appending tokens).
+    pub(crate) fn check_grown_into(&self, now: [usize; 3]) -> std::result::Result<(), String> {
+        for (key, old, now) in [
+            ("qkv", self.qkv, now[0]),
+            ("proj", self.proj, now[1]),
+            ("ffn", self.ffn, now[2]),
+        ] {
+            super::lm::check_range(&format!("grown_from_tokens.{key}"), old, 1, now)?;
+        }
+        Ok(())
+    }
+}
+
 /// What a block needs to know; shared by the language and vision models.
 #[derive(Clone, Debug)]
 pub struct BlockConfig {

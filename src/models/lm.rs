@@ -144,13 +144,7 @@ impl Config {
             MAX_CACHE_VALUES,
         )?;
         if let Some(g) = self.grown_from_tokens {
-            for (key, old, now) in [
-                ("qkv", g.qkv, self.qkv_tokens),
-                ("proj", g.proj, self.proj_tokens),
-                ("ffn", g.ffn, self.ffn_tokens),
-            ] {
-                check_range(&format!("grown_from_tokens.{key}"), old, 1, now)?;
-            }
+            g.check_grown_into([self.qkv_tokens, self.proj_tokens, self.ffn_tokens])?;
         }
         check_float("rotary_pct", self.rotary_pct, 0.0, false, 1.0)?;
         check_float("rotary_base", self.rotary_base, 1.0, true, MAX_ROTARY_BASE)?;

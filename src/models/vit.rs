@@ -173,13 +173,7 @@ impl Config {
         )?;
         check_range("num_classes", self.num_classes, 1, MAX_CLASSES)?;
         if let Some(g) = self.grown_from_tokens {
-            for (key, old, now) in [
-                ("qkv", g.qkv, self.qkv_tokens),
-                ("proj", g.proj, self.proj_tokens),
-                ("ffn", g.ffn, self.ffn_tokens),
-            ] {
-                check_range(&format!("grown_from_tokens.{key}"), old, 1, now)?;
-            }
+            g.check_grown_into([self.qkv_tokens, self.proj_tokens, self.ffn_tokens])?;
         }
         check_float("norm_eps", self.norm_eps, 0.0, false, 1.0)?;
         check_float("crop_pct", self.crop_pct, MIN_CROP_PCT, true, 1.0)?;
