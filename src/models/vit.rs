@@ -225,6 +225,7 @@ impl Config {
             norm_eps: self.norm_eps,
             activation: self.pattention_activation,
             scale_tokens: self.pattention_scale_tokens,
+            parallel_residual: false,
         }
     }
 
