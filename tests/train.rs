@@ -179,7 +179,14 @@ fn the_training_forward_supports_the_parallel_residual() {
     let infer = tokenformer::models::tokenformer::TokenFormerLm::new(&cfg, vb).unwrap();
     let a = train.forward(&ids).unwrap();
     let b = infer.forward(&ids, None).unwrap();
-    let max_abs = |t: Tensor| t.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    let max_abs = |t: Tensor| {
+        t.abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
     let diff = max_abs((&a - b).unwrap());
     assert!(diff < 2e-4, "max |Δ logit| {diff}");
     // The block structure really changed (the MLP no longer sees the attention output).
