@@ -185,16 +185,6 @@ impl ScaleFit {
     }
 }
 
-/// ‖a − b‖ / ‖b‖ over all elements, in f64.
-pub fn relative_error(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let (num, den) = squared_error(a, b)?;
-    Ok(if den == 0.0 {
-        num.sqrt()
-    } else {
-        (num / den).sqrt()
-    })
-}
-
 /// (‖a − b‖², ‖b‖²) in f64.
 fn squared_error(a: &Tensor, b: &Tensor) -> Result<(f64, f64)> {
     let a = a.flatten_all()?.to_dtype(DType::F64)?;
