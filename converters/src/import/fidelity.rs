@@ -427,3 +427,138 @@ pub fn finish(input: &str, folder: ModelFolder, report: &Report, text: CardText)
     card.section("Not representable", items.join("\n"));
     folder.finish_and_say(&card)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::mapping::PartStatus;
+    use super::*;
+
+    fn layer(i: usize, qkv: Exactness, mlp: Exactness, ratio: f64) -> LayerFidelity {
+        LayerFidelity {
+            layer: i,
+            query: 1.5e-6,
+            key: 2.0e-6,
+            value: 0.0125,
+            proj: 0.125,
+            mlp: 0.5,
+            proj_input_scale: 1.25,
+            dropped_mlp_bias_norm: 0.75,
+            attn_eps_over_var: ratio,
+            mlp_eps_over_var: 1e-6,
+            attn_eps_error: (1.0 + ratio).sqrt() - 1.0,
+            mlp_eps_error: 5e-7,
+            status: PartStatus {
+                query: qkv,
+                key: qkv,
+                value: qkv,
+                proj: Exactness::Approximate,
+                mlp,
+            },
+        }
+    }
+
+    fn report(text: bool) -> Report {
+        let info = |items, unit| DataInfo {
+            source: "shipped samples (x)".into(),
+            shipped: true,
+            items,
+            unit,
+            note: None,
+        };
+        let mut agreement = Agreement::default();
+        let src = Tensor::new(
+            &[[1f32, 0.0, 0.0], [0.0, 2.0, 0.0]],
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let imp = Tensor::new(
+            &[[1f32, 0.0, 0.0], [0.0, 0.0, 2.0]],
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let next = [1u32];
+        agreement
+            .add(&src, &imp, text.then_some(&next[..]))
+            .unwrap();
+        let unit = if text { "tokens" } else { "images" };
+        Report {
+            source: "src".into(),
+            from: "gpt-neox".into(),
+            mapping: Mapping::new(4),
+            calibration: info(10, unit),
+            evaluation: info(2, unit),
+            eval_images: None,
+            parallel_residual: text.then_some(true),
+            layers: vec![
+                layer(0, Exactness::EpsLimited, Exactness::Approximate, 0.025),
+                layer(1, Exactness::Exact, Exactness::Exact, 1e-6),
+            ],
+            end_to_end: agreement.finish(unit),
+            copied: vec![],
+            ignored_buffers: vec![],
+            not_representable: vec!["a note".into()],
+        }
+    }
+
+    #[test]
+    fn the_agreement_numbers() {
+        let e = report(true).end_to_end;
+        // Rows: argmax 0 = 0 (agree), 1 ≠ 2; KL of row 0 is 0.
+        assert_eq!((e.items, e.top1_agreement), (2, 0.5));
+        let ls = [2.0 - (2f64.exp() + 2.0).ln(), -(2f64.exp() + 2.0).ln()];
+        let kl = ls[0].exp() * (ls[0] - ls[1]) + 2.0 * ls[1].exp() * (ls[1] - ls[1]) + 0.0;
+        // Row 1: source p = (1, e², 1)/Z, import q = (1, 1, e²)/Z.
+        let kl_row1 = ls[0].exp() * (ls[0] - ls[1]) + ls[1].exp() * (ls[1] - ls[0]);
+        assert!(
+            (e.mean_kl - kl_row1 / 2.0).abs() < 1e-6,
+            "{} {kl}",
+            e.mean_kl
+        );
+        assert!((e.logits_relative_error - (8f64 / 5.0).sqrt()).abs() < 1e-9);
+        // One predicted token (row 0 predicts id 1): source log p = −ln(e + 2)... both 1/(e+2).
+        let p = (1f64.exp() + 2.0).ln().exp();
+        assert!((e.source_perplexity.unwrap() - p).abs() < 1e-5);
+        assert!((e.import_perplexity.unwrap() - p).abs() < 1e-5);
+        assert!(e.sample_note.unwrap().starts_with("only 2 eval tokens"));
+    }
+
+    #[test]
+    fn the_terminal_rendering_says_what_is_exact_and_why() {
+        let s = report(true).render(Style::Terminal);
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines[0], "calibration: 10 tokens, shipped samples (x)");
+        assert_eq!(lines[1], "evaluation: 2 tokens, shipped samples (x)");
+        assert_eq!(
+            lines[3],
+            "layer      query        key      value       proj        mlp    proj c dropped |b_in|  max eps/var      exact"
+        );
+        assert_eq!(
+            lines[4],
+            "    0   1.500e-6   2.000e-6   1.250e-2   1.250e-1   5.000e-1    1.2500         0.7500     2.500e-2       none"
+        );
+        assert!(
+            lines[5].ends_with("1.000e-6 query key value mlp"),
+            "{}",
+            lines[5]
+        );
+        assert!(s.contains(
+            "layer 0: query, key, value exact by construction, but eps/var reaches 2.500e-2 here: LayerNorm outputs differ from x̂ by up to 1.242e-2.\n"
+        ), "{s}");
+        assert!(s.contains("End to end on 2 eval tokens: next-token top-1 agreement 50.0%"));
+        assert!(s.contains("Perplexity on the eval text (1 predicted tokens)"));
+        assert!(s.ends_with("note: a note\n"));
+        let img = report(false).render(Style::Terminal);
+        assert!(img.contains("End to end on 2 eval images: top-1 agreement 50.0%"));
+        assert!(!img.contains("Perplexity"));
+    }
+
+    #[test]
+    fn the_markdown_rendering() {
+        let s = report(false).markdown();
+        assert!(s.starts_with("Calibration data (the fitted constants): 10 images, shipped samples (x). Eval data (every number here): 2 images, shipped samples (x).\n\n"));
+        assert!(s.contains("| layer | query | key | value | proj | mlp | proj c | dropped ‖b_in‖ | max eps/var | exact |\n|---|---|---|---|---|---|---|---|---|---|\n| 0 | 1.50e-6 | 2.00e-6 | 1.25e-2 | 1.25e-1 | 5.00e-1 | 1.2500 | 0.750 | 2.50e-2 | none |\n"), "{s}");
+        assert!(s.contains("- layer 0: query, key, value exact by construction"));
+        assert!(s.contains("Note: only 2 eval images"));
+        assert!(!s.contains("a note"));
+    }
+}
