@@ -603,6 +603,49 @@ fn import_gpt_neox_without_mlp_input_bias_is_near_exact() {
 }
 
 #[test]
+fn import_gpt_neox_without_attention_biases() {
+    // transformers' `attention_bias: false`: query_key_value and dense have no bias.
+    let n = Neox {
+        vocab: 320,
+        ..TINY_NEOX
+    };
+    let root = tmp();
+    let src = root.path().join("neox");
+    let mut w = neox_tensors(&n, 13, true);
+    let mut cfg = neox_config(&n);
+    cfg["attention_bias"] = json!(false);
+    for i in 0..n.layers {
+        for m in ["query_key_value", "dense"] {
+            w.remove(&format!("gpt_neox.layers.{i}.attention.{m}.bias"));
+        }
+    }
+    write_model(&src, &cfg, &w);
+    std::fs::copy(
+        import_fixtures().join("pythia/tokenizer.json"),
+        src.join("tokenizer.json"),
+    )
+    .unwrap();
+    let out = root.path().join("imp");
+    let mut args = import_args("gpt-neox", &src, &out);
+    args.extend(["--probe-text", PROBE]);
+    ok(&args);
+    // The reference forward, with zero biases in their place.
+    for i in 0..n.layers {
+        for (m, len) in [("query_key_value", 3 * n.d), ("dense", n.d)] {
+            w.insert(
+                format!("gpt_neox.layers.{i}.attention.{m}.bias"),
+                Tensor::zeros(len, DType::F32, &Device::Cpu).unwrap(),
+            );
+        }
+    }
+    let ids = tokenize(&out, PROBE);
+    let want = perplexity(&neox_logits(&n, &w, &ids, true), &ids);
+    let report = read_json(&out.join("import_report.json"));
+    let got = report["end_to_end"]["source_perplexity"].as_f64().unwrap();
+    assert!(close(got, want, 1e-4), "{got} vs {want}");
+}
+
+#[test]
 fn import_bad_inputs_fail_clearly_and_write_nothing() {
     let n = Neox {
         layers: 1,

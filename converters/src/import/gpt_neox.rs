@@ -40,6 +40,8 @@ pub struct NeoxConfig {
     pub max_position_embeddings: usize,
     pub eps: f64,
     pub parallel_residual: bool,
+    /// Biases on query_key_value and dense (transformers' `attention_bias`, default true).
+    pub attention_bias: bool,
     pub tie_word_embeddings: bool,
     pub eos_token_id: u32,
 }
@@ -95,6 +97,10 @@ pub fn config(c: &Value, origin: &str) -> Result<NeoxConfig> {
             .get("use_parallel_residual")
             .and_then(Value::as_bool)
             .unwrap_or(true),
+        attention_bias: c
+            .get("attention_bias")
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
         tie_word_embeddings: c
             .get("tie_word_embeddings")
             .and_then(Value::as_bool)
@@ -147,29 +153,39 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<NeoxSource> {
             &format!("{p}.attention.query_key_value.weight"),
             &[3 * d, d],
         )?;
-        let qkv_b = raw.take(&format!("{p}.attention.query_key_value.bias"), &[3 * d])?;
+        // transformers' `attention_bias: false` leaves out the attention's biases.
+        let attn_bias = cfg.attention_bias;
+        let qkv_b = if attn_bias {
+            Some(raw.take(&format!("{p}.attention.query_key_value.bias"), &[3 * d])?)
+        } else {
+            None
+        };
         let [qw, kw, vw] = split_fused(&qkv_w, cfg.num_heads, d)?;
-        let [qb, kb, vb] = split_fused(&qkv_b, cfg.num_heads, d)?;
-        let mut dense =
-            |n: &str, out: usize, inp: usize| raw.take_dense(&format!("{p}.{n}"), out, inp, true);
+        let [qb, kb, vb] = match &qkv_b {
+            Some(b) => split_fused(b, cfg.num_heads, d)?.map(Some),
+            None => [None, None, None],
+        };
+        let mut dense = |n: &str, out: usize, inp: usize, bias: bool| {
+            raw.take_dense(&format!("{p}.{n}"), out, inp, bias)
+        };
         layers.push(SourceLayer {
             ln1,
             query: Dense {
                 weight: qw,
-                bias: Some(qb),
+                bias: qb,
             },
             key: Dense {
                 weight: kw,
-                bias: Some(kb),
+                bias: kb,
             },
             value: Dense {
                 weight: vw,
-                bias: Some(vb),
+                bias: vb,
             },
-            dense: dense("attention.dense", d, d)?,
+            dense: dense("attention.dense", d, d, attn_bias)?,
             ln2,
-            fc1: dense("mlp.dense_h_to_4h", m, d)?,
-            fc2: dense("mlp.dense_4h_to_h", d, m)?,
+            fc1: dense("mlp.dense_h_to_4h", m, d, true)?,
+            fc2: dense("mlp.dense_4h_to_h", d, m, true)?,
         });
     }
     let final_norm = Norm {
