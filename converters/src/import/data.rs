@@ -80,7 +80,7 @@ impl Images {
         if !dir.is_dir() {
             bail!("{flag} {}: not a folder", dir.display());
         }
-        let files = vision::dataset::images_under(dir).with_context(|| format!("{flag}"))?;
+        let files = vision::dataset::images_under(dir).with_context(|| flag.to_string())?;
         if files.is_empty() {
             bail!(
                 "{flag} {}: no images found (looked for .jpg/.jpeg/.png/.webp files)",
