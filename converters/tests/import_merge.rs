@@ -646,6 +646,100 @@ fn import_gpt_neox_without_attention_biases() {
 }
 
 #[test]
+fn import_gpt_neox_at_the_usual_init_is_eps_limited_and_says_so() {
+    // Embeddings N(0, 0.02²): layer 0's LayerNorm sees var ~4e-4 against eps 1e-5, so
+    // its output is x̂/√(1 + eps/var), 1.2e-2 off: q/k/v are not exact there.
+    let n = Neox {
+        vocab: 320,
+        ..TINY_NEOX
+    };
+    let root = tmp();
+    let src = root.path().join("neox");
+    let mut w = neox_tensors(&n, 17, true);
+    let emb = Rng(99).tensor(&[n.vocab, n.d], 0.0, 0.02);
+    w.insert("gpt_neox.embed_in.weight".into(), emb.clone());
+    write_model(&src, &neox_config(&n), &w);
+    std::fs::copy(
+        import_fixtures().join("pythia/tokenizer.json"),
+        src.join("tokenizer.json"),
+    )
+    .unwrap();
+    let out = root.path().join("imp");
+    let text = import_fixtures().join("pythia-eval.txt");
+    let mut args = import_args("gpt-neox", &src, &out);
+    args.extend(["--eval-text", s(&text)]);
+    let stdout = ok(&args);
+    let report = read_json(&out.join("import_report.json"));
+    let l0 = &report["layers"][0];
+    for part in ["query", "key", "value"] {
+        assert_eq!(l0["status"][part], "eps_limited", "{l0}");
+    }
+    assert!(
+        stdout.contains("layer 0: query, key, value exact by construction, but eps/var reaches")
+    );
+
+    // Layer 0 reads the embeddings: the fitted scale is the mean √(var/(var + eps))
+    // over the calibration tokens (the shipped page), computed here.
+    let calib = tokenize(
+        &out,
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/samples/text/calibration.txt"),
+        )
+        .unwrap(),
+    );
+    let var_of = |ids: &[u32]| -> Vec<f64> {
+        let x = emb
+            .index_select(&Tensor::new(ids, &Device::Cpu).unwrap(), 0)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap();
+        let c = x
+            .broadcast_sub(&x.mean_keepdim(D::Minus1).unwrap())
+            .unwrap();
+        c.sqr().unwrap().mean(D::Minus1).unwrap().to_vec1().unwrap()
+    };
+    let f: Vec<f64> = var_of(&calib)
+        .iter()
+        .map(|v| (v / (v + 1e-5)).sqrt())
+        .collect();
+    let c = f.iter().sum::<f64>() / f.len() as f64;
+    let reported = l0["qkv_input_scale"].as_f64().unwrap();
+    assert!((reported - c).abs() < 1e-6, "{reported} vs {c}");
+    assert!(c < 0.995, "{c}");
+
+    // The reported error and eps condition on the eval text, computed here; the fitted
+    // scale leaves a fraction of the unfitted error.
+    let ids = tokenize(&out, &std::fs::read_to_string(&text).unwrap());
+    let var_min = var_of(&ids).into_iter().fold(f64::INFINITY, f64::min);
+    let ratio = l0["attn_eps_over_var"].as_f64().unwrap();
+    assert!(
+        close(ratio, 1e-5 / var_min, 1e-4),
+        "{ratio} vs {}",
+        1e-5 / var_min
+    );
+    let x = emb
+        .index_select(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap(), 0)
+        .unwrap();
+    let u = standardise(&x, 1e-5);
+    let g = |s: &str| &w[&format!("gpt_neox.layers.0.{s}")];
+    let h1 = affine(&u, g("input_layernorm.weight"), g("input_layernorm.bias"));
+    let fb = g("attention.query_key_value.bias").unsqueeze(1).unwrap();
+    let want = lin(
+        &h1,
+        &neox_part(g("attention.query_key_value.weight"), 2, 0),
+        &neox_part(&fb, 2, 0).squeeze(1).unwrap(),
+    );
+    let cfg = read_json(&out.join("config.json"));
+    let scale = cfg["pattention_scale_tokens"]["qkv"].as_u64().unwrap() as usize;
+    let got = pattention(&load(&out), "layers.0.attention.query", scale)
+        .forward(&u)
+        .unwrap();
+    let e = rel(&got, &want);
+    assert!(close(l0["query"].as_f64().unwrap(), e, 1e-3), "{l0} vs {e}");
+    assert!(e > 1e-4 && e < 0.5 * (1.0 - c), "{e}");
+}
+
+#[test]
 fn import_bad_inputs_fail_clearly_and_write_nothing() {
     let n = Neox {
         layers: 1,

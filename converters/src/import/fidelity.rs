@@ -342,13 +342,18 @@ impl Report {
         for l in &self.layers {
             let eps = parts_with(l, Exactness::EpsLimited);
             if !eps.is_empty() {
-                let (r, e) = if eps.iter().all(|p| *p == "mlp") {
-                    (l.mlp_eps_over_var, l.mlp_eps_error)
+                let (r, e, c) = if eps.iter().all(|p| *p == "mlp") {
+                    (l.mlp_eps_over_var, l.mlp_eps_error, l.mlp_input_scale)
                 } else {
-                    (l.attn_eps_over_var, l.attn_eps_error)
+                    (l.attn_eps_over_var, l.attn_eps_error, l.qkv_input_scale)
+                };
+                let fitted = if c != 1.0 {
+                    format!(" (a fitted input scale {c:.4} takes out the mean of that)")
+                } else {
+                    String::new()
                 };
                 s += &format!(
-                    "{}layer {}: {} exact by construction, but eps/var reaches {} here: LayerNorm outputs differ from x̂ by up to {}.\n",
+                    "{}layer {}: {} exact by construction, but eps/var reaches {} here: LayerNorm outputs differ from x̂ by up to {}{fitted}.\n",
                     if md { "- " } else { "" },
                     l.layer,
                     eps.join(", "),
@@ -442,6 +447,8 @@ mod tests {
             proj: 0.125,
             mlp: 0.5,
             proj_input_scale: 1.25,
+            qkv_input_scale: if ratio > 1e-3 { 0.9876 } else { 1.0 },
+            mlp_input_scale: 1.0,
             dropped_mlp_bias_norm: 0.75,
             attn_eps_over_var: ratio,
             mlp_eps_over_var: 1e-6,
@@ -542,7 +549,7 @@ mod tests {
             lines[5]
         );
         assert!(s.contains(
-            "layer 0: query, key, value exact by construction, but eps/var reaches 2.500e-2 here: LayerNorm outputs differ from x̂ by up to 1.242e-2.\n"
+            "layer 0: query, key, value exact by construction, but eps/var reaches 2.500e-2 here: LayerNorm outputs differ from x̂ by up to 1.242e-2 (a fitted input scale 0.9876 takes out the mean of that).\n"
         ), "{s}");
         assert!(s.contains("End to end on 2 eval tokens: next-token top-1 agreement 50.0%"));
         assert!(s.contains("Perplexity on the eval text (1 predicted tokens)"));

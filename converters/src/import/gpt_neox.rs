@@ -21,7 +21,7 @@ use tokenformer::pattention::Activation;
 use super::args::ImportArgs;
 use super::data::{DataInfo, Split, Text};
 use super::fidelity::{self, finish, Agreement, CardText, Report};
-use super::mapping::{import_layer, ImportedLayer, LayerCheck, Mapping, ScaleFit};
+use super::mapping::{Calibration, LayerCheck, Mapping};
 use super::source::{
     layer_norm, run_layers, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
 };
@@ -335,21 +335,13 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     // Texts longer than the context run as consecutive windows, each from position 0.
     let window = max.min(MAX_WINDOW);
 
-    // The output projections' input scales, fitted on the calibration text.
-    let mut fits = vec![ScaleFit::default(); cfg.num_layers];
+    // The output projections' (and eps-limited inputs') scales, fitted on the calibration text.
+    let mut calibration = Calibration::new(&src.body);
     for w in calib_ids.chunks(window) {
         let (_, traces) = run_layers(&src.body, &embed(w)?, &mix, cfg.parallel_residual)?;
-        for ((f, t), l) in fits.iter_mut().zip(&traces).zip(&src.body.layers) {
-            f.add(&t.proj_in, &l.dense.weight)?;
-        }
+        calibration.add(&src.body, &traces)?;
     }
-    let imported = src
-        .body
-        .layers
-        .iter()
-        .zip(&fits)
-        .map(|(l, f)| import_layer(l, &map, f.value()))
-        .collect::<Result<Vec<ImportedLayer>>>()?;
+    let imported = calibration.import(&src.body, &map)?;
 
     // The TokenFormer tensors.
     let mut tensors = Tensors::new();

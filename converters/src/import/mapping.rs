@@ -11,7 +11,7 @@ use tokenformer::checkpoint::Tensors;
 use tokenformer::models::tokenformer::PATTENTIONS;
 use tokenformer::pattention::{Activation, Pattention};
 
-use super::source::{Dense, LayerTrace, Norm, SourceLayer};
+use super::source::{Dense, LayerTrace, Norm, SourceBody, SourceLayer};
 
 /// How a linear layer or an MLP becomes a Pattention layer.
 ///
@@ -101,16 +101,17 @@ impl Mapping {
         Ok((self.fixed_keys(dev)?, values))
     }
 
-    /// y = GELU(x̂·W_inᵀ)·W_outᵀ + b as (keys [m+4d, d], values [m+4d, out]).
+    /// y = GELU(c·x̂·W_inᵀ)·W_outᵀ + b as (keys [m+4d, d], values [m+4d, out]).
     pub fn mlp(
         &self,
         w_in: &Tensor,
         w_out: &Tensor,
         bias: Option<&Tensor>,
+        c: f64,
     ) -> Result<(Tensor, Tensor)> {
         let dev = w_in.device();
         let out = w_out.dim(0)?;
-        let mem_keys = (w_in / self.kappa_anchor)?;
+        let mem_keys = (w_in * (c / self.kappa_anchor))?;
         let keys = Tensor::cat(&[&mem_keys, &self.fixed_keys(dev)?], 0)?;
         let zeros = Tensor::zeros((2 * self.width, out), DType::F32, dev)?;
         let values = Tensor::cat(
@@ -185,6 +186,76 @@ impl ScaleFit {
     }
 }
 
+/// The scale c for c·x̂ ≈ u of LayerNorm outputs u = x̂·√(var/(var + eps)): its mean
+/// over the calibration rows (‖x̂‖ is the same for every row), or exactly 1 where eps
+/// is negligible, so that the exact constructions stay exact.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct InputScale {
+    sum: f64,
+    rows: usize,
+}
+
+impl InputScale {
+    /// Adds the per-row variances [rows] of a LayerNorm input with that `eps`.
+    pub fn add(&mut self, var: &Tensor, eps: f64) -> Result<()> {
+        let var = var.to_dtype(DType::F64)?;
+        let f = var.broadcast_div(&(&var + eps)?)?.sqrt()?;
+        self.sum += f.sum_all()?.to_scalar::<f64>()?;
+        self.rows += var.elem_count();
+        Ok(())
+    }
+
+    pub fn value(&self) -> f64 {
+        let c = if self.rows > 0 {
+            self.sum / self.rows as f64
+        } else {
+            1.0
+        };
+        if 1.0 - c > EXACT_TOLERANCE / 10.0 {
+            c
+        } else {
+            1.0
+        }
+    }
+}
+
+/// Everything fitted on the calibration data, per layer: the output projection's
+/// input scale, and the LayerNorm-eps scales of the q/k/v and MLP inputs.
+pub struct Calibration {
+    layers: Vec<(ScaleFit, InputScale, InputScale)>,
+    eps: f64,
+}
+
+impl Calibration {
+    pub fn new(body: &SourceBody) -> Self {
+        Self {
+            layers: vec![Default::default(); body.layers.len()],
+            eps: body.eps,
+        }
+    }
+
+    /// Adds one batch's traces of the source `body`.
+    pub fn add(&mut self, body: &SourceBody, traces: &[LayerTrace]) -> Result<()> {
+        for ((fit, t), l) in self.layers.iter_mut().zip(traces).zip(&body.layers) {
+            fit.0.add(&t.proj_in, &l.dense.weight)?;
+            fit.1.add(&t.attn_var, self.eps)?;
+            fit.2.add(&t.mlp_var, self.eps)?;
+        }
+        Ok(())
+    }
+
+    /// Every layer of `body` mapped with the fitted constants.
+    pub fn import(&self, body: &SourceBody, map: &Mapping) -> Result<Vec<ImportedLayer>> {
+        body.layers
+            .iter()
+            .zip(&self.layers)
+            .map(|(l, (proj, attn, mlp))| {
+                import_layer(l, map, proj.value(), attn.value(), mlp.value())
+            })
+            .collect()
+    }
+}
+
 /// (‖a − b‖², ‖b‖²) in f64.
 fn squared_error(a: &Tensor, b: &Tensor) -> Result<(f64, f64)> {
     let a = a.flatten_all()?.to_dtype(DType::F64)?;
@@ -205,7 +276,8 @@ pub enum Exactness {
     /// An exact construction, measured within [`EXACT_TOLERANCE`].
     Exact,
     /// An exact construction on x̂ = x·√d/‖x‖, but LayerNorm's eps makes its input
-    /// differ from x̂ by √(1 + eps/var) − 1 > [`EXACT_TOLERANCE`] on some rows.
+    /// differ from x̂ by √(1 + eps/var) − 1 > [`EXACT_TOLERANCE`] on some rows; a
+    /// fitted input scale takes out the mean of that, its spread over rows remains.
     EpsLimited,
     /// A fitted constant (proj) or a dropped term (the MLP's pre-activation bias).
     Approximate,
@@ -234,6 +306,10 @@ pub struct LayerFidelity {
     pub mlp: f64,
     /// The fitted c of the output projection (its input is not normalised).
     pub proj_input_scale: f64,
+    /// The fitted c of q/k/v's and the MLP's inputs: the mean √(var/(var + eps)) of the
+    /// calibration rows, or exactly 1 where eps is negligible there.
+    pub qkv_input_scale: f64,
+    pub mlp_input_scale: f64,
     /// ‖pre-activation bias‖₂ of the MLP (incl. the folded norm bias): not representable, dropped.
     pub dropped_mlp_bias_norm: f64,
     /// max over eval rows of eps/var of the LayerNorm input before q/k/v, and before the MLP.
@@ -250,6 +326,8 @@ pub struct ImportedLayer {
     /// (keys, values) in [`PATTENTIONS`] order.
     pub parts: [(Tensor, Tensor); 5],
     pub proj_input_scale: f64,
+    pub qkv_input_scale: f64,
+    pub mlp_input_scale: f64,
     pub dropped_mlp_bias_norm: f64,
 }
 
@@ -266,21 +344,30 @@ impl ImportedLayer {
     }
 }
 
-/// Source layer `l` mapped, with `c` the fitted output-projection input scale.
-pub fn import_layer(l: &SourceLayer, map: &Mapping, c: f64) -> Result<ImportedLayer> {
+/// Source layer `l` mapped, with `c` the fitted output-projection input scale and
+/// `c_qkv`, `c_mlp` those of the LayerNorm outputs.
+pub fn import_layer(
+    l: &SourceLayer,
+    map: &Mapping,
+    c: f64,
+    c_qkv: f64,
+    c_mlp: f64,
+) -> Result<ImportedLayer> {
     let (wq, bq) = fold_norm(&l.query, &l.ln1)?;
     let (wk, bk) = fold_norm(&l.key, &l.ln1)?;
     let (wv, bv) = fold_norm(&l.value, &l.ln1)?;
     let (w1, b1) = fold_norm(&l.fc1, &l.ln2)?;
     Ok(ImportedLayer {
         parts: [
-            map.linear(&wq, Some(&bq), 1.0)?,
-            map.linear(&wk, Some(&bk), 1.0)?,
-            map.linear(&wv, Some(&bv), 1.0)?,
+            map.linear(&wq, Some(&bq), c_qkv)?,
+            map.linear(&wk, Some(&bk), c_qkv)?,
+            map.linear(&wv, Some(&bv), c_qkv)?,
             map.linear(&l.dense.weight, l.dense.bias.as_ref(), c)?,
-            map.mlp(&w1, &l.fc2.weight, l.fc2.bias.as_ref())?,
+            map.mlp(&w1, &l.fc2.weight, l.fc2.bias.as_ref(), c_mlp)?,
         ],
         proj_input_scale: c,
+        qkv_input_scale: c_qkv,
+        mlp_input_scale: c_mlp,
         dropped_mlp_bias_norm: b1.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt() as f64,
     })
 }
@@ -370,6 +457,8 @@ impl LayerCheck {
                     proj: err(3),
                     mlp: err(4),
                     proj_input_scale: l.proj_input_scale,
+                    qkv_input_scale: l.qkv_input_scale,
+                    mlp_input_scale: l.mlp_input_scale,
                     dropped_mlp_bias_norm: l.dropped_mlp_bias_norm,
                     attn_eps_over_var: ratio(0),
                     mlp_eps_over_var: ratio(1),

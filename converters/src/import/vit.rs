@@ -21,7 +21,7 @@ use tokenformer::vision::EvalTransform;
 use super::args::ImportArgs;
 use super::data::{Images, Split};
 use super::fidelity::{finish, Agreement, CardText, Report};
-use super::mapping::{import_layer, ImportedLayer, LayerCheck, Mapping, ScaleFit};
+use super::mapping::{Calibration, LayerCheck, Mapping};
 use super::source::{
     layer_norm, run_layers, Dense, LayerTrace, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
 };
@@ -293,27 +293,17 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         .map_err(|e| Error::config(raw.dir.join(loader::CONFIG_FILE), e))?;
     let transform = EvalTransform::from_config(&config);
 
-    // The output projections' input scales, fitted on the calibration photos.
+    // The output projections' (and eps-limited inputs') scales, fitted on the calibration photos.
     let calib = Images::new(
         a.calibration_images.as_deref(),
         "--calibration-images",
         Split::Calibration,
     )?;
-    let mut fits = vec![ScaleFit::default(); src.body.layers.len()];
+    let mut calibration = Calibration::new(&src.body);
     for_batches(&calib, &transform, &dev, |px| {
-        let (_, traces) = vit_forward(&src, px)?;
-        for ((f, t), l) in fits.iter_mut().zip(&traces).zip(&src.body.layers) {
-            f.add(&t.proj_in, &l.dense.weight)?;
-        }
-        Ok(())
+        calibration.add(&src.body, &vit_forward(&src, px)?.1)
     })?;
-    let imported = src
-        .body
-        .layers
-        .iter()
-        .zip(&fits)
-        .map(|(l, f)| import_layer(l, &map, f.value()))
-        .collect::<Result<Vec<ImportedLayer>>>()?;
+    let imported = calibration.import(&src.body, &map)?;
     let mut tensors = src.copies.clone();
     for (i, l) in imported.iter().enumerate() {
         l.insert_into(i, &mut tensors);
