@@ -407,8 +407,6 @@ pub struct CardText {
     pub pipeline: &'static str,
     /// The "Model" section.
     pub model: String,
-    /// Appended to the fidelity table.
-    pub fidelity_note: &'static str,
 }
 
 /// What both imports end with: the report printed and written, the card (model,
@@ -423,7 +421,7 @@ pub fn finish(input: &str, folder: ModelFolder, report: &Report, text: CardText)
     }
     card.section("Model", text.model);
     card.section("Mapping", report.mapping.describe());
-    card.section("Fidelity", report.markdown() + text.fidelity_note);
+    card.section("Fidelity", report.markdown());
     let items: Vec<String> = report
         .not_representable
         .iter()

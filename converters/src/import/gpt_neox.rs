@@ -450,7 +450,6 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             "A TokenFormer language model initialised from the GPT-NeoX checkpoint `{}` by `tokenformer-convert import --from gpt-neox` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Embeddings, final norm and the untied output matrix are copied unchanged. {residual}",
             a.input, config.qkv_tokens, config.proj_tokens, config.ffn_tokens, map.scale_tokens
         ),
-        fidelity_note: "",
     };
     finish(&a.input, folder, &report, card)
 }

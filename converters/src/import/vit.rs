@@ -376,7 +376,6 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             "A TokenFormer image classifier initialised from the {} checkpoint `{}` by `tokenformer-convert import --from vit` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Patch embedding, class token, position embedding, final norm and head are copied unchanged. Preprocessing: {}.",
             src.meta.layout, a.input, 4 * d, 4 * d, src.meta.intermediate_size + 4 * d, map.scale_tokens, src.meta.preprocessing
         ),
-        fidelity_note: "",
     };
     finish(&a.input, folder, &report, card)
 }
