@@ -11,8 +11,8 @@ transformers and timm without Python.
   average pooling).
 - pythia/: transformers `GPTNeoXForCausalLM`, Pythia-style (parallel residual,
   untied head), with a 320-token byte-level BPE tokenizer learnt on the KJV.
-- peers.safetensors: pixels of each processor (transformers' Pillow and
-  torchvision backends, timm's eval transform) on the shipped photos, the sources'
+- peers.safetensors: pixels of each processor (transformers' Pillow backend,
+  timm's eval transform in its center and squash crop modes) on the shipped photos, the sources'
   logits on them; the Pythia source's token ids, logits and per-layer activations
   on pythia-eval.txt (the first words of the shipped eval text), and its
   per-token NLL and top-1 on the whole shipped eval text.
@@ -112,6 +112,11 @@ def vit_timm(out, peers, gen):
     t = create_transform(**resolve_data_config({}, model=model))
     px = torch.stack([t(im) for im in rgb(photos("eval"))]).float()
     peers["timm.eval.pixels"] = px
+    # timm's other crop mode: both sides to floor(32 / 0.875) = 36, then the centre crop.
+    sq = create_transform(input_size=(3, 32, 32), crop_pct=0.875, crop_mode="squash",
+                          interpolation="bilinear", mean=(0.485, 0.456, 0.406),
+                          std=(0.229, 0.224, 0.225))
+    peers["timm.eval.pixels_squash"] = torch.stack([sq(im) for im in rgb(photos("eval"))]).float()
     with torch.no_grad():
         peers["timm.eval.logits"] = model(px).float()
 

@@ -1391,6 +1391,26 @@ fn import_vit_uses_each_sources_preprocessing_and_reports_what_the_peers_compute
 }
 
 #[test]
+fn timm_squash_crop_mode_matches_timm() {
+    // timm's crop_mode squash with crop_pct 0.875: both sides to 36, centre crop 32.
+    let mut cfg = tokenformer::models::vit::Config::imagenet(1, 32, 2, 8, 16);
+    cfg.image_size = 32;
+    cfg.patch_size = 8;
+    cfg.crop_pct = 0.875;
+    cfg.interpolation = tokenformer::models::vit::Interpolation::Bilinear;
+    cfg.resize_mode = tokenformer::models::vit::ResizeMode::Squash;
+    let t = tokenformer::vision::EvalTransform::from_config(&cfg);
+    assert_eq!((t.resize, t.crop, t.squash), (36, 32, true));
+    let ours: Vec<Vec<f32>> = shipped_eval_photos()
+        .iter()
+        .map(|f| t.load(f).unwrap())
+        .collect();
+    let ours = t.batch(ours, &Device::Cpu).unwrap();
+    let d = max_diff(&ours, &peers()["timm.eval.pixels_squash"]);
+    assert!(d < 1e-5, "differs from timm by {d}");
+}
+
+#[test]
 fn import_vit_calibrates_on_the_given_photos_only() {
     let root = tmp();
     let src = import_fixtures().join("vit-hf");
