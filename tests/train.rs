@@ -165,6 +165,34 @@ fn the_training_forward_computes_the_inference_forward() {
     assert!(diff < 2e-4, "max |Δ logit| {diff}");
 }
 
+#[test]
+fn the_training_forward_supports_the_parallel_residual() {
+    let (mut cfg, tensors) = fixture();
+    let ids = fixture_ids();
+    let seq = TrainableLm::new(&cfg, &tensors, DType::F32, &Device::Cpu)
+        .unwrap()
+        .forward(&ids)
+        .unwrap();
+    cfg.parallel_residual = true;
+    let train = TrainableLm::new(&cfg, &tensors, DType::F32, &Device::Cpu).unwrap();
+    let vb = tokenformer::checkpoint::var_builder(tensors, &Device::Cpu);
+    let infer = tokenformer::models::tokenformer::TokenFormerLm::new(&cfg, vb).unwrap();
+    let a = train.forward(&ids).unwrap();
+    let b = infer.forward(&ids, None).unwrap();
+    let max_abs = |t: Tensor| {
+        t.abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    let diff = max_abs((&a - b).unwrap());
+    assert!(diff < 2e-4, "max |Δ logit| {diff}");
+    // The block structure really changed (the MLP no longer sees the attention output).
+    assert!(max_abs((a - seq).unwrap()) > 1e-2);
+}
+
 /// d loss / d θ by central differences in f64, against autograd, for a few entries of
 /// every tensor of a small model.
 fn check_gradients(cfg: &Config, seed: u64) {

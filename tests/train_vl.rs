@@ -90,6 +90,39 @@ fn the_training_forward_of_the_merged_model_computes_the_mixed_sequence() {
     );
 }
 
+#[test]
+fn the_training_forward_of_the_merged_model_keeps_a_parallel_residual() {
+    let (mut cfg, tensors) = merged();
+    cfg.language.parallel_residual = true;
+    let dev = Device::Cpu;
+    let inference = VisionLanguageModel::from_tensors(&cfg, &tensors, &dev).unwrap();
+    let train = TrainableVl::new(&cfg, &tensors, DType::F32, &dev).unwrap();
+    let px = pixels();
+    let b = px.dim(0).unwrap();
+    let ids: Vec<u32> = (0..b * 12).map(|i| (i * 7919 % 50000) as u32).collect();
+    let ids = Tensor::from_vec(ids, (b, 12), &dev).unwrap();
+    let (_, want) = inference.forward_mixed(Some(&px), &ids, None).unwrap();
+    let max_abs = |t: &Tensor| {
+        t.abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    let diff = max_abs(&(train.forward(&px, &ids).unwrap() - &want).unwrap());
+    let scale = max_abs(&want);
+    assert!(
+        diff <= 1e-5 * scale.max(1.0),
+        "max |Δ logit| {diff} (scale {scale})"
+    );
+    // Not the sequential block's logits.
+    cfg.language.parallel_residual = false;
+    let seq = VisionLanguageModel::from_tensors(&cfg, &tensors, &dev).unwrap();
+    let (_, seq) = seq.forward_mixed(Some(&px), &ids, None).unwrap();
+    assert!(max_abs(&(seq - want).unwrap()) > 1e-3);
+}
+
 /// A 32×32 image: red, green or blue dominant with noise.
 fn image(class: usize, seed: u32) -> image::RgbImage {
     let mut s = seed.wrapping_mul(2_654_435_761) | 1;

@@ -337,20 +337,95 @@ fn pattention(w: &HashMap<String, Tensor>, prefix: &str, scale: usize) -> Patten
     .unwrap()
 }
 
+/// The eval text of the Rust-written GPT-NeoX imports (one window of 64 tokens).
+const PROBE: &str = "And the LORD God planted a garden eastward in Eden; and there he put the man whom he had formed.";
+
+/// Sources written by the real libraries and what they compute (scripts/import_fixtures.py).
+fn import_fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/import")
+}
+
+fn peers() -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(import_fixtures().join("peers.safetensors"), &Device::Cpu)
+        .unwrap()
+}
+
+/// Token ids of `text` with the tokenizer of the model folder `dir`.
+fn tokenize(dir: &Path, text: &str) -> Vec<u32> {
+    let t = tokenformer::loader::load_tokenizer(&locate(dir)).unwrap();
+    t.encode(text, false).unwrap().get_ids().to_vec()
+}
+
+/// Row-wise log-softmax in f64.
+fn log_softmax64(t: &Tensor) -> Vec<Vec<f64>> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .to_vec2::<f64>()
+        .unwrap()
+        .into_iter()
+        .map(|r| {
+            let m = r.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = m + r.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+            r.iter().map(|x| x - lse).collect()
+        })
+        .collect()
+}
+
+/// Top-1 agreement, mean KL(source ‖ import) and relative logit error of logits
+/// [n, k], computed here in f64, against the report's `end_to_end` (the source
+/// logits may come from the peer library, hence the tolerance of one item on top-1).
+fn check_agreement(e2e: &Value, src: &Tensor, imp: &Tensor) {
+    let (ls, li) = (log_softmax64(src), log_softmax64(imp));
+    let n = ls.len();
+    let argmax = |r: &Vec<f64>| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap();
+    let agree = ls
+        .iter()
+        .zip(&li)
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
+    let kl: f64 = ls
+        .iter()
+        .zip(&li)
+        .map(|(a, b)| a.iter().zip(b).map(|(x, y)| x.exp() * (x - y)).sum::<f64>())
+        .sum::<f64>()
+        / n as f64;
+    assert_eq!(e2e["items"], n);
+    let top1 = e2e["top1_agreement"].as_f64().unwrap();
+    assert!(
+        (top1 - agree as f64 / n as f64).abs() <= 1.0 / n as f64 + 1e-12,
+        "top-1 {top1} vs {agree}/{n}"
+    );
+    let reported = e2e["mean_kl"].as_f64().unwrap();
+    assert!(close(reported, kl, 2e-3), "KL {reported} vs {kl}");
+    let reported = e2e["logits_relative_error"].as_f64().unwrap();
+    assert!(close(reported, rel(imp, src), 1e-3), "{reported}");
+}
+
 fn close(a: f64, b: f64, tol: f64) -> bool {
     (a - b).abs() <= tol * b.abs().max(1e-12)
 }
 
 #[test]
 fn import_gpt_neox_copies_maps_and_reports_honest_fidelity() {
-    let n = TINY_NEOX;
+    let n = Neox {
+        vocab: 320,
+        ..TINY_NEOX
+    };
     let root = tmp();
     let src = root.path().join("pythia-tiny");
     let w = neox_tensors(&n, 7, true);
     write_model(&src, &neox_config(&n), &w);
+    // The fixture's 320-token BPE, so that the probe is real text.
+    std::fs::copy(
+        import_fixtures().join("pythia/tokenizer.json"),
+        src.join("tokenizer.json"),
+    )
+    .unwrap();
     let out = root.path().join("imported");
-    let stdout = ok(&import_args("gpt-neox", &src, &out));
-    assert!(stdout.contains("perplexity on the probe"), "{stdout}");
+    let mut args = import_args("gpt-neox", &src, &out);
+    args.extend(["--probe-text", PROBE]);
+    let stdout = ok(&args);
+    assert!(stdout.contains("Perplexity on the eval text"), "{stdout}");
 
     // Config: same width, depth, heads, vocabulary, rotary; untied head kept.
     let cfg = read_json(&out.join("config.json"));
@@ -359,7 +434,8 @@ fn import_gpt_neox_copies_maps_and_reports_honest_fidelity() {
         config_u64s(&cfg, ["hidden_size", "num_layers", "num_heads"]),
         [Some(16), Some(2), Some(2)]
     );
-    assert_eq!(cfg["vocab_size"], 96);
+    assert_eq!(cfg["vocab_size"], 320);
+    assert_eq!(cfg["parallel_residual"], true);
     assert_eq!(cfg["rotary_pct"], 0.5);
     assert_eq!(cfg["tie_word_embeddings"], false);
     assert_eq!(
@@ -386,7 +462,15 @@ fn import_gpt_neox_copies_maps_and_reports_honest_fidelity() {
 
     // The reported numbers are what a direct computation gives.
     let report = read_json(&out.join("import_report.json"));
-    let ids: Vec<u32> = serde_json::from_value(report["probe_ids"].clone()).unwrap();
+    let ids = tokenize(&out, PROBE);
+    assert!(
+        ids.len() > 8 && ids.len() <= 64,
+        "one window: {}",
+        ids.len()
+    );
+    assert_eq!(report["evaluation"]["items"], ids.len());
+    assert_eq!(report["evaluation"]["source"], "--probe-text");
+    assert_eq!(report["calibration"]["shipped"], true);
     let x = w["gpt_neox.embed_in.weight"]
         .index_select(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap(), 0)
         .unwrap();
@@ -443,32 +527,40 @@ fn import_gpt_neox_copies_maps_and_reports_honest_fidelity() {
         "the dropped pre-activation bias must show in the MLP error, got {e}"
     );
 
-    // End to end: the source (parallel and sequential) and the import.
+    assert_eq!(report["layers"][0]["status"]["mlp"], "approximate");
+    assert_eq!(report["layers"][0]["status"]["query"], "exact");
+
+    // End to end: the source (with its parallel residual) and the import.
     let e2e = &report["end_to_end"];
-    let src_ppl = perplexity(&neox_logits(&n, &w, &ids, true), &ids);
-    let seq_ppl = perplexity(&neox_logits(&n, &w, &ids, false), &ids);
+    let src_logits = neox_logits(&n, &w, &ids, true);
+    let src_ppl = perplexity(&src_logits, &ids);
     assert!(
         close(e2e["source_perplexity"].as_f64().unwrap(), src_ppl, 1e-4),
         "{e2e} vs {src_ppl}"
     );
-    assert!(
-        close(
-            e2e["source_sequential_perplexity"].as_f64().unwrap(),
-            seq_ppl,
-            1e-4
-        ),
-        "{e2e} vs {seq_ppl}"
-    );
-    let imp = tokenformer::scoring::score_ids(&load_lm(&out), &ids)
+    let model = load_lm(&out);
+    let imp = tokenformer::scoring::score_ids(&model, &ids)
         .unwrap()
         .perplexity;
     assert!(close(e2e["import_perplexity"].as_f64().unwrap(), imp, 1e-5));
-    assert_eq!(report["parallel_residual_made_sequential"], true);
+    let imp_logits = model
+        .forward(
+            &Tensor::new(ids.as_slice(), &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap(),
+            None,
+        )
+        .unwrap()
+        .squeeze(0)
+        .unwrap();
+    check_agreement(e2e, &src_logits, &imp_logits);
+    assert_eq!(report["parallel_residual"], true);
 
     // The model card carries the numbers.
     let card = std::fs::read_to_string(out.join("README.md")).unwrap();
     assert!(
-        card.contains("use_parallel_residual")
+        card.contains("parallel residual")
             && card.contains(&format!(
                 "{:.4}",
                 e2e["import_perplexity"].as_f64().unwrap()
@@ -493,12 +585,158 @@ fn import_gpt_neox_without_mlp_input_bias_is_near_exact() {
     for l in report["layers"].as_array().unwrap() {
         for k in ["query", "key", "value", "mlp"] {
             assert!(l[k].as_f64().unwrap() < 1e-4, "{k}: {l}");
+            assert_eq!(l["status"][k], "exact", "{l}");
         }
+        assert_eq!(l["status"]["proj"], "approximate");
         assert_eq!(l["dropped_mlp_bias_norm"], 0.0);
     }
-    assert!(report["end_to_end"]
-        .get("source_sequential_perplexity")
+    assert_eq!(report["parallel_residual"], false);
+    assert!(read_json(&out.join("config.json"))
+        .get("parallel_residual")
         .is_none());
+    // No tokenizer: seeded ids, and the report says so.
+    assert_eq!(report["evaluation"]["source"], "seeded random token ids");
+    assert!(report["evaluation"]["note"]
+        .as_str()
+        .unwrap()
+        .contains("no tokenizer.json"));
+}
+
+#[test]
+fn import_gpt_neox_without_attention_biases() {
+    // transformers' `attention_bias: false`: query_key_value and dense have no bias.
+    let n = Neox {
+        vocab: 320,
+        ..TINY_NEOX
+    };
+    let root = tmp();
+    let src = root.path().join("neox");
+    let mut w = neox_tensors(&n, 13, true);
+    let mut cfg = neox_config(&n);
+    cfg["attention_bias"] = json!(false);
+    for i in 0..n.layers {
+        for m in ["query_key_value", "dense"] {
+            w.remove(&format!("gpt_neox.layers.{i}.attention.{m}.bias"));
+        }
+    }
+    write_model(&src, &cfg, &w);
+    std::fs::copy(
+        import_fixtures().join("pythia/tokenizer.json"),
+        src.join("tokenizer.json"),
+    )
+    .unwrap();
+    let out = root.path().join("imp");
+    let mut args = import_args("gpt-neox", &src, &out);
+    args.extend(["--probe-text", PROBE]);
+    ok(&args);
+    // The reference forward, with zero biases in their place.
+    for i in 0..n.layers {
+        for (m, len) in [("query_key_value", 3 * n.d), ("dense", n.d)] {
+            w.insert(
+                format!("gpt_neox.layers.{i}.attention.{m}.bias"),
+                Tensor::zeros(len, DType::F32, &Device::Cpu).unwrap(),
+            );
+        }
+    }
+    let ids = tokenize(&out, PROBE);
+    let want = perplexity(&neox_logits(&n, &w, &ids, true), &ids);
+    let report = read_json(&out.join("import_report.json"));
+    let got = report["end_to_end"]["source_perplexity"].as_f64().unwrap();
+    assert!(close(got, want, 1e-4), "{got} vs {want}");
+}
+
+#[test]
+fn import_gpt_neox_at_the_usual_init_is_eps_limited_and_says_so() {
+    // Embeddings N(0, 0.02²): layer 0's LayerNorm sees var ~4e-4 against eps 1e-5, so
+    // its output is x̂/√(1 + eps/var), 1.2e-2 off: q/k/v are not exact there.
+    let n = Neox {
+        vocab: 320,
+        ..TINY_NEOX
+    };
+    let root = tmp();
+    let src = root.path().join("neox");
+    let mut w = neox_tensors(&n, 17, true);
+    let emb = Rng(99).tensor(&[n.vocab, n.d], 0.0, 0.02);
+    w.insert("gpt_neox.embed_in.weight".into(), emb.clone());
+    write_model(&src, &neox_config(&n), &w);
+    std::fs::copy(
+        import_fixtures().join("pythia/tokenizer.json"),
+        src.join("tokenizer.json"),
+    )
+    .unwrap();
+    let out = root.path().join("imp");
+    let text = import_fixtures().join("pythia-eval.txt");
+    let mut args = import_args("gpt-neox", &src, &out);
+    args.extend(["--eval-text", s(&text)]);
+    let stdout = ok(&args);
+    let report = read_json(&out.join("import_report.json"));
+    let l0 = &report["layers"][0];
+    for part in ["query", "key", "value"] {
+        assert_eq!(l0["status"][part], "eps_limited", "{l0}");
+    }
+    assert!(
+        stdout.contains("layer 0: query, key, value exact by construction, but eps/var reaches")
+    );
+
+    // Layer 0 reads the embeddings: the fitted scale is the mean √(var/(var + eps))
+    // over the calibration tokens (the shipped page), computed here.
+    let calib = tokenize(
+        &out,
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/samples/text/calibration.txt"),
+        )
+        .unwrap(),
+    );
+    let var_of = |ids: &[u32]| -> Vec<f64> {
+        let x = emb
+            .index_select(&Tensor::new(ids, &Device::Cpu).unwrap(), 0)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap();
+        let c = x
+            .broadcast_sub(&x.mean_keepdim(D::Minus1).unwrap())
+            .unwrap();
+        c.sqr().unwrap().mean(D::Minus1).unwrap().to_vec1().unwrap()
+    };
+    let f: Vec<f64> = var_of(&calib)
+        .iter()
+        .map(|v| (v / (v + 1e-5)).sqrt())
+        .collect();
+    let c = f.iter().sum::<f64>() / f.len() as f64;
+    let reported = l0["qkv_input_scale"].as_f64().unwrap();
+    assert!((reported - c).abs() < 1e-6, "{reported} vs {c}");
+    assert!(c < 0.995, "{c}");
+
+    // The reported error and eps condition on the eval text, computed here; the fitted
+    // scale leaves a fraction of the unfitted error.
+    let ids = tokenize(&out, &std::fs::read_to_string(&text).unwrap());
+    let var_min = var_of(&ids).into_iter().fold(f64::INFINITY, f64::min);
+    let ratio = l0["attn_eps_over_var"].as_f64().unwrap();
+    assert!(
+        close(ratio, 1e-5 / var_min, 1e-4),
+        "{ratio} vs {}",
+        1e-5 / var_min
+    );
+    let x = emb
+        .index_select(&Tensor::new(ids.as_slice(), &Device::Cpu).unwrap(), 0)
+        .unwrap();
+    let u = standardise(&x, 1e-5);
+    let g = |s: &str| &w[&format!("gpt_neox.layers.0.{s}")];
+    let h1 = affine(&u, g("input_layernorm.weight"), g("input_layernorm.bias"));
+    let fb = g("attention.query_key_value.bias").unsqueeze(1).unwrap();
+    let want = lin(
+        &h1,
+        &neox_part(g("attention.query_key_value.weight"), 2, 0),
+        &neox_part(&fb, 2, 0).squeeze(1).unwrap(),
+    );
+    let cfg = read_json(&out.join("config.json"));
+    let scale = cfg["pattention_scale_tokens"]["qkv"].as_u64().unwrap() as usize;
+    let got = pattention(&load(&out), "layers.0.attention.query", scale)
+        .forward(&u)
+        .unwrap();
+    let e = rel(&got, &want);
+    assert!(close(l0["query"].as_f64().unwrap(), e, 1e-3), "{l0} vs {e}");
+    assert!(e > 1e-4 && e < 0.5 * (1.0 - c), "{e}");
 }
 
 #[test]
@@ -815,13 +1053,14 @@ fn import_vit_transformers_and_timm_layouts() {
     ] {
         assert_eq!(bits(&w[from]), bits(&o[to]), "{to} differs from {from}");
     }
-    // timm's fused qkv splits into the same layers: the same import (the fitted
-    // output-projection scale may differ in the last bits: matmul blocking).
+    // timm's fused qkv splits into the same layers: the same import, but for the
+    // output projections' fitted scales (each calibrated on photos preprocessed as
+    // its own source does).
     let ot = load(&out_timm);
     assert_eq!(o.len(), ot.len());
     for (n, t) in &o {
         if n.contains("attention.proj.value") {
-            assert!(rel(t, &ot[n]) < 1e-6, "{n}");
+            assert_eq!(t.dims(), ot[n].dims(), "{n}");
         } else {
             assert_eq!(
                 bits(t),
@@ -830,7 +1069,12 @@ fn import_vit_transformers_and_timm_layouts() {
             );
         }
     }
-    assert_eq!(read_json(&out_timm.join("config.json"))["crop_pct"], 0.9);
+    let timm_cfg = read_json(&out_timm.join("config.json"));
+    assert_eq!(timm_cfg["crop_pct"], 0.9);
+    assert!(timm_cfg.get("resize_mode").is_none(), "{timm_cfg}");
+    // transformers' processor: both sides to image_size, no crop.
+    assert_eq!(cfg["resize_mode"], "squash");
+    assert_eq!(cfg["crop_pct"], 1.0);
 
     // Reported numbers = direct computation.
     let report = read_json(&out_hf.join("import_report.json"));
@@ -874,7 +1118,14 @@ fn import_vit_transformers_and_timm_layouts() {
         rel(&imp, &src),
         1e-3
     ));
-    assert_eq!(report["probe_images"], 6);
+    assert_eq!(report["evaluation"]["items"], 6);
+    assert!(report["evaluation"]["source"]
+        .as_str()
+        .unwrap()
+        .contains("--probe-pixels"));
+    // --probe-pixels only measures: the scales were fitted on the shipped photos.
+    assert_eq!(report["calibration"]["shipped"], true);
+    assert_eq!(report["calibration"]["items"], 8);
 
     // An unknown layout is refused by name.
     let other = root.path().join("other");
@@ -888,6 +1139,336 @@ fn import_vit_transformers_and_timm_layouts() {
     );
     let e = fails(&import_args("vit", &other, &root.path().join("x")));
     assert!(e.contains("unknown ViT layout"), "{e}");
+}
+
+// ---------------------------------------------------------------- peers
+
+/// logits [n, k] of a peer tensor.
+fn i64_ids(t: &Tensor) -> Vec<u32> {
+    t.to_vec1::<i64>()
+        .unwrap()
+        .into_iter()
+        .map(|i| i as u32)
+        .collect()
+}
+
+#[test]
+fn import_pythia_keeps_its_parallel_residual_and_is_exact_where_it_says() {
+    let p = peers();
+    let root = tmp();
+    let out = root.path().join("imp");
+    let pythia = import_fixtures().join("pythia");
+    let mut args = import_args("gpt-neox", &pythia, &out);
+    let text = import_fixtures().join("pythia-eval.txt");
+    args.extend(["--eval-text", s(&text)]);
+    let stdout = ok(&args);
+    let report = read_json(&out.join("import_report.json"));
+    let cfg = read_json(&out.join("config.json"));
+    assert_eq!(cfg["parallel_residual"], true);
+    assert_eq!(report["parallel_residual"], true);
+    assert_eq!(report["calibration"]["shipped"], true);
+    assert_eq!(report["evaluation"]["source"], s(&text));
+
+    // The same token ids as the peer's tokenizer, then the source's perplexity
+    // over 128-token windows equals transformers'.
+    let ids = i64_ids(&p["pythia.excerpt.ids"]);
+    assert_eq!(
+        tokenize(&out, &std::fs::read_to_string(&text).unwrap()),
+        ids
+    );
+    let peer_logits = &p["pythia.excerpt.logits"];
+    let lp = log_softmax64(peer_logits);
+    let mut nll = 0.0;
+    let mut predicted = 0;
+    for start in (0..ids.len()).step_by(128) {
+        let end = (start + 128).min(ids.len());
+        for t in start..end - 1 {
+            nll -= lp[t][ids[t + 1] as usize];
+            predicted += 1;
+        }
+    }
+    let e2e = &report["end_to_end"];
+    assert_eq!(e2e["predicted_tokens"], predicted);
+    let src_ppl = (nll / predicted as f64).exp();
+    assert!(
+        close(e2e["source_perplexity"].as_f64().unwrap(), src_ppl, 1e-4),
+        "{e2e} vs transformers {src_ppl}"
+    );
+
+    // The import, loaded as a user would, window by window.
+    let model = load_lm(&out);
+    let imp_logits = Tensor::cat(
+        &ids.chunks(128)
+            .map(|w| {
+                let x = Tensor::new(w, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+                model.forward(&x, None).unwrap().squeeze(0).unwrap()
+            })
+            .collect::<Vec<_>>(),
+        0,
+    )
+    .unwrap();
+    check_agreement(e2e, peer_logits, &imp_logits);
+    let li = log_softmax64(&imp_logits);
+    let mut imp_nll = 0.0;
+    for start in (0..ids.len()).step_by(128) {
+        let end = (start + 128).min(ids.len());
+        for t in start..end - 1 {
+            imp_nll -= li[t][ids[t + 1] as usize];
+        }
+    }
+    let imp_ppl = (imp_nll / predicted as f64).exp();
+    assert!(close(
+        e2e["import_perplexity"].as_f64().unwrap(),
+        imp_ppl,
+        1e-4
+    ));
+
+    // Every part the report calls exact reproduces transformers' layer on its own
+    // activations of the real text to 1e-4; layer 1 has no MLP bias, so its MLP is exact.
+    let o = load(&out);
+    let scale = cfg["pattention_scale_tokens"]["qkv"].as_u64().unwrap() as usize;
+    let mut exact_parts = 0;
+    for (i, l) in report["layers"].as_array().unwrap().iter().enumerate() {
+        let u = standardise(&p[&format!("pythia.l{i}.layer.in")], 1e-5);
+        let qkv = &p[&format!("pythia.l{i}.qkv.out")]; // [t, heads·3·hd]
+        let part = |j: usize| neox_part(&qkv.t().unwrap(), 4, j).t().unwrap();
+        let want = [
+            ("query", "attention.query", part(0), &u),
+            ("key", "attention.key", part(1), &u),
+            ("value", "attention.value", part(2), &u),
+            ("mlp", "mlp", p[&format!("pythia.l{i}.mlp.out")].clone(), &u),
+        ];
+        for (name, module, y, x) in want {
+            let got = pattention(&o, &format!("layers.{i}.{module}"), scale)
+                .forward(x)
+                .unwrap();
+            let e = rel(&got, &y);
+            if l["status"][name] == "exact" {
+                assert!(e <= 1e-4, "layer {i} {name}: called exact, error {e}");
+                exact_parts += 1;
+            }
+        }
+        // The proj is fitted: on the peer's attention output it is far from exact
+        // (these random heads' outputs vary in norm from token to token).
+        let got = pattention(&o, &format!("layers.{i}.attention.proj"), scale)
+            .forward(&p[&format!("pythia.l{i}.dense.in")])
+            .unwrap();
+        assert_eq!(l["status"]["proj"], "approximate");
+        let e = rel(&got, &p[&format!("pythia.l{i}.dense.out")]);
+        assert!(e > 1e-2 && e < 0.6, "layer {i} proj {e}");
+        // The eps condition: the report's max eps/var is over the whole text, at
+        // least that of the first window.
+        let x = &p[&format!("pythia.l{i}.layer.in")];
+        let c = x
+            .broadcast_sub(&x.mean_keepdim(D::Minus1).unwrap())
+            .unwrap();
+        let var_min = c
+            .sqr()
+            .unwrap()
+            .mean(D::Minus1)
+            .unwrap()
+            .min(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap() as f64;
+        let ratio = l["attn_eps_over_var"].as_f64().unwrap();
+        assert!(
+            ratio >= 1e-5 / var_min * (1.0 - 1e-3),
+            "{ratio} vs {}",
+            1e-5 / var_min
+        );
+        assert!(ratio < 1e-3, "{ratio}");
+    }
+    assert_eq!(report["layers"][0]["status"]["mlp"], "approximate");
+    assert_eq!(report["layers"][1]["status"]["mlp"], "exact");
+    assert_eq!(exact_parts, 7, "{report}");
+    assert!(stdout.contains("query key value mlp"), "{stdout}");
+
+    // The whole text shipped with the tool: the same perplexity as transformers.
+    let out2 = root.path().join("imp2");
+    ok(&import_args(
+        "gpt-neox",
+        &import_fixtures().join("pythia"),
+        &out2,
+    ));
+    let r2 = read_json(&out2.join("import_report.json"));
+    assert_eq!(r2["evaluation"]["shipped"], true);
+    assert_eq!(
+        r2["evaluation"]["items"],
+        p["pythia.shipped.ids"].dim(0).unwrap()
+    );
+    let peer_nll: Vec<f64> = p["pythia.shipped.nll"].to_vec1().unwrap();
+    let peer_ppl = (peer_nll.iter().sum::<f64>() / peer_nll.len() as f64).exp();
+    let e2 = &r2["end_to_end"];
+    assert_eq!(e2["predicted_tokens"], peer_nll.len());
+    assert!(close(
+        e2["source_perplexity"].as_f64().unwrap(),
+        peer_ppl,
+        1e-4
+    ));
+    assert!(e2.get("sample_note").is_none(), "{e2}");
+}
+
+/// The shipped eval photos, sorted as the fixture script's glob.
+fn shipped_eval_photos() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/samples/photos/eval");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn import_vit_uses_each_sources_preprocessing_and_reports_what_the_peers_compute() {
+    let p = peers();
+    let root = tmp();
+    for (layout, key) in [("vit-hf", "hf"), ("vit-timm", "timm")] {
+        let out = root.path().join(layout);
+        let stdout = ok(&import_args("vit", &import_fixtures().join(layout), &out));
+        let report = read_json(&out.join("import_report.json"));
+        let cfg: tokenformer::models::vit::Config =
+            serde_json::from_value(read_json(&out.join("config.json"))).unwrap();
+
+        // Preprocessing of every shipped (real, mostly non-square) photo equals the
+        // peer processor's: ViTImageProcessor (Pillow backend) / timm's eval transform.
+        let t = tokenformer::vision::EvalTransform::from_config(&cfg);
+        let photos = shipped_eval_photos();
+        let ours: Vec<Vec<f32>> = photos.iter().map(|f| t.load(f).unwrap()).collect();
+        let ours = t.batch(ours, &Device::Cpu).unwrap();
+        let want = &p[&format!("{key}.eval.pixels")];
+        let d = max_diff(&ours, want);
+        assert!(d < 1e-5, "{layout}: pixels differ from the peer's by {d}");
+        let names: Vec<String> = photos
+            .iter()
+            .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(report["eval_images"], json!(names));
+        assert_eq!(report["evaluation"]["shipped"], true);
+
+        // The report's numbers are what the peer's logits and the import give.
+        let peer_logits = &p[&format!("{key}.eval.logits")];
+        let e2e = &report["end_to_end"];
+        let peer_top1: Vec<u32> = peer_logits.argmax(D::Minus1).unwrap().to_vec1().unwrap();
+        assert_eq!(e2e["source_top1"], json!(peer_top1), "{layout}");
+        let imp_logits = load_vit(&out).forward(want).unwrap();
+        check_agreement(e2e, peer_logits, &imp_logits);
+        let imp_top1: Vec<u32> = imp_logits.argmax(D::Minus1).unwrap().to_vec1().unwrap();
+        assert_eq!(e2e["import_top1"], json!(imp_top1), "{layout}");
+        // Eight photos: the report says the sample is too small to mean much.
+        assert!(e2e["sample_note"]
+            .as_str()
+            .unwrap()
+            .contains("only 8 eval images"));
+        assert!(stdout.contains("too small a sample"), "{stdout}");
+        // eps 1e-12 (transformers) and 1e-6 (timm) against variances ~1: exact q/k/v.
+        for l in report["layers"].as_array().unwrap() {
+            for part in ["query", "key", "value"] {
+                assert_eq!(l["status"][part], "exact", "{layout}: {l}");
+            }
+        }
+    }
+    let hf = read_json(&root.path().join("vit-hf/config.json"));
+    assert_eq!(
+        (
+            hf["resize_mode"].as_str(),
+            hf["interpolation"].as_str(),
+            hf["crop_pct"].as_f64()
+        ),
+        (Some("squash"), Some("bilinear"), Some(1.0))
+    );
+    let timm = read_json(&root.path().join("vit-timm/config.json"));
+    assert!(timm.get("resize_mode").is_none());
+    assert_eq!(
+        (
+            timm["interpolation"].as_str(),
+            timm["crop_pct"].as_f64(),
+            timm["pool"].as_str()
+        ),
+        (Some("bicubic"), Some(0.875), Some("mean"))
+    );
+}
+
+#[test]
+fn timm_squash_crop_mode_matches_timm() {
+    // timm's crop_mode squash with crop_pct 0.875: both sides to 36, centre crop 32.
+    let mut cfg = tokenformer::models::vit::Config::imagenet(1, 32, 2, 8, 16);
+    cfg.image_size = 32;
+    cfg.patch_size = 8;
+    cfg.crop_pct = 0.875;
+    cfg.interpolation = tokenformer::models::vit::Interpolation::Bilinear;
+    cfg.resize_mode = tokenformer::models::vit::ResizeMode::Squash;
+    let t = tokenformer::vision::EvalTransform::from_config(&cfg);
+    assert_eq!((t.resize, t.crop, t.squash), (36, 32, true));
+    let ours: Vec<Vec<f32>> = shipped_eval_photos()
+        .iter()
+        .map(|f| t.load(f).unwrap())
+        .collect();
+    let ours = t.batch(ours, &Device::Cpu).unwrap();
+    let d = max_diff(&ours, &peers()["timm.eval.pixels_squash"]);
+    assert!(d < 1e-5, "differs from timm by {d}");
+}
+
+#[test]
+fn import_vit_calibrates_on_the_given_photos_only() {
+    let root = tmp();
+    let src = import_fixtures().join("vit-hf");
+    let photos = root.path().join("photos");
+    std::fs::create_dir_all(photos.join("sub")).unwrap();
+    let all = shipped_eval_photos();
+    std::fs::copy(&all[0], photos.join("a.jpg")).unwrap();
+    std::fs::copy(&all[5], photos.join("sub/b.jpg")).unwrap();
+    let scales = |extra: &[&str], out: &Path| -> Value {
+        let mut args = import_args("vit", &src, out);
+        args.extend(extra);
+        ok(&args);
+        read_json(&out.join("import_report.json"))
+    };
+    let (a, b) = (root.path().join("a"), root.path().join("b"));
+    let default = scales(&[], &a);
+    let mine = scales(
+        &[
+            "--calibration-images",
+            s(&photos),
+            "--eval-images",
+            s(&photos),
+        ],
+        &b,
+    );
+    assert_eq!(mine["calibration"]["items"], 2);
+    assert_eq!(mine["calibration"]["shipped"], false);
+    assert_eq!(mine["evaluation"]["items"], 2);
+    let c = |r: &Value| r["layers"][0]["proj_input_scale"].as_f64().unwrap();
+    assert!(
+        (c(&default) - c(&mine)).abs() > 1e-6 * c(&default).abs(),
+        "{} {}",
+        c(&default),
+        c(&mine)
+    );
+    // Flags of the other family, and empty folders, are refused by name.
+    let e = fails(
+        &[
+            &import_args("vit", &src, &root.path().join("x"))[..],
+            &["--eval-text", "f.txt"],
+        ]
+        .concat(),
+    );
+    assert!(e.contains("--eval-text") && e.contains("gpt-neox"), "{e}");
+    let empty = root.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let e = fails(
+        &[
+            &import_args("vit", &src, &root.path().join("x"))[..],
+            &["--calibration-images", s(&empty)],
+        ]
+        .concat(),
+    );
+    assert!(
+        e.contains("--calibration-images") && e.contains("no images"),
+        "{e}"
+    );
+    assert!(!root.path().join("x").exists());
 }
 
 // ---------------------------------------------------------------- merge

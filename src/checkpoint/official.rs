@@ -244,6 +244,7 @@ pub(crate) fn config_from_settings(
         tie_word_embeddings: !no_weight_tying,
         pattention_scale_tokens: None,
         grown_from_tokens: None,
+        parallel_residual: false,
     };
     cfg.validate().map_err(|e| err(official_key_names(&e)))?;
     Ok(cfg)

@@ -44,6 +44,8 @@ pub struct BlockConfig {
     pub norm_eps: f64,
     pub activation: Activation,
     pub scale_tokens: Option<ScaleTokens>,
+    /// x + attn(LN x) + mlp(LN x) (GPT-NeoX `use_parallel_residual`).
+    pub parallel_residual: bool,
 }
 
 /// LayerNorm without weight and bias (the official `layernorm_nonparam`).
@@ -211,12 +213,14 @@ impl Attention {
     }
 }
 
-/// A pre-norm TokenFormer block: x + P_proj(MHA(LN(x))), then x + P_ffn(LN(x)).
+/// A pre-norm TokenFormer block: x + P_proj(MHA(LN(x))), then x + P_ffn(LN(x));
+/// or, with a parallel residual, x + P_proj(MHA(LN(x))) + P_ffn(LN(x)).
 #[derive(Clone, Debug)]
 pub struct Block {
     pub attention: Attention,
     pub mlp: Pattention,
     norm: LayerNorm,
+    parallel_residual: bool,
 }
 
 impl Block {
@@ -233,6 +237,7 @@ impl Block {
                 vb.pp("mlp"),
             )?,
             norm: nonparam_layer_norm(d, cfg.norm_eps, vb.device())?,
+            parallel_residual: cfg.parallel_residual,
         })
     }
 
@@ -248,9 +253,12 @@ impl Block {
         mode: AttentionMode,
         prefix: Option<&KeyValues>,
     ) -> Result<(Tensor, KeyValues)> {
-        let (a, kv) = self
-            .attention
-            .forward_kv(&self.norm.forward(x)?, mode, prefix)?;
+        let h = self.norm.forward(x)?;
+        let (a, kv) = self.attention.forward_kv(&h, mode, prefix)?;
+        if self.parallel_residual {
+            // Both branches read the same LN(x): the norm has no parameters.
+            return Ok((((x + a)? + self.mlp.forward(&h)?)?, kv));
+        }
         let x = (x + a)?;
         Ok(((&x + self.mlp.forward(&self.norm.forward(&x)?)?)?, kv))
     }

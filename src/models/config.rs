@@ -274,6 +274,24 @@ mod tests {
     }
 
     #[test]
+    fn block_and_preprocessing_options_are_written_only_when_set() {
+        let mut c = lm::Config::released(2, 32, 2);
+        assert!(!serde_json::to_string(&c)
+            .unwrap()
+            .contains("parallel_residual"));
+        c.parallel_residual = true;
+        let text = serde_json::to_string(&c).unwrap();
+        assert!(text.ends_with(r#","parallel_residual":true}"#), "{text}");
+        assert_eq!(serde_json::from_str::<lm::Config>(&text).unwrap(), c);
+        let mut v = vit::Config::imagenet(2, 32, 2, 8, 16);
+        assert!(!serde_json::to_string(&v).unwrap().contains("resize_mode"));
+        v.resize_mode = vit::ResizeMode::Squash;
+        let text = serde_json::to_string(&v).unwrap();
+        assert!(text.contains(r#""resize_mode":"squash""#), "{text}");
+        assert_eq!(serde_json::from_str::<vit::Config>(&text).unwrap(), v);
+    }
+
+    #[test]
     fn a_wrong_or_missing_architecture_is_named() {
         let mut v = serde_json::to_value(lm::Config::released(2, 32, 2)).unwrap();
         let e = serde_json::from_value::<vit::Config>(v.clone()).unwrap_err();

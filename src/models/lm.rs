@@ -74,6 +74,14 @@ pub struct Config {
     /// tokens (what `train --train new` trains).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grown_from_tokens: Option<ScaleTokens>,
+    /// GPT-NeoX's parallel residual, x + attn(LN x) + mlp(LN x), instead of the
+    /// sequential block (Pythia-style imports keep their structure).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub parallel_residual: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 pub const ARCHITECTURE: &str = "tokenformer-lm";
@@ -98,6 +106,7 @@ impl Config {
             tie_word_embeddings: true,
             pattention_scale_tokens: None,
             grown_from_tokens: None,
+            parallel_residual: false,
         }
     }
 
@@ -182,6 +191,7 @@ impl Config {
             norm_eps: self.norm_eps,
             activation: self.pattention_activation,
             scale_tokens: self.pattention_scale_tokens,
+            parallel_residual: self.parallel_residual,
         }
     }
 }

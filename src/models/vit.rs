@@ -42,6 +42,25 @@ pub enum Interpolation {
     Bilinear,
 }
 
+/// How the eval preprocessing brings an image to `image_size`² before the
+/// centre crop (timm's `crop_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ResizeMode {
+    /// The shorter side to floor(image_size / crop_pct), aspect ratio kept (timm's `center`).
+    #[default]
+    ShorterSide,
+    /// Both sides to floor(image_size / crop_pct), aspect ratio not kept (timm's
+    /// `squash`; with crop_pct 1 transformers' `ViTImageProcessor`: no crop).
+    Squash,
+}
+
+impl ResizeMode {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 fn default_norm_eps() -> f64 {
     1e-6
 }
@@ -92,6 +111,9 @@ pub struct Config {
     pub crop_pct: f64,
     #[serde(default)]
     pub interpolation: Interpolation,
+    /// Eval resize before the centre crop: the shorter side (absent) or `squash`.
+    #[serde(default, skip_serializing_if = "ResizeMode::is_default")]
+    pub resize_mode: ResizeMode,
     #[serde(default = "default_mean")]
     pub mean: [f32; 3],
     #[serde(default = "default_std")]
@@ -132,6 +154,7 @@ impl Config {
             pattention_scale_tokens: None,
             crop_pct: 0.875,
             interpolation: Interpolation::Bicubic,
+            resize_mode: ResizeMode::ShorterSide,
             mean: default_mean(),
             std: default_std(),
             class_wnids: None,
@@ -219,6 +242,7 @@ impl Config {
             norm_eps: self.norm_eps,
             activation: self.pattention_activation,
             scale_tokens: self.pattention_scale_tokens,
+            parallel_residual: false,
         }
     }
 

@@ -1,6 +1,6 @@
 //! The TokenFormer language model as plain, differentiable tensor ops over trainable
 //! [`Var`]s, with the semantics of [`crate::models::tokenformer::TokenFormerLm`]: pre-norm
-//! blocks with a non-parametric LayerNorm, Pattention q/k/v/proj and feed-forward,
+//! blocks (sequential or parallel residual) with a non-parametric LayerNorm, Pattention q/k/v/proj and feed-forward,
 //! causal attention with GPT-NeoX partial rotary embeddings, a final LayerNorm and tied
 //! (or untied) output logits.
 
@@ -92,9 +92,19 @@ impl TrainableLm {
         for i in 0..cfg.num_layers {
             let h = layer_norm(&x, cfg.norm_eps)?;
             let attn = self.attention(i, &h, &mask, &cos, &sin)?;
-            x = (x + attn)?;
-            let h = layer_norm(&x, cfg.norm_eps)?;
-            x = (&x + self.pattention(&format!("layers.{i}.mlp"), &h, self.scale(4))?)?;
+            let mlp_in = if cfg.parallel_residual {
+                // x + attn(LN x) + mlp(LN x): both branches read the same LN(x).
+                h
+            } else {
+                x = (x + &attn)?;
+                layer_norm(&x, cfg.norm_eps)?
+            };
+            let mlp = self.pattention(&format!("layers.{i}.mlp"), &mlp_in, self.scale(4))?;
+            x = if cfg.parallel_residual {
+                ((x + attn)? + mlp)?
+            } else {
+                (x + mlp)?
+            };
         }
         let h = layer_norm(&x, cfg.norm_eps)?
             .broadcast_mul(self.p("final_norm.weight")?)?

@@ -225,7 +225,12 @@ impl TrainableVl {
                 .transpose(1, 2)?
                 .reshape((b, t, d))?;
             let new_txt = (&txt + pl("proj", &ot, lp)?)?;
-            let ht = layer_norm(&new_txt, l.norm_eps)?;
+            // A parallel residual's MLP reads LN of the block's input, as its attention.
+            let ht = if l.parallel_residual {
+                ht
+            } else {
+                layer_norm(&new_txt, l.norm_eps)?
+            };
             txt = (&new_txt + pattention(&lroute, &format!("layers.{i}.mlp"), &ht, lact, lf)?)?;
             img = new_img;
         }

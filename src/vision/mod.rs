@@ -2,7 +2,9 @@
 //! `Image.open(f).convert("RGB")` does, the timm / MAE eval transform
 //! (`timm.data.transforms_factory.transforms_imagenet_eval`: Resize of the
 //! shorter side to floor(image_size / crop_pct) with Pillow resampling,
-//! CenterCrop, ToTensor, Normalize), dataset listing and top-k.
+//! CenterCrop, ToTensor, Normalize; or its `squash` crop mode, which with
+//! crop_pct 1 is transformers' `ViTImageProcessor`: Pillow resize straight to
+//! image_size², rescale, normalise), dataset listing and top-k.
 //!
 //! References: timm `transforms_factory.py`, torchvision
 //! `transforms/functional.py` (`_compute_resized_output_size`, `center_crop`),
@@ -17,7 +19,7 @@ use std::path::Path;
 use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::models::vit::{Config, Interpolation};
+use crate::models::vit::{Config, Interpolation, ResizeMode};
 pub use decode::{decode_bytes, decode_bytes_with, open_rgb, open_rgb_with, DecodeLimits};
 use resample::Filter;
 
@@ -39,6 +41,9 @@ pub struct EvalTransform {
     pub filter: Filter,
     pub mean: [f32; 3],
     pub std: [f32; 3],
+    /// Both sides to `resize` (aspect ratio not kept) instead of the shorter
+    /// side: timm's `squash`, and with resize = crop transformers' `ViTImageProcessor`.
+    pub squash: bool,
 }
 
 impl EvalTransform {
@@ -53,6 +58,7 @@ impl EvalTransform {
             },
             mean: cfg.mean,
             std: cfg.std,
+            squash: cfg.resize_mode == ResizeMode::Squash,
         }
     }
 
@@ -72,7 +78,7 @@ impl EvalTransform {
         }
     }
 
-    /// Resize + center crop as u8 RGB (crop × crop). A resized image smaller
+    /// Resize (shorter side, or squash) + center crop as u8 RGB (crop × crop). A resized image smaller
     /// than the crop (crop_pct > 1) is zero-padded first, as torchvision's
     /// `center_crop` does.
     pub fn resize_crop(&self, img: &RgbImage) -> Result<RgbImage> {
@@ -82,7 +88,11 @@ impl EvalTransform {
                 img.width, img.height
             )));
         }
-        let (w, h) = self.resized_size(img.width, img.height);
+        let (w, h) = if self.squash {
+            (self.resize, self.resize)
+        } else {
+            self.resized_size(img.width, img.height)
+        };
         let c = self.crop;
         // torchvision: offsets int(round((H - h) / 2)), Python's round (ties to even).
         let offset = |size: usize| -> (usize, usize) {

@@ -25,11 +25,31 @@ pub struct ImportArgs {
     pub input: String,
     #[command(flatten)]
     pub out: FolderOut,
-    /// Text to measure fidelity on (language models; default: a fixed English paragraph).
-    #[arg(long)]
+    /// Text the fitted constants are calibrated on (language models): a UTF-8 file;
+    /// default: a page of the King James Bible shipped with the tool.
+    #[arg(long, value_name = "FILE")]
+    pub calibration_text: Option<PathBuf>,
+    /// Held-out text the report measures on (perplexity of source and import,
+    /// agreement); default: another shipped page.
+    #[arg(long, value_name = "FILE", conflicts_with = "probe_text")]
+    pub eval_text: Option<PathBuf>,
+    /// The eval text given literally instead of as a file.
+    #[arg(long, value_name = "TEXT")]
     pub probe_text: Option<String>,
-    /// Normalised images to measure fidelity on (classifiers): a .safetensors file with a
-    /// tensor `pixels` [n, 3, H, W]; default: seeded synthetic images.
-    #[arg(long)]
+    /// A tokenizer.json for the text (default: the source folder's).
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// Photos the fitted constants are calibrated on (classifiers): a folder, searched
+    /// recursively; default: photos shipped with the tool.
+    #[arg(long, value_name = "DIR")]
+    pub calibration_images: Option<PathBuf>,
+    /// Held-out photos the report measures on (top-1 agreement, KL, logit error);
+    /// default: other shipped photos. Each is preprocessed as the source's own
+    /// processor does (and as `classify` will).
+    #[arg(long, value_name = "DIR", conflicts_with = "probe_pixels")]
+    pub eval_images: Option<PathBuf>,
+    /// Eval images already preprocessed: a .safetensors file with a tensor
+    /// `pixels` [n, 3, H, W] (never used for calibration).
+    #[arg(long, value_name = "FILE")]
     pub probe_pixels: Option<PathBuf>,
 }

@@ -1,32 +1,24 @@
-//! How an import is measured end to end and reported: the probe and calibration
-//! inputs (text, token ids or seeded images), perplexity, `import_report.json`
+//! How an import is measured end to end and reported: tokenizing the text,
+//! the seeded ids of a source without a tokenizer, the agreement of source and
+//! import (top-1, KL divergence, logit error, perplexity), `import_report.json`
 //! (rendered once for the terminal and for the model card), and the card and
 //! folder both importers finish with.
 
 use std::path::Path;
 
-use anyhow::Result;
-use candle_core::{Device, Tensor};
+use anyhow::{anyhow, Result};
+use candle_core::{DType, Tensor, D};
 use serde::Serialize;
 use serde_json::{json, Value};
 use tokenformer::card::ModelCard;
 use tokenformer::loader;
 
-use super::mapping::{LayerFidelity, Mapping};
+use super::data::{agreement_interval, DataInfo};
+use super::mapping::{Exactness, LayerFidelity, Mapping, EXACT_TOLERANCE};
 use crate::output::ModelFolder;
 
-pub const DEFAULT_PROBE_TEXT: &str = "The museum opened its new wing on a rainy Tuesday morning. Visitors queued outside \
-for an hour to see the collection of maps, letters and instruments that sailors had carried across the Atlantic \
-two centuries ago, and the curator explained how each object had been found.";
-pub const CALIBRATION_TEXT: &str = "In mathematics, a prime number is a natural number greater than one that is not \
-a product of two smaller natural numbers. Farmers in the valley grow wheat, barley and grapes, and sell them at the \
-market every Saturday.";
-
-/// Token ids of `text` with the tokenizer.json at `path`, if it loads.
-pub fn tokenize(path: &Path, text: &str) -> Option<Vec<u32>> {
-    if !path.exists() {
-        return None;
-    }
+/// Token ids of `text` with the tokenizer.json at `path`.
+pub fn tokenize(path: &Path, text: &str) -> Result<Vec<u32>> {
     let files = loader::ModelFiles {
         source: path.display().to_string(),
         config: loader::ConfigSource::Json {
@@ -36,14 +28,14 @@ pub fn tokenize(path: &Path, text: &str) -> Option<Vec<u32>> {
         weights: loader::Weights::Safetensors(vec![]),
         tokenizer: Some(path.to_path_buf()),
     };
-    let t = loader::load_tokenizer(&files).ok()?;
-    let ids = t.encode(text, false).ok()?.get_ids().to_vec();
-    (ids.len() >= 2).then_some(ids)
+    let t = loader::load_tokenizer(&files)?;
+    Ok(t.encode(text, false)
+        .map_err(|e| anyhow!("{}: cannot tokenize: {e}", path.display()))?
+        .get_ids()
+        .to_vec())
 }
 
-/// Marsaglia's xorshift64 (13, 7, 17), the stream of the seeded probe inputs. Its
-/// values end up in `import_report.json` (the calibration ids, the measured errors),
-/// so it is kept as it is rather than replaced by `tokenformer::init`.
+/// Marsaglia's xorshift64 (13, 7, 17), the stream of the seeded ids.
 struct XorShift(u64);
 
 impl XorShift {
@@ -55,72 +47,133 @@ impl XorShift {
     }
 }
 
-/// `n` token ids below `vocab` (the calibration input of a source without a tokenizer).
+/// `n` token ids below `vocab`: what a source without a tokenizer is run on.
 pub fn seeded_ids(vocab: usize, n: usize, seed: u64) -> Vec<u32> {
     let mut x = XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     (0..n).map(|_| (x.next() % vocab as u64) as u32).collect()
 }
 
-/// Seeded smooth images in normalised units: a few random plane waves per
-/// channel plus noise, so that patches differ the way photographs' do.
-pub fn synthetic_pixels(
-    n: usize,
-    c: usize,
-    size: usize,
-    seed: u64,
-    dev: &Device,
-) -> Result<Tensor> {
-    let mut x = XorShift(seed | 1);
-    let mut rnd = move || ((x.next() >> 11) as f64 / (1u64 << 53) as f64) as f32;
-    let mut v = Vec::with_capacity(n * c * size * size);
-    for _ in 0..n * c {
-        let waves: Vec<[f32; 4]> = (0..3)
-            .map(|_| [rnd() * 0.5, rnd() * 0.5, rnd() * 6.3, rnd() * 1.5])
-            .collect();
-        for i in 0..size {
-            for j in 0..size {
-                let mut p = 0.0;
-                for w in &waves {
-                    p += w[3] * (w[0] * i as f32 + w[1] * j as f32 + w[2]).sin();
-                }
-                v.push(p + 0.3 * (rnd() - 0.5));
+/// Source and import compared on the eval data, accumulated batch by batch.
+#[derive(Default)]
+pub struct Agreement {
+    rows: usize,
+    agree: usize,
+    kl: f64,
+    diff_sq: f64,
+    src_sq: f64,
+    src_nll: f64,
+    imp_nll: f64,
+    predicted: usize,
+    source_top1: Vec<u32>,
+    import_top1: Vec<u32>,
+}
+
+/// Per row: −log softmax(logits)[target] for rows 0..targets.len().
+fn nll(log_probs: &Tensor, targets: &[u32]) -> Result<f64> {
+    let n = targets.len();
+    let t = Tensor::new(targets, log_probs.device())?.unsqueeze(1)?;
+    let picked = log_probs.narrow(0, 0, n)?.gather(&t, 1)?;
+    Ok(-picked.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?)
+}
+
+impl Agreement {
+    /// Adds rows of logits [n, classes] of the source and the import; for text,
+    /// `next` holds the token each row but the last predicts (one window).
+    pub fn add(&mut self, src: &Tensor, imp: &Tensor, next: Option<&[u32]>) -> Result<()> {
+        let (src, imp) = (src.to_dtype(DType::F32)?, imp.to_dtype(DType::F32)?);
+        let ls = candle_nn::ops::log_softmax(&src, D::Minus1)?;
+        let li = candle_nn::ops::log_softmax(&imp, D::Minus1)?;
+        let kl = (ls.exp()? * (&ls - &li)?)?.sum(D::Minus1)?;
+        self.kl += kl.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        let s = src.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        let i = imp.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        self.agree += s.iter().zip(&i).filter(|(a, b)| a == b).count();
+        self.rows += s.len();
+        let f64s = |t: &Tensor| t.to_dtype(DType::F64);
+        let (s64, i64) = (f64s(&src)?, f64s(&imp)?);
+        self.diff_sq += (&i64 - &s64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        self.src_sq += s64.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        match next {
+            Some(next) => {
+                self.src_nll += nll(&ls, next)?;
+                self.imp_nll += nll(&li, next)?;
+                self.predicted += next.len();
+            }
+            None => {
+                self.source_top1.extend(s);
+                self.import_top1.extend(i);
             }
         }
+        Ok(())
     }
-    Ok(Tensor::from_vec(v, (n, c, size, size), dev)?)
+
+    /// The end-to-end numbers; `unit` is "images" or "tokens".
+    pub fn finish(self, unit: &'static str) -> EndToEnd {
+        let n = self.rows.max(1) as f64;
+        let text = unit == "tokens";
+        let (lo, hi) = agreement_interval(self.agree, self.rows);
+        // Few items, or an interval too wide to tell a good import from a bad one.
+        let small = self.rows < if text { 1000 } else { 50 } || hi - lo > 0.2;
+        let sample_note = small.then(|| {
+            format!(
+                "only {} eval {unit}: top-1 agreement is known to within {:.0}–{:.0}% (95% interval), too small a sample to mean much; pass {} with more",
+                self.rows,
+                100.0 * lo,
+                100.0 * hi,
+                if text { "--eval-text" } else { "--eval-images" }
+            )
+        });
+        let ppl = |s: f64| (self.predicted > 0).then(|| (s / self.predicted as f64).exp());
+        EndToEnd {
+            items: self.rows,
+            unit,
+            top1_agreement: self.agree as f64 / n,
+            top1_agreement_95: [lo, hi],
+            mean_kl: self.kl / n,
+            logits_relative_error: if self.src_sq > 0.0 {
+                (self.diff_sq / self.src_sq).sqrt()
+            } else {
+                self.diff_sq.sqrt()
+            },
+            source_perplexity: ppl(self.src_nll),
+            import_perplexity: ppl(self.imp_nll),
+            predicted_tokens: text.then_some(self.predicted),
+            source_top1: (!text).then_some(self.source_top1),
+            import_top1: (!text).then_some(self.import_top1),
+            sample_note,
+        }
+    }
 }
 
-/// exp(mean negative log-likelihood) of `ids[1..]` under `logits` [t, vocab].
-pub fn perplexity(logits: &Tensor, ids: &[u32]) -> Result<f64> {
-    let n = ids.len() - 1;
-    let logits = logits.narrow(0, 0, n)?;
-    let lse = tokenformer::scoring::logsumexp(&logits)?;
-    let targets = Tensor::new(&ids[1..], logits.device())?.unsqueeze(1)?;
-    let picked = logits.gather(&targets, 1)?.squeeze(1)?;
-    let nll: f64 = (lse - picked)?
-        .to_vec1::<f32>()?
-        .iter()
-        .map(|&x| x as f64)
-        .sum();
-    Ok((nll / n as f64).exp())
-}
-
-/// End-to-end comparison on the probe.
+/// End-to-end comparison on the eval data.
 #[derive(Clone, Debug, Serialize)]
 pub struct EndToEnd {
-    /// Perplexity (text) of the source on the probe.
+    /// Images, or token positions of the text.
+    pub items: usize,
+    pub unit: &'static str,
+    /// Share of items where the import's top-1 class (next token) is the source's.
+    pub top1_agreement: f64,
+    /// Its 95 % Wilson interval.
+    pub top1_agreement_95: [f64; 2],
+    /// Mean KL(source ‖ import) of the softmax over classes (tokens), in nats.
+    pub mean_kl: f64,
+    /// ‖logits_import − logits_source‖ / ‖logits_source‖ over all items.
+    pub logits_relative_error: f64,
+    /// Perplexity (text) of each on the eval text (windows of the context length).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub source_perplexity: Option<f64>,
-    /// The source with its parallel residual run sequentially (what a TokenFormer block can express).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub source_sequential_perplexity: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub import_perplexity: Option<f64>,
-    /// Share of probe images where the import's top-1 class is the source's.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub top1_agreement: Option<f64>,
-    /// ‖logits_import − logits_source‖ / ‖logits_source‖ on the probe.
-    pub logits_relative_error: f64,
+    pub predicted_tokens: Option<usize>,
+    /// Each eval image's top-1 class under the source and the import.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source_top1: Option<Vec<u32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub import_top1: Option<Vec<u32>>,
+    /// Set when the sample is too small to mean much.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sample_note: Option<String>,
 }
 
 /// `import_report.json`: everything the tool measured, for scripts and tests.
@@ -129,14 +182,16 @@ pub struct Report {
     pub source: String,
     pub from: String,
     pub mapping: Mapping,
-    /// Token ids of the text probe (or the number of probe images).
+    /// What the fitted constants (`proj_input_scale`) were fitted on.
+    pub calibration: DataInfo,
+    /// What every number below was measured on.
+    pub evaluation: DataInfo,
+    /// The eval images, in the order of `source_top1` / `import_top1`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub probe_ids: Option<Vec<u32>>,
+    pub eval_images: Option<Vec<String>>,
+    /// GPT-NeoX's parallel residual, kept (the TokenFormer config's `parallel_residual`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub calibration_ids: Option<Vec<u32>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub probe_images: Option<usize>,
-    pub parallel_residual_made_sequential: bool,
+    pub parallel_residual: Option<bool>,
     pub layers: Vec<LayerFidelity>,
     pub end_to_end: EndToEnd,
     /// Source tensors copied unchanged: (source name, TokenFormer name).
@@ -161,7 +216,7 @@ impl Style {
     fn row(self, cells: &[String]) -> String {
         match self {
             Style::Terminal => {
-                let widths = [5, 10, 10, 10, 10, 10, 9, 14];
+                let widths = [5, 10, 10, 10, 10, 10, 9, 14, 12, 10];
                 let padded: Vec<String> = cells
                     .iter()
                     .zip(widths)
@@ -172,6 +227,22 @@ impl Style {
             Style::Markdown => format!("| {} |\n", cells.join(" | ")),
         }
     }
+}
+
+/// The parts of a layer with status `want`, by name.
+fn parts_with(l: &LayerFidelity, want: Exactness) -> Vec<&'static str> {
+    let s = &l.status;
+    [
+        ("query", s.query),
+        ("key", s.key),
+        ("value", s.value),
+        ("proj", s.proj),
+        ("mlp", s.mlp),
+    ]
+    .into_iter()
+    .filter(|(_, x)| *x == want)
+    .map(|(n, _)| n)
+    .collect()
 }
 
 impl Report {
@@ -185,38 +256,69 @@ impl Report {
         self.render(Style::Markdown)
     }
 
-    /// The per-layer table, then the end-to-end numbers (and, printed, the notes).
+    /// The per-layer table, what is exact and why, then the end-to-end numbers
+    /// (and, printed, the notes).
     fn render(&self, style: Style) -> String {
         let md = style == Style::Markdown;
-        let mut s = String::from(if md {
-            "Relative error ‖P(x) − f(x)‖/‖f(x)‖ of each new Pattention against the source layer, on the source's own activations of the probe:\n\n"
+        let data = |d: &DataInfo| {
+            let mut s = format!("{} {}, {}", d.items, d.unit, d.source);
+            if let Some(n) = &d.note {
+                s += &format!(" ({n})");
+            }
+            s
+        };
+        let mut s = if md {
+            format!(
+                "Calibration data (the fitted constants): {}. Eval data (every number here): {}.\n\nRelative error ‖P(x) − f(x)‖/‖f(x)‖ of each new Pattention against the source layer, on the source's own activations of the eval data:\n\n",
+                data(&self.calibration),
+                data(&self.evaluation)
+            )
         } else {
-            "per-layer relative error of each Pattention against the source layer (probe activations):\n"
-        });
+            format!(
+                "calibration: {}\nevaluation: {}\nper-layer relative error of each Pattention against the source layer (eval activations):\n",
+                data(&self.calibration),
+                data(&self.evaluation)
+            )
+        };
         let dropped = if md {
             "dropped ‖b_in‖"
         } else {
             "dropped |b_in|"
         };
         let header = [
-            "layer", "query", "key", "value", "proj", "mlp", "proj c", dropped,
+            "layer",
+            "query",
+            "key",
+            "value",
+            "proj",
+            "mlp",
+            "proj c",
+            dropped,
+            "max eps/var",
+            "exact",
         ];
         s += &style.row(&header.map(String::from));
         if md {
-            s += "|---|---|---|---|---|---|---|---|\n";
+            s += "|---|---|---|---|---|---|---|---|---|---|\n";
         }
+        let err = |x: f64| {
+            if md {
+                format!("{x:.2e}")
+            } else {
+                format!("{x:.3e}")
+            }
+        };
         for l in &self.layers {
-            let err = |x: f64| {
-                if md {
-                    format!("{x:.2e}")
-                } else {
-                    format!("{x:.3e}")
-                }
-            };
             let dropped = if md {
                 format!("{:.3}", l.dropped_mlp_bias_norm)
             } else {
                 format!("{:.4}", l.dropped_mlp_bias_norm)
+            };
+            let exact = parts_with(l, Exactness::Exact);
+            let exact = if exact.is_empty() {
+                "none".to_string()
+            } else {
+                exact.join(" ")
             };
             s += &style.row(&[
                 l.layer.to_string(),
@@ -227,45 +329,70 @@ impl Report {
                 err(l.mlp),
                 format!("{:.4}", l.proj_input_scale),
                 dropped,
+                err(l.attn_eps_over_var.max(l.mlp_eps_over_var)),
+                exact,
             ]);
         }
-        let e = &self.end_to_end;
-        let images = self.probe_images.unwrap_or(0);
         if md {
             s.push('\n');
-            if let Some(p) = e.source_perplexity {
-                s += &format!("End to end on the probe: source perplexity {p:.4}");
-                if let Some(q) = e.source_sequential_perplexity {
-                    s += &format!(", source run sequentially {q:.4}");
-                }
-                if let Some(q) = e.import_perplexity {
-                    s += &format!(", import {q:.4}");
-                }
-                s += ". ";
-            }
-            if let Some(t) = e.top1_agreement {
-                s += &format!(
-                    "End to end on {images} probe images: top-1 agreement {:.1}%. ",
-                    100.0 * t
-                );
-            }
-            s += &format!("Relative logit error {:.3e}.", e.logits_relative_error);
-        } else {
-            if let (Some(p), Some(i)) = (e.source_perplexity, e.import_perplexity) {
-                s += &match e.source_sequential_perplexity {
-                    Some(q) => format!(
-                        "perplexity on the probe: source {p:.4} (run sequentially {q:.4}), import {i:.4}\n"
-                    ),
-                    None => format!("perplexity on the probe: source {p:.4}, import {i:.4}\n"),
+        }
+        s += &format!(
+            "exact: reproduces its source part within {EXACT_TOLERANCE:.0e} on the eval data. q/k/v, and the MLP when no pre-activation bias was dropped, are exact constructions on x̂ = x·√d/‖x‖; a LayerNorm output differs from x̂ by √(1 + eps/var) − 1, so they are exact only where var ≫ eps. proj is approximate (a fitted input scale).\n"
+        );
+        for l in &self.layers {
+            let eps = parts_with(l, Exactness::EpsLimited);
+            if !eps.is_empty() {
+                let (r, e, c) = if eps.iter().all(|p| *p == "mlp") {
+                    (l.mlp_eps_over_var, l.mlp_eps_error, l.mlp_input_scale)
+                } else {
+                    (l.attn_eps_over_var, l.attn_eps_error, l.qkv_input_scale)
                 };
-            }
-            if let Some(t) = e.top1_agreement {
+                let fitted = if c != 1.0 {
+                    format!(" (a fitted input scale {c:.4} takes out the mean of that)")
+                } else {
+                    String::new()
+                };
                 s += &format!(
-                    "top-1 agreement on {images} probe images: {:.1}%\n",
-                    100.0 * t
+                    "{}layer {}: {} exact by construction, but eps/var reaches {} here: LayerNorm outputs differ from x̂ by up to {}{fitted}.\n",
+                    if md { "- " } else { "" },
+                    l.layer,
+                    eps.join(", "),
+                    err(r),
+                    err(e)
                 );
             }
-            s += &format!("relative logit error: {:.3e}\n", e.logits_relative_error);
+        }
+        let e = &self.end_to_end;
+        let what = if e.unit == "tokens" {
+            "next-token top-1"
+        } else {
+            "top-1"
+        };
+        if md {
+            s.push('\n');
+        }
+        s += &format!(
+            "End to end on {} eval {}: {what} agreement {:.1}% (95% interval {:.1}–{:.1}%), mean KL(source ‖ import) {:.3e} nats, relative logit error {:.3e}.\n",
+            e.items,
+            e.unit,
+            100.0 * e.top1_agreement,
+            100.0 * e.top1_agreement_95[0],
+            100.0 * e.top1_agreement_95[1],
+            e.mean_kl,
+            e.logits_relative_error
+        );
+        if let (Some(p), Some(i), Some(n)) =
+            (e.source_perplexity, e.import_perplexity, e.predicted_tokens)
+        {
+            s += &format!(
+                "Perplexity on the eval text ({n} predicted tokens): source {p:.4}, import {i:.4} ({:+.2}%).\n",
+                100.0 * (i / p - 1.0)
+            );
+        }
+        if let Some(n) = &e.sample_note {
+            s += &format!("{}{n}.\n", if md { "Note: " } else { "note: " });
+        }
+        if !md {
             for n in &self.not_representable {
                 s += &format!("note: {n}\n");
             }
@@ -280,8 +407,6 @@ pub struct CardText {
     pub pipeline: &'static str,
     /// The "Model" section.
     pub model: String,
-    /// Appended to the fidelity table.
-    pub fidelity_note: &'static str,
 }
 
 /// What both imports end with: the report printed and written, the card (model,
@@ -296,7 +421,7 @@ pub fn finish(input: &str, folder: ModelFolder, report: &Report, text: CardText)
     }
     card.section("Model", text.model);
     card.section("Mapping", report.mapping.describe());
-    card.section("Fidelity", report.markdown() + text.fidelity_note);
+    card.section("Fidelity", report.markdown());
     let items: Vec<String> = report
         .not_representable
         .iter()
@@ -308,34 +433,72 @@ pub fn finish(input: &str, folder: ModelFolder, report: &Report, text: CardText)
 
 #[cfg(test)]
 mod tests {
+    use super::super::mapping::PartStatus;
     use super::*;
 
+    fn layer(i: usize, qkv: Exactness, mlp: Exactness, ratio: f64) -> LayerFidelity {
+        LayerFidelity {
+            layer: i,
+            query: 1.5e-6,
+            key: 2.0e-6,
+            value: 0.0125,
+            proj: 0.125,
+            mlp: 0.5,
+            proj_input_scale: 1.25,
+            qkv_input_scale: if ratio > 1e-3 { 0.9876 } else { 1.0 },
+            mlp_input_scale: 1.0,
+            dropped_mlp_bias_norm: 0.75,
+            attn_eps_over_var: ratio,
+            mlp_eps_over_var: 1e-6,
+            attn_eps_error: (1.0 + ratio).sqrt() - 1.0,
+            mlp_eps_error: 5e-7,
+            status: PartStatus {
+                query: qkv,
+                key: qkv,
+                value: qkv,
+                proj: Exactness::Approximate,
+                mlp,
+            },
+        }
+    }
+
     fn report(text: bool) -> Report {
+        let info = |items, unit| DataInfo {
+            source: "shipped samples (x)".into(),
+            shipped: true,
+            items,
+            unit,
+            note: None,
+        };
+        let mut agreement = Agreement::default();
+        let src = Tensor::new(
+            &[[1f32, 0.0, 0.0], [0.0, 2.0, 0.0]],
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let imp = Tensor::new(
+            &[[1f32, 0.0, 0.0], [0.0, 0.0, 2.0]],
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let next = [1u32];
+        agreement
+            .add(&src, &imp, text.then_some(&next[..]))
+            .unwrap();
+        let unit = if text { "tokens" } else { "images" };
         Report {
             source: "src".into(),
             from: "gpt-neox".into(),
             mapping: Mapping::new(4),
-            probe_ids: None,
-            calibration_ids: None,
-            probe_images: (!text).then_some(3),
-            parallel_residual_made_sequential: false,
-            layers: vec![LayerFidelity {
-                layer: 0,
-                query: 1.5e-6,
-                key: 2.0e-6,
-                value: 3.25e-6,
-                proj: 0.125,
-                mlp: 0.5,
-                proj_input_scale: 1.25,
-                dropped_mlp_bias_norm: 0.75,
-            }],
-            end_to_end: EndToEnd {
-                source_perplexity: text.then_some(10.0),
-                source_sequential_perplexity: text.then_some(11.0),
-                import_perplexity: text.then_some(12.5),
-                top1_agreement: (!text).then_some(2.0 / 3.0),
-                logits_relative_error: 0.0625,
-            },
+            calibration: info(10, unit),
+            evaluation: info(2, unit),
+            eval_images: None,
+            parallel_residual: text.then_some(true),
+            layers: vec![
+                layer(0, Exactness::EpsLimited, Exactness::Approximate, 0.025),
+                layer(1, Exactness::Exact, Exactness::Exact, 1e-6),
+            ],
+            end_to_end: agreement.finish(unit),
             copied: vec![],
             ignored_buffers: vec![],
             not_representable: vec!["a note".into()],
@@ -343,34 +506,64 @@ mod tests {
     }
 
     #[test]
-    fn the_terminal_rendering() {
-        assert_eq!(
-            report(true).render(Style::Terminal),
-            "per-layer relative error of each Pattention against the source layer (probe activations):\n\
-             layer      query        key      value       proj        mlp    proj c dropped |b_in|\n    \
-             0   1.500e-6   2.000e-6   3.250e-6   1.250e-1   5.000e-1    1.2500         0.7500\n\
-             perplexity on the probe: source 10.0000 (run sequentially 11.0000), import 12.5000\n\
-             relative logit error: 6.250e-2\nnote: a note\n"
+    fn the_agreement_numbers() {
+        let e = report(true).end_to_end;
+        // Rows: argmax 0 = 0 (agree), 1 ≠ 2; KL of row 0 is 0.
+        assert_eq!((e.items, e.top1_agreement), (2, 0.5));
+        let ls = [2.0 - (2f64.exp() + 2.0).ln(), -(2f64.exp() + 2.0).ln()];
+        let kl = ls[0].exp() * (ls[0] - ls[1]) + 2.0 * ls[1].exp() * (ls[1] - ls[1]) + 0.0;
+        // Row 1: source p = (1, e², 1)/Z, import q = (1, 1, e²)/Z.
+        let kl_row1 = ls[0].exp() * (ls[0] - ls[1]) + ls[1].exp() * (ls[1] - ls[0]);
+        assert!(
+            (e.mean_kl - kl_row1 / 2.0).abs() < 1e-6,
+            "{} {kl}",
+            e.mean_kl
         );
-        let images = report(false).render(Style::Terminal);
-        assert!(images.ends_with(
-            "top-1 agreement on 3 probe images: 66.7%\nrelative logit error: 6.250e-2\nnote: a note\n"
-        ));
+        assert!((e.logits_relative_error - (8f64 / 5.0).sqrt()).abs() < 1e-9);
+        // One predicted token (row 0 predicts id 1): source log p = −ln(e + 2)... both 1/(e+2).
+        let p = (1f64.exp() + 2.0).ln().exp();
+        assert!((e.source_perplexity.unwrap() - p).abs() < 1e-5);
+        assert!((e.import_perplexity.unwrap() - p).abs() < 1e-5);
+        assert!(e.sample_note.unwrap().starts_with("only 2 eval tokens"));
+    }
+
+    #[test]
+    fn the_terminal_rendering_says_what_is_exact_and_why() {
+        let s = report(true).render(Style::Terminal);
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines[0], "calibration: 10 tokens, shipped samples (x)");
+        assert_eq!(lines[1], "evaluation: 2 tokens, shipped samples (x)");
+        assert_eq!(
+            lines[3],
+            "layer      query        key      value       proj        mlp    proj c dropped |b_in|  max eps/var      exact"
+        );
+        assert_eq!(
+            lines[4],
+            "    0   1.500e-6   2.000e-6   1.250e-2   1.250e-1   5.000e-1    1.2500         0.7500     2.500e-2       none"
+        );
+        assert!(
+            lines[5].ends_with("1.000e-6 query key value mlp"),
+            "{}",
+            lines[5]
+        );
+        assert!(s.contains(
+            "layer 0: query, key, value exact by construction, but eps/var reaches 2.500e-2 here: LayerNorm outputs differ from x̂ by up to 1.242e-2 (a fitted input scale 0.9876 takes out the mean of that).\n"
+        ), "{s}");
+        assert!(s.contains("End to end on 2 eval tokens: next-token top-1 agreement 50.0%"));
+        assert!(s.contains("Perplexity on the eval text (1 predicted tokens)"));
+        assert!(s.ends_with("note: a note\n"));
+        let img = report(false).render(Style::Terminal);
+        assert!(img.contains("End to end on 2 eval images: top-1 agreement 50.0%"));
+        assert!(!img.contains("Perplexity"));
     }
 
     #[test]
     fn the_markdown_rendering() {
-        let table = "Relative error ‖P(x) − f(x)‖/‖f(x)‖ of each new Pattention against the source layer, on the source's own activations of the probe:\n\n\
-                     | layer | query | key | value | proj | mlp | proj c | dropped ‖b_in‖ |\n\
-                     |---|---|---|---|---|---|---|---|\n\
-                     | 0 | 1.50e-6 | 2.00e-6 | 3.25e-6 | 1.25e-1 | 5.00e-1 | 1.2500 | 0.750 |\n\n";
-        assert_eq!(
-            report(true).markdown(),
-            format!("{table}End to end on the probe: source perplexity 10.0000, source run sequentially 11.0000, import 12.5000. Relative logit error 6.250e-2.")
-        );
-        assert_eq!(
-            report(false).markdown(),
-            format!("{table}End to end on 3 probe images: top-1 agreement 66.7%. Relative logit error 6.250e-2.")
-        );
+        let s = report(false).markdown();
+        assert!(s.starts_with("Calibration data (the fitted constants): 10 images, shipped samples (x). Eval data (every number here): 2 images, shipped samples (x).\n\n"));
+        assert!(s.contains("| layer | query | key | value | proj | mlp | proj c | dropped ‖b_in‖ | max eps/var | exact |\n|---|---|---|---|---|---|---|---|---|---|\n| 0 | 1.50e-6 | 2.00e-6 | 1.25e-2 | 1.25e-1 | 5.00e-1 | 1.2500 | 0.750 | 2.50e-2 | none |\n"), "{s}");
+        assert!(s.contains("- layer 0: query, key, value exact by construction"));
+        assert!(s.contains("Note: only 2 eval images"));
+        assert!(!s.contains("a note"));
     }
 }

@@ -5,7 +5,10 @@
 //! mlp.dense_4h_to_h}`, `gpt_neox.final_layer_norm`, `embed_out`.
 //! The fused `query_key_value` rows are grouped per head as [q | k | v]
 //! (the module views its output as [.., heads, 3·head_dim]). [`import`] turns
-//! it into a TokenFormer language model and measures it on a text probe.
+//! it into a TokenFormer language model with the same residual structure
+//! (parallel for Pythia), calibrated on one text and measured on another.
+
+use std::path::Path;
 
 use anyhow::{anyhow, bail, Result};
 use candle_core::{Device, Tensor};
@@ -16,13 +19,13 @@ use tokenformer::models::tokenformer::{self as lm, Rotary, ScaleTokens};
 use tokenformer::pattention::Activation;
 
 use super::args::ImportArgs;
-use super::fidelity::{self, finish, perplexity, CardText, EndToEnd, Report};
-use super::mapping::{import_layers, relative_error, Mapping};
+use super::data::{DataInfo, Split, Text};
+use super::fidelity::{self, finish, Agreement, CardText, Report};
+use super::mapping::{Calibration, LayerCheck, Mapping};
 use super::source::{
     layer_norm, run_layers, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
 };
 use crate::output::ModelFolder;
-use crate::probe;
 
 /// The hyper-parameters a TokenFormer needs, from `config.json`.
 #[derive(Clone, Debug)]
@@ -37,6 +40,8 @@ pub struct NeoxConfig {
     pub max_position_embeddings: usize,
     pub eps: f64,
     pub parallel_residual: bool,
+    /// Biases on query_key_value and dense (transformers' `attention_bias`, default true).
+    pub attention_bias: bool,
     pub tie_word_embeddings: bool,
     pub eos_token_id: u32,
 }
@@ -92,6 +97,10 @@ pub fn config(c: &Value, origin: &str) -> Result<NeoxConfig> {
             .get("use_parallel_residual")
             .and_then(Value::as_bool)
             .unwrap_or(true),
+        attention_bias: c
+            .get("attention_bias")
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
         tie_word_embeddings: c
             .get("tie_word_embeddings")
             .and_then(Value::as_bool)
@@ -144,29 +153,39 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<NeoxSource> {
             &format!("{p}.attention.query_key_value.weight"),
             &[3 * d, d],
         )?;
-        let qkv_b = raw.take(&format!("{p}.attention.query_key_value.bias"), &[3 * d])?;
+        // transformers' `attention_bias: false` leaves out the attention's biases.
+        let attn_bias = cfg.attention_bias;
+        let qkv_b = if attn_bias {
+            Some(raw.take(&format!("{p}.attention.query_key_value.bias"), &[3 * d])?)
+        } else {
+            None
+        };
         let [qw, kw, vw] = split_fused(&qkv_w, cfg.num_heads, d)?;
-        let [qb, kb, vb] = split_fused(&qkv_b, cfg.num_heads, d)?;
-        let mut dense =
-            |n: &str, out: usize, inp: usize| raw.take_dense(&format!("{p}.{n}"), out, inp, true);
+        let [qb, kb, vb] = match &qkv_b {
+            Some(b) => split_fused(b, cfg.num_heads, d)?.map(Some),
+            None => [None, None, None],
+        };
+        let mut dense = |n: &str, out: usize, inp: usize, bias: bool| {
+            raw.take_dense(&format!("{p}.{n}"), out, inp, bias)
+        };
         layers.push(SourceLayer {
             ln1,
             query: Dense {
                 weight: qw,
-                bias: Some(qb),
+                bias: qb,
             },
             key: Dense {
                 weight: kw,
-                bias: Some(kb),
+                bias: kb,
             },
             value: Dense {
                 weight: vw,
-                bias: Some(vb),
+                bias: vb,
             },
-            dense: dense("attention.dense", d, d)?,
+            dense: dense("attention.dense", d, d, attn_bias)?,
             ln2,
-            fc1: dense("mlp.dense_h_to_4h", m, d)?,
-            fc2: dense("mlp.dense_4h_to_h", d, m)?,
+            fc1: dense("mlp.dense_h_to_4h", m, d, true)?,
+            fc2: dense("mlp.dense_4h_to_h", d, m, true)?,
         });
     }
     let final_norm = Norm {
@@ -191,9 +210,73 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<NeoxSource> {
     })
 }
 
-/// `import --from gpt-neox`: the TokenFormer language model, measured on the probe
-/// text against the source.
+/// The longest window the source and the import are run on at once.
+const MAX_WINDOW: usize = 2048;
+
+/// Token ids of a split's text (the user's, the literal `--probe-text`, or the
+/// shipped page), or seeded ids when there is no tokenizer to read text with.
+fn split_ids(
+    tokenizer: Option<&Path>,
+    file: Option<&Path>,
+    literal: Option<&str>,
+    flag: &str,
+    split: Split,
+    vocab: usize,
+) -> Result<(Vec<u32>, DataInfo)> {
+    let Some(tok) = tokenizer else {
+        if file.is_some() || literal.is_some() {
+            bail!(
+                "{flag}: the source has no tokenizer.json to read text with; pass --tokenizer FILE"
+            );
+        }
+        let seed = if split == Split::Calibration { 17 } else { 29 };
+        let ids = fidelity::seeded_ids(vocab, 512, seed);
+        let info = DataInfo {
+            source: "seeded random token ids".into(),
+            shipped: false,
+            items: ids.len(),
+            unit: "tokens",
+            note: Some("the source has no tokenizer.json, so no text could be read: pass --tokenizer for real text".into()),
+        };
+        return Ok((ids, info));
+    };
+    let text = match literal {
+        Some(t) => Text::literal(t),
+        None => Text::new(file, flag, split)?,
+    };
+    let ids = fidelity::tokenize(tok, &text.text)?;
+    if ids.len() < 2 {
+        bail!("{flag} {}: fewer than 2 tokens", text.source);
+    }
+    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+        bail!(
+            "{flag} {}: token id {bad} is outside the source's vocabulary ({vocab}): does {} belong to this model?",
+            text.source,
+            tok.display()
+        );
+    }
+    let info = DataInfo {
+        source: text.source,
+        shipped: text.shipped,
+        items: ids.len(),
+        unit: "tokens",
+        note: None,
+    };
+    Ok((ids, info))
+}
+
+/// `import --from gpt-neox`: the TokenFormer language model, calibrated on one text
+/// and measured on another against the source.
 pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
+    for (flag, given) in [
+        ("--calibration-images", a.calibration_images.is_some()),
+        ("--eval-images", a.eval_images.is_some()),
+        ("--probe-pixels", a.probe_pixels.is_some()),
+    ] {
+        if given {
+            bail!("{flag} is for classifiers (--from vit); a language model takes --calibration-text and --eval-text");
+        }
+    }
     let src = read(raw)?;
     let buffers = raw.finish(is_buffer)?;
     let cfg = &src.cfg;
@@ -201,41 +284,34 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let dev = Device::Cpu;
     let map = Mapping::new(d);
 
-    // Probe and calibration inputs: real text when the source has a tokenizer.
-    let tok_path = raw.dir.join(loader::TOKENIZER_FILE);
-    let max = cfg.max_position_embeddings;
-    let clip = |mut v: Vec<u32>| {
-        v.truncate(max);
-        v
+    let tok_path = match &a.tokenizer {
+        Some(t) if !t.is_file() => bail!("--tokenizer {}: no such file", t.display()),
+        Some(t) => t.clone(),
+        None => raw.dir.join(loader::TOKENIZER_FILE),
     };
-    let probe_ids = clip(
-        fidelity::tokenize(
-            &tok_path,
-            a.probe_text
-                .as_deref()
-                .unwrap_or(fidelity::DEFAULT_PROBE_TEXT),
-        )
-        .unwrap_or_else(|| probe::probe_ids(cfg.vocab_size, max)),
-    );
-    if probe_ids.len() < 2 {
-        bail!("the probe text must have at least 2 tokens");
-    }
-    let calib_ids = clip(
-        fidelity::tokenize(&tok_path, fidelity::CALIBRATION_TEXT)
-            .unwrap_or_else(|| fidelity::seeded_ids(cfg.vocab_size, 32.min(max), 17)),
-    );
-    if let Some(&bad) = probe_ids
-        .iter()
-        .chain(&calib_ids)
-        .find(|&&i| i as usize >= cfg.vocab_size)
-    {
-        bail!(
-            "token id {bad} of the probe is outside the source's vocabulary ({})",
-            cfg.vocab_size
-        );
-    }
+    let tok = tok_path.is_file().then_some(tok_path.as_path());
+    let max = cfg.max_position_embeddings;
+    let (calib_ids, calib_info) = split_ids(
+        tok,
+        a.calibration_text.as_deref(),
+        None,
+        "--calibration-text",
+        Split::Calibration,
+        cfg.vocab_size,
+    )?;
+    let (eval_ids, eval_info) = split_ids(
+        tok,
+        a.eval_text.as_deref(),
+        a.probe_text.as_deref(),
+        if a.probe_text.is_some() {
+            "--probe-text"
+        } else {
+            "--eval-text"
+        },
+        Split::Eval,
+        cfg.vocab_size,
+    )?;
 
-    // The source on both inputs.
     let rotary_dims = ((d / cfg.num_heads) as f64 * cfg.rotary_pct) as usize;
     if !rotary_dims.is_multiple_of(2) {
         bail!(
@@ -256,16 +332,16 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         Ok(h.matmul(&src.embed_out.as_ref().unwrap_or(&src.embed_in).t()?)?)
     };
     let mix = Mixing::Causal(&rotary);
-    let (_, calib) = run_layers(&src.body, &embed(&calib_ids)?, &mix, cfg.parallel_residual)?;
-    let (h, probe_trace) = run_layers(&src.body, &embed(&probe_ids)?, &mix, cfg.parallel_residual)?;
-    let src_logits = source_logits(&h)?;
-    let src_ppl = perplexity(&src_logits, &probe_ids)?;
-    let seq_ppl = if cfg.parallel_residual {
-        let (h, _) = run_layers(&src.body, &embed(&probe_ids)?, &mix, false)?;
-        Some(perplexity(&source_logits(&h)?, &probe_ids)?)
-    } else {
-        None
-    };
+    // Texts longer than the context run as consecutive windows, each from position 0.
+    let window = max.min(MAX_WINDOW);
+
+    // The output projections' (and eps-limited inputs') scales, fitted on the calibration text.
+    let mut calibration = Calibration::new(&src.body);
+    for w in calib_ids.chunks(window) {
+        let (_, traces) = run_layers(&src.body, &embed(w)?, &mix, cfg.parallel_residual)?;
+        calibration.add(&src.body, &traces)?;
+    }
+    let imported = calibration.import(&src.body, &map)?;
 
     // The TokenFormer tensors.
     let mut tensors = Tensors::new();
@@ -292,7 +368,9 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     if let Some(e) = &src.embed_out {
         copy("embed_out.weight", "final_linear.weight", e);
     }
-    let layers = import_layers(&src.body, &map, &calib, &probe_trace, &mut tensors)?;
+    for (i, l) in imported.iter().enumerate() {
+        l.insert_into(i, &mut tensors);
+    }
     let m = cfg.intermediate_size;
     let config = lm::Config {
         hidden_size: d,
@@ -315,6 +393,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             ffn: map.scale_tokens,
         }),
         grown_from_tokens: None,
+        parallel_residual: cfg.parallel_residual,
     };
     config
         .validate()
@@ -323,45 +402,43 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let folder = ModelFolder::new(&a.out.out, a.out.force)?;
     folder.write_config(&config)?;
     folder.write_weights(&tensors, tokenformer::checkpoint::DEFAULT_SHARD_BYTES)?;
-    folder.copy_tokenizer(tok_path.exists().then_some(tok_path.as_path()))?;
+    folder.copy_tokenizer(tok)?;
 
-    // The written folder, loaded as any user would, on the same probe.
+    // The written folder, loaded as any user would, against the source on the eval text.
     let model = loader::load_lm(&folder.files()?, &dev)?;
-    let imp_logits = model
-        .forward(
-            &Tensor::new(probe_ids.as_slice(), &dev)?.unsqueeze(0)?,
-            None,
-        )?
-        .squeeze(0)?;
-    let imp_ppl = perplexity(&imp_logits, &probe_ids)?;
-    let end = EndToEnd {
-        source_perplexity: Some(src_ppl),
-        source_sequential_perplexity: seq_ppl,
-        import_perplexity: Some(imp_ppl),
-        top1_agreement: None,
-        logits_relative_error: relative_error(&imp_logits, &src_logits)?,
-    };
-    let mut not_rep = vec![
+    let mut check = LayerCheck::new(&imported, &map)?;
+    let mut agreement = Agreement::default();
+    for w in eval_ids.chunks(window) {
+        let (h, traces) = run_layers(&src.body, &embed(w)?, &mix, cfg.parallel_residual)?;
+        check.add(&traces)?;
+        let imp_logits = model
+            .forward(&Tensor::new(w, &dev)?.unsqueeze(0)?, None)?
+            .squeeze(0)?;
+        agreement.add(&source_logits(&h)?, &imp_logits, Some(&w[1..]))?;
+    }
+    let not_rep = vec![
         "MLP pre-activation biases (dense_h_to_4h.bias + W·post_attention_layernorm.bias): no constant score exists for LayerNorm outputs; dropped, norms per layer in `dropped_mlp_bias_norm`".to_string(),
         "input/post-attention LayerNorm weights and biases: folded into the following Pattention keys and bias tokens (exact)".to_string(),
-        "attention.dense input scale: a Pattention is scale-invariant in its input; a per-layer constant is fitted on a calibration text (`proj_input_scale`)".to_string(),
+        "attention.dense input scale: a Pattention is scale-invariant in its input; a per-layer constant is fitted on the calibration text (`proj_input_scale`)".to_string(),
     ];
-    if cfg.parallel_residual {
-        not_rep.push("use_parallel_residual: true — a TokenFormer block is sequential (x + attn, then + mlp); the MLP now sees the attention output. Compare source_perplexity with source_sequential_perplexity".into());
-    }
     let report = Report {
         source: a.input.clone(),
         from: "gpt-neox".into(),
         mapping: map,
-        probe_ids: Some(probe_ids.clone()),
-        calibration_ids: Some(calib_ids),
-        probe_images: None,
-        parallel_residual_made_sequential: cfg.parallel_residual,
-        layers,
-        end_to_end: end,
+        calibration: calib_info,
+        evaluation: eval_info,
+        eval_images: None,
+        parallel_residual: Some(cfg.parallel_residual),
+        layers: check.finish(&imported, cfg.eps),
+        end_to_end: agreement.finish("tokens"),
         copied,
         ignored_buffers: buffers,
         not_representable: not_rep,
+    };
+    let residual = if cfg.parallel_residual {
+        "The parallel residual (x + attn(LN x) + mlp(LN x)) is kept: config `parallel_residual`."
+    } else {
+        "The sequential residual is kept."
     };
     let card = CardText {
         title: format!(
@@ -370,10 +447,9 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         ),
         pipeline: "text-generation",
         model: format!(
-            "A TokenFormer language model initialised from the GPT-NeoX checkpoint `{}` by `tokenformer-convert import --from gpt-neox` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Embeddings, final norm and the untied output matrix are copied unchanged.",
+            "A TokenFormer language model initialised from the GPT-NeoX checkpoint `{}` by `tokenformer-convert import --from gpt-neox` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Embeddings, final norm and the untied output matrix are copied unchanged. {residual}",
             a.input, config.qkv_tokens, config.proj_tokens, config.ffn_tokens, map.scale_tokens
         ),
-        fidelity_note: "",
     };
     finish(&a.input, folder, &report, card)
 }

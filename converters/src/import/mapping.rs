@@ -1,7 +1,8 @@
 //! How a source layer becomes Pattention layers: the token groups of [`Mapping`],
-//! the LayerNorm affine folded into the linear after it, the fitted input scale of
-//! the output projection, and each new layer's error against the source layer on
-//! the source's own activations.
+//! the LayerNorm affine folded into the linear after it, the input scale of the
+//! output projection fitted on calibration data, and each new layer's error
+//! against the source layer on the source's own activations of the eval data,
+//! with which parts are exact and under what condition.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor, D};
@@ -16,7 +17,9 @@ use super::source::{Dense, LayerTrace, Norm, SourceBody, SourceLayer};
 ///
 /// Θ(s) = GELU(s/‖s‖·√S) only sees the direction of the scores, so a
 /// Pattention is invariant to the scale of its input; it can represent
-/// functions of x̂ = x·√d/‖x‖ (for LayerNorm outputs, x̂ = x up to eps). Each
+/// functions of x̂ = x·√d/‖x‖. A LayerNorm output u = (x − μ)/√(var + eps) has
+/// x̂ = u·√(1 + eps/var): the parts that read one are exact up to √(1 + eps/var) − 1,
+/// which is small only when var ≫ eps (1.2e-2 at var 4e-4, eps 1e-5). Each
 /// imported layer has these token groups (d = input width):
 /// - anchors, 2·d tokens, keys ±e_i: they dominate ‖s‖ so that ‖s‖ = √2·‖x‖
 ///   is known, which makes Θ elementwise: anchor i scores GELU(±κ_A·x̂_i).
@@ -34,7 +37,7 @@ use super::source::{Dense, LayerTrace, Norm, SourceBody, SourceLayer};
 /// bias (it would need a constant score, but LayerNorm outputs have zero
 /// mean), reported per layer; and the scale of un-normalised inputs (the
 /// attention output feeding the output projection): c is fitted per layer by
-/// least squares on a calibration input that is not the probe.
+/// least squares on the calibration data, which is not the eval data.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Mapping {
     pub width: usize,
@@ -98,16 +101,17 @@ impl Mapping {
         Ok((self.fixed_keys(dev)?, values))
     }
 
-    /// y = GELU(x̂·W_inᵀ)·W_outᵀ + b as (keys [m+4d, d], values [m+4d, out]).
+    /// y = GELU(c·x̂·W_inᵀ)·W_outᵀ + b as (keys [m+4d, d], values [m+4d, out]).
     pub fn mlp(
         &self,
         w_in: &Tensor,
         w_out: &Tensor,
         bias: Option<&Tensor>,
+        c: f64,
     ) -> Result<(Tensor, Tensor)> {
         let dev = w_in.device();
         let out = w_out.dim(0)?;
-        let mem_keys = (w_in / self.kappa_anchor)?;
+        let mem_keys = (w_in * (c / self.kappa_anchor))?;
         let keys = Tensor::cat(&[&mem_keys, &self.fixed_keys(dev)?], 0)?;
         let zeros = Tensor::zeros((2 * self.width, out), DType::F32, dev)?;
         let values = Tensor::cat(
@@ -149,35 +153,152 @@ fn fold_norm(l: &Dense, n: &Norm) -> Result<(Tensor, Tensor)> {
     Ok((w, b))
 }
 
-/// The least-squares c for c·x̂·Wᵀ ≈ x·Wᵀ over the rows of x [rows, d].
-fn fit_input_scale(x: &Tensor, w: &Tensor) -> Result<f64> {
-    let d = x.dim(D::Minus1)? as f64;
-    let norm = x
-        .sqr()?
-        .sum_keepdim(D::Minus1)?
-        .sqrt()?
-        .clamp(1e-30, f64::INFINITY)?;
-    let xhat = (x.broadcast_div(&norm)? * d.sqrt())?;
-    let y = x.matmul(&w.t()?)?.to_dtype(DType::F64)?;
-    let yh = xhat.matmul(&w.t()?)?.to_dtype(DType::F64)?;
-    let num = (&y * &yh)?.sum_all()?.to_scalar::<f64>()?;
-    let den = yh.sqr()?.sum_all()?.to_scalar::<f64>()?;
-    Ok(if den > 0.0 { num / den } else { 1.0 })
+/// The least-squares c for c·x̂·Wᵀ ≈ x·Wᵀ, accumulated over batches of rows.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScaleFit {
+    num: f64,
+    den: f64,
 }
 
-/// ‖a − b‖ / ‖b‖ over all elements, in f64.
-pub fn relative_error(a: &Tensor, b: &Tensor) -> Result<f64> {
+impl ScaleFit {
+    /// Adds the rows of x [rows, d] (the inputs of the linear W [out, d]).
+    pub fn add(&mut self, x: &Tensor, w: &Tensor) -> Result<()> {
+        let d = x.dim(D::Minus1)? as f64;
+        let norm = x
+            .sqr()?
+            .sum_keepdim(D::Minus1)?
+            .sqrt()?
+            .clamp(1e-30, f64::INFINITY)?;
+        let xhat = (x.broadcast_div(&norm)? * d.sqrt())?;
+        let y = x.matmul(&w.t()?)?.to_dtype(DType::F64)?;
+        let yh = xhat.matmul(&w.t()?)?.to_dtype(DType::F64)?;
+        self.num += (&y * &yh)?.sum_all()?.to_scalar::<f64>()?;
+        self.den += yh.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        Ok(())
+    }
+
+    pub fn value(&self) -> f64 {
+        if self.den > 0.0 {
+            self.num / self.den
+        } else {
+            1.0
+        }
+    }
+}
+
+/// The scale c for c·x̂ ≈ u of LayerNorm outputs u = x̂·√(var/(var + eps)): its mean
+/// over the calibration rows (‖x̂‖ is the same for every row), or exactly 1 where eps
+/// is negligible, so that the exact constructions stay exact.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct InputScale {
+    sum: f64,
+    rows: usize,
+}
+
+impl InputScale {
+    /// Adds the per-row variances [rows] of a LayerNorm input with that `eps`.
+    pub fn add(&mut self, var: &Tensor, eps: f64) -> Result<()> {
+        let var = var.to_dtype(DType::F64)?;
+        let f = var.broadcast_div(&(&var + eps)?)?.sqrt()?;
+        self.sum += f.sum_all()?.to_scalar::<f64>()?;
+        self.rows += var.elem_count();
+        Ok(())
+    }
+
+    pub fn value(&self) -> f64 {
+        let c = if self.rows > 0 {
+            self.sum / self.rows as f64
+        } else {
+            1.0
+        };
+        if 1.0 - c > EXACT_TOLERANCE / 10.0 {
+            c
+        } else {
+            1.0
+        }
+    }
+}
+
+/// Everything fitted on the calibration data, per layer: the output projection's
+/// input scale, and the LayerNorm-eps scales of the q/k/v and MLP inputs.
+pub struct Calibration {
+    layers: Vec<(ScaleFit, InputScale, InputScale)>,
+    eps: f64,
+}
+
+impl Calibration {
+    pub fn new(body: &SourceBody) -> Self {
+        Self {
+            layers: vec![Default::default(); body.layers.len()],
+            eps: body.eps,
+        }
+    }
+
+    /// Adds one batch's traces of the source `body`.
+    pub fn add(&mut self, body: &SourceBody, traces: &[LayerTrace]) -> Result<()> {
+        for ((fit, t), l) in self.layers.iter_mut().zip(traces).zip(&body.layers) {
+            fit.0.add(&t.proj_in, &l.dense.weight)?;
+            fit.1.add(&t.attn_var, self.eps)?;
+            fit.2.add(&t.mlp_var, self.eps)?;
+        }
+        Ok(())
+    }
+
+    /// Every layer of `body` mapped with the fitted constants.
+    pub fn import(&self, body: &SourceBody, map: &Mapping) -> Result<Vec<ImportedLayer>> {
+        body.layers
+            .iter()
+            .zip(&self.layers)
+            .map(|(l, (proj, attn, mlp))| {
+                import_layer(l, map, proj.value(), attn.value(), mlp.value())
+            })
+            .collect()
+    }
+}
+
+/// (‖a − b‖², ‖b‖²) in f64.
+fn squared_error(a: &Tensor, b: &Tensor) -> Result<(f64, f64)> {
     let a = a.flatten_all()?.to_dtype(DType::F64)?;
     let b = b.flatten_all()?.to_dtype(DType::F64)?;
-    let num = (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
-    let den = b.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
-    Ok(if den == 0.0 { num } else { num / den })
+    Ok((
+        (&a - &b)?.sqr()?.sum_all()?.to_scalar::<f64>()?,
+        b.sqr()?.sum_all()?.to_scalar::<f64>()?,
+    ))
 }
 
-/// Per-layer fidelity of the new Pattention layers on the source's activations.
+/// A part "exact" reproduces its source part to this relative error on the eval data.
+pub const EXACT_TOLERANCE: f64 = 1e-4;
+
+/// How a new Pattention layer stands to its source part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Exactness {
+    /// An exact construction, measured within [`EXACT_TOLERANCE`].
+    Exact,
+    /// An exact construction on x̂ = x·√d/‖x‖, but LayerNorm's eps makes its input
+    /// differ from x̂ by √(1 + eps/var) − 1 > [`EXACT_TOLERANCE`] on some rows; a
+    /// fitted input scale takes out the mean of that, its spread over rows remains.
+    EpsLimited,
+    /// A fitted constant (proj) or a dropped term (the MLP's pre-activation bias).
+    Approximate,
+}
+
+/// [`Exactness`] of each part of a layer.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct PartStatus {
+    pub query: Exactness,
+    pub key: Exactness,
+    pub value: Exactness,
+    pub proj: Exactness,
+    pub mlp: Exactness,
+}
+
+/// Per-layer fidelity of the new Pattention layers on the source's activations
+/// of the eval data.
 #[derive(Clone, Debug, Serialize)]
 pub struct LayerFidelity {
     pub layer: usize,
+    /// Relative errors ‖P(x) − f(x)‖/‖f(x)‖ over all eval rows.
     pub query: f64,
     pub key: f64,
     pub value: f64,
@@ -185,63 +306,173 @@ pub struct LayerFidelity {
     pub mlp: f64,
     /// The fitted c of the output projection (its input is not normalised).
     pub proj_input_scale: f64,
+    /// The fitted c of q/k/v's and the MLP's inputs: the mean √(var/(var + eps)) of the
+    /// calibration rows, or exactly 1 where eps is negligible there.
+    pub qkv_input_scale: f64,
+    pub mlp_input_scale: f64,
     /// ‖pre-activation bias‖₂ of the MLP (incl. the folded norm bias): not representable, dropped.
+    pub dropped_mlp_bias_norm: f64,
+    /// max over eval rows of eps/var of the LayerNorm input before q/k/v, and before the MLP.
+    pub attn_eps_over_var: f64,
+    pub mlp_eps_over_var: f64,
+    /// √(1 + eps/var) − 1 at those maxima: how far LayerNorm's output is from x̂.
+    pub attn_eps_error: f64,
+    pub mlp_eps_error: f64,
+    pub status: PartStatus,
+}
+
+/// Source layer `i` as its five Pattention layers (q, k, v, proj, mlp).
+pub struct ImportedLayer {
+    /// (keys, values) in [`PATTENTIONS`] order.
+    pub parts: [(Tensor, Tensor); 5],
+    pub proj_input_scale: f64,
+    pub qkv_input_scale: f64,
+    pub mlp_input_scale: f64,
     pub dropped_mlp_bias_norm: f64,
 }
 
-/// Source layer `i` as its five Pattention layers (q, k, v, proj, mlp) into
-/// `tensors` under their canonical names; returns their fidelity on the probe's
-/// activations (`calib` only fits the output projection's input scale).
-fn import_layer(
-    i: usize,
+impl ImportedLayer {
+    /// The layer's tensors under their canonical names `layers.{i}.…`.
+    pub fn insert_into(&self, i: usize, tensors: &mut Tensors) {
+        for (name, (keys, values)) in PATTENTIONS.into_iter().zip(&self.parts) {
+            tensors.insert(format!("layers.{i}.{name}.key_param_tokens"), keys.clone());
+            tensors.insert(
+                format!("layers.{i}.{name}.value_param_tokens"),
+                values.clone(),
+            );
+        }
+    }
+}
+
+/// Source layer `l` mapped, with `c` the fitted output-projection input scale and
+/// `c_qkv`, `c_mlp` those of the LayerNorm outputs.
+pub fn import_layer(
     l: &SourceLayer,
     map: &Mapping,
-    calib: &LayerTrace,
-    probe: &LayerTrace,
-    tensors: &mut Tensors,
-) -> Result<LayerFidelity> {
+    c: f64,
+    c_qkv: f64,
+    c_mlp: f64,
+) -> Result<ImportedLayer> {
     let (wq, bq) = fold_norm(&l.query, &l.ln1)?;
     let (wk, bk) = fold_norm(&l.key, &l.ln1)?;
     let (wv, bv) = fold_norm(&l.value, &l.ln1)?;
     let (w1, b1) = fold_norm(&l.fc1, &l.ln2)?;
-    let c = fit_input_scale(&calib.proj_in, &l.dense.weight)?;
-    let q = map.linear(&wq, Some(&bq), 1.0)?;
-    let k = map.linear(&wk, Some(&bk), 1.0)?;
-    let v = map.linear(&wv, Some(&bv), 1.0)?;
-    let o = map.linear(&l.dense.weight, l.dense.bias.as_ref(), c)?;
-    let f = map.mlp(&w1, &l.fc2.weight, l.fc2.bias.as_ref())?;
-    let err = |kv: &(Tensor, Tensor), x: &Tensor, y: &Tensor| -> Result<f64> {
-        relative_error(&map.pattention(kv)?.forward(x)?, y)
-    };
-    let fidelity = LayerFidelity {
-        layer: i,
-        query: err(&q, &probe.attn_in, &probe.query)?,
-        key: err(&k, &probe.attn_in, &probe.key)?,
-        value: err(&v, &probe.attn_in, &probe.value)?,
-        proj: err(&o, &probe.proj_in, &probe.proj_out)?,
-        mlp: err(&f, &probe.mlp_in, &probe.mlp_out)?,
+    Ok(ImportedLayer {
+        parts: [
+            map.linear(&wq, Some(&bq), c_qkv)?,
+            map.linear(&wk, Some(&bk), c_qkv)?,
+            map.linear(&wv, Some(&bv), c_qkv)?,
+            map.linear(&l.dense.weight, l.dense.bias.as_ref(), c)?,
+            map.mlp(&w1, &l.fc2.weight, l.fc2.bias.as_ref(), c_mlp)?,
+        ],
         proj_input_scale: c,
+        qkv_input_scale: c_qkv,
+        mlp_input_scale: c_mlp,
         dropped_mlp_bias_norm: b1.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt() as f64,
-    };
-    let p = format!("layers.{i}");
-    for (name, (keys, values)) in PATTENTIONS.into_iter().zip([q, k, v, o, f]) {
-        tensors.insert(format!("{p}.{name}.key_param_tokens"), keys);
-        tensors.insert(format!("{p}.{name}.value_param_tokens"), values);
-    }
-    Ok(fidelity)
+    })
 }
 
-/// Every layer of `body` through [`import_layer`].
-pub fn import_layers(
-    body: &SourceBody,
-    map: &Mapping,
-    calib: &[LayerTrace],
-    probe: &[LayerTrace],
-    tensors: &mut Tensors,
-) -> Result<Vec<LayerFidelity>> {
-    let layers = body.layers.iter().zip(calib.iter().zip(probe));
-    layers
-        .enumerate()
-        .map(|(i, (l, (c, p)))| import_layer(i, l, map, c, p, tensors))
-        .collect()
+/// The per-layer check, accumulated over batches of the source's eval activations.
+pub struct LayerCheck {
+    layers: Vec<[Pattention; 5]>,
+    /// Per layer and part: (‖P(x) − f(x)‖², ‖f(x)‖²).
+    sums: Vec<[(f64, f64); 5]>,
+    /// Per layer: the smallest variance before q/k/v and before the MLP.
+    var_min: Vec<[f64; 2]>,
+}
+
+impl LayerCheck {
+    pub fn new(layers: &[ImportedLayer], map: &Mapping) -> Result<Self> {
+        let layers = layers
+            .iter()
+            .map(|l| -> Result<[Pattention; 5]> {
+                let p = |j: usize| map.pattention(&l.parts[j]);
+                Ok([p(0)?, p(1)?, p(2)?, p(3)?, p(4)?])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let n = layers.len();
+        Ok(Self {
+            layers,
+            sums: vec![[(0.0, 0.0); 5]; n],
+            var_min: vec![[f64::INFINITY; 2]; n],
+        })
+    }
+
+    /// Adds one batch: each layer's trace.
+    pub fn add(&mut self, traces: &[LayerTrace]) -> Result<()> {
+        for (i, t) in traces.iter().enumerate() {
+            let io = [
+                (&t.attn_in, &t.query),
+                (&t.attn_in, &t.key),
+                (&t.attn_in, &t.value),
+                (&t.proj_in, &t.proj_out),
+                (&t.mlp_in, &t.mlp_out),
+            ];
+            for (j, (x, y)) in io.into_iter().enumerate() {
+                let (num, den) = squared_error(&self.layers[i][j].forward(x)?, y)?;
+                self.sums[i][j].0 += num;
+                self.sums[i][j].1 += den;
+            }
+            for (k, var) in [&t.attn_var, &t.mlp_var].into_iter().enumerate() {
+                let m = var.min(0)?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                self.var_min[i][k] = self.var_min[i][k].min(m);
+            }
+        }
+        Ok(())
+    }
+
+    /// The fidelity of each layer, with `eps` the source's LayerNorm eps.
+    pub fn finish(&self, imported: &[ImportedLayer], eps: f64) -> Vec<LayerFidelity> {
+        imported
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                let err = |j: usize| {
+                    let (num, den) = self.sums[i][j];
+                    if den == 0.0 {
+                        num.sqrt()
+                    } else {
+                        (num / den).sqrt()
+                    }
+                };
+                let ratio = |k: usize| eps / self.var_min[i][k];
+                let eps_error = |k: usize| (1.0 + ratio(k)).sqrt() - 1.0;
+                // q/k/v always, the MLP when no bias was dropped, are exact constructions.
+                let status = |j: usize, k: usize, exact_construction: bool| {
+                    if !exact_construction {
+                        Exactness::Approximate
+                    } else if err(j) <= EXACT_TOLERANCE {
+                        Exactness::Exact
+                    } else if eps_error(k) > EXACT_TOLERANCE {
+                        Exactness::EpsLimited
+                    } else {
+                        Exactness::Approximate
+                    }
+                };
+                LayerFidelity {
+                    layer: i,
+                    query: err(0),
+                    key: err(1),
+                    value: err(2),
+                    proj: err(3),
+                    mlp: err(4),
+                    proj_input_scale: l.proj_input_scale,
+                    qkv_input_scale: l.qkv_input_scale,
+                    mlp_input_scale: l.mlp_input_scale,
+                    dropped_mlp_bias_norm: l.dropped_mlp_bias_norm,
+                    attn_eps_over_var: ratio(0),
+                    mlp_eps_over_var: ratio(1),
+                    attn_eps_error: eps_error(0),
+                    mlp_eps_error: eps_error(1),
+                    status: PartStatus {
+                        query: status(0, 0, true),
+                        key: status(1, 0, true),
+                        value: status(2, 0, true),
+                        proj: Exactness::Approximate,
+                        mlp: status(4, 1, l.dropped_mlp_bias_norm == 0.0),
+                    },
+                }
+            })
+            .collect()
+    }
 }

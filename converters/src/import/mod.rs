@@ -9,11 +9,15 @@
 //! Pattention layer by the mapping documented on [`mapping::Mapping`]; the MLP uses the
 //! key-value-memory reading of Geva et al. 2021 (<https://arxiv.org/abs/2012.14913>):
 //! keys = rows of W_in, values = columns of W_out. The tool runs the source
-//! model (a plain candle forward, [`source`]) and the import on a probe
-//! input and reports per-layer ([`mapping`]) and end-to-end ([`fidelity`])
-//! fidelity. One importer per source family: [`gpt_neox`], [`vit`].
+//! model (a plain candle forward, [`source`]) on calibration data to fit the one
+//! constant per layer the mapping cannot copy, then runs the source and the
+//! import on held-out eval data ([`data`]: the user's, or real samples shipped
+//! with the tool) and reports per-layer ([`mapping`]: which parts are exact, under
+//! what condition) and end-to-end ([`fidelity`]) fidelity. One importer per
+//! source family: [`gpt_neox`], [`vit`].
 
 mod args;
+mod data;
 mod fidelity;
 mod gpt_neox;
 mod mapping;

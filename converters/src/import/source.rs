@@ -263,6 +263,8 @@ pub fn usize_key(c: &Value, key: &str, origin: &str, default: Option<usize>) -> 
 pub struct LayerTrace {
     /// LayerNorm(x) without its affine part: what a TokenFormer block feeds q/k/v.
     pub attn_in: Tensor,
+    /// Per-row variance of the attention branch's LayerNorm input [rows].
+    pub attn_var: Tensor,
     pub query: Tensor,
     pub key: Tensor,
     pub value: Tensor,
@@ -271,6 +273,8 @@ pub struct LayerTrace {
     pub proj_out: Tensor,
     /// LayerNorm without affine of the MLP's input.
     pub mlp_in: Tensor,
+    /// Per-row variance of the MLP branch's LayerNorm input [rows].
+    pub mlp_var: Tensor,
     pub mlp_out: Tensor,
 }
 
@@ -285,10 +289,15 @@ pub enum Mixing<'a> {
 /// LayerNorm without weight and bias, over the last axis, as torch computes it
 /// (biased variance, eps inside the square root).
 pub fn standardise(x: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    Ok(standardise_var(x, eps)?.0)
+}
+
+/// [`standardise`] and the variance [.., 1] it divided by (before eps).
+fn standardise_var(x: &Tensor, eps: f64) -> candle_core::Result<(Tensor, Tensor)> {
     let mean = x.mean_keepdim(D::Minus1)?;
     let c = x.broadcast_sub(&mean)?;
     let var = c.sqr()?.mean_keepdim(D::Minus1)?;
-    c.broadcast_div(&(var + eps)?.sqrt()?)
+    Ok((c.broadcast_div(&(&var + eps)?.sqrt()?)?, var))
 }
 
 pub fn layer_norm(x: &Tensor, n: &Norm, eps: f64) -> candle_core::Result<Tensor> {
@@ -331,7 +340,7 @@ pub fn run_layers(
     let mut x = x.clone();
     let mut traces = Vec::with_capacity(body.layers.len());
     for l in &body.layers {
-        let u1 = standardise(&x, body.eps)?;
+        let (u1, var1) = standardise_var(&x, body.eps)?;
         let h1 = u1
             .broadcast_mul(&l.ln1.weight)?
             .broadcast_add(&l.ln1.bias)?;
@@ -359,19 +368,21 @@ pub fn run_layers(
         let o = probs.matmul(&vh)?.transpose(1, 2)?.reshape((b, t, d))?;
         let a = linear(&o, &l.dense)?;
         let mlp_input = if parallel { x.clone() } else { (&x + &a)? };
-        let u2 = standardise(&mlp_input, body.eps)?;
+        let (u2, var2) = standardise_var(&mlp_input, body.eps)?;
         let h2 = u2
             .broadcast_mul(&l.ln2.weight)?
             .broadcast_add(&l.ln2.bias)?;
         let m = linear(&linear(&h2, &l.fc1)?.gelu_erf()?, &l.fc2)?;
         traces.push(LayerTrace {
             attn_in: rows(&u1)?,
+            attn_var: var1.flatten_all()?,
             query: rows(&q)?,
             key: rows(&k)?,
             value: rows(&v)?,
             proj_in: rows(&o)?,
             proj_out: rows(&a)?,
             mlp_in: rows(&u2)?,
+            mlp_var: var2.flatten_all()?,
             mlp_out: rows(&m)?,
         });
         x = ((x + a)? + m)?;

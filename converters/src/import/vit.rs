@@ -1,23 +1,27 @@
 //! ViT image classifiers, in transformers' layout ([`hf`]) or timm's ([`timm`]),
-//! read into one [`VitSource`] and imported as a TokenFormer-ViT, measured on probe
-//! images against the source.
+//! read into one [`VitSource`] with their own eval preprocessing, and imported as a
+//! TokenFormer-ViT: the output projections' input scales fitted on calibration
+//! photos, the import measured against the source on other (eval) photos, each
+//! preprocessed as the source's processor does.
 
 mod hf;
 mod timm;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 use tokenformer::checkpoint::Tensors;
 use tokenformer::error::Error;
 use tokenformer::loader;
 use tokenformer::models::tokenformer::ScaleTokens;
-use tokenformer::models::vit::{self, Interpolation, Pool};
+use tokenformer::models::vit::{self, Interpolation, Pool, ResizeMode};
 use tokenformer::pattention::Activation;
+use tokenformer::vision::EvalTransform;
 
 use super::args::ImportArgs;
-use super::fidelity::{finish, synthetic_pixels, CardText, EndToEnd, Report};
-use super::mapping::{import_layers, relative_error, Mapping};
+use super::data::{Images, Split};
+use super::fidelity::{finish, Agreement, CardText, Report};
+use super::mapping::{Calibration, LayerCheck, Mapping};
 use super::source::{
     layer_norm, run_layers, Dense, LayerTrace, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
 };
@@ -40,6 +44,9 @@ pub struct VitMeta {
     pub std: [f32; 3],
     pub crop_pct: f64,
     pub interpolation: Interpolation,
+    pub resize_mode: ResizeMode,
+    /// How the source's own processor was read, for the report.
+    pub preprocessing: String,
     pub class_names: Option<Vec<String>>,
     pub layout: &'static str,
 }
@@ -179,9 +186,63 @@ impl VitSource {
     }
 }
 
-/// `import --from vit`: the TokenFormer-ViT, measured on probe images against the
-/// source.
+/// Images per forward pass of the source.
+const BATCH: usize = 8;
+
+/// Runs `f` on `images` preprocessed by `t`, [`BATCH`] at a time.
+fn for_batches(
+    images: &Images,
+    t: &EvalTransform,
+    dev: &Device,
+    mut f: impl FnMut(&Tensor) -> Result<()>,
+) -> Result<()> {
+    let mut start = 0;
+    while start < images.len() {
+        let end = (start + BATCH).min(images.len());
+        let batch = (start..end)
+            .map(|i| {
+                let img = images.decode(i)?;
+                t.apply(&img)
+                    .map_err(|e| anyhow!("{}: {e}", images.name(i)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        f(&t.batch(batch, dev)?)?;
+        start = end;
+    }
+    Ok(())
+}
+
+/// `--probe-pixels`: normalised images [n, C, size, size].
+fn probe_pixels(p: &std::path::Path, c: usize, size: usize, dev: &Device) -> Result<Tensor> {
+    let mut t = candle_core::safetensors::load(p, dev)
+        .with_context(|| format!("--probe-pixels {}", p.display()))?;
+    let px = t
+        .remove("pixels")
+        .ok_or_else(|| anyhow!("--probe-pixels {}: no tensor `pixels`", p.display()))?
+        .to_dtype(DType::F32)?;
+    if px.rank() != 4 || px.dims()[1..] != [c, size, size] || px.dim(0)? == 0 {
+        bail!(
+            "--probe-pixels {}: `pixels` has shape {:?}, expected [n ≥ 1, {c}, {size}, {size}]",
+            p.display(),
+            px.dims()
+        );
+    }
+    Ok(px)
+}
+
+/// `import --from vit`: the TokenFormer-ViT, calibrated on photos and measured on
+/// other photos against the source.
 pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
+    for (flag, given) in [
+        ("--calibration-text", a.calibration_text.is_some()),
+        ("--eval-text", a.eval_text.is_some()),
+        ("--probe-text", a.probe_text.is_some()),
+        ("--tokenizer", a.tokenizer.is_some()),
+    ] {
+        if given {
+            bail!("{flag} is for language models (--from gpt-neox); a classifier takes --calibration-images and --eval-images");
+        }
+    }
     let src = if raw.tensors.contains_key("vit.embeddings.cls_token") {
         hf::read(raw)?
     } else if raw.tensors.contains_key("cls_token") {
@@ -198,31 +259,6 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let dev = Device::Cpu;
     let map = Mapping::new(d);
     let (c, size) = (src.meta.num_channels, src.meta.image_size);
-    let probe_pixels = match &a.probe_pixels {
-        Some(p) => {
-            let mut t = candle_core::safetensors::load(p, &dev)
-                .with_context(|| format!("reading {}", p.display()))?;
-            let px = t
-                .remove("pixels")
-                .ok_or_else(|| anyhow!("{}: no tensor `pixels`", p.display()))?
-                .to_dtype(DType::F32)?;
-            if px.rank() != 4 || px.dims()[1..] != [c, size, size] {
-                bail!(
-                    "{}: `pixels` has shape {:?}, expected [n, {c}, {size}, {size}]",
-                    p.display(),
-                    px.dims()
-                );
-            }
-            px
-        }
-        None => synthetic_pixels(8, c, size, 0xC0FFEE, &dev)?,
-    };
-    let calib_pixels = synthetic_pixels(4, c, size, 0xBEEF, &dev)?;
-    let (_, calib) = vit_forward(&src, &calib_pixels)?;
-    let (src_logits, probe_trace) = vit_forward(&src, &probe_pixels)?;
-
-    let mut tensors = src.copies.clone();
-    let layers = import_layers(&src.body, &map, &calib, &probe_trace, &mut tensors)?;
     let config = vit::Config {
         image_size: size,
         patch_size: src.meta.patch_size,
@@ -244,6 +280,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         }),
         crop_pct: src.meta.crop_pct,
         interpolation: src.meta.interpolation,
+        resize_mode: src.meta.resize_mode,
         mean: src.meta.mean,
         std: src.meta.std,
         class_wnids: None,
@@ -254,41 +291,79 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     config
         .validate()
         .map_err(|e| Error::config(raw.dir.join(loader::CONFIG_FILE), e))?;
+    let transform = EvalTransform::from_config(&config);
+
+    // The output projections' (and eps-limited inputs') scales, fitted on the calibration photos.
+    let calib = Images::new(
+        a.calibration_images.as_deref(),
+        "--calibration-images",
+        Split::Calibration,
+    )?;
+    let mut calibration = Calibration::new(&src.body);
+    for_batches(&calib, &transform, &dev, |px| {
+        calibration.add(&src.body, &vit_forward(&src, px)?.1)
+    })?;
+    let imported = calibration.import(&src.body, &map)?;
+    let mut tensors = src.copies.clone();
+    for (i, l) in imported.iter().enumerate() {
+        l.insert_into(i, &mut tensors);
+    }
 
     let folder = ModelFolder::new(&a.out.out, a.out.force)?;
     // As a JSON value: its keys sorted, as imported ViT configs have always been written.
     folder.write_config(&serde_json::to_value(&config)?)?;
     folder.write_weights(&tensors, tokenformer::checkpoint::DEFAULT_SHARD_BYTES)?;
     let model = loader::load_vit(&folder.files()?, &dev)?;
-    let imp_logits = model.forward(&probe_pixels)?;
-    let agree = {
-        let s = src_logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
-        let i = imp_logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
-        s.iter().zip(&i).filter(|(a, b)| a == b).count() as f64 / s.len() as f64
+
+    // Source and import on the held-out photos.
+    let mut check = LayerCheck::new(&imported, &map)?;
+    let mut agreement = Agreement::default();
+    let mut measure = |px: &Tensor| -> Result<()> {
+        let (src_logits, traces) = vit_forward(&src, px)?;
+        check.add(&traces)?;
+        agreement.add(&src_logits, &model.forward(px)?, None)
     };
-    let end = EndToEnd {
-        source_perplexity: None,
-        source_sequential_perplexity: None,
-        import_perplexity: None,
-        top1_agreement: Some(agree),
-        logits_relative_error: relative_error(&imp_logits, &src_logits)?,
+    let (evaluation, eval_images) = match &a.probe_pixels {
+        Some(p) => {
+            let px = probe_pixels(p, c, size, &dev)?;
+            let n = px.dim(0)?;
+            for start in (0..n).step_by(BATCH) {
+                measure(&px.narrow(0, start, BATCH.min(n - start))?)?;
+            }
+            let info = super::data::DataInfo {
+                source: format!("{} (--probe-pixels, preprocessed by the user)", p.display()),
+                shipped: false,
+                items: n,
+                unit: "images",
+                note: None,
+            };
+            (info, None)
+        }
+        None => {
+            let eval = Images::new(a.eval_images.as_deref(), "--eval-images", Split::Eval)?;
+            for_batches(&eval, &transform, &dev, &mut measure)?;
+            let names = (0..eval.len()).map(|i| eval.name(i)).collect();
+            (eval.info, Some(names))
+        }
     };
+    let layers = check.finish(&imported, src.body.eps);
     let report = Report {
         source: a.input.clone(),
         from: format!("vit ({})", src.meta.layout),
         mapping: map,
-        probe_ids: None,
-        calibration_ids: None,
-        probe_images: Some(probe_pixels.dim(0)?),
-        parallel_residual_made_sequential: false,
+        calibration: calib.info,
+        evaluation,
+        eval_images,
+        parallel_residual: None,
         layers,
-        end_to_end: end,
+        end_to_end: agreement.finish("images"),
         copied: src.copied.clone(),
         ignored_buffers: buffers,
         not_representable: vec![
+            format!("preprocessing: {}", src.meta.preprocessing),
             "MLP pre-activation biases (fc1 bias + W·norm2 bias): no constant score exists for LayerNorm outputs; dropped, norms per layer in `dropped_mlp_bias_norm`".into(),
             "norm1/norm2 weights and biases: folded into the following Pattention keys and bias tokens (exact)".into(),
-            "attention output projection input scale: a Pattention is scale-invariant in its input; a per-layer constant is fitted on calibration images (`proj_input_scale`)".into(),
+            "attention output projection input scale: a Pattention is scale-invariant in its input; a per-layer constant is fitted on the calibration images (`proj_input_scale`)".into(),
         ],
     };
     let card = CardText {
@@ -298,14 +373,9 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         ),
         pipeline: "image-classification",
         model: format!(
-            "A TokenFormer image classifier initialised from the {} checkpoint `{}` by `tokenformer-convert import --from vit` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Patch embedding, class token, position embedding, final norm and head are copied unchanged.",
-            src.meta.layout, a.input, 4 * d, 4 * d, src.meta.intermediate_size + 4 * d, map.scale_tokens
+            "A TokenFormer image classifier initialised from the {} checkpoint `{}` by `tokenformer-convert import --from vit` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Patch embedding, class token, position embedding, final norm and head are copied unchanged. Preprocessing: {}.",
+            src.meta.layout, a.input, 4 * d, 4 * d, src.meta.intermediate_size + 4 * d, map.scale_tokens, src.meta.preprocessing
         ),
-        fidelity_note: if a.probe_pixels.is_none() {
-            " The probe images are seeded synthetic patterns, not photographs: pass --probe-pixels for a real-image probe."
-        } else {
-            ""
-        },
     };
     finish(&a.input, folder, &report, card)
 }

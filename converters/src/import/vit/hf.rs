@@ -5,11 +5,15 @@
 //! `vit.encoder.layer.{i}.{layernorm_before, attention.attention.{query,key,value},
 //! attention.output.dense, layernorm_after, intermediate.dense, output.dense}`,
 //! `vit.layernorm`, `classifier`. The classifier reads the class token after
-//! the final LayerNorm; eval preprocessing comes from `preprocessor_config.json`.
+//! the final LayerNorm; eval preprocessing comes from `preprocessor_config.json`
+//! (`ViTImageProcessor`: Pillow resize of both sides to `size` with `resample`, no
+//! crop, rescale by 1/255, normalise).
+
+use std::path::Path;
 
 use anyhow::{bail, Result};
 use serde_json::Value;
-use tokenformer::models::vit::{Interpolation, Pool};
+use tokenformer::models::vit::{Interpolation, Pool, ResizeMode};
 
 use super::{triple, Names, Qkv, VitMeta, VitSource};
 use crate::import::source::{usize_key, RawCheckpoint};
@@ -65,15 +69,7 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
             )
         })?;
 
-    // Eval preprocessing of the processor (defaults: google/vit-base-patch16-224's).
-    let pre = std::fs::read_to_string(raw.dir.join("preprocessor_config.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-        .unwrap_or(Value::Null);
-    let interpolation = match pre.get("resample").and_then(Value::as_u64) {
-        Some(3) => Interpolation::Bicubic,
-        _ => Interpolation::Bilinear,
-    };
+    let pre = Preprocessing::read(&raw.dir, image)?;
     let class_names = c.get("id2label").and_then(Value::as_object).and_then(|m| {
         let names: Option<Vec<String>> = (0..classes)
             .map(|i| {
@@ -95,11 +91,13 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         intermediate_size: m,
         num_classes: classes,
         pool: Pool::Cls,
-        mean: triple(&pre, "image_mean", [0.5; 3]),
-        std: triple(&pre, "image_std", [0.5; 3]),
-        // The processor resizes straight to image_size: no centre crop.
+        mean: pre.mean,
+        std: pre.std,
+        // The processor resizes both sides straight to image_size: no centre crop.
         crop_pct: 1.0,
-        interpolation,
+        interpolation: pre.interpolation,
+        resize_mode: ResizeMode::Squash,
+        preprocessing: pre.describe,
         class_names,
         layout: "transformers ViTForImageClassification",
     };
@@ -120,4 +118,81 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         head: "classifier",
     };
     VitSource::take(raw, &names, meta)
+}
+
+/// What `ViTImageProcessor` does, from `preprocessor_config.json` (its defaults, as
+/// `google/vit-base-patch16-224`'s, when the file is absent).
+struct Preprocessing {
+    interpolation: Interpolation,
+    mean: [f32; 3],
+    std: [f32; 3],
+    describe: String,
+}
+
+impl Preprocessing {
+    fn read(dir: &Path, image: usize) -> Result<Self> {
+        let path = dir.join("preprocessor_config.json");
+        let pre = match std::fs::read_to_string(&path) {
+            Ok(t) => serde_json::from_str::<Value>(&t)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
+            Err(_) => Value::Null,
+        };
+        let origin = path.display();
+        let flag = |k: &str| pre.get(k).and_then(Value::as_bool);
+        let kind = pre
+            .get("image_processor_type")
+            .and_then(Value::as_str)
+            .unwrap_or("ViTImageProcessor");
+        if flag("do_center_crop") == Some(true) {
+            bail!("{origin}: {kind} asks for a centre crop after the resize; only ViTImageProcessor's resize without a crop is supported")
+        }
+        if flag("do_resize") == Some(false) || flag("do_rescale") == Some(false) {
+            bail!("{origin}: do_resize and do_rescale must be true (images are resized to image_size and scaled to [0, 1])")
+        }
+        if let Some(f) = pre.get("rescale_factor").and_then(Value::as_f64) {
+            if (f * 255.0 - 1.0).abs() > 1e-6 {
+                bail!("{origin}: rescale_factor {f} is not supported (only 1/255)")
+            }
+        }
+        if let Some(size) = pre.get("size").filter(|v| !v.is_null()) {
+            let side = |k: &str| size.get(k).and_then(Value::as_u64);
+            let (h, w) = match (side("height"), side("width"), size.as_u64()) {
+                (Some(h), Some(w), _) => (h, w),
+                (_, _, Some(s)) => (s, s),
+                _ => bail!("{origin}: size {size} is not supported: expected {{\"height\": {image}, \"width\": {image}}}"),
+            };
+            if (h, w) != (image as u64, image as u64) {
+                bail!("{origin}: size {h}×{w} differs from the model's image_size {image}")
+            }
+        }
+        let interpolation = match pre.get("resample").and_then(Value::as_u64) {
+            None | Some(2) => Interpolation::Bilinear,
+            Some(3) => Interpolation::Bicubic,
+            Some(r) => bail!("{origin}: resample {r} (a Pillow filter) is not supported: bilinear (2) or bicubic (3)"),
+        };
+        let (mean, std) = if flag("do_normalize") == Some(false) {
+            ([0.0; 3], [1.0; 3])
+        } else {
+            (
+                triple(&pre, "image_mean", [0.5; 3]),
+                triple(&pre, "image_std", [0.5; 3]),
+            )
+        };
+        let filter = match interpolation {
+            Interpolation::Bilinear => "bilinear",
+            Interpolation::Bicubic => "bicubic",
+        };
+        let mut describe = format!(
+            "transformers {kind}: resize to {image}×{image} ({filter}), no crop, mean {mean:?}, std {std:?}"
+        );
+        if pre.is_null() {
+            describe += " (no preprocessor_config.json: the processor's defaults)";
+        }
+        Ok(Self {
+            interpolation,
+            mean,
+            std,
+            describe,
+        })
+    }
 }

@@ -4,11 +4,13 @@
 //! mlp.fc1, mlp.fc2}`, `norm` (class-token pooling) or `fc_norm` (average
 //! pooling), `head`. The fused `attn.qkv` rows are [q (all heads) | k | v].
 //! The head count is not in the weights: `model_args.num_heads` of the Hub
-//! `config.json`, else the size in the architecture name.
+//! `config.json`, else the size in the architecture name. Eval preprocessing is
+//! the `pretrained_cfg`'s (`crop_pct`, `crop_mode`, `interpolation`, `mean`, `std`),
+//! as `timm.data.create_transform` builds it.
 
 use anyhow::{bail, Result};
 use serde_json::Value;
-use tokenformer::models::vit::{Interpolation, Pool};
+use tokenformer::models::vit::{Interpolation, Pool, ResizeMode};
 
 use super::{triple, Names, Qkv, VitMeta, VitSource};
 use crate::import::source::RawCheckpoint;
@@ -85,8 +87,26 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
 
     let interpolation = match pre.get("interpolation").and_then(Value::as_str) {
         Some("bilinear") => Interpolation::Bilinear,
-        _ => Interpolation::Bicubic,
+        Some("bicubic") | None => Interpolation::Bicubic,
+        Some(other) => bail!("{origin}: pretrained_cfg.interpolation `{other}` is not supported (bilinear or bicubic)"),
     };
+    let resize_mode = match pre.get("crop_mode").and_then(Value::as_str) {
+        Some("center") | None => ResizeMode::ShorterSide,
+        Some("squash") => ResizeMode::Squash,
+        Some(other) => bail!(
+            "{origin}: pretrained_cfg.crop_mode `{other}` is not supported (center or squash)"
+        ),
+    };
+    let crop_pct = pre.get("crop_pct").and_then(Value::as_f64).unwrap_or(0.9);
+    let mean = triple(&pre, "mean", [0.5; 3]);
+    let std = triple(&pre, "std", [0.5; 3]);
+    let scale = (image as f64 / crop_pct).floor() as usize;
+    let preprocessing = format!(
+        "timm eval transform: resize {} to {scale} ({}), centre crop {image}, mean {mean:?}, std {std:?}{}",
+        if resize_mode == ResizeMode::Squash { "both sides" } else { "the shorter side" },
+        if interpolation == Interpolation::Bilinear { "bilinear" } else { "bicubic" },
+        if pre.is_null() { " (no pretrained_cfg: timm's defaults)" } else { "" }
+    );
     let class_names = pre
         .get("label_names")
         .and_then(Value::as_array)
@@ -105,10 +125,12 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         intermediate_size: m,
         num_classes: classes,
         pool: if avg { Pool::Mean } else { Pool::Cls },
-        mean: triple(&pre, "mean", [0.5; 3]),
-        std: triple(&pre, "std", [0.5; 3]),
-        crop_pct: pre.get("crop_pct").and_then(Value::as_f64).unwrap_or(0.9),
+        mean,
+        std,
+        crop_pct,
         interpolation,
+        resize_mode,
+        preprocessing,
         class_names,
         layout: "timm VisionTransformer",
     };

@@ -1,0 +1,224 @@
+//! What an import calibrates on and is measured on: the user's photos and text
+//! (`--calibration-images`/`--eval-images` folders, `--calibration-text`/
+//! `--eval-text` files), or else the real samples shipped in `assets/samples`
+//! (compiled in, so the tool needs no files of its own at run time).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Serialize;
+use tokenformer::vision::{self, RgbImage};
+
+/// Which half of the data: the fitted constants' or the report's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    Calibration,
+    Eval,
+}
+
+macro_rules! photos {
+    ($dir:literal: $($name:literal),* $(,)?) => {
+        &[$(($name, include_bytes!(concat!("../../../assets/samples/photos/", $dir, "/", $name)) as &[u8])),*]
+    };
+}
+
+const CALIBRATION_PHOTOS: &[(&str, &[u8])] = photos!("calibration":
+    "astronaut-face.jpg", "astronaut-suit.jpg", "astronaut.jpg", "hubble.jpg",
+    "ihc-strip.jpg", "ihc.jpg", "rocket-tower.jpg", "rocket.jpg");
+const EVAL_PHOTOS: &[(&str, &[u8])] = photos!("eval":
+    "chelsea-face.jpg", "chelsea.jpg", "coffee-cup.jpg", "coffee.jpg",
+    "grace-hopper-face.jpg", "grace-hopper.jpg", "retina-detail.jpg", "retina.jpg");
+const CALIBRATION_TEXT: &str = include_str!("../../../assets/samples/text/calibration.txt");
+const EVAL_TEXT: &str = include_str!("../../../assets/samples/text/eval.txt");
+
+/// Where a split's data came from, for the report.
+#[derive(Clone, Debug, Serialize)]
+pub struct DataInfo {
+    /// A path the user gave, or `shipped samples (assets/samples/...)`.
+    pub source: String,
+    /// True when the user gave no data of their own.
+    pub shipped: bool,
+    /// Images, or tokens of text.
+    pub items: usize,
+    pub unit: &'static str,
+    /// Anything the reader must know (no tokenizer, truncated, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// One image: shipped bytes or a file, decoded when its batch is run.
+enum ImageRef {
+    Shipped(&'static str, &'static [u8]),
+    File(PathBuf),
+}
+
+/// A split's images, listed but not yet decoded.
+pub struct Images {
+    refs: Vec<ImageRef>,
+    pub info: DataInfo,
+}
+
+impl Images {
+    /// The images under `dir` (recursively, sorted), or the shipped samples of `split`.
+    pub fn new(dir: Option<&Path>, flag: &str, split: Split) -> Result<Self> {
+        let Some(dir) = dir else {
+            let (sub, list) = match split {
+                Split::Calibration => ("calibration", CALIBRATION_PHOTOS),
+                Split::Eval => ("eval", EVAL_PHOTOS),
+            };
+            return Ok(Self {
+                refs: list.iter().map(|(n, b)| ImageRef::Shipped(n, b)).collect(),
+                info: DataInfo {
+                    source: format!("shipped samples (assets/samples/photos/{sub})"),
+                    shipped: true,
+                    items: list.len(),
+                    unit: "images",
+                    note: None,
+                },
+            });
+        };
+        if !dir.is_dir() {
+            bail!("{flag} {}: not a folder", dir.display());
+        }
+        let files = vision::dataset::images_under(dir).with_context(|| flag.to_string())?;
+        if files.is_empty() {
+            bail!(
+                "{flag} {}: no images found (looked for .jpg/.jpeg/.png/.webp files)",
+                dir.display()
+            );
+        }
+        Ok(Self {
+            info: DataInfo {
+                source: dir.display().to_string(),
+                shipped: false,
+                items: files.len(),
+                unit: "images",
+                note: None,
+            },
+            refs: files.into_iter().map(ImageRef::File).collect(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.refs.len()
+    }
+
+    /// The file name (shipped) or path of image `i`.
+    pub fn name(&self, i: usize) -> String {
+        match &self.refs[i] {
+            ImageRef::Shipped(n, _) => n.to_string(),
+            ImageRef::File(p) => p.display().to_string(),
+        }
+    }
+
+    /// Decodes image `i` as Pillow's `convert("RGB")` does.
+    pub fn decode(&self, i: usize) -> Result<RgbImage> {
+        match &self.refs[i] {
+            ImageRef::Shipped(n, b) => {
+                vision::decode_bytes(b).map_err(|e| anyhow!("shipped sample {n}: {e}"))
+            }
+            ImageRef::File(p) => Ok(vision::open_rgb(p)?),
+        }
+    }
+}
+
+/// A split's text: the user's file or the shipped page.
+pub struct Text {
+    pub text: String,
+    pub source: String,
+    pub shipped: bool,
+}
+
+impl Text {
+    pub fn new(file: Option<&Path>, flag: &str, split: Split) -> Result<Self> {
+        match file {
+            None => Ok(Self {
+                text: match split {
+                    Split::Calibration => CALIBRATION_TEXT,
+                    Split::Eval => EVAL_TEXT,
+                }
+                .to_string(),
+                source: format!(
+                    "shipped samples (assets/samples/text/{})",
+                    match split {
+                        Split::Calibration => "calibration.txt",
+                        Split::Eval => "eval.txt",
+                    }
+                ),
+                shipped: true,
+            }),
+            Some(p) => {
+                let text = std::fs::read_to_string(p).with_context(|| {
+                    format!("{flag} {}: cannot read it as UTF-8 text", p.display())
+                })?;
+                if text.trim().is_empty() {
+                    bail!("{flag} {}: the file is empty", p.display());
+                }
+                Ok(Self {
+                    text,
+                    source: p.display().to_string(),
+                    shipped: false,
+                })
+            }
+        }
+    }
+
+    /// Literal text given on the command line (`--probe-text`).
+    pub fn literal(text: &str) -> Self {
+        Self {
+            text: text.to_string(),
+            source: "--probe-text".into(),
+            shipped: false,
+        }
+    }
+}
+
+/// What a sample of `n` items with top-1 agreement `p` can tell: the 95 % Wilson
+/// interval, and a warning when it is too wide to mean much.
+pub fn agreement_interval(agree: usize, n: usize) -> (f64, f64) {
+    if n == 0 {
+        return (0.0, 1.0);
+    }
+    let (z, nf) = (1.959_963_984_540_054_f64, n as f64);
+    let p = agree as f64 / nf;
+    let denom = 1.0 + z * z / nf;
+    let centre = (p + z * z / (2.0 * nf)) / denom;
+    let half = z * (p * (1.0 - p) / nf + z * z / (4.0 * nf * nf)).sqrt() / denom;
+    ((centre - half).max(0.0), (centre + half).min(1.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wilson_interval_matches_the_formula() {
+        // 8 of 16: centre 0.5, half-width 1.96·sqrt(0.25/16 + 1.96²/(4·256)) / (1 + 1.96²/16).
+        let (lo, hi) = agreement_interval(8, 16);
+        assert!(
+            (lo - 0.2800).abs() < 1e-3 && (hi - 0.7200).abs() < 1e-3,
+            "{lo} {hi}"
+        );
+        let (lo, hi) = agreement_interval(16, 16);
+        assert!(
+            (lo - 0.8064).abs() < 1e-3 && (hi - 1.0).abs() < 1e-12,
+            "{lo} {hi}"
+        );
+    }
+
+    #[test]
+    fn shipped_samples_decode() {
+        for split in [Split::Calibration, Split::Eval] {
+            let im = Images::new(None, "--x", split).unwrap();
+            assert_eq!(im.len(), 8);
+            for i in 0..im.len() {
+                let d = im.decode(i).unwrap();
+                assert!(d.width.max(d.height) == 160, "{}", im.name(i));
+            }
+        }
+        assert!(Text::new(None, "--x", Split::Eval)
+            .unwrap()
+            .text
+            .contains("Naomi"));
+    }
+}
