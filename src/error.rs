@@ -26,6 +26,10 @@ pub enum Error {
     /// Bad user input (empty prompt, too-long context, unknown model name, ...).
     #[error("{0}")]
     Input(String),
+    /// A bad value of an option (a field of the options struct, e.g.
+    /// `TrainOptions::min_lr`); a command line names its flag instead.
+    #[error("`{option}` {msg}")]
+    Option { option: &'static str, msg: String },
     /// A model name that is not an existing path, a zoo name or a Hub repo id.
     #[error("unknown model `{0}`: not an existing path, a zoo name or a Hub repo id owner/name")]
     UnknownModel(String),
@@ -75,6 +79,13 @@ impl Error {
     pub fn checkpoint(path: impl Into<PathBuf>, msg: impl std::fmt::Display) -> Self {
         Error::Checkpoint {
             path: path.into(),
+            msg: msg.to_string(),
+        }
+    }
+    /// A bad value of the option `option` (see [`Error::Option`]).
+    pub fn option(option: &'static str, msg: impl std::fmt::Display) -> Self {
+        Error::Option {
+            option,
             msg: msg.to_string(),
         }
     }

@@ -790,7 +790,7 @@ fn task_formats() {
         serde_json::from_str(r#"{"goal": "g", "sol1": "a", "sol2": "b"}"#).unwrap();
     assert!(build_example(Task::Piqa, &no_label, None)
         .unwrap_err()
-        .contains("--labels"));
+        .contains("labels file"));
     assert_eq!(
         build_example(Task::Piqa, &no_label, Some("1"))
             .unwrap()
@@ -1474,7 +1474,7 @@ fn merge_refuses_impossible_counts_and_shard_ids() {
         (["0/2", "x/2"], "shard `x/2`"),
         (["0/2", "1/0"], "shard `1/0`"),
         (["0/2", "0/2"], "appears twice"),
-        (["0/2", "1/3"], "different --shard counts"),
+        (["0/2", "1/3"], "different shard counts"),
         (["0/3", "1/3"], "missing 2/3"),
         (
             ["0/18446744073709551615", "1/18446744073709551615"],
@@ -1488,7 +1488,7 @@ fn merge_refuses_impossible_counts_and_shard_ids() {
     }
     refused(
         &edited(&t, |v| v["shard"] = Value::Null),
-        "not from a --shard run",
+        "not from a sharded run",
     );
 }
 
@@ -1530,7 +1530,7 @@ fn imagenet_merge_refuses_mismatches_and_impossible_counts() {
         ),
         ("shard", json!("2/2"), "shard `2/2`"),
         ("shard", json!("0/2"), "appears twice"),
-        ("shard", json!("1/3"), "different --shard counts"),
+        ("shard", json!("1/3"), "different shard counts"),
     ] {
         refused(&edited(&good, |v| v[key] = value.clone()), needle);
     }

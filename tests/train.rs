@@ -416,3 +416,42 @@ fn token_ids_beyond_the_vocabulary_are_a_clean_error() {
         "{err}"
     );
 }
+
+#[test]
+fn bad_options_name_the_field_in_the_library_and_the_flag_on_the_command_line() {
+    let opts = tokenformer::train::TrainOptions {
+        steps: 10,
+        batch_size: 2,
+        grad_accum: 1,
+        seq_len: 16,
+        lr: 0.1,
+        min_lr: 0.5,
+        warmup_steps: 0,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        clip_grad: 1.0,
+        seed: 0,
+        train: vec!["*".into()],
+        grow_at: vec![],
+        augment: Default::default(),
+    };
+    let e = opts.validate().unwrap_err().to_string();
+    assert_eq!(e, "`min_lr` 0.5 is above the peak learning rate 0.1");
+
+    let tmp = tempfile::tempdir().unwrap();
+    let init = init_config(tmp.path());
+    let out = tmp.path().join("run");
+    let t = text();
+    let mut args = train_args(init.to_str().unwrap(), out.to_str().unwrap(), &t, "2");
+    args.push("--clip-grad=-1");
+    let o = tokenformer_train(&args, &[]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--clip-grad must be non-negative, got -1") && !err.contains('`'),
+        "{err}"
+    );
+    assert!(!out.exists(), "a refused run writes nothing");
+}

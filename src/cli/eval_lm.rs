@@ -195,6 +195,10 @@ fn in_flag_words(e: tokenformer::Error) -> anyhow::Error {
                 .replace(
                     NOTE_SKIP_BAD,
                     "(pass --skip-bad to skip and count bad lines)",
+                )
+                .replace(
+                    tokenformer::eval::tasks::NOTE_LABELS,
+                    "--labels valid-labels.lst",
                 ),
         ),
         e => e.into(),

@@ -42,6 +42,7 @@ fn hint(e: &Error) -> Option<String> {
         Error::NoTokenizer { model } => format!(
             "{model} has no tokenizer.json: pass --tokenizer PATH (the released models use EleutherAI/gpt-neox-20b's)"
         ),
+        Error::Option { option, msg } => format!("--{} {msg}", option.replace('_', "-")),
         Error::TooLong { .. } => format!("{e}; use `tokenformer eval pile` for long documents"),
         _ => return None,
     })

@@ -509,7 +509,7 @@ impl Report for ImagenetResult {
             (Some(_), false) => {
                 Err("both `shard` and `merged_shards`: not a result of this tool".into())
             }
-            (None, true) => Err("not a --shard run, nothing to merge it with".into()),
+            (None, true) => Err("not a sharded run, nothing to merge it with".into()),
         }
     }
 
@@ -531,7 +531,7 @@ impl Report for ImagenetResult {
                 &self.labels_sha256,
                 opt(&self.labels_sha256),
             ),
-            Setting::new("--limit", self.limit),
+            Setting::new("limit", self.limit),
             Setting::new("pixel limit", self.max_image_pixels),
         ]
     }

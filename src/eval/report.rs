@@ -116,7 +116,7 @@ pub trait Report: Clone + Serialize + DeserializeOwned {
 pub(crate) fn one_shard(shard: &Option<String>) -> std::result::Result<Vec<&str>, String> {
     match shard {
         Some(s) => Ok(vec![s]),
-        None => Err("not from a --shard run (or already merged)".into()),
+        None => Err("not from a sharded run (or already merged)".into()),
     }
 }
 

@@ -72,7 +72,7 @@ pub(crate) fn check_shard_set(shards: &[Shard]) -> Result<usize> {
     for s in shards {
         if s.count != n {
             return Err(Error::input(format!(
-                "shard {s} is of {} parts but shard {first} of {n}: results of different --shard counts",
+                "shard {s} is of {} parts but shard {first} of {n}: results of different shard counts",
                 s.count
             )));
         }

@@ -100,18 +100,22 @@ impl TrainOptions {
     /// Checks what would otherwise fail late or silently.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::input(m));
-        if self.steps == 0 || self.batch_size == 0 || self.grad_accum == 0 || self.seq_len < 1 {
-            return bad(
-                "--steps, --batch-size, --grad-accum and --seq-len must be positive".into(),
-            );
-        }
-        for (name, v) in [
-            ("--lr", self.lr),
-            ("--min-lr", self.min_lr),
-            ("--eps", self.eps),
+        for (name, zero) in [
+            ("steps", self.steps == 0),
+            ("batch_size", self.batch_size == 0),
+            ("grad_accum", self.grad_accum == 0),
+            ("seq_len", self.seq_len == 0),
         ] {
+            if zero {
+                return Err(Error::option(name, "must be positive"));
+            }
+        }
+        for (name, v) in [("lr", self.lr), ("min_lr", self.min_lr), ("eps", self.eps)] {
             if !(v.is_finite() && v >= 0.0) {
-                return bad(format!("{name} must be a non-negative number, got {v}"));
+                return Err(Error::option(
+                    name,
+                    format!("must be a non-negative number, got {v}"),
+                ));
             }
         }
         let (s0, s1) = self.augment.scale;
@@ -127,9 +131,12 @@ impl TrainOptions {
             ));
         }
         if self.min_lr > self.lr {
-            return bad(format!(
-                "--min-lr {} is above --lr {}",
-                self.min_lr, self.lr
+            return Err(Error::option(
+                "min_lr",
+                format!(
+                    "{} is above the peak learning rate {}",
+                    self.min_lr, self.lr
+                ),
             ));
         }
         for (name, b) in [("first", self.beta1), ("second", self.beta2)] {
@@ -138,25 +145,28 @@ impl TrainOptions {
             }
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return bad(format!(
-                "--weight-decay must be non-negative, got {}",
-                self.weight_decay
+            return Err(Error::option(
+                "weight_decay",
+                format!("must be non-negative, got {}", self.weight_decay),
             ));
         }
         if !(self.clip_grad.is_finite() && self.clip_grad >= 0.0) {
-            return bad(format!(
-                "--clip-grad must be non-negative, got {}",
-                self.clip_grad
+            return Err(Error::option(
+                "clip_grad",
+                format!("must be non-negative, got {}", self.clip_grad),
             ));
         }
         if self.train.is_empty() {
-            return bad("--train selects nothing".into());
+            return Err(Error::option("train", "selects nothing"));
         }
         for (step, spec) in &self.grow_at {
             if *step == 0 || *step >= self.steps {
-                return bad(format!(
-                    "--grow-at {step}:{spec}: the step must be between 1 and {} (--steps - 1)",
-                    self.steps.saturating_sub(1)
+                return Err(Error::option(
+                    "grow_at",
+                    format!(
+                        "{step}:{spec}: the step must be between 1 and {} (steps - 1)",
+                        self.steps.saturating_sub(1)
+                    ),
                 ));
             }
         }
@@ -224,9 +234,10 @@ pub trait Trainable: Sized {
     /// function-preserving rule.
     fn grown(&self, spec: &str, init: &GrowInit) -> Result<Self> {
         let _ = init;
-        Err(Error::input(format!(
-            "--grow-at {spec}: this architecture cannot grow inside a run"
-        )))
+        Err(Error::option(
+            "grow_at",
+            format!("{spec}: this architecture cannot grow inside a run"),
+        ))
     }
 
     /// The current values, by canonical name (for saving).
@@ -263,8 +274,9 @@ impl<M: Trainable> Trainer<M> {
     ) -> Result<Self> {
         opts.validate()?;
         if !M::GROWS && !opts.grow_at.is_empty() {
-            return Err(Error::input(
-                "--grow-at grows language models and classifiers only",
+            return Err(Error::option(
+                "grow_at",
+                "grows language models and classifiers only",
             ));
         }
         let trained = select(
@@ -694,12 +706,16 @@ pub(crate) fn select(
     if let [word] = train {
         if word == "bridge" || word == "new" {
             let rows_from = if word == "bridge" {
-                bridge_from.ok_or_else(|| Error::input(
-                    "--train bridge trains a merged vision-language model's bridge tokens; this is not one",
-                ))?
+                bridge_from.ok_or_else(|| {
+                    Error::option(
+                    "train",
+                    "bridge trains a merged vision-language model's bridge tokens; this is not one",
+                )
+                })?
             } else {
-                grown_from.ok_or_else(|| Error::input(
-                    "--train new: the model records no growth (config.json has no `grown_from_tokens`); grow it with `tokenformer-convert grow` or --grow-at first",
+                grown_from.ok_or_else(|| Error::option(
+                    "train",
+                    "new: the model records no growth (config.json has no `grown_from_tokens`); grow it first (grow_at, or `tokenformer-convert grow`)",
                 ))?
             };
             let old = rows_from;
@@ -713,9 +729,10 @@ pub(crate) fn select(
                 }
             }
             if out.is_empty() {
-                return Err(Error::input(format!(
-                    "--train {word}: the model has no such tokens (none appended)"
-                )));
+                return Err(Error::option(
+                    "train",
+                    format!("{word}: the model has no such tokens (none appended)"),
+                ));
             }
             return Ok(out);
         }
@@ -725,7 +742,7 @@ pub(crate) fn select(
         .map(|p| {
             globset::Glob::new(p)
                 .map(|g| g.compile_matcher())
-                .map_err(|e| Error::input(format!("--train {p:?}: {e}")))
+                .map_err(|e| Error::option("train", format!("{p:?}: {e}")))
         })
         .collect::<Result<Vec<_>>>()?;
     for name in params.keys() {
@@ -734,10 +751,10 @@ pub(crate) fn select(
         }
     }
     if out.is_empty() {
-        return Err(Error::input(format!(
-            "--train {} matches no tensor of the model",
-            train.join(",")
-        )));
+        return Err(Error::option(
+            "train",
+            format!("{} matches no tensor of the model", train.join(",")),
+        ));
     }
     Ok(out)
 }
@@ -802,7 +819,7 @@ impl Accumulation {
         let loss = self.loss_sum / self.accum as f64;
         if !loss.is_finite() {
             return Err(Error::input(format!(
-                "the training loss is {loss} at step {}: lower --lr or check the data",
+                "the training loss is {loss} at step {}: lower the learning rate or check the data",
                 step + 1
             )));
         }

@@ -9,6 +9,10 @@ use crate::scoring::Request;
 
 use super::*;
 
+/// Names PIQA's answers file in errors (a command line puts its flag in its
+/// place).
+pub const NOTE_LABELS: &str = "the labels file (valid-labels.lst)";
+
 /// A zero-shot task.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Task {
@@ -78,7 +82,7 @@ impl Task {
                 r#"{"activity_label", "ctx_a", "ctx_b", "endings": [4], "label": 0-3 or "0"-"3"}"#
             }
             Task::Piqa => {
-                r#"{"goal", "sol1", "sol2", "label": 0|1} or, without "label", --labels valid-labels.lst"#
+                r#"{"goal", "sol1", "sol2", "label": 0|1} or, without "label", the labels file (valid-labels.lst)"#
             }
             Task::ArcEasy | Task::ArcChallenge => {
                 r#"{"question": {"stem", "choices": [{"text", "label"}]}, "answerKey"} or HF {"question", "choices": {"text": [], "label": []}, "answerKey"}"#
@@ -239,7 +243,7 @@ pub fn build_example(
                 (_, Some(l)) => index(&Value::String(l.into()), "label (labels file)")?,
                 (Some(v), None) => index(v, "label")?,
                 (None, None) => {
-                    return Err("no `label` field: pass --labels valid-labels.lst".into())
+                    return Err("no `label` field: pass the labels file (valid-labels.lst)".into())
                 }
             };
             mc(context, choices, gold)
