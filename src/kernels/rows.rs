@@ -414,6 +414,26 @@ mod tests {
     use super::super::Path;
     use super::*;
 
+    #[test]
+    fn strided_row_batches_give_the_bits_of_row_by_row_dots() {
+        // Widths around the 16-lane step and row counts around the 4-row pass.
+        for (n, stride) in [(1, 3), (15, 15), (16, 20), (17, 17), (64, 70), (100, 100)] {
+            for rows in [0, 1, 3, 4, 5, 8, 11] {
+                let w = wild(stride * rows.max(1), 7);
+                let x = wild(n, 11);
+                for path in Path::all() {
+                    let mut got = vec![0f32; rows];
+                    dot_rows_on(path, &x, &w, stride, 0.125, &mut got);
+                    for (j, g) in got.iter().enumerate() {
+                        let want = 0.125 * dot_on(path, &x, &w[j * stride..j * stride + n]);
+                        let at = format!("n={n} rows={rows} row {j} {:?}", path.isa());
+                        assert_eq!(g.to_bits(), want.to_bits(), "{at}");
+                    }
+                }
+            }
+        }
+    }
+
     /// Values of both signs and many magnitudes, so rounding differs with
     /// the order of additions (a reordering would show in the bits).
     fn wild(n: usize, salt: u32) -> Vec<f32> {
