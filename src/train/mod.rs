@@ -10,6 +10,7 @@ pub mod data;
 pub mod lm;
 pub mod loss;
 pub mod optim;
+pub mod options;
 mod parts;
 pub mod plot;
 mod theta;
