@@ -359,7 +359,7 @@ fn transform() -> EvalTransform {
         filter: Filter::Bicubic,
         mean: [0.485, 0.456, 0.406],
         std: [0.229, 0.224, 0.225],
-        squash: false,
+        resize_mode: tokenformer::models::vit::ResizeMode::ShorterSide,
     }
 }
 

@@ -57,69 +57,48 @@ fn pixels() -> Tensor {
     .unwrap()
 }
 
-#[test]
-fn the_training_forward_of_the_merged_model_computes_the_mixed_sequence() {
-    let (cfg, tensors) = merged();
-    let dev = Device::Cpu;
-    let inference = VisionLanguageModel::from_tensors(&cfg, &tensors, &dev).unwrap();
-    let train = TrainableVl::new(&cfg, &tensors, DType::F32, &dev).unwrap();
-    let px = pixels();
-    let b = px.dim(0).unwrap();
-    let ids: Vec<u32> = (0..b * 12).map(|i| (i * 7919 % 50000) as u32).collect();
-    let ids = Tensor::from_vec(ids, (b, 12), &dev).unwrap();
-    let (_, want) = inference.forward_mixed(Some(&px), &ids, None).unwrap();
-    let got = train.forward(&px, &ids).unwrap();
-    let diff = (got - &want)
-        .unwrap()
-        .abs()
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
         .unwrap()
         .max_all()
         .unwrap()
         .to_scalar::<f32>()
-        .unwrap();
-    let scale = want
-        .abs()
         .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    assert!(
-        diff <= 1e-5 * scale.max(1.0),
-        "max |Δ logit| {diff} (scale {scale})"
-    );
 }
 
-#[test]
-fn the_training_forward_of_the_merged_model_keeps_a_parallel_residual() {
-    let (mut cfg, tensors) = merged();
-    cfg.language.parallel_residual = true;
+/// Checks the training forward against the inference model's mixed sequence on the
+/// fixture pixels and ids; returns the inference logits.
+fn training_forward_equals_inference(cfg: &vl::Config, tensors: &Tensors) -> Tensor {
     let dev = Device::Cpu;
-    let inference = VisionLanguageModel::from_tensors(&cfg, &tensors, &dev).unwrap();
-    let train = TrainableVl::new(&cfg, &tensors, DType::F32, &dev).unwrap();
+    let inference = VisionLanguageModel::from_tensors(cfg, tensors, &dev).unwrap();
+    let train = TrainableVl::new(cfg, tensors, DType::F32, &dev).unwrap();
     let px = pixels();
     let b = px.dim(0).unwrap();
     let ids: Vec<u32> = (0..b * 12).map(|i| (i * 7919 % 50000) as u32).collect();
     let ids = Tensor::from_vec(ids, (b, 12), &dev).unwrap();
     let (_, want) = inference.forward_mixed(Some(&px), &ids, None).unwrap();
-    let max_abs = |t: &Tensor| {
-        t.abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    };
     let diff = max_abs(&(train.forward(&px, &ids).unwrap() - &want).unwrap());
     let scale = max_abs(&want);
     assert!(
         diff <= 1e-5 * scale.max(1.0),
         "max |Δ logit| {diff} (scale {scale})"
     );
+    want
+}
+
+#[test]
+fn the_training_forward_of_the_merged_model_computes_the_mixed_sequence() {
+    let (cfg, tensors) = merged();
+    training_forward_equals_inference(&cfg, &tensors);
+}
+
+#[test]
+fn the_training_forward_of_the_merged_model_keeps_a_parallel_residual() {
+    let (mut cfg, tensors) = merged();
+    let seq = training_forward_equals_inference(&cfg, &tensors);
+    cfg.language.parallel_residual = true;
+    let want = training_forward_equals_inference(&cfg, &tensors);
     // Not the sequential block's logits.
-    cfg.language.parallel_residual = false;
-    let seq = VisionLanguageModel::from_tensors(&cfg, &tensors, &dev).unwrap();
-    let (_, seq) = seq.forward_mixed(Some(&px), &ids, None).unwrap();
     assert!(max_abs(&(seq - want).unwrap()) > 1e-3);
 }
 

@@ -156,7 +156,7 @@ fn decoding_and_resizing_of_special_modes_match_pillow() {
                 filter,
                 mean: [0.0; 3],
                 std: [1.0; 3],
-                squash: false,
+                resize_mode: tokenformer::models::vit::ResizeMode::ShorterSide,
             };
             let out = t.resize_crop(&img).unwrap();
             assert_eq!((out.width, out.height), (size, size), "{key}");
@@ -217,7 +217,7 @@ fn eval_transform_sizes_follow_torchvision() {
         filter: Filter::Bicubic,
         mean: [0.0; 3],
         std: [1.0; 3],
-        squash: false,
+        resize_mode: tokenformer::models::vit::ResizeMode::ShorterSide,
     };
     let img = vision::RgbImage {
         width: 3,

@@ -1400,7 +1400,10 @@ fn timm_squash_crop_mode_matches_timm() {
     cfg.interpolation = tokenformer::models::vit::Interpolation::Bilinear;
     cfg.resize_mode = tokenformer::models::vit::ResizeMode::Squash;
     let t = tokenformer::vision::EvalTransform::from_config(&cfg);
-    assert_eq!((t.resize, t.crop, t.squash), (36, 32, true));
+    assert_eq!(
+        (t.resize, t.crop, t.resize_mode),
+        (36, 32, tokenformer::models::vit::ResizeMode::Squash)
+    );
     let ours: Vec<Vec<f32>> = shipped_eval_photos()
         .iter()
         .map(|f| t.load(f).unwrap())

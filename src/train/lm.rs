@@ -92,18 +92,14 @@ impl TrainableLm {
         for i in 0..cfg.num_layers {
             let h = layer_norm(&x, cfg.norm_eps)?;
             let attn = self.attention(i, &h, &mask, &cos, &sin)?;
-            let mlp_in = if cfg.parallel_residual {
-                // x + attn(LN x) + mlp(LN x): both branches read the same LN(x).
-                h
-            } else {
-                x = (x + &attn)?;
-                layer_norm(&x, cfg.norm_eps)?
-            };
-            let mlp = self.pattention(&format!("layers.{i}.mlp"), &mlp_in, self.scale(4))?;
+            let mlp = format!("layers.{i}.mlp");
             x = if cfg.parallel_residual {
-                ((x + attn)? + mlp)?
+                // x + attn(LN x) + mlp(LN x): both branches read the same LN(x).
+                ((x + attn)? + self.pattention(&mlp, &h, self.scale(4))?)?
             } else {
-                (x + mlp)?
+                let x = (x + attn)?;
+                let h = layer_norm(&x, cfg.norm_eps)?;
+                (&x + self.pattention(&mlp, &h, self.scale(4))?)?
             };
         }
         let h = layer_norm(&x, cfg.norm_eps)?

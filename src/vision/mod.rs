@@ -41,9 +41,9 @@ pub struct EvalTransform {
     pub filter: Filter,
     pub mean: [f32; 3],
     pub std: [f32; 3],
-    /// Both sides to `resize` (aspect ratio not kept) instead of the shorter
-    /// side: timm's `squash`, and with resize = crop transformers' `ViTImageProcessor`.
-    pub squash: bool,
+    /// The shorter side to `resize`, or both sides (`Squash`, aspect ratio not
+    /// kept: timm's `squash`, and with resize = crop transformers' `ViTImageProcessor`).
+    pub resize_mode: ResizeMode,
 }
 
 impl EvalTransform {
@@ -58,7 +58,7 @@ impl EvalTransform {
             },
             mean: cfg.mean,
             std: cfg.std,
-            squash: cfg.resize_mode == ResizeMode::Squash,
+            resize_mode: cfg.resize_mode,
         }
     }
 
@@ -88,10 +88,9 @@ impl EvalTransform {
                 img.width, img.height
             )));
         }
-        let (w, h) = if self.squash {
-            (self.resize, self.resize)
-        } else {
-            self.resized_size(img.width, img.height)
+        let (w, h) = match self.resize_mode {
+            ResizeMode::Squash => (self.resize, self.resize),
+            ResizeMode::ShorterSide => self.resized_size(img.width, img.height),
         };
         let c = self.crop;
         // torchvision: offsets int(round((H - h) / 2)), Python's round (ties to even).

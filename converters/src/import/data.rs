@@ -31,6 +31,23 @@ const EVAL_PHOTOS: &[(&str, &[u8])] = photos!("eval":
 const CALIBRATION_TEXT: &str = include_str!("../../../assets/samples/text/calibration.txt");
 const EVAL_TEXT: &str = include_str!("../../../assets/samples/text/eval.txt");
 
+/// What a split counts: images, or tokens of text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Unit {
+    Images,
+    Tokens,
+}
+
+impl std::fmt::Display for Unit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Unit::Images => "images",
+            Unit::Tokens => "tokens",
+        })
+    }
+}
+
 /// Where a split's data came from, for the report.
 #[derive(Clone, Debug, Serialize)]
 pub struct DataInfo {
@@ -40,7 +57,7 @@ pub struct DataInfo {
     pub shipped: bool,
     /// Images, or tokens of text.
     pub items: usize,
-    pub unit: &'static str,
+    pub unit: Unit,
     /// Anything the reader must know (no tokenizer, truncated, ...).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
@@ -72,7 +89,7 @@ impl Images {
                     source: format!("shipped samples (assets/samples/photos/{sub})"),
                     shipped: true,
                     items: list.len(),
-                    unit: "images",
+                    unit: Unit::Images,
                     note: None,
                 },
             });
@@ -92,7 +109,7 @@ impl Images {
                 source: dir.display().to_string(),
                 shipped: false,
                 items: files.len(),
-                unit: "images",
+                unit: Unit::Images,
                 note: None,
             },
             refs: files.into_iter().map(ImageRef::File).collect(),
@@ -132,21 +149,17 @@ pub struct Text {
 impl Text {
     pub fn new(file: Option<&Path>, flag: &str, split: Split) -> Result<Self> {
         match file {
-            None => Ok(Self {
-                text: match split {
-                    Split::Calibration => CALIBRATION_TEXT,
-                    Split::Eval => EVAL_TEXT,
-                }
-                .to_string(),
-                source: format!(
-                    "shipped samples (assets/samples/text/{})",
-                    match split {
-                        Split::Calibration => "calibration.txt",
-                        Split::Eval => "eval.txt",
-                    }
-                ),
-                shipped: true,
-            }),
+            None => {
+                let (text, name) = match split {
+                    Split::Calibration => (CALIBRATION_TEXT, "calibration.txt"),
+                    Split::Eval => (EVAL_TEXT, "eval.txt"),
+                };
+                Ok(Self {
+                    text: text.to_string(),
+                    source: format!("shipped samples (assets/samples/text/{name})"),
+                    shipped: true,
+                })
+            }
             Some(p) => {
                 let text = std::fs::read_to_string(p).with_context(|| {
                     format!("{flag} {}: cannot read it as UTF-8 text", p.display())
@@ -173,8 +186,8 @@ impl Text {
     }
 }
 
-/// What a sample of `n` items with top-1 agreement `p` can tell: the 95 % Wilson
-/// interval, and a warning when it is too wide to mean much.
+/// What a sample of `n` items with `agree` top-1 agreements can tell: the 95 %
+/// Wilson interval of the agreement.
 pub fn agreement_interval(agree: usize, n: usize) -> (f64, f64) {
     if n == 0 {
         return (0.0, 1.0);

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use tokenformer::card::ModelCard;
 use tokenformer::loader;
 
-use super::data::{agreement_interval, DataInfo};
+use super::data::{agreement_interval, DataInfo, Unit};
 use super::mapping::{Exactness, LayerFidelity, Mapping, EXACT_TOLERANCE};
 use crate::output::ModelFolder;
 
@@ -107,10 +107,10 @@ impl Agreement {
         Ok(())
     }
 
-    /// The end-to-end numbers; `unit` is "images" or "tokens".
-    pub fn finish(self, unit: &'static str) -> EndToEnd {
+    /// The end-to-end numbers over `unit`s.
+    pub fn finish(self, unit: Unit) -> EndToEnd {
         let n = self.rows.max(1) as f64;
-        let text = unit == "tokens";
+        let text = unit == Unit::Tokens;
         let (lo, hi) = agreement_interval(self.agree, self.rows);
         // Few items, or an interval too wide to tell a good import from a bad one.
         let small = self.rows < if text { 1000 } else { 50 } || hi - lo > 0.2;
@@ -150,7 +150,7 @@ impl Agreement {
 pub struct EndToEnd {
     /// Images, or token positions of the text.
     pub items: usize,
-    pub unit: &'static str,
+    pub unit: Unit,
     /// Share of items where the import's top-1 class (next token) is the source's.
     pub top1_agreement: f64,
     /// Its 95 % Wilson interval.
@@ -363,7 +363,7 @@ impl Report {
             }
         }
         let e = &self.end_to_end;
-        let what = if e.unit == "tokens" {
+        let what = if e.unit == Unit::Tokens {
             "next-token top-1"
         } else {
             "top-1"
@@ -485,7 +485,7 @@ mod tests {
         agreement
             .add(&src, &imp, text.then_some(&next[..]))
             .unwrap();
-        let unit = if text { "tokens" } else { "images" };
+        let unit = if text { Unit::Tokens } else { Unit::Images };
         Report {
             source: "src".into(),
             from: "gpt-neox".into(),

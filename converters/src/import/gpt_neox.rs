@@ -19,7 +19,7 @@ use tokenformer::models::tokenformer::{self as lm, Rotary, ScaleTokens};
 use tokenformer::pattention::Activation;
 
 use super::args::ImportArgs;
-use super::data::{DataInfo, Split, Text};
+use super::data::{DataInfo, Split, Text, Unit};
 use super::fidelity::{self, finish, Agreement, CardText, Report};
 use super::mapping::{Calibration, LayerCheck, Mapping};
 use super::source::{
@@ -235,7 +235,7 @@ fn split_ids(
             source: "seeded random token ids".into(),
             shipped: false,
             items: ids.len(),
-            unit: "tokens",
+            unit: Unit::Tokens,
             note: Some("the source has no tokenizer.json, so no text could be read: pass --tokenizer for real text".into()),
         };
         return Ok((ids, info));
@@ -259,7 +259,7 @@ fn split_ids(
         source: text.source,
         shipped: text.shipped,
         items: ids.len(),
-        unit: "tokens",
+        unit: Unit::Tokens,
         note: None,
     };
     Ok((ids, info))
@@ -430,7 +430,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         eval_images: None,
         parallel_residual: Some(cfg.parallel_residual),
         layers: check.finish(&imported, cfg.eps),
-        end_to_end: agreement.finish("tokens"),
+        end_to_end: agreement.finish(Unit::Tokens),
         copied,
         ignored_buffers: buffers,
         not_representable: not_rep,

@@ -19,7 +19,7 @@ use tokenformer::pattention::Activation;
 use tokenformer::vision::EvalTransform;
 
 use super::args::ImportArgs;
-use super::data::{Images, Split};
+use super::data::{Images, Split, Unit};
 use super::fidelity::{finish, Agreement, CardText, Report};
 use super::mapping::{Calibration, LayerCheck, Mapping};
 use super::source::{
@@ -334,7 +334,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
                 source: format!("{} (--probe-pixels, preprocessed by the user)", p.display()),
                 shipped: false,
                 items: n,
-                unit: "images",
+                unit: Unit::Images,
                 note: None,
             };
             (info, None)
@@ -356,7 +356,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         eval_images,
         parallel_residual: None,
         layers,
-        end_to_end: agreement.finish("images"),
+        end_to_end: agreement.finish(Unit::Images),
         copied: src.copied.clone(),
         ignored_buffers: buffers,
         not_representable: vec![
