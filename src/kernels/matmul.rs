@@ -149,11 +149,35 @@ pub(super) unsafe fn gemm_f32(
     }
     #[cfg(target_arch = "x86_64")]
     if path.isa() == Isa::Avx2 {
-        use gemm_f32::microkernel::fma::f32 as ukr;
-        let simd =
-            gemm_common::simd::V3::try_new().expect("a Path exists only for a supported ISA");
-        // SAFETY: the caller's contract; the kernels are gemm's own for V3.
-        return unsafe { gemm_with!(simd, 8) };
+        use super::sgemm::{sgemm, Operand};
+        let threads = match parallelism {
+            gemm::Parallelism::Rayon(t) => t,
+            _ => 1,
+        };
+        // SAFETY: the caller's contract; a Path exists only for a CPU with
+        // the path's features.
+        return unsafe {
+            sgemm(
+                (m, n, k),
+                Operand {
+                    ptr: dst,
+                    rs: dst_rs,
+                    cs: dst_cs,
+                },
+                Operand {
+                    ptr: lhs,
+                    rs: lhs_rs,
+                    cs: lhs_cs,
+                },
+                Operand {
+                    ptr: rhs,
+                    rs: rhs_rs,
+                    cs: rhs_cs,
+                },
+                scale,
+                threads,
+            )
+        };
     }
     if path.isa() == Isa::Portable {
         use gemm_f32::microkernel::scalar::f32 as ukr;
@@ -327,14 +351,30 @@ mod tests {
     }
 
     #[test]
-    fn large_matmuls_equal_candle_bit_for_bit() {
+    fn large_matmuls_equal_candle() {
         // Past SMALL_ROWS the products go to gemm with the strides candle's
-        // matmul uses, so on the path gemm itself would pick (the CPU's best,
-        // whatever TOKENFORMER_KERNELS says) the results are the same to the
-        // bit; x may carry batch axes, and f16 weights are widened first.
-        let best = Path::best();
-        let nt = |x: &Tensor, w: &Tensor| matmul_nt_on(best, x, w).unwrap();
-        let nn = |x: &Tensor, w: &Tensor| matmul_nn_on(best, x, w).unwrap();
+        // matmul uses: on the paths that call the gemm crate (AVX-512,
+        // portable) the results are candle's to the bit when gemm itself
+        // would pick that path (the CPU's best); the AVX2 path's own sgemm
+        // adds in another order, so it agrees to rounding. x may carry batch
+        // axes, and f16 weights are widened first.
+        for path in Path::all() {
+            let exact = path == Path::best() && path.isa() != Isa::Avx2;
+            large_matmuls_equal_candle_on(path, exact);
+        }
+    }
+
+    fn large_matmuls_equal_candle_on(path: Path, exact: bool) {
+        let nt = |x: &Tensor, w: &Tensor| matmul_nt_on(path, x, w).unwrap();
+        let nn = |x: &Tensor, w: &Tensor| matmul_nn_on(path, x, w).unwrap();
+        let same = |a: &Tensor, b: &Tensor| {
+            if exact {
+                assert_eq!(bits(a), bits(b), "{:?}", path.isa());
+            } else {
+                let d = rel_diff(a, b);
+                assert!(d < 1e-6, "{:?}: {d}", path.isa());
+            }
+        };
         for rows in [9, 300] {
             let x = spread((3, rows, 77));
             let w = spread((130, 77));
@@ -343,14 +383,14 @@ mod tests {
                 .matmul(&w.t().unwrap())
                 .unwrap()
                 .reshape((3, rows, 130));
-            assert_eq!(bits(&nt(&x, &w)), bits(&want.unwrap()));
+            same(&nt(&x, &w), &want.unwrap());
             let v = spread((77, 130));
             let want = flat.matmul(&v).unwrap().reshape((3, rows, 130)).unwrap();
-            assert_eq!(bits(&nn(&x, &v)), bits(&want));
+            same(&nn(&x, &v), &want);
             let half = v.to_dtype(DType::F16).unwrap();
             let wide = half.to_dtype(DType::F32).unwrap();
             let want = flat.matmul(&wide).unwrap().reshape((3, rows, 130)).unwrap();
-            assert_eq!(bits(&nn(&x, &half)), bits(&want));
+            same(&nn(&x, &half), &want);
         }
         let err = matmul_nn(&spread((20, 5)), &spread((6, 4))).unwrap_err();
         assert!(err.to_string().contains("do not multiply"), "{err}");

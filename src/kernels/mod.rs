@@ -20,6 +20,7 @@
 //! - `gemv`: the matrix-vector products of decoding (f32 or f16 weights,
 //!   the latter widened by `half`);
 //! - [`q8`]: 8-bit weights (int8 blocks of 32 with an f32 scale each);
+//! - `sgemm`: the packed f32 product of the AVX2 path;
 //! - `matmul`: the products' entry points, gemm for the compute-bound ones.
 
 use std::sync::OnceLock;
@@ -34,6 +35,8 @@ mod matmul;
 pub mod q8;
 mod rotary;
 mod rows;
+#[cfg(target_arch = "x86_64")]
+mod sgemm;
 pub mod theta;
 
 pub(crate) use attention::attention;
