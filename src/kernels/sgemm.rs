@@ -177,38 +177,137 @@ pub(super) unsafe fn sgemm(
 /// contiguous values, zeros past column nc.
 ///
 /// # Safety
-/// `b` must address kc × nc valid elements.
+/// `b` must address kc × nc valid elements; the CPU must have AVX2.
 unsafe fn pack_b(panel: &mut [f32], b: Operand<*const f32>, kc: usize, j0: usize, nc: usize) {
-    let cols = NR.min(nc - j0);
-    if cols < NR {
-        panel.fill(0.0);
-    }
-    for j in 0..cols {
-        for p in 0..kc {
-            // SAFETY: column j0 + j < nc, row p < kc.
-            panel[p * NR + j] = unsafe { *b.at(p, j0 + j).ptr };
-        }
-    }
+    // Column j of B is line j of its transpose.
+    let bt = Operand {
+        rs: b.cs,
+        cs: b.rs,
+        ..b
+    };
+    // SAFETY: columns j0.. < nc of kc rows are inside b.
+    unsafe { pack::<NR>(panel, bt.at(j0, 0), NR.min(nc - j0), kc) }
 }
 
 /// Packs an mb × kc block of A as panels of MR rows: kc columns of MR
 /// contiguous values each, zeros past row mb.
 ///
 /// # Safety
-/// `a` must address mb × kc valid elements.
+/// `a` must address mb × kc valid elements; the CPU must have AVX2.
 unsafe fn pack_a(ap: &mut [f32], a: Operand<*const f32>, mb: usize, kc: usize) {
     for (r, panel) in ap.chunks_mut(MR * kc).enumerate() {
-        let rows = MR.min(mb - r * MR);
-        if rows < MR {
-            panel.fill(0.0);
-        }
-        for i in 0..rows {
-            for p in 0..kc {
-                // SAFETY: row r·MR + i < mb, column p < kc.
-                panel[p * MR + i] = unsafe { *a.at(r * MR + i, p).ptr };
+        // SAFETY: rows r·MR.. < mb of kc columns are inside a.
+        unsafe { pack::<MR>(panel, a.at(r * MR, 0), MR.min(mb - r * MR), kc) }
+    }
+}
+
+/// panel[p·W + i] = src(i, p) for the first `lines` of W lines (zeros for
+/// the rest) and p < kc: W lines interleaved, as the tile reads them.
+/// Lines that are contiguous (the usual row-major A, and weights [n, k]
+/// for B) go through 8×8 transposes in registers; values of a line that lie
+/// side by side (B [k, n]) are copied W at a time.
+///
+/// # Safety
+/// `src` must address lines × kc valid elements; the CPU must have AVX2.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack<const W: usize>(
+    panel: &mut [f32],
+    src: Operand<*const f32>,
+    lines: usize,
+    kc: usize,
+) {
+    use std::arch::x86_64::*;
+    assert!(panel.len() >= W * kc && lines <= W);
+    if lines < W {
+        panel.fill(0.0);
+    }
+    let out = panel.as_mut_ptr();
+    let mut done = 0;
+    if src.cs == 1 && lines == W {
+        // Eight steps at a time: per group of eight lines, an 8×8 block
+        // transposed so each register holds one step's values of the group.
+        while done + 8 <= kc {
+            for g in (0..W).step_by(8) {
+                let load = |i: usize| {
+                    if g + i < W {
+                        // SAFETY: line g + i < lines, steps done..done + 8 < kc.
+                        unsafe { _mm256_loadu_ps(src.at(g + i, done).ptr) }
+                    } else {
+                        _mm256_setzero_ps()
+                    }
+                };
+                let cols = transpose8(std::array::from_fn(load));
+                for (c, v) in cols.iter().enumerate() {
+                    // SAFETY: step done + c < kc, lines g.. < W: inside the panel.
+                    unsafe {
+                        let at = out.add((done + c) * W + g);
+                        if W - g >= 8 || c < 7 {
+                            // For W = 6, the two values past the step's six
+                            // land on the next step's first two, which the
+                            // next store writes.
+                            _mm256_storeu_ps(at, *v);
+                        } else {
+                            // The group's last step: exactly six values
+                            // (a masked store is microcoded on Zen).
+                            debug_assert_eq!(W - g, 6);
+                            _mm_storeu_ps(at, _mm256_castps256_ps128(*v));
+                            let high = _mm256_extractf128_ps::<1>(*v);
+                            _mm_storel_epi64(at.add(4).cast(), _mm_castps_si128(high));
+                        }
+                    }
+                }
             }
+            done += 8;
         }
     }
+    if src.rs == 1 && lines == W {
+        for p in done..kc {
+            // SAFETY: W values side by side at step p < kc; the panel holds them.
+            unsafe { std::ptr::copy_nonoverlapping(src.at(0, p).ptr, out.add(p * W), W) };
+        }
+        return;
+    }
+    for i in 0..lines {
+        for p in done..kc {
+            // SAFETY: line i < lines, step p < kc.
+            panel[p * W + i] = unsafe { *src.at(i, p).ptr };
+        }
+    }
+}
+
+/// The transpose of the 8×8 block whose rows are `r`: register c holds
+/// every row's value c.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn transpose8(r: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::*;
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    // Values 0, 1 (then 2, 3) of rows 0..4 and of rows 4..8, per 128-bit half.
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ]
 }
 
 /// One packed block: the register tiles of rows 0..mb and B panels
