@@ -100,10 +100,11 @@ impl candle_core::CustomOp2 for Gemm {
     }
 }
 
-/// dst = scale · lhs · rhs for f32 [m, k] · [k, n] by gemm, with the kernels
-/// of `path`: gemm's own choice is always the CPU's best, so a forced lower
-/// path calls its AVX2 or scalar kernels directly. dst is written, never
-/// read. Operands are (pointer, column stride, row stride) in elements.
+/// dst = scale · lhs · rhs for f32 [m, k] · [k, n] with the kernels of
+/// `path`: our own packed gemm on AVX2 (faster there than the gemm crate's),
+/// the gemm crate's otherwise (its own choice is always the CPU's best, so a
+/// forced portable path calls its scalar kernels directly). dst is written,
+/// never read. Operands are (pointer, column stride, row stride) in elements.
 ///
 /// # Safety
 /// The pointers and strides must address m×n, m×k and k×n valid elements,

@@ -7,7 +7,8 @@
 //! AVX2+FMA+F16C and AVX-512. The best one the CPU has is chosen once per
 //! process, unless the environment variable `TOKENFORMER_KERNELS`
 //! (`portable`, `avx2`, `avx512` or `auto`) asks for another, so one machine
-//! can run (and test) every path it supports; gemm follows the same choice.
+//! can run (and test) every path it supports; the large products follow the
+//! same choice (the gemm crate's kernels, or on AVX2 our own `sgemm`).
 //! The row kernels are written so that all paths add in the same order, and
 //! where they do the results are the same to the bit (tested).
 //!
