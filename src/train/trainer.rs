@@ -783,7 +783,7 @@ pub fn resume_dir(dir: &Path) -> Result<PathBuf> {
 /// Reads a checkpoint's trainer state and optimiser moments.
 pub fn read_resume_state(dir: &Path) -> Result<(TrainerState, BTreeMap<String, Moments>)> {
     let sp = dir.join(STATE_FILE);
-    let text = std::fs::read_to_string(&sp).map_err(|e| Error::io(&sp, e))?;
+    let text = crate::fsutil::read_to_string_bounded(&sp, crate::loader::MAX_CONFIG_BYTES)?;
     let state: TrainerState = serde_json::from_str(&text).map_err(|e| Error::config(&sp, e))?;
     let op = dir.join(OPTIMIZER_FILE);
     let tensors =
@@ -809,4 +809,21 @@ pub fn read_resume_state(dir: &Path) -> Result<(TrainerState, BTreeMap<String, M
         })
         .collect::<Result<_>>()?;
     Ok((state, moments))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_oversized_trainer_state_is_refused_before_reading() {
+        let dir = tempfile::tempdir().unwrap();
+        // Sparse: the size is checked before anything is read.
+        std::fs::File::create(dir.path().join(STATE_FILE))
+            .unwrap()
+            .set_len(crate::loader::MAX_CONFIG_BYTES + 1)
+            .unwrap();
+        let err = read_resume_state(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(STATE_FILE) && err.contains("limit"), "{err}");
+    }
 }

@@ -139,6 +139,10 @@ impl Images {
     }
 }
 
+/// The largest `--calibration-text` / `--eval-text` file: far more text than
+/// an import's windows score, and still bounded.
+pub const MAX_TEXT_BYTES: u64 = 64 << 20;
+
 /// A split's text: the user's file or the shipped page.
 pub struct Text {
     pub text: String,
@@ -161,9 +165,8 @@ impl Text {
                 })
             }
             Some(p) => {
-                let text = std::fs::read_to_string(p).with_context(|| {
-                    format!("{flag} {}: cannot read it as UTF-8 text", p.display())
-                })?;
+                let text = tokenformer::fsutil::read_to_string_bounded(p, MAX_TEXT_BYTES)
+                    .with_context(|| format!("{flag} {}: cannot read it as text", p.display()))?;
                 if text.trim().is_empty() {
                     bail!("{flag} {}: the file is empty", p.display());
                 }
@@ -216,6 +219,43 @@ mod tests {
         assert!(
             (lo - 0.8064).abs() < 1e-3 && (hi - 1.0).abs() < 1e-12,
             "{lo} {hi}"
+        );
+    }
+
+    #[test]
+    fn text_files_past_the_limit_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("huge.txt");
+        // Sparse: the size is checked before anything is read.
+        std::fs::File::create(&p)
+            .unwrap()
+            .set_len(MAX_TEXT_BYTES + 1)
+            .unwrap();
+        let err = format!(
+            "{:#}",
+            Text::new(Some(&p), "--eval-text", Split::Eval)
+                .err()
+                .unwrap()
+        );
+        assert!(
+            err.contains("--eval-text") && err.contains("huge.txt"),
+            "{err}"
+        );
+        assert!(
+            err.contains(&format!("limit of {MAX_TEXT_BYTES} bytes")),
+            "{err}"
+        );
+        let bad = dir.path().join("bad.txt");
+        std::fs::write(&bad, b"ok \xff").unwrap();
+        let err = format!(
+            "{:#}",
+            Text::new(Some(&bad), "--calibration-text", Split::Calibration)
+                .err()
+                .unwrap()
+        );
+        assert!(
+            err.contains("--calibration-text") && err.contains("not UTF-8"),
+            "{err}"
         );
     }
 
