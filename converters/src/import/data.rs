@@ -225,34 +225,24 @@ mod tests {
     #[test]
     fn text_files_past_the_limit_are_refused_by_name() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("huge.txt");
+        let refusal = |name: &str, flag: &str, split: Split| {
+            let err = Text::new(Some(&dir.path().join(name)), flag, split).err();
+            format!("{:#}", err.expect("refused"))
+        };
         // Sparse: the size is checked before anything is read.
-        std::fs::File::create(&p)
+        std::fs::File::create(dir.path().join("huge.txt"))
             .unwrap()
             .set_len(MAX_TEXT_BYTES + 1)
             .unwrap();
-        let err = format!(
-            "{:#}",
-            Text::new(Some(&p), "--eval-text", Split::Eval)
-                .err()
-                .unwrap()
-        );
+        let err = refusal("huge.txt", "--eval-text", Split::Eval);
         assert!(
             err.contains("--eval-text") && err.contains("huge.txt"),
             "{err}"
         );
-        assert!(
-            err.contains(&format!("limit of {MAX_TEXT_BYTES} bytes")),
-            "{err}"
-        );
-        let bad = dir.path().join("bad.txt");
-        std::fs::write(&bad, b"ok \xff").unwrap();
-        let err = format!(
-            "{:#}",
-            Text::new(Some(&bad), "--calibration-text", Split::Calibration)
-                .err()
-                .unwrap()
-        );
+        let limit = format!("limit of {MAX_TEXT_BYTES} bytes");
+        assert!(err.contains(&limit), "{err}");
+        std::fs::write(dir.path().join("bad.txt"), b"ok \xff").unwrap();
+        let err = refusal("bad.txt", "--calibration-text", Split::Calibration);
         assert!(
             err.contains("--calibration-text") && err.contains("not UTF-8"),
             "{err}"
