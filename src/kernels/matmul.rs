@@ -128,26 +128,6 @@ pub(super) unsafe fn gemm_f32(
             )
         };
     }
-    // gemm's generic driver with the microkernels of the `ukr` module in
-    // scope where it is expanded (`$lanes` f32 per register).
-    macro_rules! gemm_with {
-        ($simd:expr, $lanes:literal) => {
-            call!(
-                gemm_common::gemm::gemm_basic_generic::<
-                    _,
-                    f32,
-                    $lanes,
-                    { ukr::MR_DIV_N * $lanes },
-                    { ukr::NR },
-                    { ukr::MR_DIV_N },
-                    { ukr::H_M },
-                    { ukr::H_N },
-                >,
-                [$simd],
-                [|a, b, c| a * b + c, &ukr::UKR, &ukr::H_UKR, false]
-            )
-        };
-    }
     #[cfg(target_arch = "x86_64")]
     if path.isa() == Isa::Avx2 {
         use super::sgemm::{sgemm, Operand};
@@ -182,8 +162,25 @@ pub(super) unsafe fn gemm_f32(
     }
     if path.isa() == Isa::Portable {
         use gemm_f32::microkernel::scalar::f32 as ukr;
+        // gemm's generic driver with its scalar microkernels (one f32 a
+        // "register").
         // SAFETY: the caller's contract; the kernels are gemm's own scalar ones.
-        return unsafe { gemm_with!(gemm_common::simd::Scalar, 1) };
+        return unsafe {
+            call!(
+                gemm_common::gemm::gemm_basic_generic::<
+                    _,
+                    f32,
+                    1,
+                    { ukr::MR_DIV_N },
+                    { ukr::NR },
+                    { ukr::MR_DIV_N },
+                    { ukr::H_M },
+                    { ukr::H_N },
+                >,
+                [gemm_common::simd::Scalar],
+                [|a, b, c| a * b + c, &ukr::UKR, &ukr::H_UKR, false]
+            )
+        };
     }
     // SAFETY: the caller's contract.
     unsafe { call!(gemm::gemm, [], []) }

@@ -435,14 +435,8 @@ unsafe fn tile(
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_util::spread;
     use super::*;
-
-    /// Deterministic values in [−1.7, 1.7).
-    fn values(len: usize, seed: f32) -> Vec<f32> {
-        (0..len)
-            .map(|i| ((i as f32 * 0.754_877_7 + seed).fract() - 0.5) * 3.4)
-            .collect()
-    }
 
     #[test]
     fn products_match_f64_on_every_edge_layout_and_split() {
@@ -465,8 +459,10 @@ mod tests {
         for (m, n, k) in shapes {
             for transposed in [false, true] {
                 for threads in [1, 2, 3] {
-                    let a = values(m * k, 0.1);
-                    let b = values(k * n, 0.6);
+                    // One run of the shared deterministic values, split, so a
+                    // and b differ.
+                    let ab: Vec<f32> = spread(m * k + k * n).to_vec1().unwrap();
+                    let (a, b) = ab.split_at(m * k);
                     let scale = 0.75f32;
                     let ld = n + 3;
                     let mut c = vec![f32::NAN; m * ld];
