@@ -526,7 +526,8 @@ pub fn load_lm_as(files: &ModelFiles, device: &Device, weights: DType) -> Result
 }
 
 /// Loads a language model with its weight matrices quantised to 8 bits
-/// (see [`TokenFormerLm::quantize_q8`]), f32 compute.
+/// (see [`TokenFormerLm::quantize_q8`]; the products quantise their
+/// activations alike, [`crate::kernels::q8`]).
 /// The checkpoint is read in its own precision when that is f16 or f32
 /// throughout (f16 widens to f32 exactly, and an fp16 release then peaks at
 /// half its f32 size while quantising), otherwise as f32.

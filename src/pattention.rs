@@ -123,7 +123,7 @@ impl Pattention {
         })
     }
 
-    /// The same layer with 8-bit weights (f32 compute). `name` names the
+    /// The same layer with 8-bit weights ([`kernels::q8`]). `name` names the
     /// layer in errors (a weight that is not finite cannot be quantised).
     pub fn quantize_q8(&self, name: &str) -> Result<Self> {
         let params = match &self.params {

@@ -1,6 +1,6 @@
 //! `tokenformer bench`: throughput on random weights of the real sizes (no
-//! download): prefill, KV-cache decode (f32 weights, and f16 or 8-bit weights
-//! with f32 compute, with the 8-bit weights' accuracy cost), a single
+//! download): prefill, KV-cache decode (f32 weights, and f16 or 8-bit weights,
+//! with the 8-bit weights' accuracy cost), a single
 //! Pattention layer, ViT-B/16 images/s, load time / peak memory, and the CPU
 //! and kernel path the figures come from.
 //! Field names follow the PyTorch peer (`bench/torch_baseline.py` of the

@@ -89,8 +89,9 @@ pub enum WeightDtype {
 pub struct WeightArgs {
     /// Keep weight matrices in f16 (half the memory, faster decoding; results
     /// match f32 exactly for fp16 checkpoints, all released ones) or q8
-    /// (8-bit blocks quantised at load: under a third of the memory, faster
-    /// still, a small accuracy cost). Compute stays f32.
+    /// (8-bit blocks quantised at load, and the activations alike per
+    /// product: under a third of the memory, faster still, a small accuracy
+    /// cost).
     #[arg(long, value_enum, default_value_t)]
     pub weight_dtype: WeightDtype,
 }

@@ -15,9 +15,29 @@ use super::{f32_slice, half, q8, Path};
 enum Weights<'a> {
     F32(&'a [f32]),
     F16(&'a [::half::f16]),
-    /// int8 values and one scale per block of a row ([`q8::BLOCK`]); x
-    /// must be [`q8::arrange`]d.
+    /// int8 values and one scale per block of a row ([`q8::BLOCK`]), taken
+    /// with x quantised alike ([`Rows::Q8`]).
     Q8(&'a [i8], &'a [f32]),
+}
+
+/// The rows of x [m, k] as the weights take them: f32, or for 8-bit
+/// weights quantised per block ([`q8::quantize_row`]).
+enum Rows<'a> {
+    F32(&'a [f32]),
+    Q8(&'a [i8], &'a [f32]),
+}
+
+impl Rows<'_> {
+    /// Row i of width k.
+    fn row(&self, i: usize, k: usize) -> Rows<'_> {
+        match self {
+            Self::F32(x) => Rows::F32(&x[i * k..(i + 1) * k]),
+            Self::Q8(q, s) => {
+                let b = k.div_ceil(q8::BLOCK);
+                Rows::Q8(&q[i * k..(i + 1) * k], &s[i * b..(i + 1) * b])
+            }
+        }
+    }
 }
 
 impl<'a> Weights<'a> {
@@ -32,31 +52,35 @@ impl<'a> Weights<'a> {
         }
     }
 
-    /// x · (row j of width k).
+    /// x · (row j of width k), x one row of the kind the weights take.
     #[inline]
-    fn dot(&self, path: Path, j: usize, k: usize, x: &[f32]) -> f32 {
-        match self {
-            Self::F32(w) => dot_on(path, x, &w[j * k..(j + 1) * k]),
-            Self::F16(w) => half::dot_on(path, x, &w[j * k..(j + 1) * k]),
-            Self::Q8(q, s) => {
-                let b = k.div_ceil(q8::BLOCK);
-                q8::dot_on(path, x, &q[j * k..(j + 1) * k], &s[j * b..(j + 1) * b])
+    fn dot(&self, path: Path, j: usize, k: usize, x: &Rows) -> f32 {
+        let b = k.div_ceil(q8::BLOCK);
+        match (self, x) {
+            (Self::F32(w), Rows::F32(x)) => dot_on(path, x, &w[j * k..(j + 1) * k]),
+            (Self::F16(w), Rows::F32(x)) => half::dot_on(path, x, &w[j * k..(j + 1) * k]),
+            (Self::Q8(q, s), Rows::Q8(xq, xs)) => {
+                q8::dot_on(path, xq, xs, &q[j * k..(j + 1) * k], &s[j * b..(j + 1) * b])
             }
+            _ => unreachable!("x is quantised exactly when the weights are"),
         }
     }
 
     /// out[r] = x · (row j + r of width k), for every r of out.
     #[inline]
-    fn dot_rows(&self, path: Path, j: usize, k: usize, x: &[f32], out: &mut [f32]) {
+    fn dot_rows(&self, path: Path, j: usize, k: usize, x: &Rows, out: &mut [f32]) {
         let rows = j * k..(j + out.len()) * k;
-        match self {
-            Self::F32(w) => super::rows::dot_rows_on(path, x, &w[rows], k, 1.0, out),
-            Self::F16(w) => half::dot_rows_on(path, x, &w[rows], out),
-            Self::Q8(q, s) => {
+        match (self, x) {
+            (Self::F32(w), Rows::F32(x)) => {
+                super::rows::dot_rows_on(path, x, &w[rows], k, 1.0, out)
+            }
+            (Self::F16(w), Rows::F32(x)) => half::dot_rows_on(path, x, &w[rows], out),
+            (Self::Q8(q, s), Rows::Q8(xq, xs)) => {
                 let b = k.div_ceil(q8::BLOCK);
                 let scales = &s[j * b..(j + out.len()) * b];
-                q8::dot_rows_on(path, x, &q[rows], scales, out)
+                q8::dot_rows_on(path, xq, xs, &q[rows], scales, out)
             }
+            _ => unreachable!("x is quantised exactly when the weights are"),
         }
     }
 
@@ -177,7 +201,7 @@ impl candle_core::CustomOp2 for SmallMatmul {
         let (n, k) = l2.shape().dims2()?;
         Ok(if self.transposed {
             (
-                CpuStorage::F32(matmul_nt_rows(self.path, x, &w, m, n, k)),
+                CpuStorage::F32(matmul_nt_rows(self.path, &Rows::F32(x), &w, m, n, k)),
                 Shape::from((m, n)),
             )
         } else {
@@ -209,14 +233,8 @@ impl candle_core::CustomOp1 for SmallMatmulQ8<'_> {
             )
         }
         let (q, s) = self.w.data();
-        // The kernels take each row of x rearranged to the blocks' layout.
-        let mut xa = vec![0f32; m * k];
-        if k > 0 {
-            for (a, x) in xa.chunks_mut(k).zip(x.chunks(k)) {
-                q8::arrange(x, a);
-            }
-        }
-        let out = matmul_nt_rows(self.path, &xa, &Weights::Q8(q, s), m, n, k);
+        let (xq, xs) = q8::quantize_rows(x, m, k);
+        let out = matmul_nt_rows(self.path, &Rows::Q8(&xq, &xs), &Weights::Q8(q, s), m, n, k);
         Ok((CpuStorage::F32(out), Shape::from((m, n))))
     }
 }
@@ -228,7 +246,7 @@ const PREFETCH_BYTES: usize = 12 << 10;
 
 /// x [m, k] · wᵀ: each task owns whole weight rows, so the result is built
 /// transposed ([n, m]) and turned around at the end.
-fn matmul_nt_rows(path: Path, x: &[f32], w: &Weights, m: usize, n: usize, k: usize) -> Vec<f32> {
+fn matmul_nt_rows(path: Path, x: &Rows, w: &Weights, m: usize, n: usize, k: usize) -> Vec<f32> {
     let mut t = vec![0f32; n * m];
     let ahead = w.rows_ahead(k);
     t.par_chunks_mut(m * 64).enumerate().for_each(|(c, out)| {
@@ -240,7 +258,7 @@ fn matmul_nt_rows(path: Path, x: &[f32], w: &Weights, m: usize, n: usize, k: usi
             let j = c * 64 + r;
             w.prefetch(j + ahead, k);
             for (i, oi) in o.iter_mut().enumerate() {
-                *oi = w.dot(path, j, k, &x[i * k..(i + 1) * k]);
+                *oi = w.dot(path, j, k, &x.row(i, k));
             }
         }
     });

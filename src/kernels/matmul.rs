@@ -226,9 +226,10 @@ pub(super) fn matmul_nn_on(path: Path, x: &Tensor, w: &Tensor) -> Result<Tensor>
     }
 }
 
-/// x [.., k] · wᵀ for 8-bit weights w [n, k]: the streaming kernel for a few
-/// f32 rows on the CPU, gemm on the dequantised weights otherwise. The
-/// result is f32 [.., n].
+/// x [.., k] · wᵀ for 8-bit weights w [n, k], with x quantised per block
+/// as the weights are ([`super::q8`]): the streaming integer kernel for a
+/// few f32 rows on the CPU, gemm on the dequantised x and weights otherwise.
+/// The result is f32 [.., n].
 pub fn matmul_nt_q8(x: &Tensor, w: &Q8Matrix) -> Result<Tensor> {
     matmul_nt_q8_on(active(), x, w)
 }
@@ -250,8 +251,15 @@ pub(super) fn matmul_nt_q8_on(path: Path, x: &Tensor, w: &Q8Matrix) -> Result<Te
             .reshape((rows, k))?
             .apply_op1_no_bwd(&SmallMatmulQ8 { w, path })?
     } else {
+        // x as the kernel quantises it, so that every row count computes alike.
+        let flat = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let x = Tensor::from_vec(
+            super::q8::requantized(&flat, rows, k),
+            (rows, k),
+            x.device(),
+        )?;
         let wide = w.dequantize()?.to_device(x.device())?;
-        matmul_nt_on(path, &x.reshape((rows, k))?, &wide)?
+        matmul_nt_on(path, &x, &wide)?
     };
     out.reshape(dims)
 }
@@ -322,10 +330,10 @@ mod tests {
     }
 
     #[test]
-    fn q8_products_are_f32_products_on_dequantized_weights() {
+    fn q8_products_are_f32_products_on_dequantized_inputs_and_weights() {
         // Decode-sized inputs take the 8-bit kernel, larger ones gemm on the
-        // dequantised matrix (bit for bit); both are the f32 product with
-        // those weights, up to the order of the additions.
+        // dequantised x and matrix (bit for bit); both are the f32 product of
+        // x and w each quantised per block, up to the order of the additions.
         let w = spread((130, 77));
         let q = Q8Matrix::quantize(&w, "w").unwrap();
         let wide = q.dequantize().unwrap();
@@ -333,7 +341,10 @@ mod tests {
             let x = spread((2, rows, 77));
             let got = matmul_nt_q8(&x, &q).unwrap();
             assert_eq!(got.dims(), &[2, rows, 130]);
-            let want = matmul_nt(&x, &wide).unwrap();
+            let flat: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+            let xq = super::super::q8::requantized(&flat, 2 * rows, 77);
+            let xq = Tensor::from_vec(xq, (2, rows, 77), x.device()).unwrap();
+            let want = matmul_nt(&xq, &wide).unwrap();
             if 2 * rows <= SMALL_ROWS {
                 let d = rel_diff(&got, &want);
                 assert!(d < 1e-6, "rows={rows}: {d}");

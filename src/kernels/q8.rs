@@ -1,15 +1,18 @@
 //! 8-bit weights for decoding (`--weight-dtype q8`): rows [out, in] of
 //! symmetric int8 in blocks of [`BLOCK`] along the input dimension, one f32
-//! scale (largest magnitude / 127) per block. The dot kernels widen to f32 and
-//! follow the lane contract of `super::rows`, so they give the bits of the
-//! f32 kernel on dequantized weights (`Q8Matrix::dequantize`), on every path.
+//! scale (largest magnitude / 127) per block. The activations a product
+//! takes are quantised alike ([`quantize_row`]), so a block's dot product is
+//! an exact integer sum (`vpmaddubsw`/`vpmaddwd` on AVX2, as llama.cpp's
+//! Q8_0), scaled and accumulated in f32. Widening the weights instead left
+//! the AVX2 kernel bound by instructions, not memory (docs/PERFORMANCE.md).
+//! Every path gives the same bits.
 
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, Device, Result, Storage, Tensor};
 use rayon::prelude::*;
 
-use super::rows::{reduce16, tail_dot};
+use super::rows::reduce16;
 use super::{Isa, Path};
 
 /// Values per scale.
@@ -189,126 +192,153 @@ impl Q8Matrix {
     }
 }
 
-/// `x` rearranged into `out` (same length, a row of the matrix's width) for
-/// [`dot_on`]: within each pair of whole blocks (64 values), value
-/// 32h + 4k + j (block h of the pair, k < 8, j < 4) moves to 16j + 8h + k; a
-/// last unpaired whole block's value 4k + j moves to 8j + k; a partial block
-/// at the end stays in place. The kernels then find, for the four bytes of
-/// each 32-bit word of a block, their x values side by side.
-pub(crate) fn arrange(x: &[f32], out: &mut [f32]) {
-    let n = x.len().min(out.len());
-    let blocks = n / BLOCK;
-    let mut b = 0;
-    while b < blocks {
-        let base = b * BLOCK;
-        let paired = b + 2 <= blocks;
-        let (stride, halves) = if paired { (16, 2) } else { (8, 1) };
-        for h in 0..halves {
-            for k in 0..8 {
-                for j in 0..4 {
-                    out[base + stride * j + 8 * h + k] = x[base + BLOCK * h + 4 * k + j];
-                }
-            }
-        }
-        b += halves;
-    }
-    out[blocks * BLOCK..n].copy_from_slice(&x[blocks * BLOCK..n]);
-}
-
-/// Σ x[i]·q[i]·(scale of i's block) on `path`, for `xa` = x [`arrange`]d
-/// and one row's int8 values and scales. Every path computes alike, so
-/// they give the same bits: per block and lane (8 lanes a block, the four
-/// values of a 32-bit word each) t = x·q, then three fused multiply-adds
-/// t += x·q; the lane's accumulator (even blocks in lanes 0..8, odd ones in
-/// 8..16) += scale·t, fused; the 16 lanes fold by [`reduce16`]; a partial
-/// last block adds x·(q·scale) in order.
+/// One row of activations quantised for [`dot_on`], as the weights are:
+/// per block of [`BLOCK`], int8 values and the scale (largest magnitude /
+/// 127), with the value times 127 / largest magnitude rounded to the nearest
+/// integer (ties to even). A block holding a NaN or an infinity gets a NaN
+/// scale, so every dot product with it is NaN (the f32 product would not be
+/// finite either).
+/// Plain scalar code shared by every path: the same bits everywhere.
 ///
 /// # Panics
-/// If the lengths do not match (xa and q one row long, a scale per block).
-pub(crate) fn dot_on(path: Path, xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
-    let n = q.len();
-    assert!(
-        xa.len() == n && scales.len() == n.div_ceil(BLOCK),
-        "q8 dot: {} values, {} scales, {} x",
-        n,
-        scales.len(),
-        xa.len()
-    );
-    match path.isa() {
-        // SAFETY: a Path exists only for an ISA the CPU supports; the
-        // lengths are checked above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::dot(xa, q, scales) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::dot(xa, q, scales) },
-        _ => dot_portable(xa, q, scales),
+/// If q is not as long as x or scales not one per block.
+pub(crate) fn quantize_row(x: &[f32], q: &mut [i8], scales: &mut [f32]) {
+    assert!(q.len() == x.len() && scales.len() == x.len().div_ceil(BLOCK));
+    // Adding and subtracting 1.5 · 2²³ rounds any |v| < 2²² to an integer
+    // (ties to even) in one add each way: the baseline x86-64 target has no
+    // rounding instruction, and `round` would be a libm call per value.
+    const ROUND: f32 = 12_582_912.0;
+    for ((x, q), s) in x.chunks(BLOCK).zip(q.chunks_mut(BLOCK)).zip(scales) {
+        let (mut amax, mut finite) = (0f32, true);
+        for v in x {
+            amax = amax.max(v.abs());
+            finite &= v.is_finite();
+        }
+        if !finite || amax == 0.0 {
+            q.fill(0);
+            *s = if finite { 0.0 } else { f32::NAN };
+            continue;
+        }
+        let inv = 127.0 / amax;
+        for (o, &v) in q.iter_mut().zip(x) {
+            *o = ((v * inv + ROUND) - ROUND).clamp(-127.0, 127.0) as i8;
+        }
+        *s = amax / 127.0;
     }
 }
 
-/// out[j] = [`dot_on`] with row j of the rows of xa's width packed in `q`
+/// The m rows of x [m, k] quantised by [`quantize_row`]: values [m, k] and
+/// scales [m, blocks of k].
+pub(crate) fn quantize_rows(x: &[f32], m: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
+    let b = k.div_ceil(BLOCK);
+    let (mut q, mut s) = (vec![0i8; m * k], vec![0f32; m * b]);
+    if k > 0 {
+        for ((x, q), s) in x.chunks(k).zip(q.chunks_mut(k)).zip(s.chunks_mut(b)) {
+            quantize_row(x, q, s);
+        }
+    }
+    (q, s)
+}
+
+/// x [m, k] as the 8-bit kernels see it: each row quantised by
+/// [`quantize_row`] and widened back (value · scale), for the products that
+/// run gemm on dequantised weights, so that they compute what the kernels do.
+pub(crate) fn requantized(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let (q, s) = quantize_rows(x, m, k);
+    let b = k.div_ceil(BLOCK);
+    let mut out = vec![0f32; m * k];
+    if k > 0 {
+        for ((o, q), s) in out.chunks_mut(k).zip(q.chunks(k)).zip(s.chunks(b)) {
+            for ((o, q), s) in o.chunks_mut(BLOCK).zip(q.chunks(BLOCK)).zip(s) {
+                o.iter_mut().zip(q).for_each(|(o, &q)| *o = q as f32 * s);
+            }
+        }
+    }
+    out
+}
+
+/// Σ over blocks of (weight scale · x scale) · Σ xq·wq on `path`, for one
+/// row of activations quantised by [`quantize_row`] and one weight row
+/// (values and scales). Every path computes alike, so they give the same
+/// bits: each block b gives eight exact integer sums, lane l holding the
+/// four products of values 4l..4l + 4 (a partial last block counts its
+/// missing values as zero); lane l of the accumulators (even blocks in
+/// lanes 0..8, odd ones in 8..16) += (scale_w · scale_x) · sum, fused; the
+/// 16 lanes fold by [`reduce16`].
+///
+/// # Panics
+/// If the lengths do not match (xq and q one row long, a scale per block).
+pub(crate) fn dot_on(path: Path, xq: &[i8], xs: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+    let n = q.len();
+    let blocks = n.div_ceil(BLOCK);
+    assert!(
+        xq.len() == n && xs.len() == blocks && scales.len() == blocks,
+        "q8 dot: {} values, {} scales; x {} values, {} scales",
+        n,
+        scales.len(),
+        xq.len(),
+        xs.len()
+    );
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports (AVX-512
+        // implies AVX2); the lengths are checked above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::dot(xq, xs, q, scales) },
+        _ => dot_portable(xq, xs, q, scales),
+    }
+}
+
+/// out[j] = [`dot_on`] with row j of the rows of xq's width packed in `q`
 /// and `scales` (the same bits), without a call and a dispatch per row.
 ///
 /// # Panics
-/// If q or scales hold fewer than out.len() rows.
-pub(crate) fn dot_rows_on(path: Path, xa: &[f32], q: &[i8], scales: &[f32], out: &mut [f32]) {
-    let (w, b) = (xa.len(), xa.len().div_ceil(BLOCK));
-    assert!(q.len() >= out.len() * w && scales.len() >= out.len() * b);
+/// If q or scales hold fewer than out.len() rows, or xs is not one scale
+/// per block of xq.
+pub(crate) fn dot_rows_on(
+    path: Path,
+    xq: &[i8],
+    xs: &[f32],
+    q: &[i8],
+    scales: &[f32],
+    out: &mut [f32],
+) {
+    let (w, b) = (xq.len(), xq.len().div_ceil(BLOCK));
+    assert!(xs.len() == b && q.len() >= out.len() * w && scales.len() >= out.len() * b);
     let row = |j: usize| (&q[j * w..(j + 1) * w], &scales[j * b..(j + 1) * b]);
     match path.isa() {
-        // SAFETY: a Path exists only for an ISA the CPU supports; every row
-        // has the lengths dot_on checks.
+        // SAFETY: a Path exists only for an ISA the CPU supports (AVX-512
+        // implies AVX2); every row has the lengths dot_on checks.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe {
-            super::rows::avx512::for_each_row(out, |j, o| {
-                let (q, s) = row(j);
-                *o = avx512::dot(xa, q, s)
-            })
-        },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe {
+        Isa::Avx2 | Isa::Avx512 => unsafe {
             super::rows::avx2::for_each_row(out, |j, o| {
                 let (q, s) = row(j);
-                *o = avx2::dot(xa, q, s)
+                *o = avx2::dot(xq, xs, q, s)
             })
         },
         _ => out.iter_mut().enumerate().for_each(|(j, o)| {
             let (q, s) = row(j);
-            *o = dot_portable(xa, q, s)
+            *o = dot_portable(xq, xs, q, s)
         }),
     }
 }
 
-/// The partial last block: Σ x·(q·scale) in order.
-#[inline(always)]
-fn tail(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
-    let start = q.len() / BLOCK * BLOCK;
-    let w = (start..q.len()).map(|i| q[i] as f32 * scales[i / BLOCK]);
-    tail_dot(&xa[start..], w)
-}
-
-fn dot_portable(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
-    let blocks = q.len() / BLOCK;
+fn dot_portable(xq: &[i8], xs: &[f32], q: &[i8], scales: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
-    let mut b = 0;
-    while b < blocks {
-        let base = b * BLOCK;
-        let (stride, halves) = if b + 2 <= blocks { (16, 2) } else { (8, 1) };
-        for h in 0..halves {
-            for k in 0..8 {
-                let x = |j: usize| xa[base + stride * j + 8 * h + k];
-                let w = |j: usize| q[base + BLOCK * h + 4 * k + j] as f32;
-                let mut t = x(0) * w(0);
-                for j in 1..4 {
-                    t = x(j).mul_add(w(j), t);
-                }
-                acc[8 * h + k] = scales[b + h].mul_add(t, acc[8 * h + k]);
-            }
+    let blocks = xq.chunks(BLOCK).zip(q.chunks(BLOCK));
+    for (b, ((x, w), (sx, sw))) in blocks.zip(xs.iter().zip(scales)).enumerate() {
+        let d = sw * sx;
+        let lanes = &mut acc[8 * (b % 2)..8 * (b % 2) + 8];
+        // Every lane, also those past a partial block's end (sum 0), as
+        // the SIMD kernels add them.
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            let t: i32 = (4 * l..4 * l + 4)
+                .filter(|&i| i < x.len())
+                .map(|i| x[i] as i32 * w[i] as i32)
+                .sum();
+            *lane = d.mul_add(t as f32, *lane);
         }
-        b += halves;
     }
-    reduce16(acc) + tail(xa, q, scales)
+    reduce16(acc)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -317,117 +347,79 @@ mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// The four lanes' products of the 32 int8 at `q` (one block, whose x
-    /// values are at `x`, `stride` apart per byte of a word), scaled by `s`
-    /// and added to `acc`.
+    /// acc + d · (the eight 4-product integer sums of the 32 int8 at x and
+    /// w), d in every lane.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn block(
-        x: *const f32,
-        stride: usize,
-        q: *const i8,
-        s: f32,
-        acc: __m256,
-    ) -> __m256 {
-        // SAFETY: the caller guarantees 32 readable bytes at q and 4
-        // strided runs of 8 floats at x.
-        unsafe {
-            let v = _mm256_loadu_si256(q as *const __m256i);
-            // Byte j of every 32-bit word, sign-extended by two shifts: no
-            // shuffles, which AVX2 issues one a cycle.
-            let e0 = _mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(v));
-            let e1 = _mm256_srai_epi32::<24>(_mm256_slli_epi32::<16>(v));
-            let e2 = _mm256_srai_epi32::<24>(_mm256_slli_epi32::<8>(v));
-            let e3 = _mm256_srai_epi32::<24>(v);
-            let f = _mm256_cvtepi32_ps;
-            let t = _mm256_mul_ps(_mm256_loadu_ps(x), f(e0));
-            let t = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(stride)), f(e1), t);
-            let t = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(2 * stride)), f(e2), t);
-            let t = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(3 * stride)), f(e3), t);
-            _mm256_fmadd_ps(_mm256_set1_ps(s), t, acc)
-        }
+    unsafe fn block(x: *const i8, w: *const i8, d: __m256, acc: __m256) -> __m256 {
+        // SAFETY: the caller guarantees 32 readable bytes at x and at w.
+        let (x, w) = unsafe {
+            (
+                _mm256_loadu_si256(x as *const __m256i),
+                _mm256_loadu_si256(w as *const __m256i),
+            )
+        };
+        // maddubs multiplies unsigned by signed bytes: |x| times w with x's
+        // sign. Values are within ±127, so a pair sums to at most 32258 and
+        // the 16-bit sums never saturate.
+        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
+        let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(quads), acc)
     }
 
     /// Lengths as [`dot_on`] checks them.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn dot(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
-        let blocks = q.len() / BLOCK;
-        let (xp, qp) = (xa.as_ptr(), q.as_ptr());
+    pub(super) unsafe fn dot(xq: &[i8], xs: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+        let whole = q.len() / BLOCK;
+        let (xp, qp) = (xq.as_ptr(), q.as_ptr());
         let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let d = |b: usize| _mm256_set1_ps(scales[b] * xs[b]);
         let mut b = 0;
-        // SAFETY: blocks b and b + 1 are whole, so every access is inside the row.
+        // SAFETY: blocks below `whole` lie inside both rows.
         unsafe {
-            while b + 2 <= blocks {
-                let base = b * BLOCK;
-                even = block(xp.add(base), 16, qp.add(base), scales[b], even);
-                odd = block(
-                    xp.add(base + 8),
-                    16,
-                    qp.add(base + BLOCK),
-                    scales[b + 1],
-                    odd,
+            // Eight blocks at a time: their scale products in one multiply,
+            // each moved to all lanes by one permute.
+            while b + 8 <= whole {
+                let d8 = _mm256_mul_ps(
+                    _mm256_loadu_ps(scales.as_ptr().add(b)),
+                    _mm256_loadu_ps(xs.as_ptr().add(b)),
                 );
+                let lane = |i: usize| _mm256_permutevar8x32_ps(d8, _mm256_set1_epi32(i as i32));
+                for i in (0..8).step_by(2) {
+                    let at = (b + i) * BLOCK;
+                    even = block(xp.add(at), qp.add(at), lane(i), even);
+                    odd = block(xp.add(at + BLOCK), qp.add(at + BLOCK), lane(i + 1), odd);
+                }
+                b += 8;
+            }
+            while b + 2 <= whole {
+                let at = b * BLOCK;
+                even = block(xp.add(at), qp.add(at), d(b), even);
+                odd = block(xp.add(at + BLOCK), qp.add(at + BLOCK), d(b + 1), odd);
                 b += 2;
             }
-            if b < blocks {
-                let base = b * BLOCK;
-                even = block(xp.add(base), 8, qp.add(base), scales[b], even);
+            if b < whole {
+                even = block(xp.add(b * BLOCK), qp.add(b * BLOCK), d(b), even);
+                b += 1;
             }
         }
-        fold16(even, odd) + tail(xa, q, scales)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::super::rows::avx512::fold16;
-    use super::*;
-    use std::arch::x86_64::*;
-
-    /// Lengths as [`dot_on`] checks them.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(crate) unsafe fn dot(xa: &[f32], q: &[i8], scales: &[f32]) -> f32 {
-        let blocks = q.len() / BLOCK;
-        let (xp, qp) = (xa.as_ptr(), q.as_ptr());
-        // Lanes 0..8 hold the even blocks, 8..16 the odd ones (AVX2's two registers).
-        let mut acc = _mm512_setzero_ps();
-        let mut b = 0;
-        // SAFETY: blocks b and b + 1 are whole, so every access is inside the row.
-        unsafe {
-            while b + 2 <= blocks {
-                let base = b * BLOCK;
-                let v = _mm512_loadu_si512(qp.add(base) as *const __m512i);
-                let e0 = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<24>(v));
-                let e1 = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<16>(v));
-                let e2 = _mm512_srai_epi32::<24>(_mm512_slli_epi32::<8>(v));
-                let e3 = _mm512_srai_epi32::<24>(v);
-                let f = _mm512_cvtepi32_ps;
-                let x = |j: usize| _mm512_loadu_ps(xp.add(base + 16 * j));
-                let t = _mm512_mul_ps(x(0), f(e0));
-                let t = _mm512_fmadd_ps(x(1), f(e1), t);
-                let t = _mm512_fmadd_ps(x(2), f(e2), t);
-                let t = _mm512_fmadd_ps(x(3), f(e3), t);
-                let s_even = _mm512_castps256_ps512(_mm256_set1_ps(scales[b]));
-                let s = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                    _mm512_castps_pd(s_even),
-                    _mm256_castps_pd(_mm256_set1_ps(scales[b + 1])),
-                ));
-                acc = _mm512_fmadd_ps(s, t, acc);
-                b += 2;
-            }
-            if b < blocks {
-                let base = b * BLOCK;
-                let even = _mm512_castps512_ps256(acc);
-                let even = avx2::block(xp.add(base), 8, qp.add(base), scales[b], even);
-                acc = _mm512_castpd_ps(_mm512_insertf64x4::<0>(
-                    _mm512_castps_pd(acc),
-                    _mm256_castps_pd(even),
-                ));
+        let rest = b * BLOCK..q.len();
+        if !rest.is_empty() {
+            let (mut x, mut w) = ([0i8; BLOCK], [0i8; BLOCK]);
+            x[..rest.len()].copy_from_slice(&xq[rest.clone()]);
+            w[..rest.len()].copy_from_slice(&q[rest]);
+            // SAFETY: both buffers are one block long.
+            unsafe {
+                let (x, w) = (x.as_ptr(), w.as_ptr());
+                if b % 2 == 0 {
+                    even = block(x, w, d(b), even);
+                } else {
+                    odd = block(x, w, d(b), odd);
+                }
             }
         }
-        fold16(acc) + tail(xa, q, scales)
+        fold16(even, odd)
     }
 }
 
@@ -531,21 +523,26 @@ mod tests {
         assert!(Q8Matrix::quantize(&ints, "ids").is_err());
     }
 
+    /// x quantised as the kernels take it, and widened back.
+    fn quantized(x: &[f32]) -> (Vec<i8>, Vec<f32>, Vec<f32>) {
+        let (q, s) = quantize_rows(x, 1, x.len());
+        (q, s, requantized(x, 1, x.len()))
+    }
+
     #[test]
     fn every_path_gives_the_portable_bits_and_the_f64_dot() {
         let portable = Path::new(Isa::Portable).unwrap();
         // Widths with 0-3 whole blocks, paired or not, and partial ones.
-        for cols in [1, 15, 31, 32, 33, 48, 64, 77, 96, 100, 128, 768, 3072] {
+        for cols in [1, 4, 15, 31, 32, 33, 48, 64, 77, 96, 100, 128, 768, 3072] {
             let m = Q8Matrix::from_rows(&values(3 * cols), 3, cols);
             let deq = flat(&m);
             let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.23).cos()).collect();
-            let mut xa = vec![0f32; cols];
-            arrange(&x, &mut xa);
+            let (xq, xs, wide) = quantized(&x);
             for r in 0..3 {
                 let (q, s) = m.row(r);
-                let want = dot_on(portable, &xa, q, s);
+                let want = dot_on(portable, &xq, &xs, q, s);
                 for path in Path::all() {
-                    let got = dot_on(path, &xa, q, s);
+                    let got = dot_on(path, &xq, &xs, q, s);
                     assert_eq!(
                         got.to_bits(),
                         want.to_bits(),
@@ -553,10 +550,10 @@ mod tests {
                         path.isa()
                     );
                 }
-                // The arrangement loses no value: it is x · the dequantised row.
+                // It is the dot product of the dequantised x and row.
                 let w = &deq[r * cols..(r + 1) * cols];
-                let exact: f64 = x.iter().zip(w).map(|(a, b)| *a as f64 * *b as f64).sum();
-                let size: f64 = x
+                let exact: f64 = wide.iter().zip(w).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let size: f64 = wide
                     .iter()
                     .zip(w)
                     .map(|(a, b)| (*a as f64 * *b as f64).abs())
@@ -570,19 +567,78 @@ mod tests {
     }
 
     #[test]
+    fn extreme_values_neither_saturate_nor_round() {
+        // Every value ±127 with x's signs matching w's: each 16-bit pair sum
+        // is 2 · 127², the largest there is, and the sums stay exact.
+        let signs: Vec<f32> = (0..64).map(|i| [1.0, -1.0][i * 7 % 3 % 2]).collect();
+        let m = Q8Matrix::from_rows(&signs, 1, 64);
+        let (xq, xs, _) = quantized(&signs.iter().map(|v| 2.0 * v).collect::<Vec<_>>());
+        assert!(xq.iter().chain(m.data().0).all(|v| v.abs() == 127));
+        let (q, s) = m.row(0);
+        let want = 64.0 * 2.0;
+        for path in Path::all() {
+            let got = dot_on(path, &xq, &xs, q, s);
+            assert!((got - want).abs() <= want * 1e-6, "{:?}: {got}", path.isa());
+            // Opposite signs: the most negative sums.
+            let neg: Vec<i8> = xq.iter().map(|v| -v).collect();
+            let got = dot_on(path, &neg, &xs, q, s);
+            assert!((got + want).abs() <= want * 1e-6, "{:?}: {got}", path.isa());
+        }
+    }
+
+    #[test]
+    fn activations_quantise_within_half_a_step_and_non_finite_ones_give_nan() {
+        let x = values(77);
+        let (q, s, wide) = quantized(&x);
+        assert_eq!((q.len(), s.len()), (77, 3));
+        for (b, block) in x.chunks(BLOCK).enumerate() {
+            let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_eq!(s[b], amax / 127.0);
+            for (j, v) in block.iter().enumerate() {
+                let got = wide[b * BLOCK + j];
+                assert!(
+                    (got - v).abs() <= 0.5 * s[b] * 1.0001,
+                    "{b} {j}: {got} vs {v}"
+                );
+            }
+        }
+        // Ties round to even: 0.5 and 1.5 steps of a block whose largest value is 127.
+        let mut x = vec![0f32; 32];
+        x[..3].copy_from_slice(&[127.0, 0.5, 1.5]);
+        assert_eq!(&quantized(&x).0[..3], &[127, 0, 2]);
+        // A zero block has scale 0; a NaN or an infinity makes its block's scale
+        // NaN, and so the product, on every path (the other block is unharmed).
+        let w = Q8Matrix::from_rows(&values(64), 1, 64);
+        let (q, s) = w.row(0);
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut x = vec![1f32; 64];
+            x[40] = bad;
+            let (xq, xs, _) = quantized(&x);
+            assert!(xs[0] == 1.0 / 127.0 && xs[1].is_nan(), "{xs:?}");
+            for path in Path::all() {
+                assert!(
+                    dot_on(path, &xq, &xs, q, s).is_nan(),
+                    "{bad} {:?}",
+                    path.isa()
+                );
+            }
+        }
+        assert_eq!(quantized(&[0.0; 40]).1, vec![0.0, 0.0]);
+    }
+
+    #[test]
     fn row_batches_give_the_bits_of_row_by_row_dots() {
         for cols in [33, 96, 100] {
             let m = Q8Matrix::from_rows(&values(4 * cols), 4, cols);
             let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.41).sin()).collect();
-            let mut xa = vec![0f32; cols];
-            arrange(&x, &mut xa);
+            let (xq, xs, _) = quantized(&x);
             let (q, s) = m.data();
             for path in Path::all() {
                 let mut got = vec![0f32; 4];
-                dot_rows_on(path, &xa, q, s, &mut got);
+                dot_rows_on(path, &xq, &xs, q, s, &mut got);
                 for (r, g) in got.iter().enumerate() {
                     let (qr, sr) = m.row(r);
-                    let want = dot_on(path, &xa, qr, sr);
+                    let want = dot_on(path, &xq, &xs, qr, sr);
                     assert_eq!(
                         g.to_bits(),
                         want.to_bits(),
@@ -592,36 +648,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn arrange_is_a_permutation_within_blocks() {
-        for cols in [31, 32, 64, 96, 100] {
-            let x: Vec<f32> = (0..cols).map(|i| i as f32).collect();
-            let mut xa = vec![-1f32; cols];
-            arrange(&x, &mut xa);
-            let mut sorted = xa.clone();
-            sorted.sort_by(f32::total_cmp);
-            assert_eq!(sorted, x, "cols={cols}");
-            // Each value stays in its pair of blocks (or its block, or the tail).
-            for (i, v) in xa.iter().enumerate() {
-                let j = *v as usize;
-                let blocks = cols / BLOCK;
-                let unit = |i: usize| {
-                    if i >= blocks * BLOCK {
-                        usize::MAX
-                    } else {
-                        i / (2 * BLOCK)
-                    }
-                };
-                assert_eq!(unit(i), unit(j), "cols={cols}: {j} at {i}");
-            }
-        }
-        // The documented moves: pair 0, block 1, word 2, byte 3 -> 16·3 + 8 + 2.
-        let x: Vec<f32> = (0..64).map(|i| i as f32).collect();
-        let mut xa = vec![0f32; 64];
-        arrange(&x, &mut xa);
-        assert_eq!(xa[16 * 3 + 8 + 2], (32 + 4 * 2 + 3) as f32);
     }
 
     #[test]
