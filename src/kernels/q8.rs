@@ -35,18 +35,36 @@ impl std::fmt::Debug for Q8Matrix {
     }
 }
 
-/// One block's scale and int8 values.
+/// One block's scale (largest magnitude / 127) and int8 values: each value
+/// times 127 / largest magnitude, rounded to the nearest integer (ties to
+/// even). A block holding a NaN or an infinity gets a NaN scale (and zeros).
+/// Weights and activations are quantised by this one function.
 fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
-    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    if amax == 0.0 {
+    // Adding and subtracting 1.5 · 2²³ rounds any |v| < 2²² to an integer
+    // (ties to even) in one add each way: the baseline x86-64 target has no
+    // rounding instruction, and `round` would be a libm call per value.
+    const ROUND: f32 = 12_582_912.0;
+    let (mut amax, mut finite) = (0f32, true);
+    for v in x {
+        amax = amax.max(v.abs());
+        finite &= v.is_finite();
+    }
+    if !finite || amax == 0.0 {
         q.fill(0);
-        return 0.0;
+        return if finite { 0.0 } else { f32::NAN };
     }
-    let scale = amax / 127.0;
+    let inv = 127.0 / amax;
     for (o, &v) in q.iter_mut().zip(x) {
-        *o = (v / scale).round().clamp(-127.0, 127.0) as i8;
+        *o = ((v * inv + ROUND) - ROUND).clamp(-127.0, 127.0) as i8;
     }
-    scale
+    amax / 127.0
+}
+
+/// Blocks of int8 values and their scales widened to f32 (`q · scale`).
+fn widen(q: &[i8], scales: &[f32], out: &mut [f32]) {
+    for ((o, q), s) in out.chunks_mut(BLOCK).zip(q.chunks(BLOCK)).zip(scales) {
+        o.iter_mut().zip(q).for_each(|(o, &q)| *o = q as f32 * s);
+    }
 }
 
 impl Q8Matrix {
@@ -159,11 +177,7 @@ impl Q8Matrix {
     /// Row r as f32 values `q · scale` into `out` (cols long).
     fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let (q, s) = self.row(r);
-        for ((o, q), s) in out.chunks_mut(BLOCK).zip(q.chunks(BLOCK)).zip(s) {
-            for (o, &q) in o.iter_mut().zip(q) {
-                *o = q as f32 * s;
-            }
-        }
+        widen(q, s, out);
     }
 
     /// The f32 matrix [rows, cols] the kernels compute with (for the
@@ -192,38 +206,18 @@ impl Q8Matrix {
     }
 }
 
-/// One row of activations quantised for [`dot_on`], as the weights are:
-/// per block of [`BLOCK`], int8 values and the scale (largest magnitude /
-/// 127), with the value times 127 / largest magnitude rounded to the nearest
-/// integer (ties to even). A block holding a NaN or an infinity gets a NaN
-/// scale, so every dot product with it is NaN (the f32 product would not be
-/// finite either).
-/// Plain scalar code shared by every path: the same bits everywhere.
+/// One row of activations quantised for [`dot_on`] as the weights are, per
+/// block of [`BLOCK`] (see `quantize_block`): a block holding a NaN or an
+/// infinity gets a NaN scale, so every dot product with it is NaN (the f32
+/// product would not be finite either). Plain scalar code shared by every
+/// path: the same bits everywhere.
 ///
 /// # Panics
 /// If q is not as long as x or scales not one per block.
 pub(crate) fn quantize_row(x: &[f32], q: &mut [i8], scales: &mut [f32]) {
     assert!(q.len() == x.len() && scales.len() == x.len().div_ceil(BLOCK));
-    // Adding and subtracting 1.5 · 2²³ rounds any |v| < 2²² to an integer
-    // (ties to even) in one add each way: the baseline x86-64 target has no
-    // rounding instruction, and `round` would be a libm call per value.
-    const ROUND: f32 = 12_582_912.0;
     for ((x, q), s) in x.chunks(BLOCK).zip(q.chunks_mut(BLOCK)).zip(scales) {
-        let (mut amax, mut finite) = (0f32, true);
-        for v in x {
-            amax = amax.max(v.abs());
-            finite &= v.is_finite();
-        }
-        if !finite || amax == 0.0 {
-            q.fill(0);
-            *s = if finite { 0.0 } else { f32::NAN };
-            continue;
-        }
-        let inv = 127.0 / amax;
-        for (o, &v) in q.iter_mut().zip(x) {
-            *o = ((v * inv + ROUND) - ROUND).clamp(-127.0, 127.0) as i8;
-        }
-        *s = amax / 127.0;
+        *s = quantize_block(x, q);
     }
 }
 
@@ -249,9 +243,7 @@ pub(crate) fn requantized(x: &[f32], m: usize, k: usize) -> Vec<f32> {
     let mut out = vec![0f32; m * k];
     if k > 0 {
         for ((o, q), s) in out.chunks_mut(k).zip(q.chunks(k)).zip(s.chunks(b)) {
-            for ((o, q), s) in o.chunks_mut(BLOCK).zip(q.chunks(BLOCK)).zip(s) {
-                o.iter_mut().zip(q).for_each(|(o, &q)| *o = q as f32 * s);
-            }
+            widen(q, s, o);
         }
     }
     out
