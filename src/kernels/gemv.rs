@@ -233,7 +233,7 @@ impl candle_core::CustomOp1 for SmallMatmulQ8<'_> {
             )
         }
         let (q, s) = self.w.data();
-        let (xq, xs) = q8::quantize_rows(x, m, k);
+        let (xq, xs) = q8::quantize_rows(self.path, x, m, k);
         let out = matmul_nt_rows(self.path, &Rows::Q8(&xq, &xs), &Weights::Q8(q, s), m, n, k);
         Ok((CpuStorage::F32(out), Shape::from((m, n))))
     }
@@ -262,6 +262,9 @@ fn matmul_nt_rows(path: Path, x: &Rows, w: &Weights, m: usize, n: usize, k: usiz
             }
         }
     });
+    if m == 1 {
+        return t;
+    }
     let mut out = vec![0f32; m * n];
     for j in 0..n {
         for i in 0..m {

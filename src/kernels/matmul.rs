@@ -254,7 +254,7 @@ pub(super) fn matmul_nt_q8_on(path: Path, x: &Tensor, w: &Q8Matrix) -> Result<Te
         // x as the kernel quantises it, so that every row count computes alike.
         let flat = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let x = Tensor::from_vec(
-            super::q8::requantized(&flat, rows, k),
+            super::q8::requantized(path, &flat, rows, k),
             (rows, k),
             x.device(),
         )?;
@@ -342,7 +342,7 @@ mod tests {
             let got = matmul_nt_q8(&x, &q).unwrap();
             assert_eq!(got.dims(), &[2, rows, 130]);
             let flat: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-            let xq = super::super::q8::requantized(&flat, 2 * rows, 77);
+            let xq = super::super::q8::requantized(Path::best(), &flat, 2 * rows, 77);
             let xq = Tensor::from_vec(xq, (2, rows, 77), x.device()).unwrap();
             let want = matmul_nt(&xq, &wide).unwrap();
             if 2 * rows <= SMALL_ROWS {

@@ -37,25 +37,43 @@ impl std::fmt::Debug for Q8Matrix {
 
 /// One block's scale (largest magnitude / 127) and int8 values: each value
 /// times 127 / largest magnitude, rounded to the nearest integer (ties to
-/// even). A block holding a NaN or an infinity gets a NaN scale (and zeros).
+/// even). A block holding a NaN or an infinity gets a NaN scale (and zeros);
+/// one whose largest magnitude is below ~4·10⁻³⁷ counts as zeros.
 /// Weights and activations are quantised by this one function.
+#[inline(always)]
 fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
-    // Adding and subtracting 1.5 · 2²³ rounds any |v| < 2²² to an integer
-    // (ties to even) in one add each way: the baseline x86-64 target has no
-    // rounding instruction, and `round` would be a libm call per value.
+    // v + 1.5 · 2²³ rounds any |v| < 2²² to an integer n (ties to even), and
+    // its bits are then those of 1.5 · 2²³ plus n: integer arithmetic from
+    // there on, which vectorises (the baseline x86-64 target has no rounding
+    // instruction, `round` is a libm call per value, and a float-to-int
+    // cast is per lane).
     const ROUND: f32 = 12_582_912.0;
-    let (mut amax, mut finite) = (0f32, true);
-    for v in x {
-        amax = amax.max(v.abs());
-        finite &= v.is_finite();
-    }
-    if !finite || amax == 0.0 {
+    // |v|'s bits order like |v| for finite values, and NaN and infinity
+    // lie above them all: one integer maximum (which vectorises, unlike
+    // f32::max) finds the largest magnitude and whether any is not finite.
+    let top = x
+        .iter()
+        .map(|v| v.to_bits() & 0x7fff_ffff)
+        .max()
+        .unwrap_or(0);
+    if top >= f32::INFINITY.to_bits() {
         q.fill(0);
-        return if finite { 0.0 } else { f32::NAN };
+        return f32::NAN;
+    }
+    let amax = f32::from_bits(top);
+    if amax == 0.0 {
+        q.fill(0);
+        return 0.0;
     }
     let inv = 127.0 / amax;
+    if !inv.is_finite() {
+        // A largest magnitude below 127 / f32::MAX (~4e-37): a zero block.
+        q.fill(0);
+        return 0.0;
+    }
     for (o, &v) in q.iter_mut().zip(x) {
-        *o = ((v * inv + ROUND) - ROUND).clamp(-127.0, 127.0) as i8;
+        let n = (v * inv + ROUND).to_bits() as i32 - ROUND.to_bits() as i32;
+        *o = n.clamp(-127, 127) as i8;
     }
     amax / 127.0
 }
@@ -214,6 +232,7 @@ impl Q8Matrix {
 ///
 /// # Panics
 /// If q is not as long as x or scales not one per block.
+#[inline(always)]
 pub(crate) fn quantize_row(x: &[f32], q: &mut [i8], scales: &mut [f32]) {
     assert!(q.len() == x.len() && scales.len() == x.len().div_ceil(BLOCK));
     for ((x, q), s) in x.chunks(BLOCK).zip(q.chunks_mut(BLOCK)).zip(scales) {
@@ -221,14 +240,20 @@ pub(crate) fn quantize_row(x: &[f32], q: &mut [i8], scales: &mut [f32]) {
     }
 }
 
-/// The m rows of x [m, k] quantised by [`quantize_row`]: values [m, k] and
-/// scales [m, blocks of k].
-pub(crate) fn quantize_rows(x: &[f32], m: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
+super::rows::dispatch! {
+    /// [`quantize_row`] compiled for each path (the same bits: it is one
+    /// generic body, and Rust never fuses its multiply and add).
+    fn quantize_row_active / quantize_row_on(x: &[f32], q: &mut [i8], scales: &mut [f32]) = quantize_row;
+}
+
+/// The m rows of x [m, k] quantised by [`quantize_row`] on `path`: values
+/// [m, k] and scales [m, blocks of k].
+pub(crate) fn quantize_rows(path: Path, x: &[f32], m: usize, k: usize) -> (Vec<i8>, Vec<f32>) {
     let b = k.div_ceil(BLOCK);
     let (mut q, mut s) = (vec![0i8; m * k], vec![0f32; m * b]);
     if k > 0 {
         for ((x, q), s) in x.chunks(k).zip(q.chunks_mut(k)).zip(s.chunks_mut(b)) {
-            quantize_row(x, q, s);
+            quantize_row_on(path, x, q, s);
         }
     }
     (q, s)
@@ -237,8 +262,8 @@ pub(crate) fn quantize_rows(x: &[f32], m: usize, k: usize) -> (Vec<i8>, Vec<f32>
 /// x [m, k] as the 8-bit kernels see it: each row quantised by
 /// [`quantize_row`] and widened back (value · scale), for the products that
 /// run gemm on dequantised weights, so that they compute what the kernels do.
-pub(crate) fn requantized(x: &[f32], m: usize, k: usize) -> Vec<f32> {
-    let (q, s) = quantize_rows(x, m, k);
+pub(crate) fn requantized(path: Path, x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let (q, s) = quantize_rows(path, x, m, k);
     let b = k.div_ceil(BLOCK);
     let mut out = vec![0f32; m * k];
     if k > 0 {
@@ -517,8 +542,16 @@ mod tests {
 
     /// x quantised as the kernels take it, and widened back.
     fn quantized(x: &[f32]) -> (Vec<i8>, Vec<f32>, Vec<f32>) {
-        let (q, s) = quantize_rows(x, 1, x.len());
-        (q, s, requantized(x, 1, x.len()))
+        let portable = Path::new(Isa::Portable).unwrap();
+        let (q, s) = quantize_rows(portable, x, 1, x.len());
+        // Every path quantises to the same bits.
+        for path in Path::all() {
+            let (pq, ps) = quantize_rows(path, x, 1, x.len());
+            assert_eq!(pq, q, "{:?}", path.isa());
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&ps), bits(&s), "{:?}", path.isa());
+        }
+        (q, s, requantized(portable, x, 1, x.len()))
     }
 
     #[test]
@@ -616,6 +649,13 @@ mod tests {
             }
         }
         assert_eq!(quantized(&[0.0; 40]).1, vec![0.0, 0.0]);
+        // Magnitudes so small that 127 / largest overflows count as zeros;
+        // just above that, they quantise as any other block.
+        let (q, s, _) = quantized(&[1e-38, -2e-38, 0.0]);
+        assert_eq!((q, s), (vec![0, 0, 0], vec![0.0]));
+        let (a, b) = (2f32.powi(-120), 2f32.powi(-119));
+        let (q, s, _) = quantized(&[a, -b, 0.0]);
+        assert_eq!((q, s), (vec![64, -127, 0], vec![b / 127.0]));
     }
 
     #[test]
