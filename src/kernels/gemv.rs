@@ -55,11 +55,11 @@ impl<'a> Weights<'a> {
     /// x · (row j of width k), x one row of the kind the weights take.
     #[inline]
     fn dot(&self, path: Path, j: usize, k: usize, x: &Rows) -> f32 {
-        let b = k.div_ceil(q8::BLOCK);
         match (self, x) {
             (Self::F32(w), Rows::F32(x)) => dot_on(path, x, &w[j * k..(j + 1) * k]),
             (Self::F16(w), Rows::F32(x)) => half::dot_on(path, x, &w[j * k..(j + 1) * k]),
             (Self::Q8(q, s), Rows::Q8(xq, xs)) => {
+                let b = k.div_ceil(q8::BLOCK);
                 q8::dot_on(path, xq, xs, &q[j * k..(j + 1) * k], &s[j * b..(j + 1) * b])
             }
             _ => unreachable!("x is quantised exactly when the weights are"),

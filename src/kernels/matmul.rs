@@ -253,11 +253,7 @@ pub(super) fn matmul_nt_q8_on(path: Path, x: &Tensor, w: &Q8Matrix) -> Result<Te
     } else {
         // x as the kernel quantises it, so that every row count computes alike.
         let flat = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let x = Tensor::from_vec(
-            super::q8::requantized(path, &flat, rows, k),
-            (rows, k),
-            x.device(),
-        )?;
+        let x = super::q8::requantized(path, &flat, rows, k)?.to_device(x.device())?;
         let wide = w.dequantize()?.to_device(x.device())?;
         matmul_nt_on(path, &x, &wide)?
     };
@@ -342,8 +338,9 @@ mod tests {
             let got = matmul_nt_q8(&x, &q).unwrap();
             assert_eq!(got.dims(), &[2, rows, 130]);
             let flat: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-            let xq = super::super::q8::requantized(Path::best(), &flat, 2 * rows, 77);
-            let xq = Tensor::from_vec(xq, (2, rows, 77), x.device()).unwrap();
+            let xq = super::super::q8::requantized(Path::best(), &flat, 2 * rows, 77)
+                .and_then(|t| t.reshape((2, rows, 77)))
+                .unwrap();
             let want = matmul_nt(&xq, &wide).unwrap();
             if 2 * rows <= SMALL_ROWS {
                 let d = rel_diff(&got, &want);

@@ -61,13 +61,9 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
         return f32::NAN;
     }
     let amax = f32::from_bits(top);
-    if amax == 0.0 {
-        q.fill(0);
-        return 0.0;
-    }
     let inv = 127.0 / amax;
     if !inv.is_finite() {
-        // A largest magnitude below 127 / f32::MAX (~4e-37): a zero block.
+        // All zeros, or a largest magnitude below 127 / f32::MAX (~4e-37).
         q.fill(0);
         return 0.0;
     }
@@ -76,13 +72,6 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
         *o = n.clamp(-127, 127) as i8;
     }
     amax / 127.0
-}
-
-/// Blocks of int8 values and their scales widened to f32 (`q · scale`).
-fn widen(q: &[i8], scales: &[f32], out: &mut [f32]) {
-    for ((o, q), s) in out.chunks_mut(BLOCK).zip(q.chunks(BLOCK)).zip(scales) {
-        o.iter_mut().zip(q).for_each(|(o, &q)| *o = q as f32 * s);
-    }
 }
 
 impl Q8Matrix {
@@ -195,7 +184,9 @@ impl Q8Matrix {
     /// Row r as f32 values `q · scale` into `out` (cols long).
     fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let (q, s) = self.row(r);
-        widen(q, s, out);
+        for ((o, q), s) in out.chunks_mut(BLOCK).zip(q.chunks(BLOCK)).zip(s) {
+            o.iter_mut().zip(q).for_each(|(o, &q)| *o = q as f32 * s);
+        }
     }
 
     /// The f32 matrix [rows, cols] the kernels compute with (for the
@@ -227,8 +218,8 @@ impl Q8Matrix {
 /// One row of activations quantised for [`dot_on`] as the weights are, per
 /// block of [`BLOCK`] (see `quantize_block`): a block holding a NaN or an
 /// infinity gets a NaN scale, so every dot product with it is NaN (the f32
-/// product would not be finite either). Plain scalar code shared by every
-/// path: the same bits everywhere.
+/// product would not be finite either). One generic body for every path
+/// ([`quantize_row_on`]): the same bits everywhere.
 ///
 /// # Panics
 /// If q is not as long as x or scales not one per block.
@@ -260,18 +251,18 @@ pub(crate) fn quantize_rows(path: Path, x: &[f32], m: usize, k: usize) -> (Vec<i
 }
 
 /// x [m, k] as the 8-bit kernels see it: each row quantised by
-/// [`quantize_row`] and widened back (value · scale), for the products that
-/// run gemm on dequantised weights, so that they compute what the kernels do.
-pub(crate) fn requantized(path: Path, x: &[f32], m: usize, k: usize) -> Vec<f32> {
-    let (q, s) = quantize_rows(path, x, m, k);
-    let b = k.div_ceil(BLOCK);
-    let mut out = vec![0f32; m * k];
-    if k > 0 {
-        for ((o, q), s) in out.chunks_mut(k).zip(q.chunks(k)).zip(s.chunks(b)) {
-            widen(q, s, o);
-        }
-    }
-    out
+/// [`quantize_row`] and widened back (value · scale) as a CPU tensor, for
+/// the products that run gemm on dequantised weights, so that they compute
+/// what the kernels do.
+pub(crate) fn requantized(path: Path, x: &[f32], m: usize, k: usize) -> Result<Tensor> {
+    let (q, scales) = quantize_rows(path, x, m, k);
+    let rows = Q8Matrix {
+        rows: m,
+        cols: k,
+        q: q.into(),
+        scales: scales.into(),
+    };
+    rows.dequantize()
 }
 
 /// Σ over blocks of (weight scale · x scale) · Σ xq·wq on `path`, for one
@@ -551,7 +542,8 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&ps), bits(&s), "{:?}", path.isa());
         }
-        (q, s, requantized(portable, x, 1, x.len()))
+        let wide = requantized(portable, x, 1, x.len()).unwrap();
+        (q, s, wide.flatten_all().unwrap().to_vec1().unwrap())
     }
 
     #[test]

@@ -379,8 +379,9 @@ impl TokenFormerLm {
     }
 
     /// The model with every weight matrix in 8 bits ([`crate::kernels::q8`]:
-    /// the products quantise their activations alike). Each matrix is replaced as soon as it is
-    /// quantised, so memory peaks at the old weights plus one 8-bit matrix.
+    /// the products quantise their activations alike). Each matrix is
+    /// replaced as soon as it is quantised, so memory peaks at the old
+    /// weights plus one 8-bit matrix.
     pub fn quantize_q8(mut self) -> crate::Result<Self> {
         let q8 = |m: &Matrix, name: &str| -> crate::Result<Matrix> {
             Ok(match m {
