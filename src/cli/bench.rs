@@ -123,23 +123,57 @@ pub fn prefill(model: &TokenFormerLm, b: usize, s: usize) -> Result<f64> {
     Ok((b * s) as f64 / secs)
 }
 
-/// Decode tokens/s: `n` greedy tokens after a `prompt`-token prefill.
-pub fn decode(model: &TokenFormerLm, prompt: usize, n: usize) -> Result<f64> {
-    let x = ids(1, prompt, 50_277, model.device())?;
-    let mut cache = Cache::new(model.config());
-    let logits = model.forward(&x, Some(&mut cache))?;
-    let mut tok = logits
-        .get(0)?
-        .get(prompt - 1)?
-        .argmax(0)?
-        .to_scalar::<u32>()?;
-    let t = Instant::now();
-    for _ in 0..n {
-        let x = Tensor::new(&[[tok]], model.device())?;
+/// One model's decode in [`decode`]: its rate and the tokens it chose.
+pub struct Decoded {
+    pub tokens_per_s: f64,
+    pub ids: Vec<u32>,
+}
+
+/// Decodes `n` greedy tokens after a `prompt`-token prefill with each model,
+/// timed in `rounds` turns of n / rounds tokens, one model after the other,
+/// each continuing its own cache. A shared host's speed drifts by ±20 %
+/// within a minute, so decodes timed one after another would compare
+/// different moments; in turns, every model meets the same moments and
+/// their ratios hold.
+pub fn decode(
+    models: &[&TokenFormerLm],
+    prompt: usize,
+    n: usize,
+    rounds: usize,
+) -> Result<Vec<Decoded>> {
+    let per = n / rounds.max(1);
+    let mut state = Vec::with_capacity(models.len());
+    for model in models {
+        let vocab = model.config().vocab_size.min(50_277);
+        let x = ids(1, prompt, vocab, model.device())?;
+        let mut cache = Cache::new(model.config());
         let logits = model.forward(&x, Some(&mut cache))?;
-        tok = logits.get(0)?.get(0)?.argmax(0)?.to_scalar::<u32>()?;
+        let tok = logits
+            .get(0)?
+            .get(prompt - 1)?
+            .argmax(0)?
+            .to_scalar::<u32>()?;
+        state.push((cache, vec![tok], 0f64));
     }
-    Ok(n as f64 / t.elapsed().as_secs_f64())
+    for _ in 0..rounds {
+        for (model, (cache, chosen, secs)) in models.iter().zip(&mut state) {
+            let t = Instant::now();
+            for _ in 0..per {
+                let last = *chosen.last().expect("the prefill's token");
+                let x = Tensor::new(&[[last]], model.device())?;
+                let logits = model.forward(&x, Some(cache))?;
+                chosen.push(logits.get(0)?.get(0)?.argmax(0)?.to_scalar::<u32>()?);
+            }
+            *secs += t.elapsed().as_secs_f64();
+        }
+    }
+    Ok(state
+        .into_iter()
+        .map(|(_, mut chosen, secs)| Decoded {
+            tokens_per_s: (per * rounds) as f64 / secs,
+            ids: chosen.split_off(1),
+        })
+        .collect())
 }
 
 /// GFLOP/s of one Pattention layer (rows × d_in → n tokens → d_out), counting
@@ -366,45 +400,6 @@ pub fn run_lm(
             );
         }
     }
-    let (prompt, steps) = (512, 64);
-    // The average context over the timed steps.
-    let position = prompt + steps / 2;
-    // Decode is bound by reading memory: each decode is timed between passes
-    // of a streaming read, whose best is its ceiling (limit) and whose worst
-    // shows how much the host drifted meanwhile.
-    // (The probe's buffer is allocated for each, after the model is loaded,
-    // so it does not count in the loads' peak memory.)
-    let timed_decode = |out: &mut Map<String, Value>,
-                        model: &TokenFormerLm,
-                        key: &str,
-                        weights: WeightFormat|
-     -> Result<()> {
-        let (tps, best, worst) = ReadProbe::new().around(|| decode(model, prompt, steps))?;
-        let bytes = decode_bytes_per_token_as(cfg, position, weights);
-        let limit = best * 1e9 / bytes;
-        let name = |what: &str| match weights {
-            WeightFormat::F32 => format!("decode_{what}"),
-            WeightFormat::F16 => format!("decode_f16_{what}"),
-            WeightFormat::Q8 => format!("decode_q8_{what}"),
-        };
-        out.insert(key.into(), json!(round(tps, 2)));
-        out.insert(name("fraction_of_limit"), json!(round(tps / limit, 2)));
-        if weights == WeightFormat::F32 {
-            out.insert("memory_read_gb_per_s".into(), json!(round(best, 1)));
-            out.insert("memory_read_gb_per_s_worst".into(), json!(round(worst, 1)));
-            out.insert("decode_mb_per_token".into(), json!(round(bytes / 1e6, 1)));
-            out.insert(
-                "decode_bandwidth_limit_tokens_per_s".into(),
-                json!(round(limit, 2)),
-            );
-        } else {
-            out.insert(name("memory_read_gb_per_s"), json!(round(best, 1)));
-        }
-        Ok(())
-    };
-    if want("decode") {
-        timed_decode(&mut out, &model, "decode_tokens_per_s", WeightFormat::F32)?;
-    }
     if want("decode_q8") {
         // The 8-bit weights' accuracy cost: this model's next-token
         // distributions on a fixed token sequence against those of its
@@ -428,21 +423,15 @@ pub fn run_lm(
         out.insert("q8_mean_kl_divergence".into(), json!(kl));
     }
     drop(model);
+    // Each load alone in memory, so its peak is its own.
     if want("decode_f16") {
         // Beyond the peer: the same checkpoint with f16 weight matrices (f32 compute).
-        let (half, load_s, peak) = load_timed(dir.path(), WeightFormat::F16, device)?;
+        let (_, load_s, peak) = load_timed(dir.path(), WeightFormat::F16, device)?;
         out.insert("load_f16_weights_seconds".into(), json!(round(load_s, 3)));
         out.insert(
             "load_f16_weights_peak_rss_mb".into(),
             json!(peak.map(|p| round(p, 1))),
         );
-        timed_decode(
-            &mut out,
-            &half,
-            "decode_f16_weights_tokens_per_s",
-            WeightFormat::F16,
-        )?;
-        drop(half);
     }
     if want("decode_q8") {
         // And with 8-bit weights quantised at load.
@@ -456,12 +445,71 @@ pub fn run_lm(
             "q8_weights_mb".into(),
             json!(round(q8.weight_bytes() as f64 / 1e6, 1)),
         );
-        timed_decode(
-            &mut out,
-            &q8,
-            "decode_q8_weights_tokens_per_s",
-            WeightFormat::Q8,
-        )?;
+    }
+    let formats: Vec<WeightFormat> = [
+        ("decode", WeightFormat::F32),
+        ("decode_f16", WeightFormat::F16),
+        ("decode_q8", WeightFormat::Q8),
+    ]
+    .into_iter()
+    .filter(|(k, _)| want(k))
+    .map(|(_, w)| w)
+    .collect();
+    if !formats.is_empty() {
+        // Decode is bound by reading memory: the decodes are timed between
+        // passes of a streaming read, whose best is their ceiling (limit)
+        // and whose worst shows how much the host drifted meanwhile. The
+        // probe's buffer is allocated after the models are loaded.
+        let models = formats
+            .iter()
+            .map(|&w| Ok(load_timed(dir.path(), w, device)?.0))
+            .collect::<Result<Vec<_>>>()?;
+        let (prompt, steps, rounds) = (512, 64, 8);
+        // The average context over the timed steps.
+        let position = prompt + steps / 2;
+        let (decoded, best, worst) = ReadProbe::new()
+            .around(|| decode(&models.iter().collect::<Vec<_>>(), prompt, steps, rounds))?;
+        for (&weights, decoded) in formats.iter().zip(&decoded) {
+            let tps = decoded.tokens_per_s;
+            let bytes = decode_bytes_per_token_as(cfg, position, weights);
+            let limit = best * 1e9 / bytes;
+            let (key, prefix) = match weights {
+                WeightFormat::F32 => ("decode_tokens_per_s", "decode"),
+                WeightFormat::F16 => ("decode_f16_weights_tokens_per_s", "decode_f16"),
+                WeightFormat::Q8 => ("decode_q8_weights_tokens_per_s", "decode_q8"),
+            };
+            out.insert(key.into(), json!(round(tps, 2)));
+            out.insert(
+                format!("{prefix}_fraction_of_limit"),
+                json!(round(tps / limit, 2)),
+            );
+            if weights == WeightFormat::F32 {
+                out.insert("decode_mb_per_token".into(), json!(round(bytes / 1e6, 1)));
+                out.insert(
+                    "decode_bandwidth_limit_tokens_per_s".into(),
+                    json!(round(limit, 2)),
+                );
+            }
+        }
+        out.insert("memory_read_gb_per_s".into(), json!(round(best, 1)));
+        out.insert("memory_read_gb_per_s_worst".into(), json!(round(worst, 1)));
+        // The 8-bit path of decoding (the integer kernel, which the
+        // perplexity above does not take): how many of the greedy tokens
+        // it picks before it first departs from f32's.
+        let ids = |w| {
+            formats
+                .iter()
+                .position(|&f| f == w)
+                .map(|i| &decoded[i].ids)
+        };
+        if let (Some(f32_ids), Some(q8_ids)) = (ids(WeightFormat::F32), ids(WeightFormat::Q8)) {
+            let same = f32_ids
+                .iter()
+                .zip(q8_ids)
+                .take_while(|(a, b)| a == b)
+                .count();
+            out.insert("decode_q8_tokens_matching_f32".into(), json!(same));
+        }
     }
     if want("pattention") {
         let g = pattention_gflops(2048, cfg.hidden_size, cfg.ffn_tokens, device)?;
@@ -568,5 +616,43 @@ mod tests {
         let weights = 12 * 2 * (3 * 768 + 768 + 3072) * 768 + 50_304 * 768;
         let q8 = decode_bytes_per_token_as(&cfg, 544, WeightFormat::Q8);
         assert_eq!(q8, weights as f64 * 1.125 + (4 * 12 * 2 * 544 * 768) as f64);
+    }
+
+    #[test]
+    fn decoding_in_turns_keeps_each_models_own_sequence() {
+        let device = Device::Cpu;
+        let cfg = Config {
+            vocab_size: 300,
+            qkv_tokens: 24,
+            proj_tokens: 16,
+            ffn_tokens: 40,
+            max_position_embeddings: 64,
+            ..Config::released(2, 32, 4)
+        };
+        // Seeded draws of the random model's shapes, so the test is the same every run.
+        let model = |seed: u64| {
+            let mut t = random_lm_tensors(&cfg, DType::F32, &device).unwrap();
+            for (name, w) in t.iter_mut().filter(|(n, _)| !n.starts_with("final_norm")) {
+                let std = if name.ends_with("key_param_tokens") {
+                    1.0
+                } else {
+                    0.02
+                };
+                *w = tokenformer::init::normal_tensor(w.dims(), std, seed, name, &device).unwrap();
+            }
+            TokenFormerLm::new(&cfg, checkpoint::var_builder(t, &device)).unwrap()
+        };
+        let (a, b) = (model(1), model(2));
+        let alone = |m: &TokenFormerLm| decode(&[m], 16, 12, 1).unwrap().remove(0).ids;
+        let (want_a, want_b) = (alone(&a), alone(&b));
+        assert_eq!(want_a.len(), 12);
+        // Two different models, or the test could not tell their caches apart.
+        assert_ne!(want_a, want_b);
+        let turns = decode(&[&a, &b], 16, 12, 4).unwrap();
+        assert_eq!(turns[0].ids, want_a);
+        assert_eq!(turns[1].ids, want_b);
+        assert!(turns
+            .iter()
+            .all(|d| d.tokens_per_s.is_finite() && d.tokens_per_s > 0.0));
     }
 }
