@@ -129,19 +129,20 @@ pub struct Decoded {
     pub ids: Vec<u32>,
 }
 
-/// Decodes `n` greedy tokens after a `prompt`-token prefill with each model,
-/// timed in `rounds` turns of n / rounds tokens, one model after the other,
-/// each continuing its own cache. A shared host's speed drifts by ±20 %
-/// within a minute, so decodes timed one after another would compare
-/// different moments; in turns, every model meets the same moments and
-/// their ratios hold.
+/// Decodes `n` greedy tokens (rounded down to a multiple of `rounds`) after
+/// a `prompt`-token prefill with each model, timed in `rounds` turns of
+/// n / rounds tokens, one model after the other, each continuing its own
+/// cache. A shared host's speed drifts by ±20 % within a minute, so decodes
+/// timed one after another would compare different moments; in turns,
+/// every model meets the same moments and their ratios hold.
 pub fn decode(
     models: &[&TokenFormerLm],
     prompt: usize,
     n: usize,
     rounds: usize,
 ) -> Result<Vec<Decoded>> {
-    let per = n / rounds.max(1);
+    let rounds = rounds.max(1);
+    let per = n / rounds;
     let mut state = Vec::with_capacity(models.len());
     for model in models {
         let vocab = model.config().vocab_size.min(50_277);
