@@ -5,7 +5,7 @@
 
 use ::half::f16;
 
-use super::rows::{reduce16, tail_dot};
+use super::rows::{dot_lanes, tail_dot};
 use super::{Isa, Path};
 
 /// Σ x[i]·w[i] on `path`.
@@ -66,15 +66,7 @@ pub(crate) fn axpy_on(path: Path, a: f32, w: &[f16], y: &mut [f32]) {
 }
 
 fn dot_portable(x: &[f32], w: &[f16]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (cx, cw) = (x.chunks_exact(16), w.chunks_exact(16));
-    let (tx, tw) = (cx.remainder(), cw.remainder());
-    for (a, b) in cx.zip(cw) {
-        for k in 0..16 {
-            acc[k] += a[k] * b[k].to_f32();
-        }
-    }
-    reduce16(acc) + tail_dot(tx, tw.iter().map(|v| v.to_f32()))
+    dot_lanes(x, w.iter().map(|v| v.to_f32()))
 }
 
 fn axpy_portable(a: f32, w: &[f16], y: &mut [f32]) {
@@ -83,10 +75,10 @@ fn axpy_portable(a: f32, w: &[f16], y: &mut [f32]) {
     }
 }
 
-/// 256-bit registers: the 16 lanes of the contract are two registers.
+/// 256-bit registers: the 32 lanes of the contract are four registers.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::super::rows::avx2::fold16;
+    use super::super::rows::avx2::fold32;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -104,19 +96,9 @@ mod avx2 {
     pub(crate) unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
         let whole = x.len() / 16 * 16;
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
-        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let mut i = 0;
         // SAFETY: every load is within 0..whole of both slices.
-        unsafe {
-            while i < whole {
-                let a = _mm256_mul_ps(_mm256_loadu_ps(xp.add(i)), load8(wp.add(i)));
-                let b = _mm256_mul_ps(_mm256_loadu_ps(xp.add(i + 8)), load8(wp.add(i + 8)));
-                lo = _mm256_add_ps(lo, a);
-                hi = _mm256_add_ps(hi, b);
-                i += 16;
-            }
-        }
-        fold16(lo, hi) + tail_dot(&x[whole..], w[whole..].iter().map(|v| v.to_f32()))
+        let p = |i: usize| unsafe { _mm256_mul_ps(_mm256_loadu_ps(xp.add(i)), load8(wp.add(i))) };
+        fold32(whole, p) + tail_dot(&x[whole..], w[whole..].iter().map(|v| v.to_f32()))
     }
 
     /// w and y of equal length.
@@ -141,10 +123,10 @@ mod avx2 {
     }
 }
 
-/// 512-bit registers: the 16 lanes of the contract are one register.
+/// 512-bit registers: the 32 lanes of the contract are two registers.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::super::rows::avx512::fold16;
+    use super::super::rows::avx512::fold32;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -162,17 +144,9 @@ mod avx512 {
     pub(crate) unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
         let whole = x.len() / 16 * 16;
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
-        let mut acc = _mm512_setzero_ps();
-        let mut i = 0;
         // SAFETY: every load is within 0..whole of both slices.
-        unsafe {
-            while i < whole {
-                let p = _mm512_mul_ps(_mm512_loadu_ps(xp.add(i)), load16(wp.add(i)));
-                acc = _mm512_add_ps(acc, p);
-                i += 16;
-            }
-        }
-        fold16(acc) + tail_dot(&x[whole..], w[whole..].iter().map(|v| v.to_f32()))
+        let p = |i: usize| unsafe { _mm512_mul_ps(_mm512_loadu_ps(xp.add(i)), load16(wp.add(i))) };
+        fold32(whole, p) + tail_dot(&x[whole..], w[whole..].iter().map(|v| v.to_f32()))
     }
 
     /// w and y of equal length.

@@ -139,27 +139,44 @@ pub(super) fn reduce16(mut acc: [f32; 16]) -> f32 {
     acc[0]
 }
 
+/// The sum of 32 lanes: lane i + lane i+16 (the dot kernels' four 8-lane
+/// or two 16-lane registers added pairwise), then [`reduce16`].
+#[inline(always)]
+pub(super) fn reduce32(acc: [f32; 32]) -> f32 {
+    let mut half = [0f32; 16];
+    for (i, h) in half.iter_mut().enumerate() {
+        *h = acc[i] + acc[i + 16];
+    }
+    reduce16(half)
+}
+
 /// Σ x·w of the elements after the last whole 16, in order.
 #[inline(always)]
 pub(super) fn tail_dot(x: &[f32], w: impl Iterator<Item = f32>) -> f32 {
     x.iter().zip(w).map(|(a, b)| a * b).sum::<f32>()
 }
 
-/// Σ a·b. The contract every dot kernel (f32, f16 and 8-bit weights, every
-/// path) follows, so that they give the same bits for the same f32 weights:
-/// element i of each whole 16 goes to lane i % 16 as `lane += a·b` (a
-/// product, then a sum: no FMA), the lanes fold by [`reduce16`], and the
-/// tail's products are summed in order and added last.
+/// Σ a·b. The contract the f32 and f16 dot kernels follow on every path,
+/// so that they give the same bits for the same f32 weights: element i of
+/// the whole 16s goes to lane i % 32 as `lane += a·b` (a product, then a
+/// sum: no FMA), the lanes fold by [`reduce32`], and the tail's products
+/// are summed in order and added last. 32 lanes are four chains of adds in
+/// 8-lane registers: with two, the adds' latency held the f16 kernel to
+/// about 30 GB/s a core, too close to its share of memory to keep up with it.
 fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let (ta, tb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for k in 0..16 {
-            acc[k] += x[k] * y[k];
-        }
+    dot_lanes(a, b.iter().copied())
+}
+
+/// [`dot_portable`]'s contract for b widened from any type.
+#[inline(always)]
+pub(super) fn dot_lanes(a: &[f32], b: impl Iterator<Item = f32>) -> f32 {
+    let whole = a.len() / 16 * 16;
+    let mut acc = [0f32; 32];
+    let mut b = b;
+    for (i, x) in a[..whole].iter().enumerate() {
+        acc[i % 32] += x * b.next().expect("b as long as a");
     }
-    reduce16(acc) + tail_dot(ta, tb.iter().copied())
+    reduce32(acc) + tail_dot(&a[whole..], b)
 }
 
 #[inline(always)]
@@ -269,7 +286,7 @@ fn axpy_rows_tail(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32], from:
     }
 }
 
-/// 256-bit registers: the 16 lanes of the dot contract are two registers.
+/// 256-bit registers: the 32 lanes of the dot contract are four registers.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx2 {
     use std::arch::x86_64::*;
@@ -284,28 +301,37 @@ pub(super) mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps::<0b01>(v, v)))
     }
 
+    /// The 32 lanes of [`super::dot_portable`]'s contract over 0..whole (a
+    /// multiple of 16), `p(i)` the eight products at i, folded.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::kernels) fn fold32(whole: usize, p: impl Fn(usize) -> __m256) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        while i + 32 <= whole {
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_add_ps(*a, p(i + 8 * r));
+            }
+            i += 32;
+        }
+        if i < whole {
+            acc[0] = _mm256_add_ps(acc[0], p(i));
+            acc[1] = _mm256_add_ps(acc[1], p(i + 8));
+        }
+        fold16(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3]))
+    }
+
     /// a and b of equal length.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         let whole = a.len() / 16 * 16;
         let (ap, bp) = (a.as_ptr(), b.as_ptr());
-        let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let mut i = 0;
         // SAFETY: every load is within 0..whole of both slices.
-        unsafe {
-            while i < whole {
-                let x = _mm256_mul_ps(_mm256_loadu_ps(ap.add(i)), _mm256_loadu_ps(bp.add(i)));
-                let y = _mm256_mul_ps(
-                    _mm256_loadu_ps(ap.add(i + 8)),
-                    _mm256_loadu_ps(bp.add(i + 8)),
-                );
-                lo = _mm256_add_ps(lo, x);
-                hi = _mm256_add_ps(hi, y);
-                i += 16;
-            }
-        }
-        fold16(lo, hi) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
+        let p = |i: usize| unsafe {
+            _mm256_mul_ps(_mm256_loadu_ps(ap.add(i)), _mm256_loadu_ps(bp.add(i)))
+        };
+        fold32(whole, p) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
     }
 
     /// `f` on every element of out with its index, compiled for AVX2 so
@@ -360,7 +386,7 @@ pub(super) mod avx2 {
     }
 }
 
-/// 512-bit registers: the 16 lanes of the dot contract are one register.
+/// 512-bit registers: the 32 lanes of the dot contract are two registers.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx512 {
     use std::arch::x86_64::*;
@@ -374,23 +400,35 @@ pub(super) mod avx512 {
         super::avx2::fold16(lo, hi)
     }
 
+    /// The 32 lanes of [`super::dot_portable`]'s contract over 0..whole (a
+    /// multiple of 16), `p(i)` the sixteen products at i, folded.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(in crate::kernels) fn fold32(whole: usize, p: impl Fn(usize) -> __m512) -> f32 {
+        let (mut lo, mut hi) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        while i + 32 <= whole {
+            lo = _mm512_add_ps(lo, p(i));
+            hi = _mm512_add_ps(hi, p(i + 16));
+            i += 32;
+        }
+        if i < whole {
+            lo = _mm512_add_ps(lo, p(i));
+        }
+        fold16(_mm512_add_ps(lo, hi))
+    }
+
     /// a and b of equal length.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         let whole = a.len() / 16 * 16;
         let (ap, bp) = (a.as_ptr(), b.as_ptr());
-        let mut acc = _mm512_setzero_ps();
-        let mut i = 0;
         // SAFETY: every load is within 0..whole of both slices.
-        unsafe {
-            while i < whole {
-                let x = _mm512_mul_ps(_mm512_loadu_ps(ap.add(i)), _mm512_loadu_ps(bp.add(i)));
-                acc = _mm512_add_ps(acc, x);
-                i += 16;
-            }
-        }
-        fold16(acc) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
+        let p = |i: usize| unsafe {
+            _mm512_mul_ps(_mm512_loadu_ps(ap.add(i)), _mm512_loadu_ps(bp.add(i)))
+        };
+        fold32(whole, p) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
     }
 
     /// `f` on every element of out with its index, compiled for AVX-512 so
@@ -439,8 +477,16 @@ mod tests {
 
     #[test]
     fn strided_row_batches_give_the_bits_of_row_by_row_dots() {
-        // Widths around the 16-lane step and row counts around the 4-row pass.
-        for (n, stride) in [(1, 3), (15, 15), (16, 20), (17, 17), (64, 70), (100, 100)] {
+        // Widths around the 16- and 32-lane steps and row counts around the 4-row pass.
+        for (n, stride) in [
+            (1, 3),
+            (15, 15),
+            (16, 20),
+            (17, 17),
+            (48, 50),
+            (64, 70),
+            (100, 100),
+        ] {
             for rows in [0, 1, 3, 4, 5, 8, 11] {
                 let w = wild(stride * rows.max(1), 7);
                 let x = wild(n, 11);
@@ -477,8 +523,10 @@ mod tests {
     fn every_path_gives_the_portable_bits() {
         let portable = Path::new(crate::kernels::Isa::Portable).unwrap();
         for path in Path::all() {
-            // Lengths around the 16- and 64-wide chunks, and vocabulary-sized.
-            for n in [0, 1, 15, 16, 17, 63, 64, 65, 100, 768, 4099, 50_304] {
+            // Lengths around the 16-, 32- and 64-wide chunks, and vocabulary-sized.
+            for n in [
+                0, 1, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 100, 768, 4099, 50_304,
+            ] {
                 let (a, b) = (wild(n, 1), wild(n, 2));
                 let at = |p| (n, path.isa(), p);
                 let want = dot_on(portable, &a, &b);
