@@ -66,7 +66,7 @@ pub(crate) fn axpy_on(path: Path, a: f32, w: &[f16], y: &mut [f32]) {
 }
 
 fn dot_portable(x: &[f32], w: &[f16]) -> f32 {
-    dot_lanes(x, w.iter().map(|v| v.to_f32()))
+    dot_lanes(x, w, f16::to_f32)
 }
 
 fn axpy_portable(a: f32, w: &[f16], y: &mut [f32]) {

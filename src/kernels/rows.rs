@@ -164,19 +164,27 @@ pub(super) fn tail_dot(x: &[f32], w: impl Iterator<Item = f32>) -> f32 {
 /// 8-lane registers: with two, the adds' latency held the f16 kernel to
 /// about 30 GB/s a core, too close to its share of memory to keep up with it.
 fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
-    dot_lanes(a, b.iter().copied())
+    dot_lanes(a, b, |v| v)
 }
 
-/// [`dot_portable`]'s contract for b widened from any type.
+/// [`dot_portable`]'s contract for b of any type, `widen`ed to f32; a and
+/// b of equal length. Whole 32s, then at most one 16 into lanes 0..16, in
+/// fixed-size chunks so that the compiler can vectorise the portable path.
 #[inline(always)]
-pub(super) fn dot_lanes(a: &[f32], b: impl Iterator<Item = f32>) -> f32 {
+pub(super) fn dot_lanes<T: Copy>(a: &[f32], b: &[T], widen: impl Fn(T) -> f32) -> f32 {
     let whole = a.len() / 16 * 16;
     let mut acc = [0f32; 32];
-    let mut b = b;
-    for (i, x) in a[..whole].iter().enumerate() {
-        acc[i % 32] += x * b.next().expect("b as long as a");
+    let (ca, cb) = (a[..whole].chunks_exact(32), b[..whole].chunks_exact(32));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..32 {
+            acc[k] += x[k] * widen(y[k]);
+        }
     }
-    reduce32(acc) + tail_dot(&a[whole..], b)
+    for (k, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[k] += x * widen(*y);
+    }
+    reduce32(acc) + tail_dot(&a[whole..], b[whole..].iter().map(|&v| widen(v)))
 }
 
 #[inline(always)]
