@@ -5,7 +5,7 @@
 
 use ::half::f16;
 
-use super::rows::{dot_lanes, tail_dot};
+use super::rows::{add_tail, dot_lanes};
 use super::{Isa, Path};
 
 /// Σ x[i]·w[i] on `path`.
@@ -35,14 +35,10 @@ pub(crate) fn dot_rows_on(path: Path, x: &[f32], rows: &[f16], out: &mut [f32]) 
     match path.isa() {
         // SAFETY: a Path exists only for an ISA the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe {
-            super::rows::avx512::for_each_row(out, |j, o| *o = avx512::dot(x, row(j)))
-        },
+        Isa::Avx512 => unsafe { avx512::dot_rows(x, rows, out) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe {
-            super::rows::avx2::for_each_row(out, |j, o| *o = avx2::dot(x, row(j)))
-        },
+        Isa::Avx2 => unsafe { avx2::dot_rows(x, rows, out) },
         _ => out
             .iter_mut()
             .enumerate()
@@ -98,7 +94,18 @@ mod avx2 {
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         // SAFETY: every load is within 0..whole of both slices.
         let p = |i: usize| unsafe { _mm256_mul_ps(_mm256_loadu_ps(xp.add(i)), load8(wp.add(i))) };
-        fold32(whole, p) + tail_dot(&x[whole..], w[whole..].iter().map(|v| v.to_f32()))
+        add_tail(fold32(whole, p), &x[whole..], &w[whole..], f16::to_f32)
+    }
+
+    /// See [`super::dot_rows_on`]; the caller checks the bounds. Here, so
+    /// that `dot` inlines into the loop.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn dot_rows(x: &[f32], rows: &[f16], out: &mut [f32]) {
+        let w = x.len();
+        for (j, o) in out.iter_mut().enumerate() {
+            // SAFETY: a Path exists only for a CPU with these features.
+            *o = unsafe { dot(x, &rows[j * w..(j + 1) * w]) };
+        }
     }
 
     /// w and y of equal length.
@@ -146,7 +153,18 @@ mod avx512 {
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         // SAFETY: every load is within 0..whole of both slices.
         let p = |i: usize| unsafe { _mm512_mul_ps(_mm512_loadu_ps(xp.add(i)), load16(wp.add(i))) };
-        fold32(whole, p) + tail_dot(&x[whole..], w[whole..].iter().map(|v| v.to_f32()))
+        add_tail(fold32(whole, p), &x[whole..], &w[whole..], f16::to_f32)
+    }
+
+    /// See [`super::dot_rows_on`]; the caller checks the bounds. Here, so
+    /// that `dot` inlines into the loop.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(crate) unsafe fn dot_rows(x: &[f32], rows: &[f16], out: &mut [f32]) {
+        let w = x.len();
+        for (j, o) in out.iter_mut().enumerate() {
+            // SAFETY: a Path exists only for a CPU with these features.
+            *o = unsafe { dot(x, &rows[j * w..(j + 1) * w]) };
+        }
     }
 
     /// w and y of equal length.

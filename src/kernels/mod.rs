@@ -208,10 +208,49 @@ pub(crate) fn prefers_row_products() -> bool {
 /// (docs/PERFORMANCE.md).
 pub(crate) fn run_forward<R: Send>(rows: usize, forward: impl FnOnce() -> R + Send) -> R {
     if rows <= SMALL_ROWS {
-        rayon::scope(|_| forward())
+        with_workers_awake(forward)
     } else {
         forward()
     }
+}
+
+/// How long a worker kept awake by [`with_workers_awake`] waits for work
+/// before it goes back to rayon's own idling: longer than the serial stretches
+/// between a decode step's parallel kernels, short enough that a stray
+/// keeper never holds a thread for long.
+const AWAKE_IDLE: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Runs `f` on a rayon worker while the pool's other workers look for its
+/// tasks without sleeping. Between a decode step's ~130 short parallel
+/// kernels the main worker runs serial code (norms, Θ, residuals); rayon
+/// puts idle workers to sleep after a few tens of µs, and waking one costs
+/// about as much again, so a kernel after a longer serial stretch ran on one
+/// thread until the other woke (docs/PERFORMANCE.md). Each keeper steals
+/// and runs tasks until `f` returns or it has been idle for [`AWAKE_IDLE`],
+/// so two forwards sharing the pool cannot hold each other's keepers.
+fn with_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let done = AtomicBool::new(false);
+    let done = &done;
+    rayon::scope(|s| {
+        for _ in 1..rayon::current_num_threads() {
+            s.spawn(move |_| {
+                let mut idle_since = std::time::Instant::now();
+                while !done.load(Ordering::Acquire) {
+                    if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                        idle_since = std::time::Instant::now();
+                    } else if idle_since.elapsed() > AWAKE_IDLE {
+                        break;
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+        }
+        let r = f();
+        done.store(true, Ordering::Release);
+        r
+    })
 }
 
 /// The contiguous f32 data of a CPU tensor.
@@ -251,6 +290,56 @@ mod tests {
         assert!(s.warning.unwrap().contains("not one of"));
         // Portable is always there, and listed first.
         assert_eq!(Path::all()[0].isa(), Isa::Portable);
+    }
+
+    #[test]
+    fn kept_awake_workers_run_the_tasks_of_concurrent_forwards() {
+        use rayon::prelude::*;
+        use std::collections::HashSet;
+        use std::sync::Mutex;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        // Two callers share the pool, each with its own keeper, serial
+        // stretches longer than a keeper's patience between parallel sums:
+        // every call returns its own value (no keeper holds the other call).
+        let threads = Mutex::new(HashSet::new());
+        std::thread::scope(|s| {
+            for caller in 0..2u64 {
+                let (pool, threads) = (&pool, &threads);
+                s.spawn(move || {
+                    for round in 0..20u64 {
+                        let got = pool.install(|| {
+                            with_workers_awake(|| {
+                                let mut total = 0;
+                                for part in 0..3u64 {
+                                    total += (0..20_000usize)
+                                        .into_par_iter()
+                                        .with_max_len(100)
+                                        .map(|i| {
+                                            threads
+                                                .lock()
+                                                .unwrap()
+                                                .insert(std::thread::current().id());
+                                            i as u64 * (caller + round + part)
+                                        })
+                                        .sum::<u64>();
+                                    if round % 5 == 0 {
+                                        std::thread::sleep(2 * AWAKE_IDLE);
+                                    }
+                                }
+                                total
+                            })
+                        });
+                        let want = 19_999 * 20_000 / 2 * (3 * (caller + round) + 3);
+                        assert_eq!(got, want, "caller {caller} round {round}");
+                    }
+                });
+            }
+        });
+        // The sums were split over both of the pool's workers.
+        assert_eq!(threads.into_inner().unwrap().len(), 2);
     }
 }
 

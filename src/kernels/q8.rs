@@ -317,12 +317,7 @@ pub(crate) fn dot_rows_on(
         // SAFETY: a Path exists only for an ISA the CPU supports (AVX-512
         // implies AVX2); every row has the lengths dot_on checks.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => unsafe {
-            super::rows::avx2::for_each_row(out, |j, o| {
-                let (q, s) = row(j);
-                *o = avx2::dot(xq, xs, q, s)
-            })
-        },
+        Isa::Avx2 | Isa::Avx512 => unsafe { avx2::dot_rows(xq, xs, q, scales, out) },
         _ => out.iter_mut().enumerate().for_each(|(j, o)| {
             let (q, s) = row(j);
             *o = dot_portable(xq, xs, q, s)
@@ -373,6 +368,24 @@ mod avx2 {
         let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));
         let quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
         _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(quads), acc)
+    }
+
+    /// See [`super::dot_rows_on`]; the caller checks the bounds. Here, so
+    /// that `dot` inlines into the loop.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_rows(
+        xq: &[i8],
+        xs: &[f32],
+        q: &[i8],
+        scales: &[f32],
+        out: &mut [f32],
+    ) {
+        let (w, b) = (xq.len(), xs.len());
+        for (j, o) in out.iter_mut().enumerate() {
+            let (q, s) = (&q[j * w..(j + 1) * w], &scales[j * b..(j + 1) * b]);
+            // SAFETY: a Path exists only for a CPU with these features.
+            *o = unsafe { dot(xq, xs, q, s) };
+        }
     }
 
     /// Lengths as [`dot_on`] checks them.

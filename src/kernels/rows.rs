@@ -150,17 +150,29 @@ pub(super) fn reduce32(acc: [f32; 32]) -> f32 {
     reduce16(half)
 }
 
-/// Σ x·w of the elements after the last whole 16, in order.
+/// `folded` plus Σ x·w of the elements after the last whole 16, summed in
+/// order (nothing added when there are none). The tail is a call, not
+/// inlined, so that the dot kernels stay small enough to inline into their
+/// row loops.
 #[inline(always)]
-pub(super) fn tail_dot(x: &[f32], w: impl Iterator<Item = f32>) -> f32 {
-    x.iter().zip(w).map(|(a, b)| a * b).sum::<f32>()
+pub(super) fn add_tail<T: Copy>(folded: f32, x: &[f32], w: &[T], widen: impl Fn(T) -> f32) -> f32 {
+    #[cold]
+    #[inline(never)]
+    fn tail<T: Copy>(x: &[f32], w: &[T], widen: impl Fn(T) -> f32) -> f32 {
+        x.iter().zip(w).map(|(a, &b)| a * widen(b)).sum::<f32>()
+    }
+    if x.is_empty() {
+        folded
+    } else {
+        folded + tail(x, w, widen)
+    }
 }
 
 /// Σ a·b. The contract the f32 and f16 dot kernels follow on every path,
 /// so that they give the same bits for the same f32 weights: element i of
 /// the whole 16s goes to lane i % 32 as `lane += a·b` (a product, then a
 /// sum: no FMA), the lanes fold by [`reduce32`], and the tail's products
-/// are summed in order and added last. 32 lanes are four chains of adds in
+/// are summed in order and added last ([`add_tail`]). 32 lanes are four chains of adds in
 /// 8-lane registers: with two, the adds' latency held the f16 kernel to
 /// about 30 GB/s a core, too close to its share of memory to keep up with it.
 fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
@@ -184,7 +196,7 @@ pub(super) fn dot_lanes<T: Copy>(a: &[f32], b: &[T], widen: impl Fn(T) -> f32) -
     for (k, (x, y)) in ra.iter().zip(rb).enumerate() {
         acc[k] += x * widen(*y);
     }
-    reduce32(acc) + tail_dot(&a[whole..], b[whole..].iter().map(|&v| widen(v)))
+    add_tail(reduce32(acc), &a[whole..], &b[whole..], widen)
 }
 
 #[inline(always)]
@@ -238,14 +250,10 @@ pub(crate) fn dot_rows_on(
     match path.isa() {
         // SAFETY: a Path exists only for an ISA the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        super::Isa::Avx512 => unsafe {
-            avx512::for_each_row(out, |j, o| *o = scale * avx512::dot(a, row(j)))
-        },
+        super::Isa::Avx512 => unsafe { avx512::dot_rows(a, rows, stride, scale, out) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        super::Isa::Avx2 => unsafe {
-            avx2::for_each_row(out, |j, o| *o = scale * avx2::dot(a, row(j)))
-        },
+        super::Isa::Avx2 => unsafe { avx2::dot_rows(a, rows, stride, scale, out) },
         _ => out
             .iter_mut()
             .enumerate()
@@ -339,15 +347,23 @@ pub(super) mod avx2 {
         let p = |i: usize| unsafe {
             _mm256_mul_ps(_mm256_loadu_ps(ap.add(i)), _mm256_loadu_ps(bp.add(i)))
         };
-        fold32(whole, p) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
+        super::add_tail(fold32(whole, p), &a[whole..], &b[whole..], |v| v)
     }
 
-    /// `f` on every element of out with its index, compiled for AVX2 so
-    /// that the kernels it calls inline.
+    /// See [`super::dot_rows_on`]; the caller checks the bounds. A function
+    /// of this module, so that `dot` inlines into the loop (a closure
+    /// passed in from outside lacks the target features and keeps it a call).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::kernels) fn for_each_row(out: &mut [f32], mut f: impl FnMut(usize, &mut f32)) {
+    pub(super) unsafe fn dot_rows(
+        a: &[f32],
+        rows: &[f32],
+        stride: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
         for (j, o) in out.iter_mut().enumerate() {
-            f(j, o);
+            // SAFETY: a Path exists only for a CPU with these features.
+            *o = scale * unsafe { dot(a, &rows[j * stride..j * stride + a.len()]) };
         }
     }
 
@@ -436,15 +452,23 @@ pub(super) mod avx512 {
         let p = |i: usize| unsafe {
             _mm512_mul_ps(_mm512_loadu_ps(ap.add(i)), _mm512_loadu_ps(bp.add(i)))
         };
-        fold32(whole, p) + super::tail_dot(&a[whole..], b[whole..].iter().copied())
+        super::add_tail(fold32(whole, p), &a[whole..], &b[whole..], |v| v)
     }
 
-    /// `f` on every element of out with its index, compiled for AVX-512 so
-    /// that the kernels it calls inline.
+    /// See [`super::dot_rows_on`]; the caller checks the bounds. A function
+    /// of this module, so that `dot` inlines into the loop (a closure
+    /// passed in from outside lacks the target features and keeps it a call).
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(in crate::kernels) fn for_each_row(out: &mut [f32], mut f: impl FnMut(usize, &mut f32)) {
+    pub(super) unsafe fn dot_rows(
+        a: &[f32],
+        rows: &[f32],
+        stride: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
         for (j, o) in out.iter_mut().enumerate() {
-            f(j, o);
+            // SAFETY: a Path exists only for a CPU with these features.
+            *o = scale * unsafe { dot(a, &rows[j * stride..j * stride + a.len()]) };
         }
     }
 
