@@ -35,10 +35,10 @@ pub(crate) fn dot_rows_on(path: Path, x: &[f32], rows: &[f16], out: &mut [f32]) 
     match path.isa() {
         // SAFETY: a Path exists only for an ISA the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::dot_rows(x, rows, out) },
+        Isa::Avx512 => unsafe { avx512::dot_rows(x, rows, w, 1.0, out) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::dot_rows(x, rows, out) },
+        Isa::Avx2 => unsafe { avx2::dot_rows(x, rows, w, 1.0, out) },
         _ => out
             .iter_mut()
             .enumerate()
@@ -97,16 +97,7 @@ mod avx2 {
         add_tail(fold32(whole, p), &x[whole..], &w[whole..], f16::to_f32)
     }
 
-    /// See [`super::dot_rows_on`]; the caller checks the bounds. Here, so
-    /// that `dot` inlines into the loop.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn dot_rows(x: &[f32], rows: &[f16], out: &mut [f32]) {
-        let w = x.len();
-        for (j, o) in out.iter_mut().enumerate() {
-            // SAFETY: a Path exists only for a CPU with these features.
-            *o = unsafe { dot(x, &rows[j * w..(j + 1) * w]) };
-        }
-    }
+    super::super::rows::dot_rows_with!("avx2,fma,f16c", f16);
 
     /// w and y of equal length.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -156,16 +147,7 @@ mod avx512 {
         add_tail(fold32(whole, p), &x[whole..], &w[whole..], f16::to_f32)
     }
 
-    /// See [`super::dot_rows_on`]; the caller checks the bounds. Here, so
-    /// that `dot` inlines into the loop.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(crate) unsafe fn dot_rows(x: &[f32], rows: &[f16], out: &mut [f32]) {
-        let w = x.len();
-        for (j, o) in out.iter_mut().enumerate() {
-            // SAFETY: a Path exists only for a CPU with these features.
-            *o = unsafe { dot(x, &rows[j * w..(j + 1) * w]) };
-        }
-    }
+    super::super::rows::dot_rows_with!("avx512f,avx2,fma,f16c", f16);
 
     /// w and y of equal length.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]

@@ -302,6 +302,33 @@ fn axpy_rows_tail(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32], from:
     }
 }
 
+/// Defines `dot_rows(a, rows, stride, scale, out)` in a SIMD module:
+/// out[j] = scale · dot(a, row j) for rows of a's width `stride` apart,
+/// with that module's `dot` for weights of type `$t`; the caller checks the
+/// bounds. A function of each module, compiled with its features, so that
+/// `dot` inlines into the loop: a closure or function from outside, compiled
+/// without them, keeps it a call.
+#[cfg(target_arch = "x86_64")]
+macro_rules! dot_rows_with {
+    ($features:literal, $t:ty) => {
+        #[target_feature(enable = $features)]
+        pub(in crate::kernels) unsafe fn dot_rows(
+            a: &[f32],
+            rows: &[$t],
+            stride: usize,
+            scale: f32,
+            out: &mut [f32],
+        ) {
+            for (j, o) in out.iter_mut().enumerate() {
+                // SAFETY: a Path exists only for a CPU with these features.
+                *o = scale * unsafe { dot(a, &rows[j * stride..j * stride + a.len()]) };
+            }
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+pub(super) use dot_rows_with;
+
 /// 256-bit registers: the 32 lanes of the dot contract are four registers.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx2 {
@@ -350,22 +377,7 @@ pub(super) mod avx2 {
         super::add_tail(fold32(whole, p), &a[whole..], &b[whole..], |v| v)
     }
 
-    /// See [`super::dot_rows_on`]; the caller checks the bounds. A function
-    /// of this module, so that `dot` inlines into the loop (a closure
-    /// passed in from outside lacks the target features and keeps it a call).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_rows(
-        a: &[f32],
-        rows: &[f32],
-        stride: usize,
-        scale: f32,
-        out: &mut [f32],
-    ) {
-        for (j, o) in out.iter_mut().enumerate() {
-            // SAFETY: a Path exists only for a CPU with these features.
-            *o = scale * unsafe { dot(a, &rows[j * stride..j * stride + a.len()]) };
-        }
-    }
+    super::dot_rows_with!("avx2,fma,f16c", f32);
 
     /// See [`super::axpy_rows_on`]; the caller checks the bounds. Columns
     /// go 64 at a time (eight registers, one pass over the rows for a head
@@ -455,22 +467,7 @@ pub(super) mod avx512 {
         super::add_tail(fold32(whole, p), &a[whole..], &b[whole..], |v| v)
     }
 
-    /// See [`super::dot_rows_on`]; the caller checks the bounds. A function
-    /// of this module, so that `dot` inlines into the loop (a closure
-    /// passed in from outside lacks the target features and keeps it a call).
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn dot_rows(
-        a: &[f32],
-        rows: &[f32],
-        stride: usize,
-        scale: f32,
-        out: &mut [f32],
-    ) {
-        for (j, o) in out.iter_mut().enumerate() {
-            // SAFETY: a Path exists only for a CPU with these features.
-            *o = scale * unsafe { dot(a, &rows[j * stride..j * stride + a.len()]) };
-        }
-    }
+    super::dot_rows_with!("avx512f,avx2,fma,f16c", f32);
 
     /// See [`super::axpy_rows_on`]; the caller checks the bounds.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
