@@ -370,8 +370,10 @@ mod avx2 {
         _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(quads), acc)
     }
 
-    /// See [`super::dot_rows_on`]; the caller checks the bounds. Here, so
-    /// that `dot` inlines into the loop.
+    /// See [`super::dot_rows_on`]; the caller checks the bounds. Compiled
+    /// with the module's features like the f32 and f16 row loops
+    /// ([`super::super::rows::dot_rows_with`]), but this `dot` is too large
+    /// for the compiler to inline: it stays a call per row.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dot_rows(
         xq: &[i8],

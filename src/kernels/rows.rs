@@ -172,9 +172,10 @@ pub(super) fn add_tail<T: Copy>(folded: f32, x: &[f32], w: &[T], widen: impl Fn(
 /// so that they give the same bits for the same f32 weights: element i of
 /// the whole 16s goes to lane i % 32 as `lane += a·b` (a product, then a
 /// sum: no FMA), the lanes fold by [`reduce32`], and the tail's products
-/// are summed in order and added last ([`add_tail`]). 32 lanes are four chains of adds in
-/// 8-lane registers: with two, the adds' latency held the f16 kernel to
-/// about 30 GB/s a core, too close to its share of memory to keep up with it.
+/// are summed in order and added last ([`add_tail`]). 32 lanes are four
+/// chains of adds in 8-lane registers: with two, the adds' latency held the
+/// f16 kernel to about 30 GB/s a core, too close to its share of memory to
+/// keep up with it.
 fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     dot_lanes(a, b, |v| v)
 }
