@@ -20,26 +20,31 @@ pub fn lm_config(name: &str) -> Option<Config> {
 }
 
 /// Random weights with the statistics of the peer: keys N(0, 1), values and
-/// embeddings N(0, 0.02), final norm identity.
-pub fn random_lm_tensors(cfg: &Config, dtype: DType, device: &Device) -> Result<Tensors> {
+/// embeddings N(0, 0.02), final norm identity. Each tensor is drawn from the
+/// stream of (`seed`, its name) ([`crate::init`]), so a seed gives the same
+/// model on every run and machine; the tensors are drawn in parallel.
+pub fn random_lm_tensors(
+    cfg: &Config,
+    dtype: DType,
+    seed: u64,
+    device: &Device,
+) -> Result<Tensors> {
+    use rayon::prelude::*;
     let d = cfg.hidden_size;
-    let mut t = Tensors::new();
-    let r = |shape: (usize, usize), std: f32| -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, std, shape, device)?.to_dtype(dtype)?)
-    };
-    t.insert(
-        "word_embeddings.weight".into(),
-        r((cfg.vocab_size, d), 0.02)?,
-    );
+    let mut draws = vec![("word_embeddings.weight".to_string(), cfg.vocab_size, 0.02)];
     for i in 0..cfg.num_layers {
         for (m, n) in cfg.pattentions() {
-            t.insert(format!("layers.{i}.{m}.key_param_tokens"), r((n, d), 1.0)?);
-            t.insert(
-                format!("layers.{i}.{m}.value_param_tokens"),
-                r((n, d), 0.02)?,
-            );
+            draws.push((format!("layers.{i}.{m}.key_param_tokens"), n, 1.0));
+            draws.push((format!("layers.{i}.{m}.value_param_tokens"), n, 0.02));
         }
     }
+    let mut t: Tensors = draws
+        .into_par_iter()
+        .map(|(name, rows, std)| {
+            let w = crate::init::normal_tensor((rows, d), std, seed, &name, device)?;
+            Ok((name, w.to_dtype(dtype)?))
+        })
+        .collect::<Result<_>>()?;
     t.insert("final_norm.weight".into(), Tensor::ones(d, dtype, device)?);
     t.insert("final_norm.bias".into(), Tensor::zeros(d, dtype, device)?);
     Ok(t)
@@ -104,5 +109,58 @@ mod tests {
         let want_kl = (0.5 * (1.5f64).ln() + 0.5 * (0.75f64).ln()) / 2.0;
         assert!((kl - want_kl).abs() < 1e-9, "{kl} vs {want_kl}");
         assert!(logit_agreement(&a, &b, &[1, 2]).is_err());
+    }
+
+    #[test]
+    fn random_models_are_seeded_per_tensor_with_the_peer_statistics() {
+        let dev = Device::Cpu;
+        let cfg = Config {
+            vocab_size: 50,
+            ..Config::released(2, 16, 2)
+        };
+        let draw = |seed| random_lm_tensors(&cfg, DType::F32, seed, &dev).unwrap();
+        let (a, b) = (draw(3), draw(4));
+        let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(a.len(), 3 + 2 * 2 * cfg.pattentions().len());
+        for (name, t) in &a {
+            assert_eq!(
+                values(t),
+                values(&draw(3)[name]),
+                "{name}: not reproducible"
+            );
+            if name.starts_with("final_norm") {
+                assert_eq!(values(t), values(&b[name]), "{name}");
+                continue;
+            }
+            assert_ne!(
+                values(t),
+                values(&b[name]),
+                "{name}: the seed changes nothing"
+            );
+            // Each tensor has its own stream (seed, name), not a shared one.
+            let key = &a["layers.0.mlp.key_param_tokens"];
+            if name != "layers.0.mlp.key_param_tokens" && t.dims() == key.dims() {
+                assert_ne!(values(t), values(key), "{name}");
+            }
+            let v = values(t);
+            let std = (v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt();
+            let want = if name.ends_with("key_param_tokens") {
+                1.0
+            } else {
+                0.02
+            };
+            assert!(
+                (std / want - 1.0).abs() < 0.2,
+                "{name}: std {std}, want {want}"
+            );
+        }
+        let half = random_lm_tensors(&cfg, DType::F16, 3, &dev).unwrap();
+        let widened = half["word_embeddings.weight"].to_dtype(DType::F32).unwrap();
+        let rounded = a["word_embeddings.weight"]
+            .to_dtype(DType::F16)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        assert_eq!(values(&widened), values(&rounded));
     }
 }

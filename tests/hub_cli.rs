@@ -195,6 +195,7 @@ fn readme_command_downloads_a_full_size_150m_and_generates() {
     let tensors = tokenformer::synthetic::random_lm_tensors(
         &cfg,
         candle_core::DType::F16,
+        0,
         &candle_core::Device::Cpu,
     )
     .unwrap();

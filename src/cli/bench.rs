@@ -306,10 +306,15 @@ pub fn matmul_gflops(device: &Device) -> Result<f64> {
     Ok(2.0 * 2048f64.powi(3) / secs / 1e9)
 }
 
+/// The seed of the benchmarks' random models: every run measures the same
+/// weights, so the 8-bit accuracy figures (and the greedy tokens) of two runs
+/// or two hosts are of one model.
+const SEED: u64 = 0;
+
 /// Writes random fp16 weights as a model folder (like a converted release).
 pub fn write_random(cfg: &Config, device: &Device) -> Result<tempfile::TempDir> {
     let dir = tempfile::tempdir().map_err(|e| tokenformer::Error::io(std::env::temp_dir(), e))?;
-    let t = random_lm_tensors(cfg, DType::F16, device)?;
+    let t = random_lm_tensors(cfg, DType::F16, SEED, device)?;
     let cfg_path = dir.path().join(tokenformer::loader::CONFIG_FILE);
     std::fs::write(&cfg_path, serde_json::to_string(cfg).expect("serialisable"))
         .map_err(|e| tokenformer::Error::io(&cfg_path, e))?;
@@ -552,20 +557,25 @@ pub fn random_vit_b16(device: &Device) -> Result<(tokenformer::models::vit::Conf
         vocab_size: 1,
         ..Config::released(cfg.num_layers, d, cfg.num_heads)
     };
-    let mut t = random_lm_tensors(&lm_like, DType::F32, device)?;
+    let mut t = random_lm_tensors(&lm_like, DType::F32, SEED, device)?;
     t.retain(|k, _| k.starts_with("layers."));
-    let r = |shape: &[usize], std: f32| -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, std, shape, device)?)
+    let r = |shape: &[usize], name: &str| -> Result<Tensor> {
+        Ok(tokenformer::init::normal_tensor(
+            shape, 0.02, SEED, name, device,
+        )?)
     };
     let zeros = |n: usize| Tensor::zeros(n, DType::F32, device);
     let ones = |n: usize| Tensor::ones(n, DType::F32, device);
     t.insert(
         "patch_embed.weight".into(),
-        r(&[d, cfg.num_channels, p, p], 0.02)?,
+        r(&[d, cfg.num_channels, p, p], "patch_embed.weight")?,
     );
     t.insert("patch_embed.bias".into(), zeros(d)?);
-    t.insert("cls_token".into(), r(&[1, 1, d], 0.02)?);
-    t.insert("pos_embed".into(), r(&[1, cfg.num_patches() + 1, d], 0.02)?);
+    t.insert("cls_token".into(), r(&[1, 1, d], "cls_token")?);
+    t.insert(
+        "pos_embed".into(),
+        r(&[1, cfg.num_patches() + 1, d], "pos_embed")?,
+    );
     // The head's norm: `fc_norm` after mean pooling, `final_norm` before the class token.
     let norm = match cfg.pool {
         vit::Pool::Mean => "fc_norm",
@@ -573,7 +583,10 @@ pub fn random_vit_b16(device: &Device) -> Result<(tokenformer::models::vit::Conf
     };
     t.insert(format!("{norm}.weight"), ones(d)?);
     t.insert(format!("{norm}.bias"), zeros(d)?);
-    t.insert("head.weight".into(), r(&[cfg.num_classes, d], 0.02)?);
+    t.insert(
+        "head.weight".into(),
+        r(&[cfg.num_classes, d], "head.weight")?,
+    );
     t.insert("head.bias".into(), zeros(cfg.num_classes)?);
     Ok((cfg, t))
 }
@@ -630,17 +643,8 @@ mod tests {
             max_position_embeddings: 64,
             ..Config::released(2, 32, 4)
         };
-        // Seeded draws of the random model's shapes, so the test is the same every run.
         let model = |seed: u64| {
-            let mut t = random_lm_tensors(&cfg, DType::F32, &device).unwrap();
-            for (name, w) in t.iter_mut().filter(|(n, _)| !n.starts_with("final_norm")) {
-                let std = if name.ends_with("key_param_tokens") {
-                    1.0
-                } else {
-                    0.02
-                };
-                *w = tokenformer::init::normal_tensor(w.dims(), std, seed, name, &device).unwrap();
-            }
+            let t = random_lm_tensors(&cfg, DType::F32, seed, &device).unwrap();
             TokenFormerLm::new(&cfg, checkpoint::var_builder(t, &device)).unwrap()
         };
         let (a, b) = (model(1), model(2));
