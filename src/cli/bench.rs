@@ -387,6 +387,7 @@ pub fn run_lm(
     let mut out = Map::new();
     out.insert("peer".into(), json!("tokenformer-candle"));
     out.insert("model".into(), json!(name));
+    out.insert("model_seed".into(), json!(SEED));
     out.insert(
         "threads".into(),
         json!(candle_core::utils::get_num_threads()),
