@@ -423,7 +423,8 @@ fn import_gpt_neox_copies_maps_and_reports_honest_fidelity() {
     .unwrap();
     let out = root.path().join("imported");
     let mut args = import_args("gpt-neox", &src, &out);
-    args.extend(["--probe-text", PROBE]);
+    // The mapping alone: its exactness is what is checked here.
+    args.extend(["--probe-text", PROBE, "--fit", "none"]);
     let stdout = ok(&args);
     assert!(stdout.contains("Perplexity on the eval text"), "{stdout}");
 
@@ -580,7 +581,7 @@ fn import_gpt_neox_without_mlp_input_bias_is_near_exact() {
     let src = root.path().join("neox");
     write_model(&src, &neox_config(&n), &neox_tensors(&n, 11, false));
     let out = root.path().join("imp");
-    ok(&import_args("gpt-neox", &src, &out));
+    ok(&[&import_args("gpt-neox", &src, &out)[..], &["--fit", "none"]].concat());
     let report = read_json(&out.join("import_report.json"));
     for l in report["layers"].as_array().unwrap() {
         for k in ["query", "key", "value", "mlp"] {
@@ -667,7 +668,7 @@ fn import_gpt_neox_at_the_usual_init_is_eps_limited_and_says_so() {
     let out = root.path().join("imp");
     let text = import_fixtures().join("pythia-eval.txt");
     let mut args = import_args("gpt-neox", &src, &out);
-    args.extend(["--eval-text", s(&text)]);
+    args.extend(["--eval-text", s(&text), "--fit", "none"]);
     let stdout = ok(&args);
     let report = read_json(&out.join("import_report.json"));
     let l0 = &report["layers"][0];
@@ -1019,7 +1020,7 @@ fn import_vit_transformers_and_timm_layouts() {
     let (out_hf, out_timm) = (root.path().join("tf-hf"), root.path().join("tf-timm"));
     for (src, out) in [(&hf, &out_hf), (&timm, &out_timm)] {
         let mut args = import_args("vit", src, out);
-        args.extend(["--probe-pixels", s(&px)]);
+        args.extend(["--probe-pixels", s(&px), "--fit", "none"]);
         ok(&args);
     }
     let cfg = read_json(&out_hf.join("config.json"));
@@ -1160,7 +1161,7 @@ fn import_pythia_keeps_its_parallel_residual_and_is_exact_where_it_says() {
     let pythia = import_fixtures().join("pythia");
     let mut args = import_args("gpt-neox", &pythia, &out);
     let text = import_fixtures().join("pythia-eval.txt");
-    args.extend(["--eval-text", s(&text)]);
+    args.extend(["--eval-text", s(&text), "--fit", "none"]);
     let stdout = ok(&args);
     let report = read_json(&out.join("import_report.json"));
     let cfg = read_json(&out.join("config.json"));
@@ -1326,7 +1327,11 @@ fn import_vit_uses_each_sources_preprocessing_and_reports_what_the_peers_compute
     let root = tmp();
     for (layout, key) in [("vit-hf", "hf"), ("vit-timm", "timm")] {
         let out = root.path().join(layout);
-        let stdout = ok(&import_args("vit", &import_fixtures().join(layout), &out));
+        let stdout = ok(&[
+            &import_args("vit", &import_fixtures().join(layout), &out)[..],
+            &["--fit", "none"],
+        ]
+        .concat());
         let report = read_json(&out.join("import_report.json"));
         let cfg: tokenformer::models::vit::Config =
             serde_json::from_value(read_json(&out.join("config.json"))).unwrap();
@@ -1472,6 +1477,130 @@ fn import_vit_calibrates_on_the_given_photos_only() {
         "{e}"
     );
     assert!(!root.path().join("x").exists());
+}
+
+/// Top-1 agreement, mean KL(source ‖ import) and relative logit error of import
+/// logits against source logits [n, k], in f64.
+fn agreement(src: &Tensor, imp: &Tensor) -> (f64, f64, f64) {
+    let (ls, li) = (log_softmax64(src), log_softmax64(imp));
+    let n = ls.len() as f64;
+    let argmax = |r: &Vec<f64>| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap();
+    let agree = ls.iter().zip(&li).filter(|(a, b)| argmax(a) == argmax(b));
+    let kl: f64 = ls
+        .iter()
+        .zip(&li)
+        .map(|(a, b)| a.iter().zip(b).map(|(x, y)| x.exp() * (x - y)).sum::<f64>())
+        .sum();
+    (agree.count() as f64 / n, kl / n, rel(imp, src))
+}
+
+#[test]
+fn import_fit_values_beats_the_mapping_on_held_out_data() {
+    // Each random fixture source imported twice, mapped only (`--fit none`) and
+    // fitted (the default), and both measured here against what transformers /
+    // timm compute on held-out data the fit never saw (a text excerpt; the shipped
+    // eval photos, while the fit used the shipped calibration photos).
+    let p = peers();
+    let root = tmp();
+    let text = import_fixtures().join("pythia-eval.txt");
+    let ids = i64_ids(&p["pythia.excerpt.ids"]);
+    let lm_logits = |dir: &Path| {
+        let model = load_lm(dir);
+        let windows: Vec<Tensor> = ids
+            .chunks(128)
+            .map(|w| {
+                let x = Tensor::new(w, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+                model.forward(&x, None).unwrap().squeeze(0).unwrap()
+            })
+            .collect();
+        Tensor::cat(&windows, 0).unwrap()
+    };
+    let cases: [(&str, &str, &str); 3] = [
+        ("pythia", "gpt-neox", "pythia.excerpt"),
+        ("vit-hf", "vit", "hf.eval"),
+        ("vit-timm", "vit", "timm.eval"),
+    ];
+    for (fixture, from, key) in cases {
+        let peer = &p[&format!("{key}.logits")];
+        let mut measured = vec![];
+        let mut reports = vec![];
+        for fit in ["none", "values"] {
+            let out = root.path().join(format!("{fixture}-{fit}"));
+            let src = import_fixtures().join(fixture);
+            let mut args = import_args(from, &src, &out);
+            args.extend(["--fit", fit]);
+            if from == "gpt-neox" {
+                args.extend(["--eval-text", s(&text)]);
+            }
+            let stdout = ok(&args);
+            let report = read_json(&out.join("import_report.json"));
+            let logits = if from == "vit" {
+                load_vit(&out)
+                    .forward(&p[&format!("{key}.pixels")])
+                    .unwrap()
+            } else {
+                lm_logits(&out)
+            };
+            // The report's end-to-end numbers are the written model's.
+            check_agreement(&report["end_to_end"], peer, &logits);
+            measured.push(agreement(peer, &logits));
+            if fit == "values" {
+                assert!(stdout.contains("mapped only -> fitted"), "{stdout}");
+                assert!(stdout.contains("Fitted (the written model)"), "{stdout}");
+            } else {
+                assert!(report.get("fit").is_none(), "{fixture}");
+            }
+            reports.push(report);
+        }
+        let (none, fitted) = (&reports[0], &reports[1]);
+        // The fitted report's "before" is the mapped-only import, run there.
+        let before = &fitted["fit"]["mapped_end_to_end"];
+        for k in ["top1_agreement", "mean_kl", "logits_relative_error"] {
+            let (a, b) = (
+                before[k].as_f64().unwrap(),
+                none["end_to_end"][k].as_f64().unwrap(),
+            );
+            assert!(close(a, b, 1e-4), "{fixture} {k}: {a} vs {b}");
+        }
+        for (l, l0) in fitted["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(none["layers"].as_array().unwrap())
+        {
+            for part in ["query", "key", "value", "proj", "mlp"] {
+                let status = l["status"][part].as_str().unwrap();
+                assert!(status == "exact" || status == "fitted", "{fixture} {l}");
+                let f = &l["fit"][part];
+                assert!(f["mapped"].as_f64().unwrap().is_finite(), "{fixture} {l}");
+                // Layer 0's q/k/v read the source's own embeddings: their running
+                // error before the fit is the mapped import's error on the
+                // source's activations.
+                if l["layer"] == 0 && ["query", "key", "value"].contains(&part) {
+                    let (a, b) = (f["mapped"].as_f64().unwrap(), l0[part].as_f64().unwrap());
+                    assert!(
+                        close(a, b, 1e-3) || (a - b).abs() < 1e-6,
+                        "{fixture} {part}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+        // Held out, the fit is no worse anywhere, and better where it matters.
+        let ((t0, kl0, e0), (t1, kl1, e1)) = (measured[0], measured[1]);
+        eprintln!("{fixture}: top-1 {t0:.4} -> {t1:.4}, KL {kl0:.4e} -> {kl1:.4e}, logit error {e0:.4e} -> {e1:.4e}");
+        assert!(t1 >= t0, "{fixture}: top-1 {t0} -> {t1}");
+        assert!(
+            kl1 < kl0 && e1 < e0,
+            "{fixture}: KL {kl0} -> {kl1}, logits {e0} -> {e1}"
+        );
+        if from == "vit" {
+            // Measured: KL and logit error at least 10% lower on the eval photos.
+            assert!(
+                kl1 < 0.9 * kl0 && e1 < 0.95 * e0,
+                "{fixture}: KL {kl0} -> {kl1}, logits {e0} -> {e1}"
+            );
+        }
+    }
 }
 
 // ---------------------------------------------------------------- merge

@@ -15,6 +15,16 @@ pub enum SourceFamily {
     Vit,
 }
 
+/// What `import` fits on the calibration data beyond the mapping's scales.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum FitMode {
+    /// The analytic mapping only (keys and values from the source's weights).
+    None,
+    /// Keep the mapped keys, solve every Pattention's value tokens by ridge least
+    /// squares on the calibration data, layer by layer.
+    Values,
+}
+
 #[derive(Args, Debug)]
 pub struct ImportArgs {
     /// Source architecture.
@@ -52,4 +62,9 @@ pub struct ImportArgs {
     /// `pixels` [n, 3, H, W] (never used for calibration).
     #[arg(long, value_name = "FILE")]
     pub probe_pixels: Option<PathBuf>,
+    /// `values`: solve each Pattention's value tokens by ridge least squares on the
+    /// calibration data, layer by layer on the import's own activations (its keys
+    /// stay as mapped); `none`: the analytic mapping only.
+    #[arg(long, value_enum, default_value = "values")]
+    pub fit: FitMode,
 }

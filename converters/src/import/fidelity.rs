@@ -200,6 +200,34 @@ pub struct Report {
     pub ignored_buffers: Vec<String>,
     /// What has no home in a TokenFormer and how it was handled.
     pub not_representable: Vec<String>,
+    /// `--fit values`: how the value tokens were fitted, and the mapped-only import
+    /// on the same eval data (`end_to_end` is the fitted, written model's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fit: Option<FitReport>,
+}
+
+/// What `--fit values` did (see `import/fit.rs`).
+#[derive(Clone, Debug, Serialize)]
+pub struct FitReport {
+    pub method: String,
+    /// The λ tried for each fit (per-token ridge λ·diag(AᵀA) towards the mapped
+    /// values), chosen by 2-fold cross-validation over calibration samples.
+    pub ridges_tried: Vec<f64>,
+    /// Calibration rows (tokens, or patches and class tokens) each part was fitted on.
+    pub calibration_rows: usize,
+    /// The import before fitting (the mapping alone), end to end on the eval data.
+    pub mapped_end_to_end: EndToEnd,
+}
+
+impl FitReport {
+    pub fn new(calibration_rows: usize, mapped_end_to_end: EndToEnd) -> Self {
+        Self {
+            method: "value tokens of every Pattention solved by ridge least squares towards the mapped values, keys as mapped, layer by layer on the import's own activations of the calibration data, targets the source's outputs on its own forward".into(),
+            ridges_tried: super::fit::RIDGES.to_vec(),
+            calibration_rows,
+            mapped_end_to_end,
+        }
+    }
 }
 
 pub const REPORT_FILE: &str = "import_report.json";
@@ -246,6 +274,50 @@ fn parts_with(l: &LayerFidelity, want: Exactness) -> Vec<&'static str> {
 }
 
 impl Report {
+    /// The before/after table of a fitted import.
+    fn render_fit(&self, style: Style) -> String {
+        let md = style == Style::Markdown;
+        let mut s = if md {
+            "\nRelative error of each part in the running import, ‖P(x) − f(x_src)‖/‖f(x_src)‖ with x what the import itself feeds it and f(x_src) the source's output on its own forward (so it includes what earlier layers got wrong), mapped only → fitted:\n\n".to_string()
+        } else {
+            "per-layer relative error in the running import (its own activations against the source's outputs, eval data), mapped only -> fitted:\n".to_string()
+        };
+        let row = |cells: &[String]| match style {
+            Style::Terminal => {
+                let widths = [5, 20, 20, 20, 20, 20];
+                let padded: Vec<String> = cells
+                    .iter()
+                    .zip(widths)
+                    .map(|(c, w)| format!("{c:>w$}"))
+                    .collect();
+                padded.join(" ") + "\n"
+            }
+            Style::Markdown => format!("| {} |\n", cells.join(" | ")),
+        };
+        s += &row(&["layer", "query", "key", "value", "proj", "mlp"].map(String::from));
+        if md {
+            s += "|---|---|---|---|---|---|\n";
+        }
+        let arrow = if md { "→" } else { "->" };
+        for l in &self.layers {
+            let Some(f) = &l.fit else { continue };
+            let c =
+                |b: &super::fit::BeforeAfter| format!("{:.3e} {arrow} {:.3e}", b.mapped, b.fitted);
+            s += &row(&[
+                l.layer.to_string(),
+                c(&f.query),
+                c(&f.key),
+                c(&f.value),
+                c(&f.proj),
+                c(&f.mlp),
+            ]);
+        }
+        if md {
+            s.push('\n');
+        }
+        s
+    }
+
     /// What the import prints.
     pub fn print(&self) {
         print!("{}", self.render(Style::Terminal));
@@ -336,9 +408,18 @@ impl Report {
         if md {
             s.push('\n');
         }
-        s += &format!(
-            "exact: reproduces its source part within {EXACT_TOLERANCE:.0e} on the eval data. q/k/v, and the MLP when no pre-activation bias was dropped, are exact constructions on x̂ = x·√d/‖x‖; a LayerNorm output differs from x̂ by √(1 + eps/var) − 1, so they are exact only where var ≫ eps. proj is approximate (a fitted input scale).\n"
-        );
+        if self.fit.is_some() {
+            s += &format!(
+                "exact: reproduces its source part within {EXACT_TOLERANCE:.0e} on the eval data. Every part's value tokens were fitted by least squares on the calibration data (--fit values), so no part is exact by construction: each fit also corrects what earlier layers got wrong, on the import's own activations.\n"
+            );
+        } else {
+            s += &format!(
+                "exact: reproduces its source part within {EXACT_TOLERANCE:.0e} on the eval data. q/k/v, and the MLP when no pre-activation bias was dropped, are exact constructions on x̂ = x·√d/‖x‖; a LayerNorm output differs from x̂ by √(1 + eps/var) − 1, so they are exact only where var ≫ eps. proj is approximate (a fitted input scale).\n"
+            );
+        }
+        if self.fit.is_some() {
+            s += &self.render_fit(style);
+        }
         for l in &self.layers {
             let eps = parts_with(l, Exactness::EpsLimited);
             if !eps.is_empty() {
@@ -363,31 +444,14 @@ impl Report {
             }
         }
         let e = &self.end_to_end;
-        let what = if e.unit == Unit::Tokens {
-            "next-token top-1"
-        } else {
-            "top-1"
-        };
         if md {
             s.push('\n');
         }
-        s += &format!(
-            "End to end on {} eval {}: {what} agreement {:.1}% (95% interval {:.1}–{:.1}%), mean KL(source ‖ import) {:.3e} nats, relative logit error {:.3e}.\n",
-            e.items,
-            e.unit,
-            100.0 * e.top1_agreement,
-            100.0 * e.top1_agreement_95[0],
-            100.0 * e.top1_agreement_95[1],
-            e.mean_kl,
-            e.logits_relative_error
-        );
-        if let (Some(p), Some(i), Some(n)) =
-            (e.source_perplexity, e.import_perplexity, e.predicted_tokens)
-        {
-            s += &format!(
-                "Perplexity on the eval text ({n} predicted tokens): source {p:.4}, import {i:.4} ({:+.2}%).\n",
-                100.0 * (i / p - 1.0)
-            );
+        if let Some(f) = &self.fit {
+            s += &end_to_end_line("Mapped only (before fitting)", &f.mapped_end_to_end);
+            s += &end_to_end_line("Fitted (the written model)", e);
+        } else {
+            s += &end_to_end_line("End to end", e);
         }
         if let Some(n) = &e.sample_note {
             s += &format!("{}{n}.\n", if md { "Note: " } else { "note: " });
@@ -399,6 +463,34 @@ impl Report {
         }
         s
     }
+}
+
+/// One model's end-to-end numbers: agreement, KL, logit error, perplexity.
+fn end_to_end_line(label: &str, e: &EndToEnd) -> String {
+    let what = if e.unit == Unit::Tokens {
+        "next-token top-1"
+    } else {
+        "top-1"
+    };
+    let mut s = format!(
+        "{label} on {} eval {}: {what} agreement {:.1}% (95% interval {:.1}–{:.1}%), mean KL(source ‖ import) {:.3e} nats, relative logit error {:.3e}.\n",
+        e.items,
+        e.unit,
+        100.0 * e.top1_agreement,
+        100.0 * e.top1_agreement_95[0],
+        100.0 * e.top1_agreement_95[1],
+        e.mean_kl,
+        e.logits_relative_error
+    );
+    if let (Some(p), Some(i), Some(n)) =
+        (e.source_perplexity, e.import_perplexity, e.predicted_tokens)
+    {
+        s += &format!(
+            "Perplexity on the eval text ({n} predicted tokens): source {p:.4}, import {i:.4} ({:+.2}%).\n",
+            100.0 * (i / p - 1.0)
+        );
+    }
+    s
 }
 
 /// An importer's own words in the model card.
@@ -459,6 +551,7 @@ mod tests {
                 proj: Exactness::Approximate,
                 mlp,
             },
+            fit: None,
         }
     }
 
@@ -502,6 +595,7 @@ mod tests {
             copied: vec![],
             ignored_buffers: vec![],
             not_representable: vec!["a note".into()],
+            fit: None,
         }
     }
 

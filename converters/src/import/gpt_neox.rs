@@ -18,12 +18,13 @@ use tokenformer::loader;
 use tokenformer::models::tokenformer::{self as lm, Rotary, ScaleTokens};
 use tokenformer::pattention::Activation;
 
-use super::args::ImportArgs;
+use super::args::{FitMode, ImportArgs};
 use super::data::{DataInfo, Split, Text, Unit};
-use super::fidelity::{self, finish, Agreement, CardText, Report};
+use super::fidelity::{self, finish, Agreement, CardText, FitReport, Report};
+use super::fit::{fit_values, FitInputs, ImportBlock, RunningCheck};
 use super::mapping::{Calibration, LayerCheck, Mapping};
 use super::source::{
-    layer_norm, run_layers, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
+    layer_norm, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer, Stack,
 };
 use crate::output::ModelFolder;
 
@@ -331,17 +332,32 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         let h = layer_norm(h, &src.final_norm, cfg.eps)?.squeeze(0)?;
         Ok(h.matmul(&src.embed_out.as_ref().unwrap_or(&src.embed_in).t()?)?)
     };
-    let mix = Mixing::Causal(&rotary);
+    let stack = Stack {
+        num_heads: cfg.num_heads,
+        eps: cfg.eps,
+        mixing: Mixing::Causal(&rotary),
+        parallel: cfg.parallel_residual,
+    };
     // Texts longer than the context run as consecutive windows, each from position 0.
     let window = max.min(MAX_WINDOW);
 
     // The output projections' (and eps-limited inputs') scales, fitted on the calibration text.
     let mut calibration = Calibration::new(&src.body);
+    let mut fit_inputs = FitInputs { batches: vec![] };
     for w in calib_ids.chunks(window) {
-        let (_, traces) = run_layers(&src.body, &embed(w)?, &mix, cfg.parallel_residual)?;
+        let x = embed(w)?;
+        let (_, traces) = stack.run(&src.body.layers, &x)?;
         calibration.add(&src.body, &traces)?;
+        fit_inputs.batches.push(x);
     }
-    let imported = calibration.import(&src.body, &map)?;
+    let mapped = calibration.import(&src.body, &map)?;
+    // --fit values: the value tokens solved on the same calibration windows.
+    let fitted = match a.fit {
+        FitMode::Values => Some(fit_values(&stack, &src.body, &fit_inputs, &mapped, &map)?),
+        FitMode::None => None,
+    };
+    let (fitted, ridges) = fitted.unzip();
+    let imported = fitted.as_ref().unwrap_or(&mapped);
 
     // The TokenFormer tensors.
     let mut tensors = Tensors::new();
@@ -406,16 +422,39 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
 
     // The written folder, loaded as any user would, against the source on the eval text.
     let model = loader::load_lm(&folder.files()?, &dev)?;
-    let mut check = LayerCheck::new(&imported, &map)?;
+    let mut check = LayerCheck::new(imported, &map)?;
     let mut agreement = Agreement::default();
+    // A fitted import is also compared with the mapping it started from, both run
+    // here layer by layer so that each part's running error can be measured.
+    let blocks = |ls: &[super::mapping::ImportedLayer]| -> Result<Vec<ImportBlock>> {
+        ls.iter().map(|l| ImportBlock::new(l, &map)).collect()
+    };
+    let (mapped_blocks, fitted_blocks) = (blocks(&mapped)?, blocks(imported)?);
+    let mut running = RunningCheck::new(cfg.num_layers);
+    let mut mapped_agreement = Agreement::default();
     for w in eval_ids.chunks(window) {
-        let (h, traces) = run_layers(&src.body, &embed(w)?, &mix, cfg.parallel_residual)?;
+        let x = embed(w)?;
+        let (h, traces) = stack.run(&src.body.layers, &x)?;
         check.add(&traces)?;
+        let src_logits = source_logits(&h)?;
         let imp_logits = model
             .forward(&Tensor::new(w, &dev)?.unsqueeze(0)?, None)?
             .squeeze(0)?;
-        agreement.add(&source_logits(&h)?, &imp_logits, Some(&w[1..]))?;
+        agreement.add(&src_logits, &imp_logits, Some(&w[1..]))?;
+        if fitted.is_some() {
+            let (hm, mapped_traces) = stack.run(&mapped_blocks, &x)?;
+            let (_, fitted_traces) = stack.run(&fitted_blocks, &x)?;
+            running.add(&traces, &mapped_traces, &fitted_traces)?;
+            mapped_agreement.add(&src_logits, &source_logits(&hm)?, Some(&w[1..]))?;
+        }
     }
+    let layer_fit = fitted
+        .is_some()
+        .then(|| running.finish(ridges.as_deref().unwrap_or(&[])));
+    let fit = fitted.is_some().then(|| {
+        let rows = fit_inputs.batches.iter().map(|x| x.dims()[1]).sum();
+        FitReport::new(rows, mapped_agreement.finish(Unit::Tokens))
+    });
     let not_rep = vec![
         "MLP pre-activation biases (dense_h_to_4h.bias + W·post_attention_layernorm.bias): no constant score exists for LayerNorm outputs; dropped, norms per layer in `dropped_mlp_bias_norm`".to_string(),
         "input/post-attention LayerNorm weights and biases: folded into the following Pattention keys and bias tokens (exact)".to_string(),
@@ -429,11 +468,12 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         evaluation: eval_info,
         eval_images: None,
         parallel_residual: Some(cfg.parallel_residual),
-        layers: check.finish(&imported, cfg.eps),
+        layers: check.finish(imported, cfg.eps, layer_fit.as_deref()),
         end_to_end: agreement.finish(Unit::Tokens),
         copied,
         ignored_buffers: buffers,
         not_representable: not_rep,
+        fit,
     };
     let residual = if cfg.parallel_residual {
         "The parallel residual (x + attn(LN x) + mlp(LN x)) is kept: config `parallel_residual`."

@@ -11,6 +11,7 @@ use tokenformer::checkpoint::Tensors;
 use tokenformer::models::tokenformer::PATTENTIONS;
 use tokenformer::pattention::{Activation, Pattention};
 
+use super::fit::LayerFit;
 use super::source::{Dense, LayerTrace, Norm, SourceBody, SourceLayer};
 
 /// How a linear layer or an MLP becomes a Pattention layer.
@@ -281,6 +282,10 @@ pub enum Exactness {
     EpsLimited,
     /// A fitted constant (proj) or a dropped term (the MLP's pre-activation bias).
     Approximate,
+    /// Value tokens solved by least squares on the calibration data (`--fit
+    /// values`): no longer exact by construction, since each fit also absorbs what
+    /// earlier layers got wrong; "exact" only where measured within [`EXACT_TOLERANCE`].
+    Fitted,
 }
 
 /// [`Exactness`] of each part of a layer.
@@ -319,9 +324,13 @@ pub struct LayerFidelity {
     pub attn_eps_error: f64,
     pub mlp_eps_error: f64,
     pub status: PartStatus,
+    /// `--fit values`: each part's error in the running import before and after the fit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fit: Option<LayerFit>,
 }
 
 /// Source layer `i` as its five Pattention layers (q, k, v, proj, mlp).
+#[derive(Clone)]
 pub struct ImportedLayer {
     /// (keys, values) in [`PATTENTIONS`] order.
     pub parts: [(Tensor, Tensor); 5],
@@ -421,8 +430,14 @@ impl LayerCheck {
         Ok(())
     }
 
-    /// The fidelity of each layer, with `eps` the source's LayerNorm eps.
-    pub fn finish(&self, imported: &[ImportedLayer], eps: f64) -> Vec<LayerFidelity> {
+    /// The fidelity of each layer, with `eps` the source's LayerNorm eps and `fit`
+    /// the before/after errors of a fitted import (None: mapped only).
+    pub fn finish(
+        &self,
+        imported: &[ImportedLayer],
+        eps: f64,
+        fit: Option<&[LayerFit]>,
+    ) -> Vec<LayerFidelity> {
         imported
             .iter()
             .enumerate()
@@ -439,7 +454,13 @@ impl LayerCheck {
                 let eps_error = |k: usize| (1.0 + ratio(k)).sqrt() - 1.0;
                 // q/k/v always, the MLP when no bias was dropped, are exact constructions.
                 let status = |j: usize, k: usize, exact_construction: bool| {
-                    if !exact_construction {
+                    if fit.is_some() {
+                        if err(j) <= EXACT_TOLERANCE {
+                            Exactness::Exact
+                        } else {
+                            Exactness::Fitted
+                        }
+                    } else if !exact_construction {
                         Exactness::Approximate
                     } else if err(j) <= EXACT_TOLERANCE {
                         Exactness::Exact
@@ -468,9 +489,10 @@ impl LayerCheck {
                         query: status(0, 0, true),
                         key: status(1, 0, true),
                         value: status(2, 0, true),
-                        proj: Exactness::Approximate,
+                        proj: status(3, 0, false),
                         mlp: status(4, 1, l.dropped_mlp_bias_norm == 0.0),
                     },
+                    fit: fit.map(|f| f[i]),
                 }
             })
             .collect()

@@ -19,6 +19,7 @@
 mod args;
 mod data;
 mod fidelity;
+mod fit;
 mod gpt_neox;
 mod mapping;
 mod source;

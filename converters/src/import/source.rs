@@ -279,6 +279,7 @@ pub struct LayerTrace {
 }
 
 /// Token-token attention of the source.
+#[derive(Clone, Copy)]
 pub enum Mixing<'a> {
     /// Causal with rotary positions from 0 (GPT-NeoX).
     Causal(&'a Rotary),
@@ -327,32 +328,83 @@ fn rows(x: &Tensor) -> candle_core::Result<Tensor> {
     x.reshape((x.elem_count() / d, d))
 }
 
-/// Runs all layers on x [b, t, d]; `parallel` is GPT-NeoX's parallel residual
-/// (x + attn(ln1 x) + mlp(ln2 x)) instead of the sequential pre-norm block.
-pub fn run_layers(
-    body: &SourceBody,
-    x: &Tensor,
-    mixing: &Mixing,
-    parallel: bool,
-) -> candle_core::Result<(Tensor, Vec<LayerTrace>)> {
-    let (b, t, d) = x.dims3()?;
-    let (h, hd) = (body.num_heads, d / body.num_heads);
-    let mut x = x.clone();
-    let mut traces = Vec::with_capacity(body.layers.len());
-    for l in &body.layers {
-        let (u1, var1) = standardise_var(&x, body.eps)?;
-        let h1 = u1
-            .broadcast_mul(&l.ln1.weight)?
-            .broadcast_add(&l.ln1.bias)?;
-        let (q, k, v) = (
-            linear(&h1, &l.query)?,
-            linear(&h1, &l.key)?,
-            linear(&h1, &l.value)?,
-        );
+/// A pre-norm block's three branches, on LayerNorm outputs without affine: the
+/// source's linear layers (its norms' affine applied first), or the imported
+/// Pattention layers, so that one forward ([`run_layer`]) traces both.
+pub trait Block {
+    /// q, k, v [b, t, d] of the standardised input u [b, t, d].
+    fn qkv(&self, u: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)>;
+    /// The output projection of the attention output o [b, t, d].
+    fn proj(&self, o: &Tensor) -> candle_core::Result<Tensor>;
+    /// The MLP of the standardised input u [b, t, d].
+    fn mlp(&self, u: &Tensor) -> candle_core::Result<Tensor>;
+}
+
+impl Block for SourceLayer {
+    fn qkv(&self, u: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let h = u
+            .broadcast_mul(&self.ln1.weight)?
+            .broadcast_add(&self.ln1.bias)?;
+        Ok((
+            linear(&h, &self.query)?,
+            linear(&h, &self.key)?,
+            linear(&h, &self.value)?,
+        ))
+    }
+
+    fn proj(&self, o: &Tensor) -> candle_core::Result<Tensor> {
+        linear(o, &self.dense)
+    }
+
+    fn mlp(&self, u: &Tensor) -> candle_core::Result<Tensor> {
+        let h = u
+            .broadcast_mul(&self.ln2.weight)?
+            .broadcast_add(&self.ln2.bias)?;
+        linear(&linear(&h, &self.fc1)?.gelu_erf()?, &self.fc2)
+    }
+}
+
+/// How every layer of a stack runs: heads, LayerNorm eps, token mixing and
+/// residual (`parallel`: GPT-NeoX's x + attn(ln1 x) + mlp(ln2 x) instead of the
+/// sequential pre-norm block).
+pub struct Stack<'a> {
+    pub num_heads: usize,
+    pub eps: f64,
+    pub mixing: Mixing<'a>,
+    pub parallel: bool,
+}
+
+impl Stack<'_> {
+    /// Runs `layers` in order on x [b, t, d]: the output and each layer's trace.
+    pub fn run<B: Block>(
+        &self,
+        layers: &[B],
+        x: &Tensor,
+    ) -> candle_core::Result<(Tensor, Vec<LayerTrace>)> {
+        let mut x = x.clone();
+        let mut traces = Vec::with_capacity(layers.len());
+        for l in layers {
+            let (next, trace) = self.run_layer(l, &x)?;
+            traces.push(trace);
+            x = next;
+        }
+        Ok((x, traces))
+    }
+
+    /// One layer on x [b, t, d]: its output and trace.
+    pub fn run_layer<B: Block>(
+        &self,
+        l: &B,
+        x: &Tensor,
+    ) -> candle_core::Result<(Tensor, LayerTrace)> {
+        let (b, t, d) = x.dims3()?;
+        let (h, hd) = (self.num_heads, d / self.num_heads);
+        let (u1, var1) = standardise_var(x, self.eps)?;
+        let (q, k, v) = l.qkv(&u1)?;
         let heads = |y: &Tensor| y.reshape((b, t, h, hd))?.transpose(1, 2)?.contiguous();
         let (mut qh, mut kh, vh) = (heads(&q)?, heads(&k)?, heads(&v)?);
         let mut scores_mask = None;
-        if let Mixing::Causal(rotary) = mixing {
+        if let Mixing::Causal(rotary) = &self.mixing {
             qh = rotary.apply(&qh, 0)?;
             kh = rotary.apply(&kh, 0)?;
             let m: Vec<f32> = (0..t)
@@ -366,14 +418,11 @@ pub fn run_layers(
         }
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
         let o = probs.matmul(&vh)?.transpose(1, 2)?.reshape((b, t, d))?;
-        let a = linear(&o, &l.dense)?;
-        let mlp_input = if parallel { x.clone() } else { (&x + &a)? };
-        let (u2, var2) = standardise_var(&mlp_input, body.eps)?;
-        let h2 = u2
-            .broadcast_mul(&l.ln2.weight)?
-            .broadcast_add(&l.ln2.bias)?;
-        let m = linear(&linear(&h2, &l.fc1)?.gelu_erf()?, &l.fc2)?;
-        traces.push(LayerTrace {
+        let a = l.proj(&o)?;
+        let mlp_input = if self.parallel { x.clone() } else { (x + &a)? };
+        let (u2, var2) = standardise_var(&mlp_input, self.eps)?;
+        let m = l.mlp(&u2)?;
+        let trace = LayerTrace {
             attn_in: rows(&u1)?,
             attn_var: var1.flatten_all()?,
             query: rows(&q)?,
@@ -384,8 +433,7 @@ pub fn run_layers(
             mlp_in: rows(&u2)?,
             mlp_var: var2.flatten_all()?,
             mlp_out: rows(&m)?,
-        });
-        x = ((x + a)? + m)?;
+        };
+        Ok(((x + a)?.add(&m)?, trace))
     }
-    Ok((x, traces))
 }

@@ -18,12 +18,13 @@ use tokenformer::models::vit::{self, Interpolation, Pool, ResizeMode};
 use tokenformer::pattention::Activation;
 use tokenformer::vision::EvalTransform;
 
-use super::args::ImportArgs;
+use super::args::{FitMode, ImportArgs};
 use super::data::{Images, Split, Unit};
-use super::fidelity::{finish, Agreement, CardText, Report};
-use super::mapping::{Calibration, LayerCheck, Mapping};
+use super::fidelity::{finish, Agreement, CardText, FitReport, Report};
+use super::fit::{fit_values, FitInputs, ImportBlock, RunningCheck};
+use super::mapping::{Calibration, ImportedLayer, LayerCheck, Mapping};
 use super::source::{
-    layer_norm, run_layers, Dense, LayerTrace, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer,
+    layer_norm, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer, Stack,
 };
 use crate::output::ModelFolder;
 
@@ -299,11 +300,28 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         "--calibration-images",
         Split::Calibration,
     )?;
+    let stack = Stack {
+        num_heads: src.body.num_heads,
+        eps: src.body.eps,
+        mixing: Mixing::Bidirectional,
+        parallel: false,
+    };
     let mut calibration = Calibration::new(&src.body);
+    let mut fit_inputs = FitInputs { batches: vec![] };
     for_batches(&calib, &transform, &dev, |px| {
-        calibration.add(&src.body, &vit_forward(&src, px)?.1)
+        let x = vit_embed(&src, px)?;
+        calibration.add(&src.body, &stack.run(&src.body.layers, &x)?.1)?;
+        fit_inputs.batches.push(x);
+        Ok(())
     })?;
-    let imported = calibration.import(&src.body, &map)?;
+    let mapped = calibration.import(&src.body, &map)?;
+    // --fit values: the value tokens solved on the same calibration photos.
+    let fitted = match a.fit {
+        FitMode::Values => Some(fit_values(&stack, &src.body, &fit_inputs, &mapped, &map)?),
+        FitMode::None => None,
+    };
+    let (fitted, ridges) = fitted.unzip();
+    let imported = fitted.as_ref().unwrap_or(&mapped);
     let mut tensors = src.copies.clone();
     for (i, l) in imported.iter().enumerate() {
         l.insert_into(i, &mut tensors);
@@ -316,12 +334,29 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let model = loader::load_vit(&folder.files()?, &dev)?;
 
     // Source and import on the held-out photos.
-    let mut check = LayerCheck::new(&imported, &map)?;
+    let mut check = LayerCheck::new(imported, &map)?;
     let mut agreement = Agreement::default();
+    // A fitted import is also compared with the mapping it started from, both run
+    // here layer by layer so that each part's running error can be measured.
+    let blocks = |ls: &[ImportedLayer]| -> Result<Vec<ImportBlock>> {
+        ls.iter().map(|l| ImportBlock::new(l, &map)).collect()
+    };
+    let (mapped_blocks, fitted_blocks) = (blocks(&mapped)?, blocks(imported)?);
+    let mut running = RunningCheck::new(src.body.layers.len());
+    let mut mapped_agreement = Agreement::default();
     let mut measure = |px: &Tensor| -> Result<()> {
-        let (src_logits, traces) = vit_forward(&src, px)?;
+        let x = vit_embed(&src, px)?;
+        let (h, traces) = stack.run(&src.body.layers, &x)?;
         check.add(&traces)?;
-        agreement.add(&src_logits, &model.forward(px)?, None)
+        let src_logits = vit_head(&src, &h)?;
+        agreement.add(&src_logits, &model.forward(px)?, None)?;
+        if fitted.is_some() {
+            let (hm, mapped_traces) = stack.run(&mapped_blocks, &x)?;
+            let (_, fitted_traces) = stack.run(&fitted_blocks, &x)?;
+            running.add(&traces, &mapped_traces, &fitted_traces)?;
+            mapped_agreement.add(&src_logits, &vit_head(&src, &hm)?, None)?;
+        }
+        Ok(())
     };
     let (evaluation, eval_images) = match &a.probe_pixels {
         Some(p) => {
@@ -346,7 +381,18 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             (eval.info, Some(names))
         }
     };
-    let layers = check.finish(&imported, src.body.eps);
+    let layer_fit = fitted
+        .is_some()
+        .then(|| running.finish(ridges.as_deref().unwrap_or(&[])));
+    let layers = check.finish(imported, src.body.eps, layer_fit.as_deref());
+    let fit = fitted.is_some().then(|| {
+        let rows = fit_inputs
+            .batches
+            .iter()
+            .map(|x| x.dims()[0] * x.dims()[1])
+            .sum();
+        FitReport::new(rows, mapped_agreement.finish(Unit::Images))
+    });
     let report = Report {
         source: a.input.clone(),
         from: format!("vit ({})", src.meta.layout),
@@ -365,6 +411,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             "norm1/norm2 weights and biases: folded into the following Pattention keys and bias tokens (exact)".into(),
             "attention output projection input scale: a Pattention is scale-invariant in its input; a per-layer constant is fitted on the calibration images (`proj_input_scale`)".into(),
         ],
+        fit,
     };
     let card = CardText {
         title: format!(
@@ -389,13 +436,10 @@ fn triple(pre: &Value, key: &str, default: [f32; 3]) -> [f32; 3] {
         .unwrap_or(default)
 }
 
-/// The source ViT classifier: logits [b, classes] of normalised pixels
-/// [b, C, H, W], with the per-layer traces. The patch embedding is the
-/// stride-p convolution it is in both layouts.
-pub fn vit_forward(
-    src: &VitSource,
-    pixels: &Tensor,
-) -> candle_core::Result<(Tensor, Vec<LayerTrace>)> {
+/// The source ViT's layer input x [b, tokens, d] of normalised pixels [b, C, H, W]:
+/// the stride-p convolution the patch embedding is in both layouts, the class
+/// token and the position embedding.
+pub fn vit_embed(src: &VitSource, pixels: &Tensor) -> candle_core::Result<Tensor> {
     let p = src.meta.patch_size;
     let x = pixels.conv2d(&src.patch_w, 0, p, 1, 1)?; // [b, d, g, g]
     let (b, d, gh, gw) = x.dims4()?;
@@ -404,14 +448,18 @@ pub fn vit_forward(
         .transpose(1, 2)?
         .broadcast_add(&src.patch_b)?;
     let cls = src.cls.broadcast_as((b, 1, d))?;
-    let x = Tensor::cat(&[&cls, &x], 1)?.broadcast_add(&src.pos)?;
-    let (h, traces) = run_layers(&src.body, &x, &Mixing::Bidirectional, false)?;
+    Tensor::cat(&[&cls, &x], 1)?.broadcast_add(&src.pos)
+}
+
+/// Logits [b, classes] of the last layer's output h [b, tokens, d]: class token or
+/// mean of the patch tokens, the final norm and the head (copied, so the same for
+/// the source and the import).
+pub fn vit_head(src: &VitSource, h: &Tensor) -> candle_core::Result<Tensor> {
     let feat = if src.meta.pool == Pool::Cls {
         layer_norm(&h.narrow(1, 0, 1)?.squeeze(1)?, &src.norm, src.body.eps)?
     } else {
         let n = h.dim(1)? - 1;
         layer_norm(&h.narrow(1, 1, n)?.mean(1)?, &src.norm, src.body.eps)?
     };
-    let logits = feat.matmul(&src.head_w.t()?)?.broadcast_add(&src.head_b)?;
-    Ok((logits, traces))
+    feat.matmul(&src.head_w.t()?)?.broadcast_add(&src.head_b)
 }

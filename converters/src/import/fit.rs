@@ -1,0 +1,791 @@
+//! `--fit values` (the default): "fit, don't only map". Every imported Pattention
+//! keeps the key tokens [`Mapping`] gives it, and its value tokens are solved by
+//! ridge least squares on calibration activations, layer by layer in order as GPTQ
+//! calibrates (Frantar et al. 2022, <https://arxiv.org/abs/2210.17323>): layer i is
+//! fitted on the inputs that the already-fitted imported layers 0..i produce, so
+//! each fit also corrects what earlier layers got wrong.
+//!
+//! With A = Θ(x·Kᵀ) [rows, n], x what the import itself feeds the Pattention, and
+//! Y [rows, out] the source's output of the same part for the same calibration
+//! rows on the source's own forward (its trace), the values are
+//! V = (AᵀA + Λ)⁻¹ (AᵀY + Λ·V₀): ridge regression towards the mapped values V₀,
+//! not towards 0, so a direction the calibration data does not determine keeps
+//! the mapping's value (few calibration rows often have fewer rows than tokens),
+//! and an exact part whose data it fits exactly stays exactly as mapped.
+//! Λ = λ·diag(AᵀA), λ = [`RIDGE`]: one ridge per token relative to its own
+//! activation scale, because the mapping's tokens differ by ~10⁶ in scale by
+//! construction (anchors score ~κ_A, bias tokens ~κ_b): a single λ relative to
+//! trace(AᵀA)/n would leave everything but the anchors at V₀. A token that no
+//! calibration row activates keeps V₀ (its penalty floor, [`FLOOR`]·trace/n).
+//! AᵀA and AᵀY are accumulated in f64 over the batches and solved by a Cholesky
+//! factorisation in f64 written here ([`cholesky`]: n is at most a few thousand
+//! tokens, and nothing else in the workspace factorises matrices).
+//!
+//! Why the target is the source's trace and not the source layer applied to the
+//! import's own input: the latter only reproduces the source layer locally and
+//! carries the drift of earlier layers on; regressing onto what the source
+//! computed at this point for the same sample asks each layer to produce what the
+//! source produced there, which is what the next layers (and the head) expect.
+
+use anyhow::{bail, ensure, Result};
+use candle_core::{DType, Module, Tensor};
+use serde::Serialize;
+use tokenformer::pattention::{theta, Activation, Pattention};
+
+use super::mapping::{ImportedLayer, Mapping};
+use super::source::{standardise, Block, LayerTrace, SourceBody, Stack};
+
+/// The smallest ridge of a token, relative to trace(AᵀA)/n.
+pub const FLOOR: f64 = 1e-12;
+
+/// The imported layer `l` as a [`Block`], its five Pattention layers in
+/// [`tokenformer::models::tokenformer::PATTENTIONS`] order.
+pub struct ImportBlock([Pattention; 5]);
+
+impl ImportBlock {
+    pub fn new(l: &ImportedLayer, map: &Mapping) -> Result<Self> {
+        let p = |j: usize| map.pattention(&l.parts[j]);
+        Ok(Self([p(0)?, p(1)?, p(2)?, p(3)?, p(4)?]))
+    }
+}
+
+impl Block for ImportBlock {
+    fn qkv(&self, u: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        Ok((
+            self.0[0].forward(u)?,
+            self.0[1].forward(u)?,
+            self.0[2].forward(u)?,
+        ))
+    }
+    fn proj(&self, o: &Tensor) -> candle_core::Result<Tensor> {
+        self.0[3].forward(o)
+    }
+    fn mlp(&self, u: &Tensor) -> candle_core::Result<Tensor> {
+        self.0[4].forward(u)
+    }
+}
+
+/// The ridges tried, each λ of Λ = λ·diag(AᵀA); the mapping itself (λ = ∞) is
+/// the last candidate.
+pub const RIDGES: [f64; 7] = [1e-6, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0];
+
+/// AᵀA and AᵀY of one Pattention's values (or of several sharing their keys: q, k
+/// and v), accumulated in f64 over calibration batches, in two folds of
+/// calibration samples so that λ can be chosen on held-out samples.
+pub struct NormalEquations {
+    folds: [Fold; 2],
+}
+
+#[derive(Clone)]
+struct Fold {
+    ata: Option<Tensor>,
+    aty: Vec<Option<Tensor>>,
+}
+
+/// A fold's or their sum's normal equations as f64 vectors: AᵀA [n, n] and each AᵀY.
+struct Dense64 {
+    ata: Vec<f64>,
+    aty: Vec<Vec<f64>>,
+}
+
+/// What [`NormalEquations::solve`] chose.
+pub struct Solved {
+    /// The values [n, out] of each target, f32.
+    pub values: Vec<Tensor>,
+    /// The chosen λ, or None where no λ beat the mapped values on held-out samples
+    /// (they are kept).
+    pub ridge: Option<f64>,
+}
+
+impl NormalEquations {
+    /// For `targets` right-hand sides.
+    pub fn new(targets: usize) -> Self {
+        let f = Fold {
+            ata: None,
+            aty: vec![None; targets],
+        };
+        Self {
+            folds: [f.clone(), f],
+        }
+    }
+
+    /// Adds rows A [rows, n] and each target Y [rows, out] to fold 0 or 1.
+    pub fn add(&mut self, fold: usize, a: &Tensor, ys: &[&Tensor]) -> Result<()> {
+        let f = &mut self.folds[fold % 2];
+        ensure!(ys.len() == f.aty.len(), "one target per right-hand side");
+        let a = a.to_dtype(DType::F64)?;
+        let at = a.t()?;
+        let sum = |acc: &mut Option<Tensor>, t: Tensor| -> Result<()> {
+            *acc = Some(match acc.take() {
+                Some(s) => (s + t)?,
+                None => t,
+            });
+            Ok(())
+        };
+        sum(&mut f.ata, at.matmul(&a)?)?;
+        for (acc, y) in f.aty.iter_mut().zip(ys) {
+            sum(acc, at.matmul(&y.to_dtype(DType::F64)?)?)?;
+        }
+        Ok(())
+    }
+
+    /// The values towards `priors` (V₀ [n, out] each): λ from [`RIDGES`] (or V₀
+    /// itself) by 2-fold cross-validation, each fold's error on the other's
+    /// solution, then the solution on both folds with that λ.
+    pub fn solve(&self, priors: &[&Tensor]) -> Result<Solved> {
+        let dev = priors[0].device().clone();
+        let outs: Vec<usize> = priors
+            .iter()
+            .map(|p| p.dim(1))
+            .collect::<candle_core::Result<_>>()?;
+        let v0: Vec<Vec<f64>> = priors
+            .iter()
+            .map(|p| Ok(p.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?))
+            .collect::<Result<_>>()?;
+        let as_f32 = |v: &[Vec<f64>]| -> Result<Vec<Tensor>> {
+            v.iter()
+                .zip(&outs)
+                .map(|(v, &out)| {
+                    let f: Vec<f32> = v.iter().map(|&x| x as f32).collect();
+                    let rows = f.len() / out;
+                    Ok(Tensor::from_vec(f, (rows, out), &dev)?)
+                })
+                .collect()
+        };
+        let folds = match &self.folds {
+            [Fold { ata: Some(_), .. }, Fold { ata: Some(_), .. }] => self
+                .folds
+                .iter()
+                .map(|f| {
+                    Ok(Dense64 {
+                        ata: f.ata.as_ref().expect("matched").flatten_all()?.to_vec1()?,
+                        aty: f
+                            .aty
+                            .iter()
+                            .map(|t| {
+                                Ok(t.as_ref().expect("set with ata").flatten_all()?.to_vec1()?)
+                            })
+                            .collect::<Result<_>>()?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+            // Fewer than two calibration samples: nothing to validate on.
+            _ => {
+                return Ok(Solved {
+                    values: as_f32(&v0)?,
+                    ridge: None,
+                })
+            }
+        };
+        let n = (folds[0].ata.len() as f64).sqrt() as usize;
+        let heldout = |v: &[Vec<f64>], k: usize| {
+            v.iter()
+                .zip(&folds[k].aty)
+                .zip(&outs)
+                .map(|((v, r), &out)| quadratic_error(&folds[k].ata, r, v, n, out))
+                .sum::<f64>()
+        };
+        let mut best = (heldout(&v0, 0) + heldout(&v0, 1), None);
+        for &lambda in &RIDGES {
+            let mut err = 0.0;
+            for k in 0..2 {
+                let v = ridge_solve(&folds[1 - k], &v0, n, &outs, lambda)?;
+                err += heldout(&v, k);
+            }
+            if err < best.0 {
+                best = (err, Some(lambda));
+            }
+        }
+        let Some(lambda) = best.1 else {
+            return Ok(Solved {
+                values: as_f32(&v0)?,
+                ridge: None,
+            });
+        };
+        let sum =
+            |a: &[f64], b: &[f64]| -> Vec<f64> { a.iter().zip(b).map(|(x, y)| x + y).collect() };
+        let all = Dense64 {
+            ata: sum(&folds[0].ata, &folds[1].ata),
+            aty: folds[0]
+                .aty
+                .iter()
+                .zip(&folds[1].aty)
+                .map(|(a, b)| sum(a, b))
+                .collect(),
+        };
+        Ok(Solved {
+            values: as_f32(&ridge_solve(&all, &v0, n, &outs, lambda)?)?,
+            ridge: Some(lambda),
+        })
+    }
+}
+
+/// ‖A V − Y‖² − ‖Y‖² = tr(Vᵀ AᵀA V) − 2·tr(Vᵀ AᵀY), from the normal equations.
+fn quadratic_error(ata: &[f64], aty: &[f64], v: &[f64], n: usize, out: usize) -> f64 {
+    let mut e = 0.0;
+    for i in 0..n {
+        let gi = &ata[i * n..(i + 1) * n];
+        for c in 0..out {
+            let gv: f64 = gi.iter().enumerate().map(|(k, g)| g * v[k * out + c]).sum();
+            e += v[i * out + c] * (gv - 2.0 * aty[i * out + c]);
+        }
+    }
+    e
+}
+
+/// V = (AᵀA + Λ)⁻¹(AᵀY + Λ·V₀) for each target, Λ = λ·diag(AᵀA) (floored).
+fn ridge_solve(
+    eq: &Dense64,
+    v0: &[Vec<f64>],
+    n: usize,
+    outs: &[usize],
+    lambda: f64,
+) -> Result<Vec<Vec<f64>>> {
+    let penalty = ridge_penalty(&eq.ata, n, lambda);
+    let mut l = eq.ata.clone();
+    for (i, p) in penalty.iter().enumerate() {
+        l[i * n + i] += p;
+    }
+    cholesky(&mut l, n)?;
+    eq.aty
+        .iter()
+        .zip(v0)
+        .zip(outs)
+        .map(|((aty, v0), &out)| {
+            ensure!(
+                v0.len() == n * out && aty.len() == n * out,
+                "prior of the wrong shape"
+            );
+            let mut b = aty.clone();
+            for (i, p) in penalty.iter().enumerate() {
+                for (bj, vj) in b[i * out..(i + 1) * out]
+                    .iter_mut()
+                    .zip(&v0[i * out..(i + 1) * out])
+                {
+                    *bj += p * vj;
+                }
+            }
+            cholesky_solve(&l, n, &mut b, out);
+            Ok(b)
+        })
+        .collect()
+}
+
+/// Λ's diagonal: λ·(AᵀA)ᵢᵢ, at least [`FLOOR`]·trace/n (and positive).
+fn ridge_penalty(gram: &[f64], n: usize, lambda: f64) -> Vec<f64> {
+    let trace: f64 = (0..n).map(|i| gram[i * n + i]).sum();
+    let floor = (FLOOR * trace / n as f64).max(f64::MIN_POSITIVE);
+    (0..n)
+        .map(|i| lambda * gram[i * n + i].max(floor))
+        .collect()
+}
+
+/// The lower Cholesky factor L of a symmetric positive definite m [n, n]
+/// (row-major), in place (L Lᵀ = m; above the diagonal is left as it was).
+/// Row by row (Cholesky–Banachiewicz): every inner product runs over two
+/// contiguous row prefixes.
+pub fn cholesky(m: &mut [f64], n: usize) -> Result<()> {
+    ensure!(
+        m.len() == n * n,
+        "cholesky: {} entries for n = {n}",
+        m.len()
+    );
+    for i in 0..n {
+        for j in 0..=i {
+            let (done, row_i) = m.split_at_mut(i * n);
+            let row_j: &[f64] = if j < i {
+                &done[j * n..j * n + j]
+            } else {
+                &row_i[..j]
+            };
+            let dot: f64 = row_i[..j].iter().zip(row_j).map(|(a, b)| a * b).sum();
+            let s = row_i[j] - dot;
+            if j == i {
+                if s.is_nan() || s <= 0.0 || s.is_infinite() {
+                    bail!("the fit's normal equations are not positive definite (pivot {i} of {n} is {s:e}): are the calibration activations finite?");
+                }
+                row_i[i] = s.sqrt();
+            } else {
+                row_i[j] = s / done[j * n + j];
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Solves L Lᵀ X = B in place, B [n, cols] row-major, L from [`cholesky`].
+pub fn cholesky_solve(l: &[f64], n: usize, b: &mut [f64], cols: usize) {
+    // L Z = B, row by row: Z_i = (B_i − Σ_{k<i} L_ik Z_k) / L_ii.
+    for i in 0..n {
+        let (done, rest) = b.split_at_mut(i * cols);
+        let row = &mut rest[..cols];
+        for k in 0..i {
+            let lik = l[i * n + k];
+            if lik != 0.0 {
+                for (x, z) in row.iter_mut().zip(&done[k * cols..(k + 1) * cols]) {
+                    *x -= lik * z;
+                }
+            }
+        }
+        let d = l[i * n + i];
+        row.iter_mut().for_each(|x| *x /= d);
+    }
+    // Lᵀ X = Z, from the last row: X_i = (Z_i − Σ_{k>i} L_ki X_k) / L_ii.
+    for i in (0..n).rev() {
+        let (head, tail) = b.split_at_mut((i + 1) * cols);
+        let row = &mut head[i * cols..];
+        for k in i + 1..n {
+            let lki = l[k * n + i];
+            if lki != 0.0 {
+                let xk = &tail[(k - i - 1) * cols..(k - i) * cols];
+                for (x, z) in row.iter_mut().zip(xk) {
+                    *x -= lki * z;
+                }
+            }
+        }
+        let d = l[i * n + i];
+        row.iter_mut().for_each(|x| *x /= d);
+    }
+}
+
+/// Θ(x·Kᵀ) [rows, n] of a Pattention with `keys` [n, d] on x [rows, d].
+fn activations(map: &Mapping, keys: &Tensor, x: &Tensor) -> Result<Tensor> {
+    Ok(theta(
+        &x.matmul(&keys.t()?)?,
+        Activation::L2NormGelu,
+        map.scale_tokens,
+    )?)
+}
+
+/// The calibration data of a fit: the embedded inputs [b, t, d] of each batch.
+pub struct FitInputs {
+    pub batches: Vec<Tensor>,
+}
+
+/// Adds a batch's rows A [b·t, n] and targets [b·t, out] to `eq`: each sample
+/// (image, or text window) to fold (its index) mod 2, `next` counting samples
+/// across batches; with a single sample in all (`single`), its two halves.
+fn add_samples(
+    eq: &mut NormalEquations,
+    a: &Tensor,
+    ys: &[&Tensor],
+    (b, t): (usize, usize),
+    next: &mut usize,
+    single: bool,
+) -> Result<()> {
+    let parts: Vec<(usize, usize, usize)> = if single {
+        vec![(0, 0, t / 2), (1, t / 2, t - t / 2)]
+    } else {
+        (0..b).map(|j| ((*next + j) % 2, j * t, t)).collect()
+    };
+    *next += b;
+    for (fold, start, len) in parts {
+        if len == 0 {
+            continue;
+        }
+        let ys: Vec<Tensor> = ys
+            .iter()
+            .map(|y| y.narrow(0, start, len))
+            .collect::<candle_core::Result<_>>()?;
+        let ys: Vec<&Tensor> = ys.iter().collect();
+        eq.add(fold, &a.narrow(0, start, len)?, &ys)?;
+    }
+    Ok(())
+}
+
+/// The λ chosen for each layer's q/k/v, proj and MLP values (None: mapping kept).
+pub type Ridges = [Option<f64>; 3];
+
+/// Every layer of `mapped` with its value tokens fitted as the module says: layer
+/// by layer, and within a layer q/k/v first (one AᵀA: they share their keys),
+/// then the output projection on the attention output of the fitted q/k/v, then
+/// the MLP on what the fitted attention leaves.
+pub fn fit_values(
+    stack: &Stack,
+    body: &SourceBody,
+    inputs: &FitInputs,
+    mapped: &[ImportedLayer],
+    map: &Mapping,
+) -> Result<(Vec<ImportedLayer>, Vec<Ridges>)> {
+    // The source's and the import's running activations of each batch.
+    let mut src_x = inputs.batches.clone();
+    let mut imp_x = inputs.batches.clone();
+    let shapes: Vec<(usize, usize)> = inputs
+        .batches
+        .iter()
+        .map(|x| Ok((x.dim(0)?, x.dim(1)?)))
+        .collect::<Result<_>>()?;
+    let single = shapes.iter().map(|s| s.0).sum::<usize>() == 1;
+    let mut fitted = Vec::with_capacity(mapped.len());
+    let mut ridges = Vec::with_capacity(mapped.len());
+    for (l, m) in body.layers.iter().zip(mapped) {
+        let src: Vec<(Tensor, LayerTrace)> = src_x
+            .iter()
+            .map(|x| stack.run_layer(l, x))
+            .collect::<candle_core::Result<_>>()?;
+        let mut layer = m.clone();
+        let mut chosen = [None; 3];
+        let keys = layer.parts[0].0.clone();
+        ensure!(
+            (1..3).all(|j| layer.parts[j].0.dims() == keys.dims()),
+            "q/k/v keys differ"
+        );
+        let mut qkv = NormalEquations::new(3);
+        let mut next = 0;
+        for ((x, (_, t)), &shape) in imp_x.iter().zip(&src).zip(&shapes) {
+            let u = standardise(x, stack.eps)?;
+            let d = u.dim(2)?;
+            let a = activations(map, &keys, &u.reshape((u.elem_count() / d, d))?)?;
+            let ys = [&t.query, &t.key, &t.value];
+            add_samples(&mut qkv, &a, &ys, shape, &mut next, single)?;
+        }
+        let solved = qkv.solve(&[&layer.parts[0].1, &layer.parts[1].1, &layer.parts[2].1])?;
+        chosen[0] = solved.ridge;
+        for (j, v) in solved.values.into_iter().enumerate() {
+            layer.parts[j].1 = v;
+        }
+        // The output projection, then the MLP, each on the inputs the parts fitted
+        // before it produce.
+        for (k, j, input, target) in [
+            (1, 3, proj_in as Pick, proj_out as Pick),
+            (2, 4, mlp_in, mlp_out),
+        ] {
+            let block = ImportBlock::new(&layer, map)?;
+            let mut eq = NormalEquations::new(1);
+            let mut next = 0;
+            for ((x, (_, t)), &shape) in imp_x.iter().zip(&src).zip(&shapes) {
+                let (_, it) = stack.run_layer(&block, x)?;
+                let a = activations(map, &layer.parts[j].0, input(&it))?;
+                add_samples(&mut eq, &a, &[target(t)], shape, &mut next, single)?;
+            }
+            let solved = eq.solve(&[&layer.parts[j].1])?;
+            chosen[k] = solved.ridge;
+            layer.parts[j].1 = solved.values.into_iter().next().expect("one target");
+        }
+        let block = ImportBlock::new(&layer, map)?;
+        for x in imp_x.iter_mut() {
+            *x = stack.run_layer(&block, x)?.0;
+        }
+        src_x = src.into_iter().map(|(next, _)| next).collect();
+        fitted.push(layer);
+        ridges.push(chosen);
+    }
+    Ok((fitted, ridges))
+}
+
+type Pick = fn(&LayerTrace) -> &Tensor;
+fn proj_in(t: &LayerTrace) -> &Tensor {
+    &t.proj_in
+}
+fn proj_out(t: &LayerTrace) -> &Tensor {
+    &t.proj_out
+}
+fn mlp_in(t: &LayerTrace) -> &Tensor {
+    &t.mlp_in
+}
+fn mlp_out(t: &LayerTrace) -> &Tensor {
+    &t.mlp_out
+}
+
+/// One part's relative error in the running model on the eval data, before
+/// (mapped only) and after the fit.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct BeforeAfter {
+    pub mapped: f64,
+    pub fitted: f64,
+}
+
+/// Per layer, each part's [`BeforeAfter`]: ‖P(x) − f(x_src)‖/‖f(x_src)‖ with x what
+/// the import itself feeds the part (mapped or fitted import) and f(x_src) the
+/// source's output of it on its own forward, all over the eval data. Unlike the
+/// per-layer errors on the source's activations, these include what earlier
+/// layers got wrong, which is what the fit corrects.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct LayerFit {
+    /// The λ chosen (relative, per token, see `import/fit.rs`) for the q/k/v, proj
+    /// and MLP values; null where the mapped values were kept.
+    pub ridge: Ridges,
+    pub query: BeforeAfter,
+    pub key: BeforeAfter,
+    pub value: BeforeAfter,
+    pub proj: BeforeAfter,
+    pub mlp: BeforeAfter,
+}
+
+/// [`LayerFit`]s accumulated over eval batches.
+pub struct RunningCheck {
+    /// Per layer and part: (‖mapped − src‖², ‖fitted − src‖², ‖src‖²).
+    sums: Vec<[[f64; 3]; 5]>,
+}
+
+fn outputs(t: &LayerTrace) -> [&Tensor; 5] {
+    [&t.query, &t.key, &t.value, &t.proj_out, &t.mlp_out]
+}
+
+fn sq(a: &Tensor) -> Result<f64> {
+    Ok(a.to_dtype(DType::F64)?
+        .sqr()?
+        .sum_all()?
+        .to_scalar::<f64>()?)
+}
+
+impl RunningCheck {
+    pub fn new(layers: usize) -> Self {
+        Self {
+            sums: vec![[[0.0; 3]; 5]; layers],
+        }
+    }
+
+    /// Adds one batch's traces of the source, the mapped and the fitted import.
+    pub fn add(
+        &mut self,
+        src: &[LayerTrace],
+        mapped: &[LayerTrace],
+        fitted: &[LayerTrace],
+    ) -> Result<()> {
+        for (i, ((s, m), f)) in src.iter().zip(mapped).zip(fitted).enumerate() {
+            for (j, ((s, m), f)) in outputs(s)
+                .into_iter()
+                .zip(outputs(m))
+                .zip(outputs(f))
+                .enumerate()
+            {
+                self.sums[i][j][0] += sq(&(m - s)?)?;
+                self.sums[i][j][1] += sq(&(f - s)?)?;
+                self.sums[i][j][2] += sq(s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// With the ridges [`fit_values`] chose.
+    pub fn finish(&self, ridges: &[Ridges]) -> Vec<LayerFit> {
+        let rel = |num: f64, den: f64| {
+            if den > 0.0 {
+                (num / den).sqrt()
+            } else {
+                num.sqrt()
+            }
+        };
+        self.sums
+            .iter()
+            .zip(ridges)
+            .map(|(l, &ridge)| {
+                let p = |j: usize| BeforeAfter {
+                    mapped: rel(l[j][0], l[j][2]),
+                    fitted: rel(l[j][1], l[j][2]),
+                };
+                LayerFit {
+                    ridge,
+                    query: p(0),
+                    key: p(1),
+                    value: p(2),
+                    proj: p(3),
+                    mlp: p(4),
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// A small deterministic stream in [-1, 1).
+    fn spread(n: usize, salt: f64) -> Vec<f64> {
+        (0..n)
+            .map(|i| ((i as f64 * 0.754_877_666 + salt).fract() - 0.5) * 2.0)
+            .collect()
+    }
+
+    /// X of M X = B [n, cols] by Gaussian elimination with partial pivoting: an
+    /// independent solver for the checks below.
+    fn gauss(mut m: Vec<f64>, n: usize, mut b: Vec<f64>, cols: usize) -> Vec<f64> {
+        for c in 0..n {
+            let p = (c..n)
+                .max_by(|&x, &y| m[x * n + c].abs().total_cmp(&m[y * n + c].abs()))
+                .unwrap();
+            for k in 0..n {
+                m.swap(c * n + k, p * n + k);
+            }
+            for k in 0..cols {
+                b.swap(c * cols + k, p * cols + k);
+            }
+            for r in c + 1..n {
+                let f = m[r * n + c] / m[c * n + c];
+                for k in c..n {
+                    m[r * n + k] -= f * m[c * n + k];
+                }
+                for k in 0..cols {
+                    b[r * cols + k] -= f * b[c * cols + k];
+                }
+            }
+        }
+        let mut x = vec![0.0; n * cols];
+        for r in (0..n).rev() {
+            for k in 0..cols {
+                let s: f64 = (r + 1..n).map(|j| m[r * n + j] * x[j * cols + k]).sum();
+                x[r * cols + k] = (b[r * cols + k] - s) / m[r * n + r];
+            }
+        }
+        x
+    }
+
+    fn t(v: &[f64], r: usize, c: usize) -> Tensor {
+        let v: Vec<f32> = v.iter().map(|&x| x as f32).collect();
+        Tensor::from_vec(v, (r, c), &Device::Cpu).unwrap()
+    }
+
+    fn to_vec(t: &Tensor) -> Vec<f64> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// Y = A·V of a full-rank A [rows, n] rounded to f32, in f64.
+    fn product(a: &[f64], v: &[f64], rows: usize, n: usize, out: usize) -> Vec<f64> {
+        (0..rows)
+            .flat_map(|r| {
+                (0..out).map(move |c| (0..n).map(|k| a[r * n + k] * v[k * out + c]).sum())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_exact_system_is_solved_exactly() {
+        // A [8, 3] of full column rank in both folds and Y = A·V: every fold's
+        // solution is V, so the smallest λ wins and the solution is V (up to it),
+        // whatever the prior.
+        let a = [
+            1.0, 0.0, 2.0, 0.0, 1.0, -1.0, 1.0, 1.0, 0.0, 0.5, 0.0, 1.0, //
+            2.0, 1.0, 0.0, 0.0, -1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 0.5,
+        ];
+        let v = [1.0, -2.0, 0.5, 3.0, -1.0, 0.25];
+        let y = product(&a, &v, 8, 3, 2);
+        let mut eq = NormalEquations::new(1);
+        for (fold, start) in [(0, 0), (1, 4)] {
+            let yb = t(&y[start * 2..(start + 4) * 2], 4, 2);
+            eq.add(fold, &t(&a[start * 3..(start + 4) * 3], 4, 3), &[&yb])
+                .unwrap();
+        }
+        let solved = eq.solve(&[&t(&[9.0; 6], 3, 2)]).unwrap();
+        assert_eq!(solved.ridge, Some(RIDGES[0]));
+        let got = to_vec(&solved.values[0]);
+        for (g, w) in got.iter().zip(v) {
+            assert!((g - w).abs() < 1e-4, "{got:?} vs {v:?}");
+        }
+    }
+
+    #[test]
+    fn the_ridge_solve_equals_gaussian_elimination_of_the_same_normal_equations() {
+        // 40 rows, 12 tokens (one never active, which keeps its prior), 3 outputs;
+        // the tokens' scales differ by 1e4 as the mapping's do.
+        let (rows, n, out) = (40, 12, 3);
+        let mut a = spread(rows * n, 0.1);
+        for r in 0..rows {
+            a[r * n + 3] *= 1e-4;
+            a[r * n + 7] = 0.0;
+        }
+        let f = |v: &[f64]| -> Vec<f64> { v.iter().map(|&x| x as f32 as f64).collect() };
+        let (a, y, prior) = (f(&a), f(&spread(rows * out, 0.4)), f(&spread(n * out, 0.8)));
+        // The normal equations, written out here.
+        let mut ata = vec![0.0; n * n];
+        let mut aty = vec![0.0; n * out];
+        for r in 0..rows {
+            for i in 0..n {
+                for j in 0..n {
+                    ata[i * n + j] += a[r * n + i] * a[r * n + j];
+                }
+                for k in 0..out {
+                    aty[i * out + k] += a[r * n + i] * y[r * out + k];
+                }
+            }
+        }
+        let eq = Dense64 {
+            ata: ata.clone(),
+            aty: vec![aty.clone()],
+        };
+        let trace: f64 = (0..n).map(|i| ata[i * n + i]).sum();
+        for lambda in [1e-6, 1e-2, 1.0] {
+            let got = ridge_solve(&eq, &[prior.clone()], n, &[out], lambda).unwrap();
+            let (mut m, mut b) = (ata.clone(), aty.clone());
+            for i in 0..n {
+                let p = lambda * ata[i * n + i].max(FLOOR * trace / n as f64);
+                m[i * n + i] += p;
+                for k in 0..out {
+                    b[i * out + k] += p * prior[i * out + k];
+                }
+            }
+            let want = gauss(m, n, b, out);
+            for (i, (x, w)) in got[0].iter().zip(&want).enumerate() {
+                assert!(
+                    (x - w).abs() <= 1e-8 * w.abs().max(1.0),
+                    "λ {lambda}, {i}: {x} vs {w}"
+                );
+            }
+            // The token no row activates keeps its prior.
+            for k in 0..out {
+                assert!((got[0][7 * out + k] - prior[7 * out + k]).abs() < 1e-12);
+            }
+        }
+        // Accumulated in two folds by candle in f64, the same equations.
+        let mut acc = NormalEquations::new(1);
+        acc.add(0, &t(&a[..15 * n], 15, n), &[&t(&y[..15 * out], 15, out)])
+            .unwrap();
+        acc.add(1, &t(&a[15 * n..], 25, n), &[&t(&y[15 * out..], 25, out)])
+            .unwrap();
+        let sum = |k: usize| -> Vec<f64> {
+            let f = &acc.folds[k];
+            to_vec(f.ata.as_ref().unwrap())
+        };
+        let (g0, g1) = (sum(0), sum(1));
+        for (i, w) in ata.iter().enumerate() {
+            assert!((g0[i] + g1[i] - w).abs() <= 1e-9 * w.abs().max(1.0));
+        }
+    }
+
+    #[test]
+    fn noise_keeps_the_mapped_values() {
+        // Targets unrelated to A and a prior of 0 (the best predictor of noise): no
+        // λ beats the prior on the held-out fold, so it is kept.
+        let (rows, n) = (40, 6);
+        let a = spread(rows * n, 0.3);
+        let y: Vec<f64> = (0..rows)
+            .map(|r| if r % 2 == 0 { 1.0 } else { -1.0 })
+            .collect();
+        let mut eq = NormalEquations::new(1);
+        for (fold, start, len) in [(0, 0, 20), (1, 20, 20)] {
+            eq.add(
+                fold,
+                &t(&a[start * n..(start + len) * n], len, n),
+                &[&t(&y[start..start + len], len, 1)],
+            )
+            .unwrap();
+        }
+        let solved = eq.solve(&[&t(&[0.0; 6], n, 1)]).unwrap();
+        let v = to_vec(&solved.values[0]);
+        assert!(
+            solved.ridge.is_none() || v.iter().all(|x| x.abs() < 0.2),
+            "{:?} {v:?}",
+            solved.ridge
+        );
+    }
+
+    #[test]
+    fn cholesky_factors_and_refuses_what_is_not_positive_definite() {
+        let mut m = vec![4.0, 2.0, 2.0, 3.0];
+        cholesky(&mut m, 2).unwrap();
+        let l = [m[0], m[2], m[3]];
+        assert_eq!(l, [2.0, 1.0, 2f64.sqrt()]);
+        let mut bad = vec![1.0, 2.0, 2.0, 1.0];
+        let e = cholesky(&mut bad, 2).unwrap_err().to_string();
+        assert!(e.contains("not positive definite"), "{e}");
+        let mut nan = vec![f64::NAN];
+        assert!(cholesky(&mut nan, 1).is_err());
+    }
+}
