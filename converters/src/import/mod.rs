@@ -21,6 +21,7 @@ mod data;
 mod fidelity;
 mod fit;
 mod gpt_neox;
+mod linalg;
 mod mapping;
 mod source;
 mod vit;
