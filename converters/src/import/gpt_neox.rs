@@ -480,6 +480,11 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     } else {
         "The sequential residual is kept."
     };
+    let fitted_note = if report.fit.is_some() {
+        " The value tokens of every Pattention were then fitted by ridge least squares on the calibration data, layer by layer on the import's own activations (`--fit values`); the fidelity section gives each part's error before and after."
+    } else {
+        ""
+    };
     let card = CardText {
         title: format!(
             "TokenFormer LM imported from GPT-NeoX ({} layers, d {})",
@@ -489,7 +494,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         model: format!(
             "A TokenFormer language model initialised from the GPT-NeoX checkpoint `{}` by `tokenformer-convert import --from gpt-neox` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Embeddings, final norm and the untied output matrix are copied unchanged. {residual}",
             a.input, config.qkv_tokens, config.proj_tokens, config.ffn_tokens, map.scale_tokens
-        ),
+        ) + fitted_note,
     };
     finish(&a.input, folder, &report, card)
 }

@@ -10,7 +10,8 @@
 //! key-value-memory reading of Geva et al. 2021 (<https://arxiv.org/abs/2012.14913>):
 //! keys = rows of W_in, values = columns of W_out. The tool runs the source
 //! model (a plain candle forward, [`source`]) on calibration data to fit the one
-//! constant per layer the mapping cannot copy, then runs the source and the
+//! constant per layer the mapping cannot copy and, by default, every Pattention's
+//! value tokens by least squares, layer by layer ([`fit`]), then runs the source and the
 //! import on held-out eval data ([`data`]: the user's, or real samples shipped
 //! with the tool) and reports per-layer ([`mapping`]: which parts are exact, under
 //! what condition) and end-to-end ([`fidelity`]) fidelity. One importer per

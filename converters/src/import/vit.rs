@@ -413,6 +413,11 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         ],
         fit,
     };
+    let fitted_note = if report.fit.is_some() {
+        " The value tokens of every Pattention were then fitted by ridge least squares on the calibration data, layer by layer on the import's own activations (`--fit values`); the fidelity section gives each part's error before and after."
+    } else {
+        ""
+    };
     let card = CardText {
         title: format!(
             "TokenFormer-ViT imported from {} ({} layers, d {})",
@@ -422,7 +427,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         model: format!(
             "A TokenFormer image classifier initialised from the {} checkpoint `{}` by `tokenformer-convert import --from vit` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Patch embedding, class token, position embedding, final norm and head are copied unchanged. Preprocessing: {}.",
             src.meta.layout, a.input, 4 * d, 4 * d, src.meta.intermediate_size + 4 * d, map.scale_tokens, src.meta.preprocessing
-        ),
+        ) + fitted_note,
     };
     finish(&a.input, folder, &report, card)
 }
