@@ -278,13 +278,13 @@ impl Report {
     fn render_fit(&self, style: Style) -> String {
         let md = style == Style::Markdown;
         let mut s = if md {
-            "\nRelative error of each part in the running import, ‖P(x) − f(x_src)‖/‖f(x_src)‖ with x what the import itself feeds it and f(x_src) the source's output on its own forward (so it includes what earlier layers got wrong), mapped only → fitted:\n\n".to_string()
+            "\nRelative error of each part in the running import, ‖P(x) − f(x_src)‖/‖f(x_src)‖ with x what the import itself feeds it and f(x_src) the source's output on its own forward (so it includes what earlier layers got wrong), mapped only → fitted, and the ridge λ each fit chose (kept: no λ beat the mapped values on held-out calibration samples):\n\n".to_string()
         } else {
-            "per-layer relative error in the running import (its own activations against the source's outputs, eval data), mapped only -> fitted:\n".to_string()
+            "per-layer relative error in the running import (its own activations against the source's outputs, eval data), mapped only -> fitted, and the ridge chosen (kept: the mapped values):\n".to_string()
         };
         let row = |cells: &[String]| match style {
             Style::Terminal => {
-                let widths = [5, 20, 20, 20, 20, 20];
+                let widths = [5, 20, 20, 20, 20, 20, 18];
                 let padded: Vec<String> = cells
                     .iter()
                     .zip(widths)
@@ -294,15 +294,26 @@ impl Report {
             }
             Style::Markdown => format!("| {} |\n", cells.join(" | ")),
         };
-        s += &row(&["layer", "query", "key", "value", "proj", "mlp"].map(String::from));
+        let ridge = if md {
+            "λ qkv, proj, mlp"
+        } else {
+            "lambda qkv/proj/mlp"
+        };
+        s += &row(&["layer", "query", "key", "value", "proj", "mlp", ridge].map(String::from));
         if md {
-            s += "|---|---|---|---|---|---|\n";
+            s += "|---|---|---|---|---|---|---|\n";
         }
         let arrow = if md { "→" } else { "->" };
         for l in &self.layers {
             let Some(f) = &l.fit else { continue };
             let c =
                 |b: &super::fit::BeforeAfter| format!("{:.3e} {arrow} {:.3e}", b.mapped, b.fitted);
+            // "kept": no λ beat the mapped values on held-out calibration samples.
+            let lambdas: Vec<String> = f
+                .ridge
+                .iter()
+                .map(|r| r.map_or("kept".into(), |r| format!("{r:.0e}")))
+                .collect();
             s += &row(&[
                 l.layer.to_string(),
                 c(&f.query),
@@ -310,10 +321,8 @@ impl Report {
                 c(&f.value),
                 c(&f.proj),
                 c(&f.mlp),
+                lambdas.join(if md { ", " } else { "/" }),
             ]);
-        }
-        if md {
-            s.push('\n');
         }
         s
     }
@@ -417,9 +426,6 @@ impl Report {
                 "exact: reproduces its source part within {EXACT_TOLERANCE:.0e} on the eval data. q/k/v, and the MLP when no pre-activation bias was dropped, are exact constructions on x̂ = x·√d/‖x‖; a LayerNorm output differs from x̂ by √(1 + eps/var) − 1, so they are exact only where var ≫ eps. proj is approximate (a fitted input scale).\n"
             );
         }
-        if self.fit.is_some() {
-            s += &self.render_fit(style);
-        }
         for l in &self.layers {
             let eps = parts_with(l, Exactness::EpsLimited);
             if !eps.is_empty() {
@@ -442,6 +448,9 @@ impl Report {
                     err(e)
                 );
             }
+        }
+        if self.fit.is_some() {
+            s += &self.render_fit(style);
         }
         let e = &self.end_to_end;
         if md {
@@ -649,6 +658,36 @@ mod tests {
         let img = report(false).render(Style::Terminal);
         assert!(img.contains("End to end on 2 eval images: top-1 agreement 50.0%"));
         assert!(!img.contains("Perplexity"));
+    }
+
+    #[test]
+    fn a_fitted_import_shows_before_and_after() {
+        use super::super::fit::{BeforeAfter, LayerFit};
+        let mut r = report(false);
+        let ba = |mapped, fitted| BeforeAfter { mapped, fitted };
+        r.layers[0].fit = Some(LayerFit {
+            ridge: [Some(1e-2), None, Some(10.0)],
+            query: ba(1e-6, 5e-7),
+            key: ba(1e-6, 5e-7),
+            value: ba(1e-6, 5e-7),
+            proj: ba(0.25, 0.125),
+            mlp: ba(0.5, 0.25),
+        });
+        r.layers.truncate(1);
+        r.fit = Some(FitReport::new(136, r.end_to_end.clone()));
+        let s = r.render(Style::Terminal);
+        assert!(s.contains("no part is exact by construction"), "{s}");
+        assert!(
+            s.contains("    0 1.000e-6 -> 5.000e-7 1.000e-6 -> 5.000e-7 1.000e-6 -> 5.000e-7 2.500e-1 -> 1.250e-1 5.000e-1 -> 2.500e-1      1e-2/kept/1e1\n"),
+            "{s}"
+        );
+        assert!(s.contains("Mapped only (before fitting) on 2 eval images: top-1 agreement 50.0%"));
+        assert!(s.contains("Fitted (the written model) on 2 eval images: top-1 agreement 50.0%"));
+        let md = r.markdown();
+        assert!(md.contains("| 0 | 1.000e-6 → 5.000e-7 | 1.000e-6 → 5.000e-7 | 1.000e-6 → 5.000e-7 | 2.500e-1 → 1.250e-1 | 5.000e-1 → 2.500e-1 | 1e-2, kept, 1e1 |\n\nMapped only"), "{md}");
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["layers"][0]["fit"]["ridge"], json!([0.01, null, 10.0]));
+        assert_eq!(json["fit"]["calibration_rows"], 136);
     }
 
     #[test]
