@@ -1585,6 +1585,35 @@ fn import_fit_values_beats_the_mapping_on_held_out_data() {
                 }
             }
         }
+        // The paired change in agreement and its interval.
+        let change = &fitted["fit"]["top1_change"];
+        let diff = fitted["end_to_end"]["top1_agreement"].as_f64().unwrap()
+            - before["top1_agreement"].as_f64().unwrap();
+        let c = change["change"].as_f64().unwrap();
+        assert!((c - diff).abs() < 1e-12, "{fixture}: {change} vs {diff}");
+        let ci = [0, 1].map(|k| change["change_95"][k].as_f64().unwrap());
+        assert!(
+            ci[0] <= c && c <= ci[1] && ci[0] < ci[1],
+            "{fixture}: {change}"
+        );
+        if from == "vit" {
+            let top1 = |dir: &str| -> Vec<u32> {
+                let r = read_json(&root.path().join(dir).join("import_report.json"));
+                serde_json::from_value(r["end_to_end"]["import_top1"].clone()).unwrap()
+            };
+            let peer_top1: Vec<u32> = peer.argmax(D::Minus1).unwrap().to_vec1().unwrap();
+            let (m, f) = (
+                top1(&format!("{fixture}-none")),
+                top1(&format!("{fixture}-values")),
+            );
+            let only = |a: &[u32], b: &[u32]| {
+                (0..peer_top1.len())
+                    .filter(|&i| a[i] == peer_top1[i] && b[i] != peer_top1[i])
+                    .count()
+            };
+            assert_eq!(change["fitted_only"], only(&f, &m), "{fixture}");
+            assert_eq!(change["mapped_only"], only(&m, &f), "{fixture}");
+        }
         // Held out, the fit is no worse anywhere, and better where it matters.
         let ((t0, kl0, e0), (t1, kl1, e1)) = (measured[0], measured[1]);
         eprintln!("{fixture}: top-1 {t0:.4} -> {t1:.4}, KL {kl0:.4e} -> {kl1:.4e}, logit error {e0:.4e} -> {e1:.4e}");

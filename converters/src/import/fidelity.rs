@@ -145,6 +145,64 @@ impl Agreement {
     }
 }
 
+/// Per eval item, whether the mapped and the fitted import pick the source's top-1
+/// class (token): the paired outcomes behind [`AgreementChange`].
+#[derive(Default)]
+pub struct PairedAgreement {
+    both: usize,
+    fitted_only: usize,
+    mapped_only: usize,
+    items: usize,
+}
+
+impl PairedAgreement {
+    /// Adds rows of logits [n, classes] of the source, the mapped and the fitted import.
+    pub fn add(&mut self, src: &Tensor, mapped: &Tensor, fitted: &Tensor) -> Result<()> {
+        let top1 = |t: &Tensor| -> Result<Vec<u32>> {
+            Ok(t.to_dtype(DType::F32)?
+                .argmax(D::Minus1)?
+                .to_vec1::<u32>()?)
+        };
+        let (s, m, f) = (top1(src)?, top1(mapped)?, top1(fitted)?);
+        for ((s, m), f) in s.iter().zip(&m).zip(&f) {
+            match (m == s, f == s) {
+                (true, true) => self.both += 1,
+                (false, true) => self.fitted_only += 1,
+                (true, false) => self.mapped_only += 1,
+                (false, false) => {}
+            }
+        }
+        self.items += s.len();
+        Ok(())
+    }
+
+    pub fn finish(&self) -> AgreementChange {
+        let n = self.items.max(1) as f64;
+        let (lo, hi) =
+            super::data::change_interval(self.both, self.fitted_only, self.mapped_only, self.items);
+        AgreementChange {
+            change: (self.fitted_only as f64 - self.mapped_only as f64) / n,
+            change_95: [lo, hi],
+            fitted_only: self.fitted_only,
+            mapped_only: self.mapped_only,
+        }
+    }
+}
+
+/// How fitting changed top-1 (next-token) agreement with the source on the same
+/// eval items.
+#[derive(Clone, Debug, Serialize)]
+pub struct AgreementChange {
+    /// Fitted agreement − mapped agreement.
+    pub change: f64,
+    /// Its 95 % interval (Newcombe's score interval for paired proportions; the
+    /// items are taken as independent, which tokens of one text only roughly are).
+    pub change_95: [f64; 2],
+    /// Items where only the fitted import agrees with the source, and only the mapped one.
+    pub fitted_only: usize,
+    pub mapped_only: usize,
+}
+
 /// End-to-end comparison on the eval data.
 #[derive(Clone, Debug, Serialize)]
 pub struct EndToEnd {
@@ -217,15 +275,22 @@ pub struct FitReport {
     pub calibration_rows: usize,
     /// The import before fitting (the mapping alone), end to end on the eval data.
     pub mapped_end_to_end: EndToEnd,
+    /// Fitted minus mapped top-1 agreement on the same items, with its 95 % interval.
+    pub top1_change: AgreementChange,
 }
 
 impl FitReport {
-    pub fn new(calibration_rows: usize, mapped_end_to_end: EndToEnd) -> Self {
+    pub fn new(
+        calibration_rows: usize,
+        mapped_end_to_end: EndToEnd,
+        top1_change: AgreementChange,
+    ) -> Self {
         Self {
             method: "value tokens of every Pattention solved by ridge least squares towards the mapped values, keys as mapped, layer by layer on the import's own activations of the calibration data, targets the source's outputs on its own forward".into(),
             ridges_tried: super::fit::RIDGES.to_vec(),
             calibration_rows,
             mapped_end_to_end,
+            top1_change,
         }
     }
 }
@@ -459,6 +524,17 @@ impl Report {
         if let Some(f) = &self.fit {
             s += &end_to_end_line("Mapped only (before fitting)", &f.mapped_end_to_end);
             s += &end_to_end_line("Fitted (the written model)", e);
+            let c = &f.top1_change;
+            s += &format!(
+                "Fitting changed {} agreement by {:+.1} points (95% interval {:+.1} to {:+.1}): {} {} where only the fitted import agrees with the source, {} where only the mapped one does.\n",
+                if e.unit == Unit::Tokens { "next-token" } else { "top-1" },
+                100.0 * c.change,
+                100.0 * c.change_95[0],
+                100.0 * c.change_95[1],
+                c.fitted_only,
+                e.unit,
+                c.mapped_only
+            );
         } else {
             s += &end_to_end_line("End to end", e);
         }
@@ -674,7 +750,16 @@ mod tests {
             mlp: ba(0.5, 0.25),
         });
         r.layers.truncate(1);
-        r.fit = Some(FitReport::new(136, r.end_to_end.clone()));
+        let mut paired = PairedAgreement::default();
+        let dev = candle_core::Device::Cpu;
+        let src = Tensor::new(&[[1f32, 0.0], [0.0, 1.0], [1.0, 0.0]], &dev).unwrap();
+        let mapped = Tensor::new(&[[1f32, 0.0], [1.0, 0.0], [0.0, 1.0]], &dev).unwrap();
+        let fitted = Tensor::new(&[[1f32, 0.0], [0.0, 1.0], [1.0, 0.0]], &dev).unwrap();
+        paired.add(&src, &mapped, &fitted).unwrap();
+        let change = paired.finish();
+        assert_eq!((change.fitted_only, change.mapped_only), (2, 0));
+        assert!((change.change - 2.0 / 3.0).abs() < 1e-12);
+        r.fit = Some(FitReport::new(136, r.end_to_end.clone(), change));
         let s = r.render(Style::Terminal);
         assert!(s.contains("no part is exact by construction"), "{s}");
         assert!(
@@ -683,6 +768,11 @@ mod tests {
         );
         assert!(s.contains("Mapped only (before fitting) on 2 eval images: top-1 agreement 50.0%"));
         assert!(s.contains("Fitted (the written model) on 2 eval images: top-1 agreement 50.0%"));
+        assert!(
+            s.contains("Fitting changed top-1 agreement by +66.7 points (95% interval "),
+            "{s}"
+        );
+        assert!(s.contains("2 images where only the fitted import agrees with the source, 0 where only the mapped one does.\n"));
         let md = r.markdown();
         assert!(md.contains("| 0 | 1.000e-6 → 5.000e-7 | 1.000e-6 → 5.000e-7 | 1.000e-6 → 5.000e-7 | 2.500e-1 → 1.250e-1 | 5.000e-1 → 2.500e-1 | 1e-2, kept, 1e1 |\n\nMapped only"), "{md}");
         let json = serde_json::to_value(&r).unwrap();

@@ -20,7 +20,7 @@ use tokenformer::pattention::Activation;
 
 use super::args::{FitMode, ImportArgs};
 use super::data::{DataInfo, Split, Text, Unit};
-use super::fidelity::{self, finish, Agreement, CardText, FitReport, Report};
+use super::fidelity::{self, finish, Agreement, CardText, FitReport, PairedAgreement, Report};
 use super::fit::{fit_values, FitInputs, ImportBlock, RunningCheck};
 use super::mapping::{Calibration, LayerCheck, Mapping};
 use super::source::{
@@ -432,6 +432,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let (mapped_blocks, fitted_blocks) = (blocks(&mapped)?, blocks(imported)?);
     let mut running = RunningCheck::new(cfg.num_layers);
     let mut mapped_agreement = Agreement::default();
+    let mut paired = PairedAgreement::default();
     for w in eval_ids.chunks(window) {
         let x = embed(w)?;
         let (h, traces) = stack.run(&src.body.layers, &x)?;
@@ -445,7 +446,9 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             let (hm, mapped_traces) = stack.run(&mapped_blocks, &x)?;
             let (_, fitted_traces) = stack.run(&fitted_blocks, &x)?;
             running.add(&traces, &mapped_traces, &fitted_traces)?;
-            mapped_agreement.add(&src_logits, &source_logits(&hm)?, Some(&w[1..]))?;
+            let mapped_logits = source_logits(&hm)?;
+            mapped_agreement.add(&src_logits, &mapped_logits, Some(&w[1..]))?;
+            paired.add(&src_logits, &mapped_logits, &imp_logits)?;
         }
     }
     let layer_fit = fitted
@@ -453,7 +456,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         .then(|| running.finish(ridges.as_deref().unwrap_or(&[])));
     let fit = fitted.is_some().then(|| {
         let rows = fit_inputs.batches.iter().map(|x| x.dims()[1]).sum();
-        FitReport::new(rows, mapped_agreement.finish(Unit::Tokens))
+        FitReport::new(rows, mapped_agreement.finish(Unit::Tokens), paired.finish())
     });
     let not_rep = vec![
         "MLP pre-activation biases (dense_h_to_4h.bias + W·post_attention_layernorm.bias): no constant score exists for LayerNorm outputs; dropped, norms per layer in `dropped_mlp_bias_norm`".to_string(),

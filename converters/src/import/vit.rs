@@ -20,7 +20,7 @@ use tokenformer::vision::EvalTransform;
 
 use super::args::{FitMode, ImportArgs};
 use super::data::{Images, Split, Unit};
-use super::fidelity::{finish, Agreement, CardText, FitReport, Report};
+use super::fidelity::{finish, Agreement, CardText, FitReport, PairedAgreement, Report};
 use super::fit::{fit_values, FitInputs, ImportBlock, RunningCheck};
 use super::mapping::{Calibration, ImportedLayer, LayerCheck, Mapping};
 use super::source::{
@@ -344,17 +344,21 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let (mapped_blocks, fitted_blocks) = (blocks(&mapped)?, blocks(imported)?);
     let mut running = RunningCheck::new(src.body.layers.len());
     let mut mapped_agreement = Agreement::default();
+    let mut paired = PairedAgreement::default();
     let mut measure = |px: &Tensor| -> Result<()> {
         let x = vit_embed(&src, px)?;
         let (h, traces) = stack.run(&src.body.layers, &x)?;
         check.add(&traces)?;
         let src_logits = vit_head(&src, &h)?;
-        agreement.add(&src_logits, &model.forward(px)?, None)?;
+        let imp_logits = model.forward(px)?;
+        agreement.add(&src_logits, &imp_logits, None)?;
         if fitted.is_some() {
             let (hm, mapped_traces) = stack.run(&mapped_blocks, &x)?;
             let (_, fitted_traces) = stack.run(&fitted_blocks, &x)?;
             running.add(&traces, &mapped_traces, &fitted_traces)?;
-            mapped_agreement.add(&src_logits, &vit_head(&src, &hm)?, None)?;
+            let mapped_logits = vit_head(&src, &hm)?;
+            mapped_agreement.add(&src_logits, &mapped_logits, None)?;
+            paired.add(&src_logits, &mapped_logits, &imp_logits)?;
         }
         Ok(())
     };
@@ -391,7 +395,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             .iter()
             .map(|x| x.dims()[0] * x.dims()[1])
             .sum();
-        FitReport::new(rows, mapped_agreement.finish(Unit::Images))
+        FitReport::new(rows, mapped_agreement.finish(Unit::Images), paired.finish())
     });
     let report = Report {
         source: a.input.clone(),
