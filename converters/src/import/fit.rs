@@ -199,23 +199,33 @@ impl NormalEquations {
                 .map(|((v, r), &out)| quadratic_error(&folds[k].ata, r, v, n, out))
                 .sum::<Result<f64>>()
         };
-        let mut best = (heldout(&v0, 0)? + heldout(&v0, 1)?, None);
-        for &lambda in &RIDGES {
+        for f in &folds {
+            let finite = f
+                .ata
+                .iter()
+                .chain(f.aty.iter().flatten())
+                .all(|x| x.is_finite());
+            ensure!(
+                finite,
+                "the calibration activations or the source's outputs are not finite: nothing to fit"
+            );
+        }
+        // Each λ's held-out error; a λ whose system rounding makes indefinite (a
+        // token almost never active, at the smallest λ) is left out.
+        let mut candidates = vec![];
+        'ridges: for &lambda in &RIDGES {
             let mut err = 0.0;
             for k in 0..2 {
-                let v = ridge_solve(&folds[1 - k], &v0, n, &outs, lambda)?;
+                let Ok(v) = ridge_solve(&folds[1 - k], &v0, n, &outs, lambda) else {
+                    continue 'ridges;
+                };
                 err += heldout(&v, k)?;
             }
-            if err < best.0 {
-                best = (err, Some(lambda));
-            }
+            candidates.push((err, lambda));
         }
-        let Some(lambda) = best.1 else {
-            return Ok(Solved {
-                values: as_f32(&v0)?,
-                ridge: None,
-            });
-        };
+        let kept = heldout(&v0, 0)? + heldout(&v0, 1)?;
+        candidates.retain(|(err, _)| *err < kept);
+        candidates.sort_by(|a, b| a.0.total_cmp(&b.0));
         let sum =
             |a: &[f64], b: &[f64]| -> Vec<f64> { a.iter().zip(b).map(|(x, y)| x + y).collect() };
         let all = Dense64 {
@@ -227,9 +237,18 @@ impl NormalEquations {
                 .map(|(a, b)| sum(a, b))
                 .collect(),
         };
+        for (_, lambda) in candidates {
+            if let Ok(v) = ridge_solve(&all, &v0, n, &outs, lambda) {
+                return Ok(Solved {
+                    values: as_f32(&v)?,
+                    ridge: Some(lambda),
+                });
+            }
+        }
+        // No λ beat the mapped values on held-out samples.
         Ok(Solved {
-            values: as_f32(&ridge_solve(&all, &v0, n, &outs, lambda)?)?,
-            ridge: Some(lambda),
+            values: as_f32(&v0)?,
+            ridge: None,
         })
     }
 }
@@ -361,10 +380,15 @@ pub fn fit_values(
     let mut fitted = Vec::with_capacity(mapped.len());
     let mut ridges = Vec::with_capacity(mapped.len());
     for (l, m) in body.layers.iter().zip(mapped) {
-        let src: Vec<(Tensor, LayerTrace)> = src_x
+        // The source's next activations and the five outputs the parts are fitted to
+        // (the rest of its trace is dropped: calibration sets can be large).
+        let src: Vec<(Tensor, [Tensor; 5])> = src_x
             .iter()
-            .map(|x| stack.run_layer(l, x))
-            .collect::<candle_core::Result<_>>()?;
+            .map(|x| {
+                let (next, t) = stack.run_layer(l, x)?;
+                Ok((next, [t.query, t.key, t.value, t.proj_out, t.mlp_out]))
+            })
+            .collect::<Result<_>>()?;
         let mut layer = m.clone();
         let mut chosen = [None; 3];
         let keys = layer.parts[0].0.clone();
@@ -378,8 +402,14 @@ pub fn fit_values(
             let u = standardise(x, stack.eps)?;
             let d = u.dim(2)?;
             let a = activations(map, &keys, &u.reshape((u.elem_count() / d, d))?)?;
-            let ys = [&t.query, &t.key, &t.value];
-            add_samples(&mut qkv, &a, &ys, shape, &mut next, single)?;
+            add_samples(
+                &mut qkv,
+                &a,
+                &[&t[0], &t[1], &t[2]],
+                shape,
+                &mut next,
+                single,
+            )?;
         }
         let solved = qkv.solve(&[&layer.parts[0].1, &layer.parts[1].1, &layer.parts[2].1])?;
         chosen[0] = solved.ridge;
@@ -388,17 +418,14 @@ pub fn fit_values(
         }
         // The output projection, then the MLP, each on the inputs the parts fitted
         // before it produce.
-        for (k, j, input, target) in [
-            (1, 3, proj_in as Pick, proj_out as Pick),
-            (2, 4, mlp_in, mlp_out),
-        ] {
+        for (k, j, input) in [(1, 3, proj_in as Pick), (2, 4, mlp_in)] {
             let block = ImportBlock::new(&layer, map)?;
             let mut eq = NormalEquations::new(1);
             let mut next = 0;
             for ((x, (_, t)), &shape) in imp_x.iter().zip(&src).zip(&shapes) {
                 let (_, it) = stack.run_layer(&block, x)?;
                 let a = activations(map, &layer.parts[j].0, input(&it))?;
-                add_samples(&mut eq, &a, &[target(t)], shape, &mut next, single)?;
+                add_samples(&mut eq, &a, &[&t[j]], shape, &mut next, single)?;
             }
             let solved = eq.solve(&[&layer.parts[j].1])?;
             chosen[k] = solved.ridge;
@@ -419,14 +446,8 @@ type Pick = fn(&LayerTrace) -> &Tensor;
 fn proj_in(t: &LayerTrace) -> &Tensor {
     &t.proj_in
 }
-fn proj_out(t: &LayerTrace) -> &Tensor {
-    &t.proj_out
-}
 fn mlp_in(t: &LayerTrace) -> &Tensor {
     &t.mlp_in
-}
-fn mlp_out(t: &LayerTrace) -> &Tensor {
-    &t.mlp_out
 }
 
 /// One part's relative error in the running model on the eval data, before
