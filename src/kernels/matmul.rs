@@ -109,7 +109,7 @@ impl candle_core::CustomOp2 for Gemm {
 /// # Safety
 /// The pointers and strides must address m×n, m×k and k×n valid elements,
 /// and dst must not overlap the inputs.
-pub(super) unsafe fn gemm_f32(
+pub(crate) unsafe fn gemm_f32(
     path: Path,
     (m, n, k): (usize, usize, usize),
     (dst, dst_cs, dst_rs): (*mut f32, isize, isize),

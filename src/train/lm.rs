@@ -87,11 +87,12 @@ impl TrainableLm {
         let mut x = emb
             .index_select(&ids.flatten_all()?, 0)?
             .reshape((b, t, d))?;
-        let mask = causal_mask(t, self.dtype, ids.device())?;
         let (cos, sin) = self.rotary_tables(t)?;
+        // Broadcast over the heads of q and k [b, t, heads, hd].
+        let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
         for i in 0..cfg.num_layers {
             let h = layer_norm(&x, cfg.norm_eps)?;
-            let attn = self.attention(i, &h, &mask, &cos, &sin)?;
+            let attn = self.attention(i, &h, &cos, &sin)?;
             let mlp = format!("layers.{i}.mlp");
             x = if cfg.parallel_residual {
                 // x + attn(LN x) + mlp(LN x): both branches read the same LN(x).
@@ -151,14 +152,7 @@ impl TrainableLm {
         )
     }
 
-    fn attention(
-        &self,
-        i: usize,
-        h: &Tensor,
-        mask: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-    ) -> Result<Tensor> {
+    fn attention(&self, i: usize, h: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let spec = AttentionSpec {
             heads: self.cfg.num_heads,
             activation: self.cfg.pattention_activation,
@@ -170,7 +164,7 @@ impl TrainableLm {
             &format!("layers.{i}.attention"),
             h,
             &spec,
-            Some(mask),
+            true,
             |x| self.rotate(x, cos, sin),
         )
     }
@@ -179,7 +173,7 @@ impl TrainableLm {
         rotary_tables(&self.rotary, t, self.dtype)
     }
 
-    /// GPT-NeoX rotary on the first rotary_dims features of x [b, h, t, hd].
+    /// GPT-NeoX rotary on the first rotary_dims features of x [b, t, h, hd].
     fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         rotate(x, self.rotary.tables().0, cos, sin)
     }
@@ -219,14 +213,23 @@ pub(crate) fn pattention<P: Params + ?Sized>(
 ) -> Result<Tensor> {
     let k = param(params, &format!("{prefix}.key_param_tokens"))?;
     let v = param(params, &format!("{prefix}.value_param_tokens"))?;
-    let scores = x.broadcast_matmul(&k.t()?)?;
-    let weights = match activation {
-        crate::pattention::Activation::L2NormGelu => {
-            super::theta::l2_norm_gelu(&scores, scale_tokens)?
-        }
-        _ => theta(&scores, activation, scale_tokens)?,
+    // As one [rows, d] product: a batched `broadcast_matmul` would copy K once per
+    // batch item, multiply in small pieces, and sum those copies' gradients again.
+    let mut dims = x.dims().to_vec();
+    let d = x.dim(D::Minus1)?;
+    let x2 = x.reshape(((), d))?;
+    *dims.last_mut().expect("a rank of at least 1") = v.dim(1)?;
+    let l2_norm_gelu = activation == crate::pattention::Activation::L2NormGelu;
+    if l2_norm_gelu && super::fused::serves(x) {
+        return super::fused::pattention(&x2, &k, &v, scale_tokens)?.reshape(dims);
+    }
+    let scores = x2.matmul(&k.t()?)?;
+    let weights = if l2_norm_gelu {
+        super::theta::l2_norm_gelu(&scores, scale_tokens)?
+    } else {
+        theta(&scores, activation, scale_tokens)?
     };
-    weights.broadcast_matmul(&v)
+    weights.matmul(&v)?.reshape(dims)
 }
 
 /// What a block's token-token attention needs besides its tensors.
@@ -237,15 +240,14 @@ pub(crate) struct AttentionSpec {
     pub scale_proj: usize,
 }
 
-/// Multi-head attention with Pattention q/k/v/proj under `prefix` on h [b, t, d]:
-/// `mask` added to the scores (None: bidirectional), `rotate` applied to q and k
-/// [b, heads, t, hd].
+/// Multi-head attention with Pattention q/k/v/proj under `prefix` on h [b, t, d],
+/// causal or bidirectional, `rotate` applied to q and k [b, t, heads, hd].
 pub(crate) fn attention<P: Params + ?Sized>(
     params: &P,
     prefix: &str,
     h: &Tensor,
     spec: &AttentionSpec,
-    mask: Option<&Tensor>,
+    causal: bool,
     rotate: impl Fn(&Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let (b, t, d) = h.dims3()?;
@@ -259,20 +261,28 @@ pub(crate) fn attention<P: Params + ?Sized>(
             spec.activation,
             spec.scale_qkv,
         )?
-        .reshape((b, t, heads, hd))?
-        .transpose(1, 2)
+        .reshape((b, t, heads, hd))
     };
     let q = rotate(&split("query")?)?;
     let k = rotate(&split("key")?)?;
-    let v = split("value")?.contiguous()?;
-    let mut scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? / (hd as f64).sqrt())?;
-    if let Some(mask) = mask {
-        scores = scores.broadcast_add(mask)?;
-    }
-    let out = softmax_last(&scores)?
-        .matmul(&v)?
-        .transpose(1, 2)?
-        .reshape((b, t, d))?;
+    let v = split("value")?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let out = if super::fused::serves(h) {
+        let flat = |x: Tensor| x.reshape((b, t, d));
+        super::fused::attention(&flat(q)?, &flat(k)?, &flat(v)?, heads, scale, causal)?
+    } else {
+        let heads_first = |x: Tensor| x.transpose(1, 2)?.contiguous();
+        let (q, k, v) = (heads_first(q)?, heads_first(k)?, heads_first(v)?);
+        let mut scores = q.matmul(&k.t()?.contiguous()?)?;
+        if causal {
+            // Entries 0 or −∞, so adding them before the scaling equals adding after.
+            scores = scores.broadcast_add(&causal_mask(t, scores.dtype(), h.device())?)?;
+        }
+        softmax_scaled(&scores, scale)?
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .reshape((b, t, d))?
+    };
     pattention(
         params,
         &format!("{prefix}.proj"),
@@ -282,8 +292,9 @@ pub(crate) fn attention<P: Params + ?Sized>(
     )
 }
 
-/// GPT-NeoX rotary on the first `dims` features of x [b, h, t, hd] with cos/sin
-/// [t, dims] (rotate-half layout).
+/// GPT-NeoX rotary on the first `dims` features of x [.., t, .., hd] with cos/sin
+/// broadcastable to it ([t, dims] for [b, h, t, hd], [t, 1, dims] for [b, t, h, hd];
+/// rotate-half layout).
 pub(crate) fn rotate(x: &Tensor, dims: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if dims == 0 {
         return Ok(x.clone());
@@ -336,12 +347,28 @@ pub fn expected_shapes(cfg: &Config) -> Vec<(String, Vec<usize>)> {
 
 /// Softmax over the last axis, the row maximum subtracted first.
 pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    softmax_scaled(x, 1.0)
+}
+
+/// softmax(scale · x) over the last axis.
+pub(crate) fn softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
+    if super::fused::serves(x) {
+        return super::fused::softmax_scaled(x, scale);
+    }
+    let x = if scale == 1.0 {
+        x.clone()
+    } else {
+        (x * scale)?
+    };
     let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?.exp()?;
     e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
 /// LayerNorm without weight and bias over the last axis (biased variance, as torch).
 pub(crate) fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
+    if super::fused::serves(x) {
+        return super::fused::layer_norm(x, eps);
+    }
     let mean = x.mean_keepdim(D::Minus1)?;
     let centred = x.broadcast_sub(&mean)?;
     let var = centred.sqr()?.mean_keepdim(D::Minus1)?;

@@ -3,10 +3,13 @@
 //! parameter groups, the learning-rate schedule, gradient clipping, checkpoints).
 //!
 //! The inference path runs fused kernels that have no backward pass; the training
-//! path computes the same function with plain candle tensor ops, which candle's
-//! autograd differentiates. Both read the same canonical tensor names.
+//! path computes the same function with candle tensor ops, which candle's autograd
+//! differentiates: on the CPU its hot pieces (a whole Pattention, LayerNorm, softmax)
+//! are single ops with their own backward ([`fused`]), elsewhere plain candle ops.
+//! Both read the same canonical tensor names.
 
 pub mod data;
+mod fused;
 pub mod lm;
 pub mod loss;
 pub mod optim;

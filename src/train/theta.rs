@@ -28,7 +28,7 @@ struct L2NormGelu {
     c: f64,
 }
 
-trait Float: Copy + Send + Sync + Into<f64> {
+pub(super) trait Float: Copy + Send + Sync + Into<f64> {
     fn from_f64(x: f64) -> Self;
     fn erf(self) -> f64;
 }
@@ -55,7 +55,7 @@ fn norm<T: Float>(row: &[T]) -> f64 {
     row.iter().map(|&x| x.into() * x.into()).sum::<f64>().sqrt()
 }
 
-fn forward<T: Float>(s: &[T], n: usize, c: f64) -> Vec<T> {
+pub(super) fn forward<T: Float>(s: &[T], n: usize, c: f64) -> Vec<T> {
     let mut out = s.to_vec();
     out.par_chunks_mut(n).for_each(|row| {
         let f = c / norm(row).max(MIN_NORM);
@@ -68,7 +68,7 @@ fn forward<T: Float>(s: &[T], n: usize, c: f64) -> Vec<T> {
     out
 }
 
-fn backward<T: Float>(s: &[T], dy: &[T], n: usize, c: f64) -> Vec<T> {
+pub(super) fn backward<T: Float>(s: &[T], dy: &[T], n: usize, c: f64) -> Vec<T> {
     let mut out = s.to_vec();
     out.par_chunks_mut(n)
         .zip(dy.par_chunks(n))
@@ -108,9 +108,27 @@ mod fast {
 
     const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
 
+    /// Σ a·b in f64 over 16 independent lanes: one running sum is a serial chain of
+    /// adds (four cycles an element), which dominated both passes.
+    #[inline(always)]
+    fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
+        let mut acc = [0f64; 16];
+        let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for k in 0..16 {
+                acc[k] += f64::from(x[k]) * f64::from(y[k]);
+            }
+        }
+        for (k, (x, y)) in ra.iter().zip(rb).enumerate() {
+            acc[k] += f64::from(*x) * f64::from(*y);
+        }
+        acc.iter().sum()
+    }
+
     #[inline(always)]
     fn sum_sq(row: &[f32]) -> f64 {
-        row.iter().map(|&x| f64::from(x) * f64::from(x)).sum()
+        dot_f64(row, row)
     }
 
     #[inline(always)]
@@ -134,11 +152,7 @@ mod fast {
             let dgelu = 0.5 * (1.0 + e) + u * exp_f32(-0.5 * u * u) * FRAC_1_SQRT_2PI;
             *gi = d * dgelu;
         }
-        let dot: f64 = row
-            .iter()
-            .zip(g.iter())
-            .map(|(&x, &g)| f64::from(x) * f64::from(g))
-            .sum();
+        let dot = dot_f64(row, g);
         let proj = if r > super::MIN_NORM {
             dot / (r * r)
         } else {
@@ -153,14 +167,14 @@ mod fast {
     by_isa!(backward_row(row: &mut [f32], dy: &[f32], g: &mut [f32], c: f64) = backward_row_generic);
 }
 
-fn forward_f32(s: &[f32], n: usize, c: f64) -> Vec<f32> {
+pub(super) fn forward_f32(s: &[f32], n: usize, c: f64) -> Vec<f32> {
     let mut out = s.to_vec();
     out.par_chunks_mut(n)
         .for_each(|row| fast::forward_row(row, c));
     out
 }
 
-fn backward_f32(s: &[f32], dy: &[f32], n: usize, c: f64) -> Vec<f32> {
+pub(super) fn backward_f32(s: &[f32], dy: &[f32], n: usize, c: f64) -> Vec<f32> {
     let mut out = s.to_vec();
     out.par_chunks_mut(n).zip(dy.par_chunks(n)).for_each_init(
         || vec![0f32; n],

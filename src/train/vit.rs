@@ -137,7 +137,7 @@ impl TrainableVit {
                 &format!("layers.{i}.attention"),
                 &hn,
                 &spec,
-                None,
+                false,
                 |t| Ok(t.clone()),
             )?;
             x = (x + a)?;
