@@ -578,6 +578,9 @@ fn end_to_end_line(label: &str, e: &EndToEnd) -> String {
     s
 }
 
+/// The model card's words for a fitted import, after the importer's own.
+pub const FITTED_CARD_NOTE: &str = " The value tokens of every Pattention were then fitted by ridge least squares on the calibration data, layer by layer on the import's own activations (`--fit values`); the fidelity section gives each part's error before and after.";
+
 /// An importer's own words in the model card.
 pub struct CardText {
     pub title: String,

@@ -45,6 +45,8 @@ use candle_core::{DType, Module, Tensor};
 use serde::Serialize;
 use tokenformer::pattention::{theta, Activation, Pattention};
 
+use super::data::Unit;
+use super::fidelity::{Agreement, FitReport, PairedAgreement};
 use super::linalg::{cholesky, cholesky_solve, matmul};
 use super::mapping::{ImportedLayer, Mapping};
 use super::source::{standardise, Block, LayerTrace, SourceBody, Stack};
@@ -357,6 +359,14 @@ fn add_samples(
 /// The λ chosen for each layer's q/k/v, proj and MLP values (None: mapping kept).
 pub type Ridges = [Option<f64>; 3];
 
+/// What [`fit_values`] gives: the layers with fitted values, the λ of each fit,
+/// and the calibration rows (tokens, or patches and class tokens) fitted on.
+pub struct Fitted {
+    pub layers: Vec<ImportedLayer>,
+    pub ridges: Vec<Ridges>,
+    pub rows: usize,
+}
+
 /// Every layer of `mapped` with its value tokens fitted as the module says: layer
 /// by layer, and within a layer q/k/v first (one AᵀA: they share their keys),
 /// then the output projection on the attention output of the fitted q/k/v, then
@@ -367,7 +377,7 @@ pub fn fit_values(
     inputs: &FitInputs,
     mapped: &[ImportedLayer],
     map: &Mapping,
-) -> Result<(Vec<ImportedLayer>, Vec<Ridges>)> {
+) -> Result<Fitted> {
     // The source's and the import's running activations of each batch.
     let mut src_x = inputs.batches.clone();
     let mut imp_x = inputs.batches.clone();
@@ -439,7 +449,11 @@ pub fn fit_values(
         fitted.push(layer);
         ridges.push(chosen);
     }
-    Ok((fitted, ridges))
+    Ok(Fitted {
+        layers: fitted,
+        ridges,
+        rows: shapes.iter().map(|(b, t)| b * t).sum(),
+    })
 }
 
 type Pick = fn(&LayerTrace) -> &Tensor;
@@ -448,6 +462,67 @@ fn proj_in(t: &LayerTrace) -> &Tensor {
 }
 fn mlp_in(t: &LayerTrace) -> &Tensor {
     &t.mlp_in
+}
+
+/// A fitted import measured against the mapping it started from, on the eval
+/// data: both run here layer by layer, so that each part's running error
+/// ([`LayerFit`]) and the mapped import's end-to-end numbers can be reported.
+pub struct FitCheck {
+    mapped: Vec<ImportBlock>,
+    fitted: Vec<ImportBlock>,
+    ridges: Vec<Ridges>,
+    rows: usize,
+    running: RunningCheck,
+    agreement: Agreement,
+    paired: PairedAgreement,
+}
+
+impl FitCheck {
+    pub fn new(mapped: &[ImportedLayer], fitted: &Fitted, map: &Mapping) -> Result<Self> {
+        let blocks = |ls: &[ImportedLayer]| -> Result<Vec<ImportBlock>> {
+            ls.iter().map(|l| ImportBlock::new(l, map)).collect()
+        };
+        Ok(Self {
+            mapped: blocks(mapped)?,
+            fitted: blocks(&fitted.layers)?,
+            ridges: fitted.ridges.clone(),
+            rows: fitted.rows,
+            running: RunningCheck::new(mapped.len()),
+            agreement: Agreement::default(),
+            paired: PairedAgreement::default(),
+        })
+    }
+
+    /// Adds one eval batch: the layer input x [b, t, d], the source's traces and
+    /// logits, the written (fitted) import's logits, `head` (the copied final norm
+    /// and head: last hidden state → logits) and, for text, the next tokens as
+    /// [`Agreement::add`] takes them.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add(
+        &mut self,
+        stack: &Stack,
+        x: &Tensor,
+        traces: &[LayerTrace],
+        src_logits: &Tensor,
+        imp_logits: &Tensor,
+        head: impl Fn(&Tensor) -> Result<Tensor>,
+        next: Option<&[u32]>,
+    ) -> Result<()> {
+        let (h, mapped) = stack.run(&self.mapped, x)?;
+        let (_, fitted) = stack.run(&self.fitted, x)?;
+        self.running.add(traces, &mapped, &fitted)?;
+        let mapped_logits = head(&h)?;
+        self.agreement.add(src_logits, &mapped_logits, next)?;
+        self.paired.add(src_logits, &mapped_logits, imp_logits)
+    }
+
+    /// Each layer's [`LayerFit`] and the report's fit section.
+    pub fn finish(self, unit: Unit) -> (Vec<LayerFit>, FitReport) {
+        (
+            self.running.finish(&self.ridges),
+            FitReport::new(self.rows, self.agreement.finish(unit), self.paired.finish()),
+        )
+    }
 }
 
 /// One part's relative error in the running model on the eval data, before
@@ -476,7 +551,7 @@ pub struct LayerFit {
 }
 
 /// [`LayerFit`]s accumulated over eval batches.
-pub struct RunningCheck {
+struct RunningCheck {
     /// Per layer and part: (‖mapped − src‖², ‖fitted − src‖², ‖src‖²).
     sums: Vec<[[f64; 3]; 5]>,
 }
@@ -493,14 +568,14 @@ fn sq(a: &Tensor) -> Result<f64> {
 }
 
 impl RunningCheck {
-    pub fn new(layers: usize) -> Self {
+    fn new(layers: usize) -> Self {
         Self {
             sums: vec![[[0.0; 3]; 5]; layers],
         }
     }
 
     /// Adds one batch's traces of the source, the mapped and the fitted import.
-    pub fn add(
+    fn add(
         &mut self,
         src: &[LayerTrace],
         mapped: &[LayerTrace],
@@ -522,7 +597,7 @@ impl RunningCheck {
     }
 
     /// With the ridges [`fit_values`] chose.
-    pub fn finish(&self, ridges: &[Ridges]) -> Vec<LayerFit> {
+    fn finish(&self, ridges: &[Ridges]) -> Vec<LayerFit> {
         let rel = |num: f64, den: f64| {
             if den > 0.0 {
                 (num / den).sqrt()

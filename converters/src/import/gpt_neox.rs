@@ -20,8 +20,8 @@ use tokenformer::pattention::Activation;
 
 use super::args::{FitMode, ImportArgs};
 use super::data::{DataInfo, Split, Text, Unit};
-use super::fidelity::{self, finish, Agreement, CardText, FitReport, PairedAgreement, Report};
-use super::fit::{fit_values, FitInputs, ImportBlock, RunningCheck};
+use super::fidelity::{self, finish, Agreement, CardText, Report, FITTED_CARD_NOTE};
+use super::fit::{fit_values, FitCheck, FitInputs};
 use super::mapping::{Calibration, LayerCheck, Mapping};
 use super::source::{
     layer_norm, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer, Stack,
@@ -356,8 +356,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         FitMode::Values => Some(fit_values(&stack, &src.body, &fit_inputs, &mapped, &map)?),
         FitMode::None => None,
     };
-    let (fitted, ridges) = fitted.unzip();
-    let imported = fitted.as_ref().unwrap_or(&mapped);
+    let imported = fitted.as_ref().map_or(&mapped, |f| &f.layers);
 
     // The TokenFormer tensors.
     let mut tensors = Tensors::new();
@@ -424,15 +423,10 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let model = loader::load_lm(&folder.files()?, &dev)?;
     let mut check = LayerCheck::new(imported, &map)?;
     let mut agreement = Agreement::default();
-    // A fitted import is also compared with the mapping it started from, both run
-    // here layer by layer so that each part's running error can be measured.
-    let blocks = |ls: &[super::mapping::ImportedLayer]| -> Result<Vec<ImportBlock>> {
-        ls.iter().map(|l| ImportBlock::new(l, &map)).collect()
-    };
-    let (mapped_blocks, fitted_blocks) = (blocks(&mapped)?, blocks(imported)?);
-    let mut running = RunningCheck::new(cfg.num_layers);
-    let mut mapped_agreement = Agreement::default();
-    let mut paired = PairedAgreement::default();
+    let mut fit_check = fitted
+        .as_ref()
+        .map(|f| FitCheck::new(&mapped, f, &map))
+        .transpose()?;
     for w in eval_ids.chunks(window) {
         let x = embed(w)?;
         let (h, traces) = stack.run(&src.body.layers, &x)?;
@@ -442,22 +436,20 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             .forward(&Tensor::new(w, &dev)?.unsqueeze(0)?, None)?
             .squeeze(0)?;
         agreement.add(&src_logits, &imp_logits, Some(&w[1..]))?;
-        if fitted.is_some() {
-            let (hm, mapped_traces) = stack.run(&mapped_blocks, &x)?;
-            let (_, fitted_traces) = stack.run(&fitted_blocks, &x)?;
-            running.add(&traces, &mapped_traces, &fitted_traces)?;
-            let mapped_logits = source_logits(&hm)?;
-            mapped_agreement.add(&src_logits, &mapped_logits, Some(&w[1..]))?;
-            paired.add(&src_logits, &mapped_logits, &imp_logits)?;
+        if let Some(fc) = &mut fit_check {
+            let next = Some(&w[1..]);
+            fc.add(
+                &stack,
+                &x,
+                &traces,
+                &src_logits,
+                &imp_logits,
+                source_logits,
+                next,
+            )?;
         }
     }
-    let layer_fit = fitted
-        .is_some()
-        .then(|| running.finish(ridges.as_deref().unwrap_or(&[])));
-    let fit = fitted.is_some().then(|| {
-        let rows = fit_inputs.batches.iter().map(|x| x.dims()[1]).sum();
-        FitReport::new(rows, mapped_agreement.finish(Unit::Tokens), paired.finish())
-    });
+    let (layer_fit, fit) = fit_check.map(|fc| fc.finish(Unit::Tokens)).unzip();
     let not_rep = vec![
         "MLP pre-activation biases (dense_h_to_4h.bias + W·post_attention_layernorm.bias): no constant score exists for LayerNorm outputs; dropped, norms per layer in `dropped_mlp_bias_norm`".to_string(),
         "input/post-attention LayerNorm weights and biases: folded into the following Pattention keys and bias tokens (exact)".to_string(),
@@ -484,7 +476,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         "The sequential residual is kept."
     };
     let fitted_note = if report.fit.is_some() {
-        " The value tokens of every Pattention were then fitted by ridge least squares on the calibration data, layer by layer on the import's own activations (`--fit values`); the fidelity section gives each part's error before and after."
+        FITTED_CARD_NOTE
     } else {
         ""
     };

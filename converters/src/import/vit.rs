@@ -20,9 +20,9 @@ use tokenformer::vision::EvalTransform;
 
 use super::args::{FitMode, ImportArgs};
 use super::data::{Images, Split, Unit};
-use super::fidelity::{finish, Agreement, CardText, FitReport, PairedAgreement, Report};
-use super::fit::{fit_values, FitInputs, ImportBlock, RunningCheck};
-use super::mapping::{Calibration, ImportedLayer, LayerCheck, Mapping};
+use super::fidelity::{finish, Agreement, CardText, Report, FITTED_CARD_NOTE};
+use super::fit::{fit_values, FitCheck, FitInputs};
+use super::mapping::{Calibration, LayerCheck, Mapping};
 use super::source::{
     layer_norm, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer, Stack,
 };
@@ -320,8 +320,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         FitMode::Values => Some(fit_values(&stack, &src.body, &fit_inputs, &mapped, &map)?),
         FitMode::None => None,
     };
-    let (fitted, ridges) = fitted.unzip();
-    let imported = fitted.as_ref().unwrap_or(&mapped);
+    let imported = fitted.as_ref().map_or(&mapped, |f| &f.layers);
     let mut tensors = src.copies.clone();
     for (i, l) in imported.iter().enumerate() {
         l.insert_into(i, &mut tensors);
@@ -336,15 +335,10 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     // Source and import on the held-out photos.
     let mut check = LayerCheck::new(imported, &map)?;
     let mut agreement = Agreement::default();
-    // A fitted import is also compared with the mapping it started from, both run
-    // here layer by layer so that each part's running error can be measured.
-    let blocks = |ls: &[ImportedLayer]| -> Result<Vec<ImportBlock>> {
-        ls.iter().map(|l| ImportBlock::new(l, &map)).collect()
-    };
-    let (mapped_blocks, fitted_blocks) = (blocks(&mapped)?, blocks(imported)?);
-    let mut running = RunningCheck::new(src.body.layers.len());
-    let mut mapped_agreement = Agreement::default();
-    let mut paired = PairedAgreement::default();
+    let mut fit_check = fitted
+        .as_ref()
+        .map(|f| FitCheck::new(&mapped, f, &map))
+        .transpose()?;
     let mut measure = |px: &Tensor| -> Result<()> {
         let x = vit_embed(&src, px)?;
         let (h, traces) = stack.run(&src.body.layers, &x)?;
@@ -352,13 +346,9 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         let src_logits = vit_head(&src, &h)?;
         let imp_logits = model.forward(px)?;
         agreement.add(&src_logits, &imp_logits, None)?;
-        if fitted.is_some() {
-            let (hm, mapped_traces) = stack.run(&mapped_blocks, &x)?;
-            let (_, fitted_traces) = stack.run(&fitted_blocks, &x)?;
-            running.add(&traces, &mapped_traces, &fitted_traces)?;
-            let mapped_logits = vit_head(&src, &hm)?;
-            mapped_agreement.add(&src_logits, &mapped_logits, None)?;
-            paired.add(&src_logits, &mapped_logits, &imp_logits)?;
+        if let Some(fc) = &mut fit_check {
+            let head = |h: &Tensor| Ok(vit_head(&src, h)?);
+            fc.add(&stack, &x, &traces, &src_logits, &imp_logits, head, None)?;
         }
         Ok(())
     };
@@ -385,18 +375,8 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             (eval.info, Some(names))
         }
     };
-    let layer_fit = fitted
-        .is_some()
-        .then(|| running.finish(ridges.as_deref().unwrap_or(&[])));
+    let (layer_fit, fit) = fit_check.map(|fc| fc.finish(Unit::Images)).unzip();
     let layers = check.finish(imported, src.body.eps, layer_fit.as_deref());
-    let fit = fitted.is_some().then(|| {
-        let rows = fit_inputs
-            .batches
-            .iter()
-            .map(|x| x.dims()[0] * x.dims()[1])
-            .sum();
-        FitReport::new(rows, mapped_agreement.finish(Unit::Images), paired.finish())
-    });
     let report = Report {
         source: a.input.clone(),
         from: format!("vit ({})", src.meta.layout),
@@ -418,7 +398,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         fit,
     };
     let fitted_note = if report.fit.is_some() {
-        " The value tokens of every Pattention were then fitted by ridge least squares on the calibration data, layer by layer on the import's own activations (`--fit values`); the fidelity section gives each part's error before and after."
+        FITTED_CARD_NOTE
     } else {
         ""
     };
