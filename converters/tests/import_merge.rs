@@ -1585,6 +1585,17 @@ fn import_fit_values_beats_the_mapping_on_held_out_data() {
                 }
             }
         }
+        // 8 photos of 17 tokens are fewer rows than the ViTs' MLPs have tokens (64 +
+        // 4·32): the report says the fit leans on its ridge; the text is enough.
+        let note = fitted["fit"]["calibration_note"].as_str();
+        if from == "vit" {
+            assert!(
+                note.unwrap().contains("only 136 calibration rows"),
+                "{fixture}"
+            );
+        } else {
+            assert!(note.is_none(), "{fixture}: {note:?}");
+        }
         // The paired change in agreement and its interval.
         let change = &fitted["fit"]["top1_change"];
         let diff = fitted["end_to_end"]["top1_agreement"].as_f64().unwrap()

@@ -277,6 +277,9 @@ pub struct FitReport {
     pub mapped_end_to_end: EndToEnd,
     /// Fitted minus mapped top-1 agreement on the same items, with its 95 % interval.
     pub top1_change: AgreementChange,
+    /// Set when the calibration data has fewer rows than a Pattention has tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calibration_note: Option<String>,
 }
 
 impl FitReport {
@@ -291,6 +294,7 @@ impl FitReport {
             calibration_rows,
             mapped_end_to_end,
             top1_change,
+            calibration_note: None,
         }
     }
 }
@@ -537,6 +541,9 @@ impl Report {
             );
         } else {
             s += &end_to_end_line("End to end", e);
+        }
+        if let Some(n) = self.fit.as_ref().and_then(|f| f.calibration_note.as_ref()) {
+            s += &format!("{}{n}.\n", if md { "Note: " } else { "note: " });
         }
         if let Some(n) = &e.sample_note {
             s += &format!("{}{n}.\n", if md { "Note: " } else { "note: " });

@@ -365,6 +365,8 @@ pub struct Fitted {
     pub layers: Vec<ImportedLayer>,
     pub ridges: Vec<Ridges>,
     pub rows: usize,
+    /// The most parameter tokens of any fitted Pattention (the MLP's).
+    pub max_tokens: usize,
 }
 
 /// Every layer of `mapped` with its value tokens fitted as the module says: layer
@@ -449,10 +451,18 @@ pub fn fit_values(
         fitted.push(layer);
         ridges.push(chosen);
     }
+    let max_tokens = fitted
+        .iter()
+        .flat_map(|l| l.parts.iter().map(|(k, _)| k.dim(0)))
+        .collect::<candle_core::Result<Vec<_>>>()?
+        .into_iter()
+        .max()
+        .unwrap_or(0);
     Ok(Fitted {
         layers: fitted,
         ridges,
         rows: shapes.iter().map(|(b, t)| b * t).sum(),
+        max_tokens,
     })
 }
 
@@ -472,6 +482,7 @@ pub struct FitCheck {
     fitted: Vec<ImportBlock>,
     ridges: Vec<Ridges>,
     rows: usize,
+    max_tokens: usize,
     running: RunningCheck,
     agreement: Agreement,
     paired: PairedAgreement,
@@ -487,6 +498,7 @@ impl FitCheck {
             fitted: blocks(&fitted.layers)?,
             ridges: fitted.ridges.clone(),
             rows: fitted.rows,
+            max_tokens: fitted.max_tokens,
             running: RunningCheck::new(mapped.len()),
             agreement: Agreement::default(),
             paired: PairedAgreement::default(),
@@ -518,10 +530,20 @@ impl FitCheck {
 
     /// Each layer's [`LayerFit`] and the report's fit section.
     pub fn finish(self, unit: Unit) -> (Vec<LayerFit>, FitReport) {
-        (
-            self.running.finish(&self.ridges),
-            FitReport::new(self.rows, self.agreement.finish(unit), self.paired.finish()),
-        )
+        let mut report =
+            FitReport::new(self.rows, self.agreement.finish(unit), self.paired.finish());
+        // Fewer rows than tokens: such a fit is under-determined, the ridge decides.
+        if self.rows < self.max_tokens {
+            let flag = match unit {
+                Unit::Images => "--calibration-images",
+                Unit::Tokens => "--calibration-text",
+            };
+            report.calibration_note = Some(format!(
+                "only {} calibration rows for Pattentions of up to {} parameter tokens: the larger fits are under-determined and lean on the ridge towards the mapped values; pass {flag} with more",
+                self.rows, self.max_tokens
+            ));
+        }
+        (self.running.finish(&self.ridges), report)
     }
 }
 
