@@ -1446,6 +1446,15 @@ fn import_vit_calibrates_on_the_given_photos_only() {
     );
     assert_eq!(mine["calibration"]["items"], 2);
     assert_eq!(mine["calibration"]["shipped"], false);
+    // Two photos are two folds of the fit's cross-validation; one photo is split
+    // into the halves of its tokens.
+    assert_eq!(mine["fit"]["calibration_rows"], 2 * 17);
+    let one = root.path().join("one");
+    std::fs::create_dir_all(&one).unwrap();
+    std::fs::copy(&all[0], one.join("a.jpg")).unwrap();
+    let single = scales(&["--calibration-images", s(&one)], &root.path().join("c"));
+    assert_eq!(single["fit"]["calibration_rows"], 17);
+    assert_eq!(single["layers"].as_array().unwrap().len(), 2);
     assert_eq!(mine["evaluation"]["items"], 2);
     let c = |r: &Value| r["layers"][0]["proj_input_scale"].as_f64().unwrap();
     assert!(

@@ -277,7 +277,11 @@ pub struct FitReport {
     pub mapped_end_to_end: EndToEnd,
     /// Fitted minus mapped top-1 agreement on the same items, with its 95 % interval.
     pub top1_change: AgreementChange,
-    /// Set when the calibration data has fewer rows than a Pattention has tokens.
+    /// Calibration rows beyond the fit's bound (`MAX_FIT_ROWS` in `import/fit.rs`),
+    /// not fitted on.
+    pub calibration_rows_left_out: usize,
+    /// Set when the calibration data has fewer rows than a Pattention has tokens,
+    /// or more than the fit keeps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub calibration_note: Option<String>,
 }
@@ -294,6 +298,7 @@ impl FitReport {
             calibration_rows,
             mapped_end_to_end,
             top1_change,
+            calibration_rows_left_out: 0,
             calibration_note: None,
         }
     }

@@ -320,9 +320,35 @@ fn activations(map: &Mapping, keys: &Tensor, x: &Tensor) -> Result<Tensor> {
     )?)
 }
 
-/// The calibration data of a fit: the embedded inputs [b, t, d] of each batch.
+/// The most calibration rows (tokens, or patches and class tokens) a fit keeps:
+/// it holds each row's activations in memory (the source's and the import's,
+/// and the five targets of a layer), and accumulating AᵀA costs rows·n² (at
+/// 16,384 rows and an MLP of n = 4,096 tokens, about half a minute on 2 cores).
+/// The output projections' scales still see all the calibration data.
+pub const MAX_FIT_ROWS: usize = 16_384;
+
+/// The calibration data of a fit: the embedded inputs [b, t, d] of each batch,
+/// whole samples in order up to [`MAX_FIT_ROWS`] rows.
+#[derive(Default)]
 pub struct FitInputs {
-    pub batches: Vec<Tensor>,
+    batches: Vec<Tensor>,
+    rows: usize,
+    /// Rows of the calibration data beyond [`MAX_FIT_ROWS`], not fitted on.
+    left_out: usize,
+}
+
+impl FitInputs {
+    /// Keeps the samples of a batch x [b, t, d] that fit within [`MAX_FIT_ROWS`].
+    pub fn push(&mut self, x: &Tensor) -> Result<()> {
+        let (b, t) = (x.dim(0)?, x.dim(1)?);
+        let keep = (MAX_FIT_ROWS.saturating_sub(self.rows) / t.max(1)).min(b);
+        if keep > 0 {
+            self.batches.push(x.narrow(0, 0, keep)?);
+            self.rows += keep * t;
+        }
+        self.left_out += (b - keep) * t;
+        Ok(())
+    }
 }
 
 /// Adds a batch's rows A [b·t, n] and targets [b·t, out] to `eq`: each sample
@@ -365,6 +391,8 @@ pub struct Fitted {
     pub layers: Vec<ImportedLayer>,
     pub ridges: Vec<Ridges>,
     pub rows: usize,
+    /// Calibration rows beyond [`MAX_FIT_ROWS`], not fitted on.
+    pub left_out: usize,
     /// The most parameter tokens of any fitted Pattention (the MLP's).
     pub max_tokens: usize,
 }
@@ -462,6 +490,7 @@ pub fn fit_values(
         layers: fitted,
         ridges,
         rows: shapes.iter().map(|(b, t)| b * t).sum(),
+        left_out: inputs.left_out,
         max_tokens,
     })
 }
@@ -482,6 +511,7 @@ pub struct FitCheck {
     fitted: Vec<ImportBlock>,
     ridges: Vec<Ridges>,
     rows: usize,
+    left_out: usize,
     max_tokens: usize,
     running: RunningCheck,
     agreement: Agreement,
@@ -498,6 +528,7 @@ impl FitCheck {
             fitted: blocks(&fitted.layers)?,
             ridges: fitted.ridges.clone(),
             rows: fitted.rows,
+            left_out: fitted.left_out,
             max_tokens: fitted.max_tokens,
             running: RunningCheck::new(mapped.len()),
             agreement: Agreement::default(),
@@ -532,6 +563,13 @@ impl FitCheck {
     pub fn finish(self, unit: Unit) -> (Vec<LayerFit>, FitReport) {
         let mut report =
             FitReport::new(self.rows, self.agreement.finish(unit), self.paired.finish());
+        report.calibration_rows_left_out = self.left_out;
+        if self.left_out > 0 {
+            report.calibration_note = Some(format!(
+                "the value fits used the first {} calibration rows ({MAX_FIT_ROWS} at most) and left out {}; the scales used them all",
+                self.rows, self.left_out
+            ));
+        }
         // Fewer rows than tokens: such a fit is under-determined, the ridge decides.
         if self.rows < self.max_tokens {
             let flag = match unit {
@@ -807,6 +845,20 @@ mod tests {
         for (i, w) in ata.iter().enumerate() {
             assert!((g0[i] + g1[i] - w).abs() <= 1e-9 * w.abs().max(1.0));
         }
+    }
+
+    #[test]
+    fn the_fit_keeps_whole_samples_up_to_its_bound() {
+        let batch = |b: usize, t: usize| Tensor::zeros((b, t, 2), DType::F32, &Device::Cpu);
+        let mut f = FitInputs::default();
+        f.push(&batch(3, 5000).unwrap()).unwrap();
+        f.push(&batch(2, 700).unwrap()).unwrap();
+        f.push(&batch(4, 5000).unwrap()).unwrap();
+        // 15,000 + 700 rows kept; the second batch's second sample and the
+        // third batch would pass MAX_FIT_ROWS.
+        assert_eq!((f.rows, f.left_out), (15_700, 700 + 20_000));
+        let kept: Vec<usize> = f.batches.iter().map(|x| x.dim(0).unwrap()).collect();
+        assert_eq!(kept, [3, 1]);
     }
 
     #[test]

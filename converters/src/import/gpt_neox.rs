@@ -343,12 +343,12 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
 
     // The output projections' (and eps-limited inputs') scales, fitted on the calibration text.
     let mut calibration = Calibration::new(&src.body);
-    let mut fit_inputs = FitInputs { batches: vec![] };
+    let mut fit_inputs = FitInputs::default();
     for w in calib_ids.chunks(window) {
         let x = embed(w)?;
         let (_, traces) = stack.run(&src.body.layers, &x)?;
         calibration.add(&src.body, &traces)?;
-        fit_inputs.batches.push(x);
+        fit_inputs.push(&x)?;
     }
     let mapped = calibration.import(&src.body, &map)?;
     // --fit values: the value tokens solved on the same calibration windows.

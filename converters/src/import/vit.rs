@@ -307,11 +307,11 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         parallel: false,
     };
     let mut calibration = Calibration::new(&src.body);
-    let mut fit_inputs = FitInputs { batches: vec![] };
+    let mut fit_inputs = FitInputs::default();
     for_batches(&calib, &transform, &dev, |px| {
         let x = vit_embed(&src, px)?;
         calibration.add(&src.body, &stack.run(&src.body.layers, &x)?.1)?;
-        fit_inputs.batches.push(x);
+        fit_inputs.push(&x)?;
         Ok(())
     })?;
     let mapped = calibration.import(&src.body, &map)?;
