@@ -193,7 +193,11 @@ impl NormalEquations {
                 })
             }
         };
-        let n = (folds[0].ata.len() as f64).sqrt() as usize;
+        let n = priors[0].dim(0)?;
+        ensure!(
+            folds[0].ata.len() == n * n,
+            "AᵀA and the prior disagree on n"
+        );
         let heldout = |v: &[Vec<f64>], k: usize| {
             v.iter()
                 .zip(&folds[k].aty)
