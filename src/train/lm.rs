@@ -75,6 +75,13 @@ impl TrainableLm {
     /// Logits [b, t, vocab] of ids [b, t].
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
+        self.logits(ids)?.reshape((b, t, self.cfg.vocab_size))
+    }
+
+    /// Logits [b·t, vocab] of ids [b, t], the rows as the loss takes them: a reshape of
+    /// the logits would cost the backward a zeroed logits-sized gradient and an addition.
+    fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
         let cfg = &self.cfg;
         if t > cfg.max_position_embeddings {
             candle_core::bail!(
@@ -111,23 +118,18 @@ impl TrainableLm {
         } else {
             self.p("final_linear.weight")?
         };
-        h.reshape((b * t, d))?
-            .matmul(&out.t()?)?
-            .reshape((b, t, cfg.vocab_size))
+        h.reshape((b * t, d))?.matmul(&out.t()?)
     }
 
     /// Mean next-token cross-entropy of ids [b, t+1]: positions 0..t predict 1..=t.
     pub fn loss(&self, ids: &Tensor) -> Result<Tensor> {
-        let (b, t1) = ids.dims2()?;
+        let (_, t1) = ids.dims2()?;
         if t1 < 2 {
             candle_core::bail!("a training sequence needs at least 2 tokens, got {t1}")
         }
-        let logits = self.forward(&ids.narrow(1, 0, t1 - 1)?)?;
+        let logits = self.logits(&ids.narrow(1, 0, t1 - 1)?)?;
         let targets = ids.narrow(1, 1, t1 - 1)?.flatten_all()?.to_vec1::<u32>()?;
-        super::loss::cross_entropy(
-            &logits.reshape((b * (t1 - 1), self.cfg.vocab_size))?,
-            &targets,
-        )
+        super::loss::cross_entropy(&logits, &targets)
     }
 
     /// The √n constant of the k-th Pattention of a block (q, k, v, proj, mlp).
@@ -165,7 +167,7 @@ impl TrainableLm {
             h,
             &spec,
             true,
-            |x| self.rotate(x, cos, sin),
+            Some(&|x| self.rotate(x, cos, sin)),
         )
     }
 
@@ -215,14 +217,14 @@ pub(crate) fn pattention<P: Params + ?Sized>(
     let v = param(params, &format!("{prefix}.value_param_tokens"))?;
     // As one [rows, d] product: a batched `broadcast_matmul` would copy K once per
     // batch item, multiply in small pieces, and sum those copies' gradients again.
+    let l2_norm_gelu = activation == crate::pattention::Activation::L2NormGelu;
+    if l2_norm_gelu && super::fused::serves(x) {
+        return super::fused::pattention(x, &k, &v, scale_tokens);
+    }
     let mut dims = x.dims().to_vec();
     let d = x.dim(D::Minus1)?;
     let x2 = x.reshape(((), d))?;
     *dims.last_mut().expect("a rank of at least 1") = v.dim(1)?;
-    let l2_norm_gelu = activation == crate::pattention::Activation::L2NormGelu;
-    if l2_norm_gelu && super::fused::serves(x) {
-        return super::fused::pattention(&x2, &k, &v, scale_tokens)?.reshape(dims);
-    }
     let scores = x2.matmul(&k.t()?)?;
     let weights = if l2_norm_gelu {
         super::theta::l2_norm_gelu(&scores, scale_tokens)?
@@ -231,6 +233,9 @@ pub(crate) fn pattention<P: Params + ?Sized>(
     };
     weights.matmul(&v)?.reshape(dims)
 }
+
+/// A rotation of q or k [b, t, heads, hd] (the language model's rotary embedding).
+pub(crate) type Rotation<'a> = dyn Fn(&Tensor) -> Result<Tensor> + 'a;
 
 /// What a block's token-token attention needs besides its tensors.
 pub(crate) struct AttentionSpec {
@@ -241,37 +246,42 @@ pub(crate) struct AttentionSpec {
 }
 
 /// Multi-head attention with Pattention q/k/v/proj under `prefix` on h [b, t, d],
-/// causal or bidirectional, `rotate` applied to q and k [b, t, heads, hd].
+/// causal or bidirectional, `rotate` (if any) applied to q and k [b, t, heads, hd].
 pub(crate) fn attention<P: Params + ?Sized>(
     params: &P,
     prefix: &str,
     h: &Tensor,
     spec: &AttentionSpec,
     causal: bool,
-    rotate: impl Fn(&Tensor) -> Result<Tensor>,
+    rotate: Option<&Rotation<'_>>,
 ) -> Result<Tensor> {
     let (b, t, d) = h.dims3()?;
     let heads = spec.heads;
     let hd = d / heads;
-    let split = |name: &str| -> Result<Tensor> {
+    let project = |name: &str| -> Result<Tensor> {
         pattention(
             params,
             &format!("{prefix}.{name}"),
             h,
             spec.activation,
             spec.scale_qkv,
-        )?
-        .reshape((b, t, heads, hd))
+        )
     };
-    let q = rotate(&split("query")?)?;
-    let k = rotate(&split("key")?)?;
-    let v = split("value")?;
+    let rotated = |x: Tensor| -> Result<Tensor> {
+        match rotate {
+            Some(rotate) => rotate(&x.reshape((b, t, heads, hd))?)?.reshape((b, t, d)),
+            None => Ok(x),
+        }
+    };
+    // [b, t, d], heads side by side along d.
+    let q = rotated(project("query")?)?;
+    let k = rotated(project("key")?)?;
+    let v = project("value")?;
     let scale = 1.0 / (hd as f64).sqrt();
     let out = if super::fused::serves(h) {
-        let flat = |x: Tensor| x.reshape((b, t, d));
-        super::fused::attention(&flat(q)?, &flat(k)?, &flat(v)?, heads, scale, causal)?
+        super::fused::attention(&q, &k, &v, heads, scale, causal)?
     } else {
-        let heads_first = |x: Tensor| x.transpose(1, 2)?.contiguous();
+        let heads_first = |x: Tensor| x.reshape((b, t, heads, hd))?.transpose(1, 2)?.contiguous();
         let (q, k, v) = (heads_first(q)?, heads_first(k)?, heads_first(v)?);
         let mut scores = q.matmul(&k.t()?.contiguous()?)?;
         if causal {

@@ -138,7 +138,7 @@ impl TrainableVit {
                 &hn,
                 &spec,
                 false,
-                |t| Ok(t.clone()),
+                None,
             )?;
             x = (x + a)?;
             let hn = layer_norm(&x, cfg.norm_eps)?;
