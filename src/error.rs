@@ -53,6 +53,9 @@ pub enum Error {
     Hub(Box<crate::hub::HubError>),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// A device that cannot be used (`--device`, `device=`).
+    #[error(transparent)]
+    Device(#[from] crate::device::DeviceError),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -29,6 +29,7 @@
 pub mod alloc;
 pub mod card;
 pub mod checkpoint;
+pub mod device;
 pub mod error;
 pub mod eval;
 pub mod fsutil;
@@ -48,6 +49,7 @@ pub mod train;
 pub mod vision;
 pub mod zoo;
 
+pub use device::{DeviceError, DeviceSpec};
 pub use error::{Error, Result};
 pub use eval::imagenet::Prediction;
 pub use generate::SamplingParams;

@@ -6,8 +6,9 @@
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
+use crate::device::DeviceSpec;
 use crate::error::{Error, Result};
 use crate::eval::imagenet::{self, Prediction};
 use crate::eval::{pile, tasks};
@@ -46,6 +47,10 @@ pub struct PretrainedOptions {
     /// The Hub client for zoo names and repo ids; `None` builds one from the
     /// environment (`HF_ENDPOINT`, `HF_HOME`, ...) when a download is needed.
     pub hub: Option<HubClient>,
+    /// Where the model runs. Only the CPU for now: any other device is an
+    /// error ([`DeviceError::CpuOnly`](crate::DeviceError::CpuOnly), or why
+    /// it cannot be opened), raised before anything is downloaded or loaded.
+    pub device: DeviceSpec,
 }
 
 impl PretrainedOptions {
@@ -72,9 +77,9 @@ pub struct LanguageModel {
 impl LanguageModel {
     /// Loads a language model (or a merged model's language route) and its tokenizer.
     pub fn from_pretrained(name: &str, opts: &PretrainedOptions) -> Result<Self> {
+        let device = opts.device.require_cpu("a LanguageModel")?;
         let files = opts.locate(name)?;
         let tokenizer = loader::load_tokenizer(&files)?;
-        let device = Device::Cpu;
         let model = match opts.weights {
             WeightPrecision::F32 => loader::load_lm_as(&files, &device, DType::F32)?,
             WeightPrecision::F16 => loader::load_lm_as(&files, &device, DType::F16)?,
@@ -227,9 +232,10 @@ pub struct ImageClassifier {
 impl ImageClassifier {
     /// Loads an image classifier (or a merged model's vision route).
     pub fn from_pretrained(name: &str, opts: &PretrainedOptions) -> Result<Self> {
+        let device = opts.device.require_cpu("an ImageClassifier")?;
         let files = opts.locate(name)?;
         Ok(Self {
-            model: loader::load_vit(&files, &Device::Cpu)?,
+            model: loader::load_vit(&files, &device)?,
             source: files.source,
         })
     }

@@ -35,12 +35,14 @@ pub struct BenchArgs {
     /// Print one JSON object (the peer's field names).
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub device: super::DeviceArgs,
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
+    let dev = a.device.cpu_only("bench")?;
     let cfg = lm_config(&a.config)
         .ok_or_else(|| anyhow!("unknown --config `{}` (150m, 450m, 900m, 1.5b)", a.config))?;
-    let dev = Device::Cpu;
     let mut only = a.only.clone();
     if a.skip_vit {
         if only.is_empty() {

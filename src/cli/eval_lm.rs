@@ -21,7 +21,7 @@ use tokenformer::eval::{Report, Shard};
 use tokenformer::loader;
 use tokenformer::scoring::Scorer;
 
-use super::{ModelArgs, WeightArgs};
+use super::{DeviceArgs, ModelArgs, WeightArgs};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum MethodArg {
@@ -43,6 +43,8 @@ pub struct PileArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub weights: WeightArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// The Pile's val/test.jsonl.zst, or any .jsonl, .jsonl.zst, .parquet or .txt file (streamed), or hf://datasets/OWNER/NAME[@REV]/PATH.
     #[arg(long)]
     pub data: PathBuf,
@@ -109,6 +111,8 @@ pub struct TasksArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub weights: WeightArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// Tasks, comma-separated, run with one model load: lambada_openai (lambada), hellaswag, piqa, arc_easy, arc_challenge, winogrande.
     #[arg(long, visible_alias = "task", value_delimiter = ',', required = true)]
     pub tasks: Vec<Task>,
@@ -211,6 +215,7 @@ fn write_json(path: &Path, v: &impl serde::Serialize) -> Result<()> {
 }
 
 pub fn pile_cmd(a: PileArgs) -> Result<()> {
+    a.device.cpu_only("eval pile")?;
     let given = a.data.clone();
     let path = resolve_data(&a.data)?;
     tokenformer::fsutil::regular_metadata(&path)?;
@@ -346,6 +351,7 @@ fn print_pile(r: &PileReport) {
 }
 
 pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
+    a.device.cpu_only("eval tasks")?;
     let mut seen = Vec::new();
     for t in &a.tasks {
         if seen.contains(t) {

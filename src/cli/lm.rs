@@ -5,7 +5,7 @@ use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use clap::Args;
 use tokenformer::generate::{
     generate, generate_with_image, token_budget, SamplingParams, TextStream,
@@ -15,7 +15,7 @@ use tokenformer::models::tokenformer::TokenFormerLm;
 use tokenformer::models::vl::{self, VisionLanguageModel};
 use tokenformer::vision::EvalTransform;
 
-use super::{ModelArgs, WeightArgs};
+use super::{DeviceArgs, ModelArgs, WeightArgs};
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -23,6 +23,8 @@ pub struct GenerateArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub weights: WeightArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// The text to continue (or --prompt-file, or the prompt piped on stdin).
     #[arg(long, short, conflicts_with = "prompt_file")]
     pub prompt: Option<String>,
@@ -65,6 +67,7 @@ enum Generator {
 }
 
 pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
+    let dev = a.device.cpu_only("generate")?;
     let files = a.model.locate()?;
     // Known before any weights are read, so a wrong --image fails fast.
     let arch = match &files.config {
@@ -104,7 +107,6 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         repeat_penalty: a.repeat_penalty,
         repeat_last_n: a.repeat_last_n,
     };
-    let dev = Device::Cpu;
     // Image + text runs the merged model; text alone runs a language model
     // (a merged model's language route when the folder is tokenformer-vl).
     let model = match &a.image {
@@ -188,6 +190,8 @@ pub struct ScoreArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub weights: WeightArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// Text to score.
     #[arg(long, conflicts_with_all = ["file", "ids"])]
     pub text: Option<String>,
@@ -280,6 +284,7 @@ fn score_lines(
 }
 
 pub fn score_cmd(a: ScoreArgs) -> Result<()> {
+    a.device.cpu_only("score")?;
     let files = a.model.locate()?;
     let (ids, tokenizer) = match score_input(&a)? {
         ScoreInput::One(t) => {

@@ -12,7 +12,7 @@ pub mod vision;
 pub mod zoo;
 
 use clap::{Args, ValueEnum};
-use tokenformer::Error;
+use tokenformer::{DeviceError, DeviceSpec, Error};
 
 /// The message `main` prints for an error (as `{:#}` does: each cause after
 /// a colon), with the flag or command that helps added where the library
@@ -46,6 +46,35 @@ fn hint(e: &Error) -> Option<String> {
         Error::TooLong { .. } => format!("{e}; use `tokenformer eval pile` for long documents"),
         _ => return None,
     })
+}
+
+/// `--device` of the commands that run a model.
+#[derive(Args, Debug, Clone)]
+pub struct DeviceArgs {
+    /// Where to run: cpu, cuda (the first GPU), cuda:N or auto (CUDA when built in and a GPU is
+    /// present, else the CPU). CUDA needs a build with `--features cuda`, and no command runs on
+    /// it yet: only cpu works for now.
+    #[arg(
+        long,
+        env = "TOKENFORMER_DEVICE",
+        default_value = "cpu",
+        value_name = "DEVICE"
+    )]
+    pub device: DeviceSpec,
+}
+
+impl DeviceArgs {
+    /// The device of `command`, which runs on the CPU only so far: any other
+    /// device is an error (why it cannot be opened, or that the command has
+    /// no GPU path yet), raised before a model is located or read.
+    pub fn cpu_only(&self, command: &str) -> anyhow::Result<candle_core::Device> {
+        self.device
+            .require_cpu(&format!("`tokenformer {command}`"))
+            .map_err(|e| match e {
+                DeviceError::CpuOnly { .. } => anyhow::anyhow!("{e}: use --device cpu"),
+                e => e.into(),
+            })
+    }
 }
 
 /// How every command names and finds a model.

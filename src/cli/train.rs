@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::DType;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -120,6 +120,8 @@ pub struct TrainArgs {
     /// Print a JSON summary on stdout at the end.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub device: super::DeviceArgs,
 }
 
 /// `--train`: `all`, `new`, `bridge` or comma-separated globs.
@@ -159,7 +161,7 @@ mod train_vit;
 mod train_vl;
 
 pub fn run(a: TrainArgs) -> Result<()> {
-    let dev = Device::Cpu;
+    let dev = a.device.cpu_only("train")?;
     let (betas_1, betas_2) = parse_betas(&a.betas)?;
     let train_globs = a.train.as_deref().map(parse_train);
     let grow_at = a

@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
 use clap::Args;
 use indicatif::ProgressBar;
 use tokenformer::eval::{imagenet, Shard};
@@ -13,12 +12,14 @@ use tokenformer::loader;
 use tokenformer::vision::decode::DEFAULT_MAX_PIXELS;
 use tokenformer::vision::DecodeLimits;
 
-use super::ModelArgs;
+use super::{DeviceArgs, ModelArgs};
 
 #[derive(Args, Debug)]
 pub struct ImagenetArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// `val/` with one folder per wnid (`val/<wnid>/*.JPEG`), or a flat folder with --labels;
     /// or such a folder in a Hub dataset, hf://datasets/OWNER/NAME[@REV]/DIR (downloaded into the cache).
     #[arg(long)]
@@ -87,11 +88,12 @@ fn append_timm_csv(path: &std::path::Path, r: &imagenet::ImagenetResult) -> Resu
 }
 
 pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
+    let dev = a.device.cpu_only("eval imagenet")?;
     if a.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
     let files = a.model.locate()?;
-    let model = loader::load_vit(&files, &Device::Cpu)?;
+    let model = loader::load_vit(&files, &dev)?;
     let weights = match &files.weights {
         loader::Weights::Safetensors(p) => p.clone(),
         loader::Weights::OfficialBin(p) => vec![p.clone()],
@@ -181,6 +183,8 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
 pub struct ClassifyArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// Image files (JPEG, PNG, WebP).
     #[arg(required = true)]
     pub images: Vec<PathBuf>,
@@ -196,8 +200,9 @@ pub struct ClassifyArgs {
 }
 
 pub fn classify_cmd(a: ClassifyArgs) -> Result<()> {
+    let dev = a.device.cpu_only("classify")?;
     let files = a.model.locate()?;
-    let model = loader::load_vit(&files, &Device::Cpu)?;
+    let model = loader::load_vit(&files, &dev)?;
     let limits = DecodeLimits::new(a.max_image_pixels);
     let results = imagenet::classify_files_with(&model, &a.images, 5, a.batch_size, &limits)?;
     let failed = results.iter().filter(|(_, r)| r.is_err()).count();
