@@ -94,7 +94,8 @@ trait Elem: WithDType + Copy + Send + Sync + Into<f64> {
         Self::matmul_on(gemm::Parallelism::None, (m, n, k), lhs, rhs)
     }
     fn theta(s: &[Self], n: usize, c: f64) -> Vec<Self>;
-    fn theta_grad(s: &[Self], dy: &[Self], n: usize, c: f64) -> Vec<Self>;
+    /// Θ's backward, the scores turned into their gradient in place.
+    fn theta_grad(s: Vec<Self>, dy: &[Self], n: usize, c: f64) -> Vec<Self>;
 }
 
 /// A matrix operand: element (i, j) at `data[i·rs + j·cs]`.
@@ -202,8 +203,9 @@ impl Elem for f32 {
     fn theta(s: &[Self], n: usize, c: f64) -> Vec<Self> {
         theta::forward_f32(s, n, c)
     }
-    fn theta_grad(s: &[Self], dy: &[Self], n: usize, c: f64) -> Vec<Self> {
-        theta::backward_f32(s, dy, n, c)
+    fn theta_grad(mut s: Vec<Self>, dy: &[Self], n: usize, c: f64) -> Vec<Self> {
+        theta::backward_f32_in_place(&mut s, dy, n, c);
+        s
     }
 }
 
@@ -262,8 +264,8 @@ impl Elem for f64 {
     fn theta(s: &[Self], n: usize, c: f64) -> Vec<Self> {
         theta::forward(s, n, c)
     }
-    fn theta_grad(s: &[Self], dy: &[Self], n: usize, c: f64) -> Vec<Self> {
-        theta::backward(s, dy, n, c)
+    fn theta_grad(s: Vec<Self>, dy: &[Self], n: usize, c: f64) -> Vec<Self> {
+        theta::backward(&s, dy, n, c)
     }
 }
 
@@ -376,8 +378,8 @@ impl Pattention {
         let dw = T::matmul(r, n, o, Operand::rows(g, o), Operand::transposed(v, o));
         let dv = T::matmul_long(n, o, r, Operand::transposed(&w, n), Operand::rows(g, o));
         drop(w);
-        let ds = T::theta_grad(&s, &dw, n, self.c);
-        drop((s, dw));
+        let ds = T::theta_grad(s, &dw, n, self.c);
+        drop(dw);
         let dx = T::matmul(r, d, n, Operand::rows(&ds, n), Operand::rows(k, d));
         let dk = T::matmul_long(n, d, r, Operand::transposed(&ds, n), Operand::rows(x, d));
         Ok([dx, dk, dv])

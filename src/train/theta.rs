@@ -176,11 +176,16 @@ pub(super) fn forward_f32(s: &[f32], n: usize, c: f64) -> Vec<f32> {
 
 pub(super) fn backward_f32(s: &[f32], dy: &[f32], n: usize, c: f64) -> Vec<f32> {
     let mut out = s.to_vec();
-    out.par_chunks_mut(n).zip(dy.par_chunks(n)).for_each_init(
+    backward_f32_in_place(&mut out, dy, n, c);
+    out
+}
+
+/// [`backward_f32`] with the scores `s` turned into ∂L/∂s where they are.
+pub(super) fn backward_f32_in_place(s: &mut [f32], dy: &[f32], n: usize, c: f64) {
+    s.par_chunks_mut(n).zip(dy.par_chunks(n)).for_each_init(
         || vec![0f32; n],
         |g, (row, dy)| fast::backward_row(row, dy, g, c),
     );
-    out
 }
 
 fn slice<'a, T>(s: &'a [T], l: &Layout) -> Result<&'a [T]> {
