@@ -11,7 +11,7 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokenformer::generate::SamplingParams;
-use tokenformer::{PretrainedOptions, SequenceScore, WeightPrecision};
+use tokenformer::{DeviceSpec, PretrainedOptions, SequenceScore, WeightPrecision};
 
 create_exception!(
     _tokenformer,
@@ -28,7 +28,11 @@ fn options(
     tokenizer: Option<PathBuf>,
     config: Option<PathBuf>,
     weights: &str,
+    device: &str,
 ) -> PyResult<PretrainedOptions> {
+    // Parsed here so a bad value is named before anything is loaded; the
+    // library then refuses a device it cannot open or run on.
+    let device = device.parse::<DeviceSpec>().map_err(|e| err(e.into()))?;
     let weights = match weights {
         "f32" => WeightPrecision::F32,
         "f16" => WeightPrecision::F16,
@@ -44,6 +48,7 @@ fn options(
         tokenizer,
         weights,
         hub: None,
+        device,
     })
 }
 
@@ -117,17 +122,19 @@ struct LanguageModel {
 #[pymethods]
 impl LanguageModel {
     /// Loads a model by zoo name, Hub repo id `owner/name[@revision]` or local
-    /// path, with its tokenizer. `weights`: "f32", "f16" or "q8".
+    /// path, with its tokenizer. `weights`: "f32", "f16" or "q8". `device`:
+    /// "cpu", "cuda", "cuda:N" or "auto"; only the CPU runs models for now.
     #[staticmethod]
-    #[pyo3(signature = (name, *, tokenizer=None, config=None, weights="f32"))]
+    #[pyo3(signature = (name, *, tokenizer=None, config=None, weights="f32", device="cpu"))]
     fn from_pretrained(
         py: Python<'_>,
         name: &str,
         tokenizer: Option<PathBuf>,
         config: Option<PathBuf>,
         weights: &str,
+        device: &str,
     ) -> PyResult<Self> {
-        let opts = options(tokenizer, config, weights)?;
+        let opts = options(tokenizer, config, weights, device)?;
         let inner = py
             .detach(|| tokenformer::LanguageModel::from_pretrained(name, &opts))
             .map_err(err)?;
@@ -261,11 +268,17 @@ struct ImageClassifier {
 
 #[pymethods]
 impl ImageClassifier {
-    /// Loads a classifier by zoo name, Hub repo id or local path.
+    /// Loads a classifier by zoo name, Hub repo id or local path. `device`:
+    /// "cpu", "cuda", "cuda:N" or "auto"; only the CPU runs models for now.
     #[staticmethod]
-    #[pyo3(signature = (name, *, config=None))]
-    fn from_pretrained(py: Python<'_>, name: &str, config: Option<PathBuf>) -> PyResult<Self> {
-        let opts = options(None, config, "f32")?;
+    #[pyo3(signature = (name, *, config=None, device="cpu"))]
+    fn from_pretrained(
+        py: Python<'_>,
+        name: &str,
+        config: Option<PathBuf>,
+        device: &str,
+    ) -> PyResult<Self> {
+        let opts = options(None, config, "f32", device)?;
         let inner = py
             .detach(|| tokenformer::ImageClassifier::from_pretrained(name, &opts))
             .map_err(err)?;
