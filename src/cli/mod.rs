@@ -70,10 +70,15 @@ impl DeviceArgs {
     pub fn cpu_only(&self, command: &str) -> anyhow::Result<candle_core::Device> {
         self.device
             .require_cpu(&format!("`tokenformer {command}`"))
-            .map_err(|e| match e {
-                DeviceError::CpuOnly { .. } => anyhow::anyhow!("{e}: use --device cpu"),
-                e => e.into(),
-            })
+            .map_err(device_error)
+    }
+}
+
+/// The library says what cannot run; the command line also names the flag that helps.
+fn device_error(e: DeviceError) -> anyhow::Error {
+    match e {
+        DeviceError::CpuOnly { .. } => anyhow::anyhow!("{e}: use --device cpu"),
+        e => e.into(),
     }
 }
 
@@ -137,5 +142,25 @@ impl WeightArgs {
             WeightDtype::Q8 => return Ok(tokenformer::loader::load_lm_q8(files, &dev)?),
         };
         Ok(tokenformer::loader::load_lm_as(files, &dev, dtype)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU-only refusal cannot be reached without a GPU; its wording is checked here.
+    #[test]
+    fn a_cpu_only_command_names_the_flag_that_helps() {
+        let e = device_error(DeviceError::CpuOnly {
+            what: "`tokenformer score`".to_string(),
+            spec: DeviceSpec::Auto,
+        });
+        assert_eq!(
+            describe(&e),
+            "`tokenformer score` does not run on CUDA yet (device `auto`); only on the CPU for now: use --device cpu"
+        );
+        let e = device_error(DeviceError::NotCompiled(DeviceSpec::Cuda(None)));
+        assert!(describe(&e).contains("--features cuda"));
     }
 }
