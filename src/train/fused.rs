@@ -180,25 +180,11 @@ impl Elem for f32 {
     }
     fn matmul_on(
         par: gemm::Parallelism,
-        (m, n, k): (usize, usize, usize),
+        mnk: (usize, usize, usize),
         lhs: Operand<Self>,
         rhs: Operand<Self>,
     ) -> Vec<Self> {
-        product((m, n, k), &lhs, &rhs, |dst| {
-            // SAFETY: the operands cover m×k and k×n elements (checked by `product`),
-            // dst has room for m·n and overlaps neither.
-            unsafe {
-                crate::kernels::gemm_f32(
-                    crate::kernels::active(),
-                    (m, n, k),
-                    (dst, 1, n as isize),
-                    (lhs.data.as_ptr(), lhs.cs as isize, lhs.rs as isize),
-                    (rhs.data.as_ptr(), rhs.cs as isize, rhs.rs as isize),
-                    1.0,
-                    par,
-                )
-            }
-        })
+        matmul_f32_on(crate::kernels::active(), par, mnk, lhs, rhs)
     }
     fn theta(s: &[Self], n: usize, c: f64) -> Vec<Self> {
         theta::forward_f32(s, n, c)
@@ -207,6 +193,32 @@ impl Elem for f32 {
         theta::backward_f32_in_place(&mut s, dy, n, c);
         s
     }
+}
+
+/// The f32 product on the kernels of `path` (our own sgemm on AVX2, the gemm crate's
+/// otherwise).
+fn matmul_f32_on(
+    path: crate::kernels::Path,
+    par: gemm::Parallelism,
+    (m, n, k): (usize, usize, usize),
+    lhs: Operand<f32>,
+    rhs: Operand<f32>,
+) -> Vec<f32> {
+    product((m, n, k), &lhs, &rhs, |dst| {
+        // SAFETY: the operands cover m×k and k×n elements (checked by `product`), dst
+        // has room for m·n and overlaps neither.
+        unsafe {
+            crate::kernels::gemm_f32(
+                path,
+                (m, n, k),
+                (dst, 1, n as isize),
+                (lhs.data.as_ptr(), lhs.cs as isize, lhs.rs as isize),
+                (rhs.data.as_ptr(), rhs.cs as isize, rhs.rs as isize),
+                1.0,
+                par,
+            )
+        }
+    })
 }
 
 impl Elem for f64 {
@@ -988,6 +1000,49 @@ mod tests {
     fn composite_softmax(x: &Tensor) -> Result<Tensor> {
         let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?)?.exp()?;
         e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+    }
+
+    /// Every kernel path's f32 product on the operand layouts the ops use (rows,
+    /// transposed, one head of interleaved heads) equals the product summed in f64.
+    #[test]
+    fn products_on_every_path_take_the_strided_operands() {
+        let (m, n, k, heads) = (37, 29, 70, 2);
+        let a: Vec<f32> = values(m * k * heads, 3).iter().map(|&x| x as f32).collect();
+        let b: Vec<f32> = values(k * n, 4).iter().map(|&x| x as f32).collect();
+        // (lhs element (i, p), the operand) for: rows of [m, k]; the transpose of [k, m];
+        // head 1 of [m, heads·k].
+        type Element<'a> = Box<dyn Fn(usize, usize) -> f32 + 'a>;
+        let layouts: [(Element, Operand<f32>); 3] = [
+            (Box::new(|i, p| a[i * k + p]), Operand::rows(&a, k)),
+            (Box::new(|i, p| a[p * m + i]), Operand::transposed(&a, m)),
+            (
+                Box::new(|i, p| a[i * heads * k + k + p]),
+                Operand {
+                    data: &a[k..],
+                    rs: heads * k,
+                    cs: 1,
+                },
+            ),
+        ];
+        for path in crate::kernels::Path::all() {
+            for (at, lhs) in &layouts {
+                for par in [gemm::Parallelism::None, gemm::Parallelism::Rayon(2)] {
+                    let got = matmul_f32_on(path, par, (m, n, k), *lhs, Operand::rows(&b, n));
+                    for i in 0..m {
+                        for j in 0..n {
+                            let want: f64 = (0..k)
+                                .map(|p| f64::from(at(i, p)) * f64::from(b[p * n + j]))
+                                .sum();
+                            let g = f64::from(got[i * n + j]);
+                            assert!(
+                                (g - want).abs() < 1e-4,
+                                "{path:?} ({i}, {j}): {g} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Against products and the Θ op of the unfused path (candle's own `gelu_erf`
