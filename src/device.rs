@@ -63,9 +63,9 @@ pub enum DeviceError {
     #[error("unknown device `{0}`: expected cpu, cuda, cuda:N (N a GPU index from 0) or auto")]
     Parse(String),
     #[error(
-        "device `{0}`: this build has no CUDA support; build with the `cuda` feature \
-         (`cargo build --release --features cuda`, or `maturin build --features cuda` for the \
-         Python package), which needs the CUDA toolkit (see the README's GPU section)"
+        "device `{0}`: this build has no CUDA support; build it with `--features cuda` \
+         (`cargo build --release --features cuda`), which needs the CUDA toolkit (the README's \
+         GPU section also covers the Python package and a toolkit from pip wheels)"
     )]
     NotCompiled(DeviceSpec),
     /// No driver, no GPU, or a GPU the driver would not open.

@@ -98,6 +98,20 @@ def test_errors_carry_the_library_message(tmp_path):
         tokenformer.LanguageModel.from_pretrained(KJV, weights="int4")
 
 
+def test_device_is_the_cpu_and_other_devices_are_refused_as_by_the_cli():
+    lm = tokenformer.LanguageModel.from_pretrained(KJV, device="cpu")
+    assert lm.score(TEXTS[0]).nll == tokenformer.LanguageModel.from_pretrained(KJV).score(TEXTS[0]).nll
+    tokenformer.ImageClassifier.from_pretrained(DIGITS, device="cpu")
+    with pytest.raises(tokenformer.TokenFormerError, match="unknown device `gpu`"):
+        tokenformer.LanguageModel.from_pretrained(KJV, device="gpu")
+    # The wheel CI builds has no CUDA: the error says how to build it, as the CLI's does.
+    with pytest.raises(tokenformer.TokenFormerError, match="no CUDA support") as e:
+        tokenformer.ImageClassifier.from_pretrained(DIGITS, device="cuda:0")
+    r = cli("classify", "--model", DIGITS, "--device", "cuda:0", str(EXAMPLES / "seven" / "0005.png"), check=False)
+    assert r.returncode == 1
+    assert str(e.value) in r.stderr
+
+
 def test_compute_releases_the_gil(lm):
     text = " ".join(TEXTS * 40)
     done = threading.Event()
