@@ -27,6 +27,7 @@ fn tokenformer(args: &[&str], env: &[(&str, &str)]) -> (Output, String) {
 
 /// Every command with `--device`, with its required arguments. The paths
 /// need not exist: the device is checked first.
+#[cfg(not(feature = "cuda"))]
 fn commands(out: &str) -> Vec<Vec<String>> {
     let cmds: [&[&str]; 8] = [
         &["generate", "--model", "no-such-model", "--prompt", "a"],
