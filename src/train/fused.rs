@@ -24,9 +24,6 @@ pub(super) fn serves(t: &Tensor) -> bool {
 
 /// The element types of the fused ops.
 trait Elem: WithDType + Copy + Send + Sync + Into<f64> {
-    fn slice(s: &CpuStorage) -> Option<&[Self]>;
-    fn storage(v: Vec<Self>) -> CpuStorage;
-    fn into_vec(s: CpuStorage) -> Option<Vec<Self>>;
     /// e^x (f32: the inference kernels' vectorisable exp, ≈1 ulp).
     fn exp_fast(self) -> Self;
     /// dst [m, n] (row-major, fresh) = lhs · rhs on `par`'s threads.
@@ -160,21 +157,6 @@ fn product<T: Copy + Default>(
 }
 
 impl Elem for f32 {
-    fn slice(s: &CpuStorage) -> Option<&[Self]> {
-        match s {
-            CpuStorage::F32(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn storage(v: Vec<Self>) -> CpuStorage {
-        CpuStorage::F32(v)
-    }
-    fn into_vec(s: CpuStorage) -> Option<Vec<Self>> {
-        match s {
-            CpuStorage::F32(v) => Some(v),
-            _ => None,
-        }
-    }
     fn exp_fast(self) -> Self {
         crate::kernels::math::exp_f32(self)
     }
@@ -222,21 +204,6 @@ fn matmul_f32_on(
 }
 
 impl Elem for f64 {
-    fn slice(s: &CpuStorage) -> Option<&[Self]> {
-        match s {
-            CpuStorage::F64(v) => Some(v),
-            _ => None,
-        }
-    }
-    fn storage(v: Vec<Self>) -> CpuStorage {
-        CpuStorage::F64(v)
-    }
-    fn into_vec(s: CpuStorage) -> Option<Vec<Self>> {
-        match s {
-            CpuStorage::F64(v) => Some(v),
-            _ => None,
-        }
-    }
     fn exp_fast(self) -> Self {
         f64::exp(self)
     }
@@ -282,7 +249,7 @@ impl Elem for f64 {
 }
 
 fn contiguous<'a, T: Elem>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [T]> {
-    let Some(v) = T::slice(s) else {
+    let Ok(v) = T::cpu_storage_as_slice(s) else {
         candle_core::bail!("{what}: operands of one dtype, f32 or f64, expected")
     };
     match l.contiguous_offsets() {
@@ -300,6 +267,142 @@ fn read<T: Elem, R>(t: &Tensor, what: &str, f: impl FnOnce(&[T]) -> Result<R>) -
     f(contiguous(s, layout, what)?)
 }
 
+/// An op of three operands with its own backward, written once for f32 and f64;
+/// [`Three`] makes it a candle op.
+trait ThreeOp: Send + Sync {
+    const NAME: &'static str;
+    type Dims: Copy;
+    fn dims(&self, a: &Layout, b: &Layout, c: &Layout) -> Result<Self::Dims>;
+    fn out_shape(&self, a: &Layout, dims: Self::Dims) -> Shape;
+    fn fwd<T: Elem>(&self, a: &[T], b: &[T], c: &[T], dims: Self::Dims) -> Vec<T>;
+    /// The gradients of the three operands (each of its operand's shape) from the
+    /// operands and the upstream gradient, in that order.
+    fn bwd<T: Elem>(&self, ops: (&[T], &[T], &[T], &[T]), dims: Self::Dims) -> Result<[Vec<T>; 3]>;
+}
+
+struct Three<O>(O);
+
+impl<O: ThreeOp> CustomOp3 for Three<O> {
+    fn name(&self) -> &'static str {
+        O::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn run<O: ThreeOp, T: Elem>(
+            op: &O,
+            ops: [(&CpuStorage, &Layout); 3],
+            dims: O::Dims,
+        ) -> Result<CpuStorage> {
+            let [a, b, c] = ops.map(|(s, l)| contiguous::<T>(s, l, O::NAME));
+            Ok(T::to_cpu_storage_owned(op.fwd(a?, b?, c?, dims)))
+        }
+        let dims = self.0.dims(l1, l2, l3)?;
+        let ops = [(s1, l1), (s2, l2), (s3, l3)];
+        let out = match s1 {
+            CpuStorage::F32(_) => run::<O, f32>(&self.0, ops, dims)?,
+            CpuStorage::F64(_) => run::<O, f64>(&self.0, ops, dims)?,
+            _ => candle_core::bail!("{}: f32 or f64 expected", O::NAME),
+        };
+        Ok((out, self.0.out_shape(l1, dims)))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        fn run<O: ThreeOp, T: Elem>(op: &O, [a, b, c, g]: [&Tensor; 4]) -> Result<[Tensor; 3]> {
+            let dims = op.dims(a.layout(), b.layout(), c.layout())?;
+            let grads = read::<T, _>(a, O::NAME, |x| {
+                read(b, O::NAME, |y| {
+                    read(c, O::NAME, |z| {
+                        read(g, O::NAME, |g| op.bwd((x, y, z, g), dims))
+                    })
+                })
+            })?;
+            let [da, db, dc] = grads;
+            let cpu = &Device::Cpu;
+            Ok([
+                Tensor::from_vec(da, a.shape(), cpu)?,
+                Tensor::from_vec(db, b.shape(), cpu)?,
+                Tensor::from_vec(dc, c.shape(), cpu)?,
+            ])
+        }
+        let g = grad.contiguous()?;
+        let [da, db, dc] = match a.dtype() {
+            DType::F32 => run::<O, f32>(&self.0, [a, b, c, &g])?,
+            DType::F64 => run::<O, f64>(&self.0, [a, b, c, &g])?,
+            dt => candle_core::bail!("{} backward: {dt:?}", O::NAME),
+        };
+        Ok((Some(da), Some(db), Some(dc)))
+    }
+}
+
+/// An op over rows of the last axis with its own backward, written once for f32 and
+/// f64; [`Rows`] makes it a candle op.
+trait RowOp: Send + Sync {
+    const NAME: &'static str;
+    fn fwd<T: Elem>(&self, x: &[T], n: usize) -> Vec<T>;
+    /// ∂x from the input, the output and the upstream gradient.
+    fn bwd<T: Elem>(&self, x: &[T], y: &[T], g: &[T], n: usize) -> Vec<T>;
+}
+
+struct Rows<O>(O);
+
+impl<O: RowOp> CustomOp1 for Rows<O> {
+    fn name(&self) -> &'static str {
+        O::NAME
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let n = last_dim(l);
+        let y = match s {
+            CpuStorage::F32(_) => {
+                f32::to_cpu_storage_owned(self.0.fwd(contiguous::<f32>(s, l, O::NAME)?, n))
+            }
+            CpuStorage::F64(_) => {
+                f64::to_cpu_storage_owned(self.0.fwd(contiguous::<f64>(s, l, O::NAME)?, n))
+            }
+            _ => candle_core::bail!("{}: f32 or f64 expected", O::NAME),
+        };
+        Ok((y, l.shape().clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        fn run<O: RowOp, T: Elem>(
+            op: &O,
+            arg: &Tensor,
+            res: &Tensor,
+            g: &Tensor,
+        ) -> Result<Tensor> {
+            let n = last_dim(arg.layout());
+            let out = read::<T, _>(arg, O::NAME, |x| {
+                read(res, O::NAME, |y| {
+                    read(g, O::NAME, |g| Ok(op.bwd(x, y, g, n)))
+                })
+            })?;
+            Tensor::from_vec(out, arg.shape(), &Device::Cpu)
+        }
+        let g = grad.contiguous()?;
+        Ok(Some(match arg.dtype() {
+            DType::F32 => run::<O, f32>(&self.0, arg, res, &g)?,
+            DType::F64 => run::<O, f64>(&self.0, arg, res, &g)?,
+            dt => candle_core::bail!("{} backward: {dt:?}", O::NAME),
+        }))
+    }
+}
+
 /// Θ(x·Kᵀ)·V with Θ = l2_norm_gelu of constant √`scale_tokens`, for x [.., d] (any
 /// leading axes: rows), K [n, d] and V [n, out], as one node whose backward gives ∂x,
 /// ∂K and ∂V. Taking x as it is saves reshape nodes, each of which costs the backward
@@ -313,10 +416,10 @@ pub(super) fn pattention(
     x.contiguous()?.apply_op3(
         &k.contiguous()?,
         &v.contiguous()?,
-        Pattention {
+        Three(Pattention {
             c: (scale_tokens as f64).sqrt(),
             saved: Mutex::new(None),
-        },
+        }),
     )
 }
 
@@ -368,7 +471,8 @@ impl Pattention {
         let (r, d, n, o) = dims;
         let (s, w) = self.scores(x, k, (r, d, n));
         let y = T::matmul(r, o, n, Operand::rows(&w, n), Operand::rows(v, o));
-        *self.saved.lock().expect("not poisoned") = Some((T::storage(s), T::storage(w)));
+        *self.saved.lock().expect("not poisoned") =
+            Some((T::to_cpu_storage_owned(s), T::to_cpu_storage_owned(w)));
         y
     }
 
@@ -381,8 +485,8 @@ impl Pattention {
         let saved = self.saved.lock().expect("not poisoned").take();
         // A second backward over the same graph recomputes what the first one took.
         let (s, w) = match saved {
-            Some((s, w)) => match (T::into_vec(s), T::into_vec(w)) {
-                (Some(s), Some(w)) => (s, w),
+            Some((s, w)) => match (T::cpu_storage_data(s), T::cpu_storage_data(w)) {
+                (Ok(s), Ok(w)) => (s, w),
                 _ => candle_core::bail!("pattention: saved scores of another dtype"),
             },
             None => self.scores(x, k, (r, d, n)),
@@ -396,89 +500,34 @@ impl Pattention {
         let dk = T::matmul_long(n, d, r, Operand::transposed(&ds, n), Operand::rows(x, d));
         Ok([dx, dk, dv])
     }
-
-    fn bwd_as<T: Elem>(
-        &self,
-        x: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-    ) -> Result<[Tensor; 3]> {
-        let dims = pattention_dims(x.layout(), k.layout(), v.layout())?;
-        let what = "pattention backward";
-        let [dx, dk, dv] = read::<T, _>(x, what, |x| {
-            read(k, what, |k| {
-                read(v, what, |v| {
-                    read(g, what, |g| self.bwd_t((x, k, v, g), dims))
-                })
-            })
-        })?;
-        let cpu = &Device::Cpu;
-        Ok([
-            Tensor::from_vec(dx, x.shape(), cpu)?,
-            Tensor::from_vec(dk, k.shape(), cpu)?,
-            Tensor::from_vec(dv, v.shape(), cpu)?,
-        ])
-    }
 }
 
-impl CustomOp3 for Pattention {
-    fn name(&self) -> &'static str {
-        "pattention-train"
+impl ThreeOp for Pattention {
+    const NAME: &'static str = "pattention-train";
+    type Dims = (usize, usize, usize, usize);
+
+    fn dims(&self, x: &Layout, k: &Layout, v: &Layout) -> Result<Self::Dims> {
+        pattention_dims(x, k, v)
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let dims = pattention_dims(l1, l2, l3)?;
-        let what = "pattention";
-        let y = match s1 {
-            CpuStorage::F32(_) => f32::storage(self.fwd::<f32>(
-                contiguous(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                contiguous(s3, l3, what)?,
-                dims,
-            )),
-            CpuStorage::F64(_) => f64::storage(self.fwd::<f64>(
-                contiguous(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                contiguous(s3, l3, what)?,
-                dims,
-            )),
-            _ => candle_core::bail!("pattention: f32 or f64 expected"),
-        };
-        let mut shape = l1.dims().to_vec();
-        *shape.last_mut().expect("checked by pattention_dims") = dims.3;
-        Ok((y, Shape::from(shape)))
+    fn out_shape(&self, x: &Layout, (.., o): Self::Dims) -> Shape {
+        let mut shape = x.dims().to_vec();
+        *shape.last_mut().expect("checked by pattention_dims") = o;
+        Shape::from(shape)
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let g = grad.contiguous()?;
-        let [dx, dk, dv] = match x.dtype() {
-            DType::F32 => self.bwd_as::<f32>(x, k, v, &g)?,
-            DType::F64 => self.bwd_as::<f64>(x, k, v, &g)?,
-            dt => candle_core::bail!("pattention backward: {dt:?}"),
-        };
-        Ok((Some(dx), Some(dk), Some(dv)))
+    fn fwd<T: Elem>(&self, x: &[T], k: &[T], v: &[T], dims: Self::Dims) -> Vec<T> {
+        Pattention::fwd(self, x, k, v, dims)
+    }
+
+    fn bwd<T: Elem>(&self, ops: (&[T], &[T], &[T], &[T]), dims: Self::Dims) -> Result<[Vec<T>; 3]> {
+        self.bwd_t(ops, dims)
     }
 }
 
 /// (x − mean) / √(var + eps) over the last axis (biased variance, as torch), one node.
 pub(super) fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
-    x.contiguous()?.apply_op1(LayerNorm { eps })
+    x.contiguous()?.apply_op1(Rows(LayerNorm { eps }))
 }
 
 struct LayerNorm {
@@ -537,55 +586,22 @@ impl LayerNorm {
     }
 }
 
-/// The backward of a row-wise op from its input, output and upstream gradient.
-fn rowwise_bwd<T: Elem>(
-    arg: &Tensor,
-    res: &Tensor,
-    grad: &Tensor,
-    what: &str,
-    f: impl FnOnce(&[T], &[T], &[T]) -> Vec<T>,
-) -> Result<Tensor> {
-    let g = grad.contiguous()?;
-    let out = read::<T, _>(arg, what, |x| {
-        read(res, what, |y| read(&g, what, |g| Ok(f(x, y, g))))
-    })?;
-    Tensor::from_vec(out, arg.shape(), &Device::Cpu)
-}
+impl RowOp for LayerNorm {
+    const NAME: &'static str = "layer-norm-train";
 
-impl CustomOp1 for LayerNorm {
-    fn name(&self) -> &'static str {
-        "layer-norm-train"
+    fn fwd<T: Elem>(&self, x: &[T], n: usize) -> Vec<T> {
+        LayerNorm::fwd(self, x, n)
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let n = last_dim(l);
-        let y = match s {
-            CpuStorage::F32(_) => f32::storage(self.fwd(contiguous::<f32>(s, l, "layer norm")?, n)),
-            CpuStorage::F64(_) => f64::storage(self.fwd(contiguous::<f64>(s, l, "layer norm")?, n)),
-            _ => candle_core::bail!("layer norm: f32 or f64 expected"),
-        };
-        Ok((y, l.shape().clone()))
-    }
-
-    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let n = last_dim(arg.layout());
-        let what = "layer norm backward";
-        Ok(Some(match arg.dtype() {
-            DType::F32 => {
-                rowwise_bwd::<f32>(arg, res, grad, what, |x, y, g| self.bwd_t(x, y, g, n))?
-            }
-            DType::F64 => {
-                rowwise_bwd::<f64>(arg, res, grad, what, |x, y, g| self.bwd_t(x, y, g, n))?
-            }
-            dt => candle_core::bail!("{what}: {dt:?}"),
-        }))
+    fn bwd<T: Elem>(&self, x: &[T], y: &[T], g: &[T], n: usize) -> Vec<T> {
+        self.bwd_t(x, y, g, n)
     }
 }
 
 /// softmax(scale · x) over the last axis, one node. Entries of −∞ (a mask) get weight
 /// 0; a row of nothing but −∞ gets all zeros (no NaN).
 pub(super) fn softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
-    x.contiguous()?.apply_op1(Softmax { scale })
+    x.contiguous()?.apply_op1(Rows(Softmax { scale }))
 }
 
 struct Softmax {
@@ -647,29 +663,15 @@ impl Softmax {
     }
 }
 
-impl CustomOp1 for Softmax {
-    fn name(&self) -> &'static str {
-        "softmax-train"
+impl RowOp for Softmax {
+    const NAME: &'static str = "softmax-train";
+
+    fn fwd<T: Elem>(&self, x: &[T], n: usize) -> Vec<T> {
+        Softmax::fwd(self, x, n)
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let n = last_dim(l);
-        let y = match s {
-            CpuStorage::F32(_) => f32::storage(self.fwd(contiguous::<f32>(s, l, "softmax")?, n)),
-            CpuStorage::F64(_) => f64::storage(self.fwd(contiguous::<f64>(s, l, "softmax")?, n)),
-            _ => candle_core::bail!("softmax: f32 or f64 expected"),
-        };
-        Ok((y, l.shape().clone()))
-    }
-
-    fn bwd(&self, arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let n = last_dim(arg.layout());
-        let what = "softmax backward";
-        Ok(Some(match arg.dtype() {
-            DType::F32 => rowwise_bwd::<f32>(arg, res, grad, what, |_, y, g| self.bwd_t(y, g, n))?,
-            DType::F64 => rowwise_bwd::<f64>(arg, res, grad, what, |_, y, g| self.bwd_t(y, g, n))?,
-            dt => candle_core::bail!("{what}: {dt:?}"),
-        }))
+    fn bwd<T: Elem>(&self, _: &[T], y: &[T], g: &[T], n: usize) -> Vec<T> {
+        self.bwd_t(y, g, n)
     }
 }
 
@@ -688,12 +690,12 @@ pub(super) fn attention(
     q.contiguous()?.apply_op3(
         &k.contiguous()?,
         &v.contiguous()?,
-        Attention {
+        Three(Attention {
             heads,
             scale,
             causal,
             saved: Mutex::new(None),
-        },
+        }),
     )
 }
 
@@ -794,7 +796,7 @@ impl Attention {
                 )
             })
             .collect();
-        *self.saved.lock().expect("not poisoned") = Some(T::storage(p));
+        *self.saved.lock().expect("not poisoned") = Some(T::to_cpu_storage_owned(p));
         self.gather(&blocks, dims)
     }
 
@@ -802,13 +804,13 @@ impl Attention {
         &self,
         (q, k, v, g): (&[T], &[T], &[T], &[T]),
         dims: (usize, usize, usize),
-    ) -> Result<[Tensor; 3]> {
+    ) -> Result<[Vec<T>; 3]> {
         let (b, t, d) = dims;
         let hd = d / self.heads;
         let saved = self.saved.lock().expect("not poisoned").take();
-        let p = match saved.map(T::into_vec) {
-            Some(Some(p)) => p,
-            Some(None) => candle_core::bail!("attention: saved probabilities of another dtype"),
+        let p = match saved.map(T::cpu_storage_data) {
+            Some(Ok(p)) => p,
+            Some(Err(_)) => candle_core::bail!("attention: saved probabilities of another dtype"),
             None => self.probs(q, k, dims),
         };
         let grads: Vec<[Vec<T>; 3]> = (0..b * self.heads)
@@ -832,79 +834,32 @@ impl Attention {
             dk.push(k);
             dv.push(v);
         }
-        let whole =
-            |blocks: Vec<Vec<T>>| Tensor::from_vec(self.gather(&blocks, dims), dims, &Device::Cpu);
-        Ok([whole(dq)?, whole(dk)?, whole(dv)?])
-    }
-
-    fn bwd_as<T: Elem>(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-    ) -> Result<[Tensor; 3]> {
-        let dims = attention_dims(q.layout(), k.layout(), v.layout(), self.heads)?;
-        let what = "attention backward";
-        read::<T, _>(q, what, |q| {
-            read(k, what, |k| {
-                read(v, what, |v| {
-                    read(g, what, |g| self.bwd_t((q, k, v, g), dims))
-                })
-            })
-        })
+        Ok([
+            self.gather(&dq, dims),
+            self.gather(&dk, dims),
+            self.gather(&dv, dims),
+        ])
     }
 }
 
-impl CustomOp3 for Attention {
-    fn name(&self) -> &'static str {
-        "attention-train"
+impl ThreeOp for Attention {
+    const NAME: &'static str = "attention-train";
+    type Dims = (usize, usize, usize);
+
+    fn dims(&self, q: &Layout, k: &Layout, v: &Layout) -> Result<Self::Dims> {
+        attention_dims(q, k, v, self.heads)
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let dims = attention_dims(l1, l2, l3, self.heads)?;
-        let what = "attention";
-        let out = match s1 {
-            CpuStorage::F32(_) => f32::storage(self.fwd::<f32>(
-                contiguous(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                contiguous(s3, l3, what)?,
-                dims,
-            )),
-            CpuStorage::F64(_) => f64::storage(self.fwd::<f64>(
-                contiguous(s1, l1, what)?,
-                contiguous(s2, l2, what)?,
-                contiguous(s3, l3, what)?,
-                dims,
-            )),
-            _ => candle_core::bail!("attention: f32 or f64 expected"),
-        };
-        Ok((out, Shape::from(dims)))
+    fn out_shape(&self, _: &Layout, dims: Self::Dims) -> Shape {
+        Shape::from(dims)
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let g = grad.contiguous()?;
-        let [dq, dk, dv] = match q.dtype() {
-            DType::F32 => self.bwd_as::<f32>(q, k, v, &g)?,
-            DType::F64 => self.bwd_as::<f64>(q, k, v, &g)?,
-            dt => candle_core::bail!("attention backward: {dt:?}"),
-        };
-        Ok((Some(dq), Some(dk), Some(dv)))
+    fn fwd<T: Elem>(&self, q: &[T], k: &[T], v: &[T], dims: Self::Dims) -> Vec<T> {
+        Attention::fwd(self, q, k, v, dims)
+    }
+
+    fn bwd<T: Elem>(&self, ops: (&[T], &[T], &[T], &[T]), dims: Self::Dims) -> Result<[Vec<T>; 3]> {
+        self.bwd_t(ops, dims)
     }
 }
 

@@ -315,14 +315,14 @@ enum Style {
 
 impl Style {
     /// One table row: right-aligned columns, or a Markdown row.
-    fn row(self, cells: &[String]) -> String {
+    /// One table row; on a terminal each cell right-aligned to its width.
+    fn row(self, cells: &[String], widths: &[usize]) -> String {
         match self {
             Style::Terminal => {
-                let widths = [5, 10, 10, 10, 10, 10, 9, 14, 12, 10];
                 let padded: Vec<String> = cells
                     .iter()
                     .zip(widths)
-                    .map(|(c, w)| format!("{c:>w$}"))
+                    .map(|(c, &w)| format!("{c:>w$}"))
                     .collect();
                 padded.join(" ") + "\n"
             }
@@ -330,6 +330,9 @@ impl Style {
         }
     }
 }
+
+/// Column widths of the per-layer table on a terminal.
+const LAYER_WIDTHS: [usize; 10] = [5, 10, 10, 10, 10, 10, 9, 14, 12, 10];
 
 /// The parts of a layer with status `want`, by name.
 fn parts_with(l: &LayerFidelity, want: Exactness) -> Vec<&'static str> {
@@ -356,18 +359,7 @@ impl Report {
         } else {
             "per-layer relative error in the running import (its own activations against the source's outputs, eval data), mapped only -> fitted, and the ridge chosen (kept: the mapped values):\n".to_string()
         };
-        let row = |cells: &[String]| match style {
-            Style::Terminal => {
-                let widths = [5, 20, 20, 20, 20, 20, 18];
-                let padded: Vec<String> = cells
-                    .iter()
-                    .zip(widths)
-                    .map(|(c, w)| format!("{c:>w$}"))
-                    .collect();
-                padded.join(" ") + "\n"
-            }
-            Style::Markdown => format!("| {} |\n", cells.join(" | ")),
-        };
+        let row = |cells: &[String]| style.row(cells, &[5, 20, 20, 20, 20, 20, 18]);
         let ridge = if md {
             "λ qkv, proj, mlp"
         } else {
@@ -452,7 +444,7 @@ impl Report {
             "max eps/var",
             "exact",
         ];
-        s += &style.row(&header.map(String::from));
+        s += &style.row(&header.map(String::from), &LAYER_WIDTHS);
         if md {
             s += "|---|---|---|---|---|---|---|---|---|---|\n";
         }
@@ -475,18 +467,21 @@ impl Report {
             } else {
                 exact.join(" ")
             };
-            s += &style.row(&[
-                l.layer.to_string(),
-                err(l.query),
-                err(l.key),
-                err(l.value),
-                err(l.proj),
-                err(l.mlp),
-                format!("{:.4}", l.proj_input_scale),
-                dropped,
-                err(l.attn_eps_over_var.max(l.mlp_eps_over_var)),
-                exact,
-            ]);
+            s += &style.row(
+                &[
+                    l.layer.to_string(),
+                    err(l.query),
+                    err(l.key),
+                    err(l.value),
+                    err(l.proj),
+                    err(l.mlp),
+                    format!("{:.4}", l.proj_input_scale),
+                    dropped,
+                    err(l.attn_eps_over_var.max(l.mlp_eps_over_var)),
+                    exact,
+                ],
+                &LAYER_WIDTHS,
+            );
         }
         if md {
             s.push('\n');
