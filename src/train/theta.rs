@@ -3,8 +3,9 @@
 //! same function keeps six score-sized intermediates alive until the backward pass
 //! and walks the scores a dozen times; this keeps only the scores and makes one pass
 //! each way. Its values are the definition's ([`crate::pattention::theta`]) up to
-//! rounding: row norms are summed in f64, and f32 scores go through the inference
-//! kernels' branch-free erf and exp (erf within 3e-7) so that the loops vectorise.
+//! rounding: f32 scores go through the inference kernels' branch-free erf and exp
+//! (erf within 3e-7) and 32-lane sums so that the loops vectorise; f64 scores through
+//! libm and running f64 sums.
 //!
 //! Backward, with f = √n / ‖s‖, u = f·s and g = ∂L/∂Θ · GELU′(u):
 //! ∂L/∂s = f·g − f · s · (s·g) / ‖s‖² (the normalisation's projection), and f·g for a
@@ -101,29 +102,29 @@ pub(super) fn backward<T: Float>(s: &[T], dy: &[T], n: usize, c: f64) -> Vec<T> 
 
 /// The f32 passes, with the branch-free erf and exp of [`crate::kernels::math`] (erf to
 /// 3e-7, exp to about an ulp) so that the element loops vectorise; norms and the
-/// projection's dot product are still summed in f64.
+/// projection's dot product over 32 f32 lanes, the lanes added in f64.
 mod fast {
     use super::super::parts::by_isa;
     use crate::kernels::math::{erf_f32, exp_f32};
 
     const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
 
-    /// Σ a·b in f64 over 16 independent lanes: one running sum is a serial chain of
-    /// adds (four cycles an element), which dominated both passes.
+    /// Σ a·b over 32 independent f32 lanes, added up in f64: one running sum is a
+    /// serial chain of adds (four cycles an element), which dominated both passes.
     #[inline(always)]
     fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
-        let mut acc = [0f64; 16];
-        let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+        let mut acc = [0f32; 32];
+        let (ca, cb) = (a.chunks_exact(32), b.chunks_exact(32));
         let (ra, rb) = (ca.remainder(), cb.remainder());
         for (x, y) in ca.zip(cb) {
-            for k in 0..16 {
-                acc[k] += f64::from(x[k]) * f64::from(y[k]);
+            for k in 0..32 {
+                acc[k] += x[k] * y[k];
             }
         }
         for (k, (x, y)) in ra.iter().zip(rb).enumerate() {
-            acc[k] += f64::from(*x) * f64::from(*y);
+            acc[k] += x * y;
         }
-        acc.iter().sum()
+        acc.iter().map(|&x| f64::from(x)).sum()
     }
 
     #[inline(always)]
