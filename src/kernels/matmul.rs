@@ -74,12 +74,7 @@ impl candle_core::CustomOp2 for Gemm {
         }
         // w's element (row kk, column j) of the product's right-hand side.
         let (rhs_rs, rhs_cs) = if self.transposed { (1, k) } else { (n, 1) };
-        let threads = candle_core::utils::get_num_threads();
-        let parallelism = if threads > 1 {
-            gemm::Parallelism::Rayon(threads)
-        } else {
-            gemm::Parallelism::None
-        };
+        let parallelism = gemm_parallelism();
         let mut out = Vec::<f32>::with_capacity(m * n);
         // SAFETY: x holds m·k and w k·n elements (shapes checked above) and
         // `out` has room for m·n; gemm writes every element of dst without
@@ -97,6 +92,14 @@ impl candle_core::CustomOp2 for Gemm {
             out.set_len(m * n);
         }
         Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+}
+
+/// gemm on candle's thread count (rayon's pool), or on the caller alone for one.
+pub(crate) fn gemm_parallelism() -> gemm::Parallelism {
+    match candle_core::utils::get_num_threads() {
+        t if t > 1 => gemm::Parallelism::Rayon(t),
+        _ => gemm::Parallelism::None,
     }
 }
 

@@ -41,7 +41,7 @@ mod sgemm;
 pub mod theta;
 
 pub(crate) use attention::attention;
-pub(crate) use matmul::gemm_f32;
+pub(crate) use matmul::{gemm_f32, gemm_parallelism};
 pub use matmul::{matmul_nn, matmul_nt, matmul_nt_q8, SMALL_ROWS};
 pub use q8::Q8Matrix;
 pub(crate) use rotary::rotary;

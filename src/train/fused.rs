@@ -36,7 +36,7 @@ trait Elem: WithDType + Copy + Send + Sync + Into<f64> {
 
     /// dst [m, n] = lhs · rhs on all threads.
     fn matmul(m: usize, n: usize, k: usize, lhs: Operand<Self>, rhs: Operand<Self>) -> Vec<Self> {
-        Self::matmul_on(parallelism(), (m, n, k), lhs, rhs)
+        Self::matmul_on(crate::kernels::gemm_parallelism(), (m, n, k), lhs, rhs)
     }
 
     /// dst [m, n] = lhs · rhs for a long inner dimension (weight gradients: k is every
@@ -124,13 +124,6 @@ impl<'a, T> Operand<'a, T> {
     /// Whether elements (m−1, k−1) and everything before lie inside the slice.
     fn covers(&self, m: usize, k: usize) -> bool {
         m == 0 || k == 0 || (m - 1) * self.rs + (k - 1) * self.cs < self.data.len()
-    }
-}
-
-fn parallelism() -> gemm::Parallelism {
-    match candle_core::utils::get_num_threads() {
-        t if t > 1 => gemm::Parallelism::Rayon(t),
-        _ => gemm::Parallelism::None,
     }
 }
 
@@ -248,7 +241,12 @@ impl Elem for f64 {
     }
 }
 
-fn contiguous<'a, T: Elem>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [T]> {
+/// The elements of a contiguous CPU operand of type T (also AdamW's, in [`super::optim`]).
+pub(super) fn contiguous<'a, T: WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<&'a [T]> {
     let Ok(v) = T::cpu_storage_as_slice(s) else {
         candle_core::bail!("{what}: operands of one dtype, f32 or f64, expected")
     };

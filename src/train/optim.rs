@@ -286,20 +286,14 @@ mod in_place {
         }
     }
 
-    fn range(l: &Layout) -> Result<(usize, usize)> {
-        match l.contiguous_offsets() {
-            Some(o) => Ok(o),
-            None => candle_core::bail!("adamw: contiguous tensors expected"),
-        }
-    }
-
     fn slice<'a, T: Elem>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
-        let (a, b) = range(l)?;
-        Ok(&T::cpu_storage_as_slice(s)?[a..b])
+        super::super::fused::contiguous(s, l, "adamw")
     }
 
     fn slice_mut<'a, T: Elem>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [T]> {
-        let (a, b) = range(l)?;
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("adamw: contiguous tensors expected")
+        };
         match T::storage_mut(s) {
             Some(v) => Ok(&mut v[a..b]),
             None => candle_core::bail!("adamw: tensors of one dtype expected"),
