@@ -82,6 +82,76 @@ pub enum DeviceError {
     CpuOnly { what: String, spec: DeviceSpec },
 }
 
+/// The dtype a model computes in (`--dtype`, the Python `dtype=`):
+/// activations and products; reductions (norms, Θ's normalisation, softmax,
+/// log-softmax) accumulate in f32 whatever it is. f32 is the default: it is
+/// exact against the official models, and on the CPU the fused kernels
+/// serve it (bf16 and f16 are for GPUs, where they are several times faster).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ComputeDtype {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl ComputeDtype {
+    pub fn dtype(self) -> candle_core::DType {
+        match self {
+            ComputeDtype::F32 => candle_core::DType::F32,
+            ComputeDtype::Bf16 => candle_core::DType::BF16,
+            ComputeDtype::F16 => candle_core::DType::F16,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ComputeDtype::F32 => "f32",
+            ComputeDtype::Bf16 => "bf16",
+            ComputeDtype::F16 => "f16",
+        }
+    }
+}
+
+impl fmt::Display for ComputeDtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ComputeDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" | "float32" => Ok(ComputeDtype::F32),
+            "bf16" | "bfloat16" => Ok(ComputeDtype::Bf16),
+            "f16" | "float16" => Ok(ComputeDtype::F16),
+            _ => Err(format!("unknown dtype `{s}`: expected f32, bf16 or f16")),
+        }
+    }
+}
+
+/// Free and total bytes of the GPU `device` is on (`None` for the CPU, or
+/// when the driver does not say): what an out-of-memory error reports.
+pub fn gpu_memory(device: &Device) -> Option<(usize, usize)> {
+    cuda::memory(device)
+}
+
+/// Whether a failed operation ran out of GPU memory (the driver's or
+/// cuBLAS's code somewhere in the error's text).
+pub fn is_out_of_memory(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if text.contains("OUT_OF_MEMORY") || text.contains("out of memory") {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
 /// "1 CUDA GPU (cuda:0)", "2 CUDA GPUs (cuda:0 to cuda:1)".
 fn gpus(count: usize) -> String {
     match count {
@@ -167,6 +237,13 @@ mod cuda {
             reason: format!("opening GPU {index}: {e}"),
         })
     }
+
+    pub(crate) fn memory(device: &Device) -> Option<(usize, usize)> {
+        match device {
+            Device::Cuda(d) => d.cuda_stream().context().mem_get_info().ok(),
+            _ => None,
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -180,6 +257,10 @@ mod cuda {
 
     pub(crate) fn open(spec: DeviceSpec, _index: usize) -> Result<Device, DeviceError> {
         Err(DeviceError::NotCompiled(spec))
+    }
+
+    pub(crate) fn memory(_device: &Device) -> Option<(usize, usize)> {
+        None
     }
 }
 

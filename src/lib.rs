@@ -49,7 +49,7 @@ pub mod train;
 pub mod vision;
 pub mod zoo;
 
-pub use device::{DeviceError, DeviceSpec};
+pub use device::{ComputeDtype, DeviceError, DeviceSpec};
 pub use error::{Error, Result};
 pub use eval::imagenet::Prediction;
 pub use generate::SamplingParams;

@@ -525,6 +525,13 @@ pub fn load_lm_as(files: &ModelFiles, device: &Device, weights: DType) -> Result
     lm_from_weights(read_weights(files, Some(weights), device)?, device)
 }
 
+/// Loads a language model computing in `dtype` on `device` (f32; bf16 or
+/// f16 on a GPU; f64 for numerical checks), its weights read in that dtype.
+/// Reductions stay in f32 ([`TokenFormerLm::with_compute_dtype`]).
+pub fn load_lm_in(files: &ModelFiles, device: &Device, dtype: DType) -> Result<TokenFormerLm> {
+    lm_from_weights(read_weights(files, Some(dtype), device)?, device)?.with_compute_dtype(dtype)
+}
+
 /// Loads a language model with its weight matrices quantised to 8 bits
 /// (see [`TokenFormerLm::quantize_q8`]; the products quantise their
 /// activations alike, [`crate::kernels::q8`]).
@@ -574,6 +581,12 @@ pub fn load_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
 /// route), f32 compute on `device`.
 pub fn load_vit(files: &ModelFiles, device: &Device) -> Result<VisionTransformer> {
     load(files, device)
+}
+
+/// [`load_vit`] computing in `dtype`, as [`load_lm_in`].
+pub fn load_vit_in(files: &ModelFiles, device: &Device, dtype: DType) -> Result<VisionTransformer> {
+    build::<VisionTransformer>(read_weights(files, Some(dtype), device)?, device)?
+        .with_compute_dtype(dtype)
 }
 
 /// Loads a merged vision-language model (`tokenformer-vl`), f32 compute on `device`.

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Tensor};
 
-use crate::device::DeviceSpec;
+use crate::device::{ComputeDtype, DeviceSpec};
 use crate::error::{Error, Result};
 use crate::eval::imagenet::{self, Prediction};
 use crate::eval::{pile, tasks};
@@ -23,7 +23,8 @@ use crate::scoring::{self, Loglikelihood, Scorer, SequenceScore};
 /// bounded by the scorer's token cap).
 const SCORE_BATCH: usize = 16;
 
-/// The precision a language model's weight matrices are kept in (compute is f32).
+/// The precision a language model's weight matrices are kept in when it
+/// computes in f32 (with bf16 or f16 computation they are kept in that).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightPrecision {
     #[default]
@@ -42,14 +43,16 @@ pub struct PretrainedOptions {
     pub config: Option<PathBuf>,
     /// A tokenizer.json to use instead of the model's.
     pub tokenizer: Option<PathBuf>,
-    /// Language models only.
+    /// Language models computing in f32 only.
     pub weights: WeightPrecision,
+    /// The dtype the model computes in (f32 unless asked: bf16 or f16 on a GPU).
+    pub dtype: ComputeDtype,
     /// The Hub client for zoo names and repo ids; `None` builds one from the
     /// environment (`HF_ENDPOINT`, `HF_HOME`, ...) when a download is needed.
     pub hub: Option<HubClient>,
-    /// Where the model runs. Only the CPU for now: any other device is an
-    /// error ([`DeviceError::CpuOnly`](crate::DeviceError::CpuOnly), or why
-    /// it cannot be opened), raised before anything is downloaded or loaded.
+    /// Where the model runs; a device that cannot be opened is an error
+    /// ([`DeviceError`](crate::DeviceError)) raised before anything is
+    /// downloaded or loaded.
     pub device: DeviceSpec,
 }
 
@@ -77,13 +80,29 @@ pub struct LanguageModel {
 impl LanguageModel {
     /// Loads a language model (or a merged model's language route) and its tokenizer.
     pub fn from_pretrained(name: &str, opts: &PretrainedOptions) -> Result<Self> {
-        let device = opts.device.require_cpu("a LanguageModel")?;
+        let device = opts.device.resolve()?;
+        if opts.dtype != ComputeDtype::F32 && opts.weights != WeightPrecision::F32 {
+            return Err(Error::input(format!(
+                "weights {:?} apply to f32 computation; computing in {} keeps the weights in it",
+                opts.weights, opts.dtype
+            )));
+        }
+        if opts.weights == WeightPrecision::Q8 && !device.is_cpu() {
+            return Err(Error::input(
+                "8-bit weights run on the CPU only (their kernels are CPU kernels)",
+            ));
+        }
         let files = opts.locate(name)?;
         let tokenizer = loader::load_tokenizer(&files)?;
-        let model = match opts.weights {
-            WeightPrecision::F32 => loader::load_lm_as(&files, &device, DType::F32)?,
-            WeightPrecision::F16 => loader::load_lm_as(&files, &device, DType::F16)?,
-            WeightPrecision::Q8 => loader::load_lm_q8(&files, &device)?,
+        let model = match (opts.dtype, opts.weights) {
+            (ComputeDtype::F32, WeightPrecision::F32) => {
+                loader::load_lm_as(&files, &device, DType::F32)?
+            }
+            (ComputeDtype::F32, WeightPrecision::F16) => {
+                loader::load_lm_as(&files, &device, DType::F16)?
+            }
+            (ComputeDtype::F32, WeightPrecision::Q8) => loader::load_lm_q8(&files, &device)?,
+            (d, _) => loader::load_lm_in(&files, &device, d.dtype())?,
         };
         Ok(Self {
             model,
@@ -232,10 +251,10 @@ pub struct ImageClassifier {
 impl ImageClassifier {
     /// Loads an image classifier (or a merged model's vision route).
     pub fn from_pretrained(name: &str, opts: &PretrainedOptions) -> Result<Self> {
-        let device = opts.device.require_cpu("an ImageClassifier")?;
+        let device = opts.device.resolve()?;
         let files = opts.locate(name)?;
         Ok(Self {
-            model: loader::load_vit(&files, &device)?,
+            model: loader::load_vit_in(&files, &device, opts.dtype.dtype())?,
             source: files.source,
         })
     }

@@ -10,7 +10,7 @@
 //! log-softmax is reduced to the target's value (and argmax) without
 //! materialising a log-probability tensor.
 
-use candle_core::{DType, Storage, Tensor, D};
+use candle_core::{Storage, Tensor, D};
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -243,10 +243,19 @@ impl<'m> Scorer<'m> {
         let hidden = x.reshape((b * t_max, d))?;
         let mut logprob = vec![0f64; b];
         let mut greedy = vec![true; b];
-        // Widened once for all chunks (a no-op for f32 weights).
-        let output_matrix = self.model.output_matrix().to_dtype(DType::F32)?;
-        for start in (0..rows.len()).step_by(HEAD_ROWS) {
-            let end = (start + HEAD_ROWS).min(rows.len());
+        // In the compute dtype once for all chunks (a no-op for f32 weights).
+        let output_matrix = self
+            .model
+            .output_matrix()
+            .to_dtype(self.model.compute_dtype())?;
+        // A GPU takes larger chunks: each is a few launches, and its memory holds them.
+        let chunk = if dev.is_cpu() {
+            HEAD_ROWS
+        } else {
+            8 * HEAD_ROWS
+        };
+        for start in (0..rows.len()).step_by(chunk) {
+            let end = (start + chunk).min(rows.len());
             let sel = Tensor::new(&rows[start..end], dev)?;
             let h = hidden.index_select(&sel, 0)?.unsqueeze(0)?;
             let logits = self.model.head_with(&h, &output_matrix)?.squeeze(0)?;
@@ -334,6 +343,23 @@ fn target_logprobs(logits: &Tensor, targets: &[u32], greedy: bool) -> Result<Vec
         return Ok(compute(data));
     }
     drop(storage);
-    let data = logits.flatten_all()?.to_vec1::<f32>()?;
-    Ok(compute(&data))
+    if logits.device().is_cpu() {
+        let data = logits.flatten_all()?.to_vec1::<f32>()?;
+        return Ok(compute(&data));
+    }
+    // On a GPU the reductions run there; only three numbers a row come back.
+    let lse = logsumexp(&logits)?.to_vec1::<f32>()?;
+    let index = Tensor::new(targets, logits.device())?.unsqueeze(1)?;
+    let picked = logits.gather(&index, 1)?.squeeze(1)?.to_vec1::<f32>()?;
+    let argmax = if greedy {
+        Some(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+    } else {
+        None
+    };
+    Ok((0..n)
+        .map(|r| {
+            let is_max = argmax.as_ref().is_none_or(|a| a[r] == targets[r]);
+            ((picked[r] - lse[r]) as f64, is_max)
+        })
+        .collect())
 }

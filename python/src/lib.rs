@@ -11,7 +11,7 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokenformer::generate::SamplingParams;
-use tokenformer::{DeviceSpec, PretrainedOptions, SequenceScore, WeightPrecision};
+use tokenformer::{ComputeDtype, DeviceSpec, PretrainedOptions, SequenceScore, WeightPrecision};
 
 create_exception!(
     _tokenformer,
@@ -29,10 +29,14 @@ fn options(
     config: Option<PathBuf>,
     weights: &str,
     device: &str,
+    dtype: &str,
 ) -> PyResult<PretrainedOptions> {
     // Parsed here so a bad value is named before anything is loaded; the
-    // library then refuses a device it cannot open or run on.
+    // library then refuses a device it cannot open.
     let device = device.parse::<DeviceSpec>().map_err(|e| err(e.into()))?;
+    let dtype = dtype
+        .parse::<ComputeDtype>()
+        .map_err(TokenFormerError::new_err)?;
     let weights = match weights {
         "f32" => WeightPrecision::F32,
         "f16" => WeightPrecision::F16,
@@ -47,6 +51,7 @@ fn options(
         config,
         tokenizer,
         weights,
+        dtype,
         hub: None,
         device,
     })
@@ -122,10 +127,14 @@ struct LanguageModel {
 #[pymethods]
 impl LanguageModel {
     /// Loads a model by zoo name, Hub repo id `owner/name[@revision]` or local
-    /// path, with its tokenizer. `weights`: "f32", "f16" or "q8". `device`:
-    /// "cpu", "cuda", "cuda:N" or "auto"; only the CPU runs models for now.
+    /// path, with its tokenizer. `device`: "cpu", "cuda", "cuda:N" or "auto"
+    /// (CUDA needs a build with the `cuda` feature). `dtype`: what it
+    /// computes in, "f32", "bf16" or "f16" (the latter two for GPUs).
+    /// `weights` ("f32", "f16" or "q8", the last CPU only): how f32
+    /// computation keeps its weight matrices.
     #[staticmethod]
-    #[pyo3(signature = (name, *, tokenizer=None, config=None, weights="f32", device="cpu"))]
+    #[pyo3(signature = (name, *, tokenizer=None, config=None, weights="f32", device="cpu", dtype="f32"))]
+    #[allow(clippy::too_many_arguments)]
     fn from_pretrained(
         py: Python<'_>,
         name: &str,
@@ -133,8 +142,9 @@ impl LanguageModel {
         config: Option<PathBuf>,
         weights: &str,
         device: &str,
+        dtype: &str,
     ) -> PyResult<Self> {
-        let opts = options(tokenizer, config, weights, device)?;
+        let opts = options(tokenizer, config, weights, device, dtype)?;
         let inner = py
             .detach(|| tokenformer::LanguageModel::from_pretrained(name, &opts))
             .map_err(err)?;
@@ -269,16 +279,17 @@ struct ImageClassifier {
 #[pymethods]
 impl ImageClassifier {
     /// Loads a classifier by zoo name, Hub repo id or local path. `device`:
-    /// "cpu", "cuda", "cuda:N" or "auto"; only the CPU runs models for now.
+    /// "cpu", "cuda", "cuda:N" or "auto"; `dtype`: "f32", "bf16" or "f16".
     #[staticmethod]
-    #[pyo3(signature = (name, *, config=None, device="cpu"))]
+    #[pyo3(signature = (name, *, config=None, device="cpu", dtype="f32"))]
     fn from_pretrained(
         py: Python<'_>,
         name: &str,
         config: Option<PathBuf>,
         device: &str,
+        dtype: &str,
     ) -> PyResult<Self> {
-        let opts = options(None, config, "f32", device)?;
+        let opts = options(None, config, "f32", device, dtype)?;
         let inner = py
             .detach(|| tokenformer::ImageClassifier::from_pretrained(name, &opts))
             .map_err(err)?;

@@ -112,6 +112,18 @@ def test_device_is_the_cpu_and_other_devices_are_refused_as_by_the_cli():
     assert str(e.value) in r.stderr
 
 
+def test_dtype_bf16_computes_close_to_f32_and_a_bad_dtype_is_named():
+    text = " ".join(TEXTS)
+    f32 = tokenformer.LanguageModel.from_pretrained(KJV).score(text).perplexity
+    bf16 = tokenformer.LanguageModel.from_pretrained(KJV, dtype="bf16").score(text).perplexity
+    assert bf16 != f32
+    assert abs(bf16 / f32 - 1) < 0.005
+    with pytest.raises(tokenformer.TokenFormerError, match="unknown dtype `f8`"):
+        tokenformer.LanguageModel.from_pretrained(KJV, dtype="f8")
+    with pytest.raises(tokenformer.TokenFormerError, match="apply to f32 computation"):
+        tokenformer.LanguageModel.from_pretrained(KJV, dtype="bf16", weights="q8")
+
+
 def test_compute_releases_the_gil(lm):
     text = " ".join(TEXTS * 40)
     done = threading.Event()

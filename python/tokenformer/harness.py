@@ -37,8 +37,11 @@ class TokenFormerLM(_Base):
     """The harness's three request types on a tokenformer ``LanguageModel``.
 
     ``pretrained``: a zoo name, Hub repo id or local path; ``tokenizer``,
-    ``config``: overrides; ``weights``: "f32", "f16" or "q8". Harness options
-    it has no use for (``batch_size``, ``device``, ...) are accepted and ignored.
+    ``config``: overrides; ``weights``: "f32", "f16" or "q8"; ``device``:
+    "cpu" (also when the harness passes none), "cuda", "cuda:N" or "auto";
+    ``dtype``: "f32", "bf16" or "f16" (torch's spellings "float32",
+    "bfloat16", "float16" too; "auto" is f32). Harness options it has no use
+    for (``batch_size``, ...) are accepted and ignored.
     """
 
     def __init__(
@@ -48,6 +51,8 @@ class TokenFormerLM(_Base):
         config: str | None = None,
         weights: str = "f32",
         model: LanguageModel | None = None,
+        device: str | None = None,
+        dtype: str = "f32",
         **_ignored: Any,
     ) -> None:
         if _Base is not object:
@@ -56,7 +61,12 @@ class TokenFormerLM(_Base):
             if pretrained is None:
                 raise ValueError("TokenFormerLM needs pretrained=NAME (or model=LanguageModel)")
             model = LanguageModel.from_pretrained(
-                pretrained, tokenizer=tokenizer, config=config, weights=weights
+                pretrained,
+                tokenizer=tokenizer,
+                config=config,
+                weights=weights,
+                device=device or "cpu",
+                dtype="f32" if dtype == "auto" else dtype,
             )
         self.model = model
 

@@ -128,9 +128,10 @@ pub struct TasksArgs {
     /// Requests per forward pass.
     #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
-    /// At most this many (padded) tokens per forward pass (default: 2048).
-    #[arg(long, default_value_t = 2048)]
-    pub max_batch_tokens: usize,
+    /// At most this many (padded) tokens per forward pass (default: 2048 on the CPU,
+    /// 32768 on a GPU).
+    #[arg(long)]
+    pub max_batch_tokens: Option<usize>,
     /// Write every scored document to DIR/samples_<task>_<time>.jsonl, as lm-evaluation-harness's --log_samples.
     #[arg(long, value_name = "DIR")]
     pub log_samples: Option<PathBuf>,
@@ -179,9 +180,7 @@ fn progress_bar(len: u64, unit: &str) -> ProgressBar {
 
 /// `f32` or `f16`, as the result files record it.
 fn dtype_name(w: &WeightArgs) -> Option<String> {
-    w.weight_dtype
-        .to_possible_value()
-        .map(|v| v.get_name().to_string())
+    Some(w.name())
 }
 
 /// Largest result file `eval merge` reads (an ImageNet shard lists its
@@ -215,17 +214,27 @@ fn write_json(path: &Path, v: &impl serde::Serialize) -> Result<()> {
 }
 
 pub fn pile_cmd(a: PileArgs) -> Result<()> {
-    a.device.cpu_only("eval pile")?;
+    let dev = a.device.open()?;
     let given = a.data.clone();
     let path = resolve_data(&a.data)?;
     tokenformer::fsutil::regular_metadata(&path)?;
     let sha = spawn_sha256(&path);
     let files = a.model.locate()?;
     let tokenizer = loader::load_tokenizer(&files)?;
-    let model = a.weights.load_lm(&files)?;
+    let model = a
+        .weights
+        .load_lm(&files, &dev)
+        .map_err(|e| super::gpu_memory_error(e, &dev, &format!("loading {}", files.source)))?;
     let scorer = Scorer::new(&model, a.max_length)?;
     let max_len = scorer.max_length();
-    let scorer = scorer.with_batch_tokens(a.max_batch_tokens.unwrap_or(max_len));
+    // One window per pass fills a CPU's products; a GPU needs the whole batch.
+    let default_tokens = if dev.is_cpu() {
+        max_len
+    } else {
+        max_len * a.batch_size.max(1)
+    };
+    let batch_tokens = a.max_batch_tokens.unwrap_or(default_tokens);
+    let scorer = scorer.with_batch_tokens(batch_tokens);
     let method = match a.method {
         MethodArg::Rolling => Method::Rolling,
         MethodArg::Strided => Method::Strided {
@@ -262,7 +271,14 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
             p.tokens as f64 / secs
         ));
     })
-    .map_err(in_flag_words)?;
+    .map_err(in_flag_words)
+    .map_err(|e| {
+        let what = format!(
+            "{} on batches of up to {} windows ({batch_tokens} tokens)",
+            files.source, a.batch_size
+        );
+        super::gpu_memory_error(e, &dev, &what)
+    })?;
     let elapsed = start.elapsed().as_secs_f64();
     pb.finish_and_clear();
     let info = RunInfo {
@@ -351,7 +367,7 @@ fn print_pile(r: &PileReport) {
 }
 
 pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
-    a.device.cpu_only("eval tasks")?;
+    let dev = a.device.open()?;
     let mut seen = Vec::new();
     for t in &a.tasks {
         if seen.contains(t) {
@@ -394,7 +410,10 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
     }
     let files = a.model.locate()?;
     let tokenizer = loader::load_tokenizer(&files)?;
-    let model = a.weights.load_lm(&files)?;
+    let model = a
+        .weights
+        .load_lm(&files, &dev)
+        .map_err(|e| super::gpu_memory_error(e, &dev, &format!("loading {}", files.source)))?;
     let opts = TaskOptions {
         batch_size: a.batch_size.max(1),
         limit: a.run.limit,
@@ -403,12 +422,15 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
         prefix_token: model.config().eos_token_id,
         max_line_bytes: a.run.max_line_bytes,
     };
+    let batch_tokens = a
+        .max_batch_tokens
+        .unwrap_or(if dev.is_cpu() { 2048 } else { 32768 });
     let mut reports = Vec::new();
     for ((&task, given), path) in a.tasks.iter().zip(&a.data).zip(&data) {
         let sha = spawn_sha256(path);
         let scorer = Scorer::new(&model, a.max_length)?
             .with_greedy(task == Task::Lambada)
-            .with_batch_tokens(a.max_batch_tokens);
+            .with_batch_tokens(batch_tokens);
         let task_labels = if task == Task::Piqa {
             labels.as_deref()
         } else {
@@ -432,7 +454,17 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
                 pb.set_message(format!("{} {:.0} tok/s", task.name(), done as f64 / secs));
             },
         )
-        .map_err(in_flag_words)?;
+        .map_err(in_flag_words)
+        .map_err(|e| {
+            let what = format!(
+                "{} on {} at up to {} requests ({} tokens) a batch",
+                files.source,
+                task.name(),
+                a.batch_size,
+                batch_tokens
+            );
+            super::gpu_memory_error(e, &dev, &what)
+        })?;
         pb.finish_and_clear();
         let info = RunInfo {
             model: files.source.clone(),

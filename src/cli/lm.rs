@@ -67,7 +67,7 @@ enum Generator {
 }
 
 pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
-    let dev = a.device.cpu_only("generate")?;
+    let dev = a.device.open()?;
     let files = a.model.locate()?;
     // Known before any weights are read, so a wrong --image fails fast.
     let arch = match &files.config {
@@ -116,7 +116,7 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
             let pixels = transform.batch(vec![transform.load(path)?], &dev)?;
             Generator::WithImage(Box::new(model), pixels)
         }
-        None => Generator::Text(Box::new(a.weights.load_lm(&files)?)),
+        None => Generator::Text(Box::new(a.weights.load_lm(&files, &dev)?)),
     };
     let text_cfg = match &model {
         Generator::WithImage(m, _) => m.language().config(),
@@ -284,7 +284,7 @@ fn score_lines(
 }
 
 pub fn score_cmd(a: ScoreArgs) -> Result<()> {
-    a.device.cpu_only("score")?;
+    let dev = a.device.open()?;
     let files = a.model.locate()?;
     let (ids, tokenizer) = match score_input(&a)? {
         ScoreInput::One(t) => {
@@ -299,11 +299,11 @@ pub fn score_cmd(a: ScoreArgs) -> Result<()> {
         ScoreInput::Ids(ids) => (ids, None),
         ScoreInput::Lines(data) => {
             let tok = loader::load_tokenizer(&files)?;
-            let model = a.weights.load_lm(&files)?;
+            let model = a.weights.load_lm(&files, &dev)?;
             return score_lines(data, &model, &tok);
         }
     };
-    let model = a.weights.load_lm(&files)?;
+    let model = a.weights.load_lm(&files, &dev)?;
     let s = tokenformer::scoring::score_ids(&model, &ids).with_context(|| match &a.file {
         Some(f) => format!("scoring {}", f.display()),
         None => "scoring the input".to_string(),

@@ -52,8 +52,7 @@ fn hint(e: &Error) -> Option<String> {
 #[derive(Args, Debug, Clone)]
 pub struct DeviceArgs {
     /// Where to run: cpu, cuda (the first GPU), cuda:N or auto (CUDA when built in and a GPU is
-    /// present, else the CPU). CUDA needs a build with `--features cuda`, and no command runs on
-    /// it yet: only cpu works for now.
+    /// present, else the CPU). CUDA needs a build with `--features cuda`.
     #[arg(
         long,
         env = "TOKENFORMER_DEVICE",
@@ -64,6 +63,11 @@ pub struct DeviceArgs {
 }
 
 impl DeviceArgs {
+    /// The device asked for, opened (an error says why it cannot be).
+    pub fn open(&self) -> anyhow::Result<candle_core::Device> {
+        Ok(self.device.resolve()?)
+    }
+
     /// The device of `command`, which runs on the CPU only so far: any other
     /// device is an error (why it cannot be opened, or that the command has
     /// no GPU path yet), raised before a model is located or read.
@@ -108,6 +112,47 @@ impl ModelArgs {
     }
 }
 
+/// Says what ran out of GPU memory, and how much was free, when `e` is a
+/// GPU out-of-memory error; any other error is returned as it is.
+pub fn gpu_memory_error(
+    e: anyhow::Error,
+    device: &candle_core::Device,
+    what: &str,
+) -> anyhow::Error {
+    let oom = e.chain().any(|c| tokenformer::device::is_out_of_memory(c));
+    if device.is_cpu() || !oom {
+        return e;
+    }
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    let free = match tokenformer::device::gpu_memory(device) {
+        Some((free, total)) => format!("{:.1} GiB of {:.1} GiB free now", gib(free), gib(total)),
+        None => "free memory unknown".to_string(),
+    };
+    e.context(format!(
+        "out of GPU memory running {what} ({free}): lower --batch-size or --max-batch-tokens, or \
+         use --dtype bf16"
+    ))
+}
+
+/// The dtype a model computes in.
+#[derive(ValueEnum, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DtypeArg {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl From<DtypeArg> for tokenformer::ComputeDtype {
+    fn from(d: DtypeArg) -> Self {
+        match d {
+            DtypeArg::F32 => tokenformer::ComputeDtype::F32,
+            DtypeArg::Bf16 => tokenformer::ComputeDtype::Bf16,
+            DtypeArg::F16 => tokenformer::ComputeDtype::F16,
+        }
+    }
+}
+
 /// The precision a language model's weight matrices are kept in.
 #[derive(ValueEnum, Debug, Clone, Copy, Default)]
 pub enum WeightDtype {
@@ -118,30 +163,68 @@ pub enum WeightDtype {
     Q8,
 }
 
-/// `--weight-dtype` of the language-model commands.
+/// `--dtype` and `--weight-dtype` of the language-model commands.
 #[derive(Args, Debug, Clone)]
 pub struct WeightArgs {
-    /// Keep weight matrices in f16 (half the memory, faster decoding; results
-    /// match f32 exactly for fp16 checkpoints, all released ones) or q8
-    /// (8-bit blocks quantised at load, and the activations alike per
-    /// product: under a third of the memory, faster still, a small accuracy
-    /// cost).
+    /// Compute in f32 (exact; the default), bf16 or f16 (GPUs: several times faster; the
+    /// weights are kept in it too). Norms, softmaxes and Θ's normalisation sum in f32 in
+    /// every dtype.
+    #[arg(long, value_enum, default_value_t)]
+    pub dtype: DtypeArg,
+    /// With f32 computation, keep weight matrices in f16 (half the memory, faster decoding;
+    /// results match f32 exactly for fp16 checkpoints, all released ones) or q8 (CPU only:
+    /// 8-bit blocks quantised at load, and the activations alike per product: under a third
+    /// of the memory, faster still, a small accuracy cost).
     #[arg(long, value_enum, default_value_t)]
     pub weight_dtype: WeightDtype,
 }
 
 impl WeightArgs {
+    /// The language model of `files` on `dev`, in the precision asked for.
     pub fn load_lm(
         &self,
         files: &tokenformer::loader::ModelFiles,
+        dev: &candle_core::Device,
     ) -> anyhow::Result<tokenformer::models::tokenformer::TokenFormerLm> {
-        let dev = candle_core::Device::Cpu;
-        let dtype = match self.weight_dtype {
-            WeightDtype::F32 => candle_core::DType::F32,
-            WeightDtype::F16 => candle_core::DType::F16,
-            WeightDtype::Q8 => return Ok(tokenformer::loader::load_lm_q8(files, &dev)?),
-        };
-        Ok(tokenformer::loader::load_lm_as(files, &dev, dtype)?)
+        use tokenformer::loader;
+        let weights =
+            match (self.dtype, self.weight_dtype) {
+                (DtypeArg::F32, WeightDtype::F32) => candle_core::DType::F32,
+                (DtypeArg::F32, WeightDtype::F16) => candle_core::DType::F16,
+                (DtypeArg::F32, WeightDtype::Q8) if dev.is_cpu() => {
+                    return Ok(loader::load_lm_q8(files, dev)?)
+                }
+                (DtypeArg::F32, WeightDtype::Q8) => anyhow::bail!(
+                "--weight-dtype q8 runs on the CPU only (its kernels are CPU kernels); on a GPU \
+                 use --dtype bf16 for less memory"
+            ),
+                (d, WeightDtype::F32) => {
+                    let dtype = tokenformer::ComputeDtype::from(d).dtype();
+                    return Ok(loader::load_lm_in(files, dev, dtype)?);
+                }
+                (d, w) => anyhow::bail!(
+                "--weight-dtype {} applies to f32 computation; with --dtype {} the weights are \
+                 kept in {} (drop --weight-dtype)",
+                w.to_possible_value().expect("no skipped variants").get_name(),
+                tokenformer::ComputeDtype::from(d),
+                tokenformer::ComputeDtype::from(d)
+            ),
+            };
+        Ok(loader::load_lm_as(files, dev, weights)?)
+    }
+
+    /// The name reports give the precision: `f32`, `f16`, `q8` (f32
+    /// computation) or `bf16` (weights and computation).
+    pub fn name(&self) -> String {
+        match self.dtype {
+            DtypeArg::F32 => self
+                .weight_dtype
+                .to_possible_value()
+                .expect("no skipped variants")
+                .get_name()
+                .to_string(),
+            d => tokenformer::ComputeDtype::from(d).to_string(),
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use tokenformer::loader;
 use tokenformer::vision::decode::DEFAULT_MAX_PIXELS;
 use tokenformer::vision::DecodeLimits;
 
-use super::{DeviceArgs, ModelArgs};
+use super::{DeviceArgs, DtypeArg, ModelArgs};
 
 #[derive(Args, Debug)]
 pub struct ImagenetArgs {
@@ -20,6 +20,10 @@ pub struct ImagenetArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
+    /// Compute in f32 (exact; the default), bf16 or f16 (GPUs: several times faster).
+    /// Norms and softmaxes sum in f32 in every dtype.
+    #[arg(long, value_enum, default_value_t)]
+    pub dtype: DtypeArg,
     /// `val/` with one folder per wnid (`val/<wnid>/*.JPEG`), or a flat folder with --labels;
     /// or such a folder in a Hub dataset, hf://datasets/OWNER/NAME[@REV]/DIR (downloaded into the cache).
     #[arg(long)]
@@ -88,12 +92,13 @@ fn append_timm_csv(path: &std::path::Path, r: &imagenet::ImagenetResult) -> Resu
 }
 
 pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
-    let dev = a.device.cpu_only("eval imagenet")?;
+    let dev = a.device.open()?;
     if a.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
     let files = a.model.locate()?;
-    let model = loader::load_vit(&files, &dev)?;
+    let dtype = tokenformer::ComputeDtype::from(a.dtype).dtype();
+    let model = loader::load_vit_in(&files, &dev, dtype)?;
     let weights = match &files.weights {
         loader::Weights::Safetensors(p) => p.clone(),
         loader::Weights::OfficialBin(p) => vec![p.clone()],
@@ -138,7 +143,8 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
         bar.set_message(format!("top-1 {:.2}%", p.top1()));
     });
     bar.finish_and_clear();
-    let r = r?;
+    let what = format!("{} on batches of {} images", files.source, a.batch_size);
+    let r = r.map_err(|e| super::gpu_memory_error(e.into(), &dev, &what))?;
     let shard_note = r
         .shard
         .as_ref()
@@ -185,6 +191,10 @@ pub struct ClassifyArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
+    /// Compute in f32 (exact; the default), bf16 or f16 (GPUs: several times faster).
+    /// Norms and softmaxes sum in f32 in every dtype.
+    #[arg(long, value_enum, default_value_t)]
+    pub dtype: DtypeArg,
     /// Image files (JPEG, PNG, WebP).
     #[arg(required = true)]
     pub images: Vec<PathBuf>,
@@ -200,9 +210,10 @@ pub struct ClassifyArgs {
 }
 
 pub fn classify_cmd(a: ClassifyArgs) -> Result<()> {
-    let dev = a.device.cpu_only("classify")?;
+    let dev = a.device.open()?;
     let files = a.model.locate()?;
-    let model = loader::load_vit(&files, &dev)?;
+    let dtype = tokenformer::ComputeDtype::from(a.dtype).dtype();
+    let model = loader::load_vit_in(&files, &dev, dtype)?;
     let limits = DecodeLimits::new(a.max_image_pixels);
     let results = imagenet::classify_files_with(&model, &a.images, 5, a.batch_size, &limits)?;
     let failed = results.iter().filter(|(_, r)| r.is_err()).count();

@@ -5,7 +5,7 @@
 //! q/k/v are read through their strides (head-transposed views need no copy);
 //! the output is written straight into [b, t, h·d].
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::matmul::gemm_f32;
@@ -175,7 +175,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
     let scale = 1.0 / (hd as f64).sqrt();
     let fused = [q, k, v]
         .iter()
-        .all(|x| x.device().is_cpu() && x.dtype() == candle_core::DType::F32);
+        .all(|x| x.device().is_cpu() && x.dtype() == DType::F32);
     if fused {
         // The kernel reads any strides but needs each row's features contiguous.
         let unit = |x: &Tensor| -> Result<Tensor> {
@@ -195,13 +195,20 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
             },
         );
     }
+    // Products in the inputs' dtype, the softmax in f32 at least (as the
+    // reductions of every other op).
     let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * scale)?;
+    let wide = match scores.dtype() {
+        DType::BF16 | DType::F16 => scores.to_dtype(DType::F32)?,
+        _ => scores,
+    };
     let probs = if causal {
-        causal_softmax(&scores)?
+        causal_softmax(&wide)?
     } else {
-        candle_nn::ops::softmax_last_dim(&scores)?
+        candle_nn::ops::softmax_last_dim(&wide)?
     };
     probs
+        .to_dtype(q.dtype())?
         .matmul(&v.contiguous()?)?
         .transpose(1, 2)?
         .reshape((b, t, h * hd))

@@ -195,8 +195,16 @@ fn as_f32(w: &Tensor) -> Result<Tensor> {
     w.to_dtype(DType::F32)
 }
 
-/// x [m, k] · wᵀ (w [n, k], f32 or f16); the streaming kernel for few rows,
-/// gemm otherwise. The result is f32.
+/// The weights in the activations' dtype, for candle's own matmul: the
+/// path of every other device and of bf16/f16/f64 computation (a no-op
+/// when they already agree).
+fn like(w: &Tensor, x: &Tensor) -> Result<Tensor> {
+    w.to_dtype(x.dtype())
+}
+
+/// x [m, k] · wᵀ (w [n, k], f32 or f16); on the CPU in f32, the streaming
+/// kernel for few rows, gemm otherwise; elsewhere candle's matmul in x's
+/// dtype. The result has x's dtype.
 pub fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     matmul_nt_on(active(), x, w)
 }
@@ -208,12 +216,11 @@ pub(super) fn matmul_nt_on(path: Path, x: &Tensor, w: &Tensor) -> Result<Tensor>
     } else if gemm_ok(x, w) {
         x.apply_op2_no_bwd(&as_f32(w)?, &Gemm { transposed, path })
     } else {
-        x.matmul(&as_f32(w)?.t()?)
+        x.matmul(&like(w, x)?.t()?)
     }
 }
 
-/// x [m, n] · w (w [n, k], f32 or f16); the streaming kernel for few rows,
-/// gemm otherwise. The result is f32.
+/// x [m, n] · w (w [n, k]), as [`matmul_nt`].
 pub fn matmul_nn(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     matmul_nn_on(active(), x, w)
 }
@@ -225,7 +232,7 @@ pub(super) fn matmul_nn_on(path: Path, x: &Tensor, w: &Tensor) -> Result<Tensor>
     } else if gemm_ok(x, w) {
         x.apply_op2_no_bwd(&as_f32(w)?, &Gemm { transposed, path })
     } else {
-        x.matmul(&as_f32(w)?)
+        x.matmul(&like(w, x)?)
     }
 }
 

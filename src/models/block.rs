@@ -48,13 +48,63 @@ pub struct BlockConfig {
     pub parallel_residual: bool,
 }
 
-/// LayerNorm without weight and bias (the official `layernorm_nonparam`).
-pub(crate) fn nonparam_layer_norm(hidden: usize, eps: f64, device: &Device) -> Result<LayerNorm> {
-    Ok(LayerNorm::new(
-        Tensor::ones(hidden, DType::F32, device)?,
-        Tensor::zeros(hidden, DType::F32, device)?,
-        eps,
-    ))
+/// A LayerNorm that computes in f32 whatever the activations' dtype: its
+/// weight and bias are f32, half-precision input is widened first and the
+/// result rounded back (candle would sum bf16 in bf16). f64 stays f64.
+#[derive(Clone, Debug)]
+pub struct Norm {
+    inner: LayerNorm,
+    eps: f64,
+}
+
+impl Norm {
+    /// Loads `weight` and `bias` [hidden] under `vb`, as f32.
+    pub(crate) fn load(hidden: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            inner: candle_nn::layer_norm(hidden, eps, vb.set_dtype(DType::F32))?,
+            eps,
+        })
+    }
+
+    /// Without weight and bias (the official `layernorm_nonparam`).
+    pub(crate) fn nonparam(hidden: usize, eps: f64, device: &Device) -> Result<Self> {
+        Ok(Self {
+            inner: LayerNorm::new(
+                Tensor::ones(hidden, DType::F32, device)?,
+                Tensor::zeros(hidden, DType::F32, device)?,
+                eps,
+            ),
+            eps,
+        })
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        self.inner.weight()
+    }
+}
+
+impl Module for Norm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match x.dtype() {
+            DType::F32 => self.inner.forward(x),
+            DType::BF16 | DType::F16 => self
+                .inner
+                .forward(&x.to_dtype(DType::F32)?)?
+                .to_dtype(x.dtype()),
+            // candle's fused LayerNorm has no f64 on the CPU; the same formula in plain ops.
+            dtype => {
+                let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+                let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
+                let y = centred
+                    .broadcast_div(&(var + self.eps)?.sqrt()?)?
+                    .broadcast_mul(&self.inner.weight().to_dtype(dtype)?)?;
+                match self.inner.bias() {
+                    Some(b) => y.broadcast_add(&b.to_dtype(dtype)?),
+                    None => Ok(y),
+                }
+            }
+        }
+    }
 }
 
 /// GPT-NeoX rotary tables: cos/sin [max_positions, rotary_dims/2], computed
@@ -109,8 +159,18 @@ impl Rotary {
             let rows = x.transpose(1, 2)?.contiguous()?;
             return crate::kernels::rotary(&rows, &cos, &sin, self.dims)?.transpose(1, 2);
         }
-        let rot = x.narrow(D::Minus1, 0, self.dims)?.contiguous()?;
-        let rot = candle_nn::rotary_emb::rope(&rot, &cos, &sin)?;
+        // Half precision rotates in f32 (the tables are f32, and positions
+        // near 2048 need their bits), then rounds back.
+        let dtype = match x.dtype() {
+            DType::BF16 | DType::F16 => DType::F32,
+            d => d,
+        };
+        let rot = x
+            .narrow(D::Minus1, 0, self.dims)?
+            .to_dtype(dtype)?
+            .contiguous()?;
+        let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
+        let rot = candle_nn::rotary_emb::rope(&rot, &cos, &sin)?.to_dtype(x.dtype())?;
         if self.dims == hd {
             return Ok(rot);
         }
@@ -219,7 +279,7 @@ impl Attention {
 pub struct Block {
     pub attention: Attention,
     pub mlp: Pattention,
-    norm: LayerNorm,
+    norm: Norm,
     parallel_residual: bool,
 }
 
@@ -236,7 +296,7 @@ impl Block {
                 cfg.activation,
                 vb.pp("mlp"),
             )?,
-            norm: nonparam_layer_norm(d, cfg.norm_eps, vb.device())?,
+            norm: Norm::nonparam(d, cfg.norm_eps, vb.device())?,
             parallel_residual: cfg.parallel_residual,
         })
     }

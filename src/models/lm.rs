@@ -4,11 +4,11 @@
 //! `megatron/model/tokenformer.py` (<https://arxiv.org/abs/2410.23168>).
 
 use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::{LayerNorm, VarBuilder};
+use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 pub use crate::models::block::ScaleTokens;
-use crate::models::block::{AttentionMode, Block, BlockConfig, LayerCache, Rotary};
+use crate::models::block::{AttentionMode, Block, BlockConfig, LayerCache, Norm, Rotary};
 use crate::pattention::Activation;
 
 fn default_rotary_pct() -> f64 {
@@ -332,14 +332,17 @@ impl Matrix {
 /// The TokenFormer causal language model. The VarBuilder's dtype is the
 /// precision its weight matrices are kept in (f32, or f16 to halve memory and
 /// decode traffic; [`TokenFormerLm::quantize_q8`] makes them 8-bit);
-/// activations and arithmetic are f32 either way.
+/// activations and products are f32 unless [`TokenFormerLm::with_compute_dtype`]
+/// says otherwise (bf16 on a GPU). Norms, Θ's normalisation and softmaxes
+/// always reduce in f32, and logits come out as f32.
 #[derive(Clone, Debug)]
 pub struct TokenFormerLm {
     word_embeddings: Matrix,
     layers: Vec<Block>,
-    final_norm: LayerNorm,
+    final_norm: Norm,
     final_linear: Option<Matrix>,
     rotary: Rotary,
+    compute: DType,
     cfg: Config,
 }
 
@@ -354,9 +357,7 @@ impl TokenFormerLm {
         let layers = (0..cfg.num_layers)
             .map(|i| Block::new(&block, vb.pp(format!("layers.{i}"))))
             .collect::<Result<Vec<_>>>()?;
-        // Norms compute in f32 whatever precision the weight matrices are kept in.
-        let final_norm =
-            candle_nn::layer_norm(d, cfg.norm_eps, vb.pp("final_norm").set_dtype(DType::F32))?;
+        let final_norm = Norm::load(d, cfg.norm_eps, vb.pp("final_norm"))?;
         let final_linear = if cfg.tie_word_embeddings {
             None
         } else {
@@ -374,8 +375,34 @@ impl TokenFormerLm {
             final_norm,
             final_linear: final_linear.map(Matrix::Dense),
             rotary,
+            compute: DType::F32,
             cfg: cfg.clone(),
         })
+    }
+
+    /// The model computing in `dtype` (f32, bf16, f16 or f64): activations
+    /// and products in it, reductions in f32 at least. Weights in another
+    /// dtype are converted at each product, so load them in `dtype`
+    /// ([`crate::loader::load_lm_in`]). The CPU's fused kernels serve f32
+    /// only; other dtypes take plain candle ops there.
+    pub fn with_compute_dtype(mut self, dtype: DType) -> crate::Result<Self> {
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::F64) {
+            return Err(crate::Error::input(format!(
+                "a model computes in f32, bf16, f16 or f64, not {dtype:?}"
+            )));
+        }
+        if dtype != DType::F32 && matches!(self.word_embeddings, Matrix::Q8(_)) {
+            return Err(crate::Error::input(
+                "8-bit weights compute in f32 only".to_string(),
+            ));
+        }
+        self.compute = dtype;
+        Ok(self)
+    }
+
+    /// The dtype of activations and products.
+    pub fn compute_dtype(&self) -> DType {
+        self.compute
     }
 
     /// The model with every weight matrix in 8 bits ([`crate::kernels::q8`]:
@@ -458,7 +485,7 @@ impl TokenFormerLm {
                 .select_rows(&ids.flatten_all()?.to_vec1::<u32>()?)?
                 .to_device(self.device())?,
         };
-        rows.to_dtype(DType::F32)?
+        rows.to_dtype(self.compute)?
             .reshape((b, t, self.cfg.hidden_size))
     }
 
@@ -485,11 +512,13 @@ impl TokenFormerLm {
 
     /// [`Self::head`] against `out`, the output matrix or a copy of it in
     /// another precision: a caller running the head on many row chunks widens
-    /// f16 weights once instead of once per chunk.
+    /// f16 weights once instead of once per chunk. The logits are f32.
     pub(crate) fn head_with(&self, h: &Tensor, out: &Tensor) -> Result<Tensor> {
         let (b, t, d) = h.dims3()?;
         let h = self.final_norm.forward(h)?.reshape((b * t, d))?;
-        crate::kernels::matmul_nt(&h, out)?.reshape((b, t, self.cfg.vocab_size))
+        crate::kernels::matmul_nt(&h, out)?
+            .to_dtype(DType::F32)?
+            .reshape((b, t, self.cfg.vocab_size))
     }
 
     /// Logits [b, t, vocab] for ids [b, t]. With a cache, positions continue

@@ -8,11 +8,11 @@
 //! fine-tuning ViT it was trained with (`models_vit.py` of
 //! facebookresearch/mae: `global_pool` → mean of patch tokens, then `fc_norm`).
 
-use candle_core::{Device, Module, Result, Tensor, D};
-use candle_nn::{LayerNorm, Linear, VarBuilder};
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::models::block::{AttentionMode, Block, BlockConfig, ScaleTokens};
+use crate::models::block::{AttentionMode, Block, BlockConfig, Norm, ScaleTokens};
 use crate::pattention::Activation;
 
 pub const ARCHITECTURE: &str = "tokenformer-vit";
@@ -278,8 +278,9 @@ pub struct VisionTransformer {
     cls_token: Tensor,
     pos_embed: Tensor,
     layers: Vec<Block>,
-    norm: LayerNorm,
+    norm: Norm,
     head: Linear,
+    compute: DType,
     cfg: Config,
 }
 
@@ -302,7 +303,7 @@ impl VisionTransformer {
             Pool::Mean => "fc_norm",
             Pool::Cls => "final_norm",
         };
-        let norm = candle_nn::layer_norm(d, cfg.norm_eps, vb.pp(norm_name))?;
+        let norm = Norm::load(d, cfg.norm_eps, vb.pp(norm_name))?;
         let head = Linear::new(
             vb.get((cfg.num_classes, d), "head.weight")?,
             Some(vb.get(cfg.num_classes, "head.bias")?),
@@ -315,8 +316,27 @@ impl VisionTransformer {
             layers,
             norm,
             head,
+            compute: DType::F32,
             cfg: cfg.clone(),
         })
+    }
+
+    /// The model computing in `dtype` (f32, bf16, f16 or f64), as
+    /// [`crate::models::lm::TokenFormerLm::with_compute_dtype`]: pixels are
+    /// converted at the input, logits come out as f32.
+    pub fn with_compute_dtype(mut self, dtype: DType) -> crate::Result<Self> {
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::F64) {
+            return Err(crate::Error::input(format!(
+                "a model computes in f32, bf16, f16 or f64, not {dtype:?}"
+            )));
+        }
+        self.compute = dtype;
+        Ok(self)
+    }
+
+    /// The dtype of activations and products.
+    pub fn compute_dtype(&self) -> DType {
+        self.compute
     }
 
     pub fn config(&self) -> &Config {
@@ -348,12 +368,13 @@ impl VisionTransformer {
         }
         let (gh, gw) = (h / p, w / p);
         let patches = pixels
+            .to_dtype(self.compute)?
             .reshape((b, c, gh, p, gw, p))?
             .permute((0, 2, 4, 1, 3, 5))?
             .contiguous()?
             .reshape((b * gh * gw, c * p * p))?;
         crate::kernels::matmul_nn(&patches, &self.patch_weight_t)?
-            .broadcast_add(&self.patch_bias)?
+            .broadcast_add(&self.patch_bias.to_dtype(self.compute)?)?
             .reshape((b, gh * gw, self.cfg.hidden_size))
     }
 
@@ -362,8 +383,11 @@ impl VisionTransformer {
     pub(crate) fn embed(&self, pixels: &Tensor) -> Result<Tensor> {
         let patches = self.embed_patches(pixels)?;
         let b = patches.dim(0)?;
-        let cls = self.cls_token.broadcast_as((b, 1, self.cfg.hidden_size))?;
-        Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(&self.pos_embed)
+        let cls =
+            self.cls_token
+                .to_dtype(self.compute)?
+                .broadcast_as((b, 1, self.cfg.hidden_size))?;
+        Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(&self.pos_embed.to_dtype(self.compute)?)
     }
 
     /// The final token states [b, N+1, d] (class token first), before pooling.
@@ -375,14 +399,28 @@ impl VisionTransformer {
         Ok(x)
     }
 
-    /// Logits [b, num_classes] of final token states [b, N+1, d].
+    /// Logits [b, num_classes] (f32) of final token states [b, N+1, d].
     pub(crate) fn head(&self, x: &Tensor) -> Result<Tensor> {
-        self.head.forward(&self.pool(x)?)
+        let pooled = self.pool(x)?;
+        let w = self.head.weight().to_dtype(pooled.dtype())?;
+        let bias = self.head.bias().map(|b| b.to_dtype(pooled.dtype()));
+        let logits = pooled.matmul(&w.t()?)?;
+        match bias {
+            Some(b) => logits.broadcast_add(&b?)?,
+            None => logits,
+        }
+        .to_dtype(DType::F32)
     }
 
-    /// The pooled, normalised feature [b, d] that the head reads.
+    /// The pooled, normalised feature [b, d] that the head reads, in f32
+    /// (or f64): the mean, the norm and the small head product are cheap, and
+    /// a bf16 mean over 196 tokens would round at every step.
     pub(crate) fn pool(&self, x: &Tensor) -> Result<Tensor> {
         let n = x.dim(1)? - 1;
+        let x = match x.dtype() {
+            DType::BF16 | DType::F16 => x.to_dtype(DType::F32)?,
+            _ => x.clone(),
+        };
         match self.cfg.pool {
             Pool::Mean => self.norm.forward(&x.narrow(1, 1, n)?.mean(1)?),
             // LayerNorm acts per token, so normalising only the class token is

@@ -1,0 +1,187 @@
+//! One model code for every device and dtype. Off the CPU's f32 fast path
+//! (a GPU, or another dtype) the models run on plain candle ops; here that
+//! path runs on the CPU in f64 and must equal the fused f32 kernels and the
+//! PyTorch fixture, and bf16/f16 computation (reductions in f32) must stay as
+//! close to f32 as the GPU issue requires: perplexity within 0.5 % on the
+//! shipped `tiny-kjv-lm` validation text, and the same top-1 class on the
+//! shipped digit images.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use tokenformer::eval::imagenet::classify_files;
+use tokenformer::loader::{self, LocateOptions};
+use tokenformer::models::tokenformer::{Cache, TokenFormerLm};
+use tokenformer::scoring::score_ids;
+
+fn zoo(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("zoo").join(name)
+}
+
+fn fixture_files() -> loader::ModelFiles {
+    let opts = LocateOptions {
+        tokenizer: Some(tokenizer_fixture()),
+        ..Default::default()
+    };
+    let bin = lm_fixture().join("pytorch_model.bin");
+    loader::locate(bin.to_str().unwrap(), &opts).unwrap()
+}
+
+fn locate(path: &Path) -> loader::ModelFiles {
+    loader::locate(path.to_str().unwrap(), &LocateOptions::default()).unwrap()
+}
+
+fn logits(model: &TokenFormerLm, ids: &[u32]) -> Vec<f32> {
+    let input = Tensor::new(ids, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let out = model.forward(&input, None).unwrap();
+    assert_eq!(out.dtype(), DType::F32, "logits come out as f32");
+    f32s(&out)
+}
+
+/// max |a − b| / max(1, |b|).
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn the_plain_op_path_equals_the_fused_kernels_and_pytorch() {
+    let files = fixture_files();
+    let fused = loader::load_lm(&files, &Device::Cpu).unwrap();
+    let plain = loader::load_lm_in(&files, &Device::Cpu, DType::F64).unwrap();
+    assert_eq!(plain.compute_dtype(), DType::F64);
+    let exp = expected_lm();
+    let ids: Vec<u32> = serde_json::from_value(exp["ids"].clone()).unwrap();
+    let (a, b) = (logits(&fused, &ids), logits(&plain, &ids));
+    let d = max_rel(&a, &b);
+    assert!(d < 1e-4, "f64 plain ops vs f32 fused kernels: {d}");
+    // And the PyTorch truth (logits of ids 0..8 at every position).
+    let vocab = fused.config().vocab_size;
+    let first8: Vec<Vec<f32>> = serde_json::from_value(exp["logits_first8"].clone()).unwrap();
+    for (t, row) in first8.iter().enumerate() {
+        for (j, want) in row.iter().enumerate() {
+            let got = b[t * vocab + j];
+            assert!(
+                (got - want).abs() < 1e-4,
+                "logit {j} at {t}: {got} vs {want}"
+            );
+        }
+    }
+    // Decoding through the KV cache on the same path (rotary offsets, the
+    // cache's own dtype) gives the full forward's last logits.
+    let mut cache = Cache::new(plain.config());
+    let mut last = Vec::new();
+    for (i, &id) in ids.iter().enumerate() {
+        let input = Tensor::new(&[id], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let out = plain.forward(&input, Some(&mut cache)).unwrap();
+        if i + 1 == ids.len() {
+            last = f32s(&out);
+        }
+    }
+    let n = ids.len();
+    let d = max_rel(&last, &b[(n - 1) * vocab..n * vocab]);
+    assert!(d < 1e-5, "cached decoding vs full forward: {d}");
+}
+
+/// Perplexity of the shipped validation text in each half dtype, within
+/// 0.5 % of f32, and really computed in it (not silently f32).
+#[test]
+fn half_precision_perplexity_is_within_half_a_percent_of_f32() {
+    let files = locate(&zoo("tiny-kjv-lm"));
+    let tok = loader::load_tokenizer(&files).unwrap();
+    let text = std::fs::read_to_string(zoo("examples").join("kjv-val.jsonl")).unwrap();
+    let docs: Vec<String> = text
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+    let f32_model = loader::load_lm(&files, &Device::Cpu).unwrap();
+    let max = f32_model.config().max_position_embeddings;
+    let nll = |model: &TokenFormerLm| -> (f64, usize) {
+        let mut total = (0.0, 0);
+        for d in &docs {
+            let ids = tok.encode(d.as_str(), false).unwrap().get_ids().to_vec();
+            for w in ids.chunks(max) {
+                if w.len() < 2 {
+                    continue;
+                }
+                let s = score_ids(model, w).unwrap();
+                total.0 += s.nll;
+                total.1 += w.len() - 1;
+            }
+        }
+        total
+    };
+    let (base, tokens) = nll(&f32_model);
+    assert!(tokens > 500, "{tokens} tokens scored");
+    for dtype in [DType::BF16, DType::F16] {
+        let model = loader::load_lm_in(&files, &Device::Cpu, dtype).unwrap();
+        assert_eq!(model.compute_dtype(), dtype);
+        let (nll, n) = nll(&model);
+        assert_eq!(n, tokens);
+        let (ppl, want) = ((nll / n as f64).exp(), (base / n as f64).exp());
+        let change = ppl / want - 1.0;
+        assert!(
+            change.abs() < 0.005,
+            "{dtype:?}: perplexity {ppl} vs f32 {want}"
+        );
+        assert_ne!(nll, base, "{dtype:?} computed exactly as f32");
+    }
+}
+
+/// The ViT on the same path: f64 logits equal f32's, and bf16 (and f16)
+/// pick f32's top-1 class on every shipped digit image (the issue asks for
+/// at least 99 %, which of 50 images is all of them).
+#[test]
+fn the_vit_in_f64_and_bf16_classifies_like_f32() {
+    let files = locate(&zoo("tiny-digits-vit"));
+    let mut images: Vec<PathBuf> = std::fs::read_dir(zoo("examples").join("digits"))
+        .unwrap()
+        .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
+        .map(|f| f.unwrap().path())
+        .collect();
+    images.sort();
+    assert!(images.len() >= 50, "{} images", images.len());
+    let top1 = |dtype: DType| -> Vec<(usize, f32)> {
+        let model = loader::load_vit_in(&files, &Device::Cpu, dtype).unwrap();
+        classify_files(&model, &images, 1, 16)
+            .unwrap()
+            .into_iter()
+            .map(|(_, r)| {
+                let p = &r.unwrap()[0];
+                (p.index, p.prob)
+            })
+            .collect()
+    };
+    let base = top1(DType::F32);
+    let wide = top1(DType::F64);
+    for (i, (a, b)) in base.iter().zip(&wide).enumerate() {
+        assert_eq!(a.0, b.0, "{}", images[i].display());
+        assert!(
+            (a.1 - b.1).abs() < 1e-5,
+            "{}: {a:?} vs {b:?}",
+            images[i].display()
+        );
+    }
+    for dtype in [DType::BF16, DType::F16] {
+        let half = top1(dtype);
+        let same = base.iter().zip(&half).filter(|(a, b)| a.0 == b.0).count();
+        assert_eq!(same, base.len(), "{dtype:?}: top-1 agreement");
+        let moved = base.iter().zip(&half).any(|(a, b)| a.1 != b.1);
+        assert!(moved, "{dtype:?} computed exactly as f32");
+    }
+}
