@@ -336,14 +336,14 @@ fn target_logprobs(logits: &Tensor, targets: &[u32], greedy: bool) -> Result<Vec
             "token id {bad} is outside the vocabulary (size {vocab})"
         )));
     }
-    let (storage, layout) = logits.storage_and_layout();
-    if let (Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
-        let data = &cpu.as_slice::<f32>()?[a..b];
-        debug_assert_eq!(data.len(), n * vocab);
-        return Ok(compute(data));
-    }
-    drop(storage);
-    if logits.device().is_cpu() {
+    if crate::kernels::fused_on(&logits) {
+        let (storage, layout) = logits.storage_and_layout();
+        if let (Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            let data = &cpu.as_slice::<f32>()?[a..b];
+            debug_assert_eq!(data.len(), n * vocab);
+            return Ok(compute(data));
+        }
+        drop(storage);
         let data = logits.flatten_all()?.to_vec1::<f32>()?;
         return Ok(compute(&data));
     }

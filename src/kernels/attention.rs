@@ -175,7 +175,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
     let scale = 1.0 / (hd as f64).sqrt();
     let fused = [q, k, v]
         .iter()
-        .all(|x| x.device().is_cpu() && x.dtype() == DType::F32);
+        .all(|x| super::fused_on(x) && x.dtype() == DType::F32);
     if fused {
         // The kernel reads any strides but needs each row's features contiguous.
         let unit = |x: &Tensor| -> Result<Tensor> {

@@ -14,7 +14,7 @@ use super::{active, f32_slice, Isa, Path};
 pub const SMALL_ROWS: usize = 8;
 
 fn small_ok(x: &Tensor, w: &Tensor) -> bool {
-    x.device().is_cpu()
+    super::fused_on(x)
         && x.dtype() == DType::F32
         && matches!(w.dtype(), DType::F32 | DType::F16)
         && x.is_contiguous()
@@ -24,7 +24,7 @@ fn small_ok(x: &Tensor, w: &Tensor) -> bool {
 }
 
 fn gemm_ok(x: &Tensor, w: &Tensor) -> bool {
-    x.device().is_cpu()
+    super::fused_on(x)
         && x.dtype() == DType::F32
         && matches!(w.dtype(), DType::F32 | DType::F16)
         && x.is_contiguous()

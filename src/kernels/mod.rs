@@ -9,6 +9,9 @@
 //! (`portable`, `avx2`, `avx512` or `auto`) asks for another, so one machine
 //! can run (and test) every path it supports; the large products follow the
 //! same choice (the gemm crate's kernels, or on AVX2 our own `sgemm`).
+//! `TOKENFORMER_KERNELS=none` turns every fused kernel off, inference and
+//! training alike: the CPU then runs the plain candle ops a GPU runs, so
+//! that path can be checked against the fixtures without one.
 //! The row kernels are written so that all paths add in the same order, and
 //! where they do the results are the same to the bit (tested).
 //!
@@ -145,6 +148,8 @@ pub struct Selection {
     /// CPU lacks); the best supported path is used instead. For the caller
     /// to show: the library prints nothing.
     pub warning: Option<String>,
+    /// False for `none`: no fused kernel runs, only plain candle ops.
+    pub fused: bool,
 }
 
 /// The path for a `TOKENFORMER_KERNELS` value (`None`, empty or `auto`: the best).
@@ -156,8 +161,9 @@ pub(crate) fn select(request: Option<&str>) -> Selection {
         path,
         requested: requested.clone(),
         warning,
+        fused: requested != "none",
     };
-    if requested == "auto" {
+    if requested == "auto" || requested == "none" {
         return chosen(best, None);
     }
     match Isa::ALL.into_iter().find(|i| i.as_str() == requested) {
@@ -175,7 +181,7 @@ pub(crate) fn select(request: Option<&str>) -> Selection {
         None => chosen(
             best,
             Some(format!(
-                "{KERNELS_ENV}={requested} is not one of auto, portable, avx2, avx512; using {}",
+                "{KERNELS_ENV}={requested} is not one of auto, portable, avx2, avx512, none; using {}",
                 best.isa()
             )),
         ),
@@ -192,6 +198,14 @@ pub fn selection() -> &'static Selection {
 #[inline]
 pub(crate) fn active() -> Path {
     selection().path
+}
+
+/// Whether the fused CPU kernels may take `t`: it is on the CPU and they are
+/// not turned off (`TOKENFORMER_KERNELS=none`). Every other tensor takes
+/// plain candle ops, the path of every other device.
+#[inline]
+pub(crate) fn fused_on(t: &candle_core::Tensor) -> bool {
+    t.device().is_cpu() && selection().fused
 }
 
 /// Whether this CPU's streaming kernels run fastest as dot products with
@@ -275,7 +289,12 @@ mod tests {
         for unset in [None, Some(""), Some("auto"), Some(" AUTO ")] {
             assert_eq!(select(unset).path, best, "{unset:?}");
             assert_eq!(select(unset).warning, None);
+            assert!(select(unset).fused);
         }
+        // `none`: no fused kernel at all (the plain ops of other devices).
+        let s = select(Some("None"));
+        assert_eq!((s.fused, s.warning), (false, None));
+        assert!(select(Some("avx3")).fused && select(Some("portable")).fused);
         for isa in Isa::ALL {
             let s = select(Some(isa.as_str()));
             if isa.is_supported() {

@@ -147,7 +147,7 @@ impl candle_core::InplaceOp1 for ThetaOp {
 }
 
 fn fused_ok(scores: &Tensor) -> bool {
-    scores.device().is_cpu() && scores.dtype() == DType::F32 && scores.is_contiguous()
+    super::fused_on(scores) && scores.dtype() == DType::F32 && scores.is_contiguous()
 }
 
 /// Θ over the last axis of scores nobody else holds (a fresh matmul

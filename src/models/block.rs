@@ -153,7 +153,7 @@ impl Rotary {
         let (_, _, t, hd) = x.dims4()?;
         let cos = self.cos.narrow(0, offset, t)?;
         let sin = self.sin.narrow(0, offset, t)?;
-        if x.device().is_cpu() && x.dtype() == DType::F32 {
+        if crate::kernels::fused_on(x) && x.dtype() == DType::F32 {
             // One fused pass in the projections' own [b, t, h, hd] layout
             // (a free view when x came from `split_heads`).
             let rows = x.transpose(1, 2)?.contiguous()?;

@@ -226,7 +226,8 @@ pub(crate) fn pattention<P: Params + ?Sized>(
     let x2 = x.reshape(((), d))?;
     *dims.last_mut().expect("a rank of at least 1") = v.dim(1)?;
     let scores = x2.matmul(&k.t()?)?;
-    let weights = if l2_norm_gelu {
+    // The one-pass Θ is a CPU kernel; other devices differentiate the definition.
+    let weights = if l2_norm_gelu && crate::kernels::fused_on(&scores) {
         super::theta::l2_norm_gelu(&scores, scale_tokens)?
     } else {
         theta(&scores, activation, scale_tokens)?

@@ -19,9 +19,26 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     if let Some(t) = targets.iter().find(|&&t| t as usize >= v) {
         candle_core::bail!("target {t} outside {v} classes")
     }
+    if !crate::kernels::fused_on(logits) {
+        return composite(logits, targets);
+    }
     logits.contiguous()?.apply_op1(CrossEntropy {
         targets: targets.to_vec(),
     })
+}
+
+/// The same loss in differentiable candle ops, in f32 at least (a GPU's path).
+fn composite(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    let x = match logits.dtype() {
+        DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
+        _ => logits.clone(),
+    };
+    let max = x.max_keepdim(1)?.detach();
+    let shifted = x.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(1)?.log()?;
+    let index = Tensor::new(targets, x.device())?.unsqueeze(1)?;
+    let picked = shifted.gather(&index, 1)?;
+    (lse - picked)?.mean_all()
 }
 
 struct CrossEntropy {

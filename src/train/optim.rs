@@ -114,9 +114,18 @@ impl AdamW {
                     "optimiser state of `{name}` has shape {old:?}, the tensor {shape:?}"
                 )
             };
-            // Copies of their own: the step updates moments in place.
-            let m = grown(&saved.m)?.to_dtype(var.dtype())?.copy()?;
-            let v = grown(&saved.v)?.to_dtype(var.dtype())?.copy()?;
+            // Copies of their own on the tensor's device (a run saved on one
+            // device resumes on another): the step updates moments in place.
+            let own = |t: Tensor| -> Result<Tensor> {
+                let t = t.to_dtype(var.dtype())?;
+                if t.device().same_device(var.device()) {
+                    t.copy()
+                } else {
+                    t.to_device(var.device())
+                }
+            };
+            let m = own(grown(&saved.m)?)?;
+            let v = own(grown(&saved.v)?)?;
             self.moments.insert(name, Moments { m, v });
         }
         self.step = step;
@@ -227,7 +236,7 @@ mod in_place {
         u: &Update,
     ) -> Result<bool> {
         let ok = |t: &Tensor| {
-            t.device().is_cpu()
+            crate::kernels::fused_on(t)
                 && t.dtype() == theta.dtype()
                 && matches!(t.dtype(), DType::F32 | DType::F64)
                 && t.is_contiguous()

@@ -28,7 +28,7 @@ pub(super) use rows::{layer_norm, softmax_scaled};
 
 /// Whether the fused ops serve `t`: f32 or f64 on the CPU.
 pub(super) fn serves(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+    crate::kernels::fused_on(t) && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
 /// The element types of the fused ops.
