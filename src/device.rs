@@ -77,9 +77,6 @@ pub enum DeviceError {
         index: usize,
         count: usize,
     },
-    /// A command or model that has no GPU path yet, given a GPU.
-    #[error("{what} does not run on CUDA yet (device `{spec}`); only on the CPU for now")]
-    CpuOnly { what: String, spec: DeviceSpec },
 }
 
 /// The dtype a model computes in (`--dtype`, the Python `dtype=`):
@@ -138,6 +135,11 @@ pub fn gpu_memory(device: &Device) -> Option<(usize, usize)> {
     cuda::memory(device)
 }
 
+/// The name of the GPU `device` is on (`None` for the CPU).
+pub fn gpu_name(device: &Device) -> Option<String> {
+    cuda::name(device)
+}
+
 /// Whether a failed operation ran out of GPU memory (the driver's or
 /// cuBLAS's code somewhere in the error's text).
 pub fn is_out_of_memory(e: &(dyn std::error::Error + 'static)) -> bool {
@@ -179,21 +181,6 @@ impl DeviceSpec {
                 Ok(n) if n > 0 => cuda::open(self, 0),
                 _ => Ok(Device::Cpu),
             },
-        }
-    }
-
-    /// [`resolve`](Self::resolve), refusing any device but the CPU for `what`
-    /// (a command or model with no GPU path yet), so nothing claims to run on
-    /// a GPU while it runs on the CPU.
-    pub fn require_cpu(self, what: &str) -> Result<Device, DeviceError> {
-        let device = self.resolve()?;
-        if device.is_cpu() {
-            Ok(device)
-        } else {
-            Err(DeviceError::CpuOnly {
-                what: what.to_string(),
-                spec: self,
-            })
         }
     }
 }
@@ -244,6 +231,13 @@ mod cuda {
             _ => None,
         }
     }
+
+    pub(crate) fn name(device: &Device) -> Option<String> {
+        match device {
+            Device::Cuda(d) => d.cuda_stream().context().name().ok(),
+            _ => None,
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -260,6 +254,10 @@ mod cuda {
     }
 
     pub(crate) fn memory(_device: &Device) -> Option<(usize, usize)> {
+        None
+    }
+
+    pub(crate) fn name(_device: &Device) -> Option<String> {
         None
     }
 }
@@ -312,7 +310,41 @@ mod tests {
     #[test]
     fn cpu_resolves_to_the_cpu() {
         assert!(DeviceSpec::Cpu.resolve().unwrap().is_cpu());
-        assert!(DeviceSpec::Cpu.require_cpu("x").unwrap().is_cpu());
+    }
+
+    #[test]
+    fn dtypes_parse_in_ours_and_torchs_spellings() {
+        for (text, d) in [
+            ("f32", ComputeDtype::F32),
+            ("float32", ComputeDtype::F32),
+            ("bf16", ComputeDtype::Bf16),
+            ("bfloat16", ComputeDtype::Bf16),
+            ("f16", ComputeDtype::F16),
+            ("float16", ComputeDtype::F16),
+        ] {
+            assert_eq!(text.parse::<ComputeDtype>().unwrap(), d);
+            assert_eq!(d.to_string().parse::<ComputeDtype>().unwrap(), d);
+        }
+        assert_eq!(ComputeDtype::Bf16.dtype(), candle_core::DType::BF16);
+        let e = "fp8".parse::<ComputeDtype>().unwrap_err();
+        assert!(e.contains("`fp8`") && e.contains("bf16"), "{e}");
+    }
+
+    /// The driver's and cuBLAS's out-of-memory codes are found at any depth
+    /// of an error's causes; other errors are not taken for one.
+    #[test]
+    fn out_of_memory_is_recognised_in_the_cause_chain() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("running layer 3")]
+        struct Outer(#[source] std::io::Error);
+        let driver =
+            std::io::Error::other("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")");
+        assert!(is_out_of_memory(&Outer(driver)));
+        let cublas = std::io::Error::other("cublas: CUBLAS_STATUS_ALLOC_FAILED out of memory");
+        assert!(is_out_of_memory(&cublas));
+        let other = std::io::Error::other("CUDA_ERROR_ILLEGAL_ADDRESS");
+        assert!(!is_out_of_memory(&Outer(other)));
+        assert_eq!(gpu_memory(&Device::Cpu), None);
     }
 
     #[test]
@@ -343,24 +375,8 @@ mod tests {
             let msg = e.to_string();
             assert!(msg.contains(&format!("`{spec}`")), "{msg}");
             assert!(msg.contains("--features cuda"), "{msg}");
-            // The build error comes before the CPU-only refusal: it is the one to act on.
-            let e = spec.require_cpu("generate").unwrap_err();
-            assert!(matches!(e, DeviceError::NotCompiled(_)), "{e:?}");
         }
         assert!(DeviceSpec::Auto.resolve().unwrap().is_cpu());
-        assert!(DeviceSpec::Auto.require_cpu("generate").unwrap().is_cpu());
-    }
-
-    #[test]
-    fn cpu_only_names_the_command_and_the_device() {
-        let e = DeviceError::CpuOnly {
-            what: "`tokenformer generate`".to_string(),
-            spec: DeviceSpec::Cuda(Some(1)),
-        };
-        assert_eq!(
-            e.to_string(),
-            "`tokenformer generate` does not run on CUDA yet (device `cuda:1`); only on the CPU for now"
-        );
     }
 
     /// With the feature and no GPU (the CI and these hosts, with the link

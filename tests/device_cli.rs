@@ -166,3 +166,52 @@ fn the_help_says_cuda_needs_the_feature() {
     assert!(help.contains("TOKENFORMER_DEVICE"), "{help}");
     assert!(help.contains("--features cuda"), "{help}");
 }
+
+/// `--dtype` computes in bf16 (so the scores move, a little) and refuses a
+/// `--weight-dtype` it would ignore; `classify` takes it too.
+#[test]
+fn dtype_bf16_scores_close_to_f32_and_conflicting_flags_are_refused() {
+    let args = [
+        "score",
+        "--model",
+        "tiny-kjv-lm",
+        "--text",
+        "In the beginning God created the heaven and the earth.",
+        "--json",
+    ];
+    let nll = |extra: &[&str]| -> f64 {
+        let (o, err) = tokenformer(&[&args[..], extra].concat(), &[]);
+        assert!(o.status.success(), "{extra:?}: {err}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["nll"].as_f64().unwrap()
+    };
+    let (f32, bf16) = (nll(&[]), nll(&["--dtype", "bf16"]));
+    assert_ne!(f32, bf16);
+    assert!((bf16 / f32 - 1.0).abs() < 0.01, "{bf16} vs {f32}");
+    let (o, err) = tokenformer(
+        &[&args[..], &["--dtype", "bf16", "--weight-dtype", "q8"]].concat(),
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--weight-dtype q8 applies to f32 computation"),
+        "{err}"
+    );
+    let img = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/zoo/examples/digits/seven/0005.png"
+    );
+    let (o, err) = tokenformer(
+        &[
+            "classify",
+            "--model",
+            "tiny-digits-vit",
+            "--dtype",
+            "bf16",
+            img,
+        ],
+        &[],
+    );
+    assert!(o.status.success(), "{err}");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("seven"));
+}

@@ -40,7 +40,18 @@ pub struct BenchArgs {
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
-    let dev = a.device.cpu_only("bench")?;
+    let dev = a.device.open()?;
+    if !dev.is_cpu() {
+        let out = super::bench_gpu::run(&dev, &a.only)?;
+        if a.json {
+            println!("{}", serde_json::to_string(&out)?);
+        } else {
+            for (k, v) in &out {
+                println!("{k:<44} {v}");
+            }
+        }
+        return Ok(());
+    }
     let cfg = lm_config(&a.config)
         .ok_or_else(|| anyhow!("unknown --config `{}` (150m, 450m, 900m, 1.5b)", a.config))?;
     let mut only = a.only.clone();

@@ -1,6 +1,7 @@
 //! The `tokenformer` command line: one module per command family. Library
 //! errors become `anyhow` errors here, at the edge.
 pub mod bench;
+pub mod bench_gpu;
 pub mod bench_train;
 pub mod eval_lm;
 pub mod inspect;
@@ -12,7 +13,7 @@ pub mod vision;
 pub mod zoo;
 
 use clap::{Args, ValueEnum};
-use tokenformer::{DeviceError, DeviceSpec, Error};
+use tokenformer::{DeviceSpec, Error};
 
 /// The message `main` prints for an error (as `{:#}` does: each cause after
 /// a colon), with the flag or command that helps added where the library
@@ -66,23 +67,6 @@ impl DeviceArgs {
     /// The device asked for, opened (an error says why it cannot be).
     pub fn open(&self) -> anyhow::Result<candle_core::Device> {
         Ok(self.device.resolve()?)
-    }
-
-    /// The device of `command`, which runs on the CPU only so far: any other
-    /// device is an error (why it cannot be opened, or that the command has
-    /// no GPU path yet), raised before a model is located or read.
-    pub fn cpu_only(&self, command: &str) -> anyhow::Result<candle_core::Device> {
-        self.device
-            .require_cpu(&format!("`tokenformer {command}`"))
-            .map_err(device_error)
-    }
-}
-
-/// The library says what cannot run; the command line also names the flag that helps.
-fn device_error(e: DeviceError) -> anyhow::Error {
-    match e {
-        DeviceError::CpuOnly { .. } => anyhow::anyhow!("{e}: use --device cpu"),
-        e => e.into(),
     }
 }
 
@@ -225,25 +209,5 @@ impl WeightArgs {
                 .to_string(),
             d => tokenformer::ComputeDtype::from(d).to_string(),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The CPU-only refusal cannot be reached without a GPU; its wording is checked here.
-    #[test]
-    fn a_cpu_only_command_names_the_flag_that_helps() {
-        let e = device_error(DeviceError::CpuOnly {
-            what: "`tokenformer score`".to_string(),
-            spec: DeviceSpec::Auto,
-        });
-        assert_eq!(
-            describe(&e),
-            "`tokenformer score` does not run on CUDA yet (device `auto`); only on the CPU for now: use --device cpu"
-        );
-        let e = device_error(DeviceError::NotCompiled(DeviceSpec::Cuda(None)));
-        assert!(describe(&e).contains("--features cuda"));
     }
 }

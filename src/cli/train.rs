@@ -161,7 +161,7 @@ mod train_vit;
 mod train_vl;
 
 pub fn run(a: TrainArgs) -> Result<()> {
-    let dev = a.device.cpu_only("train")?;
+    let dev = a.device.open()?;
     let (betas_1, betas_2) = parse_betas(&a.betas)?;
     let train_globs = a.train.as_deref().map(parse_train);
     let grow_at = a

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device};
+use candle_core::DType;
 use serde_json::{json, Value};
 use tokenformer::card::ModelCard;
 use tokenformer::checkpoint::Tensors;
@@ -42,7 +42,7 @@ pub fn run(
     resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
     source: String,
 ) -> Result<()> {
-    let dev = Device::Cpu;
+    let dev = a.device.open()?;
     let (train_dir, val_dir) = folders(a)?;
     let wnids = cfg.class_wnids.as_deref();
     let mut samples = dataset::list(&train_dir, None, wnids)?.samples;

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::DType;
 use serde_json::Value;
 use tokenformer::card::ModelCard;
 use tokenformer::checkpoint::Tensors;
@@ -27,7 +27,7 @@ pub fn run(
     resume: Option<(TrainerState, BTreeMap<String, Moments>)>,
     source: String,
 ) -> Result<()> {
-    let dev = Device::Cpu;
+    let dev = a.device.open()?;
     let tensors = match tensors {
         Some(t) => t,
         None => init_tensors(&cfg, a.seed, &dev)?,

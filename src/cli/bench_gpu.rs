@@ -1,0 +1,191 @@
+//! `tokenformer bench --device cuda`: the figures the GPU issues compare with eager
+//! PyTorch and `torch.compile` on the same card (`../shared/gpu/torch_gpu_anchor.py`,
+//! `torch_compile_anchor.py`): prefill of the 150M (f32, bf16) and the 1.5B (bf16) at
+//! 16×2048, batch-1 decode of the 150M (f32), ViT-B/16 at batch 256 (f32, bf16), and
+//! training of the peer's small LM and tiny ViT (f32). Random weights of the official
+//! shapes, the median of three timed runs after one warm-up, each ended by a device
+//! synchronisation. Each figure comes with the GPU memory in use after it and, for the
+//! products, the model FLOPs utilisation against this card's dense peak as measured
+//! here (an 8192³ cuBLAS product in f32 and bf16; no TF32).
+
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Map, Value};
+use tokenformer::checkpoint::{self, Tensors};
+use tokenformer::models::tokenformer::{Config, TokenFormerLm};
+use tokenformer::models::vit::{self, VisionTransformer};
+
+/// Median seconds of three runs of `f` after a warm-up, each synchronised.
+fn timed(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    dev.synchronize()?;
+    let mut t = Vec::new();
+    for _ in 0..3 {
+        let start = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        t.push(start.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[1])
+}
+
+fn round(x: f64, d: i32) -> f64 {
+    let m = 10f64.powi(d);
+    (x * m).round() / m
+}
+
+/// GiB of GPU memory in use now (the whole card, as nvidia-smi counts it).
+fn used_gib(dev: &Device) -> Value {
+    match tokenformer::device::gpu_memory(dev) {
+        Some((free, total)) => json!(round((total - free) as f64 / (1u64 << 30) as f64, 2)),
+        None => Value::Null,
+    }
+}
+
+/// TFLOP/s of an n³ product in `dtype`.
+fn peak_tflops(dev: &Device, dtype: DType, n: usize) -> Result<f64> {
+    let a = Tensor::randn(0f32, 1.0, (n, n), dev)?.to_dtype(dtype)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), dev)?.to_dtype(dtype)?;
+    let secs = timed(dev, || {
+        a.matmul(&b)?;
+        Ok(())
+    })?;
+    Ok(2.0 * (n as f64).powi(3) / secs / 1e12)
+}
+
+/// Random weights of `cfg` on `dev` in `dtype` (keys N(0, 1), values and embeddings
+/// N(0, 0.02), as the peer draws them), drawn on the GPU.
+fn random_lm(cfg: &Config, dtype: DType, dev: &Device) -> Result<TokenFormerLm> {
+    let d = cfg.hidden_size;
+    let mut t = Tensors::new();
+    let mut draw = |name: String, rows: usize, std: f32| -> Result<()> {
+        t.insert(
+            name,
+            Tensor::randn(0f32, std, (rows, d), dev)?.to_dtype(dtype)?,
+        );
+        Ok(())
+    };
+    draw("word_embeddings.weight".into(), cfg.vocab_size, 0.02)?;
+    for i in 0..cfg.num_layers {
+        for (m, n) in cfg.pattentions() {
+            draw(format!("layers.{i}.{m}.key_param_tokens"), n, 1.0)?;
+            draw(format!("layers.{i}.{m}.value_param_tokens"), n, 0.02)?;
+        }
+    }
+    t.insert("final_norm.weight".into(), Tensor::ones(d, dtype, dev)?);
+    t.insert("final_norm.bias".into(), Tensor::zeros(d, dtype, dev)?);
+    let model = TokenFormerLm::new(cfg, checkpoint::var_builder(t, dev))?;
+    Ok(model.with_compute_dtype(dtype)?)
+}
+
+/// Forward FLOPs per token of a causal LM at context `t`: two per weight of the
+/// Pattention products and the head, and the scores and mixing over (on average)
+/// half the context.
+fn lm_flops_per_token(cfg: &Config, t: usize) -> f64 {
+    let d = cfg.hidden_size as f64;
+    let tokens: usize = cfg.pattentions().iter().map(|(_, n)| n).sum();
+    let weights = (cfg.num_layers * 2 * tokens) as f64 * d + cfg.vocab_size as f64 * d;
+    2.0 * weights + 2.0 * cfg.num_layers as f64 * t as f64 * d
+}
+
+fn prefill(
+    out: &mut Map<String, Value>,
+    name: &str,
+    cfg: &Config,
+    dtype: DType,
+    dev: &Device,
+    peak: f64,
+) -> Result<()> {
+    let (b, s) = (16, 2048);
+    let model = random_lm(cfg, dtype, dev)?;
+    let v: Vec<u32> = (0..b * s).map(|i| ((i * 7919) % 50_277) as u32).collect();
+    let ids = Tensor::from_vec(v, (b, s), dev)?;
+    let secs = timed(dev, || {
+        model.forward(&ids, None)?;
+        Ok(())
+    })?;
+    let rate = (b * s) as f64 / secs;
+    let key = format!("prefill_{name}_{}_16x2048", dtype.as_str());
+    out.insert(format!("{key}_tokens_per_s"), json!(round(rate, 0)));
+    let mfu = rate * lm_flops_per_token(cfg, s) / 1e12 / peak;
+    out.insert(format!("{key}_mfu"), json!(round(mfu, 3)));
+    out.insert(format!("{key}_gpu_used_gib"), used_gib(dev));
+    Ok(())
+}
+
+fn decode(out: &mut Map<String, Value>, dev: &Device) -> Result<()> {
+    let cfg = tokenformer::synthetic::lm_config("150m").expect("a released shape");
+    let model = random_lm(&cfg, DType::F32, dev)?;
+    let d = &super::bench::decode(&[&model], 128, 128, 1)?[0];
+    out.insert(
+        "decode_150m_f32_batch1_tokens_per_s".into(),
+        json!(round(d.tokens_per_s, 1)),
+    );
+    Ok(())
+}
+
+fn vit_b16(out: &mut Map<String, Value>, dtype: DType, dev: &Device, peak: f64) -> Result<()> {
+    let cfg = vit::Config::imagenet(12, 768, 12, 768, 3072);
+    let tensors = tokenformer::train::vit::init_tensors(&cfg, 0, dev)?;
+    let tensors: Tensors = tensors
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_dtype(dtype)?)))
+        .collect::<Result<_>>()?;
+    let model = VisionTransformer::new(&cfg, checkpoint::var_builder(tensors, dev))?
+        .with_compute_dtype(dtype)?;
+    let b = 256;
+    let px = Tensor::randn(0f32, 1.0, (b, 3, 224, 224), dev)?;
+    let secs = timed(dev, || {
+        model.forward(&px)?;
+        Ok(())
+    })?;
+    let rate = b as f64 / secs;
+    // Per image: the patch embedding and 197 tokens through every Pattention
+    // (two products each) and the bidirectional scores and mixing.
+    let (n, d, l) = (197.0, 768.0, 12.0);
+    let per_token = 2.0 * l * 2.0 * (3.0 * 768.0 + 768.0 + 3072.0) * d + 4.0 * l * n * d;
+    let flops = n * per_token + 2.0 * 196.0 * 768.0 * d;
+    let key = format!("vit_b16_{}_batch256", dtype.as_str());
+    out.insert(format!("{key}_images_per_s"), json!(round(rate, 1)));
+    out.insert(
+        format!("{key}_mfu"),
+        json!(round(rate * flops / 1e12 / peak, 3)),
+    );
+    out.insert(format!("{key}_gpu_used_gib"), used_gib(dev));
+    Ok(())
+}
+
+/// The parts asked for (`only` empty: all but none) as one JSON object.
+pub fn run(dev: &Device, only: &[String]) -> Result<Map<String, Value>> {
+    let want = |p: &str| only.is_empty() || only.iter().any(|o| o == p);
+    let mut out = Map::new();
+    out.insert(
+        "device".into(),
+        json!(tokenformer::device::gpu_name(dev).unwrap_or_else(|| format!("{dev:?}"))),
+    );
+    let f32_peak = peak_tflops(dev, DType::F32, 8192)?;
+    let bf16_peak = peak_tflops(dev, DType::BF16, 8192)?;
+    out.insert("matmul_8192_f32_tflops".into(), json!(round(f32_peak, 1)));
+    out.insert("matmul_8192_bf16_tflops".into(), json!(round(bf16_peak, 1)));
+    let small = tokenformer::synthetic::lm_config("150m").expect("a released shape");
+    let large = tokenformer::synthetic::lm_config("1.5b").expect("a released shape");
+    if want("prefill") {
+        prefill(&mut out, "150m", &small, DType::F32, dev, f32_peak)?;
+        prefill(&mut out, "150m", &small, DType::BF16, dev, bf16_peak)?;
+        prefill(&mut out, "1.5b", &large, DType::BF16, dev, bf16_peak)?;
+    }
+    if want("decode") {
+        decode(&mut out, dev)?;
+    }
+    if want("vit") {
+        vit_b16(&mut out, DType::F32, dev, f32_peak)?;
+        vit_b16(&mut out, DType::BF16, dev, bf16_peak)?;
+    }
+    if want("train") {
+        out.extend(super::bench_train::run(dev)?);
+    }
+    Ok(out)
+}
