@@ -18,7 +18,7 @@ use tokenformer::models::tokenformer::{Cache, TokenFormerLm};
 use tokenformer::scoring::score_ids;
 
 fn zoo(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("zoo").join(name)
+    root().join("zoo").join(name)
 }
 
 fn fixture_files() -> loader::ModelFiles {
@@ -184,4 +184,163 @@ fn the_vit_in_f64_and_bf16_classifies_like_f32() {
         let moved = base.iter().zip(&half).any(|(a, b)| a.1 != b.1);
         assert!(moved, "{dtype:?} computed exactly as f32");
     }
+}
+
+/// The fixture's global gradient norm, from the per-tensor norms PyTorch reports.
+fn global_norm(grads: &candle_core::backprop::GradStore, vars: &[&candle_core::Var]) -> f64 {
+    vars.iter()
+        .map(|v| {
+            let g = grads
+                .get(v.as_tensor())
+                .expect("every variable has a gradient");
+            assert_eq!(
+                g.dtype(),
+                DType::F32,
+                "gradients reach the f32 variables in f32"
+            );
+            g.to_dtype(DType::F64)
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+        })
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// bf16-mixed training (f32 variables, bf16 products, f32 reductions): one step of
+/// the official fixture LM and of the ViT fixture has PyTorch's f32 loss within
+/// 1 % and its gradient norm within 2 %, and the variables stay f32.
+#[test]
+fn bf16_mixed_training_steps_stay_close_to_pytorchs_f32_step() {
+    use tokenformer::train::{vit::TrainableVit, TrainableLm};
+    let json = |p: PathBuf| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    let close = |what: &str, got: f64, want: f64, rel: f64| {
+        assert!(
+            (got / want - 1.0).abs() < rel,
+            "{what}: {got} vs PyTorch f32 {want}"
+        );
+    };
+    // The language model.
+    let files = fixture_files();
+    let w = loader::read_weights(&files, Some(DType::F32), &Device::Cpu).unwrap();
+    let cfg = loader::lm_config(&w.config, &w.path).unwrap();
+    let want = json(lm_fixture().join("train_step.json"));
+    let ids: Vec<u32> = serde_json::from_value(expected_lm()["ids"].clone()).unwrap();
+    let n = ids.len();
+    let ids = Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap();
+    let model = TrainableLm::new(&cfg, &w.tensors, DType::F32, &Device::Cpu)
+        .unwrap()
+        .with_compute_dtype(DType::BF16);
+    let loss = model.loss(&ids).unwrap();
+    assert_eq!(loss.dtype(), DType::F32);
+    let l = loss.to_scalar::<f32>().unwrap() as f64;
+    close("LM loss", l, want["loss"].as_f64().unwrap(), 0.01);
+    assert_ne!(l, want["loss"].as_f64().unwrap());
+    let grads = loss.backward().unwrap();
+    let vars: Vec<_> = model.params().values().collect();
+    let norm = global_norm(&grads, &vars);
+    close(
+        "LM gradient norm",
+        norm,
+        want["grad_global_norm_before_clip"].as_f64().unwrap(),
+        0.02,
+    );
+    assert!(vars.iter().all(|v| v.dtype() == DType::F32));
+
+    // The classifier.
+    let dir = fixtures().join("vit-train-step");
+    let want = json(dir.join("train_step.json"));
+    let cfg: tokenformer::models::vit::Config =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let read = |f: &str| {
+        tokenformer::checkpoint::read_safetensors(&[dir.join(f)], None, &Device::Cpu).unwrap()
+    };
+    let (w, px) = (read("model.safetensors"), read("pixels.safetensors"));
+    let labels: Vec<u32> = serde_json::from_value(want["labels"].clone()).unwrap();
+    let labels = Tensor::from_vec(labels, 4, &Device::Cpu).unwrap();
+    let model = TrainableVit::new(&cfg, &w, DType::F32, &Device::Cpu)
+        .unwrap()
+        .with_compute_dtype(DType::BF16);
+    let loss = model.loss(&px["pixels"], &labels).unwrap();
+    close(
+        "ViT loss",
+        loss.to_scalar::<f32>().unwrap() as f64,
+        want["loss"].as_f64().unwrap(),
+        0.01,
+    );
+    let grads = loss.backward().unwrap();
+    let vars: Vec<_> = model.params().values().collect();
+    let want_norm = want["grad_norm"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_f64().unwrap().powi(2))
+        .sum::<f64>()
+        .sqrt();
+    close(
+        "ViT gradient norm",
+        global_norm(&grads, &vars),
+        want_norm,
+        0.02,
+    );
+}
+
+/// `train --precision bf16-mixed` on the CPU: the loss falls as f32's does, and the
+/// checkpoint's weights are f32. The merged model refuses it by name.
+#[test]
+fn train_bf16_mixed_learns_like_f32_and_saves_f32() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config(50304, 64);
+    cfg.hidden_size = 32;
+    cfg.num_heads = 2;
+    let init = tmp.path().join("init.json");
+    std::fs::write(&init, serde_json::to_string(&cfg).unwrap()).unwrap();
+    let text = fixtures().join("train-text.txt");
+    let tok = tokenizer_fixture();
+    let last_loss = |precision: &str| -> f64 {
+        let out = tmp.path().join(precision);
+        let args = [
+            "--init",
+            init.to_str().unwrap(),
+            "--data",
+            text.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "32",
+            "--lr",
+            "3e-3",
+            "--steps",
+            "40",
+            "--out",
+            out.to_str().unwrap(),
+            "--precision",
+            precision,
+        ];
+        let o = common::train::tokenformer_train(&args, &[]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let w = common::train::weights(&out.join("checkpoint-000040"));
+        assert!(w.values().all(|t| t.dtype() == DType::F32), "{precision}");
+        let m = common::train::metrics(&out);
+        let tail: Vec<f64> = m[30..]
+            .iter()
+            .map(|r| r["loss"].as_f64().unwrap())
+            .collect();
+        tail.iter().sum::<f64>() / tail.len() as f64
+    };
+    let (f32, bf16) = (last_loss("f32"), last_loss("bf16-mixed"));
+    // Fresh weights start at ln 50304 = 10.8.
+    assert!(f32 < 8.0 && bf16 < 8.0, "f32 {f32}, bf16-mixed {bf16}");
+    assert!(
+        (bf16 / f32 - 1.0).abs() < 0.05,
+        "f32 {f32}, bf16-mixed {bf16}"
+    );
 }

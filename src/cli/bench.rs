@@ -30,6 +30,7 @@ pub struct BenchArgs {
     pub skip_vit: bool,
     /// Run only these parts (comma-separated): prefill, decode, decode_f16, decode_q8, pattention,
     /// matmul, vit, train (training throughput; not run unless named). `TOKENFORMER_KERNELS=portable|avx2|avx512` forces a kernel path.
+    /// On a GPU (`--device cuda`): prefill, decode, vit, train (all by default).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Print one JSON object (the peer's field names).

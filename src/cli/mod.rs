@@ -103,7 +103,7 @@ pub fn gpu_memory_error(
     device: &candle_core::Device,
     what: &str,
 ) -> anyhow::Error {
-    let oom = e.chain().any(|c| tokenformer::device::is_out_of_memory(c));
+    let oom = e.chain().any(tokenformer::device::is_out_of_memory);
     if device.is_cpu() || !oom {
         return e;
     }

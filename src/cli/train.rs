@@ -20,6 +20,23 @@ use tokenformer::train::{
     lm::init_tensors, LmTrainer, Split, StepReport, TokenWindows, TrainableLm,
 };
 
+/// What a training step computes in.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16Mixed,
+}
+
+impl Precision {
+    fn compute(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::Bf16Mixed => DType::BF16,
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct TrainArgs {
     /// Model to start from: zoo name, Hub repo or local folder/file (or --init). With
@@ -122,6 +139,10 @@ pub struct TrainArgs {
     pub json: bool,
     #[command(flatten)]
     pub device: super::DeviceArgs,
+    /// f32, or bf16-mixed: f32 weights and AdamW state, the forward and backward in bf16
+    /// with norms, softmaxes and the loss in f32 (for GPUs; language models and classifiers).
+    #[arg(long, value_enum, default_value_t)]
+    pub precision: Precision,
 }
 
 /// `--train`: `all`, `new`, `bridge` or comma-separated globs.
@@ -320,7 +341,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
         }
     }
 
-    let model = TrainableLm::new(&cfg, &tensors, DType::F32, &dev)?;
+    let model = TrainableLm::new(&cfg, &tensors, DType::F32, &dev)?
+        .with_compute_dtype(a.precision.compute());
     drop(tensors);
     let trainer = LmTrainer::new(model, data, opts.clone(), resume)?;
     let tokenizer_bytes = std::fs::read(&tokenizer_path)

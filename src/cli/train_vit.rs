@@ -79,7 +79,8 @@ pub fn run(
         Some(t) => t,
         None => init_tensors(&cfg, a.seed, &dev)?,
     };
-    let model = TrainableVit::new(&cfg, &tensors, DType::F32, &dev)?;
+    let model = TrainableVit::new(&cfg, &tensors, DType::F32, &dev)?
+        .with_compute_dtype(a.precision.compute());
     drop(tensors);
     let n_train = samples.len();
     let t = VitTrainer::new(model, samples, opts, resume)?;

@@ -13,12 +13,15 @@ use crate::models::tokenformer::{Config, Rotary};
 use crate::pattention::theta;
 
 /// A language model whose every tensor is a [`Var`] (trainable or not: the optimiser
-/// decides which it updates), in f32 or f64.
+/// decides which it updates), in f32 or f64; its forward computes in that dtype, or in
+/// bf16 over casts of the variables ([`TrainableLm::with_compute_dtype`]: mixed
+/// precision, the variables and the optimiser staying f32).
 pub struct TrainableLm {
     cfg: Config,
     params: BTreeMap<String, Var>,
     rotary: Rotary,
     dtype: DType,
+    compute: DType,
 }
 
 impl TrainableLm {
@@ -44,7 +47,16 @@ impl TrainableLm {
             params,
             rotary,
             dtype,
+            compute: dtype,
         })
+    }
+
+    /// The forward in `dtype` (bf16 or f16 for mixed precision; the variables' own
+    /// dtype for none): products and activations in it, norms, softmaxes and the loss
+    /// in f32, gradients reaching the variables in theirs.
+    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
+        self.compute = dtype;
+        self
     }
 
     pub fn config(&self) -> &Config {
@@ -53,6 +65,18 @@ impl TrainableLm {
 
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    pub fn compute_dtype(&self) -> DType {
+        self.compute
+    }
+
+    /// The variables as the forward reads them.
+    fn cast(&self) -> Cast<'_, BTreeMap<String, Var>> {
+        Cast {
+            params: &self.params,
+            dtype: self.compute,
+        }
     }
 
     /// Every variable by canonical name.
@@ -65,11 +89,8 @@ impl TrainableLm {
         super::trainer::Trainable::tensors(self)
     }
 
-    fn p(&self, name: &str) -> Result<&Tensor> {
-        match self.params.get(name) {
-            Some(v) => Ok(v.as_tensor()),
-            None => candle_core::bail!("missing tensor `{name}`"),
-        }
+    fn p(&self, name: &str) -> Result<Tensor> {
+        param(&self.cast(), name)
     }
 
     /// Logits [b, t, vocab] of ids [b, t].
@@ -111,8 +132,8 @@ impl TrainableLm {
             };
         }
         let h = layer_norm(&x, cfg.norm_eps)?
-            .broadcast_mul(self.p("final_norm.weight")?)?
-            .broadcast_add(self.p("final_norm.bias")?)?;
+            .broadcast_mul(&self.p("final_norm.weight")?)?
+            .broadcast_add(&self.p("final_norm.bias")?)?;
         let out = if cfg.tie_word_embeddings {
             emb
         } else {
@@ -146,7 +167,7 @@ impl TrainableLm {
     /// Θ(x·Kᵀ)·V for the Pattention under `prefix`.
     fn pattention(&self, prefix: &str, x: &Tensor, scale_tokens: usize) -> Result<Tensor> {
         pattention(
-            &self.params,
+            &self.cast(),
             prefix,
             x,
             self.cfg.pattention_activation,
@@ -162,7 +183,7 @@ impl TrainableLm {
             scale_proj: self.scale(3),
         };
         attention(
-            &self.params,
+            &self.cast(),
             &format!("layers.{i}.attention"),
             h,
             &spec,
@@ -172,7 +193,7 @@ impl TrainableLm {
     }
 
     fn rotary_tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
-        rotary_tables(&self.rotary, t, self.dtype)
+        rotary_tables(&self.rotary, t, self.compute)
     }
 
     /// GPT-NeoX rotary on the first rotary_dims features of x [b, t, h, hd].
@@ -183,23 +204,39 @@ impl TrainableLm {
 
 /// Tensors by canonical name: variables, or views of them (a merged model's routes).
 pub(crate) trait Params {
-    fn tensor(&self, name: &str) -> Option<Tensor>;
+    fn tensor(&self, name: &str) -> Result<Option<Tensor>>;
 }
 
 impl Params for BTreeMap<String, Var> {
-    fn tensor(&self, name: &str) -> Option<Tensor> {
-        self.get(name).map(|v| v.as_tensor().clone())
+    fn tensor(&self, name: &str) -> Result<Option<Tensor>> {
+        Ok(self.get(name).map(|v| v.as_tensor().clone()))
     }
 }
 
 impl Params for BTreeMap<String, Tensor> {
-    fn tensor(&self, name: &str) -> Option<Tensor> {
-        self.get(name).cloned()
+    fn tensor(&self, name: &str) -> Result<Option<Tensor>> {
+        Ok(self.get(name).cloned())
     }
 }
 
-fn param<P: Params + ?Sized>(params: &P, name: &str) -> Result<Tensor> {
-    match params.tensor(name) {
+/// Tensors read in another dtype: mixed precision's differentiable casts of the
+/// f32 variables (a no-op in their own dtype).
+pub(crate) struct Cast<'a, P: ?Sized> {
+    pub params: &'a P,
+    pub dtype: DType,
+}
+
+impl<P: Params + ?Sized> Params for Cast<'_, P> {
+    fn tensor(&self, name: &str) -> Result<Option<Tensor>> {
+        self.params
+            .tensor(name)?
+            .map(|t| t.to_dtype(self.dtype))
+            .transpose()
+    }
+}
+
+pub(crate) fn param<P: Params + ?Sized>(params: &P, name: &str) -> Result<Tensor> {
+    match params.tensor(name)? {
         Some(t) => Ok(t),
         None => candle_core::bail!("missing tensor `{name}`"),
     }
@@ -226,8 +263,9 @@ pub(crate) fn pattention<P: Params + ?Sized>(
     let x2 = x.reshape(((), d))?;
     *dims.last_mut().expect("a rank of at least 1") = v.dim(1)?;
     let scores = x2.matmul(&k.t()?)?;
-    // The one-pass Θ is a CPU kernel; other devices differentiate the definition.
-    let weights = if l2_norm_gelu && crate::kernels::fused_on(&scores) {
+    // The one-pass Θ is a CPU kernel (f32, f64); elsewhere the definition's ops.
+    let one_pass = matches!(scores.dtype(), DType::F32 | DType::F64);
+    let weights = if l2_norm_gelu && one_pass && crate::kernels::fused_on(&scores) {
         super::theta::l2_norm_gelu(&scores, scale_tokens)?
     } else {
         theta(&scores, activation, scale_tokens)?
@@ -366,6 +404,9 @@ pub(crate) fn softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
     if super::fused::serves(x) {
         return super::fused::softmax_scaled(x, scale);
     }
+    if let Some(wide) = widened(x)? {
+        return softmax_scaled(&wide, scale)?.to_dtype(x.dtype());
+    }
     let x = if scale == 1.0 {
         x.clone()
     } else {
@@ -375,10 +416,21 @@ pub(crate) fn softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
     e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
+/// Half-precision x in f32, where its reductions run (`None` for f32 and f64).
+fn widened(x: &Tensor) -> Result<Option<Tensor>> {
+    match x.dtype() {
+        DType::BF16 | DType::F16 => Ok(Some(x.to_dtype(DType::F32)?)),
+        _ => Ok(None),
+    }
+}
+
 /// LayerNorm without weight and bias over the last axis (biased variance, as torch).
 pub(crate) fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
     if super::fused::serves(x) {
         return super::fused::layer_norm(x, eps);
+    }
+    if let Some(wide) = widened(x)? {
+        return layer_norm(&wide, eps)?.to_dtype(x.dtype());
     }
     let mean = x.mean_keepdim(D::Minus1)?;
     let centred = x.broadcast_sub(&mean)?;

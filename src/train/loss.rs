@@ -19,7 +19,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     if let Some(t) = targets.iter().find(|&&t| t as usize >= v) {
         candle_core::bail!("target {t} outside {v} classes")
     }
-    if !crate::kernels::fused_on(logits) {
+    if !crate::kernels::fused_on(logits) || !matches!(logits.dtype(), DType::F32 | DType::F64) {
         return composite(logits, targets);
     }
     logits.contiguous()?.apply_op1(CrossEntropy {

@@ -75,10 +75,7 @@ pub(crate) fn embed_image<P: Params + ?Sized>(
         )
     }
     let p = |name: &str| -> candle_core::Result<Tensor> {
-        match params.tensor(&format!("{prefix}{name}")) {
-            Some(t) => Ok(t),
-            None => candle_core::bail!("missing tensor `{prefix}{name}`"),
-        }
+        super::lm::param(params, &format!("{prefix}{name}"))
     };
     let (ps, d) = (cfg.patch_size, cfg.hidden_size);
     let (gh, gw) = (h / ps, w / ps);

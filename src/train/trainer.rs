@@ -343,7 +343,8 @@ impl TrainableLm {
         let new_cfg = grow::grown_lm_config(cfg, target)?;
         let (tensors, _) = grow::grow_tensors(Trainable::tensors(self), &old, target, init)?;
         let device = super::parts::device_of(self.params());
-        TrainableLm::new(&new_cfg, &tensors, self.dtype(), &device)
+        Ok(TrainableLm::new(&new_cfg, &tensors, self.dtype(), &device)?
+            .with_compute_dtype(self.compute_dtype()))
     }
 }
 

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
-use super::lm::{attention, layer_norm, pattention, AttentionSpec};
+use super::lm::{attention, layer_norm, param, pattention, AttentionSpec, Cast};
 use super::optim::Moments;
 use super::parts::{device_of, embed_image, wrap_vars};
 use super::trainer::{Augment, Fed, Source, TrainOptions, Trainable, TrainerState};
@@ -22,11 +22,14 @@ use crate::vision::dataset::Sample;
 use crate::vision::resample::{self, Filter};
 use crate::vision::{open_rgb, EvalTransform, RgbImage};
 
-/// A classifier whose every tensor is a [`Var`], in f32 or f64.
+/// A classifier whose every tensor is a [`Var`], in f32 or f64, computing in that
+/// dtype or in bf16 over casts of the variables (mixed precision, as
+/// [`super::TrainableLm::with_compute_dtype`]).
 pub struct TrainableVit {
     cfg: Config,
     params: BTreeMap<String, Var>,
     dtype: DType,
+    compute: DType,
 }
 
 /// Canonical tensor names and shapes of a classifier config.
@@ -92,7 +95,25 @@ impl TrainableVit {
             params: wrap_vars(expected_shapes(cfg), tensors, dtype, device)?,
             cfg: cfg.clone(),
             dtype,
+            compute: dtype,
         })
+    }
+
+    /// The forward in `dtype`, as [`super::TrainableLm::with_compute_dtype`].
+    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
+        self.compute = dtype;
+        self
+    }
+
+    pub fn compute_dtype(&self) -> DType {
+        self.compute
+    }
+
+    fn cast(&self) -> Cast<'_, BTreeMap<String, Var>> {
+        Cast {
+            params: &self.params,
+            dtype: self.compute,
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -103,11 +124,8 @@ impl TrainableVit {
         &self.params
     }
 
-    fn p(&self, name: &str) -> candle_core::Result<&Tensor> {
-        match self.params.get(name) {
-            Some(v) => Ok(v.as_tensor()),
-            None => candle_core::bail!("missing tensor `{name}`"),
-        }
+    fn p(&self, name: &str) -> candle_core::Result<Tensor> {
+        param(&self.cast(), name)
     }
 
     fn scales(&self) -> [usize; 3] {
@@ -121,7 +139,8 @@ impl TrainableVit {
     /// Logits [b, classes] of normalised pixels [b, C, H, W].
     pub fn forward(&self, pixels: &Tensor) -> candle_core::Result<Tensor> {
         let cfg = &self.cfg;
-        let mut x = embed_image(&self.params, "", cfg, pixels, self.dtype)?;
+        let params = self.cast();
+        let mut x = embed_image(&params, "", cfg, pixels, self.compute)?;
         let [sq, sp, sf] = self.scales();
         let act = cfg.pattention_activation;
         let spec = AttentionSpec {
@@ -133,7 +152,7 @@ impl TrainableVit {
         for i in 0..cfg.num_layers {
             let hn = layer_norm(&x, cfg.norm_eps)?;
             let a = attention(
-                &self.params,
+                &params,
                 &format!("layers.{i}.attention"),
                 &hn,
                 &spec,
@@ -142,19 +161,29 @@ impl TrainableVit {
             )?;
             x = (x + a)?;
             let hn = layer_norm(&x, cfg.norm_eps)?;
-            x = (&x + pattention(&self.params, &format!("layers.{i}.mlp"), &hn, act, sf)?)?;
+            x = (&x + pattention(&params, &format!("layers.{i}.mlp"), &hn, act, sf)?)?;
         }
         let n = x.dim(1)? - 1;
         let (feature, norm) = match cfg.pool {
-            Pool::Mean => (x.narrow(1, 1, n)?.mean(1)?, "fc_norm"),
+            // The mean sums in f32 at least, like every reduction.
+            Pool::Mean => {
+                let wide = match x.dtype() {
+                    DType::BF16 | DType::F16 => x.to_dtype(DType::F32)?,
+                    _ => x.clone(),
+                };
+                (
+                    wide.narrow(1, 1, n)?.mean(1)?.to_dtype(x.dtype())?,
+                    "fc_norm",
+                )
+            }
             Pool::Cls => (x.narrow(1, 0, 1)?.squeeze(1)?, "final_norm"),
         };
         let feature = layer_norm(&feature, cfg.norm_eps)?
-            .broadcast_mul(self.p(&format!("{norm}.weight"))?)?
-            .broadcast_add(self.p(&format!("{norm}.bias"))?)?;
+            .broadcast_mul(&self.p(&format!("{norm}.weight"))?)?
+            .broadcast_add(&self.p(&format!("{norm}.bias"))?)?;
         feature
             .matmul(&self.p("head.weight")?.t()?)?
-            .broadcast_add(self.p("head.bias")?)
+            .broadcast_add(&self.p("head.bias")?)
     }
 
     /// Mean cross-entropy of the logits of `pixels` against `labels` [b] (u32).
@@ -345,7 +374,10 @@ impl Trainable for TrainableVit {
         let target = grow::parse_target(spec, &counts(&self.cfg))?;
         let cfg = grown_config(&self.cfg, &target)?;
         let (tensors, _) = grow::grow_tensors(self.tensors(), &counts(&self.cfg), &target, init)?;
-        Self::new(&cfg, &tensors, self.dtype, &device_of(&self.params))
+        Ok(
+            Self::new(&cfg, &tensors, self.dtype, &device_of(&self.params))?
+                .with_compute_dtype(self.compute),
+        )
     }
 }
 

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
-use super::lm::{causal_mask, layer_norm, pattention, rotary_tables, rotate, softmax_last, Params};
+use super::lm::{causal_mask, layer_norm, pattention, rotary_tables, rotate, softmax_last};
 use super::optim::Moments;
 use super::parts::{device_of, embed_image, wrap_vars};
 use super::trainer::{Fed, Source, TrainOptions, Trainable, TrainerState};
@@ -115,10 +115,7 @@ impl TrainableVl {
     }
 
     fn p(&self, name: &str) -> candle_core::Result<Tensor> {
-        match self.params.tensor(name) {
-            Some(t) => Ok(t),
-            None => candle_core::bail!("missing tensor `{name}`"),
-        }
+        super::lm::param(&self.params, name)
     }
 
     /// The Pattention tensors of one route: its own group's rows and the bridge's.

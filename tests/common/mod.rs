@@ -13,8 +13,25 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use tokenformer::checkpoint::{self, Tensors};
 use tokenformer::models::tokenformer::Config;
 
+/// The checkout the tests read from: where they were built, unless
+/// `TOKENFORMER_TEST_ROOT` names a copy (test binaries carried to a GPU
+/// machine run in another folder; `scripts/gpu-check.sh`).
+pub fn root() -> PathBuf {
+    std::env::var_os("TOKENFORMER_TEST_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
+/// The `tokenformer` binary: the one built with the tests, unless
+/// `TOKENFORMER_BIN` names another (as for the Python tests).
+pub fn bin() -> PathBuf {
+    std::env::var_os("TOKENFORMER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tokenformer")))
+}
+
 pub fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+    root().join("tests/fixtures")
 }
 
 pub fn lm_fixture() -> PathBuf {
@@ -113,10 +130,11 @@ pub fn f32s(t: &Tensor) -> Vec<f32> {
 
 /// Runs the `tokenformer` binary; returns (output, stdout, stderr).
 pub fn tokenformer(args: &[&str]) -> (Output, String, String) {
-    run(env!("CARGO_BIN_EXE_tokenformer"), args)
+    run(bin(), args)
 }
 
-pub fn run(bin: &str, args: &[&str]) -> (Output, String, String) {
+pub fn run(bin: impl AsRef<Path>, args: &[&str]) -> (Output, String, String) {
+    let bin = bin.as_ref();
     let out = std::process::Command::new(bin)
         .args(args)
         .env("HF_HUB_OFFLINE", "1")

@@ -11,7 +11,7 @@ use tokenformer::loader::{self, LocateOptions};
 
 /// Runs `tokenformer train ARGS` with extra environment variables.
 pub fn tokenformer_train(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_tokenformer"));
+    let mut c = std::process::Command::new(super::bin());
     c.arg("train").args(args).env("HF_HUB_OFFLINE", "1");
     for (k, v) in env {
         c.env(k, v);

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU checks of the `--device cuda` and GPU-speed issues, in two halves.
+#
+# Here (no GPU, no system CUDA; ~12 minutes cold on 2 cores):
+#   bash scripts/gpu-check.sh [TOOLCHAIN_DIR]
+# builds the `cuda` feature with the wheel toolchain (scripts/setup-cuda-toolchain.sh,
+# installed into TOOLCHAIN_DIR, default ~/.cache/cuda-toolchain, if missing) in
+# target/cuda, and lays out target/gpu-check/ (under 64 MiB, the device tool's carry
+# limit): the stripped `tokenformer` binary and GPU test binary (tests/gpu.rs), xz-packed;
+# the PyTorch anchors of ../shared/gpu and ../shared/bench; run.sh.
+#
+# On the GPU machine (device tool: carry ["target/gpu-check"]), from the checkout's root:
+#   bash target/gpu-check/run.sh [--compile]
+# prints the GPU, runs the GPU tests, `tokenformer bench --device cuda`, and eager
+# PyTorch's anchor on the same card (--compile: also torch.compile's, ~2 more minutes);
+# everything lands in $OUT (the device tool's returned folder) or target/gpu-check/out.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+toolchain="${1:-$HOME/.cache/cuda-toolchain}"
+shared="${SHARED:-../shared}"
+[ -f "$toolchain/env.sh" ] || bash scripts/setup-cuda-toolchain.sh "$toolchain"
+# shellcheck disable=SC1091
+. "$toolchain/env.sh"
+export CARGO_TARGET_DIR=target/cuda
+cargo build --release --features cuda --bin tokenformer
+tests="$(cargo test --release --features cuda --test gpu --no-run 2>&1 |
+    sed -n 's/.*Executable tests\/gpu.rs (\(.*\))/\1/p')"
+[ -x "$tests" ] || { echo "error: no GPU test binary was built" >&2; exit 1; }
+
+out=target/gpu-check
+rm -rf "$out" && mkdir -p "$out/bin" "$out/gpu" "$out/bench"
+strip -o "$out/bin/tokenformer" target/cuda/release/tokenformer
+strip -o "$out/bin/gpu-tests" "$tests"
+xz -T0 -6 "$out/bin/tokenformer" "$out/bin/gpu-tests"
+if [ -d "$shared/gpu" ]; then
+    cp "$shared/gpu/run-on-gpu.sh" "$shared/gpu/torch_gpu_anchor.py" \
+        "$shared/gpu/torch_compile_anchor.py" "$out/gpu/"
+    cp "$shared/bench/torch_baseline.py" "$shared/bench/torch_train_baseline.py" "$out/bench/"
+else
+    echo "warning: $shared/gpu not found: no PyTorch anchors in the carry folder" >&2
+fi
+
+cat >"$out/run.sh" <<'EOF'
+#!/usr/bin/env bash
+# Runs on the GPU machine from the checkout's root (see scripts/gpu-check.sh).
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+out="${OUT:-$here/out}"
+mkdir -p "$out" "$here/unpacked"
+for b in tokenformer gpu-tests; do
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+        "$here/bin/$b.xz" "$here/unpacked/$b"
+    chmod +x "$here/unpacked/$b"
+done
+run() { bash "$here/gpu/run-on-gpu.sh" "$@"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
+echo "== GPU tests"
+TOKENFORMER_TEST_ROOT="$root" TOKENFORMER_BIN="$here/unpacked/tokenformer" \
+    run "$here/unpacked/gpu-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/gpu-tests.txt"
+echo "== bench --device cuda"
+run "$here/unpacked/tokenformer" bench --device cuda --json >"$out/bench.json" 2>"$out/bench.err"
+echo "rc=$?"; cat "$out/bench.json"; tail -5 "$out/bench.err"
+py="${TORCH_VENV:-/opt/torch/.venv}/bin/python"
+echo "== eager PyTorch anchor"
+"$py" "$here/gpu/torch_gpu_anchor.py" >"$out/torch.json" 2>"$out/torch.err"; cat "$out/torch.json"
+if [ "${1:-}" = "--compile" ]; then
+    echo "== torch.compile anchor"
+    "$py" "$here/gpu/torch_compile_anchor.py" >"$out/torch-compile.json" 2>"$out/torch-compile.err"
+    cat "$out/torch-compile.json"
+fi
+EOF
+chmod +x "$out/run.sh"
+du -sh "$out"
+size=$(du -sb "$out" | cut -f1)
+[ "$size" -lt $((64 << 20)) ] || { echo "error: $out is over the 64 MiB carry limit" >&2; exit 1; }
+echo "carry $out, then on the GPU machine: bash $out/run.sh"
