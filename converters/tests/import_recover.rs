@@ -295,7 +295,7 @@ impl Rng {
 fn time_fit_and_recovery_of_a_d192_vit() {
     let (d, m, layers, p, size, classes) = (192, 768, 4, 16, 224, 10);
     let mut r = Rng(7);
-    let s = 1.0 / (d as f32).sqrt();
+    let w = 1.0 / (d as f32).sqrt();
     let mut t = HashMap::new();
     let grid = (size / p) * (size / p);
     t.insert(
@@ -328,7 +328,7 @@ fn time_fit_and_recovery_of_a_d192_vit() {
             ("intermediate.dense", m, d),
             ("output.dense", d, m),
         ] {
-            let std = 1.5 * s * if inp == m { 0.5 } else { 1.0 };
+            let std = 1.5 * w * if inp == m { 0.5 } else { 1.0 };
             t.insert(format!("{q}.{n}.weight"), r.tensor(&[o, inp], 0.0, std));
             t.insert(format!("{q}.{n}.bias"), r.tensor(&[o], 0.0, 0.1));
         }

@@ -77,7 +77,7 @@ pub struct ImportArgs {
     #[arg(
         long,
         value_name = "LR",
-        default_value_t = 1e-4,
+        default_value_t = 1e-3,
         requires = "recover_steps"
     )]
     pub recover_lr: f64,
