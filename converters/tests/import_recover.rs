@@ -355,7 +355,8 @@ fn time_fit_and_recovery_of_a_d192_vit() {
     let steps = std::env::var("TOKENFORMER_RECOVER_STEPS").unwrap_or_else(|_| "300".into());
     let out = root.path().join("imported");
     let started = std::time::Instant::now();
-    let stdout = ok(&[
+    let lr = std::env::var("TOKENFORMER_RECOVER_LR").unwrap_or_else(|_| "1e-3".into());
+    let args = [
         "import",
         "--from",
         "vit",
@@ -365,9 +366,15 @@ fn time_fit_and_recovery_of_a_d192_vit() {
         s(&out),
         "--recover-steps",
         &steps,
-    ]);
+        "--recover-lr",
+        &lr,
+    ];
+    let stdout = ok(&args);
     let secs = started.elapsed().as_secs_f64();
     println!("{stdout}");
+    for l in metrics(&out) {
+        println!("{l}");
+    }
     let r = read_json(&out.join("import_report.json"));
     println!(
         "fit + {steps} recovery steps: {secs:.1} s in all (recovery {:.1} s)\nmapped {}\nfitted {}\nrecovered {}",
