@@ -45,7 +45,7 @@ pub const AUGMENT: Augment = Augment {
 const TRAINED: &str = "layers.*.value_param_tokens";
 
 /// The seed of the windows, views and their order.
-const SEED: u64 = 0x7265_636f_7665_72;
+const SEED: u64 = 0x0072_6563_6f76_6572;
 
 /// How often (in steps) the held-out loss is measured: ten times a run, and at its end.
 fn eval_every(steps: u64) -> u64 {
@@ -245,6 +245,7 @@ pub struct Log {
 /// Distills `student` towards the source (`teacher`) on batches from `next`, the
 /// held-out `eval` batches measured ten times a run; the bar on stderr,
 /// `metrics.jsonl` and `loss.png` into `dir`. `counts`: what a step's items are.
+#[allow(clippy::too_many_arguments)]
 pub fn run<M: Distillable>(
     rec: &Recovery,
     seq_len: usize,
