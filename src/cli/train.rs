@@ -14,6 +14,7 @@ use serde_json::json;
 use serde_json::Value;
 use tokenformer::card::ModelCard;
 use tokenformer::loader::{self, LocateOptions};
+use tokenformer::train::plot::Curve;
 use tokenformer::train::trainer::{self, Augment, TrainOptions};
 use tokenformer::train::trainer::{Fed, LmSource, Source, Trainable};
 use tokenformer::train::{
@@ -568,51 +569,6 @@ impl Run<TrainableLm, LmSource> for LmRun {
 
     fn outcome(&self, r: &StepReport) -> String {
         self.val.outcome("loss", r)
-    }
-}
-
-/// The train and validation curves of `metrics.jsonl`, for `loss.png`.
-pub(crate) struct Curve {
-    train: Vec<(f64, f64)>,
-    val: Vec<(f64, f64)>,
-}
-
-impl Curve {
-    /// The points of an existing `metrics.jsonl` (a resumed run continues its curve);
-    /// none when there is none.
-    pub(crate) fn read(metrics: &Path) -> Self {
-        let mut c = Self {
-            train: vec![],
-            val: vec![],
-        };
-        if let Ok(text) = std::fs::read_to_string(metrics) {
-            for line in text.lines() {
-                if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
-                    c.push(&v);
-                }
-            }
-        }
-        c
-    }
-
-    pub(crate) fn push(&mut self, line: &serde_json::Value) {
-        let Some(step) = line["step"].as_f64() else {
-            return;
-        };
-        // A resumed run rewrites the steps after its checkpoint: keep the newest.
-        self.train.retain(|p| p.0 < step);
-        self.val.retain(|p| p.0 < step);
-        if let Some(l) = line["loss"].as_f64() {
-            self.train.push((step, l));
-        }
-        if let Some(l) = line["val_loss"].as_f64() {
-            self.val.push((step, l));
-        }
-    }
-
-    pub(crate) fn draw(&self, out: &Path) -> Result<()> {
-        tokenformer::train::plot::draw_loss_png(&out.join("loss.png"), &self.train, &self.val)?;
-        Ok(())
     }
 }
 

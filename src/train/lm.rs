@@ -102,6 +102,23 @@ impl TrainableLm {
     /// Logits [b·t, vocab] of ids [b, t], the rows as the loss takes them: a reshape of
     /// the logits would cost the backward a zeroed logits-sized gradient and an addition.
     fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+        self.logits_and_hidden(ids, None)
+    }
+
+    /// Logits [b·t, vocab] of ids [b, t] and each layer's output (the residual stream
+    /// after block i) [b, t, d]: what distillation matches against a teacher's.
+    pub fn forward_hidden(&self, ids: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut hidden = Vec::with_capacity(self.cfg.num_layers);
+        let logits = self.logits_and_hidden(ids, Some(&mut hidden))?;
+        Ok((logits, hidden))
+    }
+
+    /// [`Self::logits`], pushing each layer's output onto `hidden` when given.
+    fn logits_and_hidden(
+        &self,
+        ids: &Tensor,
+        mut hidden: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let cfg = &self.cfg;
         if t > cfg.max_position_embeddings {
@@ -130,6 +147,9 @@ impl TrainableLm {
                 let h = layer_norm(&x, cfg.norm_eps)?;
                 (&x + self.pattention(&mlp, &h, self.scale(4))?)?
             };
+            if let Some(hidden) = hidden.as_deref_mut() {
+                hidden.push(x.clone());
+            }
         }
         let h = layer_norm(&x, cfg.norm_eps)?
             .broadcast_mul(&self.p("final_norm.weight")?)?

@@ -9,6 +9,7 @@
 //! Both read the same canonical tensor names.
 
 pub mod data;
+pub mod distill;
 mod fused;
 pub mod lm;
 pub mod loss;

@@ -47,6 +47,9 @@ pub struct AdamW {
     moments: BTreeMap<String, Moments>,
     /// Leading rows that stay as they are (the old tokens of a grown tensor).
     frozen_rows: BTreeMap<String, usize>,
+    /// Per-variable factors of the update, broadcast to its shape (a diagonal
+    /// preconditioner, e.g. one per parameter token).
+    update_scales: BTreeMap<String, Tensor>,
     step: u64,
 }
 
@@ -66,6 +69,7 @@ impl AdamW {
             vars,
             moments,
             frozen_rows: BTreeMap::new(),
+            update_scales: BTreeMap::new(),
             step: 0,
         })
     }
@@ -74,6 +78,20 @@ impl AdamW {
     /// updated (and decayed), and only their moments change.
     pub fn freeze_rows(&mut self, name: &str, rows: usize) {
         self.frozen_rows.insert(name.to_string(), rows);
+    }
+
+    /// Multiplies `name`'s update (not its decay) by `scale`, broadcast to its shape
+    /// (e.g. [rows, 1]: one factor per parameter token). Adam's update is about `lr` per
+    /// element whatever the element's scale; where a tensor's rows differ by orders of
+    /// magnitude in how much they move the output (an imported Pattention's anchor and
+    /// bias tokens), a factor per row gives each the step its scale needs.
+    pub fn scale_updates(&mut self, name: &str, scale: Tensor) -> Result<()> {
+        let Some(var) = self.vars.get(name) else {
+            candle_core::bail!("`{name}` is not optimised")
+        };
+        scale.broadcast_as(var.dims())?;
+        self.update_scales.insert(name.to_string(), scale);
+        Ok(())
     }
 
     pub fn config(&self) -> &AdamWConfig {
@@ -171,7 +189,8 @@ impl AdamW {
                 eps,
                 from: r0 * full.elem_count() / n.max(1),
             };
-            if in_place::step(full, &mom.m, &mom.v, g, &update)? {
+            let scale = self.update_scales.get(name);
+            if scale.is_none() && in_place::step(full, &mom.m, &mom.v, g, &update)? {
                 continue;
             }
             // Detached: a gradient can carry its graph, and moments that kept it would
@@ -182,7 +201,11 @@ impl AdamW {
             let decayed = (&theta * (1.0 - lr * decay))?;
             // torch: θ -= lr/bc1 · m / (√v / √bc2 + eps)
             let denom = ((v.sqrt()? / bc2.sqrt())? + eps)?;
-            let update = ((&m / denom)? * (lr / bc1))?;
+            let mut update = ((&m / denom)? * (lr / bc1))?;
+            if let Some(scale) = scale {
+                let scale = scale.broadcast_as(full.dims())?.to_dtype(full.dtype())?;
+                update = (update * rows(&scale)?)?;
+            }
             let new = (decayed - update)?;
             if r0 == 0 {
                 var.set(&new)?;

@@ -115,6 +115,51 @@ pub fn draw_loss_png(path: &Path, train: &[(f64, f64)], val: &[(f64, f64)]) -> R
     Ok(())
 }
 
+/// The train and validation curves of a `metrics.jsonl` (its `loss` and `val_loss`
+/// against `step`), for `loss.png`: what `train` and `import --recover-steps` draw.
+#[derive(Clone, Debug, Default)]
+pub struct Curve {
+    train: Vec<(f64, f64)>,
+    val: Vec<(f64, f64)>,
+}
+
+impl Curve {
+    /// The points of an existing `metrics.jsonl` (a resumed run continues its curve);
+    /// none when there is none.
+    pub fn read(metrics: &Path) -> Self {
+        let mut c = Self::default();
+        if let Ok(text) = std::fs::read_to_string(metrics) {
+            for line in text.lines() {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+                    c.push(&v);
+                }
+            }
+        }
+        c
+    }
+
+    /// Adds one `metrics.jsonl` line.
+    pub fn push(&mut self, line: &serde_json::Value) {
+        let Some(step) = line["step"].as_f64() else {
+            return;
+        };
+        // A resumed run rewrites the steps after its checkpoint: keep the newest.
+        self.train.retain(|p| p.0 < step);
+        self.val.retain(|p| p.0 < step);
+        if let Some(l) = line["loss"].as_f64() {
+            self.train.push((step, l));
+        }
+        if let Some(l) = line["val_loss"].as_f64() {
+            self.val.push((step, l));
+        }
+    }
+
+    /// Draws `loss.png` into the folder `out`.
+    pub fn draw(&self, out: &Path) -> Result<()> {
+        draw_loss_png(&out.join("loss.png"), &self.train, &self.val)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

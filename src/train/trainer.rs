@@ -168,6 +168,22 @@ impl<M: Trainable> Trainer<M> {
         &self.model
     }
 
+    /// Multiplies the AdamW update of the trained tensor `name` by `scale` (see
+    /// [`AdamW::scale_updates`]).
+    pub fn scale_updates(&mut self, name: &str, scale: Tensor) -> Result<()> {
+        if !self.trained.contains_key(name) {
+            return Err(Error::input(format!(
+                "`{name}` does not train, so its updates cannot be scaled"
+            )));
+        }
+        Ok(self.opt.scale_updates(name, scale)?)
+    }
+
+    /// The model as trained so far.
+    pub fn into_model(self) -> M {
+        self.model
+    }
+
     /// The tensors that train, each with its leading rows that stay frozen.
     pub fn trained(&self) -> &BTreeMap<String, usize> {
         &self.trained

@@ -138,6 +138,23 @@ impl TrainableVit {
 
     /// Logits [b, classes] of normalised pixels [b, C, H, W].
     pub fn forward(&self, pixels: &Tensor) -> candle_core::Result<Tensor> {
+        self.logits_and_hidden(pixels, None)
+    }
+
+    /// Logits [b, classes] of pixels and each layer's output (the residual stream after
+    /// block i) [b, tokens, d]: what distillation matches against a teacher's.
+    pub fn forward_hidden(&self, pixels: &Tensor) -> candle_core::Result<(Tensor, Vec<Tensor>)> {
+        let mut hidden = Vec::with_capacity(self.cfg.num_layers);
+        let logits = self.logits_and_hidden(pixels, Some(&mut hidden))?;
+        Ok((logits, hidden))
+    }
+
+    /// [`Self::forward`], pushing each layer's output onto `hidden` when given.
+    fn logits_and_hidden(
+        &self,
+        pixels: &Tensor,
+        mut hidden: Option<&mut Vec<Tensor>>,
+    ) -> candle_core::Result<Tensor> {
         let cfg = &self.cfg;
         let params = self.cast();
         let mut x = embed_image(&params, "", cfg, pixels, self.compute)?;
@@ -162,6 +179,9 @@ impl TrainableVit {
             x = (x + a)?;
             let hn = layer_norm(&x, cfg.norm_eps)?;
             x = (&x + pattention(&params, &format!("layers.{i}.mlp"), &hn, act, sf)?)?;
+            if let Some(hidden) = hidden.as_deref_mut() {
+                hidden.push(x.clone());
+            }
         }
         let n = x.dim(1)? - 1;
         let (feature, norm) = match cfg.pool {

@@ -67,4 +67,35 @@ pub struct ImportArgs {
     /// stay as mapped); `none`: the analytic mapping only.
     #[arg(long, value_enum, default_value = "values")]
     pub fit: FitMode,
+    /// After mapping and fitting, train the import N AdamW steps to match the source on
+    /// the calibration data (distillation: KL of the outputs plus --hidden-weight × the
+    /// per-layer hidden-state MSE; photos as light random-resized crops and flips).
+    /// Writes metrics.jsonl and loss.png with the model.
+    #[arg(long, value_name = "N")]
+    pub recover_steps: Option<u64>,
+    /// Peak learning rate of --recover-steps (10% warm-up, cosine to a tenth).
+    #[arg(
+        long,
+        value_name = "LR",
+        default_value_t = 1e-3,
+        requires = "recover_steps"
+    )]
+    pub recover_lr: f64,
+    /// Weight of the hidden-state term of --recover-steps: each layer's MSE relative to
+    /// the source's mean square there, averaged over layers (0: logits only).
+    #[arg(
+        long,
+        value_name = "W",
+        default_value_t = 1.0,
+        requires = "recover_steps"
+    )]
+    pub hidden_weight: f64,
+    /// Text windows or photos per --recover-steps step.
+    #[arg(
+        long,
+        value_name = "B",
+        default_value_t = 8,
+        requires = "recover_steps"
+    )]
+    pub recover_batch_size: usize,
 }

@@ -120,6 +120,13 @@ impl Images {
         self.refs.len()
     }
 
+    /// The first `n` images only.
+    pub fn first(mut self, n: usize) -> Self {
+        self.refs.truncate(n);
+        self.info.items = self.refs.len();
+        self
+    }
+
     /// The file name (shipped) or path of image `i`.
     pub fn name(&self, i: usize) -> String {
         match &self.refs[i] {

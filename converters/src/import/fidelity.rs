@@ -15,6 +15,7 @@ use tokenformer::loader;
 
 use super::data::{agreement_interval, DataInfo, Unit};
 use super::mapping::{Exactness, LayerFidelity, Mapping, EXACT_TOLERANCE};
+use super::recover::RecoveryReport;
 use crate::output::ModelFolder;
 
 /// Token ids of `text` with the tokenizer.json at `path`.
@@ -262,6 +263,11 @@ pub struct Report {
     /// on the same eval data (`end_to_end` is the fitted, written model's).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fit: Option<FitReport>,
+    /// `--recover-steps`: the distillation and the import before it on the same eval
+    /// data (`end_to_end` is the recovered, written model's; the per-layer numbers
+    /// above are the import's before recovery).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recovery: Option<RecoveryReport>,
 }
 
 /// What `--fit values` did (see `import/fit.rs`).
@@ -525,13 +531,21 @@ impl Report {
         if md {
             s.push('\n');
         }
+        let what = if e.unit == Unit::Tokens {
+            "next-token"
+        } else {
+            "top-1"
+        };
         if let Some(f) = &self.fit {
             s += &end_to_end_line("Mapped only (before fitting)", &f.mapped_end_to_end);
-            s += &end_to_end_line("Fitted (the written model)", e);
+            match &self.recovery {
+                Some(r) => s += &end_to_end_line("Fitted (before recovery)", &r.before_end_to_end),
+                None => s += &end_to_end_line("Fitted (the written model)", e),
+            }
             let c = &f.top1_change;
             s += &format!(
                 "Fitting changed {} agreement by {:+.1} points (95% interval {:+.1} to {:+.1}): {} {} where only the fitted import agrees with the source, {} where only the mapped one does.\n",
-                if e.unit == Unit::Tokens { "next-token" } else { "top-1" },
+                what,
                 100.0 * c.change,
                 100.0 * c.change_95[0],
                 100.0 * c.change_95[1],
@@ -539,8 +553,27 @@ impl Report {
                 e.unit,
                 c.mapped_only
             );
+        } else if let Some(r) = &self.recovery {
+            s += &end_to_end_line("Mapped only (before recovery)", &r.before_end_to_end);
         } else {
             s += &end_to_end_line("End to end", e);
+        }
+        if let Some(r) = &self.recovery {
+            s += &end_to_end_line("Recovered (the written model)", e);
+            let c = &r.top1_change;
+            s += &format!(
+                "Recovery ({} steps, distillation loss {:.4} -> {:.4}, {:.4} on the eval data) changed {what} agreement by {:+.1} points (95% interval {:+.1} to {:+.1}): {} {} where only the recovered import agrees with the source, {} where only the one before does. The per-layer numbers above are the import's before recovery.\n",
+                r.steps,
+                r.first_loss,
+                r.final_loss,
+                r.final_eval_loss,
+                100.0 * c.change,
+                100.0 * c.change_95[0],
+                100.0 * c.change_95[1],
+                c.recovered_only,
+                e.unit,
+                c.before_only
+            );
         }
         if let Some(n) = self.fit.as_ref().and_then(|f| f.calibration_note.as_ref()) {
             s += &format!("{}{n}.\n", if md { "Note: " } else { "note: " });
@@ -584,6 +617,9 @@ fn end_to_end_line(label: &str, e: &EndToEnd) -> String {
     }
     s
 }
+
+/// The model card's words for a recovered import, after the importer's own.
+pub const RECOVERED_CARD_NOTE: &str = " It was then trained to match the source on the calibration data by distillation (`--recover-steps`: KL of the outputs plus per-layer hidden-state error); `metrics.jsonl` and `loss.png` in this folder record the run, the fidelity section gives agreement before and after.";
 
 /// The model card's words for a fitted import, after the importer's own.
 pub const FITTED_CARD_NOTE: &str = " The value tokens of every Pattention were then fitted by ridge least squares on the calibration data, layer by layer on the import's own activations (`--fit values`); the fidelity section gives each part's error before and after.";
@@ -691,6 +727,7 @@ mod tests {
             ignored_buffers: vec![],
             not_representable: vec!["a note".into()],
             fit: None,
+            recovery: None,
         }
     }
 

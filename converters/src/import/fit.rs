@@ -499,6 +499,79 @@ pub fn fit_values(
     })
 }
 
+/// Per imported Pattention (by its canonical `layers.{i}.{part}.value_param_tokens`
+/// name), 1/RMS of its tokens' activations Θ(x·Kᵀ) over the calibration data, per
+/// token group of the mapping, as [n, 1]: the AdamW update scale of each value row in
+/// `--recover-steps`. The mapping's tokens score from ~κ_A (anchors) to ~κ_b² (bias
+/// tokens), so an update of the same size on every value moves the output by amounts
+/// ~10¹⁰ apart; scaled by 1/RMS(activation) each group's step moves the output alike
+/// (a diagonal Gauss-Newton preconditioner, shared within a group).
+pub fn value_update_scales(
+    stack: &Stack,
+    layers: &[ImportedLayer],
+    map: &Mapping,
+    inputs: &FitInputs,
+) -> Result<std::collections::BTreeMap<String, Tensor>> {
+    let blocks = layers
+        .iter()
+        .map(|l| ImportBlock::new(l, map))
+        .collect::<Result<Vec<_>>>()?;
+    // Per layer and part: Σ activation² per token, and the rows summed over.
+    let mut sums: Vec<[Option<Tensor>; 5]> = vec![Default::default(); layers.len()];
+    let mut rows = 0usize;
+    for x in &inputs.batches {
+        let (_, traces) = stack.run(&blocks, x)?;
+        rows += traces.first().map_or(0, |t| t.attn_in.dim(0).unwrap_or(0));
+        for ((l, t), acc) in layers.iter().zip(&traces).zip(sums.iter_mut()) {
+            let ins = [&t.attn_in, &t.attn_in, &t.attn_in, &t.proj_in, &t.mlp_in];
+            for (j, input) in ins.into_iter().enumerate() {
+                let a = activations(map, &l.parts[j].0, input)?
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum(0)?;
+                acc[j] = Some(match acc[j].take() {
+                    Some(s) => (s + a)?,
+                    None => a,
+                });
+            }
+        }
+    }
+    let mut out = std::collections::BTreeMap::new();
+    for (i, parts) in sums.into_iter().enumerate() {
+        for (j, sum) in parts.into_iter().enumerate() {
+            let Some(sum) = sum else { continue };
+            let ms: Vec<f64> = (sum / rows.max(1) as f64)?.to_vec1()?;
+            // One scale per token group of the mapping ([memories;] anchors, bias
+            // tokens), not per token: an anchor that the calibration rows barely
+            // activate (GELU(−κ_A·x̂ᵢ) ≈ 0 where x̂ᵢ > 0) would otherwise get a huge
+            // scale, and Adam takes a full step on however small a gradient.
+            let (n, d) = layers[i].parts[j].0.dims2()?;
+            let fixed = (4 * d).min(n);
+            let groups = [
+                (0, n - fixed),
+                (n - fixed, fixed / 2),
+                (n - fixed / 2, fixed / 2),
+            ];
+            let mut scale = vec![1f32; n];
+            for (start, len) in groups {
+                if len == 0 {
+                    continue;
+                }
+                let mean = ms[start..start + len].iter().sum::<f64>() / len as f64;
+                let s = 1.0 / mean.sqrt().max(f64::MIN_POSITIVE.sqrt());
+                scale[start..start + len].fill(s as f32);
+            }
+            let scale = Tensor::from_vec(scale, (n, 1), &candle_core::Device::Cpu)?;
+            let name = format!(
+                "layers.{i}.{}.value_param_tokens",
+                tokenformer::models::tokenformer::PATTENTIONS[j]
+            );
+            out.insert(name, scale);
+        }
+    }
+    Ok(out)
+}
+
 type Pick = fn(&LayerTrace) -> &Tensor;
 fn proj_in(t: &LayerTrace) -> &Tensor {
     &t.proj_in

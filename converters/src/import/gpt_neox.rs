@@ -11,18 +11,24 @@
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 use tokenformer::checkpoint::Tensors;
 use tokenformer::loader;
 use tokenformer::models::tokenformer::{self as lm, Rotary, ScaleTokens};
 use tokenformer::pattention::Activation;
+use tokenformer::train::distill::{DistillBatch, Targets};
+use tokenformer::train::TrainableLm;
 
 use super::args::{FitMode, ImportArgs};
 use super::data::{DataInfo, Split, Text, Unit};
-use super::fidelity::{self, finish, Agreement, CardText, Report, FITTED_CARD_NOTE};
-use super::fit::{fit_values, FitCheck, FitInputs};
+use super::fidelity::{
+    self, finish, Agreement, CardText, PairedAgreement, Report, FITTED_CARD_NOTE,
+    RECOVERED_CARD_NOTE,
+};
+use super::fit::{fit_values, value_update_scales, FitCheck, FitInputs, ImportBlock};
 use super::mapping::{Calibration, LayerCheck, Mapping};
+use super::recover::{self, Recovery, RecoveryReport, TextWindows};
 use super::source::{
     layer_norm, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer, Stack,
 };
@@ -214,6 +220,12 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<NeoxSource> {
 /// The longest window the source and the import are run on at once.
 const MAX_WINDOW: usize = 2048;
 
+/// The window `--recover-steps` trains on (random offsets into the calibration text).
+const RECOVER_WINDOW: usize = 128;
+
+/// Eval windows the recovery's held-out loss is measured on (the report uses them all).
+const RECOVER_EVAL_WINDOWS: usize = 8;
+
 /// Token ids of a split's text (the user's, the literal `--probe-text`, or the
 /// shipped page), or seeded ids when there is no tokenizer to read text with.
 fn split_ids(
@@ -278,6 +290,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             bail!("{flag} is for classifiers (--from vit); a language model takes --calibration-text and --eval-text");
         }
     }
+    let recovery = Recovery::from_args(a)?;
     let src = read(raw)?;
     let buffers = raw.finish(is_buffer)?;
     let cfg = &src.cfg;
@@ -312,6 +325,9 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         Split::Eval,
         cfg.vocab_size,
     )?;
+    if recovery.is_some() && tok.is_none() {
+        bail!("--recover-steps trains on the calibration text, but the source has no tokenizer.json to read text with: pass --tokenizer FILE");
+    }
 
     let rotary_dims = ((d / cfg.num_heads) as f64 * cfg.rotary_pct) as usize;
     if !rotary_dims.is_multiple_of(2) {
@@ -415,6 +431,60 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         .map_err(|e| anyhow!("the imported config is invalid: {e}"))?;
 
     let folder = ModelFolder::new(&a.out.out, a.out.force)?;
+    // --recover-steps: the import (fitted or mapped) distilled towards the source.
+    let recovered = match &recovery {
+        Some(rec) => {
+            let out_w = src.embed_out.as_ref().unwrap_or(&src.embed_in);
+            let teacher = |ids: &Tensor| -> tokenformer::Result<Targets> {
+                let (b, t) = ids.dims2()?;
+                let x = src
+                    .embed_in
+                    .index_select(&ids.flatten_all()?, 0)?
+                    .reshape((b, t, d))?;
+                let (h, hidden) = stack.run_hidden(&src.body.layers, &x)?;
+                let h = layer_norm(&h, &src.final_norm, cfg.eps)?.reshape((b * t, d))?;
+                Ok(Targets {
+                    logits: h.matmul(&out_w.t()?)?,
+                    hidden,
+                })
+            };
+            let seq_len = RECOVER_WINDOW.min(window);
+            let mut windows = TextWindows::new(calib_ids.clone(), seq_len);
+            let eval = eval_ids
+                .chunks(windows.len())
+                .filter(|w| w.len() >= 2)
+                .take(RECOVER_EVAL_WINDOWS)
+                .map(|w| {
+                    let input = Tensor::new(w, &dev)?.unsqueeze(0)?;
+                    Ok(DistillBatch {
+                        targets: teacher(&input)?,
+                        input,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let student = TrainableLm::new(&config, &tensors, DType::F32, &dev)?;
+            let b = rec.batch_size;
+            let seq_len = windows.len();
+            let (model, log) = recover::run(
+                rec,
+                seq_len,
+                student,
+                value_update_scales(&stack, imported, &map, &fit_inputs)?,
+                folder.path(),
+                "tokens",
+                || {
+                    windows
+                        .next(b)
+                        .map_err(|e| tokenformer::Error::input(format!("{e:#}")))
+                },
+                teacher,
+                &eval,
+            )?;
+            tensors = model.tensors();
+            Some((rec, log, seq_len))
+        }
+        None => None,
+    };
     folder.write_config(&config)?;
     folder.write_weights(&tensors, tokenformer::checkpoint::DEFAULT_SHARD_BYTES)?;
     folder.copy_tokenizer(tok)?;
@@ -427,6 +497,18 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         .as_ref()
         .map(|f| FitCheck::new(&mapped, f, &map))
         .transpose()?;
+    // With recovery: the import before it, run here, against the written one.
+    let before_blocks = match recovered {
+        Some(_) => Some(
+            imported
+                .iter()
+                .map(|l| ImportBlock::new(l, &map))
+                .collect::<Result<Vec<_>>>()?,
+        ),
+        None => None,
+    };
+    let (mut before_agreement, mut before_paired) =
+        (Agreement::default(), PairedAgreement::default());
     for w in eval_ids.chunks(window) {
         let x = embed(w)?;
         let (h, traces) = stack.run(&src.body.layers, &x)?;
@@ -436,19 +518,38 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             .forward(&Tensor::new(w, &dev)?.unsqueeze(0)?, None)?
             .squeeze(0)?;
         agreement.add(&src_logits, &imp_logits, Some(&w[1..]))?;
+        let next = Some(&w[1..]);
+        let before = match &before_blocks {
+            Some(blocks) => {
+                let before = source_logits(&stack.run(blocks, &x)?.0)?;
+                before_agreement.add(&src_logits, &before, next)?;
+                before_paired.add(&src_logits, &before, &imp_logits)?;
+                Some(before)
+            }
+            None => None,
+        };
         if let Some(fc) = &mut fit_check {
-            let next = Some(&w[1..]);
+            let fitted_logits = before.as_ref().unwrap_or(&imp_logits);
             fc.add(
                 &stack,
                 &x,
                 &traces,
                 &src_logits,
-                &imp_logits,
+                fitted_logits,
                 source_logits,
                 next,
             )?;
         }
     }
+    let recovery = recovered.map(|(rec, log, seq_len)| {
+        RecoveryReport::new(
+            rec,
+            &log,
+            Some(seq_len),
+            before_agreement.finish(Unit::Tokens),
+            before_paired.finish(),
+        )
+    });
     let (layer_fit, fit) = fit_check.map(|fc| fc.finish(Unit::Tokens)).unzip();
     let not_rep = vec![
         "MLP pre-activation biases (dense_h_to_4h.bias + W·post_attention_layernorm.bias): no constant score exists for LayerNorm outputs; dropped, norms per layer in `dropped_mlp_bias_norm`".to_string(),
@@ -469,17 +570,22 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         ignored_buffers: buffers,
         not_representable: not_rep,
         fit,
+        recovery,
     };
     let residual = if cfg.parallel_residual {
         "The parallel residual (x + attn(LN x) + mlp(LN x)) is kept: config `parallel_residual`."
     } else {
         "The sequential residual is kept."
     };
-    let fitted_note = if report.fit.is_some() {
+    let mut fitted_note = if report.fit.is_some() {
         FITTED_CARD_NOTE
     } else {
         ""
-    };
+    }
+    .to_string();
+    if report.recovery.is_some() {
+        fitted_note += RECOVERED_CARD_NOTE;
+    }
     let card = CardText {
         title: format!(
             "TokenFormer LM imported from GPT-NeoX ({} layers, d {})",
@@ -489,7 +595,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         model: format!(
             "A TokenFormer language model initialised from the GPT-NeoX checkpoint `{}` by `tokenformer-convert import --from gpt-neox` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Embeddings, final norm and the untied output matrix are copied unchanged. {residual}",
             a.input, config.qkv_tokens, config.proj_tokens, config.ffn_tokens, map.scale_tokens
-        ) + fitted_note,
+        ) + &fitted_note,
     };
     finish(&a.input, folder, &report, card)
 }

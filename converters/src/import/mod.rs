@@ -11,7 +11,8 @@
 //! keys = rows of W_in, values = columns of W_out. The tool runs the source
 //! model (a plain candle forward, [`source`]) on calibration data to fit the one
 //! constant per layer the mapping cannot copy and, by default, every Pattention's
-//! value tokens by least squares, layer by layer ([`fit`]), then runs the source and the
+//! value tokens by least squares, layer by layer ([`fit`]), with `--recover-steps`
+//! trains it to match the source by distillation ([`recover`]), then runs the source and the
 //! import on held-out eval data ([`data`]: the user's, or real samples shipped
 //! with the tool) and reports per-layer ([`mapping`]: which parts are exact, under
 //! what condition) and end-to-end ([`fidelity`]) fidelity. One importer per
@@ -24,6 +25,7 @@ mod fit;
 mod gpt_neox;
 mod linalg;
 mod mapping;
+mod recover;
 mod source;
 mod vit;
 

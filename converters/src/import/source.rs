@@ -391,6 +391,22 @@ impl Stack<'_> {
         Ok((x, traces))
     }
 
+    /// Runs `layers` in order on x [b, t, d]: the output and each layer's output
+    /// (what distillation matches; the traces are dropped as they go).
+    pub fn run_hidden<B: Block>(
+        &self,
+        layers: &[B],
+        x: &Tensor,
+    ) -> candle_core::Result<(Tensor, Vec<Tensor>)> {
+        let mut x = x.clone();
+        let mut hidden = Vec::with_capacity(layers.len());
+        for l in layers {
+            x = self.run_layer(l, &x)?.0;
+            hidden.push(x.clone());
+        }
+        Ok((x, hidden))
+    }
+
     /// One layer on x [b, t, d]: its output and trace.
     pub fn run_layer<B: Block>(
         &self,
@@ -405,8 +421,10 @@ impl Stack<'_> {
         let (mut qh, mut kh, vh) = (heads(&q)?, heads(&k)?, heads(&v)?);
         let mut scores_mask = None;
         if let Mixing::Causal(rotary) = &self.mixing {
-            qh = rotary.apply(&qh, 0)?;
-            kh = rotary.apply(&kh, 0)?;
+            // Contiguous again: with more than one sequence the rotated view's strides
+            // are not ones matmul takes.
+            qh = rotary.apply(&qh, 0)?.contiguous()?;
+            kh = rotary.apply(&kh, 0)?.contiguous()?;
             let m: Vec<f32> = (0..t)
                 .flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
                 .collect();

@@ -16,13 +16,19 @@ use tokenformer::loader;
 use tokenformer::models::tokenformer::ScaleTokens;
 use tokenformer::models::vit::{self, Interpolation, Pool, ResizeMode};
 use tokenformer::pattention::Activation;
+use tokenformer::train::distill::{DistillBatch, Targets};
+use tokenformer::train::vit::{TrainTransform, TrainableVit};
+use tokenformer::train::Trainable;
 use tokenformer::vision::EvalTransform;
 
 use super::args::{FitMode, ImportArgs};
 use super::data::{Images, Split, Unit};
-use super::fidelity::{finish, Agreement, CardText, Report, FITTED_CARD_NOTE};
-use super::fit::{fit_values, FitCheck, FitInputs};
+use super::fidelity::{
+    finish, Agreement, CardText, PairedAgreement, Report, FITTED_CARD_NOTE, RECOVERED_CARD_NOTE,
+};
+use super::fit::{fit_values, value_update_scales, FitCheck, FitInputs, ImportBlock};
 use super::mapping::{Calibration, LayerCheck, Mapping};
+use super::recover::{self, Recovery, RecoveryReport, Shuffled, AUGMENT};
 use super::source::{
     layer_norm, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer, Stack,
 };
@@ -190,6 +196,9 @@ impl VitSource {
 /// Images per forward pass of the source.
 const BATCH: usize = 8;
 
+/// Eval batches the recovery's held-out loss is measured on (the report uses them all).
+const RECOVER_EVAL_BATCHES: usize = 8;
+
 /// Runs `f` on `images` preprocessed by `t`, [`BATCH`] at a time.
 fn for_batches(
     images: &Images,
@@ -244,6 +253,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             bail!("{flag} is for language models (--from gpt-neox); a classifier takes --calibration-images and --eval-images");
         }
     }
+    let recovery = Recovery::from_args(a)?;
     let src = if raw.tensors.contains_key("vit.embeddings.cls_token") {
         hf::read(raw)?
     } else if raw.tensors.contains_key("cls_token") {
@@ -327,6 +337,78 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     }
 
     let folder = ModelFolder::new(&a.out.out, a.out.force)?;
+    // --recover-steps: the import (fitted or mapped) distilled towards the source.
+    let recovered = match &recovery {
+        Some(rec) => {
+            let teacher = |px: &Tensor| -> tokenformer::Result<Targets> {
+                let x = vit_embed(&src, px)?;
+                let (h, hidden) = stack.run_hidden(&src.body.layers, &x)?;
+                Ok(Targets {
+                    logits: vit_head(&src, &h)?,
+                    hidden,
+                })
+            };
+            let mut eval = vec![];
+            let mut add_eval = |px: &Tensor| -> Result<()> {
+                if eval.len() < RECOVER_EVAL_BATCHES {
+                    eval.push(DistillBatch {
+                        targets: teacher(px)?,
+                        input: px.clone(),
+                    });
+                }
+                Ok(())
+            };
+            match &a.probe_pixels {
+                Some(p) => {
+                    let px = probe_pixels(p, c, size, &dev)?;
+                    let n = px.dim(0)?;
+                    for start in (0..n).step_by(BATCH) {
+                        add_eval(&px.narrow(0, start, BATCH.min(n - start))?)?;
+                    }
+                }
+                None => {
+                    let eval = Images::new(a.eval_images.as_deref(), "--eval-images", Split::Eval)?;
+                    let first = Images::first(eval, BATCH * RECOVER_EVAL_BATCHES);
+                    for_batches(&first, &transform, &dev, &mut add_eval)?;
+                }
+            }
+            let views = TrainTransform::from_config(&config, AUGMENT);
+            let mut order = Shuffled::new(calib.len());
+            let b = rec.batch_size;
+            let mut next = || -> tokenformer::Result<(Tensor, u64)> {
+                let mut pixels = Vec::with_capacity(b * c * size * size);
+                for _ in 0..b {
+                    let (i, rng) = order.next();
+                    let img = calib
+                        .decode(i)
+                        .map_err(|e| tokenformer::Error::input(format!("{e:#}")))?;
+                    let v = views.apply(&img, rng).map_err(|e| {
+                        tokenformer::Error::input(format!("{}: {e}", calib.name(i)))
+                    })?;
+                    pixels.extend(v);
+                }
+                Ok((
+                    Tensor::from_vec(pixels, (b, c, size, size), &dev)?,
+                    b as u64,
+                ))
+            };
+            let student = TrainableVit::new(&config, &tensors, DType::F32, &dev)?;
+            let (model, log) = recover::run(
+                rec,
+                1,
+                student,
+                value_update_scales(&stack, imported, &map, &fit_inputs)?,
+                folder.path(),
+                "images",
+                &mut next,
+                teacher,
+                &eval,
+            )?;
+            tensors = model.tensors();
+            Some((rec, log))
+        }
+        None => None,
+    };
     // As a JSON value: its keys sorted, as imported ViT configs have always been written.
     folder.write_config(&serde_json::to_value(&config)?)?;
     folder.write_weights(&tensors, tokenformer::checkpoint::DEFAULT_SHARD_BYTES)?;
@@ -339,6 +421,18 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         .as_ref()
         .map(|f| FitCheck::new(&mapped, f, &map))
         .transpose()?;
+    // With recovery: the import before it, run here, against the written one.
+    let before_blocks = match recovered {
+        Some(_) => Some(
+            imported
+                .iter()
+                .map(|l| ImportBlock::new(l, &map))
+                .collect::<Result<Vec<_>>>()?,
+        ),
+        None => None,
+    };
+    let (mut before_agreement, mut before_paired) =
+        (Agreement::default(), PairedAgreement::default());
     let mut measure = |px: &Tensor| -> Result<()> {
         let x = vit_embed(&src, px)?;
         let (h, traces) = stack.run(&src.body.layers, &x)?;
@@ -346,9 +440,19 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         let src_logits = vit_head(&src, &h)?;
         let imp_logits = model.forward(px)?;
         agreement.add(&src_logits, &imp_logits, None)?;
+        let before = match &before_blocks {
+            Some(blocks) => {
+                let before = vit_head(&src, &stack.run(blocks, &x)?.0)?;
+                before_agreement.add(&src_logits, &before, None)?;
+                before_paired.add(&src_logits, &before, &imp_logits)?;
+                Some(before)
+            }
+            None => None,
+        };
         if let Some(fc) = &mut fit_check {
             let head = |h: &Tensor| Ok(vit_head(&src, h)?);
-            fc.add(&stack, &x, &traces, &src_logits, &imp_logits, head, None)?;
+            let fitted_logits = before.as_ref().unwrap_or(&imp_logits);
+            fc.add(&stack, &x, &traces, &src_logits, fitted_logits, head, None)?;
         }
         Ok(())
     };
@@ -377,6 +481,15 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     };
     let (layer_fit, fit) = fit_check.map(|fc| fc.finish(Unit::Images)).unzip();
     let layers = check.finish(imported, src.body.eps, layer_fit.as_deref());
+    let recovery = recovered.map(|(rec, log)| {
+        RecoveryReport::new(
+            rec,
+            &log,
+            None,
+            before_agreement.finish(Unit::Images),
+            before_paired.finish(),
+        )
+    });
     let report = Report {
         source: a.input.clone(),
         from: format!("vit ({})", src.meta.layout),
@@ -396,12 +509,17 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             "attention output projection input scale: a Pattention is scale-invariant in its input; a per-layer constant is fitted on the calibration images (`proj_input_scale`)".into(),
         ],
         fit,
+        recovery,
     };
-    let fitted_note = if report.fit.is_some() {
+    let mut fitted_note = if report.fit.is_some() {
         FITTED_CARD_NOTE
     } else {
         ""
-    };
+    }
+    .to_string();
+    if report.recovery.is_some() {
+        fitted_note += RECOVERED_CARD_NOTE;
+    }
     let card = CardText {
         title: format!(
             "TokenFormer-ViT imported from {} ({} layers, d {})",
@@ -411,7 +529,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         model: format!(
             "A TokenFormer image classifier initialised from the {} checkpoint `{}` by `tokenformer-convert import --from vit` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Patch embedding, class token, position embedding, final norm and head are copied unchanged. Preprocessing: {}.",
             src.meta.layout, a.input, 4 * d, 4 * d, src.meta.intermediate_size + 4 * d, map.scale_tokens, src.meta.preprocessing
-        ) + fitted_note,
+        ) + &fitted_note,
     };
     finish(&a.input, folder, &report, card)
 }
