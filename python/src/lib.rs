@@ -11,7 +11,7 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokenformer::generate::SamplingParams;
-use tokenformer::{DeviceSpec, PretrainedOptions, SequenceScore, WeightPrecision};
+use tokenformer::{DeviceSpec, KvDtype, PretrainedOptions, SequenceScore, WeightPrecision};
 
 create_exception!(
     _tokenformer,
@@ -28,6 +28,7 @@ fn options(
     tokenizer: Option<PathBuf>,
     config: Option<PathBuf>,
     weights: &str,
+    kv_dtype: &str,
     device: &str,
 ) -> PyResult<PretrainedOptions> {
     // Parsed here so a bad value is named before anything is loaded; the
@@ -43,10 +44,20 @@ fn options(
             )))
         }
     };
+    let kv_cache = match kv_dtype {
+        "f32" => KvDtype::F32,
+        "f16" => KvDtype::F16,
+        other => {
+            return Err(TokenFormerError::new_err(format!(
+                "kv_dtype must be \"f32\" or \"f16\", not {other:?}"
+            )))
+        }
+    };
     Ok(PretrainedOptions {
         config,
         tokenizer,
         weights,
+        kv_cache,
         hub: None,
         device,
     })
@@ -122,19 +133,24 @@ struct LanguageModel {
 #[pymethods]
 impl LanguageModel {
     /// Loads a model by zoo name, Hub repo id `owner/name[@revision]` or local
-    /// path, with its tokenizer. `weights`: "f32", "f16" or "q8". `device`:
-    /// "cpu", "cuda", "cuda:N" or "auto"; only the CPU runs models for now.
+    /// path, with its tokenizer. `weights`: "f32", "f16" or "q8". `kv_dtype`:
+    /// the precision `generate` caches keys and values in, "f32" or "f16".
+    /// `device`: "cpu", "cuda", "cuda:N" or "auto"; only the CPU runs models
+    /// for now.
     #[staticmethod]
-    #[pyo3(signature = (name, *, tokenizer=None, config=None, weights="f32", device="cpu"))]
+    #[pyo3(signature = (
+        name, *, tokenizer=None, config=None, weights="f32", kv_dtype="f32", device="cpu"
+    ))]
     fn from_pretrained(
         py: Python<'_>,
         name: &str,
         tokenizer: Option<PathBuf>,
         config: Option<PathBuf>,
         weights: &str,
+        kv_dtype: &str,
         device: &str,
     ) -> PyResult<Self> {
-        let opts = options(tokenizer, config, weights, device)?;
+        let opts = options(tokenizer, config, weights, kv_dtype, device)?;
         let inner = py
             .detach(|| tokenformer::LanguageModel::from_pretrained(name, &opts))
             .map_err(err)?;
@@ -278,7 +294,7 @@ impl ImageClassifier {
         config: Option<PathBuf>,
         device: &str,
     ) -> PyResult<Self> {
-        let opts = options(None, config, "f32", device)?;
+        let opts = options(None, config, "f32", "f32", device)?;
         let inner = py
             .detach(|| tokenformer::ImageClassifier::from_pretrained(name, &opts))
             .map_err(err)?;
