@@ -392,3 +392,16 @@ fn generate_takes_an_f16_kv_cache_and_refuses_other_dtypes() {
         "{se}"
     );
 }
+
+#[test]
+fn bench_names_a_bad_kv_dtype_or_decode_context() {
+    let (out, _, se) = tokenformer(&["bench", "--only", "decode", "--kv-dtype", "f8"]);
+    assert!(!out.status.success());
+    assert!(se.contains("invalid value 'f8' for '--kv-dtype"), "{se}");
+    let (out, _, se) = tokenformer(&["bench", "--only", "decode", "--decode-context", "2000"]);
+    assert!(!out.status.success());
+    assert!(
+        se.contains("--decode-context 2000: between 1 and 1984"),
+        "{se}"
+    );
+}
