@@ -103,6 +103,8 @@ rows += [
     ("f16-weight decode vs our f32 decode", own("decode_f16_weights_tokens_per_s", "decode_tokens_per_s"), ">=", 1.7),
     ("q8 decode vs our f32 decode", own("decode_q8_weights_tokens_per_s", "decode_tokens_per_s"), ">=", 2.5),
     ("q8 perplexity change, %", [abs(x) for x in own("q8_perplexity_change_percent")], "<=", 1.0),
+    ("f16 weights + f16 KV cache vs our f32 decode", own("decode_f16_weights_f16_kv_tokens_per_s", "decode_tokens_per_s"), ">=", 1.7),
+    ("f16 KV cache perplexity change, %", [abs(x) for x in own("kv_f16_perplexity_change_percent")], "<=", 0.1),
 ]
 for name, vals, op, goal in rows:
     if not vals:

@@ -11,8 +11,8 @@ use candle_core::{DType, Tensor, D};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use crate::error::{Error, Result};
-use crate::models::tokenformer::{Cache, TokenFormerLm};
-use crate::models::vl::VisionLanguageModel;
+use crate::models::tokenformer::{Cache, KvDtype, TokenFormerLm};
+use crate::models::vl::{VisionLanguageModel, VlCache};
 
 #[derive(Clone, Debug)]
 pub struct SamplingParams {
@@ -247,7 +247,31 @@ pub fn generate(
     params: SamplingParams,
     on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
 ) -> Result<Vec<u32>> {
-    let mut cache = Cache::new(model.config());
+    let cache = Cache::new(model.config());
+    generate_in(model, cache, prompt, max_new_tokens, params, on_token)
+}
+
+/// [`generate`] with keys and values cached in `kv` precision.
+pub fn generate_with_kv(
+    model: &TokenFormerLm,
+    kv: KvDtype,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    params: SamplingParams,
+    on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
+) -> Result<Vec<u32>> {
+    let cache = Cache::with_dtype(model.config(), kv);
+    generate_in(model, cache, prompt, max_new_tokens, params, on_token)
+}
+
+fn generate_in(
+    model: &TokenFormerLm,
+    mut cache: Cache,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    params: SamplingParams,
+    on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
+) -> Result<Vec<u32>> {
     decode(model, prompt, max_new_tokens, params, on_token, |ids| {
         let input = Tensor::new(ids, model.device())?.unsqueeze(0)?;
         model.forward(&input, Some(&mut cache))
@@ -265,6 +289,49 @@ pub fn generate_with_image(
     params: SamplingParams,
     on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
 ) -> Result<Vec<u32>> {
+    let cache = model.new_cache();
+    generate_with_image_in(
+        model,
+        cache,
+        pixels,
+        prompt,
+        max_new_tokens,
+        params,
+        on_token,
+    )
+}
+
+/// [`generate_with_image`] with keys and values cached in `kv` precision.
+pub fn generate_with_image_kv(
+    model: &VisionLanguageModel,
+    kv: KvDtype,
+    pixels: &Tensor,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    params: SamplingParams,
+    on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
+) -> Result<Vec<u32>> {
+    let cache = model.new_cache_with_dtype(kv);
+    generate_with_image_in(
+        model,
+        cache,
+        pixels,
+        prompt,
+        max_new_tokens,
+        params,
+        on_token,
+    )
+}
+
+fn generate_with_image_in(
+    model: &VisionLanguageModel,
+    mut cache: VlCache,
+    pixels: &Tensor,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    params: SamplingParams,
+    on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
+) -> Result<Vec<u32>> {
     if pixels.dim(0)? != 1 {
         return Err(Error::input(format!(
             "generation takes one image, got a batch of {}",
@@ -272,7 +339,6 @@ pub fn generate_with_image(
         )));
     }
     let text = model.language();
-    let mut cache = model.new_cache();
     let mut image = Some(pixels);
     decode(text, prompt, max_new_tokens, params, on_token, |ids| {
         let input = Tensor::new(ids, text.device())?.unsqueeze(0)?;

@@ -54,7 +54,7 @@ pub use error::{Error, Result};
 pub use eval::imagenet::Prediction;
 pub use generate::SamplingParams;
 pub use hub::HubClient;
-pub use models::lm::TokenFormerLm;
+pub use models::lm::{KvDtype, TokenFormerLm};
 pub use models::vit::VisionTransformer;
 pub use models::vl::VisionLanguageModel;
 pub use models::{Architecture, ModelConfig};

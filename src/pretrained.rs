@@ -15,7 +15,7 @@ use crate::eval::{pile, tasks};
 use crate::generate::{self, SamplingParams};
 use crate::hub::HubClient;
 use crate::loader::{self, LocateOptions, ModelFiles};
-use crate::models::lm::TokenFormerLm;
+use crate::models::lm::{KvDtype, TokenFormerLm};
 use crate::models::vit::VisionTransformer;
 use crate::scoring::{self, Loglikelihood, Scorer, SequenceScore};
 
@@ -47,6 +47,8 @@ pub struct PretrainedOptions {
     pub weights: WeightPrecision,
     /// The dtype the model computes in (f32 unless asked: bf16 or f16 on a GPU).
     pub dtype: ComputeDtype,
+    /// The precision generation caches keys and values in (language models only).
+    pub kv_cache: KvDtype,
     /// The Hub client for zoo names and repo ids; `None` builds one from the
     /// environment (`HF_ENDPOINT`, `HF_HOME`, ...) when a download is needed.
     pub hub: Option<HubClient>,
@@ -75,6 +77,7 @@ pub struct LanguageModel {
     model: TokenFormerLm,
     tokenizer: tokenizers::Tokenizer,
     source: String,
+    kv_cache: KvDtype,
 }
 
 impl LanguageModel {
@@ -108,6 +111,7 @@ impl LanguageModel {
             model,
             tokenizer,
             source: files.source,
+            kv_cache: opts.kv_cache,
         })
     }
 
@@ -229,7 +233,8 @@ impl LanguageModel {
     ) -> Result<String> {
         let eos = self.model.config().eos_token_id;
         let mut stream = generate::TextStream::new(&self.tokenizer, stop);
-        generate::generate(&self.model, ids, max_new_tokens, params, |id| {
+        let kv = self.kv_cache;
+        generate::generate_with_kv(&self.model, kv, ids, max_new_tokens, params, |id| {
             if id == eos {
                 return Ok(ControlFlow::Continue(()));
             }

@@ -273,3 +273,135 @@ fn completions_cover_the_subcommands_and_flags() {
     let (out, _, se) = tokenformer(&["completions", "tcsh"]);
     assert!(!out.status.success() && se.contains("bash"), "{se}");
 }
+
+/// The logits of every position of `ids` decoded through `cache`: an
+/// 8-token prefill, then one token at a time (the decoding kernels).
+fn decoded_logits(
+    lm: &LanguageModel,
+    ids: &[u32],
+    mut cache: tokenformer::models::lm::Cache,
+) -> Vec<Vec<f32>> {
+    let mut rows = Vec::new();
+    let mut pos = 0;
+    for chunk in std::iter::once(8).chain(std::iter::repeat(1)) {
+        if pos >= ids.len() {
+            break;
+        }
+        let part = &ids[pos..(pos + chunk).min(ids.len())];
+        let x = Tensor::new(part, &candle_core::Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let logits = lm
+            .model()
+            .forward(&x, Some(&mut cache))
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
+        rows.extend(logits.to_vec2::<f32>().unwrap());
+        pos += part.len();
+    }
+    rows
+}
+
+#[test]
+fn an_f16_kv_cache_decodes_close_to_the_f32_cache() {
+    use tokenformer::models::lm::Cache;
+    use tokenformer::KvDtype;
+    let lm = LanguageModel::from_pretrained(&kjv(), &PretrainedOptions::default()).unwrap();
+    // A real text of most of the model's context (256 positions).
+    let mut ids = lm.encode(PROMPT).unwrap();
+    let params = Default::default();
+    let more = tokenformer::generate::generate(lm.model(), &ids, 200, params, |_| {
+        Ok(std::ops::ControlFlow::Continue(()))
+    })
+    .unwrap();
+    ids.extend(more);
+    assert!(ids.len() > 200);
+    let cfg = lm.model().config();
+    let wide = decoded_logits(&lm, &ids, Cache::new(cfg));
+    let half = decoded_logits(&lm, &ids, Cache::with_dtype(cfg, KvDtype::F16));
+    let (mut worst, mut worst_lp) = (0f32, 0f64);
+    for (t, (a, b)) in wide.iter().zip(&half).enumerate() {
+        let d = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        worst = worst.max(d);
+        // The log-probability of the text's next token.
+        if let Some(&next) = ids.get(t + 1) {
+            let lp = |r: &[f32]| {
+                let m = r.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let z: f64 = r.iter().map(|&v| (v as f64 - m).exp()).sum();
+                r[next as usize] as f64 - m - z.ln()
+            };
+            worst_lp = worst_lp.max((lp(a) - lp(b)).abs());
+        }
+        let argmax = |r: &[f32]| {
+            r.iter()
+                .enumerate()
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |m, (i, &v)| if v > m.1 { (i, v) } else { m },
+                )
+                .0
+        };
+        assert_eq!(argmax(a), argmax(b), "greedy token at {t}");
+    }
+    // Keys and values rounded to f16 (2^-11 relative): the logits move, by
+    // little. Zero would mean the cache was not f16 at all.
+    assert!(worst > 0.0, "the f16 cache changed nothing");
+    assert!(worst < 0.013, "max logit difference {worst}");
+    assert!(
+        worst_lp < 0.005,
+        "max log-probability difference {worst_lp}"
+    );
+}
+
+#[test]
+fn generate_takes_an_f16_kv_cache_and_refuses_other_dtypes() {
+    let lm = LanguageModel::from_pretrained(
+        &kjv(),
+        &PretrainedOptions {
+            kv_cache: tokenformer::KvDtype::F16,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let got = generate(&["--prompt", PROMPT, "--kv-dtype", "f16"]);
+    let want = lm.generate(PROMPT, 40, Default::default()).unwrap();
+    assert_eq!(got, format!("{PROMPT}{want}\n"));
+    assert_eq!(
+        generate(&["--prompt", PROMPT, "--kv-dtype", "f32"]),
+        generate(&["--prompt", PROMPT])
+    );
+    let (out, _, se) = tokenformer(&[
+        "generate",
+        "--model",
+        &kjv(),
+        "--prompt",
+        "x",
+        "--kv-dtype",
+        "bf16",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        se.contains("invalid value 'bf16' for '--kv-dtype")
+            && se.contains("[possible values: f32, f16]"),
+        "{se}"
+    );
+}
+
+#[test]
+fn bench_names_a_bad_kv_dtype_or_decode_context() {
+    let (out, _, se) = tokenformer(&["bench", "--only", "decode", "--kv-dtype", "f8"]);
+    assert!(!out.status.success());
+    assert!(se.contains("invalid value 'f8' for '--kv-dtype"), "{se}");
+    let (out, _, se) = tokenformer(&["bench", "--only", "decode", "--decode-context", "2000"]);
+    assert!(!out.status.success());
+    assert!(
+        se.contains("--decode-context 2000: between 1 and 1984"),
+        "{se}"
+    );
+}

@@ -138,6 +138,21 @@ fn generate_with_an_image_equals_the_mixed_forward_and_text_only_equals_the_lm()
     )
     .unwrap();
     assert_eq!(ids, with_image);
+    // With an f16 KV cache (image keys included): greedy picks the same
+    // tokens on this model, by the library and the binary.
+    let ids16 = tokenformer::generate::generate_with_image_kv(
+        &model,
+        tokenformer::KvDtype::F16,
+        &pixels,
+        &prompt,
+        NEW_TOKENS,
+        Default::default(),
+        |_| Ok(std::ops::ControlFlow::Continue(())),
+    )
+    .unwrap();
+    assert_eq!(ids16, with_image);
+    let args = ["--image", image.to_str().unwrap(), "--kv-dtype", "f16"];
+    assert_eq!(generate(dir.to_str().unwrap(), &args), expected);
 
     // Without --image the merged folder generates as the source language model.
     let lm = common::lm_fixture().join("pytorch_model.bin");

@@ -11,7 +11,9 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tokenformer::generate::SamplingParams;
-use tokenformer::{ComputeDtype, DeviceSpec, PretrainedOptions, SequenceScore, WeightPrecision};
+use tokenformer::{
+    ComputeDtype, DeviceSpec, KvDtype, PretrainedOptions, SequenceScore, WeightPrecision,
+};
 
 create_exception!(
     _tokenformer,
@@ -28,6 +30,7 @@ fn options(
     tokenizer: Option<PathBuf>,
     config: Option<PathBuf>,
     weights: &str,
+    kv_dtype: &str,
     device: &str,
     dtype: &str,
 ) -> PyResult<PretrainedOptions> {
@@ -47,11 +50,21 @@ fn options(
             )))
         }
     };
+    let kv_cache = match kv_dtype {
+        "f32" => KvDtype::F32,
+        "f16" => KvDtype::F16,
+        other => {
+            return Err(TokenFormerError::new_err(format!(
+                "kv_dtype must be \"f32\" or \"f16\", not {other:?}"
+            )))
+        }
+    };
     Ok(PretrainedOptions {
         config,
         tokenizer,
         weights,
         dtype,
+        kv_cache,
         hub: None,
         device,
     })
@@ -131,9 +144,13 @@ impl LanguageModel {
     /// (CUDA needs a build with the `cuda` feature). `dtype`: what it
     /// computes in, "f32", "bf16" or "f16" (the latter two for GPUs).
     /// `weights` ("f32", "f16" or "q8", the last CPU only): how f32
-    /// computation keeps its weight matrices.
+    /// computation keeps its weight matrices. `kv_dtype`: the precision
+    /// `generate` caches keys and values in, "f32" or "f16".
     #[staticmethod]
-    #[pyo3(signature = (name, *, tokenizer=None, config=None, weights="f32", device="cpu", dtype="f32"))]
+    #[pyo3(signature = (
+        name, *, tokenizer=None, config=None, weights="f32", kv_dtype="f32", device="cpu",
+        dtype="f32"
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn from_pretrained(
         py: Python<'_>,
@@ -141,10 +158,11 @@ impl LanguageModel {
         tokenizer: Option<PathBuf>,
         config: Option<PathBuf>,
         weights: &str,
+        kv_dtype: &str,
         device: &str,
         dtype: &str,
     ) -> PyResult<Self> {
-        let opts = options(tokenizer, config, weights, device, dtype)?;
+        let opts = options(tokenizer, config, weights, kv_dtype, device, dtype)?;
         let inner = py
             .detach(|| tokenformer::LanguageModel::from_pretrained(name, &opts))
             .map_err(err)?;
@@ -289,7 +307,7 @@ impl ImageClassifier {
         device: &str,
         dtype: &str,
     ) -> PyResult<Self> {
-        let opts = options(None, config, "f32", device, dtype)?;
+        let opts = options(None, config, "f32", "f32", device, dtype)?;
         let inner = py
             .detach(|| tokenformer::ImageClassifier::from_pretrained(name, &opts))
             .map_err(err)?;

@@ -96,6 +96,15 @@ def test_errors_carry_the_library_message(tmp_path):
     assert "model.safetensors" in str(e.value)
     with pytest.raises(tokenformer.TokenFormerError, match="weights must be"):
         tokenformer.LanguageModel.from_pretrained(KJV, weights="int4")
+    with pytest.raises(tokenformer.TokenFormerError, match='kv_dtype must be "f32" or "f16", not "bf16"'):
+        tokenformer.LanguageModel.from_pretrained(KJV, kv_dtype="bf16")
+
+
+def test_an_f16_kv_cache_generates_as_the_cli_does():
+    lm = tokenformer.LanguageModel.from_pretrained(KJV, kv_dtype="f16")
+    got = lm.generate("And God said", 24)
+    r = cli("generate", "--model", KJV, "--prompt", "And God said", "--max-new-tokens", "24", "--kv-dtype", "f16")
+    assert r.stdout == "And God said" + got + "\n"
 
 
 def test_device_is_the_cpu_and_other_devices_are_refused_as_by_the_cli():

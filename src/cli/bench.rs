@@ -1,6 +1,7 @@
 //! `tokenformer bench`: throughput on random weights of the real sizes (no
 //! download): prefill, KV-cache decode (f32 weights, and f16 or 8-bit weights,
-//! with the 8-bit weights' accuracy cost), a single
+//! with the 8-bit weights' accuracy cost; f16 weights with an f16 cache, with
+//! the f16 cache's accuracy cost), a single
 //! Pattention layer, ViT-B/16 images/s, load time / peak memory, and the CPU
 //! and kernel path the figures come from.
 //! Field names follow the PyTorch peer (`bench/torch_baseline.py` of the
@@ -16,7 +17,7 @@ use serde_json::{json, Map, Value};
 
 use tokenformer::checkpoint::{self, Tensors};
 use tokenformer::error::Result;
-use tokenformer::models::tokenformer::{Cache, Config, TokenFormerLm};
+use tokenformer::models::tokenformer::{Cache, Config, KvDtype, TokenFormerLm};
 use tokenformer::pattention::{Activation, Pattention};
 use tokenformer::synthetic::{lm_config, logit_agreement, random_lm_tensors};
 
@@ -28,11 +29,19 @@ pub struct BenchArgs {
     /// Skip the ViT-B/16 image benchmark.
     #[arg(long)]
     pub skip_vit: bool,
-    /// Run only these parts (comma-separated): prefill, decode, decode_f16, decode_q8, pattention,
-    /// matmul, vit, train (training throughput; not run unless named). `TOKENFORMER_KERNELS=portable|avx2|avx512` forces a kernel path.
+    /// Run only these parts (comma-separated): prefill, decode, decode_f16, decode_q8,
+    /// decode_f16_kv (f16 weights and KV cache), pattention, matmul, vit, train (training
+    /// throughput; not run unless named). `TOKENFORMER_KERNELS=portable|avx2|avx512` forces a
+    /// kernel path.
     /// On a GPU (`--device cuda`): prefill, decode, vit, train (all by default).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
+    /// The KV cache of the decode, decode_f16 and decode_q8 parts (decode_f16_kv's is f16).
+    #[arg(long, value_enum, default_value_t)]
+    pub kv_dtype: super::KvDtypeArg,
+    /// Tokens prefilled before the timed decode steps (the cache they read grows from there).
+    #[arg(long, default_value_t = 512, value_name = "N")]
+    pub decode_context: usize,
     /// Print one JSON object (the peer's field names).
     #[arg(long)]
     pub json: bool,
@@ -64,6 +73,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
                 "decode",
                 "decode_f16",
                 "decode_q8",
+                "decode_f16_kv",
                 "pattention",
                 "matmul",
             ]
@@ -78,7 +88,11 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let mut out = if train && only.is_empty() {
         serde_json::Map::new()
     } else {
-        run_lm(&a.config, &cfg, &dev, &only)?
+        let decode = DecodeSetup {
+            kv: a.kv_dtype.into(),
+            context: a.decode_context,
+        };
+        run_lm(&a.config, &cfg, &dev, &only, decode)?
     };
     if train {
         out.extend(super::bench_train::run(&dev)?);
@@ -144,13 +158,13 @@ pub struct Decoded {
 }
 
 /// Decodes `n` greedy tokens (rounded down to a multiple of `rounds`) after
-/// a `prompt`-token prefill with each model, timed in `rounds` turns of
+/// a `prompt`-token prefill with each model and its cache precision, timed in `rounds` turns of
 /// n / rounds tokens, one model after the other, each continuing its own
 /// cache. A shared host's speed drifts by ±20 % within a minute, so decodes
 /// timed one after another would compare different moments; in turns,
 /// every model meets the same moments and their ratios hold.
 pub fn decode(
-    models: &[&TokenFormerLm],
+    models: &[(&TokenFormerLm, KvDtype)],
     prompt: usize,
     n: usize,
     rounds: usize,
@@ -158,10 +172,10 @@ pub fn decode(
     let rounds = rounds.max(1);
     let per = n / rounds;
     let mut state = Vec::with_capacity(models.len());
-    for model in models {
+    for &(model, kv) in models {
         let vocab = model.config().vocab_size.min(50_277);
         let x = ids(1, prompt, vocab, model.device())?;
-        let mut cache = Cache::new(model.config());
+        let mut cache = Cache::with_dtype(model.config(), kv);
         let logits = model.forward(&x, Some(&mut cache))?;
         let tok = logits
             .get(0)?
@@ -171,7 +185,7 @@ pub fn decode(
         state.push((cache, vec![tok], 0f64));
     }
     for _ in 0..rounds {
-        for (model, (cache, chosen, secs)) in models.iter().zip(&mut state) {
+        for ((model, _), (cache, chosen, secs)) in models.iter().zip(&mut state) {
             let t = Instant::now();
             for _ in 0..per {
                 let last = *chosen.last().expect("the prefill's token");
@@ -263,17 +277,30 @@ impl Default for ReadProbe {
 /// and values of all layers (norms and the one embedding row are noise).
 #[cfg(test)]
 fn decode_bytes_per_token(cfg: &Config, position: usize) -> f64 {
-    decode_bytes_per_token_as(cfg, position, WeightFormat::F32)
+    decode_bytes_per_token_as(cfg, position, WeightFormat::F32, KvDtype::F32)
 }
 
-/// [`decode_bytes_per_token`] with weights in `weights` precision (the KV
-/// cache stays f32).
-pub fn decode_bytes_per_token_as(cfg: &Config, position: usize, weights: WeightFormat) -> f64 {
+/// [`decode_bytes_per_token`] with weights in `weights` precision and the
+/// KV cache in `kv`.
+pub fn decode_bytes_per_token_as(
+    cfg: &Config,
+    position: usize,
+    weights: WeightFormat,
+    kv: KvDtype,
+) -> f64 {
     let d = cfg.hidden_size;
     let tokens: usize = cfg.pattentions().iter().map(|(_, n)| n).sum();
     let matrices = cfg.num_layers * 2 * tokens * d + cfg.vocab_size * d;
-    let kv = cfg.num_layers * 2 * position * d;
-    matrices as f64 * weights.bytes_per_weight() + (4 * kv) as f64
+    let cached = cfg.num_layers * 2 * position * d;
+    matrices as f64 * weights.bytes_per_weight() + (cached * kv.dtype().size_in_bytes()) as f64
+}
+
+/// What the decode parts run with: the KV cache of decode, decode_f16 and
+/// decode_q8, and the prompt before the timed steps.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeSetup {
+    pub kv: KvDtype,
+    pub context: usize,
 }
 
 /// The CPU the figures come from: its model name, the features the kernels
@@ -390,13 +417,22 @@ pub fn load_timed(
 
 /// Runs the language-model benchmarks of `bench`; `only` (if non-empty)
 /// restricts them to these names: load, prefill, decode, decode_f16,
-/// decode_q8, pattention, matmul, vit.
+/// decode_q8, decode_f16_kv, pattention, matmul, vit.
 pub fn run_lm(
     name: &str,
     cfg: &Config,
     device: &Device,
     only: &[String],
+    setup: DecodeSetup,
 ) -> Result<Map<String, Value>> {
+    let prompt = setup.context;
+    if prompt == 0 || prompt + 64 > cfg.max_position_embeddings {
+        return Err(tokenformer::Error::input(format!(
+            "--decode-context {prompt}: between 1 and {} (the 64 decoded tokens must fit the model's {} positions)",
+            cfg.max_position_embeddings.saturating_sub(64),
+            cfg.max_position_embeddings
+        )));
+    }
     let want = |k: &str| only.is_empty() || only.iter().any(|o| o == k);
     let mut out = Map::new();
     out.insert("peer".into(), json!("tokenformer-candle"));
@@ -443,6 +479,24 @@ pub fn run_lm(
         );
         out.insert("q8_mean_kl_divergence".into(), json!(kl));
     }
+    if want("decode_f16_kv") {
+        // The f16 KV cache's accuracy cost, measured as the 8-bit weights'
+        // is: the same sequence through a cache that keeps its keys and
+        // values in f16 (every position attends to rounded ones).
+        let text = ids(1, 512.min(cfg.max_position_embeddings), 50_277, device)?;
+        let reference = model.forward(&text, None)?.squeeze(0)?;
+        let mut cache = Cache::with_dtype(cfg, KvDtype::F16);
+        let logits = model.forward(&text, Some(&mut cache))?.squeeze(0)?;
+        let ids: Vec<u32> = text.flatten_all()?.to_vec1()?;
+        let (ppl, ppl_kv, kl) = logit_agreement(&reference, &logits, &ids)?;
+        out.insert("kv_f16_perplexity_f32".into(), json!(round(ppl, 3)));
+        out.insert("kv_f16_perplexity".into(), json!(round(ppl_kv, 3)));
+        out.insert(
+            "kv_f16_perplexity_change_percent".into(),
+            json!(round(100.0 * (ppl_kv / ppl - 1.0), 4)),
+        );
+        out.insert("kv_f16_mean_kl_divergence".into(), json!(kl));
+    }
     drop(model);
     // Each load alone in memory, so its peak is its own.
     if want("decode_f16") {
@@ -467,44 +521,54 @@ pub fn run_lm(
             json!(round(q8.weight_bytes() as f64 / 1e6, 1)),
         );
     }
-    let formats: Vec<WeightFormat> = [
-        ("decode", WeightFormat::F32),
-        ("decode_f16", WeightFormat::F16),
-        ("decode_q8", WeightFormat::Q8),
+    let formats: Vec<(&str, WeightFormat, KvDtype)> = [
+        ("decode", WeightFormat::F32, setup.kv),
+        ("decode_f16", WeightFormat::F16, setup.kv),
+        ("decode_q8", WeightFormat::Q8, setup.kv),
+        ("decode_f16_kv", WeightFormat::F16, KvDtype::F16),
     ]
     .into_iter()
-    .filter(|(k, _)| want(k))
-    .map(|(_, w)| w)
+    .filter(|(k, _, _)| want(k))
     .collect();
     if !formats.is_empty() {
+        out.insert(
+            "decode_kv_dtype".into(),
+            json!(match setup.kv {
+                KvDtype::F32 => "f32",
+                KvDtype::F16 => "f16",
+            }),
+        );
+        out.insert("decode_context".into(), json!(prompt));
         // Decode is bound by reading memory: the decodes are timed between
         // passes of a streaming read, whose best is their ceiling (limit)
         // and whose worst shows how much the host drifted meanwhile. The
         // probe's buffer is allocated after the models are loaded.
         let models = formats
             .iter()
-            .map(|&w| Ok(load_timed(dir.path(), w, device)?.0))
+            .map(|&(_, w, _)| Ok(load_timed(dir.path(), w, device)?.0))
             .collect::<Result<Vec<_>>>()?;
-        let (prompt, steps, rounds) = (512, 64, 8);
+        let (steps, rounds) = (64, 8);
         // The average context over the timed steps.
         let position = prompt + steps / 2;
-        let (decoded, best, worst) = ReadProbe::new()
-            .around(|| decode(&models.iter().collect::<Vec<_>>(), prompt, steps, rounds))?;
-        for (&weights, decoded) in formats.iter().zip(&decoded) {
+        let runs: Vec<_> = models.iter().zip(&formats).map(|(m, f)| (m, f.2)).collect();
+        let (decoded, best, worst) =
+            ReadProbe::new().around(|| decode(&runs, prompt, steps, rounds))?;
+        for (&(prefix, weights, kv), decoded) in formats.iter().zip(&decoded) {
             let tps = decoded.tokens_per_s;
-            let bytes = decode_bytes_per_token_as(cfg, position, weights);
+            let bytes = decode_bytes_per_token_as(cfg, position, weights, kv);
             let limit = best * 1e9 / bytes;
-            let (key, prefix) = match weights {
-                WeightFormat::F32 => ("decode_tokens_per_s", "decode"),
-                WeightFormat::F16 => ("decode_f16_weights_tokens_per_s", "decode_f16"),
-                WeightFormat::Q8 => ("decode_q8_weights_tokens_per_s", "decode_q8"),
+            let key = match prefix {
+                "decode" => "decode_tokens_per_s",
+                "decode_f16" => "decode_f16_weights_tokens_per_s",
+                "decode_q8" => "decode_q8_weights_tokens_per_s",
+                _ => "decode_f16_weights_f16_kv_tokens_per_s",
             };
             out.insert(key.into(), json!(round(tps, 2)));
             out.insert(
                 format!("{prefix}_fraction_of_limit"),
                 json!(round(tps / limit, 2)),
             );
-            if weights == WeightFormat::F32 {
+            if prefix == "decode" {
                 out.insert("decode_mb_per_token".into(), json!(round(bytes / 1e6, 1)));
                 out.insert(
                     "decode_bandwidth_limit_tokens_per_s".into(),
@@ -515,21 +579,26 @@ pub fn run_lm(
         out.insert("memory_read_gb_per_s".into(), json!(round(best, 1)));
         out.insert("memory_read_gb_per_s_worst".into(), json!(round(worst, 1)));
         // The 8-bit path of decoding (the integer kernel, which the
-        // perplexity above does not take): how many of the greedy tokens
-        // it picks before it first departs from f32's.
-        let ids = |w| {
+        // perplexity above does not take), and the f16 cache's (its
+        // decoding kernels): how many of the greedy tokens each picks
+        // before it first departs from f32's.
+        let ids = |part| {
             formats
                 .iter()
-                .position(|&f| f == w)
+                .position(|f| f.0 == part)
                 .map(|i| &decoded[i].ids)
         };
-        if let (Some(f32_ids), Some(q8_ids)) = (ids(WeightFormat::F32), ids(WeightFormat::Q8)) {
-            let same = f32_ids
-                .iter()
-                .zip(q8_ids)
-                .take_while(|(a, b)| a == b)
-                .count();
-            out.insert("decode_q8_tokens_matching_f32".into(), json!(same));
+        if let Some(f32_ids) = ids("decode") {
+            for part in ["decode_q8", "decode_f16_kv"] {
+                if let Some(other) = ids(part) {
+                    let same = f32_ids
+                        .iter()
+                        .zip(other)
+                        .take_while(|(a, b)| a == b)
+                        .count();
+                    out.insert(format!("{part}_tokens_matching_f32"), json!(same));
+                }
+            }
         }
     }
     if want("pattention") {
@@ -643,8 +712,11 @@ mod tests {
         assert_eq!(decode_bytes_per_token(&cfg, 544), (4 * floats) as f64);
         // 8-bit weights: 1 byte and a 4-byte scale per 32 weights; the cache stays f32.
         let weights = 12 * 2 * (3 * 768 + 768 + 3072) * 768 + 50_304 * 768;
-        let q8 = decode_bytes_per_token_as(&cfg, 544, WeightFormat::Q8);
+        let q8 = decode_bytes_per_token_as(&cfg, 544, WeightFormat::Q8, KvDtype::F32);
         assert_eq!(q8, weights as f64 * 1.125 + (4 * 12 * 2 * 544 * 768) as f64);
+        // f16 weights and an f16 cache: two bytes each.
+        let half = decode_bytes_per_token_as(&cfg, 544, WeightFormat::F16, KvDtype::F16);
+        assert_eq!(half, (2 * floats) as f64);
     }
 
     #[test]
@@ -663,14 +735,22 @@ mod tests {
             TokenFormerLm::new(&cfg, checkpoint::var_builder(t, &device)).unwrap()
         };
         let (a, b) = (model(1), model(2));
-        let alone = |m: &TokenFormerLm| decode(&[m], 16, 12, 1).unwrap().remove(0).ids;
+        let alone = |m: &TokenFormerLm| {
+            decode(&[(m, KvDtype::F32)], 16, 12, 1)
+                .unwrap()
+                .remove(0)
+                .ids
+        };
         let (want_a, want_b) = (alone(&a), alone(&b));
         assert_eq!(want_a.len(), 12);
         // Two different models, or the test could not tell their caches apart.
         assert_ne!(want_a, want_b);
-        let turns = decode(&[&a, &b], 16, 12, 4).unwrap();
+        let runs = [(&a, KvDtype::F32), (&b, KvDtype::F32), (&a, KvDtype::F16)];
+        let turns = decode(&runs, 16, 12, 4).unwrap();
         assert_eq!(turns[0].ids, want_a);
         assert_eq!(turns[1].ids, want_b);
+        // The f16 cache's greedy tokens on this model are f32's.
+        assert_eq!(turns[2].ids, want_a);
         assert!(turns
             .iter()
             .all(|d| d.tokens_per_s.is_finite() && d.tokens_per_s > 0.0));

@@ -119,7 +119,7 @@ fn prefill(
 fn decode(out: &mut Map<String, Value>, dev: &Device) -> Result<()> {
     let cfg = tokenformer::synthetic::lm_config("150m").expect("a released shape");
     let model = random_lm(&cfg, DType::F32, dev)?;
-    let d = &super::bench::decode(&[&model], 128, 128, 1)?[0];
+    let d = &super::bench::decode(&[(&model, tokenformer::KvDtype::F32)], 128, 128, 1)?[0];
     out.insert(
         "decode_150m_f32_batch1_tokens_per_s".into(),
         json!(round(d.tokens_per_s, 1)),

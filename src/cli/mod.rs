@@ -147,6 +147,23 @@ pub enum WeightDtype {
     Q8,
 }
 
+/// The precision a KV cache keeps keys and values in (`--kv-dtype`).
+#[derive(ValueEnum, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvDtypeArg {
+    #[default]
+    F32,
+    F16,
+}
+
+impl From<KvDtypeArg> for tokenformer::KvDtype {
+    fn from(a: KvDtypeArg) -> Self {
+        match a {
+            KvDtypeArg::F32 => tokenformer::KvDtype::F32,
+            KvDtypeArg::F16 => tokenformer::KvDtype::F16,
+        }
+    }
+}
+
 /// `--dtype` and `--weight-dtype` of the language-model commands.
 #[derive(Args, Debug, Clone)]
 pub struct WeightArgs {

@@ -3,13 +3,16 @@
 //! and no [heads, t, t] tensor exists (FlashAttention's idea without online
 //! rescaling: a whole score row fits in cache at these context lengths).
 //! q/k/v are read through their strides (head-transposed views need no copy);
-//! the output is written straight into [b, t, h·d].
+//! the output is written straight into [b, t, h·d]. Keys and values may be
+//! f32 or f16 (an f16 KV cache): f16 rows are widened in registers as they
+//! are read.
 
+use ::half::f16;
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::matmul::gemm_f32;
-use super::rows::{axpy_rows_on, dot_rows_on};
 use super::{active, Path};
 use std::cell::RefCell;
 
@@ -34,16 +37,98 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// Offset and [b, h, t, hd] strides of an f32 CPU tensor whose last axis is contiguous.
-fn view<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<(&'a [f32], usize, [usize; 3])> {
-    let CpuStorage::F32(data) = s else {
-        candle_core::bail!("attention {what}: f32 only")
+/// The element types of keys and values: the row kernels of decoding, and
+/// rows as f32 for gemm.
+trait KvElem: Copy + Sync {
+    fn data(s: &CpuStorage) -> Option<&[Self]>;
+    /// out[j] = scale · (q · row j), rows `stride` apart.
+    fn dot_rows(path: Path, q: &[f32], rows: &[Self], stride: usize, scale: f32, out: &mut [f32]);
+    /// out += Σ_j p[j] · row j, rows `stride` apart.
+    fn axpy_rows(path: Path, p: &[f32], rows: &[Self], stride: usize, out: &mut [f32]);
+    /// `n` rows of `hd` features `stride` apart from `rows` as f32 for gemm:
+    /// (pointer, row stride), the rows themselves or widened into `buf`.
+    ///
+    /// # Safety
+    /// The n rows must be readable.
+    unsafe fn as_f32(
+        rows: *const Self,
+        stride: usize,
+        n: usize,
+        hd: usize,
+        buf: &mut Vec<f32>,
+    ) -> (*const f32, usize);
+}
+
+impl KvElem for f32 {
+    fn data(s: &CpuStorage) -> Option<&[f32]> {
+        match s {
+            CpuStorage::F32(d) => Some(d),
+            _ => None,
+        }
+    }
+    fn dot_rows(path: Path, q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+        super::rows::dot_rows_on(path, q, rows, stride, scale, out)
+    }
+    fn axpy_rows(path: Path, p: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+        super::rows::axpy_rows_on(path, p, rows, stride, out)
+    }
+    unsafe fn as_f32(
+        rows: *const f32,
+        stride: usize,
+        _: usize,
+        _: usize,
+        _: &mut Vec<f32>,
+    ) -> (*const f32, usize) {
+        (rows, stride)
+    }
+}
+
+impl KvElem for f16 {
+    fn data(s: &CpuStorage) -> Option<&[f16]> {
+        match s {
+            CpuStorage::F16(d) => Some(d),
+            _ => None,
+        }
+    }
+    fn dot_rows(path: Path, q: &[f32], rows: &[f16], stride: usize, scale: f32, out: &mut [f32]) {
+        super::half::dot_rows_strided_on(path, q, rows, stride, scale, out)
+    }
+    fn axpy_rows(path: Path, p: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+        super::half::axpy_rows_on(path, p, rows, stride, out)
+    }
+    unsafe fn as_f32(
+        rows: *const f16,
+        stride: usize,
+        n: usize,
+        hd: usize,
+        buf: &mut Vec<f32>,
+    ) -> (*const f32, usize) {
+        use ::half::slice::HalfFloatSliceExt;
+        // Widening once per query block is a small part of a prefill's gemm.
+        buf.resize(n * hd, 0.0);
+        for (r, dst) in buf.chunks_exact_mut(hd).enumerate() {
+            // SAFETY: the caller guarantees the n rows.
+            unsafe { std::slice::from_raw_parts(rows.add(r * stride), hd) }
+                .convert_to_f32_slice(dst);
+        }
+        (buf.as_ptr(), hd)
+    }
+}
+
+/// Offset and [b, h, t, hd] strides of a CPU tensor of `T`s whose last axis is contiguous.
+fn view<'a, T: KvElem>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<(&'a [T], usize, [usize; 3])> {
+    let Some(data) = T::data(s) else {
+        candle_core::bail!("attention {what}: unexpected dtype {:?}", s.dtype())
     };
     let st = l.stride();
     if st.len() != 4 || st[3] != 1 {
         candle_core::bail!("attention {what}: expected [b, h, t, hd] with a contiguous last axis")
     }
-    Ok((data.as_slice(), l.start_offset(), [st[0], st[1], st[2]]))
+    Ok((data, l.start_offset(), [st[0], st[1], st[2]]))
 }
 
 impl CustomOp3 for Attention {
@@ -52,6 +137,29 @@ impl CustomOp3 for Attention {
     }
 
     fn cpu_fwd(
+        &self,
+        sq: &CpuStorage,
+        lq: &Layout,
+        sk: &CpuStorage,
+        lk: &Layout,
+        sv: &CpuStorage,
+        lv: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        match (sk, sv) {
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => self.run::<f32>(sq, lq, sk, lk, sv, lv),
+            (CpuStorage::F16(_), CpuStorage::F16(_)) => self.run::<f16>(sq, lq, sk, lk, sv, lv),
+            _ => candle_core::bail!(
+                "attention: keys {:?} and values {:?}: both f32 or both f16",
+                sk.dtype(),
+                sv.dtype()
+            ),
+        }
+    }
+}
+
+impl Attention {
+    /// The kernel for keys and values of type `T` (queries and output f32).
+    fn run<T: KvElem>(
         &self,
         sq: &CpuStorage,
         lq: &Layout,
@@ -73,9 +181,9 @@ impl CustomOp3 for Attention {
         if self.causal && keys < t {
             candle_core::bail!("attention: {t} causal queries but only {keys} keys")
         }
-        let (q, q0, qs) = view(sq, lq, "q")?;
-        let (k, k0, ks) = view(sk, lk, "k")?;
-        let (v, v0, vs) = view(sv, lv, "v")?;
+        let (q, q0, qs) = view::<f32>(sq, lq, "q")?;
+        let (k, k0, ks) = view::<T>(sk, lk, "k")?;
+        let (v, v0, vs) = view::<T>(sv, lv, "v")?;
         let mut out = vec![0f32; b * t * h * hd];
         let out_ptr = OutPtr(out.as_mut_ptr());
         let blocks = t.div_ceil(QUERY_BLOCK);
@@ -116,24 +224,26 @@ impl CustomOp3 for Attention {
                             let qr = std::slice::from_raw_parts(qp.add(r * qs[2]), hd);
                             let span = |stride: usize| (valid - 1) * stride + hd;
                             let keys = std::slice::from_raw_parts(kp, span(ks[2]));
-                            dot_rows_on(self.path, qr, keys, ks[2], self.scale, &mut sr[..valid]);
+                            T::dot_rows(self.path, qr, keys, ks[2], self.scale, &mut sr[..valid]);
                             super::rows::softmax_row_on(self.path, sr, valid);
                             let o = std::slice::from_raw_parts_mut(
                                 out.0.add(((bi * t + start + r) * h + hi) * hd),
                                 hd,
                             );
                             let values = std::slice::from_raw_parts(vp, span(vs[2]));
-                            axpy_rows_on(self.path, &sr[..valid], values, vs[2], o);
+                            T::axpy_rows(self.path, &sr[..valid], values, vs[2], o);
                         }
                         return;
                     }
+                    let mut wide = WIDE.with(|w| std::mem::take(&mut *w.borrow_mut()));
                     // s = scale · q_blk · kᵀ   [rows, seen]
+                    let (kp, kstride) = T::as_f32(kp, ks[2], seen, hd, &mut wide);
                     gemm_f32(
                         self.path,
                         (rows, seen, hd),
                         (s.as_mut_ptr(), 1, seen as isize),
                         (qp, 1, qs[2] as isize),
-                        (kp, ks[2] as isize, 1),
+                        (kp, kstride as isize, 1),
                         self.scale,
                         gemm::Parallelism::None,
                     );
@@ -147,15 +257,17 @@ impl CustomOp3 for Attention {
                     }
                     // out[bi, start.., hi, :] = p · v   [rows, hd]
                     let op = out.0.add(((bi * t + start) * h + hi) * hd);
+                    let (vp, vstride) = T::as_f32(vp, vs[2], seen, hd, &mut wide);
                     gemm_f32(
                         self.path,
                         (rows, hd, seen),
                         (op, 1, (h * hd) as isize),
                         (s.as_ptr(), 1, seen as isize),
-                        (vp, 1, vs[2] as isize),
+                        (vp, 1, vstride as isize),
                         1.0,
                         gemm::Parallelism::None,
                     );
+                    WIDE.with(|w| *w.borrow_mut() = wide);
                 }
             });
         });
@@ -166,6 +278,8 @@ impl CustomOp3 for Attention {
 thread_local! {
     /// Each worker's score block, reused across tasks and calls.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Each worker's f16 keys or values widened for gemm.
+    static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// softmax(q·kᵀ/√hd)·v for q [b, h, t, hd] and k, v [b, h, T, hd] → [b, t, h·hd].
@@ -173,9 +287,10 @@ thread_local! {
 pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
     let (b, h, t, hd) = q.dims4()?;
     let scale = 1.0 / (hd as f64).sqrt();
-    let fused = [q, k, v]
-        .iter()
-        .all(|x| super::fused_on(x) && x.dtype() == DType::F32);
+    let cpu = [q, k, v].iter().all(|x| super::fused_on(x));
+    let kv = k.dtype();
+    let fused =
+        cpu && q.dtype() == DType::F32 && v.dtype() == kv && matches!(kv, DType::F32 | DType::F16);
     if fused {
         // The kernel reads any strides but needs each row's features contiguous.
         let unit = |x: &Tensor| -> Result<Tensor> {
@@ -195,6 +310,8 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
             },
         );
     }
+    // An f16 KV cache with queries of another dtype or device: computed in the queries' dtype.
+    let (k, v) = (&k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?);
     // Products in the inputs' dtype, the softmax in f32 at least (as the
     // reductions of every other op).
     let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * scale)?;
@@ -319,6 +436,96 @@ mod tests {
         // And the decoding path agrees with gemm's on the same queries.
         let d = max_abs_diff(&want_few, &want.narrow(1, t - 3, 3).unwrap());
         assert!(d < 1e-5, "few queries vs blocks: {d}");
+    }
+
+    /// f16 keys and values (an f16 KV cache's strided views), on every
+    /// path, against plain f64 ops on the f16-rounded values; and to the
+    /// bit the kernel on those values widened to f32 (the f16 row kernels
+    /// follow the f32 ones' order, and gemm sees the same numbers).
+    #[test]
+    fn f16_keys_and_values_equal_the_reference_on_every_path() {
+        let (b, h) = (2, 3);
+        for (t, past, hd) in [(1, 700, 64), (3, 41, 24), (200, 30, 16), (1, 0, 72)] {
+            let heads = |rows: usize, salt: f64| {
+                (spread((b, rows, h, hd)) + salt)
+                    .unwrap()
+                    .transpose(1, 2)
+                    .unwrap()
+            };
+            let q = heads(t, 0.1);
+            // A cache holds more positions than it has filled: views of a
+            // longer buffer, rows hd apart, heads `cap` rows apart.
+            let cache = |salt: f64| {
+                let cap = past + t + 5;
+                let full = (spread((b, h, cap, hd)) + salt).unwrap();
+                full.to_dtype(DType::F16)
+                    .unwrap()
+                    .narrow(2, 0, past + t)
+                    .unwrap()
+            };
+            let (k, v) = (cache(-0.2), cache(0.3));
+            assert!(!k.is_contiguous());
+            let f = |x: &Tensor| x.to_dtype(DType::F64).unwrap().contiguous().unwrap();
+            for causal in [true, false] {
+                let want = reference(&f(&q), &f(&k), &f(&v), causal);
+                let (kw, vw) = (
+                    k.to_dtype(DType::F32).unwrap(),
+                    v.to_dtype(DType::F32).unwrap(),
+                );
+                for path in Path::all() {
+                    let op = Attention {
+                        causal,
+                        scale: (1.0 / (hd as f64).sqrt()) as f32,
+                        path,
+                    };
+                    let got = q.apply_op3_no_bwd(&k, &v, &op).unwrap();
+                    let d = max_abs_diff(&got, &want);
+                    let at = format!("t={t} past={past} hd={hd} causal={causal} {:?}", path.isa());
+                    assert!(d < 1e-5, "{at}: {d}");
+                    let wide = q.apply_op3_no_bwd(&kw, &vw, &op).unwrap();
+                    assert_eq!(bits(&got), bits(&wide), "{at}");
+                }
+            }
+        }
+        // The kernel refuses keys and values of different dtypes rather than
+        // misread them; `attention` gives them to the plain ops, in f32.
+        let q = spread((1, 1, 2, 16));
+        let k = q.to_dtype(DType::F16).unwrap();
+        let op = Attention {
+            causal: true,
+            scale: 0.25,
+            path: active(),
+        };
+        assert!(q.apply_op3_no_bwd(&k, &q, &op).is_err());
+        let mixed = attention(&q, &k, &q, true).unwrap();
+        let d = max_abs_diff(&mixed, &attention(&q, &q, &q, true).unwrap());
+        assert!(d < 1e-2, "{d}");
+    }
+
+    /// softmax(q·kᵀ/√hd)·v in f64 tensor ops → [b, t, h·hd].
+    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Tensor {
+        let (b, h, t, hd) = q.dims4().unwrap();
+        let total = k.dim(2).unwrap();
+        let scores = (q.matmul(&k.t().unwrap()).unwrap() / (hd as f64).sqrt()).unwrap();
+        let mask: Vec<f64> = (0..t)
+            .flat_map(|i| {
+                (0..total).map(move |j| {
+                    if causal && j > total - t + i {
+                        f64::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, total), &Device::Cpu).unwrap();
+        let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap()).unwrap();
+        p.matmul(v)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .reshape((b, t, h * hd))
+            .unwrap()
     }
 
     #[test]

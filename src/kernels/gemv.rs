@@ -126,6 +126,30 @@ impl<'a> Weights<'a> {
         let _ = (j, k);
     }
 
+    /// y += Σ_r a[r] · (row j + r of width k), each element's terms added
+    /// in row order: [`Self::axpy`] row by row (the same bits), with y read
+    /// and written once per group instead of once per row.
+    #[inline]
+    fn axpy_rows(&self, path: Path, j: usize, k: usize, a: &[f32], y: &mut [f32]) {
+        let rows = j * k..(j + a.len()) * k;
+        match self {
+            Self::F32(w) => super::rows::axpy_rows_on(path, a, &w[rows], k, y),
+            Self::F16(w) => half::axpy_rows_on(path, a, &w[rows], k, y),
+            Self::Q8(..) => unreachable!("8-bit weights are only multiplied transposed"),
+        }
+    }
+
+    /// How many rows one-row weighted sums take per pass over y: for f16,
+    /// y's loads and stores per weight byte are twice f32's, and four rows
+    /// a pass made f16 decode faster on the Xeon (f32's was unchanged;
+    /// docs/PERFORMANCE.md).
+    fn rows_per_axpy(&self) -> usize {
+        match self {
+            Self::F16(_) => 4,
+            _ => 1,
+        }
+    }
+
     /// y += a · (row j of width k).
     #[inline]
     fn axpy(&self, path: Path, j: usize, k: usize, a: f32, y: &mut [f32]) {
@@ -286,6 +310,21 @@ fn matmul_nn_rows(path: Path, x: &[f32], w: &Weights, m: usize, n: usize, k: usi
         .map(|b| {
             let mut acc = vec![0f32; m * k];
             let end = ((b + 1) * block).min(n);
+            let g = w.rows_per_axpy();
+            if m == 1 && g > 1 {
+                let mut j = b * block;
+                while j < end {
+                    let rows = g.min(end - j);
+                    for r in 0..rows {
+                        if j + r + ahead < end {
+                            w.prefetch(j + r + ahead, k);
+                        }
+                    }
+                    w.axpy_rows(path, j, k, &x[j..j + rows], &mut acc);
+                    j += rows;
+                }
+                return acc;
+            }
             for j in b * block..end {
                 if j + ahead < end {
                     w.prefetch(j + ahead, k);
@@ -310,6 +349,28 @@ fn matmul_nn_rows(path: Path, x: &[f32], w: &Weights, m: usize, n: usize, k: usi
 mod tests {
     use super::super::matmul::{matmul_nn, matmul_nt};
     use super::super::test_util::{max_abs_diff, spread};
+
+    /// One row against f16 weights, taken four rows a pass, gives the bits
+    /// of the row-by-row f32 sums on the widened weights, on every path
+    /// (row counts that leave a partial group in a block).
+    #[test]
+    fn grouped_f16_weighted_sums_give_the_row_by_row_bits() {
+        use super::{matmul_nn_rows, Weights};
+        use ::half::f16;
+        for (n, k) in [(301, 77), (130, 768), (7, 16)] {
+            let w: Vec<f16> = (0..n * k)
+                .map(|i| f16::from_f32((i as f32 * 0.37).sin()))
+                .collect();
+            let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            for path in super::Path::all() {
+                let got = matmul_nn_rows(path, &x, &Weights::F16(&w), 1, n, k);
+                let want = matmul_nn_rows(path, &x, &Weights::F32(&wide), 1, n, k);
+                let b = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(b(&got), b(&want), "n={n} k={k} {:?}", path.isa());
+            }
+        }
+    }
 
     #[test]
     fn small_row_matmuls_equal_gemm() {

@@ -29,20 +29,70 @@ pub(crate) fn dot_on(path: Path, x: &[f32], w: &[f16]) -> f32 {
 /// # Panics
 /// If `rows` holds fewer than out.len() rows.
 pub(crate) fn dot_rows_on(path: Path, x: &[f32], rows: &[f16], out: &mut [f32]) {
+    assert!(rows.len() >= out.len() * x.len());
+    dot_rows_strided_on(path, x, rows, x.len(), 1.0, out);
+}
+
+/// out[j] = scale · (x · row j) for the f16 rows of x's width at `rows`,
+/// `stride` apart: [`super::rows::dot_rows_on`] on the widened rows (the
+/// same bits); an f16 KV cache's attention scores.
+///
+/// # Panics
+/// If the last row would end past `rows`.
+pub(crate) fn dot_rows_strided_on(
+    path: Path,
+    x: &[f32],
+    rows: &[f16],
+    stride: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
     let w = x.len();
-    assert!(rows.len() >= out.len() * w);
-    let row = |j: usize| &rows[j * w..(j + 1) * w];
+    assert!(out.is_empty() || (out.len() - 1) * stride + w <= rows.len());
+    let row = |j: usize| &rows[j * stride..j * stride + w];
     match path.isa() {
-        // SAFETY: a Path exists only for an ISA the CPU supports.
+        // SAFETY: a Path exists only for an ISA the CPU supports; the rows
+        // are in bounds (checked above).
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::dot_rows(x, rows, w, 1.0, out) },
+        Isa::Avx512 => unsafe { avx512::dot_rows(x, rows, stride, scale, out) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::dot_rows(x, rows, w, 1.0, out) },
+        Isa::Avx2 => unsafe { avx2::dot_rows(x, rows, stride, scale, out) },
         _ => out
             .iter_mut()
             .enumerate()
-            .for_each(|(j, o)| *o = dot_portable(x, row(j))),
+            .for_each(|(j, o)| *o = scale * dot_portable(x, row(j))),
+    }
+}
+
+/// out += Σ_j p[j] · row j for the f16 rows of out's width at `rows`,
+/// `stride` apart: [`super::rows::axpy_rows_on`] on the widened rows (the
+/// same bits); an f16 KV cache's attention-weighted values.
+///
+/// # Panics
+/// If the last row would end past `rows`.
+pub(crate) fn axpy_rows_on(path: Path, p: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+    let w = out.len();
+    assert!(p.is_empty() || (p.len() - 1) * stride + w <= rows.len());
+    match path.isa() {
+        // SAFETY: a Path exists only for an ISA the CPU supports; the rows
+        // are in bounds (checked above).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::axpy_rows(p, rows, stride, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::axpy_rows(p, rows, stride, out) },
+        _ => axpy_rows_tail(p, rows, stride, out, 0),
+    }
+}
+
+/// The columns from `from` on, one at a time, each adding its rows in order.
+#[inline(always)]
+fn axpy_rows_tail(p: &[f32], rows: &[f16], stride: usize, out: &mut [f32], from: usize) {
+    for (c, o) in out.iter_mut().enumerate().skip(from) {
+        for (j, &pj) in p.iter().enumerate() {
+            *o += pj * rows[j * stride + c].to_f32();
+        }
     }
 }
 
@@ -119,6 +169,47 @@ mod avx2 {
         }
         axpy_portable(a, &w[whole..], &mut y[whole..]);
     }
+
+    /// See [`super::axpy_rows_on`]; the caller checks the bounds. Columns
+    /// go 64 at a time (eight registers, one pass over the rows for a head
+    /// of 64), then 8 at a time, as the f32 kernel's do.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn axpy_rows(p: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+        let whole = out.len() / 8 * 8;
+        let mut c = 0;
+        // SAFETY: columns below `whole` of every row are in bounds.
+        unsafe {
+            while c + 64 <= whole {
+                axpy_cols::<8>(p, rows.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
+                c += 64;
+            }
+            while c < whole {
+                axpy_cols::<1>(p, rows.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
+                c += 8;
+            }
+        }
+        super::axpy_rows_tail(p, rows, stride, out, whole);
+    }
+
+    /// out[..8N] += Σ_j p[j] · row j[..8N], the rows `stride` apart from rp.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn axpy_cols<const N: usize>(p: &[f32], rp: *const f16, stride: usize, out: *mut f32) {
+        // SAFETY: the caller guarantees 8N columns at out and in every row.
+        unsafe {
+            let mut acc: [__m256; N] = std::array::from_fn(|i| _mm256_loadu_ps(out.add(8 * i)));
+            for (j, &pj) in p.iter().enumerate() {
+                let pj = _mm256_set1_ps(pj);
+                let row = rp.add(j * stride);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(pj, load8(row.add(8 * i))));
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.add(8 * i), *a);
+            }
+        }
+    }
 }
 
 /// 512-bit registers: the 32 lanes of the contract are two registers.
@@ -169,6 +260,25 @@ mod avx512 {
         }
         axpy_portable(a, &w[whole..], &mut y[whole..]);
     }
+
+    /// See [`super::axpy_rows_on`]; the caller checks the bounds.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(crate) unsafe fn axpy_rows(p: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+        let whole = out.len() / 16 * 16;
+        let rp = rows.as_ptr();
+        for c in (0..whole).step_by(16) {
+            // SAFETY: columns c..c + 16 of every row are in bounds.
+            unsafe {
+                let mut acc = _mm512_loadu_ps(out.as_ptr().add(c));
+                for (j, &pj) in p.iter().enumerate() {
+                    let v = load16(rp.add(j * stride + c));
+                    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(pj), v));
+                }
+                _mm512_storeu_ps(out.as_mut_ptr().add(c), acc);
+            }
+        }
+        super::axpy_rows_tail(p, rows, stride, out, whole);
+    }
 }
 
 #[cfg(test)]
@@ -212,6 +322,36 @@ mod tests {
             for (j, g) in got.iter().enumerate() {
                 let want = dot_on(path, &x, &w[j * n..(j + 1) * n]);
                 assert_eq!(g.to_bits(), want.to_bits(), "row {j} {:?}", path.isa());
+            }
+        }
+    }
+
+    #[test]
+    fn strided_row_batches_give_the_bits_of_the_f32_kernels_on_widened_rows() {
+        let portable = Path::new(Isa::Portable).unwrap();
+        // Head widths with and without whole 64s, 16s and 8s; rows 3 wider
+        // than the head (a strided cache view).
+        for w in [1, 8, 16, 24, 64, 72, 100, 128] {
+            let (n, stride) = (37, w + 3);
+            let rows: Vec<f16> = (0..n * stride)
+                .map(|i| f16::from_f32((i as f32 * 0.29).sin() * [0.01, 1.0, 50.0][i % 3]))
+                .collect();
+            let wide: Vec<f32> = rows.iter().map(|v| v.to_f32()).collect();
+            let x: Vec<f32> = (0..w).map(|i| (i as f32 * 0.13).cos()).collect();
+            let p: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).sin().abs()).collect();
+            let mut want_dots = vec![0f32; n];
+            rows::dot_rows_on(portable, &x, &wide, stride, 0.125, &mut want_dots);
+            let mut want_sum: Vec<f32> = (0..w).map(|i| i as f32 * 0.01).collect();
+            let start = want_sum.clone();
+            rows::axpy_rows_on(portable, &p, &wide, stride, &mut want_sum);
+            let b = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for path in Path::all() {
+                let mut dots = vec![0f32; n];
+                dot_rows_strided_on(path, &x, &rows, stride, 0.125, &mut dots);
+                assert_eq!(b(&dots), b(&want_dots), "dots w={w} {:?}", path.isa());
+                let mut sum = start.clone();
+                axpy_rows_on(path, &p, &rows, stride, &mut sum);
+                assert_eq!(b(&sum), b(&want_sum), "sums w={w} {:?}", path.isa());
             }
         }
     }

@@ -332,15 +332,24 @@ pub struct LayerCache {
     v: Option<Tensor>,
     len: usize,
     capacity: usize,
+    /// What keys and values are kept in; `None`: as computed.
+    dtype: Option<DType>,
 }
 
 impl LayerCache {
     pub fn new(capacity: usize) -> Self {
+        Self::with_dtype(capacity, None)
+    }
+
+    /// A cache that keeps keys and values in `dtype` (`None`: as computed);
+    /// attention reads them as they are kept.
+    pub fn with_dtype(capacity: usize, dtype: Option<DType>) -> Self {
         Self {
             k: None,
             v: None,
             len: 0,
             capacity,
+            dtype,
         }
     }
 
@@ -354,9 +363,10 @@ impl LayerCache {
                 self.capacity
             )
         }
+        let dtype = self.dtype.unwrap_or(k.dtype());
         let alloc = |x: &Tensor| -> Result<Tensor> {
             let (b, h, _, hd) = x.dims4()?;
-            Tensor::zeros((b, h, self.capacity, hd), x.dtype(), x.device())?.contiguous()
+            Tensor::zeros((b, h, self.capacity, hd), dtype, x.device())?.contiguous()
         };
         if self.k.is_none() {
             self.k = Some(alloc(k)?);
@@ -366,8 +376,8 @@ impl LayerCache {
             self.k.as_ref().expect("allocated"),
             self.v.as_ref().expect("allocated"),
         );
-        kb.slice_set(&k.contiguous()?, 2, self.len)?;
-        vb.slice_set(&v.contiguous()?, 2, self.len)?;
+        kb.slice_set(&k.to_dtype(dtype)?.contiguous()?, 2, self.len)?;
+        vb.slice_set(&v.to_dtype(dtype)?.contiguous()?, 2, self.len)?;
         self.len += t;
         Ok((kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
     }

@@ -286,18 +286,49 @@ pub(crate) fn check_block(
     Ok(())
 }
 
+/// The precision a KV cache keeps keys and values in; attention computes in
+/// f32 either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvDtype {
+    #[default]
+    F32,
+    /// Half the cache's memory and the bytes a decode step reads from it;
+    /// keys and values rounded to f16 (accuracy in docs/PERFORMANCE.md).
+    F16,
+}
+
+impl KvDtype {
+    pub fn dtype(self) -> DType {
+        match self {
+            KvDtype::F32 => DType::F32,
+            KvDtype::F16 => DType::F16,
+        }
+    }
+}
+
 /// Per-layer KV cache for incremental decoding.
 pub struct Cache {
     layers: Vec<LayerCache>,
 }
 
 impl Cache {
+    /// Keys and values kept as the model computes them (f32 on the CPU).
     pub fn new(cfg: &Config) -> Self {
-        Self::with_capacity(cfg.num_layers, cfg.max_position_embeddings)
+        Self::with_capacity(cfg.num_layers, cfg.max_position_embeddings, None)
     }
-    pub(crate) fn with_capacity(layers: usize, positions: usize) -> Self {
+    /// Keys and values kept in `kv`.
+    pub fn with_dtype(cfg: &Config, kv: KvDtype) -> Self {
+        Self::with_capacity(
+            cfg.num_layers,
+            cfg.max_position_embeddings,
+            Some(kv.dtype()),
+        )
+    }
+    pub(crate) fn with_capacity(layers: usize, positions: usize, dtype: Option<DType>) -> Self {
         Self {
-            layers: (0..layers).map(|_| LayerCache::new(positions)).collect(),
+            layers: (0..layers)
+                .map(|_| LayerCache::with_dtype(positions, dtype))
+                .collect(),
         }
     }
     pub(crate) fn layer(&mut self, i: usize) -> &mut LayerCache {

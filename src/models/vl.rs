@@ -449,10 +449,19 @@ impl VisionLanguageModel {
     }
 
     pub fn new_cache(&self) -> VlCache {
+        self.cache_with(None)
+    }
+
+    /// [`Self::new_cache`] keeping keys and values in `kv`.
+    pub fn new_cache_with_dtype(&self, kv: lm::KvDtype) -> VlCache {
+        self.cache_with(Some(kv.dtype()))
+    }
+
+    fn cache_with(&self, dtype: Option<DType>) -> VlCache {
         let cap =
             self.vision.config().num_patches() + 1 + self.cfg.language.max_position_embeddings;
         VlCache {
-            cache: Cache::with_capacity(self.cfg.language.num_layers, cap),
+            cache: Cache::with_capacity(self.cfg.language.num_layers, cap, dtype),
             image_tokens: 0,
         }
     }
