@@ -23,9 +23,13 @@ shared="${SHARED:-../shared}"
 . "$toolchain/env.sh"
 export CARGO_TARGET_DIR=target/cuda
 cargo build --release --features cuda --bin tokenformer
-tests="$(cargo test --release --features cuda --test gpu --no-run 2>&1 |
-    sed -n 's/.*Executable tests\/gpu.rs (\(.*\))/\1/p')"
-[ -x "$tests" ] || { echo "error: no GPU test binary was built" >&2; exit 1; }
+log="$(mktemp)"
+if ! cargo test --release --features cuda --test gpu --no-run >"$log" 2>&1; then
+    cat "$log" >&2
+    exit 1
+fi
+tests="$(sed -n 's/.*Executable tests\/gpu.rs (\(.*\))/\1/p' "$log")"
+[ -x "$tests" ] || { cat "$log" >&2; echo "error: no GPU test binary was built" >&2; exit 1; }
 
 out=target/gpu-check
 rm -rf "$out" && mkdir -p "$out/bin" "$out/gpu" "$out/bench"

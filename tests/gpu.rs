@@ -24,14 +24,18 @@ use tokenformer::scoring::score_ids;
 use tokenformer::train::{clip_grad_norm, AdamW, AdamWConfig, TrainableLm};
 use tokenformer::DeviceSpec;
 
-/// The first GPU, or `None` (and a note) where there is none.
-fn gpu() -> Option<Device> {
-    match DeviceSpec::Cuda(None).resolve() {
-        Ok(d) => Some(d),
-        Err(e) => {
+/// The device the checks run on and its `--device` spelling: the first GPU, or
+/// `TOKENFORMER_TEST_GPU` (`cpu` checks the tests themselves where there is no GPU);
+/// `None` (and a note) where it cannot be opened.
+fn gpu() -> Option<(Device, String)> {
+    let spec = std::env::var("TOKENFORMER_TEST_GPU").unwrap_or_else(|_| "cuda".into());
+    match spec.parse::<DeviceSpec>().map(DeviceSpec::resolve) {
+        Ok(Ok(d)) => Some((d, spec)),
+        Ok(Err(e)) => {
             eprintln!("skipped: no GPU ({e})");
             None
         }
+        Err(e) => panic!("TOKENFORMER_TEST_GPU: {e}"),
     }
 }
 
@@ -66,9 +70,9 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn f32_logits_on_the_gpu_equal_the_cpus_and_cached_decoding_the_full_forward() {
-    let Some(gpu) = gpu() else { return };
+    let Some((gpu, _)) = gpu() else { return };
     let fixture_ids: Vec<u32> = serde_json::from_value(expected_lm()["ids"].clone()).unwrap();
-    let kjv_ids: Vec<u32> = (0..200).map(|i| (i * 37 + 11) % 50_000).collect();
+    let kjv_ids: Vec<u32> = (0..200).map(|i| (i * 37 + 11) % 2048).collect();
     for (path, ids) in [
         (lm_fixture().join("pytorch_model.bin"), &fixture_ids),
         (zoo("tiny-kjv-lm"), &kjv_ids),
@@ -76,7 +80,6 @@ fn f32_logits_on_the_gpu_equal_the_cpus_and_cached_decoding_the_full_forward() {
         let files = locate(&path);
         let cpu = loader::load_lm(&files, &Device::Cpu).unwrap();
         let on_gpu = loader::load_lm(&files, &gpu).unwrap();
-        assert!(on_gpu.device().is_cuda());
         let ids = &ids[..ids.len().min(cpu.config().max_position_embeddings)];
         let (want, got) = (logits(&cpu, ids), logits(&on_gpu, ids));
         let d = max_rel(&got, &want);
@@ -96,7 +99,7 @@ fn f32_logits_on_the_gpu_equal_the_cpus_and_cached_decoding_the_full_forward() {
 
 #[test]
 fn f32_vit_logits_on_the_gpu_equal_the_cpus() {
-    let Some(gpu) = gpu() else { return };
+    let Some((gpu, _)) = gpu() else { return };
     let files = locate(&zoo("tiny-digits-vit"));
     let cpu = loader::load_vit(&files, &Device::Cpu).unwrap();
     let on_gpu = loader::load_vit(&files, &gpu).unwrap();
@@ -111,7 +114,7 @@ fn f32_vit_logits_on_the_gpu_equal_the_cpus() {
 
 #[test]
 fn bf16_on_the_gpu_keeps_perplexity_within_half_a_percent_and_the_digits_top1() {
-    let Some(gpu) = gpu() else { return };
+    let Some((gpu, _)) = gpu() else { return };
     let files = locate(&zoo("tiny-kjv-lm"));
     let tok = loader::load_tokenizer(&files).unwrap();
     let text = std::fs::read_to_string(zoo("examples").join("kjv-val.jsonl")).unwrap();
@@ -162,7 +165,7 @@ fn bf16_on_the_gpu_keeps_perplexity_within_half_a_percent_and_the_digits_top1() 
 
 #[test]
 fn one_training_step_on_the_gpu_matches_pytorch() {
-    let Some(gpu) = gpu() else { return };
+    let Some((gpu, _)) = gpu() else { return };
     let files = locate(&lm_fixture().join("pytorch_model.bin"));
     let w = loader::read_weights(&files, Some(DType::F32), &gpu).unwrap();
     let cfg = loader::lm_config(&w.config, &w.path).unwrap();
@@ -217,7 +220,7 @@ fn one_training_step_on_the_gpu_matches_pytorch() {
 /// `eval pile` through the batched scorer (its reductions on the GPU) against the CPU.
 #[test]
 fn the_pile_evaluation_on_the_gpu_equals_the_cpus() {
-    let Some(_) = gpu() else { return };
+    let Some((_, spec)) = gpu() else { return };
     let dir = tempfile::tempdir().unwrap();
     let data = zoo("examples").join("kjv-val.jsonl");
     let run = |device: &str, dtype: &str| -> Value {
@@ -254,8 +257,8 @@ fn the_pile_evaluation_on_the_gpu_equals_the_cpus() {
     }
     let ppl = |v: &Value| find(v).unwrap_or_else(|| panic!("no token_perplexity in {v}"));
     let cpu = ppl(&run("cpu", "f32"));
-    let gpu32 = ppl(&run("cuda", "f32"));
-    let gpu16 = ppl(&run("cuda", "bf16"));
+    let gpu32 = ppl(&run(&spec, "f32"));
+    let gpu16 = ppl(&run(&spec, "bf16"));
     eprintln!("eval pile token perplexity: CPU {cpu}, GPU f32 {gpu32}, GPU bf16 {gpu16}");
     assert!((gpu32 / cpu - 1.0).abs() < 1e-5, "{gpu32} vs {cpu}");
     assert!((gpu16 / cpu - 1.0).abs() < 5e-3, "{gpu16} vs {cpu}");
@@ -265,7 +268,7 @@ fn the_pile_evaluation_on_the_gpu_equals_the_cpus() {
 /// resumed on `b`; the final weights agree (f32 on two devices: to 1e-4).
 #[test]
 fn a_run_resumed_on_the_other_device_equals_the_uninterrupted_one() {
-    let Some(_) = gpu() else { return };
+    let Some((_, spec)) = gpu() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let mut cfg = tiny_config(50304, 64);
     cfg.hidden_size = 32;
@@ -313,9 +316,12 @@ fn a_run_resumed_on_the_other_device_equals_the_uninterrupted_one() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         train::tokenformer_train(&args, env)
     };
-    for (first, then) in [("cuda", "cpu"), ("cpu", "cuda")] {
-        let whole = tmp.path().join(format!("whole-{first}"));
-        let parts = tmp.path().join(format!("parts-{first}-{then}"));
+    for (i, (first, then)) in [(spec.as_str(), "cpu"), ("cpu", spec.as_str())]
+        .into_iter()
+        .enumerate()
+    {
+        let whole = tmp.path().join(format!("whole-{i}"));
+        let parts = tmp.path().join(format!("parts-{i}"));
         let o = call(start(&whole, first), &[]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let o = call(
@@ -330,6 +336,30 @@ fn a_run_resumed_on_the_other_device_equals_the_uninterrupted_one() {
         for (name, t) in &a {
             let d = max_rel(&f32s(&b[name]), &f32s(t));
             assert!(d < 1e-4, "{first} then {then}: {name} differs by {d}");
+        }
+    }
+}
+
+/// Θ as one GPU kernel (what inference runs there) against its definition in
+/// candle ops on the same device, for each activation and dtype.
+#[test]
+fn the_theta_kernel_equals_the_definition() {
+    use tokenformer::kernels::theta_owned;
+    use tokenformer::pattention::{theta, Activation};
+    let Some((gpu, _)) = gpu() else { return };
+    let s = (Tensor::randn(0f32, 1.0, (37, 1000), &gpu).unwrap() * 3.0).unwrap();
+    for act in [
+        Activation::L2NormGelu,
+        Activation::GeluL2Norm,
+        Activation::Softmax,
+    ] {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 2e-3)] {
+            let x = s.to_dtype(dtype).unwrap();
+            let want = f32s(&theta(&x.to_dtype(DType::F32).unwrap(), act, 1000).unwrap());
+            let got = theta_owned(x.copy().unwrap(), act, 1000).unwrap();
+            assert_eq!(got.dtype(), dtype);
+            let d = max_rel(&f32s(&got), &want);
+            assert!(d < tol, "{act:?} {dtype:?}: {d}");
         }
     }
 }

@@ -42,6 +42,8 @@ mod rows;
 #[cfg(target_arch = "x86_64")]
 mod sgemm;
 pub mod theta;
+#[cfg(feature = "cuda")]
+mod theta_cuda;
 
 pub(crate) use attention::attention;
 pub(crate) use matmul::{gemm_f32, gemm_parallelism};

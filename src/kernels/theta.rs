@@ -159,10 +159,13 @@ pub fn theta_owned(scores: Tensor, activation: Activation, scale_tokens: usize) 
             activation,
             scale_tokens,
         })?;
-        Ok(scores)
-    } else {
-        theta(&scores, activation, scale_tokens)
+        return Ok(scores);
     }
+    #[cfg(feature = "cuda")]
+    if super::theta_cuda::serves(&scores) {
+        return super::theta_cuda::theta(&scores, activation, scale_tokens);
+    }
+    theta(&scores, activation, scale_tokens)
 }
 
 #[cfg(test)]
