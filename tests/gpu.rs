@@ -39,10 +39,6 @@ fn gpu() -> Option<(Device, String)> {
     }
 }
 
-fn zoo(name: &str) -> PathBuf {
-    root().join("zoo").join(name)
-}
-
 fn locate(path: &Path) -> loader::ModelFiles {
     let opts = LocateOptions {
         tokenizer: path.ends_with("pytorch_model.bin").then(tokenizer_fixture),
@@ -57,15 +53,6 @@ fn logits(model: &TokenFormerLm, ids: &[u32]) -> Vec<f32> {
         .unsqueeze(0)
         .unwrap();
     f32s(&model.forward(&input, None).unwrap())
-}
-
-/// max |a − b| / max(1, |b|).
-fn max_rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
-        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -270,39 +257,25 @@ fn the_pile_evaluation_on_the_gpu_equals_the_cpus() {
 fn a_run_resumed_on_the_other_device_equals_the_uninterrupted_one() {
     let Some((_, spec)) = gpu() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let mut cfg = tiny_config(50304, 64);
-    cfg.hidden_size = 32;
-    cfg.num_heads = 2;
-    let init = tmp.path().join("init.json");
-    std::fs::write(&init, serde_json::to_string(&cfg).unwrap()).unwrap();
+    let base = train::tiny_lm_run(tmp.path());
     let text = fixtures().join("train-text.txt");
-    let tokenizer = tokenizer_fixture();
-    let (text, tokenizer) = (text.to_str().unwrap(), tokenizer.to_str().unwrap());
+    let text = text.to_str().unwrap();
     let start = |out: &Path, device: &str| -> Vec<String> {
-        [
-            "--init",
-            init.to_str().unwrap(),
-            "--data",
-            text,
-            "--tokenizer",
-            tokenizer,
-            "--batch-size",
-            "4",
-            "--seq-len",
-            "32",
-            "--lr",
-            "3e-3",
-            "--steps",
-            "4",
-            "--save-every",
-            "2",
-            "--out",
-            out.to_str().unwrap(),
-            "--device",
-            device,
-        ]
-        .map(String::from)
-        .to_vec()
+        let mut a = base.clone();
+        a.extend(
+            [
+                "--steps",
+                "4",
+                "--save-every",
+                "2",
+                "--out",
+                out.to_str().unwrap(),
+                "--device",
+                device,
+            ]
+            .map(String::from),
+        );
+        a
     };
     let resume = |out: &Path, device: &str| -> Vec<String> {
         let o = out.to_str().unwrap();

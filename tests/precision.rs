@@ -17,10 +17,6 @@ use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::tokenformer::{Cache, TokenFormerLm};
 use tokenformer::scoring::score_ids;
 
-fn zoo(name: &str) -> PathBuf {
-    root().join("zoo").join(name)
-}
-
 fn fixture_files() -> loader::ModelFiles {
     let opts = LocateOptions {
         tokenizer: Some(tokenizer_fixture()),
@@ -42,15 +38,6 @@ fn logits(model: &TokenFormerLm, ids: &[u32]) -> Vec<f32> {
     let out = model.forward(&input, None).unwrap();
     assert_eq!(out.dtype(), DType::F32, "logits come out as f32");
     f32s(&out)
-}
-
-/// max |a − b| / max(1, |b|).
-fn max_rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
-        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -296,35 +283,18 @@ fn bf16_mixed_training_steps_stay_close_to_pytorchs_f32_step() {
 #[test]
 fn train_bf16_mixed_learns_like_f32_and_saves_f32() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut cfg = tiny_config(50304, 64);
-    cfg.hidden_size = 32;
-    cfg.num_heads = 2;
-    let init = tmp.path().join("init.json");
-    std::fs::write(&init, serde_json::to_string(&cfg).unwrap()).unwrap();
-    let text = fixtures().join("train-text.txt");
-    let tok = tokenizer_fixture();
+    let base = common::train::tiny_lm_run(tmp.path());
     let last_loss = |precision: &str| -> f64 {
         let out = tmp.path().join(precision);
-        let args = [
-            "--init",
-            init.to_str().unwrap(),
-            "--data",
-            text.to_str().unwrap(),
-            "--tokenizer",
-            tok.to_str().unwrap(),
-            "--batch-size",
-            "4",
-            "--seq-len",
-            "32",
-            "--lr",
-            "3e-3",
+        let mut args: Vec<&str> = base.iter().map(String::as_str).collect();
+        args.extend([
             "--steps",
             "40",
             "--out",
             out.to_str().unwrap(),
             "--precision",
             precision,
-        ];
+        ]);
         let o = common::train::tokenformer_train(&args, &[]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let w = common::train::weights(&out.join("checkpoint-000040"));

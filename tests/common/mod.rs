@@ -34,6 +34,20 @@ pub fn fixtures() -> PathBuf {
     root().join("tests/fixtures")
 }
 
+/// A shipped model or example under `zoo/`.
+pub fn zoo(name: &str) -> PathBuf {
+    root().join("zoo").join(name)
+}
+
+/// max |a − b| / max(1, |b|): relative for large values, absolute for small.
+pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+        .fold(0.0, f32::max)
+}
+
 pub fn lm_fixture() -> PathBuf {
     fixtures().join("official-lm-tiny")
 }

@@ -9,6 +9,37 @@ use serde_json::Value;
 use tokenformer::checkpoint::Tensors;
 use tokenformer::loader::{self, LocateOptions};
 
+/// A tiny language model (d 32, 2 heads, the GPT-NeoX vocabulary) written into
+/// `dir` as init.json, and the `train` arguments that start it on the shipped
+/// text: everything but `--out`, `--steps` and the options a test varies.
+pub fn tiny_lm_run(dir: &Path) -> Vec<String> {
+    let mut cfg = super::tiny_config(50304, 64);
+    cfg.hidden_size = 32;
+    cfg.num_heads = 2;
+    let init = dir.join("init.json");
+    std::fs::write(&init, serde_json::to_string(&cfg).unwrap()).unwrap();
+    let (text, tok) = (
+        super::fixtures().join("train-text.txt"),
+        super::tokenizer_fixture(),
+    );
+    [
+        "--init",
+        init.to_str().unwrap(),
+        "--data",
+        text.to_str().unwrap(),
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--lr",
+        "3e-3",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 /// Runs `tokenformer train ARGS` with extra environment variables.
 pub fn tokenformer_train(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = std::process::Command::new(super::bin());
