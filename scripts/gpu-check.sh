@@ -13,7 +13,7 @@
 #   bash target/gpu-check/run.sh [--compile]
 # prints the GPU, runs the GPU tests, `tokenformer bench --device cuda`, and eager
 # PyTorch's anchor on the same card (--compile: also torch.compile's, ~2 more minutes);
-# everything lands in $OUT (the device tool's returned folder) or target/gpu-check/out.
+# everything lands in $OUT (the device tool's returned folder) or a temporary folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 toolchain="${1:-$HOME/.cache/cuda-toolchain}"
@@ -50,20 +50,23 @@ cat >"$out/run.sh" <<'EOF'
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-out="${OUT:-$here/out}"
-mkdir -p "$out" "$here/unpacked"
+# Outside the carried folder, so that it stays as small as it was built.
+out="${OUT:-$(mktemp -d)}"
+bin="$(mktemp -d)"
+mkdir -p "$out"
+echo "results in $out"
 for b in tokenformer gpu-tests; do
     python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-        "$here/bin/$b.xz" "$here/unpacked/$b"
-    chmod +x "$here/unpacked/$b"
+        "$here/bin/$b.xz" "$bin/$b"
+    chmod +x "$bin/$b"
 done
 run() { bash "$here/gpu/run-on-gpu.sh" "$@"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 echo "== GPU tests"
-TOKENFORMER_TEST_ROOT="$root" TOKENFORMER_BIN="$here/unpacked/tokenformer" \
-    run "$here/unpacked/gpu-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/gpu-tests.txt"
+TOKENFORMER_TEST_ROOT="$root" TOKENFORMER_BIN="$bin/tokenformer" \
+    run "$bin/gpu-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/gpu-tests.txt"
 echo "== bench --device cuda"
-run "$here/unpacked/tokenformer" bench --device cuda --json >"$out/bench.json" 2>"$out/bench.err"
+run "$bin/tokenformer" bench --device cuda --json >"$out/bench.json" 2>"$out/bench.err"
 echo "rc=$?"; cat "$out/bench.json"; tail -5 "$out/bench.err"
 py="${TORCH_VENV:-/opt/torch/.venv}/bin/python"
 echo "== eager PyTorch anchor"

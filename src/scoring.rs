@@ -314,6 +314,20 @@ impl<'m> Scorer<'m> {
     }
 }
 
+/// The first index holding each row's maximum, as torch's argmax (and the CPU
+/// path) picks it on ties: candle's GPU argmax keeps whichever thread saw a
+/// tied maximum. Each maximum scores vocab − index, the first one the most.
+fn first_argmax(logits: &Tensor) -> Result<Tensor> {
+    let (_, vocab) = logits.dims2()?;
+    let at_max = logits
+        .broadcast_ge(&logits.max_keepdim(D::Minus1)?)?
+        .to_dtype(candle_core::DType::F32)?;
+    let rank = Tensor::arange(0u32, vocab as u32, logits.device())?
+        .to_dtype(candle_core::DType::F32)?
+        .affine(-1.0, vocab as f64)?;
+    Ok(at_max.broadcast_mul(&rank)?.argmax(D::Minus1)?)
+}
+
 /// For each row of `logits` [n, vocab]: log-softmax at the target and whether
 /// the target is the (first) argmax.
 fn target_logprobs(logits: &Tensor, targets: &[u32], greedy: bool) -> Result<Vec<(f64, bool)>> {
@@ -352,7 +366,7 @@ fn target_logprobs(logits: &Tensor, targets: &[u32], greedy: bool) -> Result<Vec
     let index = Tensor::new(targets, logits.device())?.unsqueeze(1)?;
     let picked = logits.gather(&index, 1)?.squeeze(1)?.to_vec1::<f32>()?;
     let argmax = if greedy {
-        Some(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+        Some(first_argmax(&logits)?.to_vec1::<u32>()?)
     } else {
         None
     };
@@ -362,4 +376,23 @@ fn target_logprobs(logits: &Tensor, targets: &[u32], greedy: bool) -> Result<Vec
             ((picked[r] - lse[r]) as f64, is_max)
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Ties go to the first index, as torch's argmax (and the CPU path) decide.
+    #[test]
+    fn the_device_argmax_takes_the_first_of_tied_maxima() {
+        let rows = [
+            [0.5f32, 2.0, -1.0, 2.0, 2.0],
+            [3.0, 3.0, 3.0, 3.0, 3.0],
+            [-4.0, -3.0, -2.0, -1.0, -1.5],
+        ];
+        let t = Tensor::new(&rows, &Device::Cpu).unwrap();
+        let got = first_argmax(&t).unwrap().to_vec1::<u32>().unwrap();
+        assert_eq!(got, [1, 0, 3]);
+    }
 }

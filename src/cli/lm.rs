@@ -114,6 +114,9 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     // Image + text runs the merged model; text alone runs a language model
     // (a merged model's language route when the folder is tokenformer-vl).
     let model = match &a.image {
+        Some(_) if a.weights.name() != "f32" => {
+            bail!("--image runs the merged model in f32 only for now: drop --dtype/--weight-dtype")
+        }
         Some(path) => {
             let model = loader::load_vl(&files, &dev)?;
             let transform = EvalTransform::from_config(model.vision().config());

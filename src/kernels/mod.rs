@@ -223,8 +223,13 @@ pub(crate) fn prefers_row_products() -> bool {
 /// instead of putting the caller to sleep each time; larger ones on the
 /// calling thread, whose malloc arena keeps freed activations
 /// (docs/PERFORMANCE.md).
-pub(crate) fn run_forward<R: Send>(rows: usize, forward: impl FnOnce() -> R + Send) -> R {
-    if rows <= SMALL_ROWS {
+pub(crate) fn run_forward<R: Send>(
+    device: &candle_core::Device,
+    rows: usize,
+    forward: impl FnOnce() -> R + Send,
+) -> R {
+    // A GPU's forward does not use the CPU's workers: nothing to keep awake.
+    if device.is_cpu() && rows <= SMALL_ROWS {
         with_workers_awake(forward)
     } else {
         forward()

@@ -18,6 +18,7 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/theta.ptx"));
 /// fused kernels not turned off (`TOKENFORMER_KERNELS=none`).
 pub(crate) fn serves(scores: &Tensor) -> bool {
     scores.device().is_cuda()
+        && scores.elem_count() > 0
         && super::selection().fused
         && matches!(scores.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && scores.is_contiguous()

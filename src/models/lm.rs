@@ -555,7 +555,9 @@ impl TokenFormerLm {
     /// Logits [b, t, vocab] for ids [b, t]. With a cache, positions continue
     /// from the cached length and the new keys/values are appended to it.
     pub fn forward(&self, ids: &Tensor, cache: Option<&mut Cache>) -> Result<Tensor> {
-        crate::kernels::run_forward(ids.elem_count(), || self.forward_here(ids, cache))
+        crate::kernels::run_forward(ids.device(), ids.elem_count(), || {
+            self.forward_here(ids, cache)
+        })
     }
 
     fn forward_here(&self, ids: &Tensor, mut cache: Option<&mut Cache>) -> Result<Tensor> {

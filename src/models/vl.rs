@@ -510,7 +510,7 @@ impl VisionLanguageModel {
             }
             None => 0,
         };
-        crate::kernels::run_forward(image_rows + ids.elem_count(), || {
+        crate::kernels::run_forward(ids.device(), image_rows + ids.elem_count(), || {
             self.forward_mixed_here(pixels, ids, cache)
         })
     }
