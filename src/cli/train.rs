@@ -141,7 +141,7 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub device: super::DeviceArgs,
     /// f32, or bf16-mixed: f32 weights and AdamW state, the forward and backward in bf16
-    /// with norms, softmaxes and the loss in f32 (for GPUs; language models and classifiers).
+    /// with norms, softmaxes and the loss in f32 (for GPUs).
     #[arg(long, value_enum, default_value_t)]
     pub precision: Precision,
 }

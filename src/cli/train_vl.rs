@@ -50,13 +50,8 @@ pub fn run(
         super::hold_out(&mut pairs, &mut val, f)?;
     }
     val.truncate(a.val_windows);
-    if a.precision != super::Precision::F32 {
-        anyhow::bail!(
-            "--precision {:?}: the merged vision-language model trains in f32 only for now",
-            a.precision
-        );
-    }
-    let model = TrainableVl::new(&cfg, &tensors, DType::F32, &dev)?;
+    let model = TrainableVl::new(&cfg, &tensors, DType::F32, &dev)?
+        .with_compute_dtype(a.precision.compute());
     drop(tensors);
     let t = VlTrainer::new(model, pairs, tokenizer, opts, resume)?;
     let tokenizer = std::fs::read(&tokenizer_path)

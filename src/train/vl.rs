@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
-use super::lm::{causal_mask, layer_norm, pattention, rotary_tables, rotate, softmax_last};
+use super::lm::{causal_mask, layer_norm, pattention, rotary_tables, rotate, softmax_last, Cast};
 use super::optim::Moments;
 use super::parts::{device_of, embed_image, wrap_vars};
 use super::trainer::{Fed, Source, TrainOptions, Trainable, TrainerState};
@@ -35,7 +35,8 @@ pub struct TrainableVl {
     language: lm::Config,
     params: BTreeMap<String, Var>,
     rotary: Rotary,
-    dtype: DType,
+    /// The forward's dtype: the variables', or bf16 for mixed precision.
+    compute: DType,
 }
 
 /// Canonical tensor names and shapes of a merged config.
@@ -102,8 +103,25 @@ impl TrainableVl {
             language,
             params,
             rotary,
-            dtype,
+            compute: dtype,
         })
+    }
+
+    /// The forward in `dtype`, as [`super::TrainableLm::with_compute_dtype`].
+    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
+        self.compute = dtype;
+        self
+    }
+
+    pub fn compute_dtype(&self) -> DType {
+        self.compute
+    }
+
+    fn cast(&self) -> Cast<'_, BTreeMap<String, Var>> {
+        Cast {
+            params: &self.params,
+            dtype: self.compute,
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -115,7 +133,7 @@ impl TrainableVl {
     }
 
     fn p(&self, name: &str) -> candle_core::Result<Tensor> {
-        super::lm::param(&self.params, name)
+        super::lm::param(&self.cast(), name)
     }
 
     /// The Pattention tensors of one route: its own group's rows and the bridge's.
@@ -145,7 +163,7 @@ impl TrainableVl {
                 let bridge = t.narrow(0, grp.vision + grp.language, grp.bridge)?;
                 Tensor::cat(&[&own, &bridge], 0)?
             };
-            out.insert(name.clone(), rows);
+            out.insert(name.clone(), rows.to_dtype(self.compute)?);
         }
         Ok(out)
     }
@@ -167,7 +185,7 @@ impl TrainableVl {
         let [vq, vp, vf] = scales(self.vision.pattention_scale_tokens);
         let [lq, lp, lf] = scales(l.pattention_scale_tokens);
         let (vact, lact) = (self.vision.pattention_activation, l.pattention_activation);
-        let mut img = embed_image(&self.params, "vision.", &self.vision, pixels, self.dtype)?;
+        let mut img = embed_image(&self.cast(), "vision.", &self.vision, pixels, self.compute)?;
         let n_img = img.dim(1)?;
         let emb = self.p("language.word_embeddings.weight")?;
         let mut txt = emb
@@ -176,12 +194,12 @@ impl TrainableVl {
         // Text rows see every image row and the caption up to themselves.
         let mask = Tensor::cat(
             &[
-                &Tensor::zeros((t, n_img), self.dtype, ids.device())?,
-                &causal_mask(t, self.dtype, ids.device())?,
+                &Tensor::zeros((t, n_img), self.compute, ids.device())?,
+                &causal_mask(t, self.compute, ids.device())?,
             ],
             1,
         )?;
-        let (cos, sin) = rotary_tables(&self.rotary, t, self.dtype)?;
+        let (cos, sin) = rotary_tables(&self.rotary, t, self.compute)?;
         let rdims = self.rotary.tables().0;
         let heads_of = |x: Tensor, s: usize| -> candle_core::Result<Tensor> {
             x.reshape((b, s, heads, hd))?.transpose(1, 2)
@@ -257,6 +275,11 @@ impl TrainableVl {
             candle_core::bail!("a caption needs at least 2 tokens, got {t1}")
         }
         let logits = self.forward(pixels, &ids.narrow(1, 0, t1 - 1)?)?;
+        // The log-softmax sums in f32 at least.
+        let logits = match logits.dtype() {
+            DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
+            _ => logits,
+        };
         let v = logits.dim(D::Minus1)?;
         let logp = candle_nn::ops::log_softmax(&logits.reshape((b * (t1 - 1), v))?, D::Minus1)?;
         let targets = ids.narrow(1, 1, t1 - 1)?.flatten_all()?.unsqueeze(1)?;
