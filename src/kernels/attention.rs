@@ -315,10 +315,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
     // Products in the inputs' dtype, the softmax in f32 at least (as the
     // reductions of every other op).
     let scores = q.contiguous()?.matmul(&k.contiguous()?.t()?)?;
-    let wide = (match scores.dtype() {
-        DType::BF16 | DType::F16 => scores.to_dtype(DType::F32)?,
-        _ => scores,
-    } * scale)?;
+    let wide = (super::widened(&scores)? * scale)?;
     let probs = if causal {
         causal_softmax(&wide)?
     } else {

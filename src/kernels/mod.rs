@@ -202,6 +202,33 @@ pub(crate) fn active() -> Path {
     selection().path
 }
 
+/// The dtype the reductions over `dtype` activations run in: f32 for half
+/// precision (a 768-term bf16 sum is ten times less accurate), else its own.
+pub(crate) fn reduction_dtype(dtype: candle_core::DType) -> candle_core::DType {
+    use candle_core::DType;
+    match dtype {
+        DType::BF16 | DType::F16 => DType::F32,
+        d => d,
+    }
+}
+
+/// `x` in its [`reduction_dtype`] (the same tensor for f32 and f64).
+pub(crate) fn widened(x: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+    x.to_dtype(reduction_dtype(x.dtype()))
+}
+
+/// The dtypes a model computes in (`with_compute_dtype` of each model).
+pub(crate) fn check_compute_dtype(dtype: candle_core::DType) -> crate::Result<()> {
+    use candle_core::DType;
+    if matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::F64) {
+        Ok(())
+    } else {
+        Err(crate::Error::input(format!(
+            "a model computes in f32, bf16, f16 or f64, not {dtype:?}"
+        )))
+    }
+}
+
 /// Whether the fused CPU kernels may take `t`: it is on the CPU and they are
 /// not turned off (`TOKENFORMER_KERNELS=none`). Every other tensor takes
 /// plain candle ops, the path of every other device.

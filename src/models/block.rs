@@ -161,10 +161,7 @@ impl Rotary {
         }
         // Half precision rotates in f32 (the tables are f32, and positions
         // near 2048 need their bits), then rounds back.
-        let dtype = match x.dtype() {
-            DType::BF16 | DType::F16 => DType::F32,
-            d => d,
-        };
+        let dtype = crate::kernels::reduction_dtype(x.dtype());
         let rot = x
             .narrow(D::Minus1, 0, self.dims)?
             .to_dtype(dtype)?

@@ -417,11 +417,7 @@ impl TokenFormerLm {
     /// ([`crate::loader::load_lm_in`]). The CPU's fused kernels serve f32
     /// only; other dtypes take plain candle ops there.
     pub fn with_compute_dtype(mut self, dtype: DType) -> crate::Result<Self> {
-        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::F64) {
-            return Err(crate::Error::input(format!(
-                "a model computes in f32, bf16, f16 or f64, not {dtype:?}"
-            )));
-        }
+        crate::kernels::check_compute_dtype(dtype)?;
         if dtype != DType::F32 && matches!(self.word_embeddings, Matrix::Q8(_)) {
             return Err(crate::Error::input(
                 "8-bit weights compute in f32 only".to_string(),

@@ -325,11 +325,7 @@ impl VisionTransformer {
     /// [`crate::models::lm::TokenFormerLm::with_compute_dtype`]: pixels are
     /// converted at the input, logits come out as f32.
     pub fn with_compute_dtype(mut self, dtype: DType) -> crate::Result<Self> {
-        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16 | DType::F64) {
-            return Err(crate::Error::input(format!(
-                "a model computes in f32, bf16, f16 or f64, not {dtype:?}"
-            )));
-        }
+        crate::kernels::check_compute_dtype(dtype)?;
         self.compute = dtype;
         Ok(self)
     }
@@ -417,10 +413,7 @@ impl VisionTransformer {
     /// a bf16 mean over 196 tokens would round at every step.
     pub(crate) fn pool(&self, x: &Tensor) -> Result<Tensor> {
         let n = x.dim(1)? - 1;
-        let x = match x.dtype() {
-            DType::BF16 | DType::F16 => x.to_dtype(DType::F32)?,
-            _ => x.clone(),
-        };
+        let x = crate::kernels::widened(x)?;
         match self.cfg.pool {
             Pool::Mean => self.norm.forward(&x.narrow(1, 1, n)?.mean(1)?),
             // LayerNorm acts per token, so normalising only the class token is

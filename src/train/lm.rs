@@ -438,10 +438,10 @@ pub(crate) fn softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
 
 /// Half-precision x in f32, where its reductions run (`None` for f32 and f64).
 fn widened(x: &Tensor) -> Result<Option<Tensor>> {
-    match x.dtype() {
-        DType::BF16 | DType::F16 => Ok(Some(x.to_dtype(DType::F32)?)),
-        _ => Ok(None),
+    if crate::kernels::reduction_dtype(x.dtype()) == x.dtype() {
+        return Ok(None);
     }
+    crate::kernels::widened(x).map(Some)
 }
 
 /// LayerNorm without weight and bias over the last axis (biased variance, as torch).

@@ -29,10 +29,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
 
 /// The same loss in differentiable candle ops, in f32 at least (a GPU's path).
 fn composite(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
-    let x = match logits.dtype() {
-        DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
-        _ => logits.clone(),
-    };
+    let x = crate::kernels::widened(logits)?;
     let max = x.max_keepdim(1)?.detach();
     let shifted = x.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(1)?.log()?;

@@ -186,16 +186,13 @@ impl TrainableVit {
         let n = x.dim(1)? - 1;
         let (feature, norm) = match cfg.pool {
             // The mean sums in f32 at least, like every reduction.
-            Pool::Mean => {
-                let wide = match x.dtype() {
-                    DType::BF16 | DType::F16 => x.to_dtype(DType::F32)?,
-                    _ => x.clone(),
-                };
-                (
-                    wide.narrow(1, 1, n)?.mean(1)?.to_dtype(x.dtype())?,
-                    "fc_norm",
-                )
-            }
+            Pool::Mean => (
+                crate::kernels::widened(&x)?
+                    .narrow(1, 1, n)?
+                    .mean(1)?
+                    .to_dtype(x.dtype())?,
+                "fc_norm",
+            ),
             Pool::Cls => (x.narrow(1, 0, 1)?.squeeze(1)?, "final_norm"),
         };
         let feature = layer_norm(&feature, cfg.norm_eps)?

@@ -276,10 +276,7 @@ impl TrainableVl {
         }
         let logits = self.forward(pixels, &ids.narrow(1, 0, t1 - 1)?)?;
         // The log-softmax sums in f32 at least.
-        let logits = match logits.dtype() {
-            DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
-            _ => logits,
-        };
+        let logits = crate::kernels::widened(&logits)?;
         let v = logits.dim(D::Minus1)?;
         let logp = candle_nn::ops::log_softmax(&logits.reshape((b * (t1 - 1), v))?, D::Minus1)?;
         let targets = ids.narrow(1, 1, t1 - 1)?.flatten_all()?.unsqueeze(1)?;
