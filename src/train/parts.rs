@@ -99,7 +99,7 @@ pub(crate) fn embed_image<P: Params + ?Sized>(
 /// element loops vectorise as wide as the CPU allows.
 macro_rules! by_isa {
     ($name:ident($($arg:ident: $ty:ty),*) = $generic:ident) => {
-        pub(super) fn $name($($arg: $ty),*) {
+        pub(crate) fn $name($($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]

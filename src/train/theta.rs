@@ -133,11 +133,11 @@ mod fast {
     }
 
     #[inline(always)]
-    fn forward_row_generic(row: &mut [f32], c: f64) {
+    fn forward_row_generic(row: &[f32], out: &mut [f32], c: f64) {
         let f = (c / sum_sq(row).sqrt().max(super::MIN_NORM)) as f32;
-        for v in row.iter_mut() {
-            let u = *v * f;
-            *v = 0.5 * u * (1.0 + erf_f32(u * std::f32::consts::FRAC_1_SQRT_2));
+        for (o, &v) in out.iter_mut().zip(row) {
+            let u = v * f;
+            *o = 0.5 * u * (1.0 + erf_f32(u * std::f32::consts::FRAC_1_SQRT_2));
         }
     }
 
@@ -164,14 +164,24 @@ mod fast {
         }
     }
 
-    by_isa!(forward_row(row: &mut [f32], c: f64) = forward_row_generic);
+    by_isa!(forward_row(row: &[f32], out: &mut [f32], c: f64) = forward_row_generic);
     by_isa!(backward_row(row: &mut [f32], dy: &[f32], g: &mut [f32], c: f64) = backward_row_generic);
 }
 
 pub(super) fn forward_f32(s: &[f32], n: usize, c: f64) -> Vec<f32> {
-    let mut out = s.to_vec();
-    out.par_chunks_mut(n)
-        .for_each(|row| fast::forward_row(row, c));
+    // Written row by row from the scores (a copy first would be a serial pass).
+    let mut out = Vec::with_capacity(s.len());
+    out.spare_capacity_mut()
+        .par_chunks_mut(n)
+        .zip(s.par_chunks(n))
+        .for_each(|(o, row)| {
+            // SAFETY: MaybeUninit<f32> has f32's layout; every element is written by
+            // forward_row before `set_len`, and none is read before.
+            let o = unsafe { &mut *(o as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
+            fast::forward_row(row, o, c)
+        });
+    // SAFETY: all s.len() elements were written above.
+    unsafe { out.set_len(s.len()) };
     out
 }
 

@@ -7,8 +7,6 @@ use rayon::prelude::*;
 
 use super::*;
 
-use super::rows::{softmax_grad_row, softmax_row};
-
 /// softmax(scale · q_h·k_hᵀ)·v_h for every head h, causal (query i sees keys 0..=i) or
 /// not, for q, k, v [b, t, d] with `heads` heads of d/heads side by side along d (the
 /// Pattention outputs as they are, no transposition), one node whose backward gives
@@ -108,7 +106,7 @@ impl Attention {
             );
             for (i, (p, s)) in p.chunks_mut(t).zip(s.chunks(t)).enumerate() {
                 let keys = if self.causal { i + 1 } else { t };
-                softmax_row(&s[..keys], &mut p[..keys], self.scale);
+                T::softmax_row(&s[..keys], &mut p[..keys], self.scale);
             }
         });
         p
@@ -155,7 +153,7 @@ impl Attention {
                 let dv = T::matmul_serial(t, hd, t, Operand::transposed(p, t), head(g, false));
                 let mut ds = T::matmul_serial(t, t, hd, head(g, false), head(v, true));
                 for (ds, p) in ds.chunks_mut(t).zip(p.chunks(t)) {
-                    softmax_grad_row(ds, p, self.scale);
+                    T::softmax_grad_row(ds, p, self.scale);
                 }
                 let dq = T::matmul_serial(t, hd, t, Operand::rows(&ds, t), head(k, false));
                 let dk = T::matmul_serial(t, hd, t, Operand::transposed(&ds, t), head(q, false));

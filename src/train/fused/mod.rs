@@ -100,6 +100,23 @@ trait Elem: WithDType + Copy + Send + Sync + Into<f64> {
         Self::matmul_on(gemm::Parallelism::None, (m, n, k), lhs, rhs)
     }
     fn theta(s: &[Self], n: usize, c: f64) -> Vec<Self>;
+    /// dst = softmax(scale · src) for one row (exact zeros below e^−87; a row of
+    /// nothing but −∞ gets all zeros).
+    fn softmax_row(src: &[Self], dst: &mut [Self], scale: f64) {
+        rows::softmax_row(src, dst, scale)
+    }
+    /// dP becomes dS = scale · P · (dP − Σ dP·P) for one row.
+    fn softmax_grad_row(dp: &mut [Self], p: &[Self], scale: f64) {
+        rows::softmax_grad_row(dp, p, scale)
+    }
+    /// A row becomes (x − mean) / √(var + eps).
+    fn layer_norm_row(row: &mut [Self], eps: f64) {
+        rows::layer_norm_row(row, eps)
+    }
+    /// The upstream gradient `dx` of one row becomes ∂x, from the row's input and output.
+    fn layer_norm_grad_row(dx: &mut [Self], x: &[Self], y: &[Self], eps: f64) {
+        rows::layer_norm_grad_row(dx, x, y, eps)
+    }
     /// Θ's backward, the scores turned into their gradient in place.
     fn theta_grad(s: Vec<Self>, dy: &[Self], n: usize, c: f64) -> Vec<Self>;
 }
@@ -176,6 +193,18 @@ impl Elem for f32 {
     fn theta_grad(mut s: Vec<Self>, dy: &[Self], n: usize, c: f64) -> Vec<Self> {
         theta::backward_f32_in_place(&mut s, dy, n, c);
         s
+    }
+    fn softmax_row(src: &[Self], dst: &mut [Self], scale: f64) {
+        rows::fast::softmax_row(src, dst, scale)
+    }
+    fn softmax_grad_row(dp: &mut [Self], p: &[Self], scale: f64) {
+        rows::fast::softmax_grad_row(dp, p, scale)
+    }
+    fn layer_norm_row(row: &mut [Self], eps: f64) {
+        rows::fast::layer_norm_row(row, eps)
+    }
+    fn layer_norm_grad_row(dx: &mut [Self], x: &[Self], y: &[Self], eps: f64) {
+        rows::fast::layer_norm_grad_row(dx, x, y, eps)
     }
 }
 
@@ -497,6 +526,24 @@ mod tests {
         let (v32, v64) = (flat(&fused(&args32).unwrap()), flat(&out));
         let scale = v64.iter().fold(1e-3f64, |m, x| m.max(x.abs()));
         assert!(max_diff(&v32, &v64) < 1e-5 * scale);
+        // So do its gradients (the f32 row kernels are separate code).
+        let vars32: Vec<Var> = args32
+            .iter()
+            .map(|a| Var::from_tensor(a).unwrap())
+            .collect();
+        let args32: Vec<Tensor> = vars32.iter().map(|v| v.as_tensor().clone()).collect();
+        let w32 = w.to_dtype(DType::F32).unwrap();
+        let loss32 = (fused(&args32).unwrap() * &w32).unwrap().sum_all().unwrap();
+        let got32 = loss32.backward().unwrap();
+        for (i, (v32, v64)) in vars32.iter().zip(&vars).enumerate() {
+            let g32 = flat(got32.get(v32.as_tensor()).expect("a gradient"));
+            let g64 = flat(got.get(v64.as_tensor()).expect("a gradient"));
+            let scale = g64.iter().fold(1e-3f64, |m, x| m.max(x.abs()));
+            assert!(
+                max_diff(&g32, &g64) < 1e-4 * scale,
+                "input {i}: f32 {g32:?} vs f64 {g64:?}"
+            );
+        }
     }
 
     fn composite_softmax(x: &Tensor) -> Result<Tensor> {
@@ -560,23 +607,28 @@ mod tests {
 
     #[test]
     fn layer_norm_has_the_composite_values_and_gradients() {
-        check(
-            &|a| layer_norm(&a[0], 1e-5),
-            &|a| {
-                let c = a[0].broadcast_sub(&a[0].mean_keepdim(D::Minus1)?)?;
-                c.broadcast_div(&(c.sqr()?.mean_keepdim(D::Minus1)? + 1e-5)?.sqrt()?)
-            },
-            &[&[2, 3, 10]],
-        );
+        // Rows shorter and longer than the f32 kernels' 32 lanes.
+        for shape in [[2, 3, 10], [2, 2, 75]] {
+            check(
+                &|a| layer_norm(&a[0], 1e-5),
+                &|a| {
+                    let c = a[0].broadcast_sub(&a[0].mean_keepdim(D::Minus1)?)?;
+                    c.broadcast_div(&(c.sqr()?.mean_keepdim(D::Minus1)? + 1e-5)?.sqrt()?)
+                },
+                &[&shape],
+            );
+        }
     }
 
     #[test]
     fn scaled_softmax_has_the_composite_values_and_gradients() {
-        check(
-            &|a| softmax_scaled(&a[0], 0.7),
-            &|a| composite_softmax(&(&a[0] * 0.7)?),
-            &[&[3, 2, 9]],
-        );
+        for shape in [[3, 2, 9], [2, 2, 70]] {
+            check(
+                &|a| softmax_scaled(&a[0], 0.7),
+                &|a| composite_softmax(&(&a[0] * 0.7)?),
+                &[&shape],
+            );
+        }
         // Masked entries get exactly 0 and pass no gradient; a fully masked row is zeros.
         let x = Tensor::new(
             &[[1f32, f32::NEG_INFINITY, 2.0], [f32::NEG_INFINITY; 3]],

@@ -36,12 +36,8 @@ pub(super) fn last_dim(l: &Layout) -> usize {
 impl LayerNorm {
     fn fwd<T: Elem>(&self, x: &[T], n: usize) -> Vec<T> {
         let mut y = x.to_vec();
-        y.par_chunks_mut(n).for_each(|row| {
-            let (mean, inv) = moments(row, self.eps);
-            for v in row.iter_mut() {
-                *v = T::from_f64(((*v).into() - mean) * inv);
-            }
-        });
+        y.par_chunks_mut(n)
+            .for_each(|row| T::layer_norm_row(row, self.eps));
         y
     }
 
@@ -50,19 +46,32 @@ impl LayerNorm {
         let mut dx = g.to_vec();
         dx.par_chunks_mut(n)
             .zip(x.par_chunks(n).zip(y.par_chunks(n)))
-            .for_each(|(dx, (x, y))| {
-                let (_, inv) = moments(x, self.eps);
-                let (mut sg, mut sgy) = (0f64, 0f64);
-                for (&g, &y) in dx.iter().zip(y) {
-                    sg += g.into();
-                    sgy += g.into() * y.into();
-                }
-                let (mg, mgy) = (sg / n as f64, sgy / n as f64);
-                for (g, &y) in dx.iter_mut().zip(y) {
-                    *g = T::from_f64(((*g).into() - mg - y.into() * mgy) * inv);
-                }
-            });
+            .for_each(|(dx, (x, y))| T::layer_norm_grad_row(dx, x, y, self.eps));
         dx
+    }
+}
+
+/// A row normalised in place ([`Elem::layer_norm_row`]'s definition, in f64).
+pub(super) fn layer_norm_row<T: Elem>(row: &mut [T], eps: f64) {
+    let (mean, inv) = moments(row, eps);
+    for v in row.iter_mut() {
+        *v = T::from_f64(((*v).into() - mean) * inv);
+    }
+}
+
+/// ∂x of one row in place of its upstream gradient `dx` ([`Elem::layer_norm_grad_row`]'s
+/// definition, in f64).
+pub(super) fn layer_norm_grad_row<T: Elem>(dx: &mut [T], x: &[T], y: &[T], eps: f64) {
+    let n = x.len() as f64;
+    let (_, inv) = moments(x, eps);
+    let (mut sg, mut sgy) = (0f64, 0f64);
+    for (&g, &y) in dx.iter().zip(y) {
+        sg += g.into();
+        sgy += g.into() * y.into();
+    }
+    let (mg, mgy) = (sg / n, sgy / n);
+    for (g, &y) in dx.iter_mut().zip(y) {
+        *g = T::from_f64(((*g).into() - mg - y.into() * mgy) * inv);
     }
 }
 
@@ -129,7 +138,7 @@ impl Softmax {
         let mut y = vec![T::zero(); x.len()];
         y.par_chunks_mut(n)
             .zip(x.par_chunks(n))
-            .for_each(|(y, x)| softmax_row(x, y, self.scale));
+            .for_each(|(y, x)| T::softmax_row(x, y, self.scale));
         y
     }
 
@@ -138,7 +147,7 @@ impl Softmax {
         let mut dx = g.to_vec();
         dx.par_chunks_mut(n)
             .zip(y.par_chunks(n))
-            .for_each(|(dx, y)| softmax_grad_row(dx, y, self.scale));
+            .for_each(|(dx, y)| T::softmax_grad_row(dx, y, self.scale));
         dx
     }
 }
@@ -153,4 +162,104 @@ impl RowOp for Softmax {
     fn bwd<T: Elem>(&self, _: &[T], y: &[T], g: &[T], n: usize) -> Vec<T> {
         self.bwd_t(y, g, n)
     }
+}
+
+/// The rows' f32 kernels, compiled for the instruction set the kernels selected: sums
+/// over 32 independent f32 lanes added up in f64 (a single running sum, as in the f64
+/// definitions above, is a serial chain of adds and does not vectorise; generic code
+/// is compiled for SSE2 only).
+pub(super) mod fast {
+    use crate::kernels::math::exp_f32;
+    use crate::train::parts::by_isa;
+
+    /// Σ f(a, b) over 32 f32 lanes, added up in f64.
+    #[inline(always)]
+    fn lanes(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f64 {
+        let mut acc = [0f32; 32];
+        let (ca, cb) = (a.chunks_exact(32), b.chunks_exact(32));
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for k in 0..32 {
+                acc[k] += f(x[k], y[k]);
+            }
+        }
+        for (k, (&x, &y)) in ra.iter().zip(rb).enumerate() {
+            acc[k] += f(x, y);
+        }
+        acc.iter().map(|&x| f64::from(x)).sum()
+    }
+
+    #[inline(always)]
+    fn max_of(row: &[f32]) -> f32 {
+        let mut acc = [f32::NEG_INFINITY; 32];
+        let chunks = row.chunks_exact(32);
+        let tail = chunks.remainder();
+        for c in chunks {
+            for k in 0..32 {
+                acc[k] = if c[k] > acc[k] { c[k] } else { acc[k] };
+            }
+        }
+        tail.iter()
+            .chain(&acc)
+            .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+    }
+
+    #[inline(always)]
+    fn softmax_row_generic(src: &[f32], dst: &mut [f32], scale: f64) {
+        let max = max_of(src);
+        if max == f32::NEG_INFINITY {
+            dst.fill(0.0);
+            return;
+        }
+        let shift = (f64::from(max) * scale) as f32;
+        let scale = scale as f32;
+        // As the definition: arguments below −87 give an exact 0 (no subnormal weights).
+        for (d, &x) in dst.iter_mut().zip(src) {
+            let a = x * scale - shift;
+            *d = if a < -87.0 { 0.0 } else { exp_f32(a) };
+        }
+        let inv = (1.0 / lanes(dst, dst, |e, _| e)) as f32;
+        dst.iter_mut().for_each(|v| *v *= inv);
+    }
+
+    #[inline(always)]
+    fn softmax_grad_row_generic(dp: &mut [f32], p: &[f32], scale: f64) {
+        let dot = lanes(dp, p, |g, y| g * y) as f32;
+        let scale = scale as f32;
+        for (g, &y) in dp.iter_mut().zip(p) {
+            *g = scale * y * (*g - dot);
+        }
+    }
+
+    /// The row's mean and 1/√(var + eps) (two passes, as the definition).
+    #[inline(always)]
+    fn moments(row: &[f32], eps: f64) -> (f32, f32) {
+        let n = row.len().max(1) as f64;
+        let mean = lanes(row, row, |x, _| x) / n;
+        let m = mean as f32;
+        let var = lanes(row, row, |x, _| (x - m) * (x - m)) / n;
+        (m, (1.0 / (var + eps).sqrt()) as f32)
+    }
+
+    #[inline(always)]
+    fn layer_norm_row_generic(row: &mut [f32], eps: f64) {
+        let (mean, inv) = moments(row, eps);
+        row.iter_mut().for_each(|v| *v = (*v - mean) * inv);
+    }
+
+    #[inline(always)]
+    fn layer_norm_grad_row_generic(dx: &mut [f32], x: &[f32], y: &[f32], eps: f64) {
+        let n = x.len().max(1) as f64;
+        let (_, inv) = moments(x, eps);
+        let mg = (lanes(dx, dx, |g, _| g) / n) as f32;
+        let mgy = (lanes(dx, y, |g, y| g * y) / n) as f32;
+        for (g, &y) in dx.iter_mut().zip(y) {
+            *g = (*g - mg - y * mgy) * inv;
+        }
+    }
+
+    by_isa!(softmax_row(src: &[f32], dst: &mut [f32], scale: f64) = softmax_row_generic);
+    by_isa!(softmax_grad_row(dp: &mut [f32], p: &[f32], scale: f64) = softmax_grad_row_generic);
+    by_isa!(layer_norm_row(row: &mut [f32], eps: f64) = layer_norm_row_generic);
+    by_isa!(layer_norm_grad_row(dx: &mut [f32], x: &[f32], y: &[f32], eps: f64) = layer_norm_grad_row_generic);
 }
