@@ -133,9 +133,38 @@ impl TrainableLm {
             .index_select(&ids.flatten_all()?, 0)?
             .reshape((b, t, d))?;
         let (cos, sin) = self.rotary_tables(t)?;
+        let spec = super::fused::BlockSpec {
+            heads: cfg.num_heads,
+            tokens: [0; 3],
+            scale_tokens: [self.scale(0), self.scale(3), self.scale(4)],
+            causal: true,
+            parallel_residual: cfg.parallel_residual,
+            eps: cfg.norm_eps,
+        };
+        let rotary = if super::fused::serves(&x) {
+            let table = |x: &Tensor| -> Result<Vec<f64>> {
+                x.to_dtype(DType::F64)?.flatten_all()?.to_vec1()
+            };
+            Some(super::fused::RotaryTables {
+                dims: self.rotary.tables().0,
+                cos: table(&cos)?,
+                sin: table(&sin)?,
+            })
+        } else {
+            None
+        };
         // Broadcast over the heads of q and k [b, t, heads, hd].
         let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
         for i in 0..cfg.num_layers {
+            let prefix = format!("layers.{i}");
+            let act = cfg.pattention_activation;
+            if let Some(y) = fused_block(&self.cast(), &prefix, &x, act, &spec, rotary.as_ref())? {
+                x = y;
+                if let Some(hidden) = hidden.as_deref_mut() {
+                    hidden.push(x.clone());
+                }
+                continue;
+            }
             let h = layer_norm(&x, cfg.norm_eps)?;
             let attn = self.attention(i, &h, &cos, &sin)?;
             let mlp = format!("layers.{i}.mlp");
@@ -291,6 +320,52 @@ pub(crate) fn pattention<P: Params + ?Sized>(
         theta(&scores, activation, scale_tokens)?
     };
     weights.matmul(&v)?.reshape(dims)
+}
+
+/// A whole block (`{prefix}.attention.*` and `{prefix}.mlp`) as one fused node on x
+/// [b, t, d], when the fused ops serve x and the block's value tokens are all d wide
+/// (`None` otherwise: the caller composes the block from its parts).
+pub(crate) fn fused_block<P: Params + ?Sized>(
+    params: &P,
+    prefix: &str,
+    x: &Tensor,
+    activation: crate::pattention::Activation,
+    spec: &super::fused::BlockSpec,
+    rotary: Option<&super::fused::RotaryTables>,
+) -> Result<Option<Tensor>> {
+    if activation != crate::pattention::Activation::L2NormGelu || !super::fused::serves(x) {
+        return Ok(None);
+    }
+    let parts = [
+        "attention.query",
+        "attention.key",
+        "attention.value",
+        "attention.proj",
+        "mlp",
+    ];
+    let stack = |kind: &str| -> Result<Option<Tensor>> {
+        let tensors = parts
+            .iter()
+            .map(|p| param(params, &format!("{prefix}.{p}.{kind}_param_tokens")))
+            .collect::<Result<Vec<_>>>()?;
+        if tensors.iter().any(|t| t.dim(1).ok() != x.dim(2).ok()) {
+            return Ok(None);
+        }
+        Tensor::cat(&tensors, 0).map(Some)
+    };
+    let (Some(keys), Some(values)) = (stack("key")?, stack("value")?) else {
+        return Ok(None);
+    };
+    let rows = |p: &str| param(params, &format!("{prefix}.{p}.key_param_tokens"))?.dim(0);
+    let (nq, no, nf) = (rows(parts[0])?, rows(parts[3])?, rows(parts[4])?);
+    if rows(parts[1])? != nq || rows(parts[2])? != nq {
+        return Ok(None);
+    }
+    let spec = super::fused::BlockSpec {
+        tokens: [nq, no, nf],
+        ..spec.clone()
+    };
+    super::fused::block(x, &keys, &values, &spec, rotary.cloned()).map(Some)
 }
 
 /// A rotation of q or k [b, t, heads, hd] (the language model's rotary embedding).

@@ -166,7 +166,23 @@ impl TrainableVit {
             scale_qkv: sq,
             scale_proj: sp,
         };
+        let block = super::fused::BlockSpec {
+            heads: cfg.num_heads,
+            tokens: [0; 3],
+            scale_tokens: [sq, sp, sf],
+            causal: false,
+            parallel_residual: false,
+            eps: cfg.norm_eps,
+        };
         for i in 0..cfg.num_layers {
+            let prefix = format!("layers.{i}");
+            if let Some(y) = super::lm::fused_block(&params, &prefix, &x, act, &block, None)? {
+                x = y;
+                if let Some(hidden) = hidden.as_deref_mut() {
+                    hidden.push(x.clone());
+                }
+                continue;
+            }
             let hn = layer_norm(&x, cfg.norm_eps)?;
             let a = attention(
                 &params,

@@ -31,12 +31,12 @@ pub(crate) fn attention(
     )
 }
 
-struct Attention {
-    heads: usize,
-    scale: f64,
-    causal: bool,
+pub(super) struct Attention {
+    pub(super) heads: usize,
+    pub(super) scale: f64,
+    pub(super) causal: bool,
     /// The forward's probabilities [b·heads, t, t], for the backward (taken by it).
-    saved: Mutex<Option<CpuStorage>>,
+    pub(super) saved: Mutex<Option<CpuStorage>>,
 }
 
 /// (batch, tokens, width) of q, k and v.
@@ -112,7 +112,13 @@ impl Attention {
         p
     }
 
-    fn fwd<T: Elem>(&self, q: &[T], k: &[T], v: &[T], dims: (usize, usize, usize)) -> Vec<T> {
+    pub(super) fn fwd<T: Elem>(
+        &self,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        dims: (usize, usize, usize),
+    ) -> Vec<T> {
         let (b, t, d) = dims;
         let hd = d / self.heads;
         let p = self.probs(q, k, dims);
@@ -132,7 +138,7 @@ impl Attention {
         self.gather(&blocks, dims)
     }
 
-    fn bwd_t<T: Elem>(
+    pub(super) fn bwd_t<T: Elem>(
         &self,
         (q, k, v, g): (&[T], &[T], &[T], &[T]),
         dims: (usize, usize, usize),

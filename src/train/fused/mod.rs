@@ -18,10 +18,12 @@ use rayon::prelude::*;
 use super::theta;
 
 mod attention;
+mod block;
 mod pattention;
 mod rows;
 
 pub(super) use attention::attention;
+pub(crate) use block::{block, BlockSpec, RotaryTables};
 pub(super) use pattention::pattention;
 use rows::last_dim;
 pub(super) use rows::{layer_norm, softmax_scaled};
@@ -676,6 +678,93 @@ mod tests {
                 &move |a| attention(&a[0], &a[1], &a[2], 3, 0.5, causal),
                 &move |a| composite_attention(a, 3, causal),
                 &[&[2, 5, 6], &[2, 5, 6], &[2, 5, 6]],
+            );
+        }
+    }
+
+    /// The block as the separate ops compose it: LayerNorms, Pattentions (Θ by its
+    /// own op), rotary, attention and the residual additions.
+    fn composite_block(
+        a: &[Tensor],
+        spec: &BlockSpec,
+        rot: Option<&RotaryTables>,
+    ) -> Result<Tensor> {
+        let (x, keys, values) = (&a[0], &a[1], &a[2]);
+        let (b, t, d) = x.dims3()?;
+        let ln = |x: &Tensor| -> Result<Tensor> {
+            let c = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+            c.broadcast_div(&(c.sqr()?.mean_keepdim(D::Minus1)? + spec.eps)?.sqrt()?)
+        };
+        let [nq, no, _] = spec.tokens;
+        let starts = [0, nq, 2 * nq, 3 * nq, 3 * nq + no];
+        let part = |i: usize, input: &Tensor| -> Result<Tensor> {
+            let n = [nq, nq, nq, no, spec.tokens[2]][i];
+            let (k, v) = (
+                keys.narrow(0, starts[i], n)?,
+                values.narrow(0, starts[i], n)?,
+            );
+            let scale = spec.scale_tokens[[0, 0, 0, 1, 2][i]];
+            theta::l2_norm_gelu(&input.reshape((b * t, d))?.matmul(&k.t()?)?, scale)?
+                .matmul(&v)?
+                .reshape((b, t, d))
+        };
+        let rotate = |x: Tensor| -> Result<Tensor> {
+            let Some(r) = rot else { return Ok(x) };
+            let table = |v: &[f64]| {
+                Tensor::from_vec(v[..t * r.dims].to_vec(), (t, 1, r.dims), &Device::Cpu)
+            };
+            let hd = d / spec.heads;
+            super::super::lm::rotate(
+                &x.reshape((b, t, spec.heads, hd))?,
+                r.dims,
+                &table(&r.cos)?,
+                &table(&r.sin)?,
+            )?
+            .reshape((b, t, d))
+        };
+        let h = ln(x)?;
+        let (q, k, v) = (rotate(part(0, &h)?)?, rotate(part(1, &h)?)?, part(2, &h)?);
+        let attn = part(
+            3,
+            &composite_attention(&[q, k, v], spec.heads, spec.causal)?,
+        )?;
+        let x1 = (x + attn)?;
+        if spec.parallel_residual {
+            x1 + part(4, &h)?
+        } else {
+            let h2 = ln(&x1)?;
+            &x1 + part(4, &h2)?
+        }
+    }
+
+    #[test]
+    fn a_block_has_the_composite_values_and_gradients() {
+        // d 8 in 2 heads of 4 (composite_attention scales by 1/√4), 3/4/6 tokens.
+        let t = 5;
+        let tables = RotaryTables {
+            dims: 2,
+            cos: (0..t * 2).map(|i| ((i / 2) as f64 * 0.7).cos()).collect(),
+            sin: (0..t * 2).map(|i| ((i / 2) as f64 * 0.7).sin()).collect(),
+        };
+        for (causal, parallel, rotary) in [
+            (false, false, false),
+            (true, false, true),
+            (true, true, true),
+        ] {
+            let spec = BlockSpec {
+                heads: 2,
+                tokens: [3, 4, 6],
+                scale_tokens: [3, 5, 7],
+                causal,
+                parallel_residual: parallel,
+                eps: 1e-5,
+            };
+            let rot = rotary.then(|| tables.clone());
+            let (s1, s2, r1, r2) = (spec.clone(), spec.clone(), rot.clone(), rot.clone());
+            check(
+                &move |a| block(&a[0], &a[1], &a[2], &s1, r1.clone()),
+                &move |a| composite_block(a, &s2, r2.as_ref()),
+                &[&[2, t, 8], &[19, 8], &[19, 8]],
             );
         }
     }

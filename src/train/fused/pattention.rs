@@ -26,10 +26,10 @@ pub(crate) fn pattention(
     )
 }
 
-struct Pattention {
-    c: f64,
+pub(super) struct Pattention {
+    pub(super) c: f64,
     /// The forward's scores and weights, for the backward (taken by it).
-    saved: Mutex<Option<(CpuStorage, CpuStorage)>>,
+    pub(super) saved: Mutex<Option<(CpuStorage, CpuStorage)>>,
 }
 
 /// Rows, inner width, tokens and output width of a Pattention's operands.
@@ -64,7 +64,7 @@ impl Pattention {
         (s, w)
     }
 
-    fn fwd<T: Elem>(
+    pub(super) fn fwd<T: Elem>(
         &self,
         x: &[T],
         k: &[T],
@@ -80,7 +80,7 @@ impl Pattention {
     }
 
     /// (∂x, ∂K, ∂V) from ∂y; `g` [r, o].
-    fn bwd_t<T: Elem>(
+    pub(super) fn bwd_t<T: Elem>(
         &self,
         (x, k, v, g): (&[T], &[T], &[T], &[T]),
         (r, d, n, o): (usize, usize, usize, usize),
