@@ -44,6 +44,7 @@ pub mod pattention;
 pub mod pretrained;
 pub mod probe;
 pub mod scoring;
+pub mod source;
 pub mod synthetic;
 pub mod train;
 pub mod vision;
