@@ -167,7 +167,12 @@ pub struct TrainArgs {
     pub distill_from: Option<String>,
     /// Weight of --distill-from's hidden-state term: each layer's MSE relative to the
     /// source's mean square there, averaged over layers (0: logits only).
-    #[arg(long, value_name = "W", default_value_t = 1.0, requires = "distill_from")]
+    #[arg(
+        long,
+        value_name = "W",
+        default_value_t = 1.0,
+        requires = "distill_from"
+    )]
     pub hidden_weight: f64,
 }
 

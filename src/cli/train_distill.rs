@@ -71,7 +71,11 @@ pub fn run(
             target.display()
         );
     }
-    let dir = locate_input(spec, "--distill-from", Some(&crate::cli::progress::download_bars()))?;
+    let dir = locate_input(
+        spec,
+        "--distill-from",
+        Some(&crate::cli::progress::download_bars()),
+    )?;
     let mut raw = RawCheckpoint::read(&dir).with_context(|| format!("--distill-from {spec}"))?;
     let what = config_path.display().to_string();
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;

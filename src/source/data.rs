@@ -147,9 +147,7 @@ impl Images {
             }
         };
         if files.is_empty() {
-            bail!(
-                "{flag} {source}: no images found (looked for .jpg/.jpeg/.png/.webp files)"
-            );
+            bail!("{flag} {source}: no images found (looked for .jpg/.jpeg/.png/.webp files)");
         }
         let note = (found > files.len()).then(|| {
             format!(
@@ -191,9 +189,8 @@ impl Images {
     /// Decodes image `i` as Pillow's `convert("RGB")` does.
     pub fn decode(&self, i: usize) -> Result<RgbImage> {
         match &self.refs[i] {
-            ImageRef::Shipped(n, b) => {
-                vision::decode_bytes(b).map_err(|e| Error::input(format!("shipped sample {n}: {e}")))
-            }
+            ImageRef::Shipped(n, b) => vision::decode_bytes(b)
+                .map_err(|e| Error::input(format!("shipped sample {n}: {e}"))),
             ImageRef::File(p) => Ok(vision::open_rgb(p)?),
         }
     }
@@ -258,7 +255,6 @@ impl Text {
     }
 }
 
-
 /// Token ids of `text` by the tokenizer.json at `tokenizer`, checked to be at least
 /// 2 and inside a vocabulary of `vocab` (`flag` names the text in messages).
 pub fn text_ids(tokenizer: &Path, text: &Text, flag: &str, vocab: usize) -> Result<Vec<u32>> {
@@ -304,9 +300,8 @@ fn read_text(path: &Path, flag: &str, source: &str) -> Result<(String, Option<St
         .unwrap_or_default();
     let documents = [".jsonl", ".jsonl.zst", ".parquet"];
     if !documents.iter().any(|e| name.ends_with(e)) {
-        let text = crate::fsutil::read_to_string_bounded(path, MAX_TEXT_BYTES).map_err(|e| {
-            Error::input(format!("{flag} {source}: cannot read it as text: {e}"))
-        })?;
+        let text = crate::fsutil::read_to_string_bounded(path, MAX_TEXT_BYTES)
+            .map_err(|e| Error::input(format!("{flag} {source}: cannot read it as text: {e}")))?;
         return Ok((text, None));
     }
     let bad = |e: Error| Error::input(format!("{flag} {source}: {e}"));
@@ -314,8 +309,7 @@ fn read_text(path: &Path, flag: &str, source: &str) -> Result<(String, Option<St
     let (mut text, mut taken) = (String::new(), 0usize);
     for line in lines {
         let (n, value) = line.map_err(bad)?;
-        let doc = value
-            .map_err(|why| Error::input(format!("{flag} {source} line {n}: {why}")))?;
+        let doc = value.map_err(|why| Error::input(format!("{flag} {source} line {n}: {why}")))?;
         let Some(doc) = doc.get("text").and_then(|t| t.as_str()) else {
             bail!("{flag} {source} line {n}: no string field `text` (each document's text is read from it)");
         };

@@ -11,7 +11,9 @@
 use candle_core::{Device, Tensor};
 use serde_json::Value;
 
-use super::{layer_norm, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer, Stack};
+use super::{
+    layer_norm, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer, Stack,
+};
 use crate::error::Result;
 use crate::models::tokenformer::Rotary;
 use crate::train::distill::Targets;
@@ -198,7 +200,6 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<NeoxSource> {
         embed_out,
     })
 }
-
 
 /// The longest window the source is run on at once.
 pub const MAX_WINDOW: usize = 2048;

@@ -35,13 +35,13 @@ pub mod vit;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Tensor, D};
-use serde_json::Value;
 use crate::checkpoint::{self, Tensors};
 use crate::error::Result;
 use crate::hub::DownloadProgress;
 use crate::loader;
 use crate::models::tokenformer::Rotary;
+use candle_core::{DType, Device, Tensor, D};
+use serde_json::Value;
 
 /// A source LayerNorm's affine part.
 pub struct Norm {

@@ -31,7 +31,7 @@ use crate::pattention::{theta, Activation, Pattention};
 use crate::train::distill::{self, Distill, DistillBatch, Distillable, Targets};
 use crate::train::plot::Curve;
 use crate::train::vit::{TrainTransform, TrainableVit};
-use crate::train::{Augment, Trainable, TrainOptions, TrainableLm};
+use crate::train::{Augment, TrainOptions, Trainable, TrainableLm};
 use crate::vision::EvalTransform;
 
 /// The most steps (about a day on 2 cores at the smallest sizes).
@@ -364,8 +364,9 @@ pub fn value_update_scales(
     inputs: &FitInputs,
 ) -> Result<BTreeMap<String, Tensor>> {
     let blocks = blocks(tensors, layers, th)?;
-    let keys: Vec<[(Tensor, Tensor); 5]> =
-        (0..layers).map(|i| layer_kv(tensors, i)).collect::<Result<_>>()?;
+    let keys: Vec<[(Tensor, Tensor); 5]> = (0..layers)
+        .map(|i| layer_kv(tensors, i))
+        .collect::<Result<_>>()?;
     // Per layer and part: Σ activation² per token, and the rows summed over.
     let mut sums: Vec<[Option<Tensor>; 5]> = vec![Default::default(); layers];
     let mut rows = 0usize;
@@ -723,5 +724,4 @@ mod tests {
         let kept: Vec<usize> = f.batches.iter().map(|x| x.dim(0).unwrap()).collect();
         assert_eq!(kept, [3, 1]);
     }
-
 }

@@ -13,10 +13,10 @@ use serde_json::json;
 use tokenformer::card::ModelCard;
 
 use super::data::agreement_interval;
-use tokenformer::source::data::{DataInfo, Unit};
 use super::mapping::{Exactness, LayerFidelity, Mapping, EXACT_TOLERANCE};
 use super::recover::RecoveryReport;
 use crate::output::ModelFolder;
+use tokenformer::source::data::{DataInfo, Unit};
 
 /// Marsaglia's xorshift64 (13, 7, 17), the stream of the seeded ids.
 struct XorShift(u64);

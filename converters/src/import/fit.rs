@@ -45,10 +45,10 @@ use candle_core::{DType, Module, Tensor};
 use serde::Serialize;
 use tokenformer::pattention::{theta, Activation, Pattention};
 
-use tokenformer::source::data::Unit;
 use super::fidelity::{Agreement, FitReport, PairedAgreement};
 use super::linalg::{cholesky, cholesky_solve, matmul};
 use super::mapping::{ImportedLayer, Mapping};
+use tokenformer::source::data::Unit;
 use tokenformer::source::recover::{FitInputs, MAX_FIT_ROWS};
 use tokenformer::source::{standardise, Block, LayerTrace, SourceBody, Stack};
 

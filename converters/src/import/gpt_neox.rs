@@ -122,9 +122,8 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let rotary = src
         .rotary(&dev)
         .map_err(|e| anyhow!("{}: {e}", raw.origin))?;
-    let embed = |ids: &[u32]| -> Result<Tensor> {
-        Ok(src.embed(&Tensor::new(ids, &dev)?.unsqueeze(0)?)?)
-    };
+    let embed =
+        |ids: &[u32]| -> Result<Tensor> { Ok(src.embed(&Tensor::new(ids, &dev)?.unsqueeze(0)?)?) };
     let source_logits = |h: &Tensor| -> Result<Tensor> { Ok(src.logits(h)?) };
     let stack = src.stack(&rotary);
     // Texts longer than the context run as consecutive windows, each from position 0.

@@ -11,9 +11,9 @@
 
 use std::path::Path;
 
-use serde_json::Value;
 use crate::error::Result;
 use crate::models::vit::{Interpolation, Pool, ResizeMode};
+use serde_json::Value;
 
 use super::{triple, Names, Qkv, VitMeta, VitSource};
 use crate::source::{usize_key, RawCheckpoint};

@@ -8,9 +8,9 @@
 //! the `pretrained_cfg`'s (`crop_pct`, `crop_mode`, `interpolation`, `mean`, `std`),
 //! as `timm.data.create_transform` builds it.
 
-use serde_json::Value;
 use crate::error::Result;
 use crate::models::vit::{Interpolation, Pool, ResizeMode};
+use serde_json::Value;
 
 use super::{triple, Names, Qkv, VitMeta, VitSource};
 use crate::source::RawCheckpoint;
