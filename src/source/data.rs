@@ -171,6 +171,10 @@ impl Images {
         self.refs.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.refs.is_empty()
+    }
+
     /// The first `n` images only.
     pub fn first(mut self, n: usize) -> Self {
         self.refs.truncate(n);

@@ -218,7 +218,7 @@ impl Shuffled {
     }
 
     /// The next item and the RNG its view draws from.
-    pub fn next(&mut self) -> (usize, &mut rand::rngs::StdRng) {
+    pub fn draw(&mut self) -> (usize, &mut rand::rngs::StdRng) {
         if self.at == self.order.len() {
             self.order = (0..self.n).collect();
             for i in (1..self.n).rev() {
@@ -683,7 +683,7 @@ pub fn recover_vit(
     let next = || -> Result<(Tensor, u64)> {
         let mut pixels = Vec::with_capacity(b * c * size * size);
         for _ in 0..b {
-            let (i, rng) = order.next();
+            let (i, rng) = order.draw();
             let img = calib.decode(i)?;
             let v = views
                 .apply(&img, rng)

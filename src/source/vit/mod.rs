@@ -194,8 +194,6 @@ impl VitSource {
 }
 
 /// Images per forward pass of the source.
-
-/// Images per forward pass of the source.
 pub const BATCH: usize = 8;
 
 /// Runs `f` on `images` preprocessed by `t`, [`BATCH`] at a time.
