@@ -78,7 +78,9 @@ pub fn run(
     )?;
     let mut raw = RawCheckpoint::read(&dir).with_context(|| format!("--distill-from {spec}"))?;
     let what = config_path.display().to_string();
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    // Created once the source and the data are checked, just before training.
+    let make_out =
+        || std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()));
     let bar = crate::cli::progress::bar(
         steps,
         "distilling {bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
@@ -116,6 +118,7 @@ pub fn run(
             let (calib_ids, calib) = read(data, calib_flag, Split::Calibration)?;
             let (eval_ids, mut eval) = read(val, "--val-data", Split::Eval)?;
             let inputs = FitInputs::of_text(&src, &calib_ids)?;
+            make_out()?;
             let (trained, log, seq_len) = recover_lm(
                 &src, &cfg, &tensors, &calib_ids, &inputs, &eval_ids, &rec, &a.out, progress,
             )?;
@@ -138,6 +141,7 @@ pub fn run(
             let eval_images = Images::new(val, "--val-data", Split::Eval)?;
             let inputs = FitInputs::of_images(&src, &calib_images, &transform)?;
             let eval_px = eval_pixels(&eval_images, &transform)?;
+            make_out()?;
             let (trained, log) = recover_vit(
                 &src,
                 &cfg,
