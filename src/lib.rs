@@ -24,7 +24,8 @@
 //!
 //! [`loader`] loads any architecture by its [`ModelConfig`]; [`hub`],
 //! [`eval`], [`vision`] and [`checkpoint`] are the pieces the command line
-//! is made of.
+//! is made of; [`source`] reads and runs the pre-trained Transformers that
+//! `tokenformer-convert import` maps and `train --distill-from` distills towards.
 
 pub mod alloc;
 pub mod card;
@@ -44,6 +45,7 @@ pub mod pattention;
 pub mod pretrained;
 pub mod probe;
 pub mod scoring;
+pub mod source;
 pub mod synthetic;
 pub mod train;
 pub mod vision;

@@ -56,9 +56,13 @@ pub struct TrainArgs {
     /// Training data. Language models: .txt (one document), .jsonl or .jsonl.zst (`text`
     /// field), repeatable. Classifiers: a folder of class folders, or one holding `train/`
     /// (and `val/`, used for validation unless --val-data names another).
-    #[arg(long, required = true)]
+    /// With --distill-from: the calibration data, one text file (.txt, or the `text` of
+    /// .jsonl/.jsonl.zst/.parquet documents) or a folder of photos, local or
+    /// hf://datasets/OWNER/NAME[@REV]/PATH (default: the samples shipped with the tool).
+    #[arg(long, required_unless_present = "distill_from")]
     pub data: Vec<PathBuf>,
-    /// Held-out text for validation (same formats).
+    /// Held-out text for validation (same formats; with --distill-from also a folder of
+    /// photos or hf://datasets/…, default: the shipped eval samples).
     #[arg(long, conflicts_with = "val_fraction")]
     pub val_data: Option<PathBuf>,
     /// Hold out this fraction of the training documents for validation instead.
@@ -77,9 +81,9 @@ pub struct TrainArgs {
     /// this extends it).
     #[arg(long)]
     pub steps: Option<u64>,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = 6e-4)]
-    pub lr: f64,
+    /// Peak learning rate (default 6e-4; with --distill-from 1e-3).
+    #[arg(long)]
+    pub lr: Option<f64>,
     /// Learning rate at the end of the cosine decay.
     #[arg(long, default_value_t = 6e-5)]
     pub min_lr: f64,
@@ -144,6 +148,32 @@ pub struct TrainArgs {
     /// with norms, softmaxes and the loss in f32 (for GPUs).
     #[arg(long, value_enum, default_value_t)]
     pub precision: Precision,
+    /// Train --model to behave like SOURCE, the Transformer it was imported from (a
+    /// GPT-NeoX/Pythia or ViT folder in transformers or timm layout, or a Hub repo id):
+    /// `tokenformer-convert import --recover-steps`'s distillation (KL of the outputs plus
+    /// --hidden-weight × each layer's hidden-state MSE) for --steps steps on --data, the
+    /// held-out loss on --val-data. Writes checkpoint-NNNNNN/ (no optimiser state),
+    /// metrics.jsonl and loss.png into --out.
+    #[arg(
+        long,
+        value_name = "SOURCE",
+        requires = "model",
+        conflicts_with_all = [
+            "resume", "init", "val_fraction", "train", "grow_at", "scale", "hflip",
+            "precision", "min_lr", "warmup_steps", "weight_decay", "betas", "eps",
+            "grad_accum", "seq_len", "seed", "save_every", "eval_every", "keep_last",
+        ]
+    )]
+    pub distill_from: Option<String>,
+    /// Weight of --distill-from's hidden-state term: each layer's MSE relative to the
+    /// source's mean square there, averaged over layers (0: logits only).
+    #[arg(
+        long,
+        value_name = "W",
+        default_value_t = 1.0,
+        requires = "distill_from"
+    )]
+    pub hidden_weight: f64,
 }
 
 /// `--train`: `all`, `new`, `bridge` or comma-separated globs.
@@ -177,6 +207,8 @@ fn parse_pair(flag: &str, form: &str, s: &str) -> Result<(f64, f64)> {
     ))
 }
 
+#[path = "train_distill.rs"]
+mod train_distill;
 #[path = "train_vit.rs"]
 mod train_vit;
 #[path = "train_vl.rs"]
@@ -205,7 +237,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         batch_size: a.batch_size,
         grad_accum: a.grad_accum,
         seq_len: a.seq_len,
-        lr: a.lr,
+        lr: a.lr.unwrap_or(6e-4),
         min_lr: a.min_lr,
         warmup_steps: a.warmup_steps,
         beta1: betas_1,
@@ -284,6 +316,18 @@ pub fn run(a: TrainArgs) -> Result<()> {
     } else {
         bail!("name what to train: --model M, --init config.json or --resume DIR");
     };
+    if let Some(spec) = &a.distill_from {
+        let tensors = tensors.context("--distill-from trains the weights of --model")?;
+        return train_distill::run(
+            &a,
+            spec,
+            value,
+            &config_path,
+            tensors,
+            tokenizer_path,
+            source,
+        );
+    }
     match loader::architecture(&value) {
         tokenformer::models::tokenformer::ARCHITECTURE => {}
         tokenformer::models::vit::ARCHITECTURE => {

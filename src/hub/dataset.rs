@@ -99,6 +99,47 @@ pub fn fetch_with(client: &HubClient, spec: &str) -> Result<PathBuf, HubError> {
     })
 }
 
+/// Fetches the first `max` files (by path) that `keep` accepts under the folder
+/// `hf://datasets/OWNER/NAME[@REV][/DIR]` (the whole repo without a DIR), or finds
+/// them in the cache offline: their local paths, and how many the folder has in all.
+/// Only the files taken are downloaded (calibration photos from a large dataset).
+pub fn fetch_some_under_with(
+    client: &HubClient,
+    spec: &str,
+    keep: impl Fn(&str) -> bool,
+    max: usize,
+) -> Result<(Vec<PathBuf>, usize), HubError> {
+    let spec = spec.trim_end_matches('/');
+    let rest = spec.strip_prefix(PREFIX).unwrap_or("");
+    // OWNER/NAME alone: the repo's root (a placeholder path, for the parser).
+    let root = rest.split('/').count() == 2;
+    let f = if root {
+        let mut f = DatasetFile::parse(&format!("{spec}/_"))?;
+        f.path.clear();
+        f
+    } else {
+        DatasetFile::parse(spec)?
+    };
+    let prefix = if root {
+        String::new()
+    } else {
+        format!("{}/", f.path)
+    };
+    let mut files: Vec<String> = client
+        .list_files(&f.repo)?
+        .into_iter()
+        .filter_map(|e| (e.path.starts_with(&prefix) && keep(&e.path)).then_some(e.path))
+        .collect();
+    files.sort();
+    let found = files.len();
+    files.truncate(max);
+    if files.is_empty() {
+        return Ok((vec![], found));
+    }
+    let names: Vec<&str> = files.iter().map(String::as_str).collect();
+    Ok((client.download_files(&f.repo, &names, None)?, found))
+}
+
 /// The most files [`fetch_folder_with`] downloads for one folder (ImageNet's
 /// validation set has 50,000 images plus a few label files).
 pub const MAX_FOLDER_FILES: usize = 200_000;

@@ -524,8 +524,59 @@ pub(crate) fn write_checkpoint(
     state: &TrainerState,
     extra: &[(&str, Vec<u8>)],
 ) -> Result<PathBuf> {
+    place_checkpoint(out, state.step, config, tensors, extra, true, |dir| {
+        let mut moments = Tensors::new();
+        for (k, m) in opt.moments() {
+            moments.insert(format!("m.{k}"), m.m.clone());
+            moments.insert(format!("v.{k}"), m.v.clone());
+        }
+        let opt_path = dir.join(OPTIMIZER_FILE);
+        safetensors::serialize_to_file(&moments, None, &opt_path)
+            .map_err(|e| Error::checkpoint(&opt_path, format!("cannot write: {e}")))?;
+        checkpoint::set_default_permissions(&opt_path)?;
+        let state = serde_json::to_string_pretty(state).expect("serialisable");
+        write(dir, STATE_FILE, state.as_bytes())
+    })
+}
+
+/// Writes `checkpoint-{step}` into `out` atomically as a model folder (config, weights
+/// and the `extra` files, no optimiser state: a run such as a distillation that is not
+/// resumed). Refuses to replace a checkpoint of that step already there.
+pub fn write_model(
+    out: &Path,
+    step: u64,
+    config: &str,
+    tensors: &Tensors,
+    extra: &[(&str, Vec<u8>)],
+) -> Result<PathBuf> {
+    place_checkpoint(out, step, config, tensors, extra, false, |_| Ok(()))
+}
+
+/// The checkpoint folder of `step` in `out`.
+pub fn checkpoint_path(out: &Path, step: u64) -> PathBuf {
+    out.join(format!("{CHECKPOINT_PREFIX}{step:06}"))
+}
+
+/// Writes a checkpoint folder in a hidden temporary folder beside it (`more` adds
+/// files), syncs it, then renames it into place (`replace`: over an older one).
+fn place_checkpoint(
+    out: &Path,
+    step: u64,
+    config: &str,
+    tensors: &Tensors,
+    extra: &[(&str, Vec<u8>)],
+    replace: bool,
+    more: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let name = format!("{CHECKPOINT_PREFIX}{:06}", state.step);
+    let target = checkpoint_path(out, step);
+    if !replace && target.exists() {
+        return Err(Error::input(format!(
+            "{}: already exists; remove it or write to another folder",
+            target.display()
+        )));
+    }
+    let name = format!("{CHECKPOINT_PREFIX}{step:06}");
     let tmp = tempfile::Builder::new()
         .prefix(&format!(".{name}.partial-"))
         .tempdir_in(out)
@@ -533,17 +584,7 @@ pub(crate) fn write_checkpoint(
     let dir = tmp.path();
     write(dir, "config.json", config.as_bytes())?;
     checkpoint::write_safetensors(dir, tensors, checkpoint::DEFAULT_SHARD_BYTES)?;
-    let mut moments = Tensors::new();
-    for (k, m) in opt.moments() {
-        moments.insert(format!("m.{k}"), m.m.clone());
-        moments.insert(format!("v.{k}"), m.v.clone());
-    }
-    let opt_path = dir.join(OPTIMIZER_FILE);
-    safetensors::serialize_to_file(&moments, None, &opt_path)
-        .map_err(|e| Error::checkpoint(&opt_path, format!("cannot write: {e}")))?;
-    checkpoint::set_default_permissions(&opt_path)?;
-    let state = serde_json::to_string_pretty(state).expect("serialisable");
-    write(dir, STATE_FILE, state.as_bytes())?;
+    more(dir)?;
     for (file, bytes) in extra {
         write(dir, file, bytes)?;
     }
@@ -558,7 +599,6 @@ pub(crate) fn write_checkpoint(
         // Test hook: die like a killed process would, with the checkpoint half placed.
         std::process::exit(137);
     }
-    let target = out.join(&name);
     let kept = tmp.keep();
     if target.exists() {
         std::fs::remove_dir_all(&target).map_err(|e| Error::io(&target, e))?;

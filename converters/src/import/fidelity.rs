@@ -6,35 +6,17 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, Result};
+use anyhow::Result;
 use candle_core::{DType, Tensor, D};
 use serde::Serialize;
-use serde_json::{json, Value};
+use serde_json::json;
 use tokenformer::card::ModelCard;
-use tokenformer::loader;
 
-use super::data::{agreement_interval, DataInfo, Unit};
+use super::data::agreement_interval;
 use super::mapping::{Exactness, LayerFidelity, Mapping, EXACT_TOLERANCE};
 use super::recover::RecoveryReport;
 use crate::output::ModelFolder;
-
-/// Token ids of `text` with the tokenizer.json at `path`.
-pub fn tokenize(path: &Path, text: &str) -> Result<Vec<u32>> {
-    let files = loader::ModelFiles {
-        source: path.display().to_string(),
-        config: loader::ConfigSource::Json {
-            path: None,
-            value: Value::Null,
-        },
-        weights: loader::Weights::Safetensors(vec![]),
-        tokenizer: Some(path.to_path_buf()),
-    };
-    let t = loader::load_tokenizer(&files)?;
-    Ok(t.encode(text, false)
-        .map_err(|e| anyhow!("{}: cannot tokenize: {e}", path.display()))?
-        .get_ids()
-        .to_vec())
-}
+use tokenformer::source::data::{DataInfo, Unit};
 
 /// Marsaglia's xorshift64 (13, 7, 17), the stream of the seeded ids.
 struct XorShift(u64);

@@ -45,11 +45,12 @@ use candle_core::{DType, Module, Tensor};
 use serde::Serialize;
 use tokenformer::pattention::{theta, Activation, Pattention};
 
-use super::data::Unit;
 use super::fidelity::{Agreement, FitReport, PairedAgreement};
 use super::linalg::{cholesky, cholesky_solve, matmul};
 use super::mapping::{ImportedLayer, Mapping};
-use super::source::{standardise, Block, LayerTrace, SourceBody, Stack};
+use tokenformer::source::data::Unit;
+use tokenformer::source::recover::{FitInputs, MAX_FIT_ROWS};
+use tokenformer::source::{standardise, Block, LayerTrace, SourceBody, Stack};
 
 /// The smallest ridge of a token, relative to trace(AᵀA)/n.
 pub const FLOOR: f64 = 1e-12;
@@ -324,37 +325,6 @@ fn activations(map: &Mapping, keys: &Tensor, x: &Tensor) -> Result<Tensor> {
     )?)
 }
 
-/// The most calibration rows (tokens, or patches and class tokens) a fit keeps:
-/// it holds each row's activations in memory (the source's and the import's,
-/// and the five targets of a layer), and accumulating AᵀA costs rows·n² (at
-/// 16,384 rows and an MLP of n = 4,096 tokens, about half a minute on 2 cores).
-/// The output projections' scales still see all the calibration data.
-pub const MAX_FIT_ROWS: usize = 16_384;
-
-/// The calibration data of a fit: the embedded inputs [b, t, d] of each batch,
-/// whole samples in order up to [`MAX_FIT_ROWS`] rows.
-#[derive(Default)]
-pub struct FitInputs {
-    batches: Vec<Tensor>,
-    rows: usize,
-    /// Rows of the calibration data beyond [`MAX_FIT_ROWS`], not fitted on.
-    left_out: usize,
-}
-
-impl FitInputs {
-    /// Keeps the samples of a batch x [b, t, d] that fit within [`MAX_FIT_ROWS`].
-    pub fn push(&mut self, x: &Tensor) -> Result<()> {
-        let (b, t) = (x.dim(0)?, x.dim(1)?);
-        let keep = (MAX_FIT_ROWS.saturating_sub(self.rows) / t.max(1)).min(b);
-        if keep > 0 {
-            self.batches.push(x.narrow(0, 0, keep)?);
-            self.rows += keep * t;
-        }
-        self.left_out += (b - keep) * t;
-        Ok(())
-    }
-}
-
 /// Adds a batch's rows A [b·t, n] and targets [b·t, out] to `eq`: each sample
 /// (image, or text window) to fold (its index) mod 2, `next` counting samples
 /// across batches; with a single sample in all (`single`), its two halves.
@@ -497,79 +467,6 @@ pub fn fit_values(
         left_out: inputs.left_out,
         max_tokens,
     })
-}
-
-/// Per imported Pattention (by its canonical `layers.{i}.{part}.value_param_tokens`
-/// name), 1/RMS of its tokens' activations Θ(x·Kᵀ) over the calibration data, per
-/// token group of the mapping, as [n, 1]: the AdamW update scale of each value row in
-/// `--recover-steps`. The mapping's tokens score from ~κ_A (anchors) to ~κ_b² (bias
-/// tokens), so an update of the same size on every value moves the output by amounts
-/// ~10¹⁰ apart; scaled by 1/RMS(activation) each group's step moves the output alike
-/// (a diagonal Gauss-Newton preconditioner, shared within a group).
-pub fn value_update_scales(
-    stack: &Stack,
-    layers: &[ImportedLayer],
-    map: &Mapping,
-    inputs: &FitInputs,
-) -> Result<std::collections::BTreeMap<String, Tensor>> {
-    let blocks = layers
-        .iter()
-        .map(|l| ImportBlock::new(l, map))
-        .collect::<Result<Vec<_>>>()?;
-    // Per layer and part: Σ activation² per token, and the rows summed over.
-    let mut sums: Vec<[Option<Tensor>; 5]> = vec![Default::default(); layers.len()];
-    let mut rows = 0usize;
-    for x in &inputs.batches {
-        let (_, traces) = stack.run(&blocks, x)?;
-        rows += traces.first().map_or(0, |t| t.attn_in.dim(0).unwrap_or(0));
-        for ((l, t), acc) in layers.iter().zip(&traces).zip(sums.iter_mut()) {
-            let ins = [&t.attn_in, &t.attn_in, &t.attn_in, &t.proj_in, &t.mlp_in];
-            for (j, input) in ins.into_iter().enumerate() {
-                let a = activations(map, &l.parts[j].0, input)?
-                    .to_dtype(DType::F64)?
-                    .sqr()?
-                    .sum(0)?;
-                acc[j] = Some(match acc[j].take() {
-                    Some(s) => (s + a)?,
-                    None => a,
-                });
-            }
-        }
-    }
-    let mut out = std::collections::BTreeMap::new();
-    for (i, parts) in sums.into_iter().enumerate() {
-        for (j, sum) in parts.into_iter().enumerate() {
-            let Some(sum) = sum else { continue };
-            let ms: Vec<f64> = (sum / rows.max(1) as f64)?.to_vec1()?;
-            // One scale per token group of the mapping ([memories;] anchors, bias
-            // tokens), not per token: an anchor that the calibration rows barely
-            // activate (GELU(−κ_A·x̂ᵢ) ≈ 0 where x̂ᵢ > 0) would otherwise get a huge
-            // scale, and Adam takes a full step on however small a gradient.
-            let (n, d) = layers[i].parts[j].0.dims2()?;
-            let fixed = (4 * d).min(n);
-            let groups = [
-                (0, n - fixed),
-                (n - fixed, fixed / 2),
-                (n - fixed / 2, fixed / 2),
-            ];
-            let mut scale = vec![1f32; n];
-            for (start, len) in groups {
-                if len == 0 {
-                    continue;
-                }
-                let mean = ms[start..start + len].iter().sum::<f64>() / len as f64;
-                let s = 1.0 / mean.sqrt().max(f64::MIN_POSITIVE.sqrt());
-                scale[start..start + len].fill(s as f32);
-            }
-            let scale = Tensor::from_vec(scale, (n, 1), &candle_core::Device::Cpu)?;
-            let name = format!(
-                "layers.{i}.{}.value_param_tokens",
-                tokenformer::models::tokenformer::PATTENTIONS[j]
-            );
-            out.insert(name, scale);
-        }
-    }
-    Ok(out)
 }
 
 type Pick = fn(&LayerTrace) -> &Tensor;
@@ -922,20 +819,6 @@ mod tests {
         for (i, w) in ata.iter().enumerate() {
             assert!((g0[i] + g1[i] - w).abs() <= 1e-9 * w.abs().max(1.0));
         }
-    }
-
-    #[test]
-    fn the_fit_keeps_whole_samples_up_to_its_bound() {
-        let batch = |b: usize, t: usize| Tensor::zeros((b, t, 2), DType::F32, &Device::Cpu);
-        let mut f = FitInputs::default();
-        f.push(&batch(3, 5000).unwrap()).unwrap();
-        f.push(&batch(2, 700).unwrap()).unwrap();
-        f.push(&batch(4, 5000).unwrap()).unwrap();
-        // 15,000 + 700 rows kept; the second batch's second sample and the
-        // third batch would pass MAX_FIT_ROWS.
-        assert_eq!((f.rows, f.left_out), (15_700, 700 + 20_000));
-        let kept: Vec<usize> = f.batches.iter().map(|x| x.dim(0).unwrap()).collect();
-        assert_eq!(kept, [3, 1]);
     }
 
     #[test]

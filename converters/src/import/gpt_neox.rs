@@ -1,230 +1,30 @@
-//! Name map of Hugging Face transformers' GPT-NeoX / Pythia checkpoints
-//! (`modeling_gpt_neox.py`, `GPTNeoXForCausalLM`): `gpt_neox.embed_in`,
-//! `gpt_neox.layers.{i}.{input_layernorm, attention.query_key_value,
-//! attention.dense, post_attention_layernorm, mlp.dense_h_to_4h,
-//! mlp.dense_4h_to_h}`, `gpt_neox.final_layer_norm`, `embed_out`.
-//! The fused `query_key_value` rows are grouped per head as [q | k | v]
-//! (the module views its output as [.., heads, 3·head_dim]). [`import`] turns
-//! it into a TokenFormer language model with the same residual structure
-//! (parallel for Pythia), calibrated on one text and measured on another.
+//! `import --from gpt-neox`: a transformers GPT-NeoX / Pythia checkpoint (read by
+//! [`tokenformer::source::gpt_neox`]) turned into a TokenFormer language model with
+//! the same residual structure (parallel for Pythia), calibrated on one text and
+//! measured on another.
 
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Result};
-use candle_core::{DType, Device, Tensor};
-use serde_json::Value;
+use candle_core::{Device, Tensor};
 use tokenformer::checkpoint::Tensors;
 use tokenformer::loader;
-use tokenformer::models::tokenformer::{self as lm, Rotary, ScaleTokens};
+use tokenformer::models::tokenformer::{self as lm, ScaleTokens};
 use tokenformer::pattention::Activation;
-use tokenformer::train::distill::{DistillBatch, Targets};
-use tokenformer::train::TrainableLm;
+use tokenformer::source::data::{text_ids, DataInfo, Split, Text, Unit};
+use tokenformer::source::gpt_neox::{is_buffer, read};
+use tokenformer::source::recover::{recover_lm, FitInputs};
+use tokenformer::source::RawCheckpoint;
 
 use super::args::{FitMode, ImportArgs};
-use super::data::{DataInfo, Split, Text, Unit};
 use super::fidelity::{
     self, finish, Agreement, CardText, PairedAgreement, Report, FITTED_CARD_NOTE,
     RECOVERED_CARD_NOTE,
 };
-use super::fit::{fit_values, value_update_scales, FitCheck, FitInputs, ImportBlock};
+use super::fit::{fit_values, FitCheck, ImportBlock};
 use super::mapping::{Calibration, LayerCheck, Mapping};
-use super::recover::{self, Recovery, RecoveryReport, TextWindows};
-use super::source::{
-    layer_norm, usize_key, Dense, Mixing, Norm, RawCheckpoint, SourceBody, SourceLayer, Stack,
-};
+use super::recover::{self, RecoveryReport};
 use crate::output::ModelFolder;
-
-/// The hyper-parameters a TokenFormer needs, from `config.json`.
-#[derive(Clone, Debug)]
-pub struct NeoxConfig {
-    pub hidden_size: usize,
-    pub num_layers: usize,
-    pub num_heads: usize,
-    pub intermediate_size: usize,
-    pub vocab_size: usize,
-    pub rotary_pct: f64,
-    pub rotary_base: f64,
-    pub max_position_embeddings: usize,
-    pub eps: f64,
-    pub parallel_residual: bool,
-    /// Biases on query_key_value and dense (transformers' `attention_bias`, default true).
-    pub attention_bias: bool,
-    pub tie_word_embeddings: bool,
-    pub eos_token_id: u32,
-}
-
-/// A GPT-NeoX checkpoint in the shared source form.
-pub struct NeoxSource {
-    pub cfg: NeoxConfig,
-    pub body: SourceBody,
-    pub embed_in: Tensor,
-    pub final_norm: Norm,
-    /// `embed_out.weight` (None when the source ties it to the embeddings).
-    pub embed_out: Option<Tensor>,
-}
-
-pub fn config(c: &Value, origin: &str) -> Result<NeoxConfig> {
-    if let Some(mt) = c.get("model_type").and_then(Value::as_str) {
-        if mt != "gpt_neox" {
-            bail!("{origin}: config.json says model_type `{mt}`, not a GPT-NeoX checkpoint (`gpt_neox`); use --from vit for ViT classifiers")
-        }
-    }
-    if let Some(act) = c.get("hidden_act").and_then(Value::as_str) {
-        if act != "gelu" {
-            bail!("{origin}: hidden_act `{act}` is not supported: Pattention's Θ uses the exact (erf) GELU, so only `gelu` sources map onto it")
-        }
-    }
-    let hidden_size = usize_key(c, "hidden_size", origin, None)?;
-    let num_heads = usize_key(c, "num_attention_heads", origin, None)?;
-    if hidden_size % num_heads != 0 {
-        bail!("{origin}: hidden_size {hidden_size} is not divisible by num_attention_heads {num_heads}")
-    }
-    let f = |k: &str, d: f64| c.get(k).and_then(Value::as_f64).unwrap_or(d);
-    // Newer transformers versions move the rotary settings into `rope_parameters`.
-    let rope = c.get("rope_parameters");
-    let rope_f = |k: &str| rope.and_then(|r| r.get(k)).and_then(Value::as_f64);
-    Ok(NeoxConfig {
-        hidden_size,
-        num_layers: usize_key(c, "num_hidden_layers", origin, None)?,
-        num_heads,
-        intermediate_size: c
-            .get("intermediate_size")
-            .and_then(Value::as_u64)
-            .map_or(4 * hidden_size, |v| v as usize),
-        vocab_size: usize_key(c, "vocab_size", origin, None)?,
-        rotary_pct: rope_f("partial_rotary_factor").unwrap_or(f("rotary_pct", 0.25)),
-        rotary_base: rope_f("rope_theta")
-            .unwrap_or(f("rotary_emb_base", f("rope_theta", 10_000.0))),
-        max_position_embeddings: c
-            .get("max_position_embeddings")
-            .and_then(Value::as_u64)
-            .map_or(2048, |v| v as usize),
-        eps: f("layer_norm_eps", 1e-5),
-        parallel_residual: c
-            .get("use_parallel_residual")
-            .and_then(Value::as_bool)
-            .unwrap_or(true),
-        attention_bias: c
-            .get("attention_bias")
-            .and_then(Value::as_bool)
-            .unwrap_or(true),
-        tie_word_embeddings: c
-            .get("tie_word_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
-        eos_token_id: c.get("eos_token_id").and_then(Value::as_u64).unwrap_or(0) as u32,
-    })
-}
-
-/// Splits the per-head fused [q | k | v] rows into three [d, d] (or [d]) tensors.
-fn split_fused(t: &Tensor, heads: usize, d: usize) -> Result<[Tensor; 3]> {
-    let hd = d / heads;
-    let grouped = match t.rank() {
-        2 => t.reshape((heads, 3, hd, d))?,
-        _ => t.reshape((heads, 3, hd))?,
-    };
-    let part = |i: usize| -> Result<Tensor> {
-        let p = grouped.narrow(1, i, 1)?.contiguous()?;
-        Ok(match t.rank() {
-            2 => p.reshape((d, d))?,
-            _ => p.reshape(d)?,
-        })
-    };
-    Ok([part(0)?, part(1)?, part(2)?])
-}
-
-/// Buffers a GPT-NeoX state dict may carry that are not weights.
-pub fn is_buffer(name: &str) -> bool {
-    name.ends_with(".attention.bias")
-        || name.ends_with(".attention.masked_bias")
-        || name.ends_with("rotary_emb.inv_freq")
-}
-
-pub fn read(raw: &mut RawCheckpoint) -> Result<NeoxSource> {
-    let cfg = config(&raw.config, &raw.origin)?;
-    if !raw.tensors.contains_key("gpt_neox.embed_in.weight") {
-        let example = raw.tensors.keys().next().cloned().unwrap_or_default();
-        bail!(
-            "{}: not a transformers GPT-NeoX checkpoint: tensor `gpt_neox.embed_in.weight` is missing (found e.g. `{example}`)",
-            raw.origin
-        )
-    }
-    let (d, m, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-    let embed_in = raw.take("gpt_neox.embed_in.weight", &[v, d])?;
-    let mut layers = Vec::with_capacity(cfg.num_layers);
-    for i in 0..cfg.num_layers {
-        let p = format!("gpt_neox.layers.{i}");
-        let ln1 = raw.take_norm(&format!("{p}.input_layernorm"), d)?;
-        let ln2 = raw.take_norm(&format!("{p}.post_attention_layernorm"), d)?;
-        let qkv_w = raw.take(
-            &format!("{p}.attention.query_key_value.weight"),
-            &[3 * d, d],
-        )?;
-        // transformers' `attention_bias: false` leaves out the attention's biases.
-        let attn_bias = cfg.attention_bias;
-        let qkv_b = if attn_bias {
-            Some(raw.take(&format!("{p}.attention.query_key_value.bias"), &[3 * d])?)
-        } else {
-            None
-        };
-        let [qw, kw, vw] = split_fused(&qkv_w, cfg.num_heads, d)?;
-        let [qb, kb, vb] = match &qkv_b {
-            Some(b) => split_fused(b, cfg.num_heads, d)?.map(Some),
-            None => [None, None, None],
-        };
-        let mut dense = |n: &str, out: usize, inp: usize, bias: bool| {
-            raw.take_dense(&format!("{p}.{n}"), out, inp, bias)
-        };
-        layers.push(SourceLayer {
-            ln1,
-            query: Dense {
-                weight: qw,
-                bias: qb,
-            },
-            key: Dense {
-                weight: kw,
-                bias: kb,
-            },
-            value: Dense {
-                weight: vw,
-                bias: vb,
-            },
-            dense: dense("attention.dense", d, d, attn_bias)?,
-            ln2,
-            fc1: dense("mlp.dense_h_to_4h", m, d, true)?,
-            fc2: dense("mlp.dense_4h_to_h", d, m, true)?,
-        });
-    }
-    let final_norm = Norm {
-        weight: raw.take("gpt_neox.final_layer_norm.weight", &[d])?,
-        bias: raw.take("gpt_neox.final_layer_norm.bias", &[d])?,
-    };
-    let embed_out = if raw.tensors.contains_key("embed_out.weight") || !cfg.tie_word_embeddings {
-        Some(raw.take("embed_out.weight", &[v, d])?)
-    } else {
-        None
-    };
-    Ok(NeoxSource {
-        body: SourceBody {
-            num_heads: cfg.num_heads,
-            eps: cfg.eps,
-            layers,
-        },
-        cfg,
-        embed_in,
-        final_norm,
-        embed_out,
-    })
-}
-
-/// The longest window the source and the import are run on at once.
-const MAX_WINDOW: usize = 2048;
-
-/// The window `--recover-steps` trains on (random offsets into the calibration text).
-const RECOVER_WINDOW: usize = 128;
-
-/// Eval windows the recovery's held-out loss is measured on (the report uses them all).
-const RECOVER_EVAL_WINDOWS: usize = 8;
 
 /// Token ids of a split's text (the user's, the literal `--probe-text`, or the
 /// shipped page), or seeded ids when there is no tokenizer to read text with.
@@ -257,23 +57,13 @@ fn split_ids(
         Some(t) => Text::literal(t),
         None => Text::new(file, flag, split)?,
     };
-    let ids = fidelity::tokenize(tok, &text.text)?;
-    if ids.len() < 2 {
-        bail!("{flag} {}: fewer than 2 tokens", text.source);
-    }
-    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-        bail!(
-            "{flag} {}: token id {bad} is outside the source's vocabulary ({vocab}): does {} belong to this model?",
-            text.source,
-            tok.display()
-        );
-    }
+    let ids = text_ids(tok, &text, flag, vocab)?;
     let info = DataInfo {
         source: text.source,
         shipped: text.shipped,
         items: ids.len(),
         unit: Unit::Tokens,
-        note: None,
+        note: text.note,
     };
     Ok((ids, info))
 }
@@ -290,7 +80,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             bail!("{flag} is for classifiers (--from vit); a language model takes --calibration-text and --eval-text");
         }
     }
-    let recovery = Recovery::from_args(a)?;
+    let recovery = recover::from_args(a)?;
     let src = read(raw)?;
     let buffers = raw.finish(is_buffer)?;
     let cfg = &src.cfg;
@@ -329,33 +119,15 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         bail!("--recover-steps trains on the calibration text, but the source has no tokenizer.json to read text with: pass --tokenizer FILE");
     }
 
-    let rotary_dims = ((d / cfg.num_heads) as f64 * cfg.rotary_pct) as usize;
-    if !rotary_dims.is_multiple_of(2) {
-        bail!(
-            "{}: rotary_pct {} gives an odd number of rotary dims ({rotary_dims})",
-            raw.origin,
-            cfg.rotary_pct
-        );
-    }
-    let rotary = Rotary::new(rotary_dims, cfg.rotary_base, max, &dev)?;
-    let embed = |ids: &[u32]| -> Result<Tensor> {
-        Ok(src
-            .embed_in
-            .index_select(&Tensor::new(ids, &dev)?, 0)?
-            .unsqueeze(0)?)
-    };
-    let source_logits = |h: &Tensor| -> Result<Tensor> {
-        let h = layer_norm(h, &src.final_norm, cfg.eps)?.squeeze(0)?;
-        Ok(h.matmul(&src.embed_out.as_ref().unwrap_or(&src.embed_in).t()?)?)
-    };
-    let stack = Stack {
-        num_heads: cfg.num_heads,
-        eps: cfg.eps,
-        mixing: Mixing::Causal(&rotary),
-        parallel: cfg.parallel_residual,
-    };
+    let rotary = src
+        .rotary(&dev)
+        .map_err(|e| anyhow!("{}: {e}", raw.origin))?;
+    let embed =
+        |ids: &[u32]| -> Result<Tensor> { Ok(src.embed(&Tensor::new(ids, &dev)?.unsqueeze(0)?)?) };
+    let source_logits = |h: &Tensor| -> Result<Tensor> { Ok(src.logits(h)?) };
+    let stack = src.stack(&rotary);
     // Texts longer than the context run as consecutive windows, each from position 0.
-    let window = max.min(MAX_WINDOW);
+    let window = src.window();
 
     // The output projections' (and eps-limited inputs') scales, fitted on the calibration text.
     let mut calibration = Calibration::new(&src.body);
@@ -434,53 +206,21 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     // --recover-steps: the import (fitted or mapped) distilled towards the source.
     let recovered = match &recovery {
         Some(rec) => {
-            let out_w = src.embed_out.as_ref().unwrap_or(&src.embed_in);
-            let teacher = |ids: &Tensor| -> tokenformer::Result<Targets> {
-                let (b, t) = ids.dims2()?;
-                let x = src
-                    .embed_in
-                    .index_select(&ids.flatten_all()?, 0)?
-                    .reshape((b, t, d))?;
-                let (h, hidden) = stack.run_hidden(&src.body.layers, &x)?;
-                let h = layer_norm(&h, &src.final_norm, cfg.eps)?.reshape((b * t, d))?;
-                Ok(Targets {
-                    logits: h.matmul(&out_w.t()?)?,
-                    hidden,
-                })
-            };
-            let seq_len = RECOVER_WINDOW.min(window);
-            let mut windows = TextWindows::new(calib_ids.clone(), seq_len);
-            let eval = eval_ids
-                .chunks(windows.len())
-                .filter(|w| w.len() >= 2)
-                .take(RECOVER_EVAL_WINDOWS)
-                .map(|w| {
-                    let input = Tensor::new(w, &dev)?.unsqueeze(0)?;
-                    Ok(DistillBatch {
-                        targets: teacher(&input)?,
-                        input,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let student = TrainableLm::new(&config, &tensors, DType::F32, &dev)?;
-            let b = rec.batch_size;
-            let seq_len = windows.len();
-            let (model, log) = recover::run(
+            let (bar, progress) = recover::bar(rec.steps);
+            let (trained, log, seq_len) = recover_lm(
+                &src,
+                &config,
+                &tensors,
+                &calib_ids,
+                &fit_inputs,
+                &eval_ids,
                 rec,
-                seq_len,
-                student,
-                value_update_scales(&stack, imported, &map, &fit_inputs)?,
                 folder.path(),
-                "tokens",
-                || {
-                    windows
-                        .next(b)
-                        .map_err(|e| tokenformer::Error::input(format!("{e:#}")))
-                },
-                teacher,
-                &eval,
+                progress,
             )?;
-            tensors = model.tensors();
+            bar.finish_and_clear();
+            recover::say(rec, &log);
+            tensors = trained;
             Some((rec, log, seq_len))
         }
         None => None,

@@ -12,7 +12,7 @@ use tokenformer::models::tokenformer::PATTENTIONS;
 use tokenformer::pattention::{Activation, Pattention};
 
 use super::fit::LayerFit;
-use super::source::{Dense, LayerTrace, Norm, SourceBody, SourceLayer};
+use tokenformer::source::{Dense, LayerTrace, Norm, SourceBody, SourceLayer};
 
 /// How a linear layer or an MLP becomes a Pattention layer.
 ///

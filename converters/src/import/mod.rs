@@ -9,12 +9,13 @@
 //! Pattention layer by the mapping documented on [`mapping::Mapping`]; the MLP uses the
 //! key-value-memory reading of Geva et al. 2021 (<https://arxiv.org/abs/2012.14913>):
 //! keys = rows of W_in, values = columns of W_out. The tool runs the source
-//! model (a plain candle forward, [`source`]) on calibration data to fit the one
+//! model (a plain candle forward, [`tokenformer::source`]) on calibration data to fit the one
 //! constant per layer the mapping cannot copy and, by default, every Pattention's
 //! value tokens by least squares, layer by layer ([`fit`]), with `--recover-steps`
-//! trains it to match the source by distillation ([`recover`]), then runs the source and the
+//! trains it to match the source by distillation ([`recover`], the library's
+//! [`tokenformer::source::recover`]), then runs the source and the
 //! import on held-out eval data ([`data`]: the user's, or real samples shipped
-//! with the tool) and reports per-layer ([`mapping`]: which parts are exact, under
+//! with the tool, [`tokenformer::source::data`]) and reports per-layer ([`mapping`]: which parts are exact, under
 //! what condition) and end-to-end ([`fidelity`]) fidelity. One importer per
 //! source family: [`gpt_neox`], [`vit`].
 
@@ -26,19 +27,18 @@ mod gpt_neox;
 mod linalg;
 mod mapping;
 mod recover;
-mod source;
 mod vit;
 
 use anyhow::Result;
 
 pub use args::ImportArgs;
 use args::SourceFamily;
-use source::{locate_input, RawCheckpoint};
+use tokenformer::source::{locate_input, RawCheckpoint};
 
 use crate::output::check_not_input;
 
 pub fn run(a: ImportArgs) -> Result<()> {
-    let dir = locate_input(&a.input)?;
+    let dir = locate_input(&a.input, "--input", Some(&crate::progress::download_bars()))?;
     check_not_input(&a.out.out, &dir)?;
     let mut raw = RawCheckpoint::read(&dir)?;
     match a.from {

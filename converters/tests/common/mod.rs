@@ -190,3 +190,33 @@ pub fn load_lm(model: &Path) -> TokenFormerLm {
 pub fn load_vit(model: &Path) -> VisionTransformer {
     loader::load_vit(&locate(model), &Device::Cpu).expect("load")
 }
+
+/// The `tokenformer` binary (for `train --distill-from`, compared with `import`):
+/// `TOKENFORMER_BIN` if set, else the workspace's, built here first by cargo (a no-op
+/// when it is up to date) so that it is never stale against the library this test
+/// binary was built with. Cargo builds only the package under test's binaries.
+pub fn tokenformer_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("TOKENFORMER_BIN") {
+        return PathBuf::from(p);
+    }
+    let mut c = Command::new(env!("CARGO"));
+    c.args([
+        "build",
+        "--quiet",
+        "-p",
+        "tokenformer",
+        "--bin",
+        "tokenformer",
+    ])
+    .current_dir(env!("CARGO_MANIFEST_DIR"));
+    if !cfg!(debug_assertions) {
+        c.arg("--release");
+    }
+    let o = c.output().expect("running cargo");
+    assert!(
+        o.status.success(),
+        "building tokenformer: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Path::new(env!("CARGO_BIN_EXE_tokenformer-convert")).with_file_name("tokenformer")
+}

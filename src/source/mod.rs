@@ -1,22 +1,47 @@
-//! The source checkpoint: found locally or on the Hub, read tensor by tensor by a
-//! name map (missing, misshapen and unexpected tensors all reported by name), held
-//! in one form shared by every source format, and run forward with plain candle
-//! ops so the import is measured against the model it came from without PyTorch:
-//! pre-norm blocks with affine LayerNorms and biased linear layers, as in the
-//! transformers modeling files `modeling_gpt_neox.py` (optionally with the
+//! Pre-trained Transformers as TokenFormers are made from and distilled towards
+//! (`tokenformer-convert import`, `tokenformer train --distill-from`): the source
+//! checkpoint found locally or on the Hub, read tensor by tensor by a name map
+//! (missing, misshapen and unexpected tensors all reported by name), held in one
+//! form shared by every source format, and run forward with plain candle ops so a
+//! TokenFormer is measured and trained against the model it came from without
+//! PyTorch: pre-norm blocks with affine LayerNorms and biased linear layers, as in
+//! the transformers modeling files `modeling_gpt_neox.py` (optionally with the
 //! parallel residual) and `modeling_vit.py` / timm's `vision_transformer.py`.
 //! Every layer records its activations (the inputs and outputs of each linear),
-//! which the per-layer fidelity check replays through the new Pattention layers.
+//! which the importer's per-layer fidelity check replays through the new
+//! Pattention layers. One reader per family ([`gpt_neox`], [`vit`]); the data
+//! both commands calibrate and measure on ([`data`]); the distillation recipe
+//! ([`recover`]).
+
+/// Returns an input error: the readers' messages name the file and tensor themselves.
+macro_rules! bail {
+    ($($t:tt)*) => {
+        return Err($crate::error::Error::input(format!($($t)*)))
+    };
+}
+
+/// An input error of a formatted message.
+macro_rules! input_error {
+    ($($t:tt)*) => {
+        $crate::error::Error::input(format!($($t)*))
+    };
+}
+
+pub mod data;
+pub mod gpt_neox;
+pub mod recover;
+pub mod vit;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, bail, Result};
+use crate::checkpoint::{self, Tensors};
+use crate::error::Result;
+use crate::hub::DownloadProgress;
+use crate::loader;
+use crate::models::tokenformer::Rotary;
 use candle_core::{DType, Device, Tensor, D};
 use serde_json::Value;
-use tokenformer::checkpoint::{self, Tensors};
-use tokenformer::loader;
-use tokenformer::models::tokenformer::Rotary;
 
 /// A source LayerNorm's affine part.
 pub struct Norm {
@@ -111,7 +136,7 @@ impl RawCheckpoint {
         let t = self
             .tensors
             .remove(name)
-            .ok_or_else(|| anyhow!("{}: missing tensor `{name}`", self.origin))?;
+            .ok_or_else(|| input_error!("{}: missing tensor `{name}`", self.origin))?;
         if t.dims() != shape {
             bail!(
                 "{}: tensor `{name}` has shape {:?} but config.json implies {:?}",
@@ -175,7 +200,7 @@ fn bin_files(dir: &Path) -> Result<Vec<PathBuf>> {
         let mut files: Vec<String> = v
             .get("weight_map")
             .and_then(Value::as_object)
-            .ok_or_else(|| anyhow!("{}: no weight_map", index.display()))?
+            .ok_or_else(|| input_error!("{}: no weight_map", index.display()))?
             .values()
             .filter_map(|f| f.as_str().map(String::from))
             .collect();
@@ -184,7 +209,7 @@ fn bin_files(dir: &Path) -> Result<Vec<PathBuf>> {
         return files
             .iter()
             .map(|f| {
-                checkpoint::shard_path(dir, f).map_err(|e| anyhow!("{}: {e}", index.display()))
+                checkpoint::shard_path(dir, f).map_err(|e| input_error!("{}: {e}", index.display()))
             })
             .collect();
     }
@@ -198,22 +223,27 @@ fn bin_files(dir: &Path) -> Result<Vec<PathBuf>> {
     )
 }
 
-/// A local folder, or a Hub repo id whose files are downloaded first.
-pub fn locate_input(spec: &str) -> Result<PathBuf> {
+/// A local folder, or a Hub repo id whose files are downloaded first (`progress`
+/// told of the downloads). `flag` names the option in messages.
+pub fn locate_input(
+    spec: &str,
+    flag: &str,
+    progress: Option<&DownloadProgress>,
+) -> Result<PathBuf> {
     let p = Path::new(spec);
     if p.is_dir() {
         return Ok(p.to_path_buf());
     }
     if p.exists() {
-        bail!("{spec}: --input must be a folder (config.json and weights), not a file");
+        bail!("{flag} {spec}: must be a folder (config.json and weights), not a file");
     }
     if !spec.contains('/') || spec.starts_with('.') || spec.starts_with('/') {
-        bail!("{spec}: no such folder, and not a Hub repo id owner/name");
+        bail!("{flag} {spec}: no such folder, and not a Hub repo id owner/name");
     }
-    use tokenformer::hub;
-    let repo = hub::RepoRef::parse(spec).map_err(|e| anyhow!("{e}"))?;
+    use crate::hub;
+    let repo = hub::RepoRef::parse(spec).map_err(|e| input_error!("{flag} {e}"))?;
     let list: Vec<String> = hub::list_files(&repo)
-        .map_err(|e| anyhow!("{spec}: {e}"))?
+        .map_err(|e| input_error!("{flag} {spec}: {e}"))?
         .into_iter()
         .map(|f| f.path)
         .collect();
@@ -242,12 +272,13 @@ pub fn locate_input(spec: &str) -> Result<PathBuf> {
     }
     want.dedup();
     let names: Vec<&str> = want.iter().map(String::as_str).collect();
-    let paths = hub::download_files(&repo, &names, Some(&crate::progress::download_bars()))
-        .map_err(|e| anyhow!("{spec}: {e}"))?;
-    Ok(paths[0]
-        .parent()
-        .expect("a downloaded file is in a folder")
-        .to_path_buf())
+    let paths = hub::download_files(&repo, &names, progress)
+        .map_err(|e| input_error!("{flag} {spec}: {e}"))?;
+    paths
+        .first()
+        .and_then(|p| p.parent())
+        .map(Path::to_path_buf)
+        .ok_or_else(|| input_error!("{flag} {spec}: the download returned no file"))
 }
 
 /// A positive integer `key` of a source config.json, or `default` when it is absent.

@@ -11,12 +11,12 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Result};
+use crate::error::Result;
+use crate::models::vit::{Interpolation, Pool, ResizeMode};
 use serde_json::Value;
-use tokenformer::models::vit::{Interpolation, Pool, ResizeMode};
 
 use super::{triple, Names, Qkv, VitMeta, VitSource};
-use crate::import::source::{usize_key, RawCheckpoint};
+use crate::source::{usize_key, RawCheckpoint};
 
 /// Tensors a ViT state dict may hold that the classifier does not use.
 pub fn is_unused(name: &str) -> bool {
@@ -64,7 +64,7 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         .get("classifier.weight")
         .map(|t| t.dims()[0])
         .ok_or_else(|| {
-            anyhow::anyhow!(
+            input_error!(
                 "{origin}: missing tensor `classifier.weight` (a ViTForImageClassification has it)"
             )
         })?;
@@ -134,7 +134,7 @@ impl Preprocessing {
         let path = dir.join("preprocessor_config.json");
         let pre = match std::fs::read_to_string(&path) {
             Ok(t) => serde_json::from_str::<Value>(&t)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
+                .map_err(|e| input_error!("{}: {e}", path.display()))?,
             Err(_) => Value::Null,
         };
         let origin = path.display();

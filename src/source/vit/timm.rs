@@ -8,12 +8,12 @@
 //! the `pretrained_cfg`'s (`crop_pct`, `crop_mode`, `interpolation`, `mean`, `std`),
 //! as `timm.data.create_transform` builds it.
 
-use anyhow::{bail, Result};
+use crate::error::Result;
+use crate::models::vit::{Interpolation, Pool, ResizeMode};
 use serde_json::Value;
-use tokenformer::models::vit::{Interpolation, Pool, ResizeMode};
 
 use super::{triple, Names, Qkv, VitMeta, VitSource};
-use crate::import::source::RawCheckpoint;
+use crate::source::RawCheckpoint;
 
 /// timm's ViT sizes by name (`vit_tiny` … `vit_giant`): heads.
 fn heads_from_name(arch: &str) -> Option<usize> {
@@ -44,7 +44,7 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         .and_then(Value::as_u64)
         .map(|h| h as usize)
         .or_else(|| heads_from_name(arch))
-        .ok_or_else(|| anyhow::anyhow!("{origin}: cannot tell the number of heads: config.json has no model_args.num_heads and architecture `{arch}` is not a known vit_<size> name"))?;
+        .ok_or_else(|| input_error!("{origin}: cannot tell the number of heads: config.json has no model_args.num_heads and architecture `{arch}` is not a known vit_<size> name"))?;
     if heads == 0 || d % heads != 0 {
         bail!("{origin}: width {d} is not divisible by {heads} heads")
     }
@@ -82,7 +82,7 @@ pub fn read(raw: &mut RawCheckpoint) -> Result<VitSource> {
         Some(other) => bail!("{origin}: global_pool `{other}` is not supported (token or avg)"),
     };
     let classes = dims(raw, "head.weight").map(|s| s[0]).ok_or_else(|| {
-        anyhow::anyhow!("{origin}: missing tensor `head.weight` (a classifier has it)")
+        input_error!("{origin}: missing tensor `head.weight` (a classifier has it)")
     })?;
 
     let interpolation = match pre.get("interpolation").and_then(Value::as_str) {
