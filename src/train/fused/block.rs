@@ -80,7 +80,8 @@ pub(crate) fn block(
 struct Block {
     spec: BlockSpec,
     rotary: Option<RotaryTables>,
-    /// q, k, v, proj, mlp, each keeping its scores and weights for the backward.
+    /// q, k, v, proj, mlp, each keeping its scores and weights for the backward
+    /// (q's holds those of all three of q, k and v).
     parts: [Pattention; 5],
     attention: Attention,
     /// The forward's activations for the backward (taken by it): h, q, k, v (q and k
@@ -154,6 +155,97 @@ impl Block {
         });
     }
 
+    /// q, k and v of h [r, d]: the three Pattentions' scores as one product with
+    /// their stacked keys ([r, 3n], Θ over each n), then one product per value set
+    /// reading its columns of the weights. The scores and weights are kept in
+    /// `self.parts[0]` for the backward.
+    fn qkv_fwd<T: Elem>(
+        &self,
+        h: &[T],
+        keys: &[T],
+        values: &[T],
+        (r, d): (usize, usize),
+    ) -> [Vec<T>; 3] {
+        let n = self.spec.tokens[0];
+        let s = T::matmul(
+            r,
+            3 * n,
+            d,
+            Operand::rows(h, d),
+            Operand::transposed(&keys[..3 * n * d], d),
+        );
+        let w = T::theta(&s, n, self.parts[0].c);
+        let out = std::array::from_fn(|g| {
+            let weights = Operand {
+                data: &w[g * n..],
+                rs: 3 * n,
+                cs: 1,
+            };
+            T::matmul(
+                r,
+                d,
+                n,
+                weights,
+                Operand::rows(&values[g * n * d..(g + 1) * n * d], d),
+            )
+        });
+        *self.parts[0].saved.lock().expect("not poisoned") =
+            Some((T::to_cpu_storage_owned(s), T::to_cpu_storage_owned(w)));
+        out
+    }
+
+    /// ∂h from ∂q, ∂k, ∂v, writing the three key and value gradients into the
+    /// stacked ones: ∂h and ∂keys as one product each over all 3n tokens.
+    fn qkv_bwd<T: Elem>(
+        &self,
+        (h, keys, values): (&[T], &[T], &[T]),
+        grads: [&[T]; 3],
+        (dkeys, dvalues): (&mut [T], &mut [T]),
+        (r, d): (usize, usize),
+    ) -> Result<Vec<T>> {
+        let n = self.spec.tokens[0];
+        let saved = self.parts[0].saved.lock().expect("not poisoned").take();
+        let Some((s, w)) = saved else {
+            candle_core::bail!("transformer block: a second backward over one forward")
+        };
+        let (Ok(s), Ok(w)) = (T::cpu_storage_data(s), T::cpu_storage_data(w)) else {
+            candle_core::bail!("transformer block: saved scores of another dtype")
+        };
+        // ∂weights [r, 3n]: each value set's product writes its n columns.
+        let mut dw = vec![T::zero(); r * 3 * n];
+        for (g, grad) in grads.into_iter().enumerate() {
+            let v = &values[g * n * d..(g + 1) * n * d];
+            T::matmul_into(
+                &mut dw[g * n..],
+                3 * n,
+                (r, n, d),
+                Operand::rows(grad, d),
+                Operand::transposed(v, d),
+            );
+            let weights = Operand {
+                data: &w[g * n..],
+                rs: 1,
+                cs: 3 * n,
+            };
+            let dv = T::matmul_long(n, d, r, weights, Operand::rows(grad, d));
+            dvalues[g * n * d..(g + 1) * n * d].copy_from_slice(&dv);
+        }
+        drop(w);
+        let ds = T::theta_grad(s, &dw, n, self.parts[0].c);
+        drop(dw);
+        let k = &keys[..3 * n * d];
+        let dh = T::matmul(r, d, 3 * n, Operand::rows(&ds, 3 * n), Operand::rows(k, d));
+        let dk = T::matmul_long(
+            3 * n,
+            d,
+            r,
+            Operand::transposed(&ds, 3 * n),
+            Operand::rows(h, d),
+        );
+        dkeys[..3 * n * d].copy_from_slice(&dk);
+        Ok(dh)
+    }
+
     fn fwd<T: Elem>(
         &self,
         x: &[T],
@@ -172,9 +264,7 @@ impl Block {
             )
         };
         let h = self.layer_norm(x, d);
-        let mut q = part(0, &h);
-        let mut k = part(1, &h);
-        let v = part(2, &h);
+        let [mut q, mut k, v] = self.qkv_fwd(&h, keys, values, (r, d));
         self.rotate(&mut q, (t, d), false);
         self.rotate(&mut k, (t, d), false);
         let a = self.attention.fwd(&q, &k, &v, (r / t, t, d));
@@ -248,9 +338,13 @@ impl Block {
         drop((da, q, k, v));
         self.rotate(&mut dq, (t, d), true);
         self.rotate(&mut dk, (t, d), true);
-        let mut dh = part_bwd(0, &h, &dq)?;
-        add_into(&mut dh, &part_bwd(1, &h, &dk)?);
-        add_into(&mut dh, &part_bwd(2, &h, &dv)?);
+        let mut dh = self.qkv_bwd(
+            (&h, keys, values),
+            [&dq, &dk, &dv],
+            (&mut dkeys, &mut dvalues),
+            (r, d),
+        )?;
+        drop((dq, dk, dv));
         if let Some(f) = dh_ffn {
             add_into(&mut dh, &f);
         }

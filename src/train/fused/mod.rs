@@ -45,6 +45,16 @@ trait Elem: WithDType + Copy + Send + Sync + Into<f64> {
         rhs: Operand<Self>,
     ) -> Vec<Self>;
 
+    /// Rows of dst [m, n] (row i at `dst[i·rs..]`) = lhs · rhs on all threads: a
+    /// product into columns of a wider buffer.
+    fn matmul_into(
+        dst: &mut [Self],
+        rs: usize,
+        mnk: (usize, usize, usize),
+        lhs: Operand<Self>,
+        rhs: Operand<Self>,
+    );
+
     /// dst [m, n] = lhs · rhs on all threads.
     fn matmul(m: usize, n: usize, k: usize, lhs: Operand<Self>, rhs: Operand<Self>) -> Vec<Self> {
         Self::matmul_on(crate::kernels::gemm_parallelism(), (m, n, k), lhs, rhs)
@@ -177,9 +187,56 @@ fn product<T: Copy + Default>(
     dst
 }
 
+/// Checks that `dst` holds m rows of n at stride `rs` and the operands cover their
+/// parts, then runs `call` with dst's pointer (nothing when the product is empty).
+fn product_into<T: Copy>(
+    dst: &mut [T],
+    rs: usize,
+    (m, n, k): (usize, usize, usize),
+    lhs: &Operand<T>,
+    rhs: &Operand<T>,
+    call: impl FnOnce(*mut T),
+) {
+    assert!(
+        lhs.covers(m, k)
+            && rhs.covers(k, n)
+            && n <= rs
+            && (m == 0 || (m - 1) * rs + n <= dst.len()),
+        "fused product out of bounds"
+    );
+    if m * n > 0 && k > 0 {
+        call(dst.as_mut_ptr());
+    } else if k == 0 {
+        assert!(m * n == 0, "fused product of depth 0");
+    }
+}
+
 impl Elem for f32 {
     fn exp_fast(self) -> Self {
         crate::kernels::math::exp_f32(self)
+    }
+    fn matmul_into(
+        dst: &mut [Self],
+        rs: usize,
+        (m, n, k): (usize, usize, usize),
+        lhs: Operand<Self>,
+        rhs: Operand<Self>,
+    ) {
+        product_into(dst, rs, (m, n, k), &lhs, &rhs, |dst| {
+            // SAFETY: the operands cover m×k and k×n elements and dst m rows of n
+            // at stride rs (checked by `product_into`); dst overlaps neither.
+            unsafe {
+                crate::kernels::gemm_f32(
+                    crate::kernels::active(),
+                    (m, n, k),
+                    (dst, 1, rs as isize),
+                    (lhs.data.as_ptr(), lhs.cs as isize, lhs.rs as isize),
+                    (rhs.data.as_ptr(), rhs.cs as isize, rhs.rs as isize),
+                    1.0,
+                    crate::kernels::gemm_parallelism(),
+                )
+            }
+        })
     }
     fn matmul_on(
         par: gemm::Parallelism,
@@ -236,9 +293,58 @@ fn matmul_f32_on(
     })
 }
 
+/// The f64 product by gemm (tests and the f64 checks), dst rows `rs` apart.
+///
+/// # Safety
+/// As `gemm::gemm`: the operands and dst address their elements, dst overlaps neither.
+unsafe fn gemm_f64(
+    par: gemm::Parallelism,
+    (m, n, k): (usize, usize, usize),
+    (dst, rs): (*mut f64, usize),
+    lhs: Operand<f64>,
+    rhs: Operand<f64>,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            rs as isize,
+            false,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
 impl Elem for f64 {
     fn exp_fast(self) -> Self {
         f64::exp(self)
+    }
+    fn matmul_into(
+        dst: &mut [Self],
+        rs: usize,
+        mnk: (usize, usize, usize),
+        lhs: Operand<Self>,
+        rhs: Operand<Self>,
+    ) {
+        product_into(dst, rs, mnk, &lhs, &rhs, |dst| {
+            // SAFETY: checked by `product_into`.
+            unsafe { gemm_f64(crate::kernels::gemm_parallelism(), mnk, (dst, rs), lhs, rhs) }
+        })
     }
     fn matmul_on(
         par: gemm::Parallelism,
@@ -248,29 +354,7 @@ impl Elem for f64 {
     ) -> Vec<Self> {
         product((m, n, k), &lhs, &rhs, |dst| {
             // SAFETY: as for f32.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    n,
-                    k,
-                    dst,
-                    1,
-                    n as isize,
-                    false,
-                    lhs.data.as_ptr(),
-                    lhs.cs as isize,
-                    lhs.rs as isize,
-                    rhs.data.as_ptr(),
-                    rhs.cs as isize,
-                    rhs.rs as isize,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    par,
-                )
-            }
+            unsafe { gemm_f64(par, (m, n, k), (dst, n), lhs, rhs) }
         })
     }
     fn theta(s: &[Self], n: usize, c: f64) -> Vec<Self> {
