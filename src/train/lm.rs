@@ -114,11 +114,18 @@ impl TrainableLm {
     }
 
     /// [`Self::logits`], pushing each layer's output onto `hidden` when given.
-    fn logits_and_hidden(
+    fn logits_and_hidden(&self, ids: &Tensor, hidden: Option<&mut Vec<Tensor>>) -> Result<Tensor> {
+        let (h, out) = self.final_state(ids, hidden)?;
+        h.matmul(&out.t()?)
+    }
+
+    /// The output layer's input [b·t, d] (after the final norm) and its weights
+    /// [vocab, d], pushing each layer's output onto `hidden` when given.
+    fn final_state(
         &self,
         ids: &Tensor,
         mut hidden: Option<&mut Vec<Tensor>>,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         let (b, t) = ids.dims2()?;
         let cfg = &self.cfg;
         if t > cfg.max_position_embeddings {
@@ -188,7 +195,7 @@ impl TrainableLm {
         } else {
             self.p("final_linear.weight")?
         };
-        h.reshape((b * t, d))?.matmul(&out.t()?)
+        Ok((h.reshape((b * t, d))?, out))
     }
 
     /// Mean next-token cross-entropy of ids [b, t+1]: positions 0..t predict 1..=t.
@@ -197,9 +204,12 @@ impl TrainableLm {
         if t1 < 2 {
             candle_core::bail!("a training sequence needs at least 2 tokens, got {t1}")
         }
-        let logits = self.logits(&ids.narrow(1, 0, t1 - 1)?)?;
         let targets = ids.narrow(1, 1, t1 - 1)?.flatten_all()?.to_vec1::<u32>()?;
-        super::loss::cross_entropy(&logits, &targets)
+        let (h, out) = self.final_state(&ids.narrow(1, 0, t1 - 1)?, None)?;
+        if super::fused::serves(&h) {
+            return super::fused::head_cross_entropy(&h, &out, &targets);
+        }
+        super::loss::cross_entropy(&h.matmul(&out.t()?)?, &targets)
     }
 
     /// The √n constant of the k-th Pattention of a block (q, k, v, proj, mlp).

@@ -13,12 +13,7 @@ use rayon::prelude::*;
 /// The mean over rows of logsumexp(x) − x[target].
 pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     let (n, v) = logits.dims2()?;
-    if targets.len() != n {
-        candle_core::bail!("{} targets for {n} rows of logits", targets.len())
-    }
-    if let Some(t) = targets.iter().find(|&&t| t as usize >= v) {
-        candle_core::bail!("target {t} outside {v} classes")
-    }
+    check_targets(n, v, targets)?;
     if !crate::kernels::fused_on(logits) || !matches!(logits.dtype(), DType::F32 | DType::F64) {
         return composite(logits, targets);
     }
@@ -107,6 +102,71 @@ fn grad_row_generic(o: &mut [f32], row: &[f32], shift: f32, scale: f32) {
 }
 
 super::parts::by_isa!(grad_row(o: &mut [f32], row: &[f32], shift: f32, scale: f32) = grad_row_generic);
+
+/// [`grad_row_generic`] over the row itself.
+#[inline(always)]
+fn grad_row_in_place_generic(row: &mut [f32], shift: f32, scale: f32) {
+    for x in row.iter_mut() {
+        *x = crate::kernels::math::exp_f32(*x - shift) * scale;
+    }
+}
+
+super::parts::by_isa!(grad_row_in_place(row: &mut [f32], shift: f32, scale: f32) = grad_row_in_place_generic);
+
+/// The loss over logits [rows, v] (as [`cross_entropy`] computes it), turning the
+/// logits into the loss's gradient (softmax − one-hot) / rows where they are: the
+/// fused head's forward, which has the gradient ready for its backward.
+pub(crate) fn loss_and_grad_in_place_f32(x: &mut [f32], v: usize, targets: &[u32]) -> f64 {
+    let scale = 1.0 / targets.len().max(1) as f64;
+    let total: f64 = x
+        .par_chunks_mut(v)
+        .zip(targets.par_iter())
+        .map(|(row, &t)| {
+            let (max, sum) = crate::kernels::max_and_exp_sum(row);
+            let lse = f64::from(max) + sum.ln();
+            let loss = lse - f64::from(row[t as usize]);
+            grad_row_in_place(row, lse as f32, scale as f32);
+            row[t as usize] -= scale as f32;
+            loss
+        })
+        .sum();
+    total * scale
+}
+
+/// [`loss_and_grad_in_place_f32`] in f64 arithmetic for any element type.
+pub(crate) fn loss_and_grad_in_place<T: Copy + Into<f64> + Send + Sync>(
+    x: &mut [T],
+    v: usize,
+    targets: &[u32],
+    from: impl Fn(f64) -> T + Sync,
+) -> f64 {
+    let scale = 1.0 / targets.len().max(1) as f64;
+    let total: f64 = x
+        .par_chunks_mut(v)
+        .zip(targets.par_iter())
+        .map(|(row, &t)| {
+            let (max, lse) = row_lse(row);
+            let loss = max + lse - row[t as usize].into();
+            for (j, x) in row.iter_mut().enumerate() {
+                let p = ((*x).into() - max - lse).exp() - f64::from(u8::from(j == t as usize));
+                *x = from(p * scale);
+            }
+            loss
+        })
+        .sum();
+    total * scale
+}
+
+/// Checks that `targets` has one class id below `v` per row of `n`.
+pub(crate) fn check_targets(n: usize, v: usize, targets: &[u32]) -> Result<()> {
+    if targets.len() != n {
+        candle_core::bail!("{} targets for {n} rows of logits", targets.len())
+    }
+    if let Some(t) = targets.iter().find(|&&t| t as usize >= v) {
+        candle_core::bail!("target {t} outside {v} classes")
+    }
+    Ok(())
+}
 
 fn grad_f32(x: &[f32], v: usize, targets: &[u32], scale: f64) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];

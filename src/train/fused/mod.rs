@@ -19,11 +19,13 @@ use super::theta;
 
 mod attention;
 mod block;
+mod head;
 mod pattention;
 mod rows;
 
 pub(super) use attention::attention;
 pub(crate) use block::{block, BlockSpec, RotaryTables};
+pub(crate) use head::head_cross_entropy;
 pub(super) use pattention::pattention;
 use rows::last_dim;
 pub(super) use rows::{layer_norm, softmax_scaled};
@@ -128,6 +130,11 @@ trait Elem: WithDType + Copy + Send + Sync + Into<f64> {
     /// The upstream gradient `dx` of one row becomes ∂x, from the row's input and output.
     fn layer_norm_grad_row(dx: &mut [Self], x: &[Self], y: &[Self], eps: f64) {
         rows::layer_norm_grad_row(dx, x, y, eps)
+    }
+    /// The mean cross-entropy of logits [rows, v] against `targets`, the logits
+    /// turned into its gradient (softmax − one-hot) / rows in place.
+    fn loss_and_grad_in_place(x: &mut [Self], v: usize, targets: &[u32]) -> f64 {
+        super::loss::loss_and_grad_in_place(x, v, targets, Self::from_f64)
     }
     /// Θ's backward, the scores turned into their gradient in place.
     fn theta_grad(s: Vec<Self>, dy: &[Self], n: usize, c: f64) -> Vec<Self>;
@@ -255,6 +262,9 @@ impl Elem for f32 {
     }
     fn softmax_row(src: &[Self], dst: &mut [Self], scale: f64) {
         rows::fast::softmax_row(src, dst, scale)
+    }
+    fn loss_and_grad_in_place(x: &mut [Self], v: usize, targets: &[u32]) -> f64 {
+        super::loss::loss_and_grad_in_place_f32(x, v, targets)
     }
     fn softmax_grad_row(dp: &mut [Self], p: &[Self], scale: f64) {
         rows::fast::softmax_grad_row(dp, p, scale)
@@ -851,5 +861,15 @@ mod tests {
                 &[&[2, t, 8], &[19, 8], &[19, 8]],
             );
         }
+    }
+
+    #[test]
+    fn the_head_and_loss_have_the_composite_values_and_gradients() {
+        let targets = [3u32, 0, 8, 8, 5];
+        check(
+            &move |a| head_cross_entropy(&a[0], &a[1], &targets),
+            &move |a| super::super::loss::cross_entropy(&a[0].matmul(&a[1].t()?)?, &targets),
+            &[&[5, 7], &[9, 7]],
+        );
     }
 }
