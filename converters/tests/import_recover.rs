@@ -23,21 +23,7 @@ fn peers() -> HashMap<String, Tensor> {
 
 /// `import --from <from> --input <fixture> --out <out>` and `extra`.
 fn import(from: &str, fixture: &str, out: &Path, extra: &[&str]) -> Vec<String> {
-    let src = import_fixtures().join(fixture);
-    let mut v: Vec<String> = [
-        "import",
-        "--from",
-        from,
-        "--input",
-        s(&src),
-        "--out",
-        s(out),
-    ]
-    .iter()
-    .map(|x| x.to_string())
-    .collect();
-    v.extend(extra.iter().map(|x| x.to_string()));
-    v
+    common::import_args(from, &import_fixtures().join(fixture), out, extra)
 }
 
 /// Top-1 agreement and mean KL(source ‖ import) of logits [n, k], in f64.

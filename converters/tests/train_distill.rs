@@ -23,22 +23,9 @@ fn samples() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/samples")
 }
 
-/// `import --from <from> --input <fixture> --out <out>` and `extra`.
+/// `import --from <from> --input <input> --out <out>` and `extra`.
 fn import(from: &str, input: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
-    let mut v: Vec<String> = [
-        "import",
-        "--from",
-        from,
-        "--input",
-        s(input),
-        "--out",
-        s(out),
-    ]
-    .iter()
-    .map(|x| x.to_string())
-    .collect();
-    v.extend(extra.iter().map(|x| x.to_string()));
-    v
+    common::import_args(from, input, out, extra)
 }
 
 /// Runs `tokenformer` with `args` (and a fake Hub's environment when given).

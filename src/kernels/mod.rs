@@ -50,6 +50,7 @@ pub(crate) use matmul::{gemm_f32, gemm_parallelism};
 pub use matmul::{matmul_nn, matmul_nt, matmul_nt_q8, SMALL_ROWS};
 pub use q8::Q8Matrix;
 pub(crate) use rotary::rotary;
+pub(crate) use rows::max_of;
 pub use rows::{max_and_exp_sum, sum};
 pub use theta::theta_owned;
 

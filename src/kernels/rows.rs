@@ -58,7 +58,7 @@ pub(super) fn sum_sq(row: &[f32]) -> f32 {
 /// The largest value, with 16 running maxima so it vectorises (a fold over
 /// `f32::max` is a serial chain of NaN-aware compares).
 #[inline(always)]
-fn max_of(row: &[f32]) -> f32 {
+pub(crate) fn max_of(row: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 16];
     let chunks = row.chunks_exact(16);
     let tail = chunks.remainder();

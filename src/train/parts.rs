@@ -94,6 +94,25 @@ pub(crate) fn embed_image<P: Params + ?Sized>(
     Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(&p("pos_embed")?)
 }
 
+/// Σ f(a, b) over 32 independent f32 lanes, added up in f64: one running sum is a
+/// serial chain of adds (four cycles an element) and does not vectorise. Inlined into
+/// the row kernels compiled by [`by_isa`].
+#[inline(always)]
+pub(crate) fn lanes(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f64 {
+    let mut acc = [0f32; 32];
+    let (ca, cb) = (a.chunks_exact(32), b.chunks_exact(32));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for k in 0..32 {
+            acc[k] += f(x[k], y[k]);
+        }
+    }
+    for (k, (&x, &y)) in ra.iter().zip(rb).enumerate() {
+        acc[k] += f(x, y);
+    }
+    acc.iter().map(|&x| f64::from(x)).sum()
+}
+
 /// `pub(super) fn NAME(args)` calling `GENERIC(args)` compiled for the instruction set
 /// the kernels selected (AVX-512, AVX2 + FMA, or the build target's), so that plain
 /// element loops vectorise as wide as the CPU allows.

@@ -104,27 +104,14 @@ pub(super) fn backward<T: Float>(s: &[T], dy: &[T], n: usize, c: f64) -> Vec<T> 
 /// 3e-7, exp to about an ulp) so that the element loops vectorise; norms and the
 /// projection's dot product over 32 f32 lanes, the lanes added in f64.
 mod fast {
-    use super::super::parts::by_isa;
+    use super::super::parts::{by_isa, lanes};
     use crate::kernels::math::{erf_f32, exp_f32};
 
     const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
 
-    /// Σ a·b over 32 independent f32 lanes, added up in f64: one running sum is a
-    /// serial chain of adds (four cycles an element), which dominated both passes.
     #[inline(always)]
     fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
-        let mut acc = [0f32; 32];
-        let (ca, cb) = (a.chunks_exact(32), b.chunks_exact(32));
-        let (ra, rb) = (ca.remainder(), cb.remainder());
-        for (x, y) in ca.zip(cb) {
-            for k in 0..32 {
-                acc[k] += x[k] * y[k];
-            }
-        }
-        for (k, (x, y)) in ra.iter().zip(rb).enumerate() {
-            acc[k] += x * y;
-        }
-        acc.iter().map(|&x| f64::from(x)).sum()
+        lanes(a, b, |x, y| x * y)
     }
 
     #[inline(always)]

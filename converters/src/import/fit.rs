@@ -41,45 +41,25 @@
 //! part over the calibration data.
 
 use anyhow::{ensure, Result};
-use candle_core::{DType, Module, Tensor};
+use candle_core::{DType, Tensor};
 use serde::Serialize;
-use tokenformer::pattention::{theta, Activation, Pattention};
+use tokenformer::pattention::{theta, Activation};
 
 use super::fidelity::{Agreement, FitReport, PairedAgreement};
 use super::linalg::{cholesky, cholesky_solve, matmul};
 use super::mapping::{ImportedLayer, Mapping};
 use tokenformer::source::data::Unit;
-use tokenformer::source::recover::{FitInputs, MAX_FIT_ROWS};
-use tokenformer::source::{standardise, Block, LayerTrace, SourceBody, Stack};
+use tokenformer::source::recover::{FitInputs, PattentionBlock, MAX_FIT_ROWS};
+use tokenformer::source::{standardise, LayerTrace, SourceBody, Stack};
 
 /// The smallest ridge of a token, relative to trace(AᵀA)/n.
 pub const FLOOR: f64 = 1e-12;
 
-/// The imported layer `l` as a [`Block`], its five Pattention layers in
+/// The imported layer `l` as a [`tokenformer::source::Block`], its five Pattention layers in
 /// [`tokenformer::models::tokenformer::PATTENTIONS`] order.
-pub struct ImportBlock([Pattention; 5]);
-
-impl ImportBlock {
-    pub fn new(l: &ImportedLayer, map: &Mapping) -> Result<Self> {
-        let p = |j: usize| map.pattention(&l.parts[j]);
-        Ok(Self([p(0)?, p(1)?, p(2)?, p(3)?, p(4)?]))
-    }
-}
-
-impl Block for ImportBlock {
-    fn qkv(&self, u: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        Ok((
-            self.0[0].forward(u)?,
-            self.0[1].forward(u)?,
-            self.0[2].forward(u)?,
-        ))
-    }
-    fn proj(&self, o: &Tensor) -> candle_core::Result<Tensor> {
-        self.0[3].forward(o)
-    }
-    fn mlp(&self, u: &Tensor) -> candle_core::Result<Tensor> {
-        self.0[4].forward(u)
-    }
+pub fn import_block(l: &ImportedLayer, map: &Mapping) -> Result<PattentionBlock> {
+    let p = |j: usize| map.pattention(&l.parts[j]);
+    Ok(PattentionBlock([p(0)?, p(1)?, p(2)?, p(3)?, p(4)?]))
 }
 
 /// The ridges tried, each λ of Λ = λ·diag(AᵀA); the mapping itself (λ = ∞) is
@@ -433,7 +413,7 @@ pub fn fit_values(
         // The output projection, then the MLP, each on the inputs the parts fitted
         // before it produce.
         for (k, j, input) in [(1, 3, proj_in as Pick), (2, 4, mlp_in)] {
-            let block = ImportBlock::new(&layer, map)?;
+            let block = import_block(&layer, map)?;
             let mut eq = NormalEquations::new(1);
             let mut next = 0;
             for ((x, (_, t)), &shape) in imp_x.iter().zip(&src).zip(&shapes) {
@@ -445,7 +425,7 @@ pub fn fit_values(
             chosen[k] = solved.ridge;
             layer.parts[j].1 = solved.values.into_iter().next().expect("one target");
         }
-        let block = ImportBlock::new(&layer, map)?;
+        let block = import_block(&layer, map)?;
         for x in imp_x.iter_mut() {
             *x = stack.run_layer(&block, x)?.0;
         }
@@ -481,8 +461,8 @@ fn mlp_in(t: &LayerTrace) -> &Tensor {
 /// data: both run here layer by layer, so that each part's running error
 /// ([`LayerFit`]) and the mapped import's end-to-end numbers can be reported.
 pub struct FitCheck {
-    mapped: Vec<ImportBlock>,
-    fitted: Vec<ImportBlock>,
+    mapped: Vec<PattentionBlock>,
+    fitted: Vec<PattentionBlock>,
     ridges: Vec<Ridges>,
     rows: usize,
     left_out: usize,
@@ -494,8 +474,8 @@ pub struct FitCheck {
 
 impl FitCheck {
     pub fn new(mapped: &[ImportedLayer], fitted: &Fitted, map: &Mapping) -> Result<Self> {
-        let blocks = |ls: &[ImportedLayer]| -> Result<Vec<ImportBlock>> {
-            ls.iter().map(|l| ImportBlock::new(l, map)).collect()
+        let blocks = |ls: &[ImportedLayer]| -> Result<Vec<PattentionBlock>> {
+            ls.iter().map(|l| import_block(l, map)).collect()
         };
         Ok(Self {
             mapped: blocks(mapped)?,

@@ -21,7 +21,7 @@ use super::fidelity::{
     self, finish, Agreement, CardText, PairedAgreement, Report, FITTED_CARD_NOTE,
     RECOVERED_CARD_NOTE,
 };
-use super::fit::{fit_values, FitCheck, ImportBlock};
+use super::fit::{fit_values, import_block, FitCheck};
 use super::mapping::{Calibration, LayerCheck, Mapping};
 use super::recover::{self, RecoveryReport};
 use crate::output::ModelFolder;
@@ -242,7 +242,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         Some(_) => Some(
             imported
                 .iter()
-                .map(|l| ImportBlock::new(l, &map))
+                .map(|l| import_block(l, &map))
                 .collect::<Result<Vec<_>>>()?,
         ),
         None => None,

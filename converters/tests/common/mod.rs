@@ -220,3 +220,18 @@ pub fn tokenformer_bin() -> PathBuf {
     );
     Path::new(env!("CARGO_BIN_EXE_tokenformer-convert")).with_file_name("tokenformer")
 }
+
+/// `import --from <from> --input <input> --out <out>` and `extra`.
+#[allow(dead_code)]
+pub fn import_args(from: &str, input: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    let fixed = [
+        "import",
+        "--from",
+        from,
+        "--input",
+        s(input),
+        "--out",
+        s(out),
+    ];
+    fixed.iter().chain(extra).map(|x| x.to_string()).collect()
+}

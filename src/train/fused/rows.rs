@@ -170,39 +170,8 @@ impl RowOp for Softmax {
 /// is compiled for SSE2 only).
 pub(super) mod fast {
     use crate::kernels::math::exp_f32;
-    use crate::train::parts::by_isa;
-
-    /// Σ f(a, b) over 32 f32 lanes, added up in f64.
-    #[inline(always)]
-    fn lanes(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f64 {
-        let mut acc = [0f32; 32];
-        let (ca, cb) = (a.chunks_exact(32), b.chunks_exact(32));
-        let (ra, rb) = (ca.remainder(), cb.remainder());
-        for (x, y) in ca.zip(cb) {
-            for k in 0..32 {
-                acc[k] += f(x[k], y[k]);
-            }
-        }
-        for (k, (&x, &y)) in ra.iter().zip(rb).enumerate() {
-            acc[k] += f(x, y);
-        }
-        acc.iter().map(|&x| f64::from(x)).sum()
-    }
-
-    #[inline(always)]
-    fn max_of(row: &[f32]) -> f32 {
-        let mut acc = [f32::NEG_INFINITY; 32];
-        let chunks = row.chunks_exact(32);
-        let tail = chunks.remainder();
-        for c in chunks {
-            for k in 0..32 {
-                acc[k] = if c[k] > acc[k] { c[k] } else { acc[k] };
-            }
-        }
-        tail.iter()
-            .chain(&acc)
-            .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
-    }
+    use crate::kernels::max_of;
+    use crate::train::parts::{by_isa, lanes};
 
     #[inline(always)]
     fn softmax_row_generic(src: &[f32], dst: &mut [f32], scale: f64) {
