@@ -5,7 +5,8 @@
 //! `__shared__` a static (blocks run one at a time). It says nothing about
 //! speed, races the barriers hide, or the GPU's own arithmetic (expf, fmaf),
 //! which the GPU tests (tests/gpu.rs) check on a device.
-//! Built and run by scripts/cuda-emulate/run.sh: KERNEL=attention or logprob.
+//! Built and run by scripts/cuda-emulate/run.sh, once per kernel (-DATTENTION,
+//! -DLOGPROB, -DTHETA).
 #include <condition_variable>
 #include <mutex>
 #include <climits>
@@ -278,6 +279,49 @@ int main() {
                 check(out[2] == 0.0f && out[5] == 5.0f, "ties go to the first index");
                 check(std::abs(out[6] + std::log(2.0)) < 1e-6 && out[9] == -INFINITY, "-inf logits");
             }
+        }
+    }
+    std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
+    return failures != 0;
+}
+#endif
+
+#ifdef THETA
+#include "../../src/kernels/cuda/theta.cu"
+
+int main() {
+    for (int n : {1, 31, 1000, 1500}) {
+        const int rows = 5;
+        auto x = randn(size_t(rows) * n, 3.0f);
+        for (int act = 0; act < 3; ++act) {
+            const float scale = act == 2 ? float(n) : std::sqrt(float(n));
+            std::vector<float> out(x.size());
+            unsigned threads = 32;
+            while (threads < unsigned(n) && threads < 1024) threads *= 2;
+            launch({unsigned(rows), 1, 1}, threads, [&] { theta_f32(x.data(), out.data(), n, scale, act); });
+            auto g = [](double v) { return 0.5 * v * (1.0 + std::erf(v / std::sqrt(2.0))); };
+            double worst = 0;
+            for (int r = 0; r < rows; ++r) {
+                const float *s = x.data() + size_t(r) * n;
+                std::vector<double> want(n);
+                if (act == 2) {
+                    double m = -INFINITY, z = 0;
+                    for (int i = 0; i < n; ++i) m = std::max(m, double(s[i]));
+                    for (int i = 0; i < n; ++i) z += std::exp(s[i] - m);
+                    for (int i = 0; i < n; ++i) want[i] = std::exp(s[i] - m) / z * scale;
+                } else {
+                    double ss = 0;
+                    for (int i = 0; i < n; ++i) ss += act == 0 ? double(s[i]) * s[i] : g(s[i]) * g(s[i]);
+                    const double f = scale / std::max(std::sqrt(ss), 1e-30);
+                    for (int i = 0; i < n; ++i) want[i] = act == 0 ? g(s[i] * f) : g(s[i]) * f;
+                }
+                for (int i = 0; i < n; ++i)
+                    worst = std::max(worst, std::abs(out[size_t(r) * n + i] - want[i]) / std::max(1.0, std::abs(want[i])));
+            }
+            char what[80];
+            std::snprintf(what, sizeof what, "theta n %d act %d: %.3g", n, act, worst);
+            std::printf("%s\n", what);
+            check(worst < 1e-5, what);
         }
     }
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
