@@ -30,9 +30,8 @@ pub(crate) fn serves(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> bool {
 /// key (and, causal, at least as many keys as queries), shapes within one
 /// launch.
 fn fits(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> std::result::Result<(), String> {
-    if !(q.device().is_cuda() && q.device().same_device(k.device()))
-        || !q.device().same_device(v.device())
-    {
+    let dev = q.device();
+    if !(dev.is_cuda() && dev.same_device(k.device()) && dev.same_device(v.device())) {
         return Err("q, k and v must be on one GPU".into());
     }
     let dtype = q.dtype();
