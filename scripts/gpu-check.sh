@@ -65,14 +65,16 @@ run() { bash "$here/gpu/run-on-gpu.sh" "$@"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 # Each part twice: with the project's own CUDA kernels first, then plain candle ops (the
 # default). TOKENFORMER_CUDA_KERNELS=1 turns on Θ, flash attention, log-softmax-gather (the
-# kernel tests call them directly either way). Everything is written to $out as it
-# goes, so a run cut short still returns what it finished.
-for kernels in 1 0; do
+# kernel tests call them directly either way); KERNEL_RUNS="1" (or "0") runs one side
+# only. Everything is written to $out as it goes, so a run cut short still returns what
+# it finished.
+runs="${KERNEL_RUNS:-1 0}"
+for kernels in $runs; do
     echo "== GPU tests, TOKENFORMER_CUDA_KERNELS=$kernels"
     TOKENFORMER_CUDA_KERNELS=$kernels TOKENFORMER_TEST_ROOT="$root" TOKENFORMER_BIN="$bin/tokenformer" \
         run "$bin/gpu-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/gpu-tests-kernels$kernels.txt"
 done
-for kernels in 1 0; do
+for kernels in $runs; do
     echo "== bench --device cuda, TOKENFORMER_CUDA_KERNELS=$kernels"
     TOKENFORMER_CUDA_KERNELS=$kernels run "$bin/tokenformer" bench --device cuda --json \
         >"$out/bench-kernels$kernels.json" 2>"$out/bench-kernels$kernels.err"
