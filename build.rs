@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 1] = ["theta"];
+const KERNELS: [&str; 3] = ["theta", "attention", "logprob"];
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");

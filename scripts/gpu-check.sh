@@ -11,8 +11,9 @@
 #
 # On the GPU machine (device tool: carry ["target/gpu-check"]), from the checkout's root:
 #   bash target/gpu-check/run.sh [--compile]
-# prints the GPU, runs the GPU tests, `tokenformer bench --device cuda`, and eager
-# PyTorch's anchor on the same card (--compile: also torch.compile's, ~2 more minutes);
+# prints the GPU, runs the GPU tests and `tokenformer bench --device cuda` each with the
+# project's CUDA kernels (TOKENFORMER_CUDA_KERNELS=1) and without, then eager PyTorch's
+# anchor on the same card (--compile: also torch.compile's, ~2 more minutes);
 # everything lands in $OUT (the device tool's returned folder) or a temporary folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,12 +63,23 @@ for b in tokenformer gpu-tests; do
 done
 run() { bash "$here/gpu/run-on-gpu.sh" "$@"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
-echo "== GPU tests"
-TOKENFORMER_TEST_ROOT="$root" TOKENFORMER_BIN="$bin/tokenformer" \
-    run "$bin/gpu-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/gpu-tests.txt"
-echo "== bench --device cuda"
-run "$bin/tokenformer" bench --device cuda --json >"$out/bench.json" 2>"$out/bench.err"
-echo "rc=$?"; cat "$out/bench.json"; tail -5 "$out/bench.err"
+# Each part twice: with the project's own CUDA kernels first, then plain candle ops (the
+# default). TOKENFORMER_CUDA_KERNELS=1 turns on Θ, flash attention, log-softmax-gather (the
+# kernel tests call them directly either way); KERNEL_RUNS="1" (or "0") runs one side
+# only. Everything is written to $out as it goes, so a run cut short still returns what
+# it finished.
+runs="${KERNEL_RUNS:-1 0}"
+for kernels in $runs; do
+    echo "== GPU tests, TOKENFORMER_CUDA_KERNELS=$kernels"
+    TOKENFORMER_CUDA_KERNELS=$kernels TOKENFORMER_TEST_ROOT="$root" TOKENFORMER_BIN="$bin/tokenformer" \
+        run "$bin/gpu-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/gpu-tests-kernels$kernels.txt"
+done
+for kernels in $runs; do
+    echo "== bench --device cuda, TOKENFORMER_CUDA_KERNELS=$kernels"
+    TOKENFORMER_CUDA_KERNELS=$kernels run "$bin/tokenformer" bench --device cuda --json \
+        >"$out/bench-kernels$kernels.json" 2>"$out/bench-kernels$kernels.err"
+    echo "rc=$?"; cat "$out/bench-kernels$kernels.json"; tail -5 "$out/bench-kernels$kernels.err"
+done
 py="${TORCH_VENV:-/opt/torch/.venv}/bin/python"
 echo "== eager PyTorch anchor"
 "$py" "$here/gpu/torch_gpu_anchor.py" >"$out/torch.json" 2>"$out/torch.err"; cat "$out/torch.json"

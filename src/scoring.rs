@@ -15,6 +15,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+use crate::kernels::TargetLogprobs;
 use crate::models::tokenformer::{AttentionMode, Rotary, TokenFormerLm};
 
 /// Per-position scores of one sequence of ids.
@@ -53,10 +54,17 @@ pub fn score_ids(model: &TokenFormerLm, ids: &[u32]) -> Result<SequenceScore> {
     let logits = model.forward(&input, None)?.squeeze(0)?; // [t, vocab]
     let n = ids.len() - 1;
     let logits = logits.narrow(0, 0, n)?;
-    let lse = logsumexp(&logits)?;
-    let targets = Tensor::new(&ids[1..], model.device())?.unsqueeze(1)?;
-    let picked = logits.gather(&targets, 1)?.squeeze(1)?;
-    let lp = (picked - &lse)?.to_vec1::<f32>()?;
+    let (lp, lse, argmax) = match fused_target_logprobs(&logits, &ids[1..])? {
+        Some(r) => (r.logprob, r.logsumexp, r.argmax),
+        None => {
+            let lse = logsumexp(&logits)?;
+            let targets = Tensor::new(&ids[1..], model.device())?.unsqueeze(1)?;
+            let picked = logits.gather(&targets, 1)?.squeeze(1)?;
+            let lp = (picked - &lse)?.to_vec1::<f32>()?;
+            let argmax = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+            (lp, lse.to_vec1::<f32>()?, argmax)
+        }
+    };
     if let Some(t) = lp.iter().position(|x| !x.is_finite()) {
         return Err(Error::input(format!(
             "the log-probability of token {} (id {}) given the {} before it is {}: the model \
@@ -67,7 +75,6 @@ pub fn score_ids(model: &TokenFormerLm, ids: &[u32]) -> Result<SequenceScore> {
             lp[t]
         )));
     }
-    let argmax = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
     let nll = -lp.iter().map(|&x| x as f64).sum::<f64>();
     Ok(SequenceScore {
         ids: ids.to_vec(),
@@ -75,8 +82,27 @@ pub fn score_ids(model: &TokenFormerLm, ids: &[u32]) -> Result<SequenceScore> {
         nll,
         next_token_logprobs: lp,
         argmax,
-        logsumexp: lse.to_vec1::<f32>()?,
+        logsumexp: lse,
     })
+}
+
+/// log p(target), log-sum-exp and first argmax of each row of `logits` by the
+/// GPU's fused log-softmax-gather kernel, where it is turned on
+/// (`TOKENFORMER_CUDA_KERNELS=1`) and takes them; `None`: the caller computes
+/// them with tensor ops.
+#[cfg(feature = "cuda")]
+fn fused_target_logprobs(logits: &Tensor, targets: &[u32]) -> Result<Option<TargetLogprobs>> {
+    if !crate::kernels::logprob_cuda_serves(logits) {
+        return Ok(None);
+    }
+    Ok(Some(crate::kernels::cuda::target_logprobs(
+        logits, targets,
+    )?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_target_logprobs(_: &Tensor, _: &[u32]) -> Result<Option<TargetLogprobs>> {
+    Ok(None)
 }
 
 /// logsumexp over the last axis, with the max subtracted for stability.
@@ -360,6 +386,14 @@ fn target_logprobs(logits: &Tensor, targets: &[u32], greedy: bool) -> Result<Vec
         drop(storage);
         let data = logits.flatten_all()?.to_vec1::<f32>()?;
         return Ok(compute(&data));
+    }
+    if let Some(r) = fused_target_logprobs(&logits, targets)? {
+        return Ok((0..n)
+            .map(|i| {
+                let is_max = !greedy || r.argmax[i] == targets[i];
+                (r.logprob[i] as f64, is_max)
+            })
+            .collect());
     }
     // On a GPU the reductions run there; only three numbers a row come back.
     let lse = logsumexp(&logits)?.to_vec1::<f32>()?;

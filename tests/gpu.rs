@@ -6,7 +6,13 @@
 //! perplexity of the shipped validation text is within 0.5 % of f32 and bf16 top-1
 //! equals f32 on the shipped digit images; the Pile evaluation's batched scoring
 //! equals the CPU's; a training run resumed on the other device equals the
-//! uninterrupted one. `scripts/gpu-check.sh` builds and runs them there.
+//! uninterrupted one. The project's own CUDA kernels (Θ, flash attention,
+//! log-softmax-gather) equal their definitions in plain candle ops on the same GPU;
+//! they are called directly, so they are checked whatever `TOKENFORMER_CUDA_KERNELS`
+//! says, while the model-level tests above take them only under
+//! `TOKENFORMER_CUDA_KERNELS=1` (run.sh runs the file both ways). Under
+//! `TOKENFORMER_TEST_GPU=cpu` the kernel tests are skipped (they need CUDA).
+//! `scripts/gpu-check.sh` builds and runs them there.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -313,13 +319,30 @@ fn a_run_resumed_on_the_other_device_equals_the_uninterrupted_one() {
     }
 }
 
-/// Θ as one GPU kernel (what inference runs there) against its definition in
-/// candle ops on the same device, for each activation and dtype.
+/// A CUDA device for the tests of the project's own kernels, which have no CPU
+/// version: `None` (and a note) without one, `TOKENFORMER_TEST_GPU=cpu` included.
+fn cuda() -> Option<Device> {
+    let (dev, _) = gpu()?;
+    if dev.is_cuda() {
+        eprintln!(
+            "TOKENFORMER_CUDA_KERNELS in the model paths: {}",
+            tokenformer::kernels::cuda_kernels_enabled()
+        );
+        Some(dev)
+    } else {
+        eprintln!("skipped: the kernel runs on CUDA only");
+        None
+    }
+}
+
+/// Θ as one GPU kernel (what inference runs there under
+/// `TOKENFORMER_CUDA_KERNELS=1`) against its definition in candle ops on the same
+/// device, for each activation and dtype.
 #[test]
 fn the_theta_kernel_equals_the_definition() {
-    use tokenformer::kernels::theta_owned;
     use tokenformer::pattention::{theta, Activation};
-    let Some((gpu, _)) = gpu() else { return };
+    let Some(gpu) = cuda() else { return };
+    // 1000 columns: not a multiple of the block's threads.
     let s = (Tensor::randn(0f32, 1.0, (37, 1000), &gpu).unwrap() * 3.0).unwrap();
     for act in [
         Activation::L2NormGelu,
@@ -329,10 +352,226 @@ fn the_theta_kernel_equals_the_definition() {
         for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 2e-3)] {
             let x = s.to_dtype(dtype).unwrap();
             let want = f32s(&theta(&x.to_dtype(DType::F32).unwrap(), act, 1000).unwrap());
-            let got = theta_owned(x.copy().unwrap(), act, 1000).unwrap();
+            let got = tokenformer::kernels::cuda::theta(&x, act, 1000).unwrap();
             assert_eq!(got.dtype(), dtype);
             let d = max_rel(&f32s(&got), &want);
             assert!(d < tol, "{act:?} {dtype:?}: {d}");
         }
     }
+}
+
+/// `got` equals `want` within `tol` (relative, as [`max_rel`]) where `want` is
+/// finite, and exactly where it is not (`max_rel` alone would let a NaN through).
+fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = if w.is_finite() {
+            (g - w).abs() / w.abs().max(1.0) < tol
+        } else {
+            g == w
+        };
+        assert!(ok, "{what}: [{i}] {g} vs {w} (tolerance {tol})");
+    }
+}
+
+/// Attention in plain candle ops in f32 (the model's path without the kernel):
+/// q [b, h, t, hd] over k, v [b, h, keys, hd], causal counting from the end, as
+/// [b, t, h·hd].
+fn plain_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Tensor {
+    let f = |x: &Tensor| x.to_dtype(DType::F32).unwrap().contiguous().unwrap();
+    let (q, k, v) = (f(q), f(k), f(v));
+    let (b, h, t, hd) = q.dims4().unwrap();
+    let keys = k.dim(2).unwrap();
+    let scores = (q.matmul(&k.t().unwrap()).unwrap() / (hd as f64).sqrt()).unwrap();
+    let scores = if causal {
+        let past = keys - t;
+        let mask: Vec<f32> = (0..t)
+            .flat_map(|i| {
+                (0..keys).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, keys), q.device()).unwrap();
+        scores.broadcast_add(&mask).unwrap()
+    } else {
+        scores
+    };
+    candle_nn::ops::softmax_last_dim(&scores)
+        .unwrap()
+        .matmul(&v)
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .reshape((b, t, h * hd))
+        .unwrap()
+}
+
+/// The flash attention kernel against plain candle ops on the same GPU, with the
+/// model's layouts (q a head-split view of [b, t, h·hd], v a view into a longer
+/// cache), for tile-ragged lengths, one query, a past (KV cache) and head sizes
+/// of each kernel instance, causal and not, in f32, bf16 and f16.
+#[test]
+fn the_attention_kernel_equals_the_plain_ops() {
+    use tokenformer::kernels::cuda::flash_attention;
+    let Some(gpu) = cuda() else { return };
+    // (b, h, t, keys, hd): 70 queries are 2 blocks of 32 and a ragged one, 70 and 133
+    // keys ragged tiles; t = 1 is a decode step; hd 8, 100 and 200 leave lanes idle.
+    let cases = [
+        (2, 3, 70, 70, 64),
+        (1, 2, 1, 1, 64),
+        (1, 2, 1, 37, 64),
+        (2, 2, 5, 133, 128),
+        (1, 4, 33, 33, 8),
+        (1, 2, 17, 50, 100),
+        (1, 1, 40, 40, 256),
+        (1, 2, 65, 97, 200),
+    ];
+    for (b, h, t, keys, hd) in cases {
+        // q as the model's split_heads view: [b, t, h, hd] transposed, no copy.
+        let q = Tensor::randn(0f32, 1.0, (b, t, h, hd), &gpu)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap();
+        let k = (Tensor::randn(0f32, 1.0, (b, h, keys, hd), &gpu).unwrap() * 1.5).unwrap();
+        // v as a cache's view: the first `keys` of `keys + 7` positions.
+        let v = Tensor::randn(0f32, 1.0, (b, h, keys + 7, hd), &gpu)
+            .unwrap()
+            .narrow(2, 0, keys)
+            .unwrap();
+        for causal in [true, false] {
+            for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 8e-3), (DType::F16, 1e-3)] {
+                let c = |x: &Tensor| x.to_dtype(dtype).unwrap();
+                let (qd, kd, vd) = (c(&q), c(&k), c(&v));
+                // The reference from the same (rounded) inputs, in f32.
+                let want = plain_attention(&qd, &kd, &vd, causal);
+                let got = flash_attention(&qd, &kd, &vd, causal).unwrap();
+                assert_eq!(got.dtype(), dtype);
+                assert_eq!(got.dims(), &[b, t, h * hd]);
+                let what =
+                    format!("b {b} h {h} t {t} keys {keys} hd {hd} causal {causal} {dtype:?}");
+                close(&f32s(&got), &f32s(&want), tol, &what);
+                if causal && keys == t {
+                    // The first query sees only the first key: its output is v's first row.
+                    let first = got.narrow(1, 0, 1).unwrap().reshape((b, h, hd)).unwrap();
+                    let v0 = vd.narrow(2, 0, 1).unwrap().reshape((b, h, hd)).unwrap();
+                    let d = max_rel(&f32s(&first), &f32s(&v0));
+                    assert!(d < 1e-6, "{what}: first row {d}");
+                }
+            }
+        }
+    }
+    // What the kernel does not take is an error, not a wrong answer.
+    let q = Tensor::zeros((1, 1, 4, 8), DType::F32, &gpu).unwrap();
+    let k = Tensor::zeros((1, 1, 3, 8), DType::F32, &gpu).unwrap();
+    assert!(
+        flash_attention(&q, &k, &k, true).is_err(),
+        "fewer keys than causal queries"
+    );
+    let big = Tensor::zeros((1, 1, 4, 300), DType::F32, &gpu).unwrap();
+    assert!(
+        flash_attention(&big, &big, &big, false).is_err(),
+        "head size 300"
+    );
+    let k16 = k.to_dtype(DType::F16).unwrap();
+    assert!(
+        flash_attention(&q, &k16, &k16, false).is_err(),
+        "mixed dtypes"
+    );
+}
+
+/// The log-softmax-gather kernel against candle's log-softmax, gather and a first
+/// argmax on the same GPU: vocabularies that are not a multiple of the block
+/// (including 1 and 50,304, the models' own), ties (the first index wins), −inf
+/// logits, f32 and half-precision logits (whose reference is computed in f32 from
+/// the same rounded values, so the tolerance stays an f32 one).
+#[test]
+fn the_log_softmax_gather_kernel_equals_the_plain_ops() {
+    use tokenformer::kernels::cuda::target_logprobs;
+    let Some(gpu) = cuda() else { return };
+    for vocab in [1usize, 31, 777, 1000, 50_304] {
+        let n = 37;
+        let mut rows: Vec<f32> = Tensor::randn(0f32, 4.0, (n, vocab), &Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        if vocab >= 31 {
+            // Row 0: one value everywhere (argmax 0); row 1: a maximum at 5 and 9
+            // (argmax 5); rows 2 and 3: −inf except at 3 and 20, row 2 scoring 3
+            // (log p = log ½), row 3 scoring 4 (log p = −inf).
+            rows[..vocab].fill(0.25);
+            rows[vocab + 5] = 30.0;
+            rows[vocab + 9] = 30.0;
+            rows[2 * vocab..4 * vocab].fill(f32::NEG_INFINITY);
+            for r in [2, 3] {
+                rows[r * vocab + 3] = 1.0;
+                rows[r * vocab + 20] = 1.0;
+            }
+        }
+        let mut targets: Vec<u32> = (0..n).map(|i| ((i * 7919 + 3) % vocab) as u32).collect();
+        if vocab >= 31 {
+            (targets[2], targets[3]) = (3, 4);
+        }
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let logits = Tensor::from_vec(rows.clone(), (n, vocab), &gpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let got = target_logprobs(&logits, &targets).unwrap();
+            // The reference in f32 from the same (rounded) logits.
+            let x = logits.to_dtype(DType::F32).unwrap();
+            let logp = candle_nn::ops::log_softmax(&x, 1).unwrap();
+            let index = Tensor::new(targets.as_slice(), &gpu)
+                .unwrap()
+                .unsqueeze(1)
+                .unwrap();
+            let want_lp = f32s(&logp.gather(&index, 1).unwrap());
+            // lse = x − log_softmax(x) at any finite entry: take each row's maximum.
+            let host: Vec<Vec<f32>> = x.to_vec2().unwrap();
+            let want_lse: Vec<f32> = host
+                .iter()
+                .map(|r| {
+                    let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let s: f64 = r.iter().map(|&v| ((v - m) as f64).exp()).sum();
+                    (m as f64 + s.ln()) as f32
+                })
+                .collect();
+            let want_argmax: Vec<u32> = host
+                .iter()
+                .map(|r| {
+                    let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    r.iter().position(|&v| v == m).unwrap() as u32
+                })
+                .collect();
+            let what = format!("vocab {vocab} {dtype:?}");
+            close(&got.logprob, &want_lp, 1e-4, &format!("{what}: log p"));
+            close(&got.logsumexp, &want_lse, 1e-4, &format!("{what}: lse"));
+            assert_eq!(got.argmax, want_argmax, "{what}: argmax");
+            if vocab >= 31 {
+                assert_eq!(got.argmax[..2], [0, 5], "{what}: ties");
+                let lp = got.logprob[2];
+                assert!((lp + std::f32::consts::LN_2).abs() < 1e-6, "{what}: {lp}");
+                assert_eq!(
+                    got.logprob[3],
+                    f32::NEG_INFINITY,
+                    "{what}: a −inf logit's log p"
+                );
+            }
+            if vocab == 1 {
+                assert!(
+                    got.logprob.iter().all(|&v| v == 0.0),
+                    "{what}: one token is certain"
+                );
+            }
+        }
+    }
+    let logits = Tensor::zeros((2, 10), DType::F32, &gpu).unwrap();
+    assert!(
+        target_logprobs(&logits, &[1, 10]).is_err(),
+        "a target outside the vocabulary"
+    );
+    assert!(
+        target_logprobs(&logits, &[1]).is_err(),
+        "fewer targets than rows"
+    );
 }

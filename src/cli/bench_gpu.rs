@@ -6,7 +6,8 @@
 //! shapes, the median of three timed runs after one warm-up, each ended by a device
 //! synchronisation. Each figure comes with the GPU memory in use after it and, for the
 //! products, the model FLOPs utilisation against this card's dense peak as measured
-//! here (an 8192³ cuBLAS product in f32 and bf16; no TF32).
+//! here (an 8192³ cuBLAS product in f32 and bf16; no TF32). `cuda_kernels` says
+//! whether the project's own kernels ran (`TOKENFORMER_CUDA_KERNELS=1`).
 
 use std::time::Instant;
 
@@ -165,6 +166,12 @@ pub fn run(dev: &Device, only: &[String]) -> Result<Map<String, Value>> {
     out.insert(
         "device".into(),
         json!(tokenformer::device::gpu_name(dev).unwrap_or_else(|| format!("{dev:?}"))),
+    );
+    // Whether the project's own CUDA kernels ran (TOKENFORMER_CUDA_KERNELS=1), so
+    // the two runs of scripts/gpu-check.sh's run.sh can be told apart.
+    out.insert(
+        "cuda_kernels".into(),
+        json!(tokenformer::kernels::cuda_kernels_enabled()),
     );
     let f32_peak = peak_tflops(dev, DType::F32, 8192)?;
     let bf16_peak = peak_tflops(dev, DType::BF16, 8192)?;

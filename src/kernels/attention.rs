@@ -286,6 +286,10 @@ thread_local! {
 /// `causal`: query i (of the last t positions) sees keys 0..=T−t+i.
 pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
     let (b, h, t, hd) = q.dims4()?;
+    #[cfg(feature = "cuda")]
+    if super::attention_cuda::serves(q, k, v, causal) {
+        return super::attention_cuda::flash_attention(q, k, v, causal);
+    }
     let scale = 1.0 / (hd as f64).sqrt();
     let cpu = [q, k, v].iter().all(|x| super::fused_on(x));
     let kv = k.dtype();

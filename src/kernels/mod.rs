@@ -26,14 +26,24 @@
 //! - [`q8`]: 8-bit weights (int8 blocks of 32 with an f32 scale each);
 //! - `sgemm`: the packed f32 product of the AVX2 path;
 //! - `matmul`: the products' entry points, gemm for the compute-bound ones.
+//!
+//! With the `cuda` feature, three kernels of our own for a GPU (`cuda/*.cu`,
+//! PTX built by build.rs): Θ, flash-style attention and scoring's
+//! log-softmax-gather. They are experimental: written and compiled but not
+//! yet run on a GPU, so they stay off unless `TOKENFORMER_CUDA_KERNELS=1`
+//! (see [`cuda_kernels_enabled`]); without it a GPU runs plain candle ops.
 
 use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, Layout, Result};
 
 mod attention;
+#[cfg(feature = "cuda")]
+mod attention_cuda;
 mod gemv;
 mod half;
+#[cfg(feature = "cuda")]
+mod logprob_cuda;
 pub(crate) mod math;
 mod matmul;
 pub mod q8;
@@ -44,6 +54,16 @@ mod sgemm;
 pub mod theta;
 #[cfg(feature = "cuda")]
 mod theta_cuda;
+
+/// The GPU kernels' entry points, called directly by the GPU tests (which
+/// check them whatever `TOKENFORMER_CUDA_KERNELS` says) and by the model and
+/// scoring paths when [`cuda_kernels_enabled`].
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    pub use super::attention_cuda::flash_attention;
+    pub use super::logprob_cuda::target_logprobs;
+    pub use super::theta_cuda::theta;
+}
 
 pub(crate) use attention::attention;
 pub(crate) use matmul::{gemm_f32, gemm_parallelism};
@@ -140,6 +160,46 @@ impl Path {
 
 /// The environment variable that forces a kernel path.
 pub(crate) const KERNELS_ENV: &str = "TOKENFORMER_KERNELS";
+
+/// Per-row results of scoring's fused log-softmax-gather (the GPU kernel
+/// `cuda::target_logprobs`), on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TargetLogprobs {
+    /// log p(target) = log-softmax of the row at its target.
+    pub logprob: Vec<f32>,
+    /// log Σ exp of the row.
+    pub logsumexp: Vec<f32>,
+    /// The first index holding the row's maximum (torch's argmax on ties).
+    pub argmax: Vec<u32>,
+}
+
+/// Whether scoring's log-softmax-gather takes the GPU kernel for `logits`.
+#[cfg(feature = "cuda")]
+pub(crate) fn logprob_cuda_serves(logits: &candle_core::Tensor) -> bool {
+    logprob_cuda::serves(logits)
+}
+
+/// The environment variable that turns on the project's own CUDA kernels.
+pub const CUDA_KERNELS_ENV: &str = "TOKENFORMER_CUDA_KERNELS";
+
+/// Whether a `TOKENFORMER_CUDA_KERNELS` value turns the CUDA kernels on:
+/// `1`, `on` or `true` (any case); anything else, or unset, leaves them off.
+pub(crate) fn cuda_kernels_requested(value: Option<&str>) -> bool {
+    value.is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "on" | "true"))
+}
+
+/// Whether the model and scoring paths use the project's CUDA kernels (Θ,
+/// attention, log-softmax-gather) on a GPU: only when
+/// `TOKENFORMER_CUDA_KERNELS=1` and the fused kernels are not turned off
+/// (`TOKENFORMER_KERNELS=none`). Off by default because they have not been
+/// run on a GPU yet, so that a wrong kernel cannot change a default result.
+/// Read once per process.
+pub fn cuda_kernels_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        cuda_kernels_requested(std::env::var(CUDA_KERNELS_ENV).ok().as_deref()) && selection().fused
+    })
+}
 
 /// The kernel path of this process and how it was chosen.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -345,6 +405,23 @@ mod tests {
         assert!(s.warning.unwrap().contains("not one of"));
         // Portable is always there, and listed first.
         assert_eq!(Path::all()[0].isa(), Isa::Portable);
+    }
+
+    #[test]
+    fn the_cuda_kernels_are_off_unless_asked_for() {
+        for off in [
+            None,
+            Some(""),
+            Some("0"),
+            Some("off"),
+            Some("yes please"),
+            Some("2"),
+        ] {
+            assert!(!cuda_kernels_requested(off), "{off:?}");
+        }
+        for on in [Some("1"), Some(" 1 "), Some("on"), Some("TRUE")] {
+            assert!(cuda_kernels_requested(on), "{on:?}");
+        }
     }
 
     #[test]

@@ -2,6 +2,8 @@
 //! pass over the scores instead of candle's half-dozen element-wise and
 //! reduction launches, every sum in f32 whatever the scores' dtype. For
 //! inference only (no backward): training differentiates the definition.
+//! Experimental: taken only when `TOKENFORMER_CUDA_KERNELS=1` (see
+//! [`super::cuda_kernels_enabled`]) until a GPU session has checked it.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -14,12 +16,16 @@ use super::theta::Activation;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/theta.ptx"));
 
-/// Whether the kernel takes `scores`: contiguous f32/bf16/f16 on a GPU, the
-/// fused kernels not turned off (`TOKENFORMER_KERNELS=none`).
+/// Whether the model's Θ takes the kernel for `scores`: the CUDA kernels
+/// turned on, and [`fits`].
 pub(crate) fn serves(scores: &Tensor) -> bool {
+    super::cuda_kernels_enabled() && fits(scores)
+}
+
+/// Whether the kernel can take `scores`: contiguous f32/bf16/f16 on a GPU.
+fn fits(scores: &Tensor) -> bool {
     scores.device().is_cuda()
         && scores.elem_count() > 0
-        && super::selection().fused
         && matches!(scores.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && scores.is_contiguous()
         && scores
@@ -28,12 +34,16 @@ pub(crate) fn serves(scores: &Tensor) -> bool {
             .is_some_and(|&n| n > 0 && n <= i32::MAX as usize)
 }
 
-/// Θ of `scores` (see [`serves`]) in a new tensor of their dtype.
-pub(crate) fn theta(
-    scores: &Tensor,
-    activation: Activation,
-    scale_tokens: usize,
-) -> Result<Tensor> {
+/// Θ of `scores` (contiguous f32, bf16 or f16 on a GPU) in a new tensor of
+/// their dtype, by the kernel whatever `TOKENFORMER_CUDA_KERNELS` says.
+pub fn theta(scores: &Tensor, activation: Activation, scale_tokens: usize) -> Result<Tensor> {
+    if !fits(scores) {
+        candle_core::bail!(
+            "theta kernel: contiguous f32/bf16/f16 scores on a GPU only, not {:?} on {:?}",
+            scores.dtype(),
+            scores.device().location()
+        )
+    }
     scores.apply_op1_no_bwd(&ThetaCuda {
         activation,
         scale_tokens,

@@ -1,0 +1,330 @@
+//! Runs the project's CUDA kernels (`src/kernels/cuda/*.cu`) on the CPU with one
+//! host thread per CUDA thread, so their indexing, masking and reductions can be
+//! checked on a machine without a GPU: `__syncthreads` is a block barrier,
+//! `__shfl_xor_sync` an exchange through memory between two warp barriers,
+//! `__shared__` a static (blocks run one at a time). It says nothing about
+//! speed, races the barriers hide, or the GPU's own arithmetic (expf, fmaf),
+//! which the GPU tests (tests/gpu.rs) check on a device.
+//! Built and run by scripts/cuda-emulate/run.sh, once per kernel (-DATTENTION,
+//! -DLOGPROB, -DTHETA).
+#include <condition_variable>
+#include <mutex>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+// The kernels' CUDA keywords and types for the host (run.sh puts empty
+// cuda_bf16.h and cuda_fp16.h on the include path).
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__ static
+struct Dim { unsigned x = 0, y = 0, z = 0; };
+thread_local Dim threadIdx, blockIdx;
+Dim blockDim;
+struct __nv_bfloat16 { uint16_t x; };
+struct __half { _Float16 x; };
+inline float __bfloat162float(__nv_bfloat16 b) {
+    uint32_t u = uint32_t(b.x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline __nv_bfloat16 __float2bfloat16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (std::isnan(f)) return {uint16_t(0x7fc0)};
+    u += 0x7fff + ((u >> 16) & 1); // round to nearest even
+    return {uint16_t(u >> 16)};
+}
+inline float __half2float(__half h) { return float(h.x); }
+inline __half __float2half(float f) { return {_Float16(f)}; }
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline int min(int a, int b) { return a < b ? a : b; }
+
+// A barrier for `n` threads that a finished thread can leave (libstdc++ 12's
+// std::barrier failed with SIGFPE under this use).
+class Barrier {
+    std::mutex mu;
+    std::condition_variable cv;
+    unsigned n, waiting = 0, generation = 0;
+
+    void release() {
+        waiting = 0;
+        ++generation;
+        cv.notify_all();
+    }
+
+  public:
+    explicit Barrier(unsigned n) : n(n) {}
+    void arrive_and_wait() {
+        std::unique_lock<std::mutex> l(mu);
+        const unsigned g = generation;
+        if (++waiting == n) return release();
+        cv.wait(l, [&] { return generation != g; });
+    }
+    void arrive_and_drop() {
+        std::lock_guard<std::mutex> l(mu);
+        --n;
+        if (n > 0 && waiting == n) release();
+    }
+};
+std::unique_ptr<Barrier> block_bar;
+std::vector<std::unique_ptr<Barrier>> warp_bar;
+static float xf[1024];
+static int xi[1024];
+inline void __syncthreads() { block_bar->arrive_and_wait(); }
+template <typename T> T shfl(T *buf, T v, int o) {
+    const int t = threadIdx.x;
+    buf[t] = v;
+    warp_bar[t / 32]->arrive_and_wait();
+    const T r = buf[t ^ o];
+    warp_bar[t / 32]->arrive_and_wait();
+    return r;
+}
+inline float __shfl_xor_sync(unsigned, float v, int o) { return shfl(xf, v, o); }
+inline int __shfl_xor_sync(unsigned, int v, int o) { return shfl(xi, v, o); }
+
+/// Runs `kernel` over the grid, one block at a time, a host thread per CUDA thread.
+void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
+    blockDim = {threads, 1, 1};
+    block_bar = std::make_unique<Barrier>(threads);
+    warp_bar.clear();
+    for (unsigned w = 0; w < (threads + 31) / 32; ++w)
+        warp_bar.push_back(std::make_unique<Barrier>(std::min(32u, threads - 32 * w)));
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                std::vector<std::thread> ts;
+                for (unsigned t = 0; t < threads; ++t)
+                    ts.emplace_back([&, t] {
+                        threadIdx = {t, 0, 0};
+                        blockIdx = {x, y, z};
+                        kernel();
+                        // A thread that returned early leaves the barriers to the others.
+                        block_bar->arrive_and_drop();
+                        warp_bar[t / 32]->arrive_and_drop();
+                    });
+                for (auto &th : ts) th.join();
+                // The next block starts with full barriers.
+                block_bar = std::make_unique<Barrier>(threads);
+                for (unsigned w = 0; w < warp_bar.size(); ++w)
+                    warp_bar[w] = std::make_unique<Barrier>(std::min(32u, threads - 32 * w));
+            }
+}
+
+int failures = 0;
+void check(bool ok, const std::string &what) {
+    if (!ok) {
+        ++failures;
+        std::printf("FAIL %s\n", what.c_str());
+    }
+}
+
+std::mt19937 rng(7);
+std::vector<float> randn(size_t n, float sd) {
+    std::normal_distribution<float> d(0.0f, sd);
+    std::vector<float> v(n);
+    for (auto &x : v) x = d(rng);
+    return v;
+}
+float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+#ifdef ATTENTION
+#include "../../src/kernels/cuda/attention.cu"
+
+// q [b, t, h, hd] read as [b, h, t, hd]; k [b, h, keys, hd]; v the first `keys`
+// of `keys + 7` positions: the model's layouts, as the GPU test uses them.
+template <typename T, typename K>
+void attention_case(int b, int h, int t, int keys, int hd, bool causal, bool bf16, K kernel) {
+    auto q = randn(size_t(b) * t * h * hd, 1.0f), k = randn(size_t(b) * h * keys * hd, 1.5f),
+         v = randn(size_t(b) * h * (keys + 7) * hd, 1.0f);
+    if (bf16)
+        for (auto *a : {&q, &k, &v})
+            for (auto &x : *a) x = round_bf16(x);
+    const long qs[3] = {long(t) * h * hd, hd, long(h) * hd};
+    const long ks[3] = {long(h) * keys * hd, long(keys) * hd, hd};
+    const long vs[3] = {long(h) * (keys + 7) * hd, long(keys + 7) * hd, hd};
+    auto conv = [](const std::vector<float> &a) {
+        std::vector<T> r(a.size());
+        for (size_t i = 0; i < a.size(); ++i) {
+            if constexpr (std::is_same_v<T, float>) r[i] = a[i];
+            else r[i] = __float2bfloat16(a[i]);
+        }
+        return r;
+    };
+    auto qd = conv(q), kd = conv(k), vd = conv(v);
+    std::vector<T> out(size_t(b) * t * h * hd);
+    const float scale = 1.0f / std::sqrt(float(hd));
+    launch({unsigned((t + ROWS - 1) / ROWS), unsigned(h), unsigned(b)}, THREADS, [&] {
+        kernel(qd.data(), kd.data(), vd.data(), out.data(), h, t, keys, hd, int(causal), scale,
+               qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]);
+    });
+    double worst = 0;
+    const int past = keys - t;
+    for (int bi = 0; bi < b; ++bi)
+        for (int hi = 0; hi < h; ++hi)
+            for (int i = 0; i < t; ++i) {
+                std::vector<double> p(keys);
+                double m = -INFINITY, s = 0;
+                for (int j = 0; j < keys; ++j) {
+                    double d = 0;
+                    for (int c = 0; c < hd; ++c)
+                        d += double(q[bi * qs[0] + hi * qs[1] + i * qs[2] + c]) *
+                             k[bi * ks[0] + hi * ks[1] + j * ks[2] + c];
+                    p[j] = (causal && j > past + i) ? -INFINITY : d * scale;
+                    m = std::max(m, p[j]);
+                }
+                for (auto &x : p) s += (x = std::exp(x - m));
+                for (int c = 0; c < hd; ++c) {
+                    double o = 0;
+                    for (int j = 0; j < keys; ++j) o += p[j] / s * v[bi * vs[0] + hi * vs[1] + j * vs[2] + c];
+                    const T g = out[((size_t(bi) * t + i) * h + hi) * hd + c];
+                    float gf;
+                    if constexpr (std::is_same_v<T, float>) gf = g;
+                    else gf = __bfloat162float(g);
+                    const double e = std::abs(gf - o) / std::max(1.0, std::abs(o));
+                    worst = std::isfinite(gf) ? std::max(worst, e) : INFINITY;
+                }
+            }
+    const double tol = bf16 ? 8e-3 : 1e-5;
+    char what[200];
+    std::snprintf(what, sizeof what, "attention b %d h %d t %d keys %d hd %d causal %d %s: %.3g", b, h, t,
+                  keys, hd, int(causal), bf16 ? "bf16" : "f32", worst);
+    std::printf("%s\n", what);
+    check(worst < tol, what);
+}
+
+int main() {
+    const int cases[][5] = {{2, 3, 70, 70, 64}, {1, 2, 1, 1, 64},   {1, 2, 1, 37, 64},  {2, 2, 5, 133, 128},
+                            {1, 4, 33, 33, 8},  {1, 2, 17, 50, 100}, {1, 1, 40, 40, 256}, {1, 2, 65, 97, 200}};
+    for (auto &c : cases)
+        for (int causal = 0; causal < 2; ++causal) {
+            const int b = c[0], h = c[1], t = c[2], keys = c[3], hd = c[4];
+            auto f32 = hd <= 64 ? flash_attention_f32_d64 : hd <= 128 ? flash_attention_f32_d128 : flash_attention_f32_d256;
+            auto b16 = hd <= 64 ? flash_attention_bf16_d64 : hd <= 128 ? flash_attention_bf16_d128 : flash_attention_bf16_d256;
+            attention_case<float>(b, h, t, keys, hd, causal, false, f32);
+            attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, b16);
+        }
+    std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
+    return failures != 0;
+}
+#endif
+
+#ifdef LOGPROB
+#include "../../src/kernels/cuda/logprob.cu"
+
+int main() {
+    for (int vocab : {1, 31, 777, 1000, 50304}) {
+        const int n = 37;
+        auto x = randn(size_t(n) * vocab, 4.0f);
+        std::vector<unsigned> tg(n);
+        for (int i = 0; i < n; ++i) tg[i] = unsigned((i * 7919 + 3) % vocab);
+        if (vocab >= 31) {
+            std::fill(x.begin(), x.begin() + vocab, 0.25f);
+            x[vocab + 5] = x[vocab + 9] = 30.0f;
+            std::fill(x.begin() + 2 * vocab, x.begin() + 4 * vocab, -INFINITY);
+            for (int r : {2, 3}) x[r * vocab + 3] = x[r * vocab + 20] = 1.0f;
+            tg[2] = 3;
+            tg[3] = 4;
+        }
+        for (int bf16 = 0; bf16 < 2; ++bf16) {
+            std::vector<float> xr = x;
+            if (bf16)
+                for (auto &v : xr) v = round_bf16(v);
+            std::vector<__nv_bfloat16> xb(xr.size());
+            for (size_t i = 0; i < xr.size(); ++i) xb[i] = __float2bfloat16(xr[i]);
+            std::vector<float> out(3 * n, -1.0f);
+            unsigned threads = 32;
+            while (threads < unsigned(vocab) && threads < 512) threads *= 2;
+            launch({unsigned(n), 1, 1}, threads, [&] {
+                if (bf16) logprob_bf16(xb.data(), tg.data(), out.data(), vocab);
+                else logprob_f32(xr.data(), tg.data(), out.data(), vocab);
+            });
+            double worst = 0;
+            for (int r = 0; r < n; ++r) {
+                const float *row = xr.data() + size_t(r) * vocab;
+                double m = -INFINITY, s = 0;
+                int arg = 0;
+                for (int i = 0; i < vocab; ++i)
+                    if (row[i] > m) m = row[i], arg = i;
+                for (int i = 0; i < vocab; ++i) s += std::exp(row[i] - m);
+                const double lse = m + std::log(s), lp = row[tg[r]] - lse;
+                auto err = [](double g, double w) {
+                    if (!std::isfinite(w)) return g == w ? 0.0 : INFINITY;
+                    return std::abs(g - w) / std::max(1.0, std::abs(w));
+                };
+                worst = std::max({worst, err(out[3 * r], lp), err(out[3 * r + 1], lse)});
+                check(out[3 * r + 2] == float(arg), "argmax row " + std::to_string(r) + " vocab " +
+                                                        std::to_string(vocab));
+            }
+            char what[120];
+            std::snprintf(what, sizeof what, "logprob vocab %d %s: %.3g", vocab, bf16 ? "bf16" : "f32", worst);
+            std::printf("%s\n", what);
+            check(worst < 1e-5, what);
+            if (vocab >= 31) {
+                check(out[2] == 0.0f && out[5] == 5.0f, "ties go to the first index");
+                check(std::abs(out[6] + std::log(2.0)) < 1e-6 && out[9] == -INFINITY, "-inf logits");
+            }
+        }
+    }
+    std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
+    return failures != 0;
+}
+#endif
+
+#ifdef THETA
+#include "../../src/kernels/cuda/theta.cu"
+
+int main() {
+    for (int n : {1, 31, 1000, 1500}) {
+        const int rows = 5;
+        auto x = randn(size_t(rows) * n, 3.0f);
+        for (int act = 0; act < 3; ++act) {
+            const float scale = act == 2 ? float(n) : std::sqrt(float(n));
+            std::vector<float> out(x.size());
+            unsigned threads = 32;
+            while (threads < unsigned(n) && threads < 1024) threads *= 2;
+            launch({unsigned(rows), 1, 1}, threads, [&] { theta_f32(x.data(), out.data(), n, scale, act); });
+            auto g = [](double v) { return 0.5 * v * (1.0 + std::erf(v / std::sqrt(2.0))); };
+            double worst = 0;
+            for (int r = 0; r < rows; ++r) {
+                const float *s = x.data() + size_t(r) * n;
+                std::vector<double> want(n);
+                if (act == 2) {
+                    double m = -INFINITY, z = 0;
+                    for (int i = 0; i < n; ++i) m = std::max(m, double(s[i]));
+                    for (int i = 0; i < n; ++i) z += std::exp(s[i] - m);
+                    for (int i = 0; i < n; ++i) want[i] = std::exp(s[i] - m) / z * scale;
+                } else {
+                    double ss = 0;
+                    for (int i = 0; i < n; ++i) ss += act == 0 ? double(s[i]) * s[i] : g(s[i]) * g(s[i]);
+                    const double f = scale / std::max(std::sqrt(ss), 1e-30);
+                    for (int i = 0; i < n; ++i) want[i] = act == 0 ? g(s[i] * f) : g(s[i]) * f;
+                }
+                for (int i = 0; i < n; ++i)
+                    worst = std::max(worst, std::abs(out[size_t(r) * n + i] - want[i]) / std::max(1.0, std::abs(want[i])));
+            }
+            char what[80];
+            std::snprintf(what, sizeof what, "theta n %d act %d: %.3g", n, act, worst);
+            std::printf("%s\n", what);
+            check(worst < 1e-5, what);
+        }
+    }
+    std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
+    return failures != 0;
+}
+#endif
