@@ -353,24 +353,20 @@ pub(crate) fn fused_block<P: Params + ?Sized>(
         "attention.proj",
         "mlp",
     ];
-    let stack = |kind: &str| -> Result<Option<Tensor>> {
-        let tensors = parts
+    let fetch = |kind: &str| -> Result<Vec<Tensor>> {
+        parts
             .iter()
             .map(|p| param(params, &format!("{prefix}.{p}.{kind}_param_tokens")))
-            .collect::<Result<Vec<_>>>()?;
-        if tensors.iter().any(|t| t.dim(1).ok() != x.dim(2).ok()) {
-            return Ok(None);
-        }
-        Tensor::cat(&tensors, 0).map(Some)
+            .collect()
     };
-    let (Some(keys), Some(values)) = (stack("key")?, stack("value")?) else {
-        return Ok(None);
-    };
-    let rows = |p: &str| param(params, &format!("{prefix}.{p}.key_param_tokens"))?.dim(0);
-    let (nq, no, nf) = (rows(parts[0])?, rows(parts[3])?, rows(parts[4])?);
-    if rows(parts[1])? != nq || rows(parts[2])? != nq {
+    let (keys, values) = (fetch("key")?, fetch("value")?);
+    let d = x.dim(2)?;
+    let rows = keys.iter().map(|k| k.dim(0)).collect::<Result<Vec<_>>>()?;
+    let (nq, no, nf) = (rows[0], rows[3], rows[4]);
+    if keys.iter().chain(&values).any(|t| t.dim(1).ok() != Some(d)) || rows[1..3] != [nq, nq] {
         return Ok(None);
     }
+    let (keys, values) = (Tensor::cat(&keys, 0)?, Tensor::cat(&values, 0)?);
     let spec = super::fused::BlockSpec {
         tokens: [nq, no, nf],
         ..spec.clone()

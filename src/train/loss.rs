@@ -59,6 +59,30 @@ fn loss<T: Copy + Into<f64> + Sync>(x: &[T], v: usize, targets: &[u32]) -> f64 {
     total / targets.len().max(1) as f64
 }
 
+/// Each row of logits [rows, v] becomes (softmax − one-hot) · scale in place, in f64
+/// arithmetic; returns the rows' summed loss, logsumexp − x[target].
+fn grad_rows_in_place<T: Copy + Into<f64> + Send + Sync>(
+    x: &mut [T],
+    v: usize,
+    targets: &[u32],
+    scale: f64,
+    from: impl Fn(f64) -> T + Sync,
+) -> f64 {
+    x.par_chunks_mut(v)
+        .zip(targets.par_iter())
+        .map(|(row, &t)| {
+            let (max, lse) = row_lse(row);
+            let shift = max + lse;
+            let loss = shift - row[t as usize].into();
+            for (j, x) in row.iter_mut().enumerate() {
+                let p = ((*x).into() - shift).exp() - f64::from(u8::from(j == t as usize));
+                *x = from(p * scale);
+            }
+            loss
+        })
+        .sum()
+}
+
 fn grad<T: Copy + Into<f64> + Send + Sync>(
     x: &[T],
     v: usize,
@@ -66,17 +90,8 @@ fn grad<T: Copy + Into<f64> + Send + Sync>(
     scale: f64,
     from: impl Fn(f64) -> T + Sync,
 ) -> Vec<T> {
-    let mut out: Vec<T> = x.to_vec();
-    out.par_chunks_mut(v)
-        .zip(x.par_chunks(v).zip(targets.par_iter()))
-        .for_each(|(o, (row, &t))| {
-            let (max, lse) = row_lse(row);
-            let shift = max + lse;
-            for (j, (o, &x)) in o.iter_mut().zip(row).enumerate() {
-                let p = (x.into() - shift).exp() - f64::from(u8::from(j == t as usize));
-                *o = from(p * scale);
-            }
-        });
+    let mut out = x.to_vec();
+    grad_rows_in_place(&mut out, v, targets, scale, from);
     out
 }
 
@@ -93,17 +108,7 @@ fn loss_f32(x: &[f32], v: usize, targets: &[u32]) -> f64 {
     total / targets.len().max(1) as f64
 }
 
-/// One row of (softmax − one-hot) · scale, in f32, with `shift` = logsumexp.
-#[inline(always)]
-fn grad_row_generic(o: &mut [f32], row: &[f32], shift: f32, scale: f32) {
-    for (o, &x) in o.iter_mut().zip(row) {
-        *o = crate::kernels::math::exp_f32(x - shift) * scale;
-    }
-}
-
-super::parts::by_isa!(grad_row(o: &mut [f32], row: &[f32], shift: f32, scale: f32) = grad_row_generic);
-
-/// [`grad_row_generic`] over the row itself.
+/// One row of softmax · scale in place, in f32, with `shift` = logsumexp.
 #[inline(always)]
 fn grad_row_in_place_generic(row: &mut [f32], shift: f32, scale: f32) {
     for x in row.iter_mut() {
@@ -113,24 +118,29 @@ fn grad_row_in_place_generic(row: &mut [f32], shift: f32, scale: f32) {
 
 super::parts::by_isa!(grad_row_in_place(row: &mut [f32], shift: f32, scale: f32) = grad_row_in_place_generic);
 
-/// The loss over logits [rows, v] (as [`cross_entropy`] computes it), turning the
-/// logits into the loss's gradient (softmax − one-hot) / rows where they are: the
-/// fused head's forward, which has the gradient ready for its backward.
-pub(crate) fn loss_and_grad_in_place_f32(x: &mut [f32], v: usize, targets: &[u32]) -> f64 {
-    let scale = 1.0 / targets.len().max(1) as f64;
-    let total: f64 = x
-        .par_chunks_mut(v)
+/// [`grad_rows_in_place`] for f32 logits: the row's max and Σ exp by the vectorised
+/// kernel, exp(x − shift) by the f32 one.
+fn grad_rows_in_place_f32(x: &mut [f32], v: usize, targets: &[u32], scale: f64) -> f64 {
+    x.par_chunks_mut(v)
         .zip(targets.par_iter())
         .map(|(row, &t)| {
             let (max, sum) = crate::kernels::max_and_exp_sum(row);
+            // The shift in f64, rounded once: exp(x − shift) is then p to f32 precision.
             let lse = f64::from(max) + sum.ln();
             let loss = lse - f64::from(row[t as usize]);
             grad_row_in_place(row, lse as f32, scale as f32);
             row[t as usize] -= scale as f32;
             loss
         })
-        .sum();
-    total * scale
+        .sum()
+}
+
+/// The loss over logits [rows, v] (as [`cross_entropy`] computes it), turning the
+/// logits into the loss's gradient (softmax − one-hot) / rows where they are: the
+/// fused head's forward, which has the gradient ready for its backward.
+pub(crate) fn loss_and_grad_in_place_f32(x: &mut [f32], v: usize, targets: &[u32]) -> f64 {
+    let scale = 1.0 / targets.len().max(1) as f64;
+    grad_rows_in_place_f32(x, v, targets, scale) * scale
 }
 
 /// [`loss_and_grad_in_place_f32`] in f64 arithmetic for any element type.
@@ -141,20 +151,7 @@ pub(crate) fn loss_and_grad_in_place<T: Copy + Into<f64> + Send + Sync>(
     from: impl Fn(f64) -> T + Sync,
 ) -> f64 {
     let scale = 1.0 / targets.len().max(1) as f64;
-    let total: f64 = x
-        .par_chunks_mut(v)
-        .zip(targets.par_iter())
-        .map(|(row, &t)| {
-            let (max, lse) = row_lse(row);
-            let loss = max + lse - row[t as usize].into();
-            for (j, x) in row.iter_mut().enumerate() {
-                let p = ((*x).into() - max - lse).exp() - f64::from(u8::from(j == t as usize));
-                *x = from(p * scale);
-            }
-            loss
-        })
-        .sum();
-    total * scale
+    grad_rows_in_place(x, v, targets, scale, from) * scale
 }
 
 /// Checks that `targets` has one class id below `v` per row of `n`.
@@ -169,16 +166,8 @@ pub(crate) fn check_targets(n: usize, v: usize, targets: &[u32]) -> Result<()> {
 }
 
 fn grad_f32(x: &[f32], v: usize, targets: &[u32], scale: f64) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
-    out.par_chunks_mut(v)
-        .zip(x.par_chunks(v).zip(targets.par_iter()))
-        .for_each(|(o, (row, &t))| {
-            let (max, sum) = crate::kernels::max_and_exp_sum(row);
-            // The shift in f64, rounded once: exp(x − shift) is then p to f32 precision.
-            let shift = (f64::from(max) + sum.ln()) as f32;
-            grad_row(o, row, shift, scale as f32);
-            o[t as usize] -= scale as f32;
-        });
+    let mut out = x.to_vec();
+    grad_rows_in_place_f32(&mut out, v, targets, scale);
     out
 }
 

@@ -65,7 +65,7 @@ pub(crate) fn block(
         Three(Block {
             spec: spec.clone(),
             rotary,
-            parts: [part(nq), part(nq), part(nq), part(no), part(nf)],
+            parts: [part(nq), part(no), part(nf)],
             attention: Attention {
                 heads: spec.heads,
                 scale: 1.0 / ((x.dim(2)? / spec.heads.max(1)) as f64).sqrt(),
@@ -80,24 +80,19 @@ pub(crate) fn block(
 struct Block {
     spec: BlockSpec,
     rotary: Option<RotaryTables>,
-    /// q, k, v, proj, mlp, each keeping its scores and weights for the backward
-    /// (q's holds those of all three of q, k and v).
-    parts: [Pattention; 5],
+    /// q/k/v (stacked), proj and mlp, each keeping its scores and weights for the
+    /// backward.
+    parts: [Pattention; 3],
     attention: Attention,
     /// The forward's activations for the backward (taken by it): h, q, k, v (q and k
     /// rotated), the attention's output a, and for sequential residuals x1 and h2.
     saved: Mutex<Option<Vec<CpuStorage>>>,
 }
 
-/// Which parts read which stacked rows: (first token, tokens) of q, k, v, proj, mlp.
-fn offsets([nq, no, nf]: [usize; 3]) -> [(usize, usize); 5] {
-    [
-        (0, nq),
-        (nq, nq),
-        (2 * nq, nq),
-        (3 * nq, no),
-        (3 * nq + no, nf),
-    ]
+/// Which parts read which stacked rows: (first token, tokens) of q/k/v (all three),
+/// proj and mlp, as in `Block::parts`.
+fn offsets([nq, no, nf]: [usize; 3]) -> [(usize, usize); 3] {
+    [(0, 3 * nq), (3 * nq, no), (3 * nq + no, nf)]
 }
 
 fn add_into<T: Elem>(dst: &mut [T], src: &[T]) {
@@ -107,13 +102,6 @@ fn add_into<T: Elem>(dst: &mut [T], src: &[T]) {
 }
 
 impl Block {
-    fn layer_norm<T: Elem>(&self, x: &[T], d: usize) -> Vec<T> {
-        let mut y = x.to_vec();
-        y.par_chunks_mut(d)
-            .for_each(|row| T::layer_norm_row(row, self.spec.eps));
-        y
-    }
-
     /// dy (the gradient of LN's output) becomes ∂x, added to `into`.
     fn layer_norm_grad_into<T: Elem>(
         &self,
@@ -263,20 +251,20 @@ impl Block {
                 (r, d, n, d),
             )
         };
-        let h = self.layer_norm(x, d);
+        let h = super::rows::normalised(x, d, self.spec.eps);
         let [mut q, mut k, v] = self.qkv_fwd(&h, keys, values, (r, d));
         self.rotate(&mut q, (t, d), false);
         self.rotate(&mut k, (t, d), false);
         let a = self.attention.fwd(&q, &k, &v, (r / t, t, d));
-        let mut out = part(3, &a);
+        let mut out = part(1, &a);
         // x + attn first, as the separate nodes add.
         add_into(&mut out, x);
         let mut saved: Vec<CpuStorage> = vec![];
         if self.spec.parallel_residual {
-            add_into(&mut out, &part(4, &h));
+            add_into(&mut out, &part(2, &h));
         } else {
-            let h2 = self.layer_norm(&out, d);
-            let f = part(4, &h2);
+            let h2 = super::rows::normalised(&out, d, self.spec.eps);
+            let f = part(2, &h2);
             saved.push(T::to_cpu_storage(&out));
             saved.push(T::to_cpu_storage_owned(h2));
             add_into(&mut out, &f);
@@ -324,15 +312,15 @@ impl Block {
         let mut dx = g.to_vec();
         let mut dh_ffn = None;
         if self.spec.parallel_residual {
-            dh_ffn = Some(part_bwd(4, &h, g)?);
+            dh_ffn = Some(part_bwd(2, &h, g)?);
         } else {
             let (h2, x1) = (take()?, take()?);
-            let dh2 = part_bwd(4, &h2, g)?;
+            let dh2 = part_bwd(2, &h2, g)?;
             self.layer_norm_grad_into(&mut dx, dh2, &x1, &h2, d);
         }
         // dx is now ∂x1 (sequential) or ∂x through the residual (parallel): the
         // output projection's upstream gradient either way.
-        let da = part_bwd(3, &a, &dx)?;
+        let da = part_bwd(1, &a, &dx)?;
         drop(a);
         let [mut dq, mut dk, dv] = self.attention.bwd_t((&q, &k, &v, &da), (r / t, t, d))?;
         drop((da, q, k, v));

@@ -33,12 +33,17 @@ pub(super) fn last_dim(l: &Layout) -> usize {
     l.dims().last().copied().unwrap_or(1).max(1)
 }
 
+/// Every row of n of x normalised (the LayerNorm node's forward, and the block's).
+pub(super) fn normalised<T: Elem>(x: &[T], n: usize, eps: f64) -> Vec<T> {
+    let mut y = x.to_vec();
+    y.par_chunks_mut(n)
+        .for_each(|row| T::layer_norm_row(row, eps));
+    y
+}
+
 impl LayerNorm {
     fn fwd<T: Elem>(&self, x: &[T], n: usize) -> Vec<T> {
-        let mut y = x.to_vec();
-        y.par_chunks_mut(n)
-            .for_each(|row| T::layer_norm_row(row, self.eps));
-        y
+        normalised(x, n, self.eps)
     }
 
     /// ∂x = (g − mean(g) − x̂ · mean(g · x̂)) / σ, with x̂ the forward's output.
