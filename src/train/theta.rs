@@ -56,16 +56,45 @@ fn norm<T: Float>(row: &[T]) -> f64 {
     row.iter().map(|&x| x.into() * x.into()).sum::<f64>().sqrt()
 }
 
+fn forward_row<T: Float>(row: &[T], out: &mut [T], c: f64) {
+    let f = c / norm(row).max(MIN_NORM);
+    for (o, &v) in out.iter_mut().zip(row) {
+        let u = T::from_f64(v.into() * f);
+        let e = T::from_f64(u.into() * std::f64::consts::FRAC_1_SQRT_2).erf();
+        *o = T::from_f64(0.5 * u.into() * (1.0 + e));
+    }
+}
+
+/// `row` (the scores) becomes ∂L/∂s.
+fn backward_row<T: Float>(row: &mut [T], dy: &[T], c: f64) {
+    let r = norm(row);
+    let f = c / r.max(MIN_NORM);
+    let inv_sqrt_2pi = 0.5 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2;
+    // g = dy · GELU′(u), kept in `row` (as f64 would need a buffer per row).
+    let mut dot = 0.0;
+    let g: Vec<f64> = row
+        .iter()
+        .zip(dy)
+        .map(|(&x, &d)| {
+            let u = x.into() * f;
+            let e = T::from_f64(u * std::f64::consts::FRAC_1_SQRT_2).erf();
+            let dgelu = 0.5 * (1.0 + e) + u * (-0.5 * u * u).exp() * inv_sqrt_2pi;
+            let g = d.into() * dgelu;
+            dot += x.into() * g;
+            g
+        })
+        .collect();
+    let proj = if r > MIN_NORM { dot / (r * r) } else { 0.0 };
+    for (v, g) in row.iter_mut().zip(g) {
+        *v = T::from_f64(f * (g - (*v).into() * proj));
+    }
+}
+
 pub(super) fn forward<T: Float>(s: &[T], n: usize, c: f64) -> Vec<T> {
     let mut out = s.to_vec();
-    out.par_chunks_mut(n).for_each(|row| {
-        let f = c / norm(row).max(MIN_NORM);
-        for v in row.iter_mut() {
-            let u = T::from_f64((*v).into() * f);
-            let e = T::from_f64(u.into() * std::f64::consts::FRAC_1_SQRT_2).erf();
-            *v = T::from_f64(0.5 * u.into() * (1.0 + e));
-        }
-    });
+    out.par_chunks_mut(n)
+        .zip(s.par_chunks(n))
+        .for_each(|(o, row)| forward_row(row, o, c));
     out
 }
 
@@ -73,31 +102,22 @@ pub(super) fn backward<T: Float>(s: &[T], dy: &[T], n: usize, c: f64) -> Vec<T> 
     let mut out = s.to_vec();
     out.par_chunks_mut(n)
         .zip(dy.par_chunks(n))
-        .for_each(|(row, dy)| {
-            let r = norm(row);
-            let f = c / r.max(MIN_NORM);
-            let inv_sqrt_2pi =
-                0.5 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2;
-            // g = dy · GELU′(u), kept in `row` (as f64 would need a buffer per row).
-            let mut dot = 0.0;
-            let g: Vec<f64> = row
-                .iter()
-                .zip(dy)
-                .map(|(&x, &d)| {
-                    let u = x.into() * f;
-                    let e = T::from_f64(u * std::f64::consts::FRAC_1_SQRT_2).erf();
-                    let dgelu = 0.5 * (1.0 + e) + u * (-0.5 * u * u).exp() * inv_sqrt_2pi;
-                    let g = d.into() * dgelu;
-                    dot += x.into() * g;
-                    g
-                })
-                .collect();
-            let proj = if r > MIN_NORM { dot / (r * r) } else { 0.0 };
-            for (v, g) in row.iter_mut().zip(g) {
-                *v = T::from_f64(f * (g - (*v).into() * proj));
-            }
-        });
+        .for_each(|(row, dy)| backward_row(row, dy, c));
     out
+}
+
+/// [`forward`] on the calling thread, into `out` (for passes already in parallel).
+pub(super) fn forward_serial<T: Float>(s: &[T], out: &mut [T], n: usize, c: f64) {
+    out.chunks_mut(n)
+        .zip(s.chunks(n))
+        .for_each(|(o, row)| forward_row(row, o, c));
+}
+
+/// [`backward`] on the calling thread, the scores turned into ∂L/∂s in place.
+pub(super) fn backward_serial<T: Float>(s: &mut [T], dy: &[T], n: usize, c: f64) {
+    s.chunks_mut(n)
+        .zip(dy.chunks(n))
+        .for_each(|(row, dy)| backward_row(row, dy, c));
 }
 
 /// The f32 passes, with the branch-free erf and exp of [`crate::kernels::math`] (erf to
@@ -161,15 +181,26 @@ pub(super) fn forward_f32(s: &[f32], n: usize, c: f64) -> Vec<f32> {
     out.spare_capacity_mut()
         .par_chunks_mut(n)
         .zip(s.par_chunks(n))
-        .for_each(|(o, row)| {
-            // SAFETY: MaybeUninit<f32> has f32's layout; every element is written by
-            // forward_row before `set_len`, and none is read before.
-            let o = unsafe { &mut *(o as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
-            fast::forward_row(row, o, c)
-        });
+        .for_each(|(o, row)| forward_f32_serial(row, uninit_as(o), n, c));
     // SAFETY: all s.len() elements were written above.
     unsafe { out.set_len(s.len()) };
     out
+}
+
+/// Spare capacity of a vector as elements to be written, never read, before the
+/// vector's `set_len` (so that a pass that writes every element needs no zeroing pass
+/// first).
+pub(super) fn uninit_as<T: candle_core::WithDType>(o: &mut [std::mem::MaybeUninit<T>]) -> &mut [T] {
+    // SAFETY: MaybeUninit<T> has T's layout and no element type of a tensor has
+    // invalid bit patterns; the callers write every element before reading any.
+    unsafe { &mut *(o as *mut [std::mem::MaybeUninit<T>] as *mut [T]) }
+}
+
+/// [`forward_f32`] on the calling thread, into `out`.
+pub(super) fn forward_f32_serial(s: &[f32], out: &mut [f32], n: usize, c: f64) {
+    out.chunks_mut(n)
+        .zip(s.chunks(n))
+        .for_each(|(o, row)| fast::forward_row(row, o, c));
 }
 
 pub(super) fn backward_f32(s: &[f32], dy: &[f32], n: usize, c: f64) -> Vec<f32> {
@@ -184,6 +215,14 @@ pub(super) fn backward_f32_in_place(s: &mut [f32], dy: &[f32], n: usize, c: f64)
         || vec![0f32; n],
         |g, (row, dy)| fast::backward_row(row, dy, g, c),
     );
+}
+
+/// [`backward_f32_in_place`] on the calling thread.
+pub(super) fn backward_f32_serial(s: &mut [f32], dy: &[f32], n: usize, c: f64) {
+    let mut g = vec![0f32; n];
+    s.chunks_mut(n)
+        .zip(dy.chunks(n))
+        .for_each(|(row, dy)| fast::backward_row(row, dy, &mut g, c));
 }
 
 fn slice<'a, T>(s: &'a [T], l: &Layout) -> Result<&'a [T]> {

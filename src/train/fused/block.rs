@@ -16,7 +16,7 @@ use candle_core::{Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::attention::Attention;
-use super::pattention::Pattention;
+use super::pattention::{Dims, Pattention};
 use super::*;
 
 /// What a block is besides its tensors.
@@ -89,12 +89,6 @@ struct Block {
     saved: Mutex<Option<Vec<CpuStorage>>>,
 }
 
-/// Which parts read which stacked rows: (first token, tokens) of q/k/v (all three),
-/// proj and mlp, as in `Block::parts`.
-fn offsets([nq, no, nf]: [usize; 3]) -> [(usize, usize); 3] {
-    [(0, 3 * nq), (3 * nq, no), (3 * nq + no, nf)]
-}
-
 fn add_into<T: Elem>(dst: &mut [T], src: &[T]) {
     dst.par_chunks_mut(1 << 14)
         .zip(src.par_chunks(1 << 14))
@@ -102,6 +96,21 @@ fn add_into<T: Elem>(dst: &mut [T], src: &[T]) {
 }
 
 impl Block {
+    /// Which elements of the stacked keys and values part `i` reads (q/k/v all three,
+    /// proj, mlp, as in `Block::parts`; keys and values are both [N, d]), and its shape.
+    fn part(&self, i: usize, (r, d): (usize, usize)) -> (std::ops::Range<usize>, Dims) {
+        let [nq, no, nf] = self.spec.tokens;
+        let (first, n, groups) = [(0, nq, 3), (3 * nq, no, 1), (3 * nq + no, nf, 1)][i];
+        let dims = Dims {
+            r,
+            d,
+            n,
+            o: d,
+            groups,
+        };
+        (first * d..(first + groups * n) * d, dims)
+    }
+
     /// dy (the gradient of LN's output) becomes ∂x, added to `into`.
     fn layer_norm_grad_into<T: Elem>(
         &self,
@@ -143,97 +152,6 @@ impl Block {
         });
     }
 
-    /// q, k and v of h [r, d]: the three Pattentions' scores as one product with
-    /// their stacked keys ([r, 3n], Θ over each n), then one product per value set
-    /// reading its columns of the weights. The scores and weights are kept in
-    /// `self.parts[0]` for the backward.
-    fn qkv_fwd<T: Elem>(
-        &self,
-        h: &[T],
-        keys: &[T],
-        values: &[T],
-        (r, d): (usize, usize),
-    ) -> [Vec<T>; 3] {
-        let n = self.spec.tokens[0];
-        let s = T::matmul(
-            r,
-            3 * n,
-            d,
-            Operand::rows(h, d),
-            Operand::transposed(&keys[..3 * n * d], d),
-        );
-        let w = T::theta(&s, n, self.parts[0].c);
-        let out = std::array::from_fn(|g| {
-            let weights = Operand {
-                data: &w[g * n..],
-                rs: 3 * n,
-                cs: 1,
-            };
-            T::matmul(
-                r,
-                d,
-                n,
-                weights,
-                Operand::rows(&values[g * n * d..(g + 1) * n * d], d),
-            )
-        });
-        *self.parts[0].saved.lock().expect("not poisoned") =
-            Some((T::to_cpu_storage_owned(s), T::to_cpu_storage_owned(w)));
-        out
-    }
-
-    /// ∂h from ∂q, ∂k, ∂v, writing the three key and value gradients into the
-    /// stacked ones: ∂h and ∂keys as one product each over all 3n tokens.
-    fn qkv_bwd<T: Elem>(
-        &self,
-        (h, keys, values): (&[T], &[T], &[T]),
-        grads: [&[T]; 3],
-        (dkeys, dvalues): (&mut [T], &mut [T]),
-        (r, d): (usize, usize),
-    ) -> Result<Vec<T>> {
-        let n = self.spec.tokens[0];
-        let saved = self.parts[0].saved.lock().expect("not poisoned").take();
-        let Some((s, w)) = saved else {
-            candle_core::bail!("transformer block: a second backward over one forward")
-        };
-        let (Ok(s), Ok(w)) = (T::cpu_storage_data(s), T::cpu_storage_data(w)) else {
-            candle_core::bail!("transformer block: saved scores of another dtype")
-        };
-        // ∂weights [r, 3n]: each value set's product writes its n columns.
-        let mut dw = vec![T::zero(); r * 3 * n];
-        for (g, grad) in grads.into_iter().enumerate() {
-            let v = &values[g * n * d..(g + 1) * n * d];
-            T::matmul_into(
-                &mut dw[g * n..],
-                3 * n,
-                (r, n, d),
-                Operand::rows(grad, d),
-                Operand::transposed(v, d),
-            );
-            let weights = Operand {
-                data: &w[g * n..],
-                rs: 1,
-                cs: 3 * n,
-            };
-            let dv = T::matmul_long(n, d, r, weights, Operand::rows(grad, d));
-            dvalues[g * n * d..(g + 1) * n * d].copy_from_slice(&dv);
-        }
-        drop(w);
-        let ds = T::theta_grad(s, &dw, n, self.parts[0].c);
-        drop(dw);
-        let k = &keys[..3 * n * d];
-        let dh = T::matmul(r, d, 3 * n, Operand::rows(&ds, 3 * n), Operand::rows(k, d));
-        let dk = T::matmul_long(
-            3 * n,
-            d,
-            r,
-            Operand::transposed(&ds, 3 * n),
-            Operand::rows(h, d),
-        );
-        dkeys[..3 * n * d].copy_from_slice(&dk);
-        Ok(dh)
-    }
-
     fn fwd<T: Elem>(
         &self,
         x: &[T],
@@ -241,30 +159,27 @@ impl Block {
         values: &[T],
         (r, t, d): (usize, usize, usize),
     ) -> Vec<T> {
-        let at = offsets(self.spec.tokens);
-        let part = |i: usize, input: &[T]| -> Vec<T> {
-            let (first, n) = at[i];
-            self.parts[i].fwd(
-                input,
-                &keys[first * d..(first + n) * d],
-                &values[first * d..(first + n) * d],
-                (r, d, n, d),
-            )
+        let part = |i: usize, input: &[T]| -> Vec<Vec<T>> {
+            let (span, dims) = self.part(i, (r, d));
+            self.parts[i].fwd(input, &keys[span.clone()], &values[span], dims)
         };
         let h = super::rows::normalised(x, d, self.spec.eps);
-        let [mut q, mut k, v] = self.qkv_fwd(&h, keys, values, (r, d));
+        let Ok([mut q, mut k, v]) = <[Vec<T>; 3]>::try_from(part(0, &h)) else {
+            unreachable!("three groups, three outputs")
+        };
         self.rotate(&mut q, (t, d), false);
         self.rotate(&mut k, (t, d), false);
         let a = self.attention.fwd(&q, &k, &v, (r / t, t, d));
-        let mut out = part(1, &a);
+        let one = |i: usize, input: &[T]| part(i, input).pop().expect("one group");
+        let mut out = one(1, &a);
         // x + attn first, as the separate nodes add.
         add_into(&mut out, x);
         let mut saved: Vec<CpuStorage> = vec![];
         if self.spec.parallel_residual {
-            add_into(&mut out, &part(2, &h));
+            add_into(&mut out, &one(2, &h));
         } else {
             let h2 = super::rows::normalised(&out, d, self.spec.eps);
-            let f = part(2, &h2);
+            let f = one(2, &h2);
             saved.push(T::to_cpu_storage(&out));
             saved.push(T::to_cpu_storage_owned(h2));
             add_into(&mut out, &f);
@@ -293,45 +208,37 @@ impl Block {
             }
         };
         let (a, v, k, q, h) = (take()?, take()?, take()?, take()?, take()?);
-        let at = offsets(self.spec.tokens);
         let mut dkeys = vec![T::zero(); keys.len()];
         let mut dvalues = vec![T::zero(); values.len()];
         // A part's backward: ∂input, its key and value gradients written in place.
-        let mut part_bwd = |i: usize, input: &[T], grad: &[T]| -> Result<Vec<T>> {
-            let (first, n) = at[i];
-            let span = first * d..(first + n) * d;
-            let [dx, dk, dv] = self.parts[i].bwd_t(
-                (input, &keys[span.clone()], &values[span.clone()], grad),
-                (r, d, n, d),
-            )?;
-            dkeys[span.clone()].copy_from_slice(&dk);
-            dvalues[span].copy_from_slice(&dv);
-            Ok(dx)
+        let mut part_bwd = |i: usize, input: &[T], grads: &[&[T]]| -> Result<Vec<T>> {
+            let (span, dims) = self.part(i, (r, d));
+            self.parts[i].bwd(
+                (input, &keys[span.clone()], &values[span.clone()]),
+                grads,
+                (&mut dkeys[span.clone()], &mut dvalues[span]),
+                dims,
+            )
         };
         // ∂x accumulates: the residual path's gradient first.
         let mut dx = g.to_vec();
         let mut dh_ffn = None;
         if self.spec.parallel_residual {
-            dh_ffn = Some(part_bwd(2, &h, g)?);
+            dh_ffn = Some(part_bwd(2, &h, &[g])?);
         } else {
             let (h2, x1) = (take()?, take()?);
-            let dh2 = part_bwd(2, &h2, g)?;
+            let dh2 = part_bwd(2, &h2, &[g])?;
             self.layer_norm_grad_into(&mut dx, dh2, &x1, &h2, d);
         }
         // dx is now ∂x1 (sequential) or ∂x through the residual (parallel): the
         // output projection's upstream gradient either way.
-        let da = part_bwd(1, &a, &dx)?;
+        let da = part_bwd(1, &a, &[&dx])?;
         drop(a);
         let [mut dq, mut dk, dv] = self.attention.bwd_t((&q, &k, &v, &da), (r / t, t, d))?;
         drop((da, q, k, v));
         self.rotate(&mut dq, (t, d), true);
         self.rotate(&mut dk, (t, d), true);
-        let mut dh = self.qkv_bwd(
-            (&h, keys, values),
-            [&dq, &dk, &dv],
-            (&mut dkeys, &mut dvalues),
-            (r, d),
-        )?;
+        let mut dh = part_bwd(0, &h, &[&dq, &dk, &dv])?;
         drop((dq, dk, dv));
         if let Some(f) = dh_ffn {
             add_into(&mut dh, &f);

@@ -39,23 +39,50 @@ pub(super) fn serves(t: &Tensor) -> bool {
 trait Elem: WithDType + Copy + Send + Sync + Into<f64> {
     /// e^x (f32: the inference kernels' vectorisable exp, ≈1 ulp).
     fn exp_fast(self) -> Self;
+
+    /// dst (m rows of n, row i at `dst + i·rs`) = lhs · rhs on `par`'s threads; dst is
+    /// written, never read.
+    ///
+    /// # Safety
+    /// The operands cover m×k and k×n elements (k > 0), dst addresses (m−1)·rs + n
+    /// writable elements and overlaps neither operand.
+    unsafe fn matmul_raw(
+        par: gemm::Parallelism,
+        dst: *mut Self,
+        rs: usize,
+        mnk: (usize, usize, usize),
+        lhs: Operand<Self>,
+        rhs: Operand<Self>,
+    );
+
     /// dst [m, n] (row-major, fresh) = lhs · rhs on `par`'s threads.
     fn matmul_on(
         par: gemm::Parallelism,
         mnk: (usize, usize, usize),
         lhs: Operand<Self>,
         rhs: Operand<Self>,
-    ) -> Vec<Self>;
+    ) -> Vec<Self> {
+        product(mnk, &lhs, &rhs, |dst| {
+            // SAFETY: `product` checked the operands and gives room for m·n.
+            unsafe { Self::matmul_raw(par, dst, mnk.1, mnk, lhs, rhs) }
+        })
+    }
 
-    /// Rows of dst [m, n] (row i at `dst[i·rs..]`) = lhs · rhs on all threads: a
-    /// product into columns of a wider buffer.
+    /// Rows of dst [m, n] (row i at `dst[i·rs..]`) = lhs · rhs on `par`'s threads: a
+    /// product into columns of a wider buffer, or into a block of a larger one.
     fn matmul_into(
+        par: gemm::Parallelism,
         dst: &mut [Self],
         rs: usize,
         mnk: (usize, usize, usize),
         lhs: Operand<Self>,
         rhs: Operand<Self>,
-    );
+    ) {
+        product_into(dst, rs, mnk, &lhs, &rhs, |dst| {
+            // SAFETY: `product_into` checked the operands and dst's extent.
+            unsafe { Self::matmul_raw(par, dst, rs, mnk, lhs, rhs) }
+        })
+    }
 
     /// dst [m, n] = lhs · rhs on all threads.
     fn matmul(m: usize, n: usize, k: usize, lhs: Operand<Self>, rhs: Operand<Self>) -> Vec<Self> {
@@ -113,7 +140,10 @@ trait Elem: WithDType + Copy + Send + Sync + Into<f64> {
     ) -> Vec<Self> {
         Self::matmul_on(gemm::Parallelism::None, (m, n, k), lhs, rhs)
     }
-    fn theta(s: &[Self], n: usize, c: f64) -> Vec<Self>;
+    /// out = Θ(s) for rows of n, on the calling thread.
+    fn theta_rows(s: &[Self], out: &mut [Self], n: usize, c: f64);
+    /// Θ's backward for rows of n on the calling thread: the scores become ∂L/∂s.
+    fn theta_grad_rows(s: &mut [Self], dy: &[Self], n: usize, c: f64);
     /// dst = softmax(scale · src) for one row (exact zeros below e^−87; a row of
     /// nothing but −∞ gets all zeros).
     fn softmax_row(src: &[Self], dst: &mut [Self], scale: f64) {
@@ -136,8 +166,6 @@ trait Elem: WithDType + Copy + Send + Sync + Into<f64> {
     fn loss_and_grad_in_place(x: &mut [Self], v: usize, targets: &[u32]) -> f64 {
         super::loss::loss_and_grad_in_place(x, v, targets, Self::from_f64)
     }
-    /// Θ's backward, the scores turned into their gradient in place.
-    fn theta_grad(s: Vec<Self>, dy: &[Self], n: usize, c: f64) -> Vec<Self>;
 }
 
 /// A matrix operand: element (i, j) at `data[i·rs + j·cs]`.
@@ -174,7 +202,7 @@ impl<'a, T> Operand<'a, T> {
 
 /// The product's checks and zero cases shared by both element types; `call` runs the
 /// kernel into a buffer of m·n.
-fn product<T: Copy + Default>(
+fn product<T: WithDType>(
     (m, n, k): (usize, usize, usize),
     lhs: &Operand<T>,
     rhs: &Operand<T>,
@@ -185,7 +213,7 @@ fn product<T: Copy + Default>(
         "fused product out of bounds"
     );
     if m * n == 0 || k == 0 {
-        return vec![T::default(); m * n];
+        return vec![T::zero(); m * n];
     }
     let mut dst = Vec::<T>::with_capacity(m * n);
     call(dst.as_mut_ptr());
@@ -222,43 +250,22 @@ impl Elem for f32 {
     fn exp_fast(self) -> Self {
         crate::kernels::math::exp_f32(self)
     }
-    fn matmul_into(
-        dst: &mut [Self],
-        rs: usize,
-        (m, n, k): (usize, usize, usize),
-        lhs: Operand<Self>,
-        rhs: Operand<Self>,
-    ) {
-        product_into(dst, rs, (m, n, k), &lhs, &rhs, |dst| {
-            // SAFETY: the operands cover m×k and k×n elements and dst m rows of n
-            // at stride rs (checked by `product_into`); dst overlaps neither.
-            unsafe {
-                crate::kernels::gemm_f32(
-                    crate::kernels::active(),
-                    (m, n, k),
-                    (dst, 1, rs as isize),
-                    (lhs.data.as_ptr(), lhs.cs as isize, lhs.rs as isize),
-                    (rhs.data.as_ptr(), rhs.cs as isize, rhs.rs as isize),
-                    1.0,
-                    crate::kernels::gemm_parallelism(),
-                )
-            }
-        })
-    }
-    fn matmul_on(
+    unsafe fn matmul_raw(
         par: gemm::Parallelism,
+        dst: *mut Self,
+        rs: usize,
         mnk: (usize, usize, usize),
         lhs: Operand<Self>,
         rhs: Operand<Self>,
-    ) -> Vec<Self> {
-        matmul_f32_on(crate::kernels::active(), par, mnk, lhs, rhs)
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { gemm_f32_raw(crate::kernels::active(), par, (dst, rs), mnk, lhs, rhs) }
     }
-    fn theta(s: &[Self], n: usize, c: f64) -> Vec<Self> {
-        theta::forward_f32(s, n, c)
+    fn theta_rows(s: &[Self], out: &mut [Self], n: usize, c: f64) {
+        theta::forward_f32_serial(s, out, n, c)
     }
-    fn theta_grad(mut s: Vec<Self>, dy: &[Self], n: usize, c: f64) -> Vec<Self> {
-        theta::backward_f32_in_place(&mut s, dy, n, c);
-        s
+    fn theta_grad_rows(s: &mut [Self], dy: &[Self], n: usize, c: f64) {
+        theta::backward_f32_serial(s, dy, n, c)
     }
     fn softmax_row(src: &[Self], dst: &mut [Self], scale: f64) {
         rows::fast::softmax_row(src, dst, scale)
@@ -279,28 +286,42 @@ impl Elem for f32 {
 
 /// The f32 product on the kernels of `path` (our own sgemm on AVX2, the gemm crate's
 /// otherwise).
+#[cfg(test)]
 fn matmul_f32_on(
     path: crate::kernels::Path,
     par: gemm::Parallelism,
-    (m, n, k): (usize, usize, usize),
+    mnk: (usize, usize, usize),
     lhs: Operand<f32>,
     rhs: Operand<f32>,
 ) -> Vec<f32> {
-    product((m, n, k), &lhs, &rhs, |dst| {
-        // SAFETY: the operands cover m×k and k×n elements (checked by `product`), dst
-        // has room for m·n and overlaps neither.
-        unsafe {
-            crate::kernels::gemm_f32(
-                path,
-                (m, n, k),
-                (dst, 1, n as isize),
-                (lhs.data.as_ptr(), lhs.cs as isize, lhs.rs as isize),
-                (rhs.data.as_ptr(), rhs.cs as isize, rhs.rs as isize),
-                1.0,
-                par,
-            )
-        }
+    product(mnk, &lhs, &rhs, |dst| {
+        // SAFETY: `product` checked the operands and gives room for m·n.
+        unsafe { gemm_f32_raw(path, par, (dst, mnk.1), mnk, lhs, rhs) }
     })
+}
+
+/// # Safety
+/// As [`Elem::matmul_raw`].
+unsafe fn gemm_f32_raw(
+    path: crate::kernels::Path,
+    par: gemm::Parallelism,
+    (dst, rs): (*mut f32, usize),
+    mnk: (usize, usize, usize),
+    lhs: Operand<f32>,
+    rhs: Operand<f32>,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        crate::kernels::gemm_f32(
+            path,
+            mnk,
+            (dst, 1, rs as isize),
+            (lhs.data.as_ptr(), lhs.cs as isize, lhs.rs as isize),
+            (rhs.data.as_ptr(), rhs.cs as isize, rhs.rs as isize),
+            1.0,
+            par,
+        )
+    }
 }
 
 /// The f64 product by gemm (tests and the f64 checks), dst rows `rs` apart.
@@ -344,34 +365,22 @@ impl Elem for f64 {
     fn exp_fast(self) -> Self {
         f64::exp(self)
     }
-    fn matmul_into(
-        dst: &mut [Self],
+    unsafe fn matmul_raw(
+        par: gemm::Parallelism,
+        dst: *mut Self,
         rs: usize,
         mnk: (usize, usize, usize),
         lhs: Operand<Self>,
         rhs: Operand<Self>,
     ) {
-        product_into(dst, rs, mnk, &lhs, &rhs, |dst| {
-            // SAFETY: checked by `product_into`.
-            unsafe { gemm_f64(crate::kernels::gemm_parallelism(), mnk, (dst, rs), lhs, rhs) }
-        })
+        // SAFETY: the caller's contract.
+        unsafe { gemm_f64(par, mnk, (dst, rs), lhs, rhs) }
     }
-    fn matmul_on(
-        par: gemm::Parallelism,
-        (m, n, k): (usize, usize, usize),
-        lhs: Operand<Self>,
-        rhs: Operand<Self>,
-    ) -> Vec<Self> {
-        product((m, n, k), &lhs, &rhs, |dst| {
-            // SAFETY: as for f32.
-            unsafe { gemm_f64(par, (m, n, k), (dst, n), lhs, rhs) }
-        })
+    fn theta_rows(s: &[Self], out: &mut [Self], n: usize, c: f64) {
+        theta::forward_serial(s, out, n, c)
     }
-    fn theta(s: &[Self], n: usize, c: f64) -> Vec<Self> {
-        theta::forward(s, n, c)
-    }
-    fn theta_grad(s: Vec<Self>, dy: &[Self], n: usize, c: f64) -> Vec<Self> {
-        theta::backward(&s, dy, n, c)
+    fn theta_grad_rows(s: &mut [Self], dy: &[Self], n: usize, c: f64) {
+        theta::backward_serial(s, dy, n, c)
     }
 }
 
@@ -606,7 +615,8 @@ mod tests {
                     a[i] = Tensor::from_vec(x, shapes[i], &Device::Cpu).unwrap();
                     objective(fused, &a).to_scalar::<f64>().unwrap()
                 };
-                let fd = (at(1e-6) - at(-1e-6)) / 2e-6;
+                // A step near the f64 optimum for central differences (ε^⅓ ≈ 6e-6).
+                let fd = (at(1e-5) - at(-1e-5)) / 2e-5;
                 assert!(
                     (g[j] - fd).abs() < 1e-6 * fd.abs().max(1.0),
                     "input {i}[{j}]: {} vs {fd}",
@@ -692,13 +702,16 @@ mod tests {
 
     /// Against products and the Θ op of the unfused path (candle's own `gelu_erf`
     /// gradient is off by ~2e-5 relative, see [`theta`]'s tests).
+    /// Also on more rows than two of the row-blocked passes' blocks, the last one short.
     #[test]
     fn pattention_has_the_composite_values_and_gradients() {
-        check(
-            &|a| pattention(&a[0], &a[1], &a[2], 9),
-            &|a| theta::l2_norm_gelu(&a[0].matmul(&a[1].t()?)?, 9)?.matmul(&a[2]),
-            &[&[5, 7], &[6, 7], &[6, 4]],
-        );
+        for rows in [5, 2 * pattention::BLOCK_ROWS + 37] {
+            check(
+                &|a| pattention(&a[0], &a[1], &a[2], 9),
+                &|a| theta::l2_norm_gelu(&a[0].matmul(&a[1].t()?)?, 9)?.matmul(&a[2]),
+                &[&[rows, 7], &[6, 7], &[6, 4]],
+            );
+        }
     }
 
     #[test]
@@ -840,10 +853,13 @@ mod tests {
             cos: (0..t * 2).map(|i| ((i / 2) as f64 * 0.7).cos()).collect(),
             sin: (0..t * 2).map(|i| ((i / 2) as f64 * 0.7).sin()).collect(),
         };
-        for (causal, parallel, rotary) in [
-            (false, false, false),
-            (true, false, true),
-            (true, true, true),
+        // The last case on more rows than two of the Pattentions' row blocks.
+        let many = (2 * pattention::BLOCK_ROWS).div_ceil(t) + 7;
+        for (causal, parallel, rotary, batch) in [
+            (false, false, false, 2),
+            (true, false, true, 2),
+            (true, true, true, 2),
+            (true, false, true, many),
         ] {
             let spec = BlockSpec {
                 heads: 2,
@@ -858,7 +874,7 @@ mod tests {
             check(
                 &move |a| block(&a[0], &a[1], &a[2], &s1, r1.clone()),
                 &move |a| composite_block(a, &s2, r2.as_ref()),
-                &[&[2, t, 8], &[19, 8], &[19, 8]],
+                &[&[batch, t, 8], &[19, 8], &[19, 8]],
             );
         }
     }
