@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 
+use super::parts::{weights_methods, Weights};
 use crate::checkpoint::Tensors;
 use crate::models::tokenformer::{Config, Rotary};
 use crate::pattention::theta;
@@ -18,10 +19,8 @@ use crate::pattention::theta;
 /// precision, the variables and the optimiser staying f32).
 pub struct TrainableLm {
     cfg: Config,
-    params: BTreeMap<String, Var>,
+    weights: Weights,
     rotary: Rotary,
-    dtype: DType,
-    compute: DType,
 }
 
 impl TrainableLm {
@@ -35,7 +34,7 @@ impl TrainableLm {
     ) -> crate::error::Result<Self> {
         cfg.validate()
             .map_err(|e| crate::error::Error::input(format!("invalid config: {e}")))?;
-        let params = super::parts::wrap_vars(expected_shapes(cfg), tensors, dtype, device)?;
+        let weights = Weights::new(expected_shapes(cfg), tensors, dtype, device)?;
         let rotary = Rotary::new(
             cfg.rotary_dims(),
             cfg.rotary_base,
@@ -44,44 +43,15 @@ impl TrainableLm {
         )?;
         Ok(Self {
             cfg: cfg.clone(),
-            params,
+            weights,
             rotary,
-            dtype,
-            compute: dtype,
         })
     }
 
-    /// The forward in `dtype` (bf16 or f16 for mixed precision; the variables' own
-    /// dtype for none): products and activations in it, norms, softmaxes and the loss
-    /// in f32, gradients reaching the variables in theirs.
-    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
-        self.compute = dtype;
-        self
-    }
+    weights_methods!();
 
     pub fn config(&self) -> &Config {
         &self.cfg
-    }
-
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    pub fn compute_dtype(&self) -> DType {
-        self.compute
-    }
-
-    /// The variables as the forward reads them.
-    fn cast(&self) -> Cast<'_, BTreeMap<String, Var>> {
-        Cast {
-            params: &self.params,
-            dtype: self.compute,
-        }
-    }
-
-    /// Every variable by canonical name.
-    pub fn params(&self) -> &BTreeMap<String, Var> {
-        &self.params
     }
 
     /// The current values, by canonical name (for saving).
@@ -90,7 +60,7 @@ impl TrainableLm {
     }
 
     fn p(&self, name: &str) -> Result<Tensor> {
-        param(&self.cast(), name)
+        param(&self.weights.cast(), name)
     }
 
     /// Logits [b, t, vocab] of ids [b, t].
@@ -162,10 +132,11 @@ impl TrainableLm {
         };
         // Broadcast over the heads of q and k [b, t, heads, hd].
         let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
+        let params = self.weights.cast();
         for i in 0..cfg.num_layers {
             let prefix = format!("layers.{i}");
             let act = cfg.pattention_activation;
-            if let Some(y) = fused_block(&self.cast(), &prefix, &x, act, &spec, rotary.as_ref())? {
+            if let Some(y) = fused_block(&params, &prefix, &x, act, &spec, rotary.as_ref())? {
                 x = y;
                 if let Some(hidden) = hidden.as_deref_mut() {
                     hidden.push(x.clone());
@@ -226,7 +197,7 @@ impl TrainableLm {
     /// Θ(x·Kᵀ)·V for the Pattention under `prefix`.
     fn pattention(&self, prefix: &str, x: &Tensor, scale_tokens: usize) -> Result<Tensor> {
         pattention(
-            &self.cast(),
+            &self.weights.cast(),
             prefix,
             x,
             self.cfg.pattention_activation,
@@ -242,7 +213,7 @@ impl TrainableLm {
             scale_proj: self.scale(3),
         };
         attention(
-            &self.cast(),
+            &self.weights.cast(),
             &format!("layers.{i}.attention"),
             h,
             &spec,
@@ -252,7 +223,7 @@ impl TrainableLm {
     }
 
     fn rotary_tables(&self, t: usize) -> Result<(Tensor, Tensor)> {
-        rotary_tables(&self.rotary, t, self.compute)
+        rotary_tables(&self.rotary, t, self.compute_dtype())
     }
 
     /// GPT-NeoX rotary on the first rotary_dims features of x [b, t, h, hd].

@@ -1,20 +1,85 @@
-//! Pieces the three trainable models share: wrapping a checkpoint's tensors as
-//! variables, and the classifier's image embedding (which the merged model's image
-//! rows use too).
+//! Pieces the three trainable models share: their variables with the dtypes of mixed
+//! precision ([`Weights`] and the methods [`weights_methods`] gives each model), and
+//! the classifier's image embedding (which the merged model's image rows use too).
 
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::lm::Params;
+use super::lm::{Cast, Params};
 use crate::checkpoint::Tensors;
 use crate::error::{Error, Result};
 use crate::models::vit;
 
+/// A trainable model's variables by canonical name, in f32 or f64, and the dtype its
+/// forward computes in: theirs, or bf16 or f16 over casts of them (mixed precision,
+/// the variables and the optimiser staying in theirs).
+pub(crate) struct Weights {
+    pub(super) params: BTreeMap<String, Var>,
+    pub(super) dtype: DType,
+    pub(super) compute: DType,
+}
+
+impl Weights {
+    /// The tensors of `expected` (name, shape) from `tensors` as variables, as
+    /// [`wrap_vars`]; the forward computes in `dtype` until told otherwise.
+    pub(crate) fn new(
+        expected: Vec<(String, Vec<usize>)>,
+        tensors: &Tensors,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(Self {
+            params: wrap_vars(expected, tensors, dtype, device)?,
+            dtype,
+            compute: dtype,
+        })
+    }
+
+    /// The variables as the forward reads them.
+    pub(crate) fn cast(&self) -> Cast<'_, BTreeMap<String, Var>> {
+        Cast {
+            params: &self.params,
+            dtype: self.compute,
+        }
+    }
+}
+
+/// The public mixed-precision methods of a trainable model whose [`Weights`] are its
+/// field `weights`, written once for the three; inherent methods (not a trait's), so
+/// that callers need nothing in scope.
+macro_rules! weights_methods {
+    () => {
+        /// The forward in `dtype` (bf16 or f16 for mixed precision; the variables' own
+        /// dtype for none): products and activations in it, norms, softmaxes and the loss
+        /// in f32, gradients reaching the variables in theirs.
+        pub fn with_compute_dtype(mut self, dtype: candle_core::DType) -> Self {
+            self.weights.compute = dtype;
+            self
+        }
+
+        /// The variables' dtype.
+        pub fn dtype(&self) -> candle_core::DType {
+            self.weights.dtype
+        }
+
+        /// The dtype the forward computes in.
+        pub fn compute_dtype(&self) -> candle_core::DType {
+            self.weights.compute
+        }
+
+        /// Every variable by canonical name.
+        pub fn params(&self) -> &std::collections::BTreeMap<String, candle_core::Var> {
+            &self.weights.params
+        }
+    };
+}
+pub(crate) use weights_methods;
+
 /// The tensors of `expected` (name, shape) from `tensors`, converted to `dtype` on
 /// `device`, as variables. Every expected tensor must be present with its shape, and
 /// none may be left over.
-pub(crate) fn wrap_vars(
+fn wrap_vars(
     expected: Vec<(String, Vec<usize>)>,
     tensors: &Tensors,
     dtype: DType,

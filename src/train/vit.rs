@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
-use super::lm::{attention, layer_norm, param, pattention, AttentionSpec, Cast};
+use super::lm::{attention, layer_norm, param, pattention, AttentionSpec};
 use super::optim::Moments;
-use super::parts::{device_of, embed_image, wrap_vars};
+use super::parts::{device_of, embed_image, weights_methods, Weights};
 use super::trainer::{Augment, Fed, Source, TrainOptions, Trainable, TrainerState};
 use crate::checkpoint::Tensors;
 use crate::error::{Error, Result};
@@ -27,9 +27,7 @@ use crate::vision::{open_rgb, EvalTransform, RgbImage};
 /// [`super::TrainableLm::with_compute_dtype`]).
 pub struct TrainableVit {
     cfg: Config,
-    params: BTreeMap<String, Var>,
-    dtype: DType,
-    compute: DType,
+    weights: Weights,
 }
 
 /// Canonical tensor names and shapes of a classifier config.
@@ -92,40 +90,19 @@ impl TrainableVit {
         cfg.validate()
             .map_err(|e| Error::input(format!("invalid config: {e}")))?;
         Ok(Self {
-            params: wrap_vars(expected_shapes(cfg), tensors, dtype, device)?,
+            weights: Weights::new(expected_shapes(cfg), tensors, dtype, device)?,
             cfg: cfg.clone(),
-            dtype,
-            compute: dtype,
         })
     }
 
-    /// The forward in `dtype`, as [`super::TrainableLm::with_compute_dtype`].
-    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
-        self.compute = dtype;
-        self
-    }
-
-    pub fn compute_dtype(&self) -> DType {
-        self.compute
-    }
-
-    fn cast(&self) -> Cast<'_, BTreeMap<String, Var>> {
-        Cast {
-            params: &self.params,
-            dtype: self.compute,
-        }
-    }
+    weights_methods!();
 
     pub fn config(&self) -> &Config {
         &self.cfg
     }
 
-    pub fn params(&self) -> &BTreeMap<String, Var> {
-        &self.params
-    }
-
     fn p(&self, name: &str) -> candle_core::Result<Tensor> {
-        param(&self.cast(), name)
+        param(&self.weights.cast(), name)
     }
 
     fn scales(&self) -> [usize; 3] {
@@ -156,8 +133,8 @@ impl TrainableVit {
         mut hidden: Option<&mut Vec<Tensor>>,
     ) -> candle_core::Result<Tensor> {
         let cfg = &self.cfg;
-        let params = self.cast();
-        let mut x = embed_image(&params, "", cfg, pixels, self.compute)?;
+        let params = self.weights.cast();
+        let mut x = embed_image(&params, "", cfg, pixels, self.compute_dtype())?;
         let [sq, sp, sf] = self.scales();
         let act = cfg.pattention_activation;
         let spec = AttentionSpec {
@@ -388,7 +365,7 @@ impl Trainable for TrainableVit {
     const GROWS: bool = true;
 
     fn params(&self) -> &BTreeMap<String, Var> {
-        &self.params
+        &self.weights.params
     }
 
     fn loss_of(&self, (pixels, labels): &Self::Batch) -> candle_core::Result<Tensor> {
@@ -408,8 +385,8 @@ impl Trainable for TrainableVit {
         let cfg = grown_config(&self.cfg, &target)?;
         let (tensors, _) = grow::grow_tensors(self.tensors(), &counts(&self.cfg), &target, init)?;
         Ok(
-            Self::new(&cfg, &tensors, self.dtype, &device_of(&self.params))?
-                .with_compute_dtype(self.compute),
+            Self::new(&cfg, &tensors, self.dtype(), &device_of(self.params()))?
+                .with_compute_dtype(self.compute_dtype()),
         )
     }
 }

@@ -16,9 +16,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var, D};
 
-use super::lm::{causal_mask, layer_norm, pattention, rotary_tables, rotate, softmax_last, Cast};
+use super::lm::{causal_mask, layer_norm, pattention, rotary_tables, rotate, softmax_last};
 use super::optim::Moments;
-use super::parts::{device_of, embed_image, wrap_vars};
+use super::parts::{device_of, embed_image, weights_methods, Weights};
 use super::trainer::{Fed, Source, TrainOptions, Trainable, TrainerState};
 use super::vit::Order;
 use crate::checkpoint::Tensors;
@@ -33,10 +33,8 @@ pub struct TrainableVl {
     cfg: Config,
     vision: vit::Config,
     language: lm::Config,
-    params: BTreeMap<String, Var>,
+    weights: Weights,
     rotary: Rotary,
-    /// The forward's dtype: the variables', or bf16 for mixed precision.
-    compute: DType,
 }
 
 /// Canonical tensor names and shapes of a merged config.
@@ -89,7 +87,7 @@ impl TrainableVl {
     pub fn new(cfg: &Config, tensors: &Tensors, dtype: DType, device: &Device) -> Result<Self> {
         cfg.validate()
             .map_err(|e| Error::input(format!("invalid config: {e}")))?;
-        let params = wrap_vars(expected_shapes(cfg), tensors, dtype, device)?;
+        let weights = Weights::new(expected_shapes(cfg), tensors, dtype, device)?;
         let language = cfg.language_route();
         let rotary = Rotary::new(
             language.rotary_dims(),
@@ -101,46 +99,26 @@ impl TrainableVl {
             cfg: cfg.clone(),
             vision: cfg.vision_route(),
             language,
-            params,
+            weights,
             rotary,
-            compute: dtype,
         })
     }
 
-    /// The forward in `dtype`, as [`super::TrainableLm::with_compute_dtype`].
-    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
-        self.compute = dtype;
-        self
-    }
-
-    pub fn compute_dtype(&self) -> DType {
-        self.compute
-    }
-
-    fn cast(&self) -> Cast<'_, BTreeMap<String, Var>> {
-        Cast {
-            params: &self.params,
-            dtype: self.compute,
-        }
-    }
+    weights_methods!();
 
     pub fn config(&self) -> &Config {
         &self.cfg
     }
 
-    pub fn params(&self) -> &BTreeMap<String, Var> {
-        &self.params
-    }
-
     fn p(&self, name: &str) -> candle_core::Result<Tensor> {
-        super::lm::param(&self.cast(), name)
+        super::lm::param(&self.weights.cast(), name)
     }
 
     /// The Pattention tensors of one route: its own group's rows and the bridge's.
     fn route(&self, vision: bool) -> candle_core::Result<BTreeMap<String, Tensor>> {
         let g = &self.cfg.pattention_groups;
         let mut out = BTreeMap::new();
-        for (name, var) in &self.params {
+        for (name, var) in self.params() {
             if !name.starts_with("layers.") {
                 continue;
             }
@@ -163,7 +141,7 @@ impl TrainableVl {
                 let bridge = t.narrow(0, grp.vision + grp.language, grp.bridge)?;
                 Tensor::cat(&[&own, &bridge], 0)?
             };
-            out.insert(name.clone(), rows.to_dtype(self.compute)?);
+            out.insert(name.clone(), rows.to_dtype(self.compute_dtype())?);
         }
         Ok(out)
     }
@@ -185,7 +163,8 @@ impl TrainableVl {
         let [vq, vp, vf] = scales(self.vision.pattention_scale_tokens);
         let [lq, lp, lf] = scales(l.pattention_scale_tokens);
         let (vact, lact) = (self.vision.pattention_activation, l.pattention_activation);
-        let mut img = embed_image(&self.cast(), "vision.", &self.vision, pixels, self.compute)?;
+        let (params, compute) = (self.weights.cast(), self.compute_dtype());
+        let mut img = embed_image(&params, "vision.", &self.vision, pixels, compute)?;
         let n_img = img.dim(1)?;
         let emb = self.p("language.word_embeddings.weight")?;
         let mut txt = emb
@@ -194,12 +173,12 @@ impl TrainableVl {
         // Text rows see every image row and the caption up to themselves.
         let mask = Tensor::cat(
             &[
-                &Tensor::zeros((t, n_img), self.compute, ids.device())?,
-                &causal_mask(t, self.compute, ids.device())?,
+                &Tensor::zeros((t, n_img), compute, ids.device())?,
+                &causal_mask(t, compute, ids.device())?,
             ],
             1,
         )?;
-        let (cos, sin) = rotary_tables(&self.rotary, t, self.compute)?;
+        let (cos, sin) = rotary_tables(&self.rotary, t, compute)?;
         let rdims = self.rotary.tables().0;
         let heads_of = |x: Tensor, s: usize| -> candle_core::Result<Tensor> {
             x.reshape((b, s, heads, hd))?.transpose(1, 2)
@@ -401,7 +380,7 @@ impl Trainable for TrainableVl {
     type Batch = (Tensor, Tensor, Tensor);
 
     fn params(&self) -> &BTreeMap<String, Var> {
-        &self.params
+        &self.weights.params
     }
 
     fn loss_of(&self, (pixels, ids, mask): &Self::Batch) -> candle_core::Result<Tensor> {
