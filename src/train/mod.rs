@@ -8,6 +8,7 @@
 //! are single ops with their own backward ([`fused`]), elsewhere plain candle ops.
 //! Both read the same canonical tensor names.
 
+mod checkpoints;
 pub mod data;
 pub mod distill;
 mod fused;
