@@ -714,6 +714,29 @@ mod tests {
         }
     }
 
+    /// No tokens, no input features or no output features: zeros of the right shapes
+    /// and gradients, as the composite gives, not a panic.
+    #[test]
+    fn an_empty_pattention_gives_zeros() {
+        for (x, k, v) in [
+            ([3, 4], [0, 4], [0, 2]),
+            ([3, 0], [5, 0], [5, 2]),
+            ([3, 4], [5, 4], [5, 0]),
+            ([0, 4], [5, 4], [5, 2]),
+        ] {
+            let vars = [input(&x, 1), input(&k, 2), input(&v, 3)];
+            let y = pattention(&vars[0], &vars[1], &vars[2], 5).unwrap();
+            assert_eq!(y.dims(), &[x[0], v[1]]);
+            assert!(flat(&y).iter().all(|&e| e == 0.0));
+            let grads = y.sum_all().unwrap().backward().unwrap();
+            for var in &vars {
+                let g = grads.get(var.as_tensor()).expect("a gradient");
+                assert_eq!(g.dims(), var.dims());
+                assert!(flat(g).iter().all(|&e| e == 0.0), "{:?}", var.dims());
+            }
+        }
+    }
+
     #[test]
     fn layer_norm_has_the_composite_values_and_gradients() {
         // Rows shorter and longer than the f32 kernels' 32 lanes.

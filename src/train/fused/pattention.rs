@@ -138,6 +138,16 @@ fn forward_blocked<T: Elem>(
     c: f64,
 ) -> (Vec<T>, Vec<T>, Vec<Vec<T>>) {
     let gn = groups * n;
+    if r * gn * d * o == 0 {
+        // No rows, tokens or features: Θ of all-zero scores is zero, and so is every
+        // output (the blocks below need non-empty rows).
+        let zeros = |len| vec![T::zero(); len];
+        return (
+            zeros(r * gn),
+            zeros(r * gn),
+            (0..groups).map(|_| zeros(r * o)).collect(),
+        );
+    }
     let serial = gemm::Parallelism::None;
     let (mut s, mut w) = (Vec::with_capacity(r * gn), Vec::with_capacity(r * gn));
     let mut ys: Vec<Vec<T>> = (0..groups).map(|_| Vec::with_capacity(r * o)).collect();
@@ -191,6 +201,11 @@ fn backward_blocked<T: Elem>(
     c: f64,
 ) -> Vec<T> {
     let gn = groups * n;
+    if r * gn * d * o == 0 {
+        // ∂x and ∂K, the only readers of ∂s, are empty, or ∂y is and ∂s is zero.
+        s.fill(T::zero());
+        return vec![T::zero(); r * d];
+    }
     let serial = gemm::Parallelism::None;
     let mut dx = Vec::with_capacity(r * d);
     let dx_rows = theta::uninit_as(&mut dx.spare_capacity_mut()[..r * d]);
