@@ -90,11 +90,24 @@ fn backward_row<T: Float>(row: &mut [T], dy: &[T], c: f64) {
     }
 }
 
-pub(super) fn forward<T: Float>(s: &[T], n: usize, c: f64) -> Vec<T> {
-    let mut out = s.to_vec();
-    out.par_chunks_mut(n)
+pub(super) fn forward<T: Float + candle_core::WithDType>(s: &[T], n: usize, c: f64) -> Vec<T> {
+    rows_into(s, n, |row, o| forward_row(row, o, c))
+}
+
+/// A new vector of s's length written row by row (rows of n) from s's rows in parallel
+/// (a copy first would be a pass that every element then overwrites).
+fn rows_into<T: candle_core::WithDType>(
+    s: &[T],
+    n: usize,
+    write: impl Fn(&[T], &mut [T]) + Sync,
+) -> Vec<T> {
+    let mut out = Vec::with_capacity(s.len());
+    out.spare_capacity_mut()
+        .par_chunks_mut(n)
         .zip(s.par_chunks(n))
-        .for_each(|(o, row)| forward_row(row, o, c));
+        .for_each(|(o, row)| write(row, uninit_as(o)));
+    // SAFETY: `write` wrote all s.len() elements above.
+    unsafe { out.set_len(s.len()) };
     out
 }
 
@@ -176,15 +189,7 @@ mod fast {
 }
 
 pub(super) fn forward_f32(s: &[f32], n: usize, c: f64) -> Vec<f32> {
-    // Written row by row from the scores (a copy first would be a serial pass).
-    let mut out = Vec::with_capacity(s.len());
-    out.spare_capacity_mut()
-        .par_chunks_mut(n)
-        .zip(s.par_chunks(n))
-        .for_each(|(o, row)| forward_f32_serial(row, uninit_as(o), n, c));
-    // SAFETY: all s.len() elements were written above.
-    unsafe { out.set_len(s.len()) };
-    out
+    rows_into(s, n, |row, o| fast::forward_row(row, o, c))
 }
 
 /// Spare capacity of a vector as elements to be written, never read, before the

@@ -33,8 +33,8 @@ pub(super) struct Pattention {
     pub(super) saved: Mutex<Option<(CpuStorage, CpuStorage)>>,
 }
 
-/// Rows, inner width, tokens and output width of a Pattention's operands.
-fn pattention_dims(x: &Layout, k: &Layout, v: &Layout) -> Result<(usize, usize, usize, usize)> {
+/// The shape of a single Pattention's operands (one group).
+fn pattention_dims(x: &Layout, k: &Layout, v: &Layout) -> Result<Dims> {
     let (d, r) = match x.dims() {
         [lead @ .., d] if !lead.is_empty() => (*d, lead.iter().product()),
         _ => candle_core::bail!("pattention: x of shape {:?} has no rows", x.dims()),
@@ -49,7 +49,13 @@ fn pattention_dims(x: &Layout, k: &Layout, v: &Layout) -> Result<(usize, usize, 
             v.dims()
         )
     }
-    Ok((r, d, n, o))
+    Ok(Dims {
+        r,
+        d,
+        n,
+        o,
+        groups: 1,
+    })
 }
 
 /// Rows a block of the row-blocked passes takes. Smaller blocks keep more in cache
@@ -247,44 +253,30 @@ fn backward_blocked<T: Elem>(
 
 impl ThreeOp for Pattention {
     const NAME: &'static str = "pattention-train";
-    type Dims = (usize, usize, usize, usize);
+    type Dims = Dims;
 
     fn dims(&self, x: &Layout, k: &Layout, v: &Layout) -> Result<Self::Dims> {
         pattention_dims(x, k, v)
     }
 
-    fn out_shape(&self, x: &Layout, (.., o): Self::Dims) -> Shape {
+    fn out_shape(&self, x: &Layout, dims: Dims) -> Shape {
         let mut shape = x.dims().to_vec();
-        *shape.last_mut().expect("checked by pattention_dims") = o;
+        *shape.last_mut().expect("checked by pattention_dims") = dims.o;
         Shape::from(shape)
     }
 
-    fn fwd<T: Elem>(&self, x: &[T], k: &[T], v: &[T], (r, d, n, o): Self::Dims) -> Vec<T> {
-        let dims = Dims {
-            r,
-            d,
-            n,
-            o,
-            groups: 1,
-        };
-        let [y] = <[Vec<T>; 1]>::try_from(Pattention::fwd(self, x, k, v, dims))
-            .unwrap_or_else(|_| unreachable!("one group, one output"));
-        y
+    fn fwd<T: Elem>(&self, x: &[T], k: &[T], v: &[T], dims: Dims) -> Vec<T> {
+        Pattention::fwd(self, x, k, v, dims)
+            .pop()
+            .expect("one group, one output")
     }
 
     fn bwd<T: Elem>(
         &self,
         (x, k, v, g): (&[T], &[T], &[T], &[T]),
-        (r, d, n, o): Self::Dims,
+        dims: Dims,
     ) -> Result<[Vec<T>; 3]> {
         let (mut dk, mut dv) = (vec![T::zero(); k.len()], vec![T::zero(); v.len()]);
-        let dims = Dims {
-            r,
-            d,
-            n,
-            o,
-            groups: 1,
-        };
         let dx = Pattention::bwd(self, (x, k, v), &[g], (&mut dk, &mut dv), dims)?;
         Ok([dx, dk, dv])
     }
