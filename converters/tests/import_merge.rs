@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Module, Tensor, D};
 use common::{
-    bits, config_u64s, fails, fixture_pixels, lm_fixture, load_lm, load_vit, locate, max_diff,
-    merge_args, official_args, ok, read_json, s, values, vit_dir,
+    bits, config_u64s, fails, fixture_pixels, import_args, lm_fixture, load_lm, load_vit, locate,
+    max_diff, merge_args, official_args, ok, read_json, s, values, vit_dir,
 };
 use serde_json::{json, Value};
 use tokenformer::pattention::{Activation, Pattention};
@@ -54,19 +54,6 @@ fn write_model(dir: &Path, config: &Value, tensors: &HashMap<String, Tensor>) {
 
 fn load(dir: &Path) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap()
-}
-
-/// `import --from <from> --input <input> --out <out>`.
-fn import_args<'a>(from: &'a str, input: &'a Path, out: &'a Path) -> Vec<&'a str> {
-    vec![
-        "import",
-        "--from",
-        from,
-        "--input",
-        s(input),
-        "--out",
-        s(out),
-    ]
 }
 
 /// Relative error ‖a − b‖ / ‖b‖, computed in f64.
@@ -422,9 +409,13 @@ fn import_gpt_neox_copies_maps_and_reports_honest_fidelity() {
     )
     .unwrap();
     let out = root.path().join("imported");
-    let mut args = import_args("gpt-neox", &src, &out);
     // The mapping alone: its exactness is what is checked here.
-    args.extend(["--probe-text", PROBE, "--fit", "none"]);
+    let args = import_args(
+        "gpt-neox",
+        &src,
+        &out,
+        &["--probe-text", PROBE, "--fit", "none"],
+    );
     let stdout = ok(&args);
     assert!(stdout.contains("Perplexity on the eval text"), "{stdout}");
 
@@ -581,7 +572,7 @@ fn import_gpt_neox_without_mlp_input_bias_is_near_exact() {
     let src = root.path().join("neox");
     write_model(&src, &neox_config(&n), &neox_tensors(&n, 11, false));
     let out = root.path().join("imp");
-    ok(&[&import_args("gpt-neox", &src, &out)[..], &["--fit", "none"]].concat());
+    ok(&import_args("gpt-neox", &src, &out, &["--fit", "none"]));
     let report = read_json(&out.join("import_report.json"));
     for l in report["layers"].as_array().unwrap() {
         for k in ["query", "key", "value", "mlp"] {
@@ -627,9 +618,12 @@ fn import_gpt_neox_without_attention_biases() {
     )
     .unwrap();
     let out = root.path().join("imp");
-    let mut args = import_args("gpt-neox", &src, &out);
-    args.extend(["--probe-text", PROBE]);
-    ok(&args);
+    ok(&import_args(
+        "gpt-neox",
+        &src,
+        &out,
+        &["--probe-text", PROBE],
+    ));
     // The reference forward, with zero biases in their place.
     for i in 0..n.layers {
         for (m, len) in [("query_key_value", 3 * n.d), ("dense", n.d)] {
@@ -667,9 +661,8 @@ fn import_gpt_neox_at_the_usual_init_is_eps_limited_and_says_so() {
     .unwrap();
     let out = root.path().join("imp");
     let text = import_fixtures().join("pythia-eval.txt");
-    let mut args = import_args("gpt-neox", &src, &out);
-    args.extend(["--eval-text", s(&text), "--fit", "none"]);
-    let stdout = ok(&args);
+    let extra = ["--eval-text", s(&text), "--fit", "none"];
+    let stdout = ok(&import_args("gpt-neox", &src, &out, &extra));
     let report = read_json(&out.join("import_report.json"));
     let l0 = &report["layers"][0];
     for part in ["query", "key", "value"] {
@@ -750,7 +743,7 @@ fn import_bad_inputs_fail_clearly_and_write_nothing() {
     };
     let root = tmp();
     let out = root.path().join("out");
-    let import_fails = |src: &Path| fails(&import_args("gpt-neox", src, &out));
+    let import_fails = |src: &Path| fails(&import_args("gpt-neox", src, &out, &[]));
 
     let mut w = neox_tensors(&n, 3, true);
     w.remove("gpt_neox.layers.0.mlp.dense_4h_to_h.weight");
@@ -1019,9 +1012,12 @@ fn import_vit_transformers_and_timm_layouts() {
 
     let (out_hf, out_timm) = (root.path().join("tf-hf"), root.path().join("tf-timm"));
     for (src, out) in [(&hf, &out_hf), (&timm, &out_timm)] {
-        let mut args = import_args("vit", src, out);
-        args.extend(["--probe-pixels", s(&px), "--fit", "none"]);
-        ok(&args);
+        ok(&import_args(
+            "vit",
+            src,
+            out,
+            &["--probe-pixels", s(&px), "--fit", "none"],
+        ));
     }
     let cfg = read_json(&out_hf.join("config.json"));
     assert_eq!(cfg["architecture"], "tokenformer-vit");
@@ -1138,7 +1134,7 @@ fn import_vit_transformers_and_timm_layouts() {
             Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap(),
         )]),
     );
-    let e = fails(&import_args("vit", &other, &root.path().join("x")));
+    let e = fails(&import_args("vit", &other, &root.path().join("x"), &[]));
     assert!(e.contains("unknown ViT layout"), "{e}");
 }
 
@@ -1159,10 +1155,9 @@ fn import_pythia_keeps_its_parallel_residual_and_is_exact_where_it_says() {
     let root = tmp();
     let out = root.path().join("imp");
     let pythia = import_fixtures().join("pythia");
-    let mut args = import_args("gpt-neox", &pythia, &out);
     let text = import_fixtures().join("pythia-eval.txt");
-    args.extend(["--eval-text", s(&text), "--fit", "none"]);
-    let stdout = ok(&args);
+    let extra = ["--eval-text", s(&text), "--fit", "none"];
+    let stdout = ok(&import_args("gpt-neox", &pythia, &out, &extra));
     let report = read_json(&out.join("import_report.json"));
     let cfg = read_json(&out.join("config.json"));
     assert_eq!(cfg["parallel_residual"], true);
@@ -1291,6 +1286,7 @@ fn import_pythia_keeps_its_parallel_residual_and_is_exact_where_it_says() {
         "gpt-neox",
         &import_fixtures().join("pythia"),
         &out2,
+        &[],
     ));
     let r2 = read_json(&out2.join("import_report.json"));
     assert_eq!(r2["evaluation"]["shipped"], true);
@@ -1327,11 +1323,8 @@ fn import_vit_uses_each_sources_preprocessing_and_reports_what_the_peers_compute
     let root = tmp();
     for (layout, key) in [("vit-hf", "hf"), ("vit-timm", "timm")] {
         let out = root.path().join(layout);
-        let stdout = ok(&[
-            &import_args("vit", &import_fixtures().join(layout), &out)[..],
-            &["--fit", "none"],
-        ]
-        .concat());
+        let src = import_fixtures().join(layout);
+        let stdout = ok(&import_args("vit", &src, &out, &["--fit", "none"]));
         let report = read_json(&out.join("import_report.json"));
         let cfg: tokenformer::models::vit::Config =
             serde_json::from_value(read_json(&out.join("config.json"))).unwrap();
@@ -1428,9 +1421,7 @@ fn import_vit_calibrates_on_the_given_photos_only() {
     std::fs::copy(&all[0], photos.join("a.jpg")).unwrap();
     std::fs::copy(&all[5], photos.join("sub/b.jpg")).unwrap();
     let scales = |extra: &[&str], out: &Path| -> Value {
-        let mut args = import_args("vit", &src, out);
-        args.extend(extra);
-        ok(&args);
+        ok(&import_args("vit", &src, out, extra));
         read_json(&out.join("import_report.json"))
     };
     let (a, b) = (root.path().join("a"), root.path().join("b"));
@@ -1464,23 +1455,17 @@ fn import_vit_calibrates_on_the_given_photos_only() {
         c(&mine)
     );
     // Flags of the other family, and empty folders, are refused by name.
-    let e = fails(
-        &[
-            &import_args("vit", &src, &root.path().join("x"))[..],
-            &["--eval-text", "f.txt"],
-        ]
-        .concat(),
-    );
+    let x = root.path().join("x");
+    let e = fails(&import_args("vit", &src, &x, &["--eval-text", "f.txt"]));
     assert!(e.contains("--eval-text") && e.contains("gpt-neox"), "{e}");
     let empty = root.path().join("empty");
     std::fs::create_dir_all(&empty).unwrap();
-    let e = fails(
-        &[
-            &import_args("vit", &src, &root.path().join("x"))[..],
-            &["--calibration-images", s(&empty)],
-        ]
-        .concat(),
-    );
+    let e = fails(&import_args(
+        "vit",
+        &src,
+        &x,
+        &["--calibration-images", s(&empty)],
+    ));
     assert!(
         e.contains("--calibration-images") && e.contains("no images"),
         "{e}"
@@ -1536,10 +1521,9 @@ fn import_fit_values_beats_the_mapping_on_held_out_data() {
         for fit in ["none", "values"] {
             let out = root.path().join(format!("{fixture}-{fit}"));
             let src = import_fixtures().join(fixture);
-            let mut args = import_args(from, &src, &out);
-            args.extend(["--fit", fit]);
+            let mut args = import_args(from, &src, &out, &["--fit", fit]);
             if from == "gpt-neox" {
-                args.extend(["--eval-text", s(&text)]);
+                args.extend(["--eval-text", s(&text)].map(String::from));
             }
             let stdout = ok(&args);
             let report = read_json(&out.join("import_report.json"));
@@ -1742,7 +1726,7 @@ fn merge_refuses_mismatched_or_wrong_models() {
     let src = root.path().join("neox");
     write_model(&src, &neox_config(&n), &neox_tensors(&n, 2, true));
     let lm16 = root.path().join("lm16");
-    ok(&import_args("gpt-neox", &src, &lm16));
+    ok(&import_args("gpt-neox", &src, &lm16, &[]));
     let vit = vit_dir();
     let out = root.path().join("vl");
     let e = fails(&merge_args(&vit, &lm16, "4", &out));

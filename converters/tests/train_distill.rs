@@ -23,11 +23,6 @@ fn samples() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/samples")
 }
 
-/// `import --from <from> --input <input> --out <out>` and `extra`.
-fn import(from: &str, input: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
-    common::import_args(from, input, out, extra)
-}
-
 /// Runs `tokenformer` with `args` (and a fake Hub's environment when given).
 fn tokenformer(args: &[&str], hub: Option<(&str, &Path)>) -> Output {
     let mut c = Command::new(tokenformer_bin());
@@ -96,11 +91,11 @@ fn train_distill_from_gives_what_import_recover_steps_gives() {
         };
         // The start: the fitted import; the reference: the same import recovered.
         let fitted = root.path().join(format!("{fixture}-fitted"));
-        ok(&import(from, &src, &fitted, &eval));
+        ok(&common::import_args(from, &src, &fitted, &eval));
         let recovered = root.path().join(format!("{fixture}-recovered"));
         let mut flags = eval.clone();
         flags.extend(["--recover-steps", steps]);
-        ok(&import(from, &src, &recovered, &flags));
+        ok(&common::import_args(from, &src, &recovered, &flags));
 
         let out = root.path().join(format!("{fixture}-distilled"));
         let mut args = vec![
@@ -179,14 +174,14 @@ fn edited_source(
 fn bad_sources_fail_with_the_file_or_tensor_named_and_write_nothing() {
     let root = tempfile::tempdir().unwrap();
     let lm = root.path().join("lm");
-    ok(&import(
+    ok(&common::import_args(
         "gpt-neox",
         &import_fixtures().join("pythia"),
         &lm,
         &["--fit", "none"],
     ));
     let vit = root.path().join("vit");
-    ok(&import(
+    ok(&common::import_args(
         "vit",
         &import_fixtures().join("vit-hf"),
         &vit,
@@ -380,14 +375,14 @@ fn calibration_data_from_a_hub_dataset_is_the_local_data() {
     let local = root.path().join("lm-local");
     let eval_path = import_fixtures().join("pythia-eval.txt");
     let pythia = import_fixtures().join("pythia");
-    convert(&import(
+    convert(&common::import_args(
         "gpt-neox",
         &pythia,
         &local,
         &["--eval-text", s(&eval_path), "--recover-steps", "3"],
     ));
     let remote = root.path().join("lm-hub");
-    convert(&import(
+    convert(&common::import_args(
         "gpt-neox",
         &pythia,
         &remote,
@@ -420,14 +415,14 @@ fn calibration_data_from_a_hub_dataset_is_the_local_data() {
     // Photos: a folder of the Hub dataset (other files left alone), as the local folder.
     let local = root.path().join("vit-local");
     let vit_hf = import_fixtures().join("vit-hf");
-    convert(&import(
+    convert(&common::import_args(
         "vit",
         &vit_hf,
         &local,
         &["--calibration-images", s(&photos.join("cal"))],
     ));
     let remote = root.path().join("vit-hub");
-    convert(&import(
+    convert(&common::import_args(
         "vit",
         &vit_hf,
         &remote,
@@ -471,7 +466,7 @@ fn calibration_data_from_a_hub_dataset_is_the_local_data() {
 
     // A Hub file that is not there is named, and nothing is written.
     let out = root.path().join("missing");
-    let args = import(
+    let args = common::import_args(
         "gpt-neox",
         &pythia,
         &out,
