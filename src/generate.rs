@@ -11,7 +11,7 @@ use candle_core::{DType, Tensor, D};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use crate::error::{Error, Result};
-use crate::models::tokenformer::{Cache, KvDtype, TokenFormerLm};
+use crate::models::tokenformer::{Cache, KvDtype, Logits, TokenFormerLm};
 use crate::models::vl::{VisionLanguageModel, VlCache};
 
 #[derive(Clone, Debug)]
@@ -274,7 +274,7 @@ fn generate_in(
 ) -> Result<Vec<u32>> {
     decode(model, prompt, max_new_tokens, params, on_token, |ids| {
         let input = Tensor::new(ids, model.device())?.unsqueeze(0)?;
-        model.forward(&input, Some(&mut cache))
+        model.forward_with(&input, Some(&mut cache), Logits::Last)
     })
 }
 
@@ -343,7 +343,8 @@ fn generate_with_image_in(
     decode(text, prompt, max_new_tokens, params, on_token, |ids| {
         let input = Tensor::new(ids, text.device())?.unsqueeze(0)?;
         // The image enters with the prompt, once; later steps read it from the cache.
-        let (_, logits) = model.forward_mixed(image.take(), &input, Some(&mut cache))?;
+        let (_, logits) =
+            model.forward_mixed_with(image.take(), &input, Some(&mut cache), Logits::Last)?;
         Ok(logits)
     })
 }

@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use common::*;
 use tokenformer::checkpoint::Tensors;
 use tokenformer::loader::{self, LocateOptions};
-use tokenformer::models::tokenformer::{Cache, Config, ScaleTokens, TokenFormerLm};
+use tokenformer::models::tokenformer::{Cache, Config, Logits, ScaleTokens, TokenFormerLm};
 use tokenformer::pattention::Activation;
 use tokenformer::scoring::score_ids;
 
@@ -100,6 +100,53 @@ fn kv_cache_decoding_equals_full_forward() {
         pos += part.len();
     }
     assert_eq!(cache.len(), ids.len());
+}
+
+/// Generation's forward: the last position's logits only, for a batch of two
+/// (rows that are not contiguous in the hidden states) and through a cache,
+/// equal to the last rows of the full forward; the cache it leaves decodes
+/// on as the full forward's does.
+#[test]
+fn last_position_logits_equal_the_full_forwards_last_row() {
+    let (_, model) = fixture_model();
+    let ids: Vec<u32> = (0..26).map(|i| (i * 991 + 7) % 50_000).collect();
+    let batch = Tensor::new(&ids[..], &Device::Cpu)
+        .unwrap()
+        .reshape((2, 13))
+        .unwrap();
+    let full = model.forward(&batch, None).unwrap();
+    let last = model.forward_with(&batch, None, Logits::Last).unwrap();
+    assert_eq!(last.dims(), &[2, 1, full.dim(2).unwrap()]);
+    let diff = |a: &Tensor, b: &Tensor| -> f32 {
+        f32s(&(a - b).unwrap().abs().unwrap())
+            .into_iter()
+            .fold(0.0, f32::max)
+    };
+    assert!(diff(&last, &full.narrow(1, 12, 1).unwrap()) < 1e-4);
+    // Rows 0 and 1 differ, so the comparison above cannot pass on one row twice.
+    assert!(diff(&last.get(0).unwrap(), &last.get(1).unwrap()) > 1e-3);
+
+    let whole = full_logits(&model, &ids);
+    let mut cache = Cache::new(model.config());
+    let input = |part: &[u32]| {
+        Tensor::new(part, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap()
+    };
+    let first = model
+        .forward_with(&input(&ids[..20]), Some(&mut cache), Logits::Last)
+        .unwrap();
+    assert!(diff(&first.squeeze(0).unwrap(), &whole.narrow(0, 19, 1).unwrap()) < 1e-4);
+    for j in 20..ids.len() {
+        let step = model
+            .forward_with(&input(&ids[j..j + 1]), Some(&mut cache), Logits::Last)
+            .unwrap();
+        assert!(
+            diff(&step.squeeze(0).unwrap(), &whole.narrow(0, j, 1).unwrap()) < 1e-4,
+            "position {j}"
+        );
+    }
 }
 
 #[test]

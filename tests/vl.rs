@@ -8,6 +8,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use tokenformer::checkpoint::Tensors;
 use tokenformer::loader;
+use tokenformer::models::tokenformer::Logits;
 use tokenformer::models::vl::{self, VisionLanguageModel};
 
 struct Fixture {
@@ -130,6 +131,17 @@ fn mixed_sequence_keeps_image_logits_and_lets_text_see_the_image() {
         f.vl.forward_mixed(Some(&img), &ids_tensor(&f.ids[..20]), Some(&mut cache))
             .unwrap();
     assert!(max_diff(&first, &tl.narrow(1, 0, 20).unwrap()) <= 1e-5);
+    // Generation's prefill: the last text position's logits only, the same row.
+    let (_, last) =
+        f.vl.forward_mixed_with(
+            Some(&img),
+            &ids_tensor(&f.ids[..20]),
+            Some(&mut f.vl.new_cache()),
+            Logits::Last,
+        )
+        .unwrap();
+    assert_eq!(last.dims()[..2], [1, 1]);
+    assert!(max_diff(&last, &tl.narrow(1, 19, 1).unwrap()) <= 1e-4);
     for j in 20..24 {
         let (none, step) =
             f.vl.forward_mixed(None, &ids_tensor(&f.ids[j..j + 1]), Some(&mut cache))

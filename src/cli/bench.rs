@@ -17,7 +17,7 @@ use serde_json::{json, Map, Value};
 
 use tokenformer::checkpoint::{self, Tensors};
 use tokenformer::error::Result;
-use tokenformer::models::tokenformer::{Cache, Config, KvDtype, TokenFormerLm};
+use tokenformer::models::tokenformer::{Cache, Config, KvDtype, Logits, TokenFormerLm};
 use tokenformer::pattention::{Activation, Pattention};
 use tokenformer::synthetic::{lm_config, logit_agreement, random_lm_tensors};
 
@@ -176,12 +176,9 @@ pub fn decode(
         let vocab = model.config().vocab_size.min(50_277);
         let x = ids(1, prompt, vocab, model.device())?;
         let mut cache = Cache::with_dtype(model.config(), kv);
-        let logits = model.forward(&x, Some(&mut cache))?;
-        let tok = logits
-            .get(0)?
-            .get(prompt - 1)?
-            .argmax(0)?
-            .to_scalar::<u32>()?;
+        // As generation prefills: the last position's logits only.
+        let logits = model.forward_with(&x, Some(&mut cache), Logits::Last)?;
+        let tok = logits.get(0)?.get(0)?.argmax(0)?.to_scalar::<u32>()?;
         state.push((cache, vec![tok], 0f64));
     }
     for _ in 0..rounds {

@@ -306,6 +306,35 @@ impl KvDtype {
     }
 }
 
+/// Which positions a forward computes logits for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Logits {
+    /// Every position, [b, t, vocab]: scoring and evaluation.
+    #[default]
+    All,
+    /// The last position only, [b, 1, vocab]: all that generation reads
+    /// (transformers' `logits_to_keep=1`). The output layer is about a
+    /// quarter of a 150M prefill's products, and its [t, vocab] logits the
+    /// largest activation.
+    Last,
+}
+
+impl Logits {
+    /// The rows of hidden states [b, t, d] the output layer needs.
+    pub(crate) fn rows(self, h: &Tensor) -> Result<Tensor> {
+        match self {
+            Logits::All => Ok(h.clone()),
+            Logits::Last => {
+                let t = h.dim(1)?;
+                if t == 0 {
+                    candle_core::bail!("no position to take the last logits of")
+                }
+                h.narrow(1, t - 1, 1)?.contiguous()
+            }
+        }
+    }
+}
+
 /// Per-layer KV cache for incremental decoding.
 pub struct Cache {
     layers: Vec<LayerCache>,
@@ -551,12 +580,28 @@ impl TokenFormerLm {
     /// Logits [b, t, vocab] for ids [b, t]. With a cache, positions continue
     /// from the cached length and the new keys/values are appended to it.
     pub fn forward(&self, ids: &Tensor, cache: Option<&mut Cache>) -> Result<Tensor> {
+        self.forward_with(ids, cache, Logits::All)
+    }
+
+    /// [`Self::forward`] with logits for the positions `which` names only
+    /// ([b, 1, vocab] for [`Logits::Last`], what a generation step reads).
+    pub fn forward_with(
+        &self,
+        ids: &Tensor,
+        cache: Option<&mut Cache>,
+        which: Logits,
+    ) -> Result<Tensor> {
         crate::kernels::run_forward(ids.device(), ids.elem_count(), || {
-            self.forward_here(ids, cache)
+            self.forward_here(ids, cache, which)
         })
     }
 
-    fn forward_here(&self, ids: &Tensor, mut cache: Option<&mut Cache>) -> Result<Tensor> {
+    fn forward_here(
+        &self,
+        ids: &Tensor,
+        mut cache: Option<&mut Cache>,
+        which: Logits,
+    ) -> Result<Tensor> {
         let (_, t) = ids.dims2()?;
         let offset = cache.as_ref().map_or(0, |c| c.len());
         let max = self.cfg.max_position_embeddings;
@@ -575,6 +620,6 @@ impl TokenFormerLm {
             };
             x = layer.forward(&x, mode)?;
         }
-        self.head(&x)
+        self.head(&which.rows(&x)?)
     }
 }

@@ -504,6 +504,18 @@ impl VisionLanguageModel {
         ids: &Tensor,
         cache: Option<&mut VlCache>,
     ) -> Result<(Option<Tensor>, Tensor)> {
+        self.forward_mixed_with(pixels, ids, cache, lm::Logits::All)
+    }
+
+    /// [`Self::forward_mixed`] with text logits for the positions `which`
+    /// names only (a generation step reads the last).
+    pub fn forward_mixed_with(
+        &self,
+        pixels: Option<&Tensor>,
+        ids: &Tensor,
+        cache: Option<&mut VlCache>,
+        which: lm::Logits,
+    ) -> Result<(Option<Tensor>, Tensor)> {
         let image_rows = match pixels {
             Some(p) => {
                 p.dims().first().copied().unwrap_or(0) * (self.vision.config().num_patches() + 1)
@@ -511,7 +523,7 @@ impl VisionLanguageModel {
             None => 0,
         };
         crate::kernels::run_forward(ids.device(), image_rows + ids.elem_count(), || {
-            self.forward_mixed_here(pixels, ids, cache)
+            self.forward_mixed_here(pixels, ids, cache, which)
         })
     }
 
@@ -520,6 +532,7 @@ impl VisionLanguageModel {
         pixels: Option<&Tensor>,
         ids: &Tensor,
         mut cache: Option<&mut VlCache>,
+        which: lm::Logits,
     ) -> Result<(Option<Tensor>, Tensor)> {
         let t = ids.dim(1)?;
         if let Some(c) = cache.as_deref_mut() {
@@ -553,6 +566,6 @@ impl VisionLanguageModel {
             txt = nt;
         }
         let image_logits = img.map(|x| self.vision.head(&x)).transpose()?;
-        Ok((image_logits, self.language.head(&txt)?))
+        Ok((image_logits, self.language.head(&which.rows(&txt)?)?))
     }
 }
