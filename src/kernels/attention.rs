@@ -292,6 +292,13 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
     }
     let scale = 1.0 / (hd as f64).sqrt();
     let cpu = [q, k, v].iter().all(|x| super::fused_on(x));
+    if cpu && matches!(q.dtype(), DType::BF16 | DType::F16) {
+        // A model computing in half precision on the CPU: the f32 kernel on
+        // widened queries, keys and values (its sums are f32 either way),
+        // the output rounded back.
+        let wide = |x: &Tensor| x.to_dtype(DType::F32);
+        return attention(&wide(q)?, &wide(k)?, &wide(v)?, causal)?.to_dtype(q.dtype());
+    }
     let kv = k.dtype();
     let fused =
         cpu && q.dtype() == DType::F32 && v.dtype() == kv && matches!(kv, DType::F32 | DType::F16);
@@ -403,6 +410,35 @@ mod tests {
             let d = max_abs_diff(&got, &want);
             assert!(d < 1e-5, "t={t} past={past} hd={hd} causal={causal}: {d}");
         }
+    }
+
+    /// bf16 queries, keys and values (a model computing in bf16 on the CPU):
+    /// the f32 kernel on their widened values, rounded to bf16 once.
+    #[test]
+    fn bf16_attention_is_the_f32_attention_of_its_values_rounded() {
+        let (b, h, t, hd) = (1, 2, 150, 64);
+        let x = |salt: f64| {
+            (spread((b, t, h, hd)) + salt)
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap()
+        };
+        let (q, k, v) = (x(0.1), x(-0.2), x(0.3));
+        let got = attention(&q, &k, &v, true).unwrap();
+        assert_eq!(got.dtype(), DType::BF16);
+        let f = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+        let want = attention(&f(&q), &f(&k), &f(&v), true)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        assert_eq!(bits16(&got), bits16(&want));
+    }
+
+    fn bits16(t: &Tensor) -> Vec<u16> {
+        let v: Vec<::half::bf16> = t.flatten_all().unwrap().to_vec1().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
     }
 
     #[test]

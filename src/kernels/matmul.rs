@@ -95,6 +95,96 @@ impl candle_core::CustomOp2 for Gemm {
     }
 }
 
+/// Whether bf16 x and w multiply on AMX (`super::amx`): on the CPU on the
+/// AVX-512 path, both bf16, more rows than decoding's few (those stay with
+/// candle), and a CPU and OS with AMX.
+fn amx_ok(x: &Tensor, w: &Tensor) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::fused_on(x)
+            && active().isa() == Isa::Avx512
+            && x.dtype() == DType::BF16
+            && w.dtype() == DType::BF16
+            && x.is_contiguous()
+            && w.is_contiguous()
+            && x.rank() >= 1
+            && w.rank() == 2
+            && x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1) > SMALL_ROWS
+            && super::amx::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (x, w);
+        false
+    }
+}
+
+/// The contiguous bf16 data of a CPU tensor.
+#[cfg(target_arch = "x86_64")]
+fn bf16_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [::half::bf16]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::BF16(d), Some((a, b))) => Ok(&d[a..b]),
+        _ => candle_core::bail!("gemm-amx: contiguous bf16 only"),
+    }
+}
+
+/// bf16 x [.., k] times w [k, n] (or wᵀ for w [n, k]) on AMX, bf16 out.
+#[cfg(target_arch = "x86_64")]
+struct AmxGemm {
+    transposed: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl candle_core::CustomOp2 for AmxGemm {
+    fn name(&self) -> &'static str {
+        "gemm-amx"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, w) = (bf16_slice(s1, l1)?, bf16_slice(s2, l2)?);
+        let (r, c) = l2.shape().dims2()?;
+        let (k, n) = if self.transposed { (c, r) } else { (r, c) };
+        let mut dims = l1.shape().dims().to_vec();
+        if dims.last() != Some(&k) {
+            candle_core::bail!(
+                "gemm-amx: shapes {:?} and {:?} do not multiply",
+                l1.shape(),
+                l2.shape()
+            )
+        }
+        let m = dims[..dims.len() - 1].iter().product::<usize>();
+        *dims.last_mut().expect("rank ≥ 1") = n;
+        let (rs, cs) = if self.transposed { (1, k) } else { (n, 1) };
+        let mut out = Vec::with_capacity(m * n);
+        // SAFETY: x holds m·k and w k·n elements (shapes checked above), the
+        // output m·n; amx_ok checked the CPU; gemm writes every element.
+        unsafe {
+            super::amx::gemm(
+                (m, n, k),
+                super::amx::Operand {
+                    ptr: x.as_ptr(),
+                    rs: k,
+                    cs: 1,
+                },
+                super::amx::Operand {
+                    ptr: w.as_ptr(),
+                    rs,
+                    cs,
+                },
+                &mut out.spare_capacity_mut()[..m * n],
+            );
+            out.set_len(m * n);
+        }
+        Ok((CpuStorage::BF16(out), Shape::from(dims)))
+    }
+}
+
 /// gemm on candle's thread count (rayon's pool), or on the caller alone for one.
 pub(crate) fn gemm_parallelism() -> gemm::Parallelism {
     match candle_core::utils::get_num_threads() {
@@ -215,6 +305,11 @@ pub(super) fn matmul_nt_on(path: Path, x: &Tensor, w: &Tensor) -> Result<Tensor>
         x.apply_op2_no_bwd(w, &SmallMatmul { transposed, path })
     } else if gemm_ok(x, w) {
         x.apply_op2_no_bwd(&as_f32(w)?, &Gemm { transposed, path })
+    } else if amx_ok(x, w) {
+        #[cfg(target_arch = "x86_64")]
+        return x.apply_op2_no_bwd(w, &AmxGemm { transposed });
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("AMX is x86-64's")
     } else {
         x.matmul(&like(w, x)?.t()?)
     }
@@ -231,6 +326,11 @@ pub(super) fn matmul_nn_on(path: Path, x: &Tensor, w: &Tensor) -> Result<Tensor>
         x.apply_op2_no_bwd(w, &SmallMatmul { transposed, path })
     } else if gemm_ok(x, w) {
         x.apply_op2_no_bwd(&as_f32(w)?, &Gemm { transposed, path })
+    } else if amx_ok(x, w) {
+        #[cfg(target_arch = "x86_64")]
+        return x.apply_op2_no_bwd(w, &AmxGemm { transposed });
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("AMX is x86-64's")
     } else {
         x.matmul(&like(w, x)?)
     }
@@ -364,6 +464,33 @@ mod tests {
         }
         let err = matmul_nt_q8(&spread((2, 76)), &q).unwrap_err();
         assert!(err.to_string().contains("do not multiply"), "{err}");
+    }
+
+    /// bf16 products of prefill size (AMX where the CPU has it, candle's
+    /// otherwise): the f32 product of the same bf16 values, rounded to bf16,
+    /// for both weight layouts.
+    #[test]
+    fn bf16_products_are_f32_products_of_their_values_rounded() {
+        let (m, k, n) = (40, 96, 70);
+        let x = spread((m, k)).to_dtype(DType::BF16).unwrap();
+        let w = (spread((n, k)) * 0.5)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let want = f(&x).matmul(&f(&w).t().unwrap()).unwrap();
+        let wt = w.t().unwrap().contiguous().unwrap();
+        for got in [matmul_nt(&x, &w).unwrap(), matmul_nn(&x, &wt).unwrap()] {
+            assert_eq!(got.dtype(), DType::BF16);
+            let (g, w): (Vec<f32>, Vec<f32>) = (
+                f(&got).flatten_all().unwrap().to_vec1().unwrap(),
+                want.flatten_all().unwrap().to_vec1().unwrap(),
+            );
+            for (a, b) in g.iter().zip(&w) {
+                // One bf16 rounding of the result (plus f32 summation order).
+                assert!((a - b).abs() <= b.abs() / 128.0 + 1e-4, "{a} vs {b}");
+            }
+        }
     }
 
     #[test]

@@ -24,6 +24,9 @@
 //! - `gemv`: the matrix-vector products of decoding (f32 or f16 weights,
 //!   the latter widened by `half`);
 //! - [`q8`]: 8-bit weights (int8 blocks of 32 with an f32 scale each);
+//! - `amx`: bf16 products on Intel AMX, for models computing in bf16 on the
+//!   AVX-512 path (Θ and attention of such models run the f32 kernels on
+//!   widened rows);
 //! - `sgemm`: the packed f32 product of the AVX2 path;
 //! - `matmul`: the products' entry points, gemm for the compute-bound ones.
 //!
@@ -37,6 +40,8 @@ use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, Layout, Result};
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod attention;
 #[cfg(feature = "cuda")]
 mod attention_cuda;

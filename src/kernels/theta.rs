@@ -134,16 +134,44 @@ impl candle_core::InplaceOp1 for ThetaOp {
 
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
         let n = layout.dims().last().copied().unwrap_or(1).max(1);
-        let (CpuStorage::F32(d), Some((a, b))) = (storage, layout.contiguous_offsets()) else {
-            candle_core::bail!("theta kernel: contiguous f32 only")
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            candle_core::bail!("theta kernel: contiguous scores only")
         };
-        self.apply(&mut d[a..b], n);
+        match storage {
+            CpuStorage::F32(d) => self.apply(&mut d[a..b], n),
+            CpuStorage::BF16(d) => self.apply_half(&mut d[a..b], n),
+            CpuStorage::F16(d) => self.apply_half(&mut d[a..b], n),
+            _ => candle_core::bail!("theta kernel: f32, bf16 or f16 only"),
+        }
         Ok(())
     }
 }
 
+impl ThetaOp {
+    /// Half-precision rows (a model computing in bf16 or f16): each widened
+    /// into an f32 row, Θ'd there by the f32 kernel and rounded back, so the
+    /// sums are f32 as in the plain ops.
+    fn apply_half<E: Send>(&self, rows: &mut [E], n: usize)
+    where
+        [E]: ::half::slice::HalfFloatSliceExt,
+    {
+        use ::half::slice::HalfFloatSliceExt;
+        let scale = self.scale_tokens as f32;
+        rows.par_chunks_mut(n).for_each_init(
+            || vec![0f32; n],
+            |wide, r| {
+                r.convert_to_f32_slice(wide);
+                theta_row(wide, self.activation, scale);
+                r.convert_from_f32_slice(wide);
+            },
+        );
+    }
+}
+
 fn fused_ok(scores: &Tensor) -> bool {
-    super::fused_on(scores) && scores.dtype() == DType::F32 && scores.is_contiguous()
+    super::fused_on(scores)
+        && matches!(scores.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && scores.is_contiguous()
 }
 
 /// Θ over the last axis of scores nobody else holds (a fresh matmul
@@ -169,6 +197,53 @@ mod tests {
     use super::super::test_util::{max_abs_diff, spread};
     use super::*;
     use candle_core::Device;
+
+    /// Half-precision scores (a model computing in bf16 or f16 on the CPU)
+    /// take the f32 kernel row by row: the plain ops' values (both sum in
+    /// f32) to within one rounding of the half type.
+    #[test]
+    fn half_scores_give_the_plain_ops_values() {
+        let s = (spread((37, 53)) * 3.0).unwrap();
+        for dtype in [DType::BF16, DType::F16] {
+            let h = s.to_dtype(dtype).unwrap();
+            for act in [
+                Activation::L2NormGelu,
+                Activation::GeluL2Norm,
+                Activation::Softmax,
+            ] {
+                let got = theta_owned(h.copy().unwrap(), act, 40).unwrap();
+                assert_eq!(got.dtype(), dtype);
+                let want = theta(&h, act, 40).unwrap();
+                let ulp = if dtype == DType::BF16 {
+                    1.0 / 128.0
+                } else {
+                    1.0 / 1024.0
+                };
+                let (g, w) = (
+                    got.to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f64>()
+                        .unwrap(),
+                    want.to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f64>()
+                        .unwrap(),
+                );
+                for (a, b) in g.iter().zip(&w) {
+                    assert!(
+                        (a - b).abs() <= ulp * b.abs().max(1e-3),
+                        "{dtype:?} {act:?}: {a} vs {b}"
+                    );
+                }
+                // Not the scores themselves: Θ was applied.
+                assert!(max_abs_diff(&got, &h) > 0.1);
+            }
+        }
+    }
 
     #[test]
     fn fused_theta_equals_tensor_ops() {
