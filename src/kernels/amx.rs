@@ -224,9 +224,9 @@ unsafe fn block(
     c: *mut f32,
     accumulate: bool,
 ) {
-    let row = 2 * KT; // bytes per row of a B tile
-    let cs = RB * 4; // bytes per row of c
-                     // SAFETY: the caller's contract; every tile load reads 16 rows of 64 bytes.
+    // Bytes per row of a B tile and of c.
+    let (row, cs) = (2 * KT, RB * 4);
+    // SAFETY: the caller's contract; every tile load reads 16 rows of 64 bytes.
     unsafe {
         if accumulate {
             asm!(

@@ -56,19 +56,7 @@ impl candle_core::CustomOp2 for Gemm {
     ) -> Result<(CpuStorage, Shape)> {
         let x = f32_slice(s1, l1, "gemm")?;
         let w = f32_slice(s2, l2, "gemm")?;
-        let (r, c) = l2.shape().dims2()?;
-        let (k, n) = if self.transposed { (c, r) } else { (r, c) };
-        let mut dims = l1.shape().dims().to_vec();
-        if dims.last() != Some(&k) {
-            candle_core::bail!(
-                "gemm: shapes {:?} and {:?}{} do not multiply",
-                l1.shape(),
-                l2.shape(),
-                if self.transposed { "ᵀ" } else { "" }
-            )
-        }
-        let m = dims[..dims.len() - 1].iter().product::<usize>();
-        *dims.last_mut().expect("rank ≥ 1") = n;
+        let (m, n, k, dims) = product_dims(l1, l2, self.transposed, "gemm")?;
         if m * n * k == 0 {
             return Ok((CpuStorage::F32(vec![0.0; m * n]), Shape::from(dims)));
         }
@@ -148,18 +136,7 @@ impl candle_core::CustomOp2 for AmxGemm {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (x, w) = (bf16_slice(s1, l1)?, bf16_slice(s2, l2)?);
-        let (r, c) = l2.shape().dims2()?;
-        let (k, n) = if self.transposed { (c, r) } else { (r, c) };
-        let mut dims = l1.shape().dims().to_vec();
-        if dims.last() != Some(&k) {
-            candle_core::bail!(
-                "gemm-amx: shapes {:?} and {:?} do not multiply",
-                l1.shape(),
-                l2.shape()
-            )
-        }
-        let m = dims[..dims.len() - 1].iter().product::<usize>();
-        *dims.last_mut().expect("rank ≥ 1") = n;
+        let (m, n, k, dims) = product_dims(l1, l2, self.transposed, "gemm-amx")?;
         let (rs, cs) = if self.transposed { (1, k) } else { (n, 1) };
         let mut out = Vec::with_capacity(m * n);
         // SAFETY: x holds m·k and w k·n elements (shapes checked above), the
@@ -183,6 +160,30 @@ impl candle_core::CustomOp2 for AmxGemm {
         }
         Ok((CpuStorage::BF16(out), Shape::from(dims)))
     }
+}
+
+/// (m, n, k) and the output's dims of x [.., k] times w [k, n], or wᵀ for
+/// w [n, k] when `transposed`.
+fn product_dims(
+    l1: &Layout,
+    l2: &Layout,
+    transposed: bool,
+    what: &str,
+) -> Result<(usize, usize, usize, Vec<usize>)> {
+    let (r, c) = l2.shape().dims2()?;
+    let (k, n) = if transposed { (c, r) } else { (r, c) };
+    let mut dims = l1.shape().dims().to_vec();
+    if dims.last() != Some(&k) {
+        candle_core::bail!(
+            "{what}: shapes {:?} and {:?}{} do not multiply",
+            l1.shape(),
+            l2.shape(),
+            if transposed { "ᵀ" } else { "" }
+        )
+    }
+    let m = dims[..dims.len() - 1].iter().product::<usize>();
+    *dims.last_mut().expect("rank ≥ 1") = n;
+    Ok((m, n, k, dims))
 }
 
 /// gemm on candle's thread count (rayon's pool), or on the caller alone for one.
