@@ -40,6 +40,9 @@ unsafe impl Sync for OutPtr {}
 /// The element types of keys and values: the row kernels of decoding, and
 /// rows as f32 for gemm.
 trait KvElem: Copy + Sync {
+    /// Whether decoding's row kernels (`dot_rows`, `axpy_rows`) exist for
+    /// the type; without them every block takes the gemm path.
+    const ROWS: bool = true;
     fn data(s: &CpuStorage) -> Option<&[Self]>;
     /// out[j] = scale · (q · row j), rows `stride` apart.
     fn dot_rows(path: Path, q: &[f32], rows: &[Self], stride: usize, scale: f32, out: &mut [f32]);
@@ -115,6 +118,40 @@ impl KvElem for f16 {
     }
 }
 
+/// bf16 keys and values (a model computing in bf16): widened for gemm per
+/// block of queries; no row kernels of their own.
+impl KvElem for ::half::bf16 {
+    const ROWS: bool = false;
+    fn data(s: &CpuStorage) -> Option<&[Self]> {
+        match s {
+            CpuStorage::BF16(d) => Some(d),
+            _ => None,
+        }
+    }
+    fn dot_rows(_: Path, _: &[f32], _: &[Self], _: usize, _: f32, _: &mut [f32]) {
+        unreachable!("bf16 rows take the gemm path")
+    }
+    fn axpy_rows(_: Path, _: &[f32], _: &[Self], _: usize, _: &mut [f32]) {
+        unreachable!("bf16 rows take the gemm path")
+    }
+    unsafe fn as_f32(
+        rows: *const Self,
+        stride: usize,
+        n: usize,
+        hd: usize,
+        buf: &mut Vec<f32>,
+    ) -> (*const f32, usize) {
+        use ::half::slice::HalfFloatSliceExt;
+        buf.resize(n * hd, 0.0);
+        for (r, dst) in buf.chunks_exact_mut(hd).enumerate() {
+            // SAFETY: the caller guarantees the n rows.
+            unsafe { std::slice::from_raw_parts(rows.add(r * stride), hd) }
+                .convert_to_f32_slice(dst);
+        }
+        (buf.as_ptr(), hd)
+    }
+}
+
 /// Offset and [b, h, t, hd] strides of a CPU tensor of `T`s whose last axis is contiguous.
 fn view<'a, T: KvElem>(
     s: &'a CpuStorage,
@@ -148,6 +185,9 @@ impl CustomOp3 for Attention {
         match (sk, sv) {
             (CpuStorage::F32(_), CpuStorage::F32(_)) => self.run::<f32>(sq, lq, sk, lk, sv, lv),
             (CpuStorage::F16(_), CpuStorage::F16(_)) => self.run::<f16>(sq, lq, sk, lk, sv, lv),
+            (CpuStorage::BF16(_), CpuStorage::BF16(_)) => {
+                self.run::<::half::bf16>(sq, lq, sk, lk, sv, lv)
+            }
             _ => candle_core::bail!(
                 "attention: keys {:?} and values {:?}: both f32 or both f16",
                 sk.dtype(),
@@ -212,7 +252,7 @@ impl Attention {
                     let qp = q.as_ptr().add(q0 + bi * qs[0] + hi * qs[1] + start * qs[2]);
                     let kp = k.as_ptr().add(k0 + bi * ks[0] + hi * ks[1]);
                     let vp = v.as_ptr().add(v0 + bi * vs[0] + hi * vs[1]);
-                    if rows <= FEW_QUERIES {
+                    if rows <= FEW_QUERIES && T::ROWS {
                         // Decoding: gemm would pack the cached keys and values
                         // (the bytes this step is bound by) to use them once.
                         for (r, sr) in s.chunks_mut(seen).enumerate() {
@@ -292,16 +332,17 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
     }
     let scale = 1.0 / (hd as f64).sqrt();
     let cpu = [q, k, v].iter().all(|x| super::fused_on(x));
-    if cpu && matches!(q.dtype(), DType::BF16 | DType::F16) {
+    if cpu && matches!(q.dtype(), DType::BF16 | DType::F16) && k.dtype() == q.dtype() {
         // A model computing in half precision on the CPU: the f32 kernel on
-        // widened queries, keys and values (its sums are f32 either way),
-        // the output rounded back.
-        let wide = |x: &Tensor| x.to_dtype(DType::F32);
-        return attention(&wide(q)?, &wide(k)?, &wide(v)?, causal)?.to_dtype(q.dtype());
+        // widened queries, with the keys and values widened as it reads
+        // them (its sums are f32 either way), the output rounded back.
+        return attention(&q.to_dtype(DType::F32)?, k, v, causal)?.to_dtype(q.dtype());
     }
     let kv = k.dtype();
-    let fused =
-        cpu && q.dtype() == DType::F32 && v.dtype() == kv && matches!(kv, DType::F32 | DType::F16);
+    let fused = cpu
+        && q.dtype() == DType::F32
+        && v.dtype() == kv
+        && matches!(kv, DType::F32 | DType::F16 | DType::BF16);
     if fused {
         // The kernel reads any strides but needs each row's features contiguous.
         let unit = |x: &Tensor| -> Result<Tensor> {
@@ -434,6 +475,13 @@ mod tests {
             .to_dtype(DType::BF16)
             .unwrap();
         assert_eq!(bits16(&got), bits16(&want));
+        // Decoding-sized query blocks (bf16 rows have no row kernels: gemm,
+        // where f32 takes the dot products, so within one bf16 rounding).
+        let few = q.narrow(2, t - 3, 3).unwrap();
+        let got = attention(&few, &k, &v, true).unwrap();
+        let want = attention(&f(&few), &f(&k), &f(&v), true).unwrap();
+        let d = max_abs_diff(&got, &want);
+        assert!(d < 1.0 / 64.0, "decoding-sized blocks: {d}");
     }
 
     fn bits16(t: &Tensor) -> Vec<u16> {

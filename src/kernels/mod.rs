@@ -24,6 +24,7 @@
 //! - `gemv`: the matrix-vector products of decoding (f32 or f16 weights,
 //!   the latter widened by `half`);
 //! - [`q8`]: 8-bit weights (int8 blocks of 32 with an f32 scale each);
+//! - `norm`: LayerNorm of bf16/f16 rows, summed in f32;
 //! - `amx`: bf16 products on Intel AMX, for models computing in bf16 on the
 //!   AVX-512 path (Θ and attention of such models run the f32 kernels on
 //!   widened rows);
@@ -51,6 +52,7 @@ mod half;
 mod logprob_cuda;
 pub(crate) mod math;
 mod matmul;
+mod norm;
 pub mod q8;
 mod rotary;
 mod rows;
@@ -73,6 +75,7 @@ pub mod cuda {
 pub(crate) use attention::attention;
 pub(crate) use matmul::{gemm_f32, gemm_parallelism};
 pub use matmul::{matmul_nn, matmul_nt, matmul_nt_q8, SMALL_ROWS};
+pub(crate) use norm::layer_norm_half;
 pub use q8::Q8Matrix;
 pub(crate) use rotary::rotary;
 pub(crate) use rows::max_of;

@@ -87,10 +87,22 @@ impl Module for Norm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match x.dtype() {
             DType::F32 => self.inner.forward(x),
-            DType::BF16 | DType::F16 => self
-                .inner
-                .forward(&x.to_dtype(DType::F32)?)?
-                .to_dtype(x.dtype()),
+            DType::BF16 | DType::F16 => {
+                // On the CPU one fused pass; elsewhere widened for candle's kernel.
+                let fused = crate::kernels::layer_norm_half(
+                    x,
+                    self.inner.weight(),
+                    self.inner.bias(),
+                    self.eps,
+                )?;
+                match fused {
+                    Some(y) => Ok(y),
+                    None => self
+                        .inner
+                        .forward(&x.to_dtype(DType::F32)?)?
+                        .to_dtype(x.dtype()),
+                }
+            }
             // candle's fused LayerNorm has no f64 on the CPU; the same formula in plain ops.
             dtype => {
                 let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
