@@ -40,9 +40,6 @@ unsafe impl Sync for OutPtr {}
 /// The element types of keys and values: the row kernels of decoding, and
 /// rows as f32 for gemm.
 trait KvElem: Copy + Sync {
-    /// Whether decoding's row kernels (`dot_rows`, `axpy_rows`) exist for
-    /// the type; without them every block takes the gemm path.
-    const ROWS: bool = true;
     fn data(s: &CpuStorage) -> Option<&[Self]>;
     /// out[j] = scale · (q · row j), rows `stride` apart.
     fn dot_rows(path: Path, q: &[f32], rows: &[Self], stride: usize, scale: f32, out: &mut [f32]);
@@ -86,71 +83,52 @@ impl KvElem for f32 {
     }
 }
 
-impl KvElem for f16 {
-    fn data(s: &CpuStorage) -> Option<&[f16]> {
-        match s {
-            CpuStorage::F16(d) => Some(d),
-            _ => None,
+/// Half-precision keys and values (an f16 KV cache, or a model computing in
+/// bf16 or f16): the row kernels of [`super::half`], rows widened for gemm.
+macro_rules! half_kv {
+    ($t:ty, $variant:ident) => {
+        impl KvElem for $t {
+            fn data(s: &CpuStorage) -> Option<&[$t]> {
+                match s {
+                    CpuStorage::$variant(d) => Some(d),
+                    _ => None,
+                }
+            }
+            fn dot_rows(
+                path: Path,
+                q: &[f32],
+                rows: &[$t],
+                stride: usize,
+                scale: f32,
+                out: &mut [f32],
+            ) {
+                super::half::dot_rows_strided_on(path, q, rows, stride, scale, out)
+            }
+            fn axpy_rows(path: Path, p: &[f32], rows: &[$t], stride: usize, out: &mut [f32]) {
+                super::half::axpy_rows_on(path, p, rows, stride, out)
+            }
+            unsafe fn as_f32(
+                rows: *const $t,
+                stride: usize,
+                n: usize,
+                hd: usize,
+                buf: &mut Vec<f32>,
+            ) -> (*const f32, usize) {
+                use ::half::slice::HalfFloatSliceExt;
+                // Widening once per query block is a small part of a prefill's gemm.
+                buf.resize(n * hd, 0.0);
+                for (r, dst) in buf.chunks_exact_mut(hd).enumerate() {
+                    // SAFETY: the caller guarantees the n rows.
+                    unsafe { std::slice::from_raw_parts(rows.add(r * stride), hd) }
+                        .convert_to_f32_slice(dst);
+                }
+                (buf.as_ptr(), hd)
+            }
         }
-    }
-    fn dot_rows(path: Path, q: &[f32], rows: &[f16], stride: usize, scale: f32, out: &mut [f32]) {
-        super::half::dot_rows_strided_on(path, q, rows, stride, scale, out)
-    }
-    fn axpy_rows(path: Path, p: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
-        super::half::axpy_rows_on(path, p, rows, stride, out)
-    }
-    unsafe fn as_f32(
-        rows: *const f16,
-        stride: usize,
-        n: usize,
-        hd: usize,
-        buf: &mut Vec<f32>,
-    ) -> (*const f32, usize) {
-        use ::half::slice::HalfFloatSliceExt;
-        // Widening once per query block is a small part of a prefill's gemm.
-        buf.resize(n * hd, 0.0);
-        for (r, dst) in buf.chunks_exact_mut(hd).enumerate() {
-            // SAFETY: the caller guarantees the n rows.
-            unsafe { std::slice::from_raw_parts(rows.add(r * stride), hd) }
-                .convert_to_f32_slice(dst);
-        }
-        (buf.as_ptr(), hd)
-    }
+    };
 }
-
-/// bf16 keys and values (a model computing in bf16): widened for gemm per
-/// block of queries; no row kernels of their own.
-impl KvElem for ::half::bf16 {
-    const ROWS: bool = false;
-    fn data(s: &CpuStorage) -> Option<&[Self]> {
-        match s {
-            CpuStorage::BF16(d) => Some(d),
-            _ => None,
-        }
-    }
-    fn dot_rows(_: Path, _: &[f32], _: &[Self], _: usize, _: f32, _: &mut [f32]) {
-        unreachable!("bf16 rows take the gemm path")
-    }
-    fn axpy_rows(_: Path, _: &[f32], _: &[Self], _: usize, _: &mut [f32]) {
-        unreachable!("bf16 rows take the gemm path")
-    }
-    unsafe fn as_f32(
-        rows: *const Self,
-        stride: usize,
-        n: usize,
-        hd: usize,
-        buf: &mut Vec<f32>,
-    ) -> (*const f32, usize) {
-        use ::half::slice::HalfFloatSliceExt;
-        buf.resize(n * hd, 0.0);
-        for (r, dst) in buf.chunks_exact_mut(hd).enumerate() {
-            // SAFETY: the caller guarantees the n rows.
-            unsafe { std::slice::from_raw_parts(rows.add(r * stride), hd) }
-                .convert_to_f32_slice(dst);
-        }
-        (buf.as_ptr(), hd)
-    }
-}
+half_kv!(f16, F16);
+half_kv!(::half::bf16, BF16);
 
 /// Offset and [b, h, t, hd] strides of a CPU tensor of `T`s whose last axis is contiguous.
 fn view<'a, T: KvElem>(
@@ -252,7 +230,7 @@ impl Attention {
                     let qp = q.as_ptr().add(q0 + bi * qs[0] + hi * qs[1] + start * qs[2]);
                     let kp = k.as_ptr().add(k0 + bi * ks[0] + hi * ks[1]);
                     let vp = v.as_ptr().add(v0 + bi * vs[0] + hi * vs[1]);
-                    if rows <= FEW_QUERIES && T::ROWS {
+                    if rows <= FEW_QUERIES {
                         // Decoding: gemm would pack the cached keys and values
                         // (the bytes this step is bound by) to use them once.
                         for (r, sr) in s.chunks_mut(seen).enumerate() {
@@ -475,13 +453,14 @@ mod tests {
             .to_dtype(DType::BF16)
             .unwrap();
         assert_eq!(bits16(&got), bits16(&want));
-        // Decoding-sized query blocks (bf16 rows have no row kernels: gemm,
-        // where f32 takes the dot products, so within one bf16 rounding).
+        // Decoding-sized query blocks (the row kernels on bf16 rows).
         let few = q.narrow(2, t - 3, 3).unwrap();
         let got = attention(&few, &k, &v, true).unwrap();
-        let want = attention(&f(&few), &f(&k), &f(&v), true).unwrap();
-        let d = max_abs_diff(&got, &want);
-        assert!(d < 1.0 / 64.0, "decoding-sized blocks: {d}");
+        let want = attention(&f(&few), &f(&k), &f(&v), true)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        assert_eq!(bits16(&got), bits16(&want));
     }
 
     fn bits16(t: &Tensor) -> Vec<u16> {

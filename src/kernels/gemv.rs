@@ -15,6 +15,7 @@ use super::{f32_slice, half, q8, Path};
 enum Weights<'a> {
     F32(&'a [f32]),
     F16(&'a [::half::f16]),
+    BF16(&'a [::half::bf16]),
     /// int8 values and one scale per block of a row ([`q8::BLOCK`]), taken
     /// with x quantised alike ([`Rows::Q8`]).
     Q8(&'a [i8], &'a [f32]),
@@ -48,7 +49,8 @@ impl<'a> Weights<'a> {
         match s {
             CpuStorage::F32(d) => Ok(Self::F32(&d[a..b])),
             CpuStorage::F16(d) => Ok(Self::F16(&d[a..b])),
-            _ => candle_core::bail!("{what}: f32 or f16 weights only"),
+            CpuStorage::BF16(d) => Ok(Self::BF16(&d[a..b])),
+            _ => candle_core::bail!("{what}: f32, f16 or bf16 weights only"),
         }
     }
 
@@ -58,6 +60,7 @@ impl<'a> Weights<'a> {
         match (self, x) {
             (Self::F32(w), Rows::F32(x)) => dot_on(path, x, &w[j * k..(j + 1) * k]),
             (Self::F16(w), Rows::F32(x)) => half::dot_on(path, x, &w[j * k..(j + 1) * k]),
+            (Self::BF16(w), Rows::F32(x)) => half::dot_on(path, x, &w[j * k..(j + 1) * k]),
             (Self::Q8(q, s), Rows::Q8(xq, xs)) => {
                 let b = k.div_ceil(q8::BLOCK);
                 q8::dot_on(path, xq, xs, &q[j * k..(j + 1) * k], &s[j * b..(j + 1) * b])
@@ -75,6 +78,7 @@ impl<'a> Weights<'a> {
                 super::rows::dot_rows_on(path, x, &w[rows], k, 1.0, out)
             }
             (Self::F16(w), Rows::F32(x)) => half::dot_rows_on(path, x, &w[rows], out),
+            (Self::BF16(w), Rows::F32(x)) => half::dot_rows_on(path, x, &w[rows], out),
             (Self::Q8(q, s), Rows::Q8(xq, xs)) => {
                 let b = k.div_ceil(q8::BLOCK);
                 let scales = &s[j * b..(j + out.len()) * b];
@@ -89,7 +93,7 @@ impl<'a> Weights<'a> {
     fn row_bytes(&self, k: usize) -> usize {
         match self {
             Self::F32(_) => 4 * k,
-            Self::F16(_) => 2 * k,
+            Self::F16(_) | Self::BF16(_) => 2 * k,
             Self::Q8(..) => k,
         }
     }
@@ -110,6 +114,7 @@ impl<'a> Weights<'a> {
             let start = match self {
                 Self::F32(w) => w.get(rows).map(|r| r.as_ptr().cast::<i8>()),
                 Self::F16(w) => w.get(rows).map(|r| r.as_ptr().cast::<i8>()),
+                Self::BF16(w) => w.get(rows).map(|r| r.as_ptr().cast::<i8>()),
                 Self::Q8(q, s) => {
                     let b = k.div_ceil(q8::BLOCK);
                     if let Some(r) = s.get(j * b..(j + 1) * b) {
@@ -135,6 +140,7 @@ impl<'a> Weights<'a> {
         match self {
             Self::F32(w) => super::rows::axpy_rows_on(path, a, &w[rows], k, y),
             Self::F16(w) => half::axpy_rows_on(path, a, &w[rows], k, y),
+            Self::BF16(w) => half::axpy_rows_on(path, a, &w[rows], k, y),
             Self::Q8(..) => unreachable!("8-bit weights are only multiplied transposed"),
         }
     }
@@ -145,7 +151,7 @@ impl<'a> Weights<'a> {
     /// docs/PERFORMANCE.md).
     fn rows_per_axpy(&self) -> usize {
         match self {
-            Self::F16(_) => 4,
+            Self::F16(_) | Self::BF16(_) => 4,
             _ => 1,
         }
     }
@@ -156,6 +162,7 @@ impl<'a> Weights<'a> {
         match self {
             Self::F32(w) => axpy_on(path, a, &w[j * k..(j + 1) * k], y),
             Self::F16(w) => half::axpy_on(path, a, &w[j * k..(j + 1) * k], y),
+            Self::BF16(w) => half::axpy_on(path, a, &w[j * k..(j + 1) * k], y),
             Self::Q8(..) => unreachable!("8-bit weights are only multiplied transposed"),
         }
     }

@@ -1,15 +1,38 @@
-//! Dot and axpy against f16 weight rows, widened in registers right after
-//! the load (half the memory traffic of f32, no conversion buffer). They
-//! follow the lane contract of [`super::rows`], so they give the bits of the
-//! f32 kernels on the widened weights, on every path.
+//! Dot and axpy against f16 or bf16 weight rows, widened in registers right
+//! after the load (half the memory traffic of f32, no conversion buffer).
+//! They follow the lane contract of [`super::rows`], so they give the bits of
+//! the f32 kernels on the widened weights, on every path.
 
-use ::half::f16;
+use ::half::{bf16, f16};
+
+/// A half-precision element: f16 (widened by F16C's `vcvtph2ps`) or bf16
+/// (the top half of an f32: widened by a 16-bit shift).
+pub(crate) trait Half: Copy + Send + Sync + 'static {
+    const BF16: bool;
+    fn widen(self) -> f32;
+}
+
+impl Half for f16 {
+    const BF16: bool = false;
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Half for bf16 {
+    const BF16: bool = true;
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
 
 use super::rows::{add_tail, dot_lanes};
 use super::{Isa, Path};
 
 /// Σ x[i]·w[i] on `path`.
-pub(crate) fn dot_on(path: Path, x: &[f32], w: &[f16]) -> f32 {
+pub(crate) fn dot_on<H: Half>(path: Path, x: &[f32], w: &[H]) -> f32 {
     let n = x.len().min(w.len());
     let (x, w) = (&x[..n], &w[..n]);
     match path.isa() {
@@ -28,7 +51,7 @@ pub(crate) fn dot_on(path: Path, x: &[f32], w: &[f16]) -> f32 {
 ///
 /// # Panics
 /// If `rows` holds fewer than out.len() rows.
-pub(crate) fn dot_rows_on(path: Path, x: &[f32], rows: &[f16], out: &mut [f32]) {
+pub(crate) fn dot_rows_on<H: Half>(path: Path, x: &[f32], rows: &[H], out: &mut [f32]) {
     assert!(rows.len() >= out.len() * x.len());
     dot_rows_strided_on(path, x, rows, x.len(), 1.0, out);
 }
@@ -39,10 +62,10 @@ pub(crate) fn dot_rows_on(path: Path, x: &[f32], rows: &[f16], out: &mut [f32]) 
 ///
 /// # Panics
 /// If the last row would end past `rows`.
-pub(crate) fn dot_rows_strided_on(
+pub(crate) fn dot_rows_strided_on<H: Half>(
     path: Path,
     x: &[f32],
-    rows: &[f16],
+    rows: &[H],
     stride: usize,
     scale: f32,
     out: &mut [f32],
@@ -71,7 +94,13 @@ pub(crate) fn dot_rows_strided_on(
 ///
 /// # Panics
 /// If the last row would end past `rows`.
-pub(crate) fn axpy_rows_on(path: Path, p: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+pub(crate) fn axpy_rows_on<H: Half>(
+    path: Path,
+    p: &[f32],
+    rows: &[H],
+    stride: usize,
+    out: &mut [f32],
+) {
     let w = out.len();
     assert!(p.is_empty() || (p.len() - 1) * stride + w <= rows.len());
     match path.isa() {
@@ -88,16 +117,16 @@ pub(crate) fn axpy_rows_on(path: Path, p: &[f32], rows: &[f16], stride: usize, o
 
 /// The columns from `from` on, one at a time, each adding its rows in order.
 #[inline(always)]
-fn axpy_rows_tail(p: &[f32], rows: &[f16], stride: usize, out: &mut [f32], from: usize) {
+fn axpy_rows_tail<H: Half>(p: &[f32], rows: &[H], stride: usize, out: &mut [f32], from: usize) {
     for (c, o) in out.iter_mut().enumerate().skip(from) {
         for (j, &pj) in p.iter().enumerate() {
-            *o += pj * rows[j * stride + c].to_f32();
+            *o += pj * rows[j * stride + c].widen();
         }
     }
 }
 
 /// y[i] += a·w[i] on `path`.
-pub(crate) fn axpy_on(path: Path, a: f32, w: &[f16], y: &mut [f32]) {
+pub(crate) fn axpy_on<H: Half>(path: Path, a: f32, w: &[H], y: &mut [f32]) {
     let n = y.len().min(w.len());
     let (w, y) = (&w[..n], &mut y[..n]);
     match path.isa() {
@@ -111,15 +140,37 @@ pub(crate) fn axpy_on(path: Path, a: f32, w: &[f16], y: &mut [f32]) {
     }
 }
 
-fn dot_portable(x: &[f32], w: &[f16]) -> f32 {
-    dot_lanes(x, w, f16::to_f32)
+fn dot_portable<H: Half>(x: &[f32], w: &[H]) -> f32 {
+    dot_lanes(x, w, H::widen)
 }
 
-fn axpy_portable(a: f32, w: &[f16], y: &mut [f32]) {
+fn axpy_portable<H: Half>(a: f32, w: &[H], y: &mut [f32]) {
     for (o, v) in y.iter_mut().zip(w) {
-        *o += a * v.to_f32();
+        *o += a * v.widen();
     }
 }
+
+/// A path module's `dot_rows`: its `dot` on each row, the rows `stride` apart.
+#[cfg(target_arch = "x86_64")]
+macro_rules! dot_rows_with {
+    ($features:literal) => {
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn dot_rows<H: Half>(
+            a: &[f32],
+            rows: &[H],
+            stride: usize,
+            scale: f32,
+            out: &mut [f32],
+        ) {
+            for (j, o) in out.iter_mut().enumerate() {
+                // SAFETY: a Path exists only for a CPU with these features.
+                *o = scale * unsafe { dot(a, &rows[j * stride..j * stride + a.len()]) };
+            }
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+use dot_rows_with;
 
 /// 256-bit registers: the 32 lanes of the contract are four registers.
 #[cfg(target_arch = "x86_64")]
@@ -131,27 +182,32 @@ mod avx2 {
     /// 8 halves at `w` widened to f32.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(w: *const f16) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable halves (f16 is a u16).
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(w as *const __m128i)) }
+    unsafe fn load8<H: Half>(w: *const H) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable halves (each a u16).
+        let bits = unsafe { _mm_loadu_si128(w as *const __m128i) };
+        if H::BF16 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)))
+        } else {
+            _mm256_cvtph_ps(bits)
+        }
     }
 
     /// x and w of equal length.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
+    pub(crate) unsafe fn dot<H: Half>(x: &[f32], w: &[H]) -> f32 {
         let whole = x.len() / 16 * 16;
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         // SAFETY: every load is within 0..whole of both slices.
         let p = |i: usize| unsafe { _mm256_mul_ps(_mm256_loadu_ps(xp.add(i)), load8(wp.add(i))) };
-        add_tail(fold32(whole, p), &x[whole..], &w[whole..], f16::to_f32)
+        add_tail(fold32(whole, p), &x[whole..], &w[whole..], H::widen)
     }
 
-    super::super::rows::dot_rows_with!("avx2,fma,f16c", f16);
+    super::dot_rows_with!("avx2,fma,f16c");
 
     /// w and y of equal length.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn axpy(a: f32, w: &[f16], y: &mut [f32]) {
+    pub(crate) unsafe fn axpy<H: Half>(a: f32, w: &[H], y: &mut [f32]) {
         let whole = y.len() / 8 * 8;
         let (wp, yp) = (w.as_ptr(), y.as_mut_ptr());
         let av = _mm256_set1_ps(a);
@@ -174,17 +230,17 @@ mod avx2 {
     /// go 64 at a time (eight registers, one pass over the rows for a head
     /// of 64), then 8 at a time, as the f32 kernel's do.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn axpy_rows(p: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+    pub(crate) unsafe fn axpy_rows<H: Half>(p: &[f32], rows: &[H], stride: usize, out: &mut [f32]) {
         let whole = out.len() / 8 * 8;
         let mut c = 0;
         // SAFETY: columns below `whole` of every row are in bounds.
         unsafe {
             while c + 64 <= whole {
-                axpy_cols::<8>(p, rows.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
+                axpy_cols::<H, 8>(p, rows.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
                 c += 64;
             }
             while c < whole {
-                axpy_cols::<1>(p, rows.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
+                axpy_cols::<H, 1>(p, rows.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
                 c += 8;
             }
         }
@@ -194,7 +250,12 @@ mod avx2 {
     /// out[..8N] += Σ_j p[j] · row j[..8N], the rows `stride` apart from rp.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn axpy_cols<const N: usize>(p: &[f32], rp: *const f16, stride: usize, out: *mut f32) {
+    unsafe fn axpy_cols<H: Half, const N: usize>(
+        p: &[f32],
+        rp: *const H,
+        stride: usize,
+        out: *mut f32,
+    ) {
         // SAFETY: the caller guarantees 8N columns at out and in every row.
         unsafe {
             let mut acc: [__m256; N] = std::array::from_fn(|i| _mm256_loadu_ps(out.add(8 * i)));
@@ -222,27 +283,32 @@ mod avx512 {
     /// 16 halves at `w` widened to f32.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn load16(w: *const f16) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable halves (f16 is a u16).
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(w as *const __m256i)) }
+    unsafe fn load16<H: Half>(w: *const H) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable halves (each a u16).
+        let bits = unsafe { _mm256_loadu_si256(w as *const __m256i) };
+        if H::BF16 {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+        } else {
+            _mm512_cvtph_ps(bits)
+        }
     }
 
     /// x and w of equal length.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(crate) unsafe fn dot(x: &[f32], w: &[f16]) -> f32 {
+    pub(crate) unsafe fn dot<H: Half>(x: &[f32], w: &[H]) -> f32 {
         let whole = x.len() / 16 * 16;
         let (xp, wp) = (x.as_ptr(), w.as_ptr());
         // SAFETY: every load is within 0..whole of both slices.
         let p = |i: usize| unsafe { _mm512_mul_ps(_mm512_loadu_ps(xp.add(i)), load16(wp.add(i))) };
-        add_tail(fold32(whole, p), &x[whole..], &w[whole..], f16::to_f32)
+        add_tail(fold32(whole, p), &x[whole..], &w[whole..], H::widen)
     }
 
-    super::super::rows::dot_rows_with!("avx512f,avx2,fma,f16c", f16);
+    super::dot_rows_with!("avx512f,avx2,fma,f16c");
 
     /// w and y of equal length.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(crate) unsafe fn axpy(a: f32, w: &[f16], y: &mut [f32]) {
+    pub(crate) unsafe fn axpy<H: Half>(a: f32, w: &[H], y: &mut [f32]) {
         let whole = y.len() / 16 * 16;
         let (wp, yp) = (w.as_ptr(), y.as_mut_ptr());
         let av = _mm512_set1_ps(a);
@@ -263,7 +329,7 @@ mod avx512 {
 
     /// See [`super::axpy_rows_on`]; the caller checks the bounds.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(crate) unsafe fn axpy_rows(p: &[f32], rows: &[f16], stride: usize, out: &mut [f32]) {
+    pub(crate) unsafe fn axpy_rows<H: Half>(p: &[f32], rows: &[H], stride: usize, out: &mut [f32]) {
         let whole = out.len() / 16 * 16;
         let rp = rows.as_ptr();
         for c in (0..whole).step_by(16) {
@@ -288,15 +354,25 @@ mod tests {
 
     #[test]
     fn every_path_gives_the_bits_of_the_f32_kernels_on_widened_weights() {
+        bits_of_the_f32_kernels(f16::from_f32);
+        bits_of_the_f32_kernels(bf16::from_f32);
+    }
+
+    fn bits_of_the_f32_kernels<H: Half + std::fmt::Debug>(from: fn(f32) -> H) {
         let portable = Path::new(Isa::Portable).unwrap();
         for path in Path::all() {
             // Whole 16s, 8s and tails of every kind.
             for n in [0, 1, 7, 8, 9, 15, 16, 17, 147, 768, 3075] {
-                let w: Vec<f16> = (0..n)
-                    .map(|i| f16::from_f32((i as f32 * 0.37).sin() * [0.01, 1.0, 50.0][i % 3]))
+                let w: Vec<H> = (0..n)
+                    .map(|i| from((i as f32 * 0.37).sin() * [0.01, 1.0, 50.0][i % 3]))
                     .collect();
                 let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
-                let wide: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+                let wide: Vec<f32> = w.iter().map(|v| v.widen()).collect();
+                // The widening is exact: bf16 and f16 values are f32 values.
+                assert!(w
+                    .iter()
+                    .zip(&wide)
+                    .all(|(h, f)| from(*f).widen() == h.widen()));
                 let want = rows::dot_on(portable, &x, &wide);
                 let got = dot_on(path, &x, &w);
                 assert_eq!(got.to_bits(), want.to_bits(), "dot n={n} {:?}", path.isa());
@@ -328,15 +404,20 @@ mod tests {
 
     #[test]
     fn strided_row_batches_give_the_bits_of_the_f32_kernels_on_widened_rows() {
+        strided_rows(f16::from_f32);
+        strided_rows(bf16::from_f32);
+    }
+
+    fn strided_rows<H: Half>(from: fn(f32) -> H) {
         let portable = Path::new(Isa::Portable).unwrap();
         // Head widths with and without whole 64s, 16s and 8s; rows 3 wider
         // than the head (a strided cache view).
         for w in [1, 8, 16, 24, 64, 72, 100, 128] {
             let (n, stride) = (37, w + 3);
-            let rows: Vec<f16> = (0..n * stride)
-                .map(|i| f16::from_f32((i as f32 * 0.29).sin() * [0.01, 1.0, 50.0][i % 3]))
+            let rows: Vec<H> = (0..n * stride)
+                .map(|i| from((i as f32 * 0.29).sin() * [0.01, 1.0, 50.0][i % 3]))
                 .collect();
-            let wide: Vec<f32> = rows.iter().map(|v| v.to_f32()).collect();
+            let wide: Vec<f32> = rows.iter().map(|v| v.widen()).collect();
             let x: Vec<f32> = (0..w).map(|i| (i as f32 * 0.13).cos()).collect();
             let p: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).sin().abs()).collect();
             let mut want_dots = vec![0f32; n];

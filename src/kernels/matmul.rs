@@ -15,8 +15,9 @@ pub const SMALL_ROWS: usize = 8;
 
 fn small_ok(x: &Tensor, w: &Tensor) -> bool {
     super::fused_on(x)
-        && x.dtype() == DType::F32
-        && matches!(w.dtype(), DType::F32 | DType::F16)
+        && matches!(x.dtype(), DType::F32 | DType::BF16)
+        && matches!(w.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && (x.dtype() == DType::F32 || w.dtype() == DType::BF16)
         && x.is_contiguous()
         && w.is_contiguous()
         && x.rank() == 2
@@ -81,6 +82,18 @@ impl candle_core::CustomOp2 for Gemm {
         }
         Ok((CpuStorage::F32(out), Shape::from(dims)))
     }
+}
+
+/// A decoding product: f32 rows as they are; a bf16 model's rows (against
+/// bf16 weights) widened first and the result rounded back, the weights read
+/// as bf16 (half f32's bytes).
+fn small(x: &Tensor, w: &Tensor, op: SmallMatmul) -> Result<Tensor> {
+    if x.dtype() == DType::F32 {
+        return x.apply_op2_no_bwd(w, &op);
+    }
+    x.to_dtype(DType::F32)?
+        .apply_op2_no_bwd(w, &op)?
+        .to_dtype(x.dtype())
 }
 
 /// Whether bf16 x and w multiply on AMX (`super::amx`): on the CPU on the
@@ -303,7 +316,7 @@ pub fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 pub(super) fn matmul_nt_on(path: Path, x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let transposed = true;
     if small_ok(x, w) {
-        x.apply_op2_no_bwd(w, &SmallMatmul { transposed, path })
+        small(x, w, SmallMatmul { transposed, path })
     } else if gemm_ok(x, w) {
         x.apply_op2_no_bwd(&as_f32(w)?, &Gemm { transposed, path })
     } else if amx_ok(x, w) {
@@ -324,7 +337,7 @@ pub fn matmul_nn(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 pub(super) fn matmul_nn_on(path: Path, x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let transposed = false;
     if small_ok(x, w) {
-        x.apply_op2_no_bwd(w, &SmallMatmul { transposed, path })
+        small(x, w, SmallMatmul { transposed, path })
     } else if gemm_ok(x, w) {
         x.apply_op2_no_bwd(&as_f32(w)?, &Gemm { transposed, path })
     } else if amx_ok(x, w) {
@@ -467,12 +480,19 @@ mod tests {
         assert!(err.to_string().contains("do not multiply"), "{err}");
     }
 
-    /// bf16 products of prefill size (AMX where the CPU has it, candle's
+    /// bf16 products (AMX where the CPU has it for a prefill's rows, candle's
     /// otherwise): the f32 product of the same bf16 values, rounded to bf16,
     /// for both weight layouts.
     #[test]
     fn bf16_products_are_f32_products_of_their_values_rounded() {
-        let (m, k, n) = (40, 96, 70);
+        // Decoding's few rows (the streaming kernels on bf16 weights) and a prefill's.
+        for m in [3, 40] {
+            bf16_products(m);
+        }
+    }
+
+    fn bf16_products(m: usize) {
+        let (k, n) = (96, 70);
         let x = spread((m, k)).to_dtype(DType::BF16).unwrap();
         let w = (spread((n, k)) * 0.5)
             .unwrap()
