@@ -312,9 +312,22 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
     let cpu = [q, k, v].iter().all(|x| super::fused_on(x));
     if cpu && matches!(q.dtype(), DType::BF16 | DType::F16) && k.dtype() == q.dtype() {
         // A model computing in half precision on the CPU: the f32 kernel on
-        // widened queries, with the keys and values widened as it reads
-        // them (its sums are f32 either way), the output rounded back.
-        return attention(&q.to_dtype(DType::F32)?, k, v, causal)?.to_dtype(q.dtype());
+        // widened queries (its sums are f32 either way), the output rounded
+        // back. Decoding's keys and values are read as they are by the row
+        // kernels; a prefill's are widened once here, not once per block of
+        // queries.
+        let wide = DType::F32;
+        let out = if t <= FEW_QUERIES {
+            attention(&q.to_dtype(wide)?, k, v, causal)?
+        } else {
+            attention(
+                &q.to_dtype(wide)?,
+                &k.to_dtype(wide)?,
+                &v.to_dtype(wide)?,
+                causal,
+            )?
+        };
+        return out.to_dtype(q.dtype());
     }
     let kv = k.dtype();
     let fused = cpu
