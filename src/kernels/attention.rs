@@ -310,14 +310,16 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
     }
     let scale = 1.0 / (hd as f64).sqrt();
     let cpu = [q, k, v].iter().all(|x| super::fused_on(x));
-    if cpu && matches!(q.dtype(), DType::BF16 | DType::F16) && k.dtype() == q.dtype() {
+    let kv_float =
+        v.dtype() == k.dtype() && matches!(k.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    if cpu && matches!(q.dtype(), DType::BF16 | DType::F16) && kv_float {
         // A model computing in half precision on the CPU: the f32 kernel on
         // widened queries (its sums are f32 either way), the output rounded
-        // back. Decoding's keys and values are read as they are by the row
-        // kernels; a prefill's are widened once here, not once per block of
-        // queries.
+        // back. Decoding's keys and values, whatever the cache keeps, are
+        // read as they are by the row kernels; a prefill's half ones are
+        // widened once here, not once per block of queries.
         let wide = DType::F32;
-        let out = if t <= FEW_QUERIES {
+        let out = if t <= FEW_QUERIES || k.dtype() == wide {
             attention(&q.to_dtype(wide)?, k, v, causal)?
         } else {
             attention(
@@ -466,6 +468,17 @@ mod tests {
             .to_dtype(DType::BF16)
             .unwrap();
         assert_eq!(bits16(&got), bits16(&want));
+        // An f32 cache under bf16 queries (generate's default cache for a bf16
+        // model): the f32 kernel on the cache as it is, prefill and decode alike.
+        for rows in [3, t] {
+            let few = q.narrow(2, t - rows, rows).unwrap();
+            let got = attention(&few, &f(&k), &f(&v), true).unwrap();
+            let want = attention(&f(&few), &f(&k), &f(&v), true)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap();
+            assert_eq!(bits16(&got), bits16(&want), "{rows} queries, f32 cache");
+        }
         // Decoding-sized query blocks (the row kernels on bf16 rows).
         let few = q.narrow(2, t - 3, 3).unwrap();
         let got = attention(&few, &k, &v, true).unwrap();
