@@ -1,6 +1,7 @@
 //! The products' entry points: the streaming kernels of [`super::gemv`] for
 //! a few rows, gemm straight into an uninitialised output for the
-//! compute-bound rest (prefill, evaluation, images), plain candle otherwise.
+//! compute-bound rest (prefill, evaluation, images), bf16 ones on AMX where
+//! the CPU has it, plain candle otherwise.
 
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 
@@ -97,8 +98,8 @@ fn small(x: &Tensor, w: &Tensor, op: SmallMatmul) -> Result<Tensor> {
 }
 
 /// Whether bf16 x and w multiply on AMX (`super::amx`): on the CPU on the
-/// AVX-512 path, both bf16, more rows than decoding's few (those stay with
-/// candle), and a CPU and OS with AMX.
+/// AVX-512 path, both bf16, more rows than decoding's few (those take the
+/// streaming kernels), and a CPU and OS with AMX.
 fn amx_ok(x: &Tensor, w: &Tensor) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -306,9 +307,9 @@ fn like(w: &Tensor, x: &Tensor) -> Result<Tensor> {
     w.to_dtype(x.dtype())
 }
 
-/// x [m, k] · wᵀ (w [n, k], f32 or f16); on the CPU in f32, the streaming
-/// kernel for few rows, gemm otherwise; elsewhere candle's matmul in x's
-/// dtype. The result has x's dtype.
+/// x [m, k] · wᵀ (w [n, k], f32 or f16, or bf16 for bf16 x); on the CPU the
+/// streaming kernel for few rows, gemm (f32) or AMX (bf16) otherwise;
+/// elsewhere candle's matmul in x's dtype. The result has x's dtype.
 pub fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     matmul_nt_on(active(), x, w)
 }
