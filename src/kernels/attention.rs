@@ -167,7 +167,7 @@ impl CustomOp3 for Attention {
                 self.run::<::half::bf16>(sq, lq, sk, lk, sv, lv)
             }
             _ => candle_core::bail!(
-                "attention: keys {:?} and values {:?}: both f32 or both f16",
+                "attention: keys {:?} and values {:?}: both f32, both f16 or both bf16",
                 sk.dtype(),
                 sv.dtype()
             ),
@@ -460,33 +460,22 @@ mod tests {
                 .unwrap()
         };
         let (q, k, v) = (x(0.1), x(-0.2), x(0.3));
-        let got = attention(&q, &k, &v, true).unwrap();
-        assert_eq!(got.dtype(), DType::BF16);
         let f = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
-        let want = attention(&f(&q), &f(&k), &f(&v), true)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap();
-        assert_eq!(bits16(&got), bits16(&want));
-        // An f32 cache under bf16 queries (generate's default cache for a bf16
-        // model): the f32 kernel on the cache as it is, prefill and decode alike.
-        for rows in [3, t] {
-            let few = q.narrow(2, t - rows, rows).unwrap();
-            let got = attention(&few, &f(&k), &f(&v), true).unwrap();
-            let want = attention(&f(&few), &f(&k), &f(&v), true)
-                .unwrap()
-                .to_dtype(DType::BF16)
-                .unwrap();
-            assert_eq!(bits16(&got), bits16(&want), "{rows} queries, f32 cache");
+        // A prefill's queries and decoding-sized ones (the row kernels), over
+        // bf16 keys and values and over an f32 cache (generate's default for
+        // a bf16 model, read as it is).
+        for rows in [t, 3] {
+            let qr = q.narrow(2, t - rows, rows).unwrap();
+            for (kc, vc, cache) in [(k.clone(), v.clone(), "bf16"), (f(&k), f(&v), "f32")] {
+                let got = attention(&qr, &kc, &vc, true).unwrap();
+                assert_eq!(got.dtype(), DType::BF16);
+                let want = attention(&f(&qr), &f(&k), &f(&v), true)
+                    .unwrap()
+                    .to_dtype(DType::BF16)
+                    .unwrap();
+                assert_eq!(bits16(&got), bits16(&want), "{rows} queries, {cache} cache");
+            }
         }
-        // Decoding-sized query blocks (the row kernels on bf16 rows).
-        let few = q.narrow(2, t - 3, 3).unwrap();
-        let got = attention(&few, &k, &v, true).unwrap();
-        let want = attention(&f(&few), &f(&k), &f(&v), true)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap();
-        assert_eq!(bits16(&got), bits16(&want));
     }
 
     fn bits16(t: &Tensor) -> Vec<u16> {

@@ -30,6 +30,25 @@ impl Half for bf16 {
 
 use super::rows::{add_tail, dot_lanes};
 use super::{Isa, Path};
+use rayon::prelude::*;
+
+/// `f` on each row of n half-precision values widened into an f32 row, the
+/// result rounded back in place; rows in parallel. The row operations of a
+/// model computing in bf16 or f16 (Θ, LayerNorm) sum in f32 this way.
+pub(crate) fn widened_rows<E: Send>(rows: &mut [E], n: usize, f: impl Fn(&mut [f32]) + Sync)
+where
+    [E]: ::half::slice::HalfFloatSliceExt,
+{
+    use ::half::slice::HalfFloatSliceExt;
+    rows.par_chunks_mut(n.max(1)).for_each_init(
+        || vec![0f32; n],
+        |wide, row| {
+            row.convert_to_f32_slice(wide);
+            f(wide);
+            row.convert_from_f32_slice(wide);
+        },
+    );
+}
 
 /// Σ x[i]·w[i] on `path`.
 pub(crate) fn dot_on<H: Half>(path: Path, x: &[f32], w: &[H]) -> f32 {
@@ -150,28 +169,6 @@ fn axpy_portable<H: Half>(a: f32, w: &[H], y: &mut [f32]) {
     }
 }
 
-/// A path module's `dot_rows`: its `dot` on each row, the rows `stride` apart.
-#[cfg(target_arch = "x86_64")]
-macro_rules! dot_rows_with {
-    ($features:literal) => {
-        #[target_feature(enable = $features)]
-        pub(crate) unsafe fn dot_rows<H: Half>(
-            a: &[f32],
-            rows: &[H],
-            stride: usize,
-            scale: f32,
-            out: &mut [f32],
-        ) {
-            for (j, o) in out.iter_mut().enumerate() {
-                // SAFETY: a Path exists only for a CPU with these features.
-                *o = scale * unsafe { dot(a, &rows[j * stride..j * stride + a.len()]) };
-            }
-        }
-    };
-}
-#[cfg(target_arch = "x86_64")]
-use dot_rows_with;
-
 /// 256-bit registers: the 32 lanes of the contract are four registers.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -203,7 +200,7 @@ mod avx2 {
         add_tail(fold32(whole, p), &x[whole..], &w[whole..], H::widen)
     }
 
-    super::dot_rows_with!("avx2,fma,f16c");
+    super::super::rows::dot_rows_with!("avx2,fma,f16c", H: Half);
 
     /// w and y of equal length.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -304,7 +301,7 @@ mod avx512 {
         add_tail(fold32(whole, p), &x[whole..], &w[whole..], H::widen)
     }
 
-    super::dot_rows_with!("avx512f,avx2,fma,f16c");
+    super::super::rows::dot_rows_with!("avx512f,avx2,fma,f16c", H: Half);
 
     /// w and y of equal length.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]

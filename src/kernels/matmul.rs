@@ -16,9 +16,11 @@ pub const SMALL_ROWS: usize = 8;
 
 fn small_ok(x: &Tensor, w: &Tensor) -> bool {
     super::fused_on(x)
-        && matches!(x.dtype(), DType::F32 | DType::BF16)
-        && matches!(w.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        && (x.dtype() == DType::F32 || w.dtype() == DType::BF16)
+        && match x.dtype() {
+            DType::F32 => matches!(w.dtype(), DType::F32 | DType::F16 | DType::BF16),
+            DType::BF16 => w.dtype() == DType::BF16,
+            _ => false,
+        }
         && x.is_contiguous()
         && w.is_contiguous()
         && x.rank() == 2
@@ -97,28 +99,27 @@ fn small(x: &Tensor, w: &Tensor, op: SmallMatmul) -> Result<Tensor> {
         .to_dtype(x.dtype())
 }
 
-/// Whether bf16 x and w multiply on AMX (`super::amx`): on the CPU on the
-/// AVX-512 path, both bf16, more rows than decoding's few (those take the
-/// streaming kernels), and a CPU and OS with AMX.
-fn amx_ok(x: &Tensor, w: &Tensor) -> bool {
+/// x · w (or wᵀ when `transposed`) on AMX (`super::amx`), when they take
+/// it: on the CPU on the AVX-512 path, both bf16, more rows than decoding's
+/// few (those take the streaming kernels), and a CPU and OS with AMX.
+fn amx(x: &Tensor, w: &Tensor, transposed: bool) -> Option<Result<Tensor>> {
     #[cfg(target_arch = "x86_64")]
+    if super::fused_on(x)
+        && active().isa() == Isa::Avx512
+        && x.dtype() == DType::BF16
+        && w.dtype() == DType::BF16
+        && x.is_contiguous()
+        && w.is_contiguous()
+        && x.rank() >= 1
+        && w.rank() == 2
+        && x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1) > SMALL_ROWS
+        && super::amx::available()
     {
-        super::fused_on(x)
-            && active().isa() == Isa::Avx512
-            && x.dtype() == DType::BF16
-            && w.dtype() == DType::BF16
-            && x.is_contiguous()
-            && w.is_contiguous()
-            && x.rank() >= 1
-            && w.rank() == 2
-            && x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1) > SMALL_ROWS
-            && super::amx::available()
+        return Some(x.apply_op2_no_bwd(w, &AmxGemm { transposed }));
     }
     #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (x, w);
-        false
-    }
+    let _ = (x, w, transposed);
+    None
 }
 
 /// The contiguous bf16 data of a CPU tensor.
@@ -320,11 +321,8 @@ pub(super) fn matmul_nt_on(path: Path, x: &Tensor, w: &Tensor) -> Result<Tensor>
         small(x, w, SmallMatmul { transposed, path })
     } else if gemm_ok(x, w) {
         x.apply_op2_no_bwd(&as_f32(w)?, &Gemm { transposed, path })
-    } else if amx_ok(x, w) {
-        #[cfg(target_arch = "x86_64")]
-        return x.apply_op2_no_bwd(w, &AmxGemm { transposed });
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("AMX is x86-64's")
+    } else if let Some(y) = amx(x, w, transposed) {
+        y
     } else {
         x.matmul(&like(w, x)?.t()?)
     }
@@ -341,11 +339,8 @@ pub(super) fn matmul_nn_on(path: Path, x: &Tensor, w: &Tensor) -> Result<Tensor>
         small(x, w, SmallMatmul { transposed, path })
     } else if gemm_ok(x, w) {
         x.apply_op2_no_bwd(&as_f32(w)?, &Gemm { transposed, path })
-    } else if amx_ok(x, w) {
-        #[cfg(target_arch = "x86_64")]
-        return x.apply_op2_no_bwd(w, &AmxGemm { transposed });
-        #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("AMX is x86-64's")
+    } else if let Some(y) = amx(x, w, transposed) {
+        y
     } else {
         x.matmul(&like(w, x)?)
     }
@@ -387,7 +382,7 @@ pub(super) fn matmul_nt_q8_on(path: Path, x: &Tensor, w: &Q8Matrix) -> Result<Te
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_util::{bits, max_abs_diff, spread};
+    use super::super::test_util::{assert_close, bits, half_ulp, max_abs_diff, spread};
     use super::*;
 
     /// The largest |a − b| relative to the largest |b|.
@@ -504,14 +499,9 @@ mod tests {
         let wt = w.t().unwrap().contiguous().unwrap();
         for got in [matmul_nt(&x, &w).unwrap(), matmul_nn(&x, &wt).unwrap()] {
             assert_eq!(got.dtype(), DType::BF16);
-            let (g, w): (Vec<f32>, Vec<f32>) = (
-                f(&got).flatten_all().unwrap().to_vec1().unwrap(),
-                want.flatten_all().unwrap().to_vec1().unwrap(),
-            );
-            for (a, b) in g.iter().zip(&w) {
-                // One bf16 rounding of the result (plus f32 summation order).
-                assert!((a - b).abs() <= b.abs() / 128.0 + 1e-4, "{a} vs {b}");
-            }
+            // One bf16 rounding of the result (plus f32 summation order).
+            let tol = |b: f64| b.abs() * half_ulp(DType::BF16) + 1e-4;
+            assert_close(&got, &want, tol, &format!("{m} rows"));
         }
     }
 

@@ -510,6 +510,32 @@ pub(crate) mod test_util {
             .unwrap()
     }
 
+    /// One rounding of a half type, relative: 2⁻⁷ for bf16, 2⁻¹⁰ for f16.
+    pub(crate) fn half_ulp(dtype: DType) -> f64 {
+        if dtype == DType::BF16 {
+            1.0 / 128.0
+        } else {
+            1.0 / 1024.0
+        }
+    }
+
+    /// Every element of `got` within `tol(w)` of `want`'s element w.
+    pub(crate) fn assert_close(got: &Tensor, want: &Tensor, tol: impl Fn(f64) -> f64, what: &str) {
+        let values = |t: &Tensor| -> Vec<f64> {
+            t.to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let (g, w) = (values(got), values(want));
+        assert_eq!(g.len(), w.len(), "{what}: sizes");
+        for (a, b) in g.iter().zip(&w) {
+            assert!((a - b).abs() <= tol(*b), "{what}: {a} vs {b}");
+        }
+    }
+
     pub(crate) fn bits(t: &Tensor) -> Vec<u32> {
         let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
         v.iter().map(|x| x.to_bits()).collect()

@@ -6,7 +6,6 @@
 
 use ::half::slice::HalfFloatSliceExt;
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 struct HalfNorm {
     weight: Vec<f32>,
@@ -15,34 +14,33 @@ struct HalfNorm {
 }
 
 impl HalfNorm {
-    fn rows<E: Send + Sync + Copy>(&self, x: &[E], n: usize) -> Vec<E>
+    fn rows<E: Send + Copy>(&self, x: &[E], n: usize) -> Vec<E>
     where
         [E]: HalfFloatSliceExt,
     {
         let mut out = x.to_vec();
-        out.par_chunks_mut(n).for_each_init(
-            || vec![0f32; n],
-            |wide, row| {
-                row.convert_to_f32_slice(wide);
-                let mean = wide.iter().sum::<f32>() / n as f32;
-                let var = wide.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n as f32;
-                let inv = 1.0 / (var + self.eps).sqrt();
-                match &self.bias {
-                    Some(b) => {
-                        for ((v, w), b) in wide.iter_mut().zip(&self.weight).zip(b) {
-                            *v = (*v - mean) * inv * w + b;
-                        }
-                    }
-                    None => {
-                        for (v, w) in wide.iter_mut().zip(&self.weight) {
-                            *v = (*v - mean) * inv * w;
-                        }
-                    }
-                }
-                row.convert_from_f32_slice(wide);
-            },
-        );
+        super::half::widened_rows(&mut out, n, |row| self.normalise(row));
         out
+    }
+
+    /// One f32 row normalised in place.
+    fn normalise(&self, row: &mut [f32]) {
+        let n = row.len() as f32;
+        let mean = row.iter().sum::<f32>() / n;
+        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+        let inv = 1.0 / (var + self.eps).sqrt();
+        match &self.bias {
+            Some(b) => {
+                for ((v, w), b) in row.iter_mut().zip(&self.weight).zip(b) {
+                    *v = (*v - mean) * inv * w + b;
+                }
+            }
+            None => {
+                for (v, w) in row.iter_mut().zip(&self.weight) {
+                    *v = (*v - mean) * inv * w;
+                }
+            }
+        }
     }
 }
 
@@ -94,7 +92,7 @@ pub(crate) fn layer_norm_half(
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_util::spread;
+    use super::super::test_util::{assert_close, half_ulp, spread};
     use super::*;
     use candle_core::Module;
 
@@ -115,25 +113,13 @@ mod tests {
                 let zeros = Tensor::zeros(40, DType::F32, h.device()).unwrap();
                 let ln = candle_nn::LayerNorm::new(w.clone(), bias.cloned().unwrap_or(zeros), 1e-5);
                 let want = ln.forward(&h.to_dtype(DType::F32).unwrap()).unwrap();
-                let ulp = if dtype == DType::BF16 {
-                    1.0 / 128.0
-                } else {
-                    1.0 / 1024.0
-                };
-                let g: Vec<f32> = got
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
-                let v: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
-                for (a, b) in g.iter().zip(&v) {
-                    assert!(
-                        (a - b).abs() <= ulp * b.abs().max(1e-2),
-                        "{dtype:?}: {a} vs {b}"
-                    );
-                }
+                let ulp = half_ulp(dtype);
+                assert_close(
+                    &got,
+                    &want,
+                    |b| ulp * b.abs().max(1e-2),
+                    &format!("{dtype:?}"),
+                );
             }
         }
     }

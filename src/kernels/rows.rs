@@ -305,15 +305,22 @@ fn axpy_rows_tail(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32], from:
 
 /// Defines `dot_rows(a, rows, stride, scale, out)` in a SIMD module:
 /// out[j] = scale · dot(a, row j) for rows of a's width `stride` apart,
-/// with that module's `dot` for weights of type `$t`; the caller checks the
-/// bounds. A function of each module, compiled with its features, so that
-/// `dot` inlines into the loop: a closure or function from outside, compiled
-/// without them, keeps it a call.
+/// with that module's `dot` for weights of type `$t` (a type parameter
+/// when `$t: $bound` is given); the caller checks the bounds. A function of
+/// each module, compiled with its features, so that `dot` inlines into the
+/// loop: a closure or function from outside, compiled without them, keeps
+/// it a call.
 #[cfg(target_arch = "x86_64")]
 macro_rules! dot_rows_with {
     ($features:literal, $t:ty) => {
+        $crate::kernels::rows::dot_rows_with!(@fn $features, [], $t);
+    };
+    ($features:literal, $t:ident: $bound:path) => {
+        $crate::kernels::rows::dot_rows_with!(@fn $features, [$t: $bound], $t);
+    };
+    (@fn $features:literal, [$($g:tt)*], $t:ty) => {
         #[target_feature(enable = $features)]
-        pub(in crate::kernels) unsafe fn dot_rows(
+        pub(in crate::kernels) unsafe fn dot_rows<$($g)*>(
             a: &[f32],
             rows: &[$t],
             stride: usize,

@@ -155,16 +155,8 @@ impl ThetaOp {
     where
         [E]: ::half::slice::HalfFloatSliceExt,
     {
-        use ::half::slice::HalfFloatSliceExt;
         let scale = self.scale_tokens as f32;
-        rows.par_chunks_mut(n).for_each_init(
-            || vec![0f32; n],
-            |wide, r| {
-                r.convert_to_f32_slice(wide);
-                theta_row(wide, self.activation, scale);
-                r.convert_from_f32_slice(wide);
-            },
-        );
+        super::half::widened_rows(rows, n, |row| theta_row(row, self.activation, scale));
     }
 }
 
@@ -194,7 +186,7 @@ pub fn theta_owned(scores: Tensor, activation: Activation, scale_tokens: usize) 
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_util::{max_abs_diff, spread};
+    use super::super::test_util::{assert_close, half_ulp, max_abs_diff, spread};
     use super::*;
     use candle_core::Device;
 
@@ -214,31 +206,9 @@ mod tests {
                 let got = theta_owned(h.copy().unwrap(), act, 40).unwrap();
                 assert_eq!(got.dtype(), dtype);
                 let want = theta(&h, act, 40).unwrap();
-                let ulp = if dtype == DType::BF16 {
-                    1.0 / 128.0
-                } else {
-                    1.0 / 1024.0
-                };
-                let (g, w) = (
-                    got.to_dtype(DType::F64)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1::<f64>()
-                        .unwrap(),
-                    want.to_dtype(DType::F64)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1::<f64>()
-                        .unwrap(),
-                );
-                for (a, b) in g.iter().zip(&w) {
-                    assert!(
-                        (a - b).abs() <= ulp * b.abs().max(1e-3),
-                        "{dtype:?} {act:?}: {a} vs {b}"
-                    );
-                }
+                let ulp = half_ulp(dtype);
+                let what = format!("{dtype:?} {act:?}");
+                assert_close(&got, &want, |b| ulp * b.abs().max(1e-3), &what);
                 // Not the scores themselves: Θ was applied.
                 assert!(max_abs_diff(&got, &h) > 0.1);
             }
