@@ -8,7 +8,7 @@
 //! This is the one implementation behind the language model, the image
 //! classifier and the merged vision-language model.
 
-use candle_core::{Module, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::VarBuilder;
 
 pub use crate::kernels::theta::{theta, Activation};
@@ -22,7 +22,7 @@ pub struct Pattention {
     scale_tokens: usize,
 }
 
-/// How f32/f16 weights are laid out: the products of prefill (gemm) and of
+/// How f32/f16/bf16 weights are laid out: the products of prefill (gemm) and of
 /// decoding (streaming kernels) prefer different layouts, and by how much
 /// depends on the CPU (docs/PERFORMANCE.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,13 +37,17 @@ pub enum Layout {
 }
 
 impl Layout {
-    /// This CPU's: [`Layout::Rows`] where the streaming kernels run fastest
-    /// that way (see [`kernels::prefers_row_products`]), else [`Layout::Gemm`];
+    /// For weights in `dtype` on this CPU: [`Layout::Rows`] for half
+    /// precision, which is kept for decoding (its prefill widens the weights
+    /// to f32 anyway) and streams fastest as whole rows everywhere, and for
+    /// f32 where the streaming kernels run fastest that way (see
+    /// [`kernels::prefers_row_products`]); else [`Layout::Gemm`].
     /// `TOKENFORMER_LAYOUT=gemm|rows` overrides it (so tests can run both).
-    pub(crate) fn for_this_cpu() -> Self {
+    pub(crate) fn for_weights(dtype: DType) -> Self {
         match std::env::var("TOKENFORMER_LAYOUT").as_deref() {
             Ok("gemm") => Layout::Gemm,
             Ok("rows") => Layout::Rows,
+            _ if matches!(dtype, DType::F16 | DType::BF16) => Layout::Rows,
             _ if kernels::prefers_row_products() => Layout::Rows,
             _ => Layout::Gemm,
         }
@@ -85,7 +89,8 @@ impl Pattention {
         activation: Activation,
         scale_tokens: Option<usize>,
     ) -> Result<Self> {
-        Self::from_tensors_in(key, value, activation, scale_tokens, Layout::for_this_cpu())
+        let layout = Layout::for_weights(key.dtype());
+        Self::from_tensors_in(key, value, activation, scale_tokens, layout)
     }
 
     /// [`Self::from_tensors`] in a given layout.
@@ -276,6 +281,31 @@ mod tests {
                     assert!(d < tol, "{layout:?} {dtype:?} rows={rows}: {d}");
                 }
             }
+        }
+    }
+
+    /// Half-precision weights are kept as rows on every CPU; f32 ones as
+    /// this CPU's streaming kernels prefer.
+    #[test]
+    fn half_precision_weights_are_kept_as_rows() {
+        if std::env::var_os("TOKENFORMER_LAYOUT").is_some() {
+            eprintln!("skipped: TOKENFORMER_LAYOUT forces the layout");
+            return;
+        }
+        let f32_layout = if kernels::prefers_row_products() {
+            Layout::Rows
+        } else {
+            Layout::Gemm
+        };
+        for (dtype, want) in [
+            (DType::F32, f32_layout),
+            (DType::F16, Layout::Rows),
+            (DType::BF16, Layout::Rows),
+        ] {
+            let (k, v) = (spread((6, 4), 0.1), spread((6, 3), 0.2));
+            let (k, v) = (k.to_dtype(dtype).unwrap(), v.to_dtype(dtype).unwrap());
+            let p = Pattention::from_tensors(k, v, Activation::L2NormGelu, None).unwrap();
+            assert_eq!(p.layout(), Some(want), "{dtype:?}");
         }
     }
 

@@ -309,7 +309,7 @@ pub(crate) fn fused_on(t: &candle_core::Tensor) -> bool {
 /// Whether this CPU's streaming kernels run fastest as dot products with
 /// whole weight rows (everything but Intel's), or as weighted sums of rows
 /// with software prefetch (Intel), see docs/PERFORMANCE.md. Decides how
-/// Pattention lays out f32/f16 weights.
+/// Pattention lays out f32 weights (half-precision ones always stream as rows).
 pub(crate) fn prefers_row_products() -> bool {
     !gemv::is_intel()
 }
