@@ -59,7 +59,8 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "IMG")]
     pub image: Option<PathBuf>,
     /// Keep the KV cache in f16: half its memory and of the bytes each step reads from it
-    /// (faster at long contexts), keys and values rounded to f16.
+    /// (faster at long contexts), keys and values rounded to f16. The default, f32, rounds
+    /// nothing: a model computing in bf16 or f16 keeps its own keys and values as they are.
     #[arg(long, value_enum, default_value_t)]
     pub kv_dtype: KvDtypeArg,
 }

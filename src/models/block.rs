@@ -333,6 +333,19 @@ impl Block {
     }
 }
 
+/// What a cache asked for `wanted` keeps keys and values computed in
+/// `computed` in: `wanted`, except that an f32 cache keeps a half-precision
+/// model's keys and values as they are. Widening them would be exact and add
+/// nothing (attention widens them itself, to the same values), while costing
+/// twice the memory and, on a GPU, a conversion of the whole cache per step.
+fn kept_dtype(wanted: Option<DType>, computed: DType) -> DType {
+    match wanted {
+        Some(DType::F32) if matches!(computed, DType::BF16 | DType::F16) => computed,
+        Some(wanted) => wanted,
+        None => computed,
+    }
+}
+
 /// One layer's keys and values [b, h, positions, head_dim], preallocated to
 /// the model's context so appending a token is a copy, not a reallocation.
 #[derive(Debug)]
@@ -372,7 +385,7 @@ impl LayerCache {
                 self.capacity
             )
         }
-        let dtype = self.dtype.unwrap_or(k.dtype());
+        let dtype = kept_dtype(self.dtype, k.dtype());
         let alloc = |x: &Tensor| -> Result<Tensor> {
             let (b, h, _, hd) = x.dims4()?;
             Tensor::zeros((b, h, self.capacity, hd), dtype, x.device())?.contiguous()
@@ -397,5 +410,72 @@ impl LayerCache {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn spread(shape: (usize, usize, usize, usize), dtype: DType, phase: f32) -> Tensor {
+        let n = shape.0 * shape.1 * shape.2 * shape.3;
+        let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + phase).sin()).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        let v: Vec<f32> = t
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// An f32 cache keeps a half-precision model's keys and values as they are
+    /// (and attention over them gives the bits it gives over their f32 copies);
+    /// an f16 cache rounds whatever it is given; an unset one keeps the input's.
+    #[test]
+    fn an_f32_cache_keeps_half_precision_keys_as_they_are() {
+        for (wanted, computed, kept) in [
+            (Some(DType::F32), DType::BF16, DType::BF16),
+            (Some(DType::F32), DType::F16, DType::F16),
+            (Some(DType::F32), DType::F32, DType::F32),
+            (Some(DType::F16), DType::BF16, DType::F16),
+            (Some(DType::F16), DType::F32, DType::F16),
+            (None, DType::BF16, DType::BF16),
+        ] {
+            let mut cache = LayerCache::with_dtype(16, wanted);
+            let (k1, v1) = (
+                spread((1, 2, 5, 8), computed, 0.0),
+                spread((1, 2, 5, 8), computed, 1.0),
+            );
+            let (k2, v2) = (
+                spread((1, 2, 1, 8), computed, 2.0),
+                spread((1, 2, 1, 8), computed, 3.0),
+            );
+            cache.append(&k1, &v1).unwrap();
+            let (ks, vs) = cache.append(&k2, &v2).unwrap();
+            assert_eq!(
+                (ks.dtype(), vs.dtype(), ks.dim(2).unwrap()),
+                (kept, kept, 6),
+                "{wanted:?} {computed:?}"
+            );
+            let all_k = Tensor::cat(&[&k1, &k2], 2).unwrap().to_dtype(kept).unwrap();
+            assert_eq!(bits(&ks), bits(&all_k), "{wanted:?} {computed:?}");
+            if wanted == Some(DType::F32) && kept != DType::F32 {
+                let q = spread((1, 2, 1, 8), computed, 4.0);
+                let wide = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                let kept_out = crate::kernels::attention(&q, &ks, &vs, true).unwrap();
+                let f32_out = crate::kernels::attention(&q, &wide(&ks), &wide(&vs), true).unwrap();
+                assert_eq!(bits(&kept_out), bits(&f32_out), "{computed:?}");
+            }
+        }
     }
 }

@@ -290,6 +290,9 @@ pub(crate) fn check_block(
 /// f32 either way.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KvDtype {
+    /// Never rounded: f32 for a model computing in f32; a model computing in
+    /// bf16 or f16 keeps its own keys and values as they are (in f32 they
+    /// would be the same values at twice the memory).
     #[default]
     F32,
     /// Half the cache's memory and the bytes a decode step reads from it;
