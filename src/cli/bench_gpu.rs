@@ -1,7 +1,8 @@
 //! `tokenformer bench --device cuda`: the figures the GPU issues compare with eager
 //! PyTorch and `torch.compile` on the same card (`../shared/gpu/torch_gpu_anchor.py`,
 //! `torch_compile_anchor.py`): prefill of the 150M (f32, bf16) and the 1.5B (bf16) at
-//! 16×2048, batch-1 decode of the 150M (f32), ViT-B/16 at batch 256 (f32, bf16), and
+//! 16×2048, batch-1 decode of the same three (64 tokens after 512), ViT-B/16 at batch
+//! 256 (f32, bf16), and
 //! training of the peer's small LM and tiny ViT (f32). Random weights of the official
 //! shapes, the median of three timed runs after one warm-up, each ended by a device
 //! synchronisation. Each figure comes with the GPU memory in use after it and, for the
@@ -117,14 +118,23 @@ fn prefill(
     Ok(())
 }
 
-fn decode(out: &mut Map<String, Value>, dev: &Device) -> Result<()> {
-    let cfg = tokenformer::synthetic::lm_config("150m").expect("a released shape");
-    let model = random_lm(&cfg, DType::F32, dev)?;
-    let d = &super::bench::decode(&[(&model, tokenformer::KvDtype::F32)], 128, 128, 1)?[0];
+/// Batch-1 greedy decoding as the anchor times it: 64 tokens after a 512-token
+/// prompt, the KV cache in the model's own dtype (the default cache).
+fn decode(
+    out: &mut Map<String, Value>,
+    name: &str,
+    cfg: &Config,
+    dtype: DType,
+    dev: &Device,
+) -> Result<()> {
+    let model = random_lm(cfg, dtype, dev)?;
+    let d = &super::bench::decode(&[(&model, tokenformer::KvDtype::F32)], 512, 64, 1)?[0];
+    let key = format!("decode_{name}_{}_batch1", dtype.as_str());
     out.insert(
-        "decode_150m_f32_batch1_tokens_per_s".into(),
+        format!("{key}_tokens_per_s"),
         json!(round(d.tokens_per_s, 1)),
     );
+    out.insert(format!("{key}_gpu_used_gib"), used_gib(dev));
     Ok(())
 }
 
@@ -185,7 +195,9 @@ pub fn run(dev: &Device, only: &[String]) -> Result<Map<String, Value>> {
         prefill(&mut out, "1.5b", &large, DType::BF16, dev, bf16_peak)?;
     }
     if want("decode") {
-        decode(&mut out, dev)?;
+        decode(&mut out, "150m", &small, DType::F32, dev)?;
+        decode(&mut out, "150m", &small, DType::BF16, dev)?;
+        decode(&mut out, "1.5b", &large, DType::BF16, dev)?;
     }
     if want("vit") {
         vit_b16(&mut out, DType::F32, dev, f32_peak)?;
