@@ -145,7 +145,8 @@ impl LanguageModel {
     /// computes in, "f32", "bf16" or "f16" (the latter two for GPUs).
     /// `weights` ("f32", "f16" or "q8", the last CPU only): how f32
     /// computation keeps its weight matrices. `kv_dtype`: the precision
-    /// `generate` caches keys and values in, "f32" or "f16".
+    /// `generate` caches keys and values in, "f32" or "f16" ("f32" rounds
+    /// nothing: a bf16 or f16 model keeps its own keys and values).
     #[staticmethod]
     #[pyo3(signature = (
         name, *, tokenizer=None, config=None, weights="f32", kv_dtype="f32", device="cpu",
