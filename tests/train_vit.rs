@@ -3,6 +3,7 @@
 //! `tokenformer train` on a small generated image folder learning its classes.
 
 mod common;
+use common::train::f64s;
 
 use std::path::Path;
 
@@ -15,15 +16,6 @@ use tokenformer::train::{clip_grad_norm, AdamW, AdamWConfig};
 
 fn fixture() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vit-train-step")
-}
-
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 fn close(what: &str, got: f64, want: f64, rel: f64) {

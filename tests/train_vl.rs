@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use common::train::bits;
+use common::train::{bits, f64s};
 use tokenformer::checkpoint::{self, Tensors};
 use tokenformer::loader;
 use tokenformer::models::vl::{self, VisionLanguageModel};
@@ -203,15 +203,6 @@ fn train_bridge_moves_only_the_bridge_and_lowers_the_caption_loss() {
         }
     }
     assert_eq!(moved, 2 * 5 * 2, "every bridge tensor trains");
-}
-
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 /// The largest absolute and relative differences seen, for the closing note.

@@ -521,23 +521,32 @@ pub(crate) mod test_util {
 
     /// Every element of `got` within `tol(w)` of `want`'s element w.
     pub(crate) fn assert_close(got: &Tensor, want: &Tensor, tol: impl Fn(f64) -> f64, what: &str) {
-        let values = |t: &Tensor| -> Vec<f64> {
-            t.to_dtype(DType::F64)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap()
-        };
-        let (g, w) = (values(got), values(want));
+        let (g, w) = (f64s(got), f64s(want));
         assert_eq!(g.len(), w.len(), "{what}: sizes");
         for (a, b) in g.iter().zip(&w) {
             assert!((a - b).abs() <= tol(*b), "{what}: {a} vs {b}");
         }
     }
 
+    /// Every element, widened to f64 (exact from any float dtype).
+    pub(crate) fn f64s(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// The f32 bits of every element (half-precision ones widened, exactly).
     pub(crate) fn bits(t: &Tensor) -> Vec<u32> {
-        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        let v: Vec<f32> = t
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         v.iter().map(|x| x.to_bits()).collect()
     }
 }

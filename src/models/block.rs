@@ -416,26 +416,15 @@ impl LayerCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use crate::kernels::test_util::{bits, spread};
 
-    fn spread(shape: (usize, usize, usize, usize), dtype: DType, phase: f32) -> Tensor {
-        let n = shape.0 * shape.1 * shape.2 * shape.3;
-        let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + phase).sin()).collect();
-        Tensor::from_vec(v, shape, &Device::Cpu)
+    /// Deterministic values in `dtype`, shifted by `phase` so keys and values differ.
+    fn values(shape: (usize, usize, usize, usize), dtype: DType, phase: f64) -> Tensor {
+        spread(shape)
+            .affine(1.0, phase)
             .unwrap()
             .to_dtype(dtype)
             .unwrap()
-    }
-
-    fn bits(t: &Tensor) -> Vec<u32> {
-        let v: Vec<f32> = t
-            .to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
     }
 
     /// An f32 cache keeps a half-precision model's keys and values as they are
@@ -453,12 +442,12 @@ mod tests {
         ] {
             let mut cache = LayerCache::with_dtype(16, wanted);
             let (k1, v1) = (
-                spread((1, 2, 5, 8), computed, 0.0),
-                spread((1, 2, 5, 8), computed, 1.0),
+                values((1, 2, 5, 8), computed, 0.0),
+                values((1, 2, 5, 8), computed, 1.0),
             );
             let (k2, v2) = (
-                spread((1, 2, 1, 8), computed, 2.0),
-                spread((1, 2, 1, 8), computed, 3.0),
+                values((1, 2, 1, 8), computed, 2.0),
+                values((1, 2, 1, 8), computed, 3.0),
             );
             cache.append(&k1, &v1).unwrap();
             let (ks, vs) = cache.append(&k2, &v2).unwrap();
@@ -470,7 +459,7 @@ mod tests {
             let all_k = Tensor::cat(&[&k1, &k2], 2).unwrap().to_dtype(kept).unwrap();
             assert_eq!(bits(&ks), bits(&all_k), "{wanted:?} {computed:?}");
             if wanted == Some(DType::F32) && kept != DType::F32 {
-                let q = spread((1, 2, 1, 8), computed, 4.0);
+                let q = values((1, 2, 1, 8), computed, 4.0);
                 let wide = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
                 let kept_out = crate::kernels::attention(&q, &ks, &vs, true).unwrap();
                 let f32_out = crate::kernels::attention(&q, &wide(&ks), &wide(&vs), true).unwrap();

@@ -9,6 +9,16 @@ use serde_json::Value;
 use tokenformer::checkpoint::Tensors;
 use tokenformer::loader::{self, LocateOptions};
 
+/// Every element of `t`, widened to f64.
+pub fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
 /// A tiny language model (d 32, 2 heads, the GPT-NeoX vocabulary) written into
 /// `dir` as init.json, and the `train` arguments that start it on the shipped
 /// text: everything but `--out`, `--steps` and the options a test varies.

@@ -561,14 +561,7 @@ mod tests {
         Var::from_tensor(&Tensor::from_vec(values(n, seed), shape, &Device::Cpu).unwrap()).unwrap()
     }
 
-    fn flat(t: &Tensor) -> Vec<f64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    }
+    use crate::kernels::test_util::f64s as flat;
 
     fn max_diff(a: &[f64], b: &[f64]) -> f64 {
         assert_eq!(a.len(), b.len());
