@@ -6,6 +6,7 @@ use candle_core::{Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::*;
+use crate::train::theta::uninit_as;
 
 /// softmax(scale · q_h·k_hᵀ)·v_h for every head h, causal (query i sees keys 0..=i) or
 /// not, for q, k, v [b, t, d] with `heads` heads of d/heads side by side along d (the
@@ -78,37 +79,39 @@ impl Attention {
         }
     }
 
-    /// Per-head [t, d/heads] blocks back into one [b, t, d] buffer.
-    fn gather<T: Elem>(&self, blocks: &[Vec<T>], (b, t, d): (usize, usize, usize)) -> Vec<T> {
-        let hd = d / self.heads;
-        let mut out = vec![T::zero(); b * t * d];
-        out.par_chunks_mut(t * d).enumerate().for_each(|(bi, out)| {
-            for h in 0..self.heads {
-                let block = &blocks[bi * self.heads + h];
-                for (row, src) in out.chunks_mut(d).zip(block.chunks(hd)) {
-                    row[h * hd..(h + 1) * hd].copy_from_slice(src);
-                }
-            }
-        });
-        out
+    /// Head `bh`'s probabilities [t, t] into `p` (every element written; a causal
+    /// row's masked keys as zeros).
+    fn head_probs<T: Elem>(
+        &self,
+        q: &[T],
+        k: &[T],
+        (t, d): (usize, usize),
+        bh: usize,
+        p: &mut [T],
+    ) {
+        let s = T::matmul_serial(
+            t,
+            t,
+            d / self.heads,
+            self.head(q, (t, d), bh, false),
+            self.head(k, (t, d), bh, true),
+        );
+        for (i, (p, s)) in p.chunks_mut(t).zip(s.chunks(t)).enumerate() {
+            let keys = if self.causal { i + 1 } else { t };
+            T::softmax_row(&s[..keys], &mut p[..keys], self.scale);
+            p[keys..].fill(T::zero());
+        }
     }
 
+    /// Every head's probabilities [b·heads, t, t].
     fn probs<T: Elem>(&self, q: &[T], k: &[T], (b, t, d): (usize, usize, usize)) -> Vec<T> {
-        let hd = d / self.heads;
-        let mut p = vec![T::zero(); b * self.heads * t * t];
-        p.par_chunks_mut(t * t).enumerate().for_each(|(bh, p)| {
-            let s = T::matmul_serial(
-                t,
-                t,
-                hd,
-                self.head(q, (t, d), bh, false),
-                self.head(k, (t, d), bh, true),
-            );
-            for (i, (p, s)) in p.chunks_mut(t).zip(s.chunks(t)).enumerate() {
-                let keys = if self.causal { i + 1 } else { t };
-                T::softmax_row(&s[..keys], &mut p[..keys], self.scale);
-            }
-        });
+        let mut p = Vec::with_capacity(b * self.heads * t * t);
+        p.spare_capacity_mut()
+            .par_chunks_mut((t * t).max(1))
+            .enumerate()
+            .for_each(|(bh, p)| self.head_probs(q, k, (t, d), bh, uninit_as(p)));
+        // SAFETY: `head_probs` wrote every element of every head's block.
+        unsafe { p.set_len(b * self.heads * t * t) };
         p
     }
 
@@ -120,22 +123,27 @@ impl Attention {
         dims: (usize, usize, usize),
     ) -> Vec<T> {
         let (b, t, d) = dims;
-        let hd = d / self.heads;
-        let p = self.probs(q, k, dims);
-        let blocks: Vec<Vec<T>> = (0..b * self.heads)
-            .into_par_iter()
-            .map(|bh| {
-                T::matmul_serial(
-                    t,
-                    hd,
-                    t,
-                    Operand::rows(&p[bh * t * t..], t),
-                    self.head(v, (t, d), bh, false),
-                )
-            })
-            .collect();
+        let n = b * self.heads;
+        if b * t * d == 0 {
+            return vec![];
+        }
+        let mut p = Vec::with_capacity(n * t * t);
+        let out = HeadsOut::new(b * t * d);
+        p.spare_capacity_mut()
+            .par_chunks_mut(t * t)
+            .enumerate()
+            .for_each(|(bh, p)| {
+                let p = uninit_as(p);
+                self.head_probs(q, k, (t, d), bh, p);
+                let v = self.head(v, (t, d), bh, false);
+                // SAFETY: task bh alone writes head bh.
+                unsafe { out.product(self, bh, (t, d), t, Operand::rows(p, t), v) };
+            });
+        // SAFETY: every head's block of p was written above.
+        unsafe { p.set_len(n * t * t) };
         *self.saved.lock().expect("not poisoned") = Some(T::to_cpu_storage_owned(p));
-        self.gather(&blocks, dims)
+        // SAFETY: the heads' products wrote every element.
+        unsafe { out.finish() }
     }
 
     pub(super) fn bwd_t<T: Elem>(
@@ -146,37 +154,102 @@ impl Attention {
         let (b, t, d) = dims;
         let hd = d / self.heads;
         let saved = self.saved.lock().expect("not poisoned").take();
+        if b * t * d == 0 {
+            return Ok([vec![], vec![], vec![]]);
+        }
         let p = match saved.map(T::cpu_storage_data) {
             Some(Ok(p)) => p,
             Some(Err(_)) => candle_core::bail!("attention: saved probabilities of another dtype"),
             None => self.probs(q, k, dims),
         };
-        let grads: Vec<[Vec<T>; 3]> = (0..b * self.heads)
-            .into_par_iter()
-            .map(|bh| {
-                let p = &p[bh * t * t..(bh + 1) * t * t];
-                let head = |x, transposed| self.head(x, (t, d), bh, transposed);
-                let dv = T::matmul_serial(t, hd, t, Operand::transposed(p, t), head(g, false));
-                let mut ds = T::matmul_serial(t, t, hd, head(g, false), head(v, true));
-                for (ds, p) in ds.chunks_mut(t).zip(p.chunks(t)) {
-                    T::softmax_grad_row(ds, p, self.scale);
-                }
-                let dq = T::matmul_serial(t, hd, t, Operand::rows(&ds, t), head(k, false));
-                let dk = T::matmul_serial(t, hd, t, Operand::transposed(&ds, t), head(q, false));
-                [dq, dk, dv]
-            })
-            .collect();
-        let [mut dq, mut dk, mut dv] = [vec![], vec![], vec![]];
-        for [q, k, v] in grads {
-            dq.push(q);
-            dk.push(k);
-            dv.push(v);
+        let [dq, dk, dv] = [(); 3].map(|_| HeadsOut::new(b * t * d));
+        (0..b * self.heads).into_par_iter().for_each(|bh| {
+            let p = &p[bh * t * t..(bh + 1) * t * t];
+            let head = |x, transposed| self.head(x, (t, d), bh, transposed);
+            // SAFETY: task bh alone writes head bh of each output.
+            let write =
+                |out: &HeadsOut<T>, lhs, rhs| unsafe { out.product(self, bh, (t, d), t, lhs, rhs) };
+            write(&dv, Operand::transposed(p, t), head(g, false));
+            let mut ds = T::matmul_serial(t, t, hd, head(g, false), head(v, true));
+            for (ds, p) in ds.chunks_mut(t).zip(p.chunks(t)) {
+                T::softmax_grad_row(ds, p, self.scale);
+            }
+            write(&dq, Operand::rows(&ds, t), head(k, false));
+            write(&dk, Operand::transposed(&ds, t), head(q, false));
+        });
+        // SAFETY: each head's three products wrote every element of its columns.
+        Ok(unsafe { [dq.finish(), dk.finish(), dv.finish()] })
+    }
+}
+
+/// A [b, t, d] buffer that parallel tasks write head by head, each task (batch, head)
+/// the head's d/heads columns of the batch's t rows, so that no gather pass follows
+/// (per-head results copied into place were a quarter of the attention's time).
+struct HeadsOut<T> {
+    buf: Vec<T>,
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: threads write through `ptr` only by `product`, whose callers keep the heads
+// apart; the Vec is touched again only by `finish`, which takes the buffer by value.
+unsafe impl<T: Send> Send for HeadsOut<T> {}
+unsafe impl<T: Send> Sync for HeadsOut<T> {}
+
+impl<T: Elem> HeadsOut<T> {
+    fn new(len: usize) -> Self {
+        let mut buf = Vec::with_capacity(len);
+        let ptr = buf.as_mut_ptr();
+        Self { buf, ptr, len }
+    }
+
+    /// Head `bh`'s block [t, d/heads] = lhs [t, depth] · rhs [depth, d/heads], on the
+    /// calling thread.
+    ///
+    /// # Safety
+    /// No other thread writes head `bh`'s block at the same time.
+    unsafe fn product(
+        &self,
+        a: &Attention,
+        bh: usize,
+        (t, d): (usize, usize),
+        depth: usize,
+        lhs: Operand<T>,
+        rhs: Operand<T>,
+    ) {
+        let hd = d / a.heads;
+        let first = (bh / a.heads) * t * d + (bh % a.heads) * hd;
+        assert!(
+            t > 0
+                && hd > 0
+                && depth > 0
+                && lhs.covers(t, depth)
+                && rhs.covers(depth, hd)
+                && first + (t - 1) * d + hd <= self.len,
+            "attention head product out of bounds"
+        );
+        // SAFETY: the operands and the block lie inside their buffers (checked above);
+        // the block is this task's alone (the caller's contract).
+        unsafe {
+            T::matmul_raw(
+                gemm::Parallelism::None,
+                self.ptr.add(first),
+                d,
+                (t, hd, depth),
+                lhs,
+                rhs,
+            )
         }
-        Ok([
-            self.gather(&dq, dims),
-            self.gather(&dk, dims),
-            self.gather(&dv, dims),
-        ])
+    }
+
+    /// The buffer, once every head's block has been written.
+    ///
+    /// # Safety
+    /// Every element was written by [`HeadsOut::product`] (or the buffer is empty).
+    unsafe fn finish(mut self) -> Vec<T> {
+        // SAFETY: the caller's contract (`new` reserved `len`).
+        unsafe { self.buf.set_len(self.len) };
+        self.buf
     }
 }
 
