@@ -241,13 +241,33 @@ struct Update {
 /// variable. The same arithmetic as the tensor-op path above (each scalar rounded to
 /// the tensor's dtype where candle's affine rounds it), which took a dozen passes and
 /// as many allocations per tensor: a tenth of the `small` model's step, most of it the
-/// embedding's.
+/// embedding's. The passes, and gradient clipping's norm and scaling, run on every
+/// thread, f32 compiled for the selected instruction set: on one thread they were a
+/// tenth of the step again (docs/PERFORMANCE.md).
 mod in_place {
     use candle_core::{
         CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Result, Tensor, WithDType,
     };
+    use rayon::prelude::*;
 
+    use super::super::fused::read;
+    use super::super::parts::by_isa;
     use super::Update;
+
+    /// Elements a parallel task takes.
+    const CHUNK: usize = 1 << 15;
+
+    /// Tensors shorter than this run on the calling thread: handing a pass to the
+    /// thread pool costs a wake-up (tens of µs) that a small tensor's pass does not
+    /// repay, and a model has dozens of small tensors.
+    const PARALLEL_FROM: usize = 4 * CHUNK;
+
+    /// Whether the passes here serve `t`: contiguous f32 or f64 on the CPU.
+    fn serves(t: &Tensor) -> bool {
+        crate::kernels::fused_on(t)
+            && matches!(t.dtype(), DType::F32 | DType::F64)
+            && t.is_contiguous()
+    }
 
     /// Steps `theta` with moments `m`, `v` and gradient `g` in place, when all four
     /// are contiguous f32 or f64 on the CPU; false (nothing done) otherwise.
@@ -258,13 +278,7 @@ mod in_place {
         g: &Tensor,
         u: &Update,
     ) -> Result<bool> {
-        let ok = |t: &Tensor| {
-            crate::kernels::fused_on(t)
-                && t.dtype() == theta.dtype()
-                && matches!(t.dtype(), DType::F32 | DType::F64)
-                && t.is_contiguous()
-                && t.dims() == theta.dims()
-        };
+        let ok = |t: &Tensor| serves(t) && t.dtype() == theta.dtype() && t.dims() == theta.dims();
         if ![theta, m, v, g].into_iter().all(ok) {
             return Ok(false);
         }
@@ -288,33 +302,175 @@ mod in_place {
         Ok(true)
     }
 
-    /// f32 or f64.
-    trait Elem: WithDType {
-        fn sqrt(self) -> Self;
-        fn storage_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
+    /// Σ x² over `t`'s elements, each widened to f64 first (an f32 sum over a large
+    /// embedding gradient drifts by ~1e-5), when `t` is contiguous f32 or f64 on the
+    /// CPU. The chunks' partial sums are added in order, so the result does not depend
+    /// on how the threads split the work.
+    pub(super) fn sum_sq(t: &Tensor) -> Result<Option<f64>> {
+        if !serves(t) {
+            return Ok(None);
+        }
+        fn total<T: Elem>(x: &[T]) -> f64 {
+            if x.len() < PARALLEL_FROM {
+                return T::sum_sq(x);
+            }
+            let parts: Vec<f64> = x.par_chunks(CHUNK).map(T::sum_sq).collect();
+            parts.iter().sum()
+        }
+        Ok(Some(match t.dtype() {
+            DType::F32 => read(t, "clip", |x: &[f32]| Ok(total(x)))?,
+            _ => read(t, "clip", |x: &[f64]| Ok(total(x)))?,
+        }))
     }
 
-    impl Elem for f32 {
-        fn sqrt(self) -> Self {
-            f32::sqrt(self)
+    /// `t` · c as a new tensor (as `t * c` computes it), when `t` is contiguous f32 or
+    /// f64 on the CPU.
+    pub(super) fn scaled(t: &Tensor, c: f64) -> Result<Option<Tensor>> {
+        if !serves(t) {
+            return Ok(None);
         }
+        fn times<T: Elem>(x: &[T], c: f64, t: &Tensor) -> Result<Tensor> {
+            let c = T::from_f64(c);
+            let y: Vec<T> = if x.len() < PARALLEL_FROM {
+                x.iter().map(|&x| x * c).collect()
+            } else {
+                x.par_iter().with_min_len(CHUNK).map(|&x| x * c).collect()
+            };
+            Tensor::from_vec(y, t.shape(), t.device())
+        }
+        Ok(Some(match t.dtype() {
+            DType::F32 => read(t, "clip", |x: &[f32]| times(x, c, t))?,
+            _ => read(t, "clip", |x: &[f64]| times(x, c, t))?,
+        }))
+    }
+
+    /// f32 or f64, with the passes' element loops: f32's compiled for the selected
+    /// instruction set, f64's (the tests' dtype) as they are.
+    trait Elem: WithDType {
+        fn storage_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
+        fn sum_sq(x: &[Self]) -> f64;
+        fn moment(m: &mut [Self], g: &[Self], k: MomentConsts<Self>);
+        fn apply(theta: &mut [Self], m: &[Self], v: &[Self], k: ApplyConsts<Self>);
+    }
+
+    /// β and 1 − β in the element type, and whether the moment is of g².
+    #[derive(Clone, Copy)]
+    pub(super) struct MomentConsts<T> {
+        b: T,
+        c: T,
+        square: bool,
+    }
+
+    /// 1 − lr·decay, √bc2, eps and lr / bc1 in the element type.
+    #[derive(Clone, Copy)]
+    pub(super) struct ApplyConsts<T> {
+        keep: T,
+        sbc2: T,
+        eps: T,
+        step: T,
+    }
+
+    /// m ← β·m + (1 − β)·g, or v ← β·v + (1 − β)·g².
+    #[inline(always)]
+    fn moment_generic<T: WithDType>(m: &mut [T], g: &[T], k: MomentConsts<T>) {
+        if k.square {
+            m.iter_mut()
+                .zip(g)
+                .for_each(|(m, &g)| *m = *m * k.b + g * g * k.c);
+        } else {
+            m.iter_mut()
+                .zip(g)
+                .for_each(|(m, &g)| *m = *m * k.b + g * k.c);
+        }
+    }
+
+    /// θ ← θ·(1 − lr·decay) − lr/bc1 · m / (√v / √bc2 + eps).
+    #[inline(always)]
+    fn apply_generic<T: WithDType>(
+        theta: &mut [T],
+        m: &[T],
+        v: &[T],
+        k: ApplyConsts<T>,
+        sqrt: impl Fn(T) -> T,
+    ) {
+        for ((t, &m), &v) in theta.iter_mut().zip(m).zip(v) {
+            *t = *t * k.keep - m / (sqrt(v) / k.sbc2 + k.eps) * k.step;
+        }
+    }
+
+    /// Σ (x as f64)² over eight f64 lanes.
+    #[inline(always)]
+    fn sum_sq_generic<T: WithDType + Into<f64>>(x: &[T]) -> f64 {
+        let mut lanes = [0f64; 8];
+        let mut blocks = x.chunks_exact(8);
+        for b in &mut blocks {
+            for (l, &x) in lanes.iter_mut().zip(b) {
+                let x: f64 = x.into();
+                *l += x * x;
+            }
+        }
+        let tail: f64 = blocks
+            .remainder()
+            .iter()
+            .map(|&x| x.into() * x.into())
+            .sum();
+        lanes.iter().sum::<f64>() + tail
+    }
+
+    #[inline(always)]
+    fn sum_sq_f32_generic(x: &[f32], out: &mut f64) {
+        *out = sum_sq_generic(x);
+    }
+
+    #[inline(always)]
+    fn moment_f32_generic(m: &mut [f32], g: &[f32], k: MomentConsts<f32>) {
+        moment_generic(m, g, k)
+    }
+
+    #[inline(always)]
+    fn apply_f32_generic(theta: &mut [f32], m: &[f32], v: &[f32], k: ApplyConsts<f32>) {
+        apply_generic(theta, m, v, k, f32::sqrt)
+    }
+
+    by_isa!(sum_sq_f32(x: &[f32], out: &mut f64) = sum_sq_f32_generic);
+    by_isa!(moment_f32(m: &mut [f32], g: &[f32], k: MomentConsts<f32>) = moment_f32_generic);
+    by_isa!(apply_f32(theta: &mut [f32], m: &[f32], v: &[f32], k: ApplyConsts<f32>) = apply_f32_generic);
+
+    impl Elem for f32 {
         fn storage_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
             match s {
                 CpuStorage::F32(v) => Some(v),
                 _ => None,
             }
         }
+        fn sum_sq(x: &[Self]) -> f64 {
+            let mut out = 0.0;
+            sum_sq_f32(x, &mut out);
+            out
+        }
+        fn moment(m: &mut [Self], g: &[Self], k: MomentConsts<Self>) {
+            moment_f32(m, g, k)
+        }
+        fn apply(theta: &mut [Self], m: &[Self], v: &[Self], k: ApplyConsts<Self>) {
+            apply_f32(theta, m, v, k)
+        }
     }
 
     impl Elem for f64 {
-        fn sqrt(self) -> Self {
-            f64::sqrt(self)
-        }
         fn storage_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
             match s {
                 CpuStorage::F64(v) => Some(v),
                 _ => None,
             }
+        }
+        fn sum_sq(x: &[Self]) -> f64 {
+            sum_sq_generic(x)
+        }
+        fn moment(m: &mut [Self], g: &[Self], k: MomentConsts<Self>) {
+            moment_generic(m, g, k)
+        }
+        fn apply(theta: &mut [Self], m: &[Self], v: &[Self], k: ApplyConsts<Self>) {
+            apply_generic(theta, m, v, k, f64::sqrt)
         }
     }
 
@@ -341,15 +497,18 @@ mod in_place {
 
     impl Moment {
         fn run<T: Elem>(&self, m: &mut [T], g: &[T]) {
-            let (b, c) = (T::from_f64(self.beta), T::from_f64(1.0 - self.beta));
+            let k = MomentConsts {
+                b: T::from_f64(self.beta),
+                c: T::from_f64(1.0 - self.beta),
+                square: self.square,
+            };
             let (m, g) = (&mut m[self.from..], &g[self.from..]);
-            if self.square {
-                m.iter_mut()
-                    .zip(g)
-                    .for_each(|(m, &g)| *m = *m * b + g * g * c);
-            } else {
-                m.iter_mut().zip(g).for_each(|(m, &g)| *m = *m * b + g * c);
+            if m.len() < PARALLEL_FROM {
+                return T::moment(m, g, k);
             }
+            m.par_chunks_mut(CHUNK)
+                .zip(g.par_chunks(CHUNK))
+                .for_each(|(m, g)| T::moment(m, g, k));
         }
     }
 
@@ -385,16 +544,20 @@ mod in_place {
     impl Apply<'_> {
         fn run<T: Elem>(&self, theta: &mut [T], m: &[T], v: &[T]) {
             let u = self.0;
-            let keep = T::from_f64(1.0 - u.lr * u.decay);
-            let (sbc2, eps, step) = (
-                T::from_f64(u.bc2.sqrt()),
-                T::from_f64(u.eps),
-                T::from_f64(u.lr / u.bc1),
-            );
+            let k = ApplyConsts {
+                keep: T::from_f64(1.0 - u.lr * u.decay),
+                sbc2: T::from_f64(u.bc2.sqrt()),
+                eps: T::from_f64(u.eps),
+                step: T::from_f64(u.lr / u.bc1),
+            };
             let (theta, m, v) = (&mut theta[u.from..], &m[u.from..], &v[u.from..]);
-            for ((t, &m), &v) in theta.iter_mut().zip(m).zip(v) {
-                *t = *t * keep - m / (v.sqrt() / sbc2 + eps) * step;
+            if theta.len() < PARALLEL_FROM {
+                return T::apply(theta, m, v, k);
             }
+            theta
+                .par_chunks_mut(CHUNK)
+                .zip(m.par_chunks(CHUNK).zip(v.par_chunks(CHUNK)))
+                .for_each(|(t, (m, v))| T::apply(t, m, v, k));
         }
     }
 
@@ -438,12 +601,15 @@ pub fn clip_grad_norm<'a>(
     let mut sq = 0f64;
     for v in vars.clone() {
         if let Some(g) = grads.get(v.as_tensor()) {
-            // In f64: an f32 sum over a large embedding gradient drifts by ~1e-5.
-            sq += g
-                .to_dtype(candle_core::DType::F64)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f64>()?;
+            sq += match in_place::sum_sq(g)? {
+                Some(s) => s,
+                // In f64: an f32 sum over a large embedding gradient drifts by ~1e-5.
+                None => g
+                    .to_dtype(candle_core::DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?,
+            };
         }
     }
     let norm = sq.sqrt();
@@ -451,7 +617,10 @@ pub fn clip_grad_norm<'a>(
     if max_norm > 0.0 && coef < 1.0 {
         for v in vars {
             if let Some(g) = grads.get(v.as_tensor()) {
-                let scaled = (g * coef)?;
+                let scaled = match in_place::scaled(g, coef)? {
+                    Some(t) => t,
+                    None => (g * coef)?,
+                };
                 grads.insert(v.as_tensor(), scaled);
             }
         }
@@ -557,5 +726,72 @@ mod tests {
         assert_eq!(now(w.as_tensor())[..2], theta[..2]);
         assert_eq!(now(&opt.moments()["w"].m)[..2], m[..2]);
         assert_ne!(now(w.as_tensor())[2..], theta[2..]);
+    }
+
+    /// The f32 passes (the clipping norm and scaling, the moments, the update) over a
+    /// tensor of several of their parallel chunks, rows frozen at its start: each
+    /// element as the formulas give it in f32, to the bit.
+    #[test]
+    fn f32_passes_over_many_chunks_follow_the_formulas_per_element() {
+        let dev = Device::Cpu;
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let (rows, cols, frozen) = (10_007, 7, 3);
+        let n = rows * cols;
+        let wave = |i: usize, a: f32, b: f32| (i as f32 * a).sin() * b;
+        let theta0: Vec<f32> = (0..n).map(|i| wave(i, 0.37, 0.5)).collect();
+        let g: Vec<f32> = (0..n).map(|i| wave(i, 1.13, 0.02)).collect();
+        let w = Var::from_tensor(&Tensor::from_vec(theta0.clone(), (rows, cols), &dev).unwrap())
+            .unwrap();
+        let mut opt = AdamW::new([("w".to_string(), w.clone())].into(), cfg).unwrap();
+        opt.freeze_rows("w", frozen);
+        let loss = (w.as_tensor() * Tensor::from_vec(g.clone(), (rows, cols), &dev).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let mut grads = loss.backward().unwrap();
+        let norm = clip_grad_norm(&mut grads, [&w], 0.5).unwrap();
+        let want_norm = g.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+        assert!(
+            (norm / want_norm - 1.0).abs() < 1e-12,
+            "{norm} vs {want_norm}"
+        );
+        let lr = 1e-3;
+        opt.step(&grads, lr).unwrap();
+
+        let c = (0.5 / (norm + 1e-6)) as f32;
+        let (b1, c1, b2, c2) = (
+            0.9f32,
+            (1.0 - 0.9f64) as f32,
+            0.95f32,
+            (1.0 - 0.95f64) as f32,
+        );
+        let keep = (1.0 - lr * cfg.weight_decay) as f32;
+        let (sbc2, eps, step) = (
+            (1.0 - 0.95f64).sqrt() as f32,
+            1e-8f64 as f32,
+            (lr / (1.0 - 0.9f64)) as f32,
+        );
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (theta, m, v) = (
+            flat(w.as_tensor()),
+            flat(&opt.moments()["w"].m),
+            flat(&opt.moments()["w"].v),
+        );
+        for i in 0..n {
+            if i < frozen * cols {
+                assert_eq!((theta[i], m[i], v[i]), (theta0[i], 0.0, 0.0), "{i}");
+                continue;
+            }
+            let gc = g[i] * c;
+            let mi = 0.0 * b1 + gc * c1;
+            let vi = 0.0 * b2 + gc * gc * c2;
+            let ti = theta0[i] * keep - mi / (vi.sqrt() / sbc2 + eps) * step;
+            assert_eq!((theta[i], m[i], v[i]), (ti, mi, vi), "element {i}");
+        }
     }
 }

@@ -400,7 +400,11 @@ pub(super) fn contiguous<'a, T: WithDType>(
 }
 
 /// Runs `f` on the contiguous CPU elements of `t`.
-fn read<T: Elem, R>(t: &Tensor, what: &str, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+pub(super) fn read<T: WithDType, R>(
+    t: &Tensor,
+    what: &str,
+    f: impl FnOnce(&[T]) -> Result<R>,
+) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(s) = &*storage else {
         candle_core::bail!("{what}: CPU tensors expected")
