@@ -656,17 +656,21 @@ mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
 
-    /// Three in-place steps (one of them with the first row frozen) against torch's
-    /// AdamW written out per element in f64, for a matrix (decayed) and a vector (not).
-    #[test]
-    fn in_place_steps_follow_torchs_adamw_per_element() {
-        let dev = Device::Cpu;
-        let cfg = AdamWConfig {
+    /// The tests' hyper-parameters: torch's betas and eps, weight decay 0.1.
+    fn decayed() -> AdamWConfig {
+        AdamWConfig {
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
-        };
+        }
+    }
+
+    /// Three in-place steps (one of them with the first row frozen) against torch's
+    /// AdamW written out per element in f64, for a matrix (decayed) and a vector (not).
+    #[test]
+    fn in_place_steps_follow_torchs_adamw_per_element() {
+        let (dev, cfg) = (Device::Cpu, decayed());
         let init =
             |n: usize, s: f64| -> Vec<f64> { (0..n).map(|i| (i as f64 - 2.5) * s).collect() };
         let w = Var::from_tensor(&Tensor::from_vec(init(6, 0.3), (3, 2), &dev).unwrap()).unwrap();
@@ -733,13 +737,7 @@ mod tests {
     /// element as the formulas give it in f32, to the bit.
     #[test]
     fn f32_passes_over_many_chunks_follow_the_formulas_per_element() {
-        let dev = Device::Cpu;
-        let cfg = AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        };
+        let (dev, cfg) = (Device::Cpu, decayed());
         let (rows, cols, frozen) = (10_007, 7, 3);
         let n = rows * cols;
         let wave = |i: usize, a: f32, b: f32| (i as f32 * a).sin() * b;
