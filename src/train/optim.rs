@@ -162,6 +162,8 @@ impl AdamW {
         } = self.cfg;
         let t = self.step as i32;
         let (bc1, bc2) = (1.0 - beta1.powi(t), 1.0 - beta2.powi(t));
+        // The tensors stepped in place, all at once at the end (in parallel).
+        let mut in_place = Vec::new();
         for (name, var) in &self.vars {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
@@ -190,7 +192,14 @@ impl AdamW {
                 from: r0 * full.elem_count() / n.max(1),
             };
             let scale = self.update_scales.get(name);
-            if scale.is_none() && in_place::step(full, &mom.m, &mom.v, g, &update)? {
+            if scale.is_none() && in_place::serves_all(full, &mom.m, &mom.v, g) {
+                in_place.push(in_place::Job {
+                    theta: full.clone(),
+                    m: mom.m.clone(),
+                    v: mom.v.clone(),
+                    g: g.clone(),
+                    update,
+                });
                 continue;
             }
             // Detached: a gradient can carry its graph, and moments that kept it would
@@ -220,7 +229,7 @@ impl AdamW {
                 };
             }
         }
-        Ok(())
+        in_place::step_all(&in_place)
     }
 }
 
@@ -269,47 +278,44 @@ mod in_place {
             && t.is_contiguous()
     }
 
-    /// Steps `theta` with moments `m`, `v` and gradient `g` in place, when all four
-    /// are contiguous f32 or f64 on the CPU; false (nothing done) otherwise.
-    pub(super) fn step(
-        theta: &Tensor,
-        m: &Tensor,
-        v: &Tensor,
-        g: &Tensor,
-        u: &Update,
-    ) -> Result<bool> {
+    /// Whether [`step_all`] serves these four: contiguous f32 or f64 on the CPU, all of
+    /// one dtype and shape.
+    pub(super) fn serves_all(theta: &Tensor, m: &Tensor, v: &Tensor, g: &Tensor) -> bool {
         let ok = |t: &Tensor| serves(t) && t.dtype() == theta.dtype() && t.dims() == theta.dims();
-        if ![theta, m, v, g].into_iter().all(ok) {
-            return Ok(false);
-        }
-        m.inplace_op2(
-            g,
-            &Moment {
-                beta: u.beta1,
-                square: false,
-                from: u.from,
-            },
-        )?;
-        v.inplace_op2(
-            g,
-            &Moment {
-                beta: u.beta2,
-                square: true,
-                from: u.from,
-            },
-        )?;
-        theta.inplace_op3(m, v, &Apply(u))?;
-        Ok(true)
+        [theta, m, v, g].into_iter().all(ok)
     }
 
-    /// Σ x² over `t`'s elements, each widened to f64 first (an f32 sum over a large
-    /// embedding gradient drifts by ~1e-5), when `t` is contiguous f32 or f64 on the
-    /// CPU. The chunks' partial sums are added in order, so the result does not depend
-    /// on how the threads split the work.
-    pub(super) fn sum_sq(t: &Tensor) -> Result<Option<f64>> {
-        if !serves(t) {
-            return Ok(None);
-        }
+    /// One tensor's in-place step: the variable, its moments, its gradient.
+    pub(super) struct Job {
+        pub theta: Tensor,
+        pub m: Tensor,
+        pub v: Tensor,
+        pub g: Tensor,
+        pub update: Update,
+    }
+
+    /// Steps every job's variable and moments in place ([`serves_all`] held for each),
+    /// the tensors in parallel: a model's dozens of small tensors then cost one hand-off
+    /// to the thread pool, not one each.
+    pub(super) fn step_all(jobs: &[Job]) -> Result<()> {
+        jobs.par_iter().try_for_each(|j| {
+            let u = &j.update;
+            let moment = |beta, square| Moment {
+                beta,
+                square,
+                from: u.from,
+            };
+            j.m.inplace_op2(&j.g, &moment(u.beta1, false))?;
+            j.v.inplace_op2(&j.g, &moment(u.beta2, true))?;
+            j.theta.inplace_op3(&j.m, &j.v, &Apply(u))
+        })
+    }
+
+    /// Σ x² over the elements of all of `ts`, each widened to f64 first (an f32 sum over
+    /// a large embedding gradient drifts by ~1e-5), when every one is contiguous f32 or
+    /// f64 on the CPU; the tensors in parallel. Partial sums are added in order, so the
+    /// result does not depend on how the threads split the work.
+    pub(super) fn sum_sq_all<'a>(ts: impl Iterator<Item = &'a Tensor>) -> Result<Option<f64>> {
         fn total<T: Elem>(x: &[T]) -> f64 {
             if x.len() < PARALLEL_FROM {
                 return T::sum_sq(x);
@@ -317,18 +323,26 @@ mod in_place {
             let parts: Vec<f64> = x.par_chunks(CHUNK).map(T::sum_sq).collect();
             parts.iter().sum()
         }
-        Ok(Some(match t.dtype() {
-            DType::F32 => read(t, "clip", |x: &[f32]| Ok(total(x)))?,
-            _ => read(t, "clip", |x: &[f64]| Ok(total(x)))?,
-        }))
-    }
-
-    /// `t` · c as a new tensor (as `t * c` computes it), when `t` is contiguous f32 or
-    /// f64 on the CPU.
-    pub(super) fn scaled(t: &Tensor, c: f64) -> Result<Option<Tensor>> {
-        if !serves(t) {
+        let ts: Vec<&Tensor> = ts.collect();
+        if !ts.iter().all(|t| serves(t)) {
             return Ok(None);
         }
+        let parts = ts
+            .par_iter()
+            .map(|t| match t.dtype() {
+                DType::F32 => read(t, "clip", |x: &[f32]| Ok(total(x))),
+                _ => read(t, "clip", |x: &[f64]| Ok(total(x))),
+            })
+            .collect::<Result<Vec<f64>>>()?;
+        Ok(Some(parts.iter().sum()))
+    }
+
+    /// Each of `ts` · c as a new tensor (as `t * c` computes it), when every one is
+    /// contiguous f32 or f64 on the CPU; the tensors in parallel.
+    pub(super) fn scaled_all<'a>(
+        ts: impl Iterator<Item = &'a Tensor>,
+        c: f64,
+    ) -> Result<Option<Vec<Tensor>>> {
         fn times<T: Elem>(x: &[T], c: f64, t: &Tensor) -> Result<Tensor> {
             let c = T::from_f64(c);
             let y: Vec<T> = if x.len() < PARALLEL_FROM {
@@ -338,10 +352,17 @@ mod in_place {
             };
             Tensor::from_vec(y, t.shape(), t.device())
         }
-        Ok(Some(match t.dtype() {
-            DType::F32 => read(t, "clip", |x: &[f32]| times(x, c, t))?,
-            _ => read(t, "clip", |x: &[f64]| times(x, c, t))?,
-        }))
+        let ts: Vec<&Tensor> = ts.collect();
+        if !ts.iter().all(|t| serves(t)) {
+            return Ok(None);
+        }
+        ts.par_iter()
+            .map(|t| match t.dtype() {
+                DType::F32 => read(t, "clip", |x: &[f32]| times(x, c, t)),
+                _ => read(t, "clip", |x: &[f64]| times(x, c, t)),
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
     }
 
     /// f32 or f64, with the passes' element loops: f32's compiled for the selected
@@ -598,31 +619,33 @@ pub fn clip_grad_norm<'a>(
     vars: impl IntoIterator<Item = &'a Var> + Clone,
     max_norm: f64,
 ) -> Result<f64> {
-    let mut sq = 0f64;
-    for v in vars.clone() {
-        if let Some(g) = grads.get(v.as_tensor()) {
-            sq += match in_place::sum_sq(g)? {
-                Some(s) => s,
+    let gs: Vec<(&Var, Tensor)> = vars
+        .into_iter()
+        .filter_map(|v| grads.get(v.as_tensor()).map(|g| (v, g.clone())))
+        .collect();
+    let norm = match in_place::sum_sq_all(gs.iter().map(|(_, g)| g))? {
+        Some(sq) => sq.sqrt(),
+        None => {
+            let mut sq = 0f64;
+            for (_, g) in &gs {
                 // In f64: an f32 sum over a large embedding gradient drifts by ~1e-5.
-                None => g
-                    .to_dtype(candle_core::DType::F64)?
-                    .sqr()?
-                    .sum_all()?
-                    .to_scalar::<f64>()?,
-            };
+                let g = g.to_dtype(candle_core::DType::F64)?;
+                sq += g.sqr()?.sum_all()?.to_scalar::<f64>()?;
+            }
+            sq.sqrt()
         }
-    }
-    let norm = sq.sqrt();
+    };
     let coef = max_norm / (norm + 1e-6);
     if max_norm > 0.0 && coef < 1.0 {
-        for v in vars {
-            if let Some(g) = grads.get(v.as_tensor()) {
-                let scaled = match in_place::scaled(g, coef)? {
-                    Some(t) => t,
-                    None => (g * coef)?,
-                };
-                grads.insert(v.as_tensor(), scaled);
-            }
+        let scaled = match in_place::scaled_all(gs.iter().map(|(_, g)| g), coef)? {
+            Some(scaled) => scaled,
+            None => gs
+                .iter()
+                .map(|(_, g)| g * coef)
+                .collect::<Result<Vec<_>>>()?,
+        };
+        for ((v, _), g) in gs.iter().zip(scaled) {
+            grads.insert(v.as_tensor(), g);
         }
     }
     Ok(norm)
