@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::train::{
-    assert_resume_equals_uninterrupted, bits, metrics, ok, tokenformer_train, weights,
+    assert_resume_equals_uninterrupted, bits, f64s, metrics, ok, tokenformer_train, weights,
 };
 use common::{lm_fixture, random_lm_tensors, tiny_config};
 use serde_json::Value;
@@ -42,13 +42,7 @@ fn fixture_ids() -> Tensor {
 }
 
 fn first8(t: &Tensor) -> Vec<f64> {
-    let v: Vec<f64> = t
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let v = f64s(t);
     v[..8.min(v.len())].to_vec()
 }
 

@@ -311,58 +311,63 @@ mod in_place {
         })
     }
 
-    /// Σ x² over the elements of all of `ts`, each widened to f64 first (an f32 sum over
-    /// a large embedding gradient drifts by ~1e-5), when every one is contiguous f32 or
-    /// f64 on the CPU; the tensors in parallel. Partial sums are added in order, so the
-    /// result does not depend on how the threads split the work.
-    pub(super) fn sum_sq_all<'a>(ts: impl Iterator<Item = &'a Tensor>) -> Result<Option<f64>> {
-        fn total<T: Elem>(x: &[T]) -> f64 {
-            if x.len() < PARALLEL_FROM {
-                return T::sum_sq(x);
-            }
-            let parts: Vec<f64> = x.par_chunks(CHUNK).map(T::sum_sq).collect();
-            parts.iter().sum()
-        }
-        let ts: Vec<&Tensor> = ts.collect();
-        if !ts.iter().all(|t| serves(t)) {
-            return Ok(None);
-        }
-        let parts = ts
-            .par_iter()
-            .map(|t| match t.dtype() {
-                DType::F32 => read(t, "clip", |x: &[f32]| Ok(total(x))),
-                _ => read(t, "clip", |x: &[f64]| Ok(total(x))),
-            })
-            .collect::<Result<Vec<f64>>>()?;
-        Ok(Some(parts.iter().sum()))
+    /// A pass over one tensor's elements, written once for f32 and f64.
+    trait Pass: Sync {
+        type Out: Send;
+        fn run<T: Elem>(&self, x: &[T], t: &Tensor) -> Result<Self::Out>;
     }
 
-    /// Each of `ts` · c as a new tensor (as `t * c` computes it), when every one is
-    /// contiguous f32 or f64 on the CPU; the tensors in parallel.
-    pub(super) fn scaled_all<'a>(
-        ts: impl Iterator<Item = &'a Tensor>,
-        c: f64,
-    ) -> Result<Option<Vec<Tensor>>> {
-        fn times<T: Elem>(x: &[T], c: f64, t: &Tensor) -> Result<Tensor> {
-            let c = T::from_f64(c);
-            let y: Vec<T> = if x.len() < PARALLEL_FROM {
-                x.iter().map(|&x| x * c).collect()
-            } else {
-                x.par_iter().with_min_len(CHUNK).map(|&x| x * c).collect()
-            };
-            Tensor::from_vec(y, t.shape(), t.device())
-        }
-        let ts: Vec<&Tensor> = ts.collect();
+    /// `pass` over each of `ts`, the tensors in parallel, results in order; `None` unless
+    /// every one is contiguous f32 or f64 on the CPU.
+    fn each<P: Pass>(ts: &[&Tensor], pass: &P) -> Result<Option<Vec<P::Out>>> {
         if !ts.iter().all(|t| serves(t)) {
             return Ok(None);
         }
         ts.par_iter()
             .map(|t| match t.dtype() {
-                DType::F32 => read(t, "clip", |x: &[f32]| times(x, c, t)),
-                _ => read(t, "clip", |x: &[f64]| times(x, c, t)),
+                DType::F32 => read(t, "clip", |x: &[f32]| pass.run(x, t)),
+                _ => read(t, "clip", |x: &[f64]| pass.run(x, t)),
             })
             .collect::<Result<Vec<_>>>()
             .map(Some)
+    }
+
+    /// Σ x² over the elements of all of `ts`, each widened to f64 first (an f32 sum over
+    /// a large embedding gradient drifts by ~1e-5), when every one is contiguous f32 or
+    /// f64 on the CPU. Partial sums are added in order, so the result does not depend
+    /// on how the threads split the work.
+    pub(super) fn sum_sq_all(ts: &[&Tensor]) -> Result<Option<f64>> {
+        struct SumSq;
+        impl Pass for SumSq {
+            type Out = f64;
+            fn run<T: Elem>(&self, x: &[T], _: &Tensor) -> Result<f64> {
+                if x.len() < PARALLEL_FROM {
+                    return Ok(T::sum_sq(x));
+                }
+                let parts: Vec<f64> = x.par_chunks(CHUNK).map(T::sum_sq).collect();
+                Ok(parts.iter().sum())
+            }
+        }
+        Ok(each(ts, &SumSq)?.map(|parts| parts.iter().sum()))
+    }
+
+    /// Each of `ts` · c as a new tensor (as `t * c` computes it), when every one is
+    /// contiguous f32 or f64 on the CPU.
+    pub(super) fn scaled_all(ts: &[&Tensor], c: f64) -> Result<Option<Vec<Tensor>>> {
+        struct Scale(f64);
+        impl Pass for Scale {
+            type Out = Tensor;
+            fn run<T: Elem>(&self, x: &[T], t: &Tensor) -> Result<Tensor> {
+                let c = T::from_f64(self.0);
+                let y: Vec<T> = if x.len() < PARALLEL_FROM {
+                    x.iter().map(|&x| x * c).collect()
+                } else {
+                    x.par_iter().with_min_len(CHUNK).map(|&x| x * c).collect()
+                };
+                Tensor::from_vec(y, t.shape(), t.device())
+            }
+        }
+        each(ts, &Scale(c))
     }
 
     /// f32 or f64, with the passes' element loops: f32's compiled for the selected
@@ -619,15 +624,16 @@ pub fn clip_grad_norm<'a>(
     vars: impl IntoIterator<Item = &'a Var> + Clone,
     max_norm: f64,
 ) -> Result<f64> {
-    let gs: Vec<(&Var, Tensor)> = vars
+    let (vars, owned): (Vec<&Var>, Vec<Tensor>) = vars
         .into_iter()
         .filter_map(|v| grads.get(v.as_tensor()).map(|g| (v, g.clone())))
-        .collect();
-    let norm = match in_place::sum_sq_all(gs.iter().map(|(_, g)| g))? {
+        .unzip();
+    let gs: Vec<&Tensor> = owned.iter().collect();
+    let norm = match in_place::sum_sq_all(&gs)? {
         Some(sq) => sq.sqrt(),
         None => {
             let mut sq = 0f64;
-            for (_, g) in &gs {
+            for g in &gs {
                 // In f64: an f32 sum over a large embedding gradient drifts by ~1e-5.
                 let g = g.to_dtype(candle_core::DType::F64)?;
                 sq += g.sqr()?.sum_all()?.to_scalar::<f64>()?;
@@ -637,14 +643,11 @@ pub fn clip_grad_norm<'a>(
     };
     let coef = max_norm / (norm + 1e-6);
     if max_norm > 0.0 && coef < 1.0 {
-        let scaled = match in_place::scaled_all(gs.iter().map(|(_, g)| g), coef)? {
+        let scaled = match in_place::scaled_all(&gs, coef)? {
             Some(scaled) => scaled,
-            None => gs
-                .iter()
-                .map(|(_, g)| g * coef)
-                .collect::<Result<Vec<_>>>()?,
+            None => gs.iter().map(|&g| g * coef).collect::<Result<Vec<_>>>()?,
         };
-        for ((v, _), g) in gs.iter().zip(scaled) {
+        for (v, g) in vars.iter().zip(scaled) {
             grads.insert(v.as_tensor(), g);
         }
     }

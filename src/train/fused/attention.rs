@@ -79,38 +79,36 @@ impl Attention {
         }
     }
 
-    /// Head `bh`'s probabilities [t, t] into `p` (every element written; a causal
-    /// row's masked keys as zeros).
-    fn head_probs<T: Elem>(
+    /// Every head's probabilities [b·heads, t, t] (a causal row's masked keys as
+    /// zeros), each head's block handed to `then` on the task that wrote it.
+    fn probs_then<T: Elem>(
         &self,
         q: &[T],
         k: &[T],
-        (t, d): (usize, usize),
-        bh: usize,
-        p: &mut [T],
-    ) {
-        let s = T::matmul_serial(
-            t,
-            t,
-            d / self.heads,
-            self.head(q, (t, d), bh, false),
-            self.head(k, (t, d), bh, true),
-        );
-        for (i, (p, s)) in p.chunks_mut(t).zip(s.chunks(t)).enumerate() {
-            let keys = if self.causal { i + 1 } else { t };
-            T::softmax_row(&s[..keys], &mut p[..keys], self.scale);
-            p[keys..].fill(T::zero());
-        }
-    }
-
-    /// Every head's probabilities [b·heads, t, t].
-    fn probs<T: Elem>(&self, q: &[T], k: &[T], (b, t, d): (usize, usize, usize)) -> Vec<T> {
+        (b, t, d): (usize, usize, usize),
+        then: impl Fn(usize, &[T]) + Sync,
+    ) -> Vec<T> {
         let mut p = Vec::with_capacity(b * self.heads * t * t);
         p.spare_capacity_mut()
             .par_chunks_mut((t * t).max(1))
             .enumerate()
-            .for_each(|(bh, p)| self.head_probs(q, k, (t, d), bh, uninit_as(p)));
-        // SAFETY: `head_probs` wrote every element of every head's block.
+            .for_each(|(bh, p)| {
+                let p = uninit_as(p);
+                let s = T::matmul_serial(
+                    t,
+                    t,
+                    d / self.heads,
+                    self.head(q, (t, d), bh, false),
+                    self.head(k, (t, d), bh, true),
+                );
+                for (i, (p, s)) in p.chunks_mut(t).zip(s.chunks(t)).enumerate() {
+                    let keys = if self.causal { i + 1 } else { t };
+                    T::softmax_row(&s[..keys], &mut p[..keys], self.scale);
+                    p[keys..].fill(T::zero());
+                }
+                then(bh, p);
+            });
+        // SAFETY: every head's block was written above.
         unsafe { p.set_len(b * self.heads * t * t) };
         p
     }
@@ -123,24 +121,15 @@ impl Attention {
         dims: (usize, usize, usize),
     ) -> Vec<T> {
         let (b, t, d) = dims;
-        let n = b * self.heads;
         if b * t * d == 0 {
             return vec![];
         }
-        let mut p = Vec::with_capacity(n * t * t);
         let out = HeadsOut::new(b * t * d);
-        p.spare_capacity_mut()
-            .par_chunks_mut(t * t)
-            .enumerate()
-            .for_each(|(bh, p)| {
-                let p = uninit_as(p);
-                self.head_probs(q, k, (t, d), bh, p);
-                let v = self.head(v, (t, d), bh, false);
-                // SAFETY: task bh alone writes head bh.
-                unsafe { out.product(self, bh, (t, d), t, Operand::rows(p, t), v) };
-            });
-        // SAFETY: every head's block of p was written above.
-        unsafe { p.set_len(n * t * t) };
+        let p = self.probs_then(q, k, dims, |bh, p| {
+            let v = self.head(v, (t, d), bh, false);
+            // SAFETY: task bh alone writes head bh.
+            unsafe { out.product(self, bh, (t, d), t, Operand::rows(p, t), v) };
+        });
         *self.saved.lock().expect("not poisoned") = Some(T::to_cpu_storage_owned(p));
         // SAFETY: the heads' products wrote every element.
         unsafe { out.finish() }
@@ -160,7 +149,7 @@ impl Attention {
         let p = match saved.map(T::cpu_storage_data) {
             Some(Ok(p)) => p,
             Some(Err(_)) => candle_core::bail!("attention: saved probabilities of another dtype"),
-            None => self.probs(q, k, dims),
+            None => self.probs_then(q, k, dims, |_, _| {}),
         };
         let [dq, dk, dv] = [(); 3].map(|_| HeadsOut::new(b * t * d));
         (0..b * self.heads).into_par_iter().for_each(|bh| {
