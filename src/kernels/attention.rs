@@ -20,6 +20,12 @@ use std::cell::RefCell;
 /// 2 MiB L2 (block sizes compared in docs/PERFORMANCE.md).
 const QUERY_BLOCK: usize = 128;
 
+/// Queries per task on the AVX-512 block kernel.
+#[cfg(target_arch = "x86_64")]
+const FAST_BLOCK: usize = super::attention_avx512::BLOCK;
+#[cfg(not(target_arch = "x86_64"))]
+const FAST_BLOCK: usize = QUERY_BLOCK;
+
 /// Blocks of at most this many queries (decoding) take dot products and
 /// weighted sums with the cached rows instead of gemm.
 const FEW_QUERIES: usize = 8;
@@ -204,32 +210,69 @@ impl Attention {
         let (v, v0, vs) = view::<T>(sv, lv, "v")?;
         let mut out = vec![0f32; b * t * h * hd];
         let out_ptr = OutPtr(out.as_mut_ptr());
-        let blocks = t.div_ceil(QUERY_BLOCK);
+        // On AVX-512 the block kernel that packs neither keys nor values.
+        #[cfg(target_arch = "x86_64")]
+        let fast = self.path.isa() == super::Isa::Avx512 && super::attention_avx512::serves(hd);
+        #[cfg(not(target_arch = "x86_64"))]
+        let fast = false;
+        let block = if fast { FAST_BLOCK } else { QUERY_BLOCK };
+        let blocks = t.div_ceil(block);
         let past = keys - t;
         (0..b * h * blocks).into_par_iter().for_each(|task| {
             let (bh, blk) = (task / blocks, task % blocks);
             let (bi, hi) = (bh / h, bh % h);
-            let start = blk * QUERY_BLOCK;
-            let rows = QUERY_BLOCK.min(t - start);
+            let start = blk * block;
+            let rows = block.min(t - start);
             // Causal: the block's last query sees keys up to its own position.
             let seen = if self.causal {
                 past + start + rows
             } else {
                 keys
             };
+            let out = out_ptr;
+            // Offsets inside each tensor (shapes checked above).
+            let qp = q[q0 + bi * qs[0] + hi * qs[1] + start * qs[2]..].as_ptr();
+            let kp = k[k0 + bi * ks[0] + hi * ks[1]..].as_ptr();
+            let vp = v[v0 + bi * vs[0] + hi * vs[1]..].as_ptr();
+            #[cfg(target_arch = "x86_64")]
+            if fast && rows > FEW_QUERIES {
+                let mut wk = WIDE.with(|w| std::mem::take(&mut *w.borrow_mut()));
+                let mut wv = WIDE_V.with(|w| std::mem::take(&mut *w.borrow_mut()));
+                // SAFETY: the block's rows lie inside q, k and v (shapes checked
+                // above); its output rows (bi, start.., hi) belong to this task only.
+                unsafe {
+                    let (k, k_stride) = T::as_f32(kp, ks[2], seen, hd, &mut wk);
+                    let (v, v_stride) = T::as_f32(vp, vs[2], seen, hd, &mut wv);
+                    let blk = super::attention_avx512::Block {
+                        q: qp,
+                        q_stride: qs[2],
+                        k,
+                        k_stride,
+                        v,
+                        v_stride,
+                        out: out.0.add(((bi * t + start) * h + hi) * hd),
+                        out_stride: h * hd,
+                        rows,
+                        hd,
+                        seen,
+                        first: self.causal.then_some(past + start + 1),
+                        scale: self.scale,
+                    };
+                    FAST.with(|f| super::attention_avx512::block(&blk, &mut f.borrow_mut()));
+                }
+                WIDE.with(|w| *w.borrow_mut() = wk);
+                WIDE_V.with(|w| *w.borrow_mut() = wv);
+                return;
+            }
             SCORES.with(|s| {
                 let mut s = s.borrow_mut();
                 if s.len() < rows * seen {
                     s.resize(rows * seen, 0.0);
                 }
                 let s = &mut s[..rows * seen];
-                let out = out_ptr;
                 // SAFETY: offsets stay inside each tensor (shapes checked above);
                 // the output rows (bi, start.., hi) belong to this task only.
                 unsafe {
-                    let qp = q.as_ptr().add(q0 + bi * qs[0] + hi * qs[1] + start * qs[2]);
-                    let kp = k.as_ptr().add(k0 + bi * ks[0] + hi * ks[1]);
-                    let vp = v.as_ptr().add(v0 + bi * vs[0] + hi * vs[1]);
                     if rows <= FEW_QUERIES {
                         // Decoding: gemm would pack the cached keys and values
                         // (the bytes this step is bound by) to use them once.
@@ -298,6 +341,12 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// Each worker's f16 keys or values widened for gemm.
     static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Each worker's f16 values widened beside its keys (the AVX-512 block kernel).
+    #[cfg(target_arch = "x86_64")]
+    static WIDE_V: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Each worker's buffers for the AVX-512 block kernel.
+    #[cfg(target_arch = "x86_64")]
+    static FAST: RefCell<super::attention_avx512::Scratch> = RefCell::default();
 }
 
 /// softmax(q·kᵀ/√hd)·v for q [b, h, t, hd] and k, v [b, h, T, hd] → [b, t, h·hd].
@@ -397,10 +446,23 @@ mod tests {
     /// The fused kernel against plain f64 tensor ops: several query blocks,
     /// cached keys before the queries, and q/k/v as head-transposed views;
     /// and decoding-sized query blocks (the dot-product path), with a head
-    /// width that is not a multiple of 16.
+    /// width that is not a multiple of 16. The models' head sizes (32 to
+    /// 96, and 128) over whole and partial blocks of the AVX-512 kernel,
+    /// with fewer keys than its tile and a last block of one query.
     #[test]
     fn fused_attention_equals_reference() {
-        for (t, past, hd) in [(300, 20, 16), (1, 40, 24), (5, 37, 16), (8, 0, 24)] {
+        for (t, past, hd) in [
+            (300, 20, 16),
+            (1, 40, 24),
+            (5, 37, 16),
+            (8, 0, 24),
+            (200, 7, 64),
+            (97, 0, 80),
+            (130, 33, 96),
+            (40, 0, 128),
+            (9, 2, 32),
+            (193, 0, 48),
+        ] {
             attention_equals_reference(t, past, hd);
         }
     }

@@ -21,6 +21,8 @@
 //! - [`theta`]: Θ, the Pattention non-linearity (reference and fused);
 //! - `rotary`: GPT-NeoX rotary embeddings;
 //! - `attention`: fused token-token attention;
+//! - `attention_avx512`: its blocks of prefill queries on AVX-512 (keys and
+//!   values read where they lie, the softmax down the lanes);
 //! - `gemv`: the matrix-vector products of decoding (f32 or f16 weights,
 //!   the latter widened by `half`);
 //! - [`q8`]: 8-bit weights (int8 blocks of 32 with an f32 scale each);
@@ -44,6 +46,8 @@ use candle_core::{CpuStorage, Layout, Result};
 #[cfg(target_arch = "x86_64")]
 mod amx;
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod attention_avx512;
 #[cfg(feature = "cuda")]
 mod attention_cuda;
 mod gemv;
