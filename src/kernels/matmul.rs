@@ -66,20 +66,17 @@ impl candle_core::CustomOp2 for Gemm {
         }
         // w's element (row kk, column j) of the product's right-hand side.
         let (rhs_rs, rhs_cs) = if self.transposed { (1, k) } else { (n, 1) };
-        let parallelism = gemm_parallelism();
         let mut out = Vec::<f32>::with_capacity(m * n);
         // SAFETY: x holds m·k and w k·n elements (shapes checked above) and
         // `out` has room for m·n; gemm writes every element of dst without
         // reading it, so the length can be set after.
         unsafe {
-            gemm_f32(
+            gemm_f32_rows(
                 self.path,
                 (m, n, k),
                 (out.as_mut_ptr(), 1, n as isize),
                 (x.as_ptr(), 1, k as isize),
                 (w.as_ptr(), rhs_cs as isize, rhs_rs as isize),
-                1.0,
-                parallelism,
             );
             out.set_len(m * n);
         }
@@ -295,6 +292,83 @@ pub(crate) unsafe fn gemm_f32(
     unsafe { call!(gemm::gemm, [], []) }
 }
 
+/// [`gemm_f32`] of a model's product: with enough rows per thread and weights
+/// that fit the caches, the rows are split between the threads, each a
+/// single-threaded gemm, instead of the gemm crate's own threading (which
+/// shares one packed copy of the weights between threads); docs/PERFORMANCE.md
+/// has the measurements.
+///
+/// # Safety
+/// As [`gemm_f32`].
+unsafe fn gemm_f32_rows(
+    path: Path,
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_cs, dst_rs): (*mut f32, isize, isize),
+    (lhs, lhs_cs, lhs_rs): (*const f32, isize, isize),
+    rhs: (*const f32, isize, isize),
+) {
+    let parallelism = gemm_parallelism();
+    let threads = match parallelism {
+        gemm::Parallelism::Rayon(t) => t,
+        _ => 1,
+    };
+    // Our own sgemm (AVX2) threads its own way.
+    if threads < 2 || m < SPLIT_FROM * threads || k * n > SPLIT_WEIGHTS || path.isa() == Isa::Avx2 {
+        // SAFETY: the caller's contract.
+        return unsafe {
+            gemm_f32(
+                path,
+                (m, n, k),
+                (dst, dst_cs, dst_rs),
+                (lhs, lhs_cs, lhs_rs),
+                rhs,
+                1.0,
+                parallelism,
+            )
+        };
+    }
+    use rayon::prelude::*;
+    let rows = m.div_ceil(threads);
+    let (dst, lhs, rhs_ptr) = (
+        SendPtr(dst),
+        SendPtr(lhs.cast_mut()),
+        SendPtr(rhs.0.cast_mut()),
+    );
+    (0..m.div_ceil(rows)).into_par_iter().for_each(|part| {
+        let (dst, lhs, rhs_ptr) = (dst, lhs, rhs_ptr);
+        let first = part * rows;
+        let offset = |rs: isize| first as isize * rs;
+        // SAFETY: the caller's contract, for rows first..first + rows of dst
+        // and lhs; each task writes its own rows of dst.
+        unsafe {
+            gemm_f32(
+                path,
+                (rows.min(m - first), n, k),
+                (dst.0.offset(offset(dst_rs)), dst_cs, dst_rs),
+                (lhs.0.offset(offset(lhs_rs)), lhs_cs, lhs_rs),
+                (rhs_ptr.0, rhs.1, rhs.2),
+                1.0,
+                gemm::Parallelism::None,
+            )
+        }
+    });
+}
+
+/// Rows per thread from which [`gemm_f32_rows`] splits: below it the
+/// weights' packing, repeated on every thread, costs more than it saves.
+const SPLIT_FROM: usize = 256;
+
+/// Weights (k·n elements) up to which [`gemm_f32_rows`] splits: a
+/// 768×3072 matrix; the output layer's 768×50,304 keeps gemm's threading.
+const SPLIT_WEIGHTS: usize = 768 * 3072;
+
+/// A pointer handed to the tasks of one product, which write disjoint rows.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: see above; the caller of `gemm_f32` keeps the memory valid.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
 /// Half-precision weights widened for gemm (compute-bound there, so the
 /// one-off conversion costs little next to the product).
 fn as_f32(w: &Tensor) -> Result<Tensor> {
@@ -389,6 +463,40 @@ mod tests {
     fn rel_diff(a: &Tensor, b: &Tensor) -> f64 {
         let scale = max_abs_diff(b, &b.zeros_like().unwrap());
         max_abs_diff(a, b) / scale.max(1e-30)
+    }
+
+    /// Enough rows that the products split them between the threads (and a
+    /// ragged last share), in both weight layouts, against f64.
+    #[test]
+    fn products_split_by_rows_equal_the_reference() {
+        let threads = candle_core::utils::get_num_threads().max(2);
+        let (m, k, n) = (SPLIT_FROM * threads + 37, 24, 40);
+        let x = spread((m, k));
+        let f = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+        for transposed in [false, true] {
+            let w = if transposed {
+                spread((n, k))
+            } else {
+                spread((k, n))
+            };
+            let got = x
+                .apply_op2_no_bwd(
+                    &w,
+                    &Gemm {
+                        transposed,
+                        path: active(),
+                    },
+                )
+                .unwrap();
+            let wf = if transposed {
+                f(&w).t().unwrap()
+            } else {
+                f(&w)
+            };
+            let want = f(&x).matmul(&wf).unwrap();
+            let d = rel_diff(&got.to_dtype(DType::F64).unwrap(), &want);
+            assert!(d < 1e-6, "transposed={transposed}: {d}");
+        }
     }
 
     #[test]
