@@ -51,6 +51,10 @@ trait KvElem: Copy + Sync {
     fn dot_rows(path: Path, q: &[f32], rows: &[Self], stride: usize, scale: f32, out: &mut [f32]);
     /// out += Σ_j p[j] · row j, rows `stride` apart.
     fn axpy_rows(path: Path, p: &[f32], rows: &[Self], stride: usize, out: &mut [f32]);
+    /// Whether rows are widened to be read as f32.
+    const HALF: bool;
+    /// A row as f32 into `dst` (copied or widened).
+    fn widen(row: &[Self], dst: &mut [f32]);
     /// `n` rows of `hd` features `stride` apart from `rows` as f32 for gemm:
     /// (pointer, row stride), the rows themselves or widened into `buf`.
     ///
@@ -66,6 +70,10 @@ trait KvElem: Copy + Sync {
 }
 
 impl KvElem for f32 {
+    const HALF: bool = false;
+    fn widen(row: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(row)
+    }
     fn data(s: &CpuStorage) -> Option<&[f32]> {
         match s {
             CpuStorage::F32(d) => Some(d),
@@ -94,6 +102,11 @@ impl KvElem for f32 {
 macro_rules! half_kv {
     ($t:ty, $variant:ident) => {
         impl KvElem for $t {
+            const HALF: bool = true;
+            fn widen(row: &[$t], dst: &mut [f32]) {
+                use ::half::slice::HalfFloatSliceExt;
+                row.convert_to_f32_slice(dst)
+            }
             fn data(s: &CpuStorage) -> Option<&[$t]> {
                 match s {
                     CpuStorage::$variant(d) => Some(d),
@@ -120,13 +133,14 @@ macro_rules! half_kv {
                 hd: usize,
                 buf: &mut Vec<f32>,
             ) -> (*const f32, usize) {
-                use ::half::slice::HalfFloatSliceExt;
                 // Widening once per query block is a small part of a prefill's gemm.
                 buf.resize(n * hd, 0.0);
                 for (r, dst) in buf.chunks_exact_mut(hd).enumerate() {
                     // SAFETY: the caller guarantees the n rows.
-                    unsafe { std::slice::from_raw_parts(rows.add(r * stride), hd) }
-                        .convert_to_f32_slice(dst);
+                    Self::widen(
+                        unsafe { std::slice::from_raw_parts(rows.add(r * stride), hd) },
+                        dst,
+                    );
                 }
                 (buf.as_ptr(), hd)
             }
@@ -216,6 +230,18 @@ impl Attention {
         #[cfg(not(target_arch = "x86_64"))]
         let fast = false;
         let block = if fast { FAST_BLOCK } else { QUERY_BLOCK };
+        // The block kernel reads all of a head's keys and values for each
+        // block: rows that are strided (heads interleaved, as projections
+        // leave them) or half are laid out once as contiguous f32 rows per
+        // head. Strided, they cost it a third more time (TLB and prefetch
+        // misses, docs/PERFORMANCE.md).
+        let laid =
+            (fast && t > FEW_QUERIES && (T::HALF || ks[2] != hd || vs[2] != hd)).then(|| {
+                (
+                    heads_f32(k, k0, ks, (b, h, keys, hd)),
+                    heads_f32(v, v0, vs, (b, h, keys, hd)),
+                )
+            });
         let blocks = t.div_ceil(block);
         let past = keys - t;
         (0..b * h * blocks).into_par_iter().for_each(|task| {
@@ -236,13 +262,22 @@ impl Attention {
             let vp = v[v0 + bi * vs[0] + hi * vs[1]..].as_ptr();
             #[cfg(target_arch = "x86_64")]
             if fast && rows > FEW_QUERIES {
-                let mut wk = WIDE.with(|w| std::mem::take(&mut *w.borrow_mut()));
-                let mut wv = WIDE_V.with(|w| std::mem::take(&mut *w.borrow_mut()));
+                // Empty unless rows are widened, which `laid` has done already.
+                let (mut wk, mut wv) = (Vec::new(), Vec::new());
                 // SAFETY: the block's rows lie inside q, k and v (shapes checked
-                // above); its output rows (bi, start.., hi) belong to this task only.
+                // above) or their laid-out copies; its output rows (bi, start..,
+                // hi) belong to this task only.
                 unsafe {
-                    let (k, k_stride) = T::as_f32(kp, ks[2], seen, hd, &mut wk);
-                    let (v, v_stride) = T::as_f32(vp, vs[2], seen, hd, &mut wv);
+                    let ((k, k_stride), (v, v_stride)) = match &laid {
+                        Some((kl, vl)) => {
+                            let head = bh * keys * hd;
+                            ((kl[head..].as_ptr(), hd), (vl[head..].as_ptr(), hd))
+                        }
+                        None => (
+                            T::as_f32(kp, ks[2], seen, hd, &mut wk),
+                            T::as_f32(vp, vs[2], seen, hd, &mut wv),
+                        ),
+                    };
                     let blk = super::attention_avx512::Block {
                         q: qp,
                         q_stride: qs[2],
@@ -260,8 +295,6 @@ impl Attention {
                     };
                     FAST.with(|f| super::attention_avx512::block(&blk, &mut f.borrow_mut()));
                 }
-                WIDE.with(|w| *w.borrow_mut() = wk);
-                WIDE_V.with(|w| *w.borrow_mut() = wv);
                 return;
             }
             SCORES.with(|s| {
@@ -336,14 +369,31 @@ impl Attention {
     }
 }
 
+/// The keys or values of every (batch, head) as contiguous f32 rows,
+/// [b, h, n, hd], from `data` at `off` with [b, h, row] strides `st`.
+fn heads_f32<T: KvElem>(
+    data: &[T],
+    off: usize,
+    st: [usize; 3],
+    (b, h, n, hd): (usize, usize, usize, usize),
+) -> Vec<f32> {
+    let mut out = vec![0f32; b * h * n * hd];
+    out.par_chunks_mut((n * hd).max(1))
+        .enumerate()
+        .for_each(|(bh, dst)| {
+            let base = off + bh / h * st[0] + bh % h * st[1];
+            for (r, row) in dst.chunks_exact_mut(hd).enumerate() {
+                T::widen(&data[base + r * st[2]..][..hd], row);
+            }
+        });
+    out
+}
+
 thread_local! {
     /// Each worker's score block, reused across tasks and calls.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// Each worker's f16 keys or values widened for gemm.
     static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// Each worker's f16 values widened beside its keys (the AVX-512 block kernel).
-    #[cfg(target_arch = "x86_64")]
-    static WIDE_V: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// Each worker's buffers for the AVX-512 block kernel.
     #[cfg(target_arch = "x86_64")]
     static FAST: RefCell<super::attention_avx512::Scratch> = RefCell::default();

@@ -53,9 +53,25 @@ pub(super) struct Block {
 /// A worker's buffers, reused across blocks.
 #[derive(Default)]
 pub(super) struct Scratch {
-    qt: Vec<f32>,
-    st: Vec<f32>,
-    inv: Vec<f32>,
+    qt: Vec<Line>,
+    st: Vec<Line>,
+    inv: Vec<Line>,
+}
+
+/// A cache line of f32s: the buffers' rows then start on lines, so no
+/// vector load or store splits across two.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+/// The first `floats` of `buf` as f32s, grown as needed.
+fn floats(buf: &mut Vec<Line>, floats: usize) -> &mut [f32] {
+    let lines = floats.div_ceil(16);
+    if buf.len() < lines {
+        buf.resize(lines, Line::default());
+    }
+    // SAFETY: a Line is 16 f32s without padding, and `buf` holds `lines` of them.
+    unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<f32>(), floats) }
 }
 
 impl Block {
@@ -95,32 +111,30 @@ impl Block {
 #[target_feature(enable = "avx512f,avx2,fma")]
 pub(super) unsafe fn block(b: &Block, s: &mut Scratch) {
     debug_assert!(b.rows <= BLOCK && serves(b.hd) && b.seen > 0);
-    s.qt.clear();
-    s.qt.resize(b.hd * BLOCK, 0.0);
+    let qt = floats(&mut s.qt, b.hd * BLOCK);
+    qt.fill(0.0);
     for r in 0..b.rows {
         // SAFETY: the caller's rows.
         let row = unsafe { std::slice::from_raw_parts(b.q.add(r * b.q_stride), b.hd) };
         for (d, &x) in row.iter().enumerate() {
-            s.qt[d * BLOCK + r] = x * b.scale;
+            qt[d * BLOCK + r] = x * b.scale;
         }
     }
-    if s.st.len() < b.seen * BLOCK {
-        s.st.resize(b.seen * BLOCK, 0.0);
-    }
-    s.inv.resize(BLOCK, 0.0);
+    let st = floats(&mut s.st, b.seen * BLOCK);
+    let inv = floats(&mut s.inv, BLOCK);
     // SAFETY: qt holds hd × BLOCK, st seen × BLOCK, inv BLOCK; the caller's operands.
     unsafe {
-        scores(b, &s.qt, &mut s.st);
-        softmax(b, &mut s.st, &mut s.inv);
+        scores(b, qt, st);
+        softmax(b, st, inv);
         match b.hd / 16 {
-            1 => values::<1, 24>(b, &s.st, &s.inv),
-            2 => values::<2, 12>(b, &s.st, &s.inv),
-            3 => values::<3, 8>(b, &s.st, &s.inv),
-            4 => values::<4, 6>(b, &s.st, &s.inv),
-            5 => values::<5, 4>(b, &s.st, &s.inv),
-            6 => values::<6, 4>(b, &s.st, &s.inv),
-            7 => values::<7, 3>(b, &s.st, &s.inv),
-            _ => values::<8, 3>(b, &s.st, &s.inv),
+            1 => values::<1, 24>(b, st, inv),
+            2 => values::<2, 12>(b, st, inv),
+            3 => values::<3, 8>(b, st, inv),
+            4 => values::<4, 6>(b, st, inv),
+            5 => values::<5, 4>(b, st, inv),
+            6 => values::<6, 4>(b, st, inv),
+            7 => values::<7, 3>(b, st, inv),
+            _ => values::<8, 3>(b, st, inv),
         }
     }
 }
@@ -173,8 +187,8 @@ unsafe fn score_tile<const N: usize>(b: &Block, qt: *const f32, st: *mut f32, j:
     }
 }
 
-/// Each lane's column of st becomes exp(s − max) (0 where masked), and
-/// inv[r] = 1 / Σ.
+/// Each lane's column of st becomes exp(s − max) (0 where masked or below
+/// e⁻⁸⁷), and inv[r] = 1 / Σ.
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn softmax(b: &Block, st: &mut [f32], inv: &mut [f32]) {
     const G: usize = BLOCK / 16;
@@ -194,7 +208,10 @@ unsafe fn softmax(b: &Block, st: &mut [f32], inv: &mut [f32]) {
             let row = st.as_mut_ptr().add(j * BLOCK);
             for (g, (mx, sm)) in max.iter().zip(&mut sum).enumerate().take(groups) {
                 let x = _mm512_sub_ps(_mm512_loadu_ps(row.add(16 * g)), *mx);
-                let e = _mm512_maskz_mov_ps(b.lanes(j, g), exp(x));
+                // Masked lanes, and weights below e⁻⁸⁷ (no subnormal products), are 0.
+                let keep =
+                    _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(b.lanes(j, g), x, _mm512_set1_ps(-87.0));
+                let e = _mm512_maskz_mov_ps(keep, exp(x));
                 _mm512_storeu_ps(row.add(16 * g), e);
                 *sm = _mm512_add_ps(*sm, e);
             }
@@ -207,7 +224,7 @@ unsafe fn softmax(b: &Block, st: &mut [f32], inv: &mut [f32]) {
 }
 
 /// eˣ for x ≤ 0 (Cephes' reduction and polynomial, as `math::exp_f32`, with
-/// fused multiply-adds; ≈1 ulp); below −87 the result is ~1e-38, not 0.
+/// fused multiply-adds; ≈1 ulp) for x ≥ −87; the caller zeroes what is below.
 #[inline(always)]
 unsafe fn exp(x: __m512) -> __m512 {
     // SAFETY: register arithmetic; the caller enabled AVX-512F.
