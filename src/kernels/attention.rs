@@ -235,6 +235,7 @@ impl Attention {
         // leave them) or half are laid out once as contiguous f32 rows per
         // head. Strided, they cost it a third more time (TLB and prefetch
         // misses, docs/PERFORMANCE.md).
+        #[cfg(target_arch = "x86_64")]
         let laid =
             (fast && t > FEW_QUERIES && (T::HALF || ks[2] != hd || vs[2] != hd)).then(|| {
                 (
@@ -371,6 +372,7 @@ impl Attention {
 
 /// The keys or values of every (batch, head) as contiguous f32 rows,
 /// [b, h, n, hd], from `data` at `off` with [b, h, row] strides `st`.
+#[cfg(target_arch = "x86_64")]
 fn heads_f32<T: KvElem>(
     data: &[T],
     off: usize,
