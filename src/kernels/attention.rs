@@ -26,6 +26,12 @@ const FAST_BLOCK: usize = super::attention_avx512::BLOCK;
 #[cfg(not(target_arch = "x86_64"))]
 const FAST_BLOCK: usize = QUERY_BLOCK;
 
+/// Keys from which the AVX-512 kernel's strided f32 keys and values are laid
+/// out per head: a third faster at 2,048, even at 1,024, slower below
+/// (the copy is not repaid by the few blocks that read it).
+#[cfg(target_arch = "x86_64")]
+const LAY_OUT_FROM: usize = 1024;
+
 /// Blocks of at most this many queries (decoding) take dot products and
 /// weighted sums with the cached rows instead of gemm.
 const FEW_QUERIES: usize = 8;
@@ -231,13 +237,15 @@ impl Attention {
         let fast = false;
         let block = if fast { FAST_BLOCK } else { QUERY_BLOCK };
         // The block kernel reads all of a head's keys and values for each
-        // block: rows that are strided (heads interleaved, as projections
-        // leave them) or half are laid out once as contiguous f32 rows per
-        // head. Strided, they cost it a third more time (TLB and prefetch
-        // misses, docs/PERFORMANCE.md).
+        // block: half rows are widened once here, and strided ones (heads
+        // interleaved, as projections leave them) are laid out as contiguous
+        // f32 rows per head once there are enough of them that their reads
+        // miss the TLB and the prefetchers (docs/PERFORMANCE.md).
         #[cfg(target_arch = "x86_64")]
-        let laid =
-            (fast && t > FEW_QUERIES && (T::HALF || ks[2] != hd || vs[2] != hd)).then(|| {
+        let laid = (fast
+            && t > FEW_QUERIES
+            && (T::HALF || ((ks[2] != hd || vs[2] != hd) && keys >= LAY_OUT_FROM)))
+            .then(|| {
                 (
                     heads_f32(k, k0, ks, (b, h, keys, hd)),
                     heads_f32(v, v0, vs, (b, h, keys, hd)),
@@ -500,7 +508,8 @@ mod tests {
     /// and decoding-sized query blocks (the dot-product path), with a head
     /// width that is not a multiple of 16. The models' head sizes (32 to
     /// 96, and 128) over whole and partial blocks of the AVX-512 kernel,
-    /// with fewer keys than its tile and a last block of one query.
+    /// with fewer keys than its tile and a last block of one query, and
+    /// enough keys that the kernel lays them out per head.
     #[test]
     fn fused_attention_equals_reference() {
         for (t, past, hd) in [
@@ -514,6 +523,7 @@ mod tests {
             (40, 0, 128),
             (9, 2, 32),
             (193, 0, 48),
+            (20, 1010, 32),
         ] {
             attention_equals_reference(t, past, hd);
         }
