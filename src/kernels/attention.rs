@@ -42,13 +42,6 @@ struct Attention {
     path: Path,
 }
 
-/// A raw output pointer shared by tasks that write disjoint rows.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: every task writes a distinct (batch, head, query block) region.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
 /// The element types of keys and values: the row kernels of decoding, and
 /// rows as f32 for gemm.
 trait KvElem: Copy + Sync {
@@ -229,7 +222,8 @@ impl Attention {
         let (k, k0, ks) = view::<T>(sk, lk, "k")?;
         let (v, v0, vs) = view::<T>(sv, lv, "v")?;
         let mut out = vec![0f32; b * t * h * hd];
-        let out_ptr = OutPtr(out.as_mut_ptr());
+        // Every task writes a distinct (batch, head, query block) region.
+        let out_ptr = super::SharedPtr(out.as_mut_ptr());
         // On AVX-512 the block kernel that packs neither keys nor values.
         #[cfg(target_arch = "x86_64")]
         let fast = self.path.isa() == super::Isa::Avx512 && super::attention_avx512::serves(hd);

@@ -329,10 +329,11 @@ unsafe fn gemm_f32_rows(
     }
     use rayon::prelude::*;
     let rows = m.div_ceil(threads);
+    use super::SharedPtr;
     let (dst, lhs, rhs_ptr) = (
-        SendPtr(dst),
-        SendPtr(lhs.cast_mut()),
-        SendPtr(rhs.0.cast_mut()),
+        SharedPtr(dst),
+        SharedPtr(lhs.cast_mut()),
+        SharedPtr(rhs.0.cast_mut()),
     );
     (0..m.div_ceil(rows)).into_par_iter().for_each(|part| {
         let (dst, lhs, rhs_ptr) = (dst, lhs, rhs_ptr);
@@ -361,13 +362,6 @@ const SPLIT_FROM: usize = 256;
 /// Weights (k·n elements) up to which [`gemm_f32_rows`] splits: a
 /// 768×3072 matrix; the output layer's 768×50,304 keeps gemm's threading.
 const SPLIT_WEIGHTS: usize = 768 * 3072;
-
-/// A pointer handed to the tasks of one product, which write disjoint rows.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: see above; the caller of `gemm_f32` keeps the memory valid.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
 
 /// Half-precision weights widened for gemm (compute-bound there, so the
 /// one-off conversion costs little next to the product).

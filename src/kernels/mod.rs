@@ -66,6 +66,15 @@ pub mod theta;
 #[cfg(feature = "cuda")]
 mod theta_cuda;
 
+/// A raw pointer handed to the tasks of one kernel, which read through it or
+/// write disjoint parts of what it points to.
+#[derive(Clone, Copy)]
+pub(super) struct SharedPtr(pub(super) *mut f32);
+// SAFETY: the kernels that share one keep it valid for their whole run and
+// give each task its own part to write.
+unsafe impl Send for SharedPtr {}
+unsafe impl Sync for SharedPtr {}
+
 /// The GPU kernels' entry points, called directly by the GPU tests (which
 /// check them whatever `TOKENFORMER_CUDA_KERNELS` says) and by the model and
 /// scoring paths when [`cuda_kernels_enabled`].
