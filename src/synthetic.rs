@@ -50,11 +50,26 @@ pub fn random_lm_tensors(
     Ok(t)
 }
 
+/// How far one model's next-token distributions are from a reference's on
+/// the same positions ([`logit_agreement`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LogitAgreement {
+    /// Perplexity of the reference on the next tokens.
+    pub reference_perplexity: f64,
+    /// Perplexity of the other model on the same tokens.
+    pub perplexity: f64,
+    /// Mean KL(reference ‖ other) in nats.
+    pub mean_kl: f64,
+    /// Fraction of positions where both pick the same most likely token
+    /// (teacher-forced: each position sees the same prefix, so one early
+    /// difference does not decide the rest, as it does in free decoding).
+    pub top1_agreement: f64,
+}
+
 /// How far `other`'s next-token distributions are from `reference`'s on
-/// `ids` (logits [t, vocab] of the same t positions): (perplexity of
-/// `reference`, perplexity of `other`, mean KL(reference ‖ other) in nats),
-/// over the t − 1 positions that have a next token.
-pub fn logit_agreement(reference: &Tensor, other: &Tensor, ids: &[u32]) -> Result<(f64, f64, f64)> {
+/// `ids` (logits [t, vocab] of the same t positions), over the t − 1
+/// positions that have a next token.
+pub fn logit_agreement(reference: &Tensor, other: &Tensor, ids: &[u32]) -> Result<LogitAgreement> {
     let a = reference.to_dtype(DType::F64)?.to_vec2::<f64>()?;
     let b = other.to_dtype(DType::F64)?.to_vec2::<f64>()?;
     if a.len() != b.len() || a.len() != ids.len() || a.len() < 2 {
@@ -70,7 +85,20 @@ pub fn logit_agreement(reference: &Tensor, other: &Tensor, ids: &[u32]) -> Resul
         let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
         row.iter().map(|v| v - lse).collect()
     };
-    let (mut nll_a, mut nll_b, mut kl) = (0f64, 0f64, 0f64);
+    // The first index of the largest value, as `argmax` picks it.
+    let top = |row: &[f64]| {
+        row.iter()
+            .enumerate()
+            .fold((0, f64::NEG_INFINITY), |best, (i, &v)| {
+                if v > best.1 {
+                    (i, v)
+                } else {
+                    best
+                }
+            })
+            .0
+    };
+    let (mut nll_a, mut nll_b, mut kl, mut same) = (0f64, 0f64, 0f64, 0usize);
     let n = ids.len() - 1;
     for t in 0..n {
         let (la, lb) = (log_softmax(&a[t]), log_softmax(&b[t]));
@@ -82,9 +110,15 @@ pub fn logit_agreement(reference: &Tensor, other: &Tensor, ids: &[u32]) -> Resul
             .zip(&lb)
             .map(|(p, q)| p.exp() * (p - q))
             .sum::<f64>();
+        same += usize::from(top(&a[t]) == top(&b[t]));
     }
     let n = n as f64;
-    Ok(((nll_a / n).exp(), (nll_b / n).exp(), kl / n))
+    Ok(LogitAgreement {
+        reference_perplexity: (nll_a / n).exp(),
+        perplexity: (nll_b / n).exp(),
+        mean_kl: kl / n,
+        top1_agreement: same as f64 / n,
+    })
 }
 
 #[cfg(test)]
@@ -97,7 +131,8 @@ mod tests {
         // Two positions over a vocabulary of 2; next tokens 1 then 0.
         let a = Tensor::new(&[[0f32, 0.0], [1.0, 0.0], [5.0, 5.0]], &dev).unwrap();
         let b = Tensor::new(&[[0f32, 2f32.ln()], [1.0, 0.0], [0.0, 0.0]], &dev).unwrap();
-        let (pa, pb, kl) = logit_agreement(&a, &b, &[7, 1, 0]).unwrap();
+        let got = logit_agreement(&a, &b, &[7, 1, 0]).unwrap();
+        let (pa, pb, kl) = (got.reference_perplexity, got.perplexity, got.mean_kl);
         let e = std::f64::consts::E;
         // a: p(1) = 1/2 at t=0, p(0) = e/(e+1) at t=1.
         let want_a = (0.5 * e / (e + 1.0)).powf(-0.5);
@@ -108,6 +143,9 @@ mod tests {
         // KL((1/2, 1/2) ‖ (1/3, 2/3)) at t=0, 0 at t=1; the last position has no next token.
         let want_kl = (0.5 * (1.5f64).ln() + 0.5 * (0.75f64).ln()) / 2.0;
         assert!((kl - want_kl).abs() < 1e-9, "{kl} vs {want_kl}");
+        // Top choices: 1 against 0 at t=0 (b's larger logit), both 0 at t=1;
+        // the last position (no next token) is not counted.
+        assert_eq!(got.top1_agreement, 0.5);
         assert!(logit_agreement(&a, &b, &[1, 2]).is_err());
     }
 

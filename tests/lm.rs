@@ -518,9 +518,14 @@ fn q8_weights_decode_like_their_own_prefill_and_stay_close_to_f32() {
         .unwrap()
         .squeeze(0)
         .unwrap();
-    let (ppl, ppl_q8, kl) =
+    let agreement =
         tokenformer::synthetic::logit_agreement(&reference, &full.squeeze(0).unwrap(), &ids)
             .unwrap();
+    let (ppl, ppl_q8, kl) = (
+        agreement.reference_perplexity,
+        agreement.perplexity,
+        agreement.mean_kl,
+    );
     assert!(kl > 0.0 && kl < 1e-3, "mean KL {kl}");
     assert!(
         (ppl_q8 / ppl - 1.0).abs() < 0.01,
@@ -530,6 +535,14 @@ fn q8_weights_decode_like_their_own_prefill_and_stay_close_to_f32() {
         |t: &Tensor| -> Vec<u32> { t.argmax(candle_core::D::Minus1).unwrap().to_vec1().unwrap() };
     let (a, b) = (argmax(&reference), argmax(&full.squeeze(0).unwrap()));
     let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
+    // The report's top-1 agreement counts the positions that have a next token.
+    let last_same = usize::from(a.last() == b.last());
+    let want = (same - last_same) as f64 / (a.len() - 1) as f64;
+    assert!(
+        (agreement.top1_agreement - want).abs() < 1e-12,
+        "top-1 agreement {} against {want}",
+        agreement.top1_agreement
+    );
     // The argmax may only move where the f32 model nearly ties: q8's choice
     // is within 0.1 of the best f32 logit (logits here span ~±6).
     let r = reference.to_vec2::<f32>().unwrap();

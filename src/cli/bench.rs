@@ -19,7 +19,7 @@ use tokenformer::checkpoint::{self, Tensors};
 use tokenformer::error::Result;
 use tokenformer::models::tokenformer::{Cache, Config, KvDtype, Logits, TokenFormerLm};
 use tokenformer::pattention::{Activation, Pattention};
-use tokenformer::synthetic::{lm_config, logit_agreement, random_lm_tensors};
+use tokenformer::synthetic::{lm_config, logit_agreement, random_lm_tensors, LogitAgreement};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -300,6 +300,24 @@ pub struct DecodeSetup {
     pub context: usize,
 }
 
+/// A reduced-precision variant's accuracy against the f32 model, under
+/// `prefix`: both perplexities, their change, the mean KL divergence and the
+/// fraction of positions whose most likely next token is f32's.
+fn agreement_metrics(out: &mut Map<String, Value>, prefix: &str, a: &LogitAgreement) {
+    let (ppl, other) = (a.reference_perplexity, a.perplexity);
+    out.insert(format!("{prefix}_perplexity_f32"), json!(round(ppl, 3)));
+    out.insert(format!("{prefix}_perplexity"), json!(round(other, 3)));
+    out.insert(
+        format!("{prefix}_perplexity_change_percent"),
+        json!(round(100.0 * (other / ppl - 1.0), 4)),
+    );
+    out.insert(format!("{prefix}_mean_kl_divergence"), json!(a.mean_kl));
+    out.insert(
+        format!("{prefix}_top1_agreement"),
+        json!(round(a.top1_agreement, 4)),
+    );
+}
+
 /// The CPU the figures come from: its model name, the features the kernels
 /// use (those it has), and the kernel path taken (`TOKENFORMER_KERNELS`).
 pub fn cpu_info() -> Value {
@@ -467,14 +485,7 @@ pub fn run_lm(
             .forward(&text, None)?
             .squeeze(0)?;
         let ids: Vec<u32> = text.flatten_all()?.to_vec1()?;
-        let (ppl, ppl_q8, kl) = logit_agreement(&reference, &logits, &ids)?;
-        out.insert("q8_perplexity_f32".into(), json!(round(ppl, 3)));
-        out.insert("q8_perplexity".into(), json!(round(ppl_q8, 3)));
-        out.insert(
-            "q8_perplexity_change_percent".into(),
-            json!(round(100.0 * (ppl_q8 / ppl - 1.0), 4)),
-        );
-        out.insert("q8_mean_kl_divergence".into(), json!(kl));
+        agreement_metrics(&mut out, "q8", &logit_agreement(&reference, &logits, &ids)?);
     }
     if want("decode_f16_kv") {
         // The f16 KV cache's accuracy cost, measured as the 8-bit weights'
@@ -485,14 +496,11 @@ pub fn run_lm(
         let mut cache = Cache::with_dtype(cfg, KvDtype::F16);
         let logits = model.forward(&text, Some(&mut cache))?.squeeze(0)?;
         let ids: Vec<u32> = text.flatten_all()?.to_vec1()?;
-        let (ppl, ppl_kv, kl) = logit_agreement(&reference, &logits, &ids)?;
-        out.insert("kv_f16_perplexity_f32".into(), json!(round(ppl, 3)));
-        out.insert("kv_f16_perplexity".into(), json!(round(ppl_kv, 3)));
-        out.insert(
-            "kv_f16_perplexity_change_percent".into(),
-            json!(round(100.0 * (ppl_kv / ppl - 1.0), 4)),
+        agreement_metrics(
+            &mut out,
+            "kv_f16",
+            &logit_agreement(&reference, &logits, &ids)?,
         );
-        out.insert("kv_f16_mean_kl_divergence".into(), json!(kl));
     }
     drop(model);
     // Each load alone in memory, so its peak is its own.
