@@ -6,9 +6,18 @@ use super::math::exp_f32;
 
 /// The generic loops compiled for AVX2 and AVX-512 (the default x86-64
 /// target has only SSE2), picked by [`super::active`] (`name`) or a given path
-/// (`name_on`). Rust never fuses `a * b + c`, so all paths give the same bits.
+/// (`name_on`). Rust never fuses `a * b + c`, so all paths give the same bits;
+/// a body written as `GENERIC::<fma>` opts into fused multiply-adds on the
+/// paths that have them ([`super::math::madd`]) and differs there by rounding.
 macro_rules! dispatch {
     ($($(#[$doc:meta])* $vis:vis fn $name:ident / $on:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $generic:ident;)*) => {$(
+        $crate::kernels::rows::dispatch!(@one $(#[$doc])* $vis fn $name / $on($($arg: $ty),*) $(-> $ret)? = $generic, $generic);
+    )*};
+    // `GENERIC::<fma>`: GENERIC::<true> where the path has FMA, ::<false> where not.
+    ($(#[$doc:meta])* $vis:vis fn $name:ident / $on:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $generic:ident::<fma>;) => {
+        $crate::kernels::rows::dispatch!(@one $(#[$doc])* $vis fn $name / $on($($arg: $ty),*) $(-> $ret)? = $generic::<true>, $generic::<false>);
+    };
+    (@one $(#[$doc:meta])* $vis:vis fn $name:ident / $on:ident($($arg:ident: $ty:ty),*) $(-> $ret:ty)? = $fast:path, $plain:path) => {
         $(#[$doc])*
         #[inline]
         #[allow(dead_code)]
@@ -22,9 +31,9 @@ macro_rules! dispatch {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-                unsafe fn v4($($arg: $ty),*) $(-> $ret)? { $generic($($arg),*) }
+                unsafe fn v4($($arg: $ty),*) $(-> $ret)? { $fast($($arg),*) }
                 #[target_feature(enable = "avx2,fma,f16c")]
-                unsafe fn v3($($arg: $ty),*) $(-> $ret)? { $generic($($arg),*) }
+                unsafe fn v3($($arg: $ty),*) $(-> $ret)? { $fast($($arg),*) }
                 match path.isa() {
                     // SAFETY: a Path exists only for an ISA the CPU supports.
                     $crate::kernels::Isa::Avx512 => return unsafe { v4($($arg),*) },
@@ -34,9 +43,9 @@ macro_rules! dispatch {
                 }
             }
             let _ = path;
-            $generic($($arg),*)
+            $plain($($arg),*)
         }
-    )*};
+    };
 }
 pub(super) use dispatch;
 

@@ -183,13 +183,20 @@ pub(crate) fn lanes(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f64 {
 /// element loops vectorise as wide as the CPU allows.
 macro_rules! by_isa {
     ($name:ident($($arg:ident: $ty:ty),*) = $generic:ident) => {
+        $crate::train::parts::by_isa!(@one $name($($arg: $ty),*) = $generic, $generic);
+    };
+    // `GENERIC::<fma>`: GENERIC::<true> where the instruction set has FMA, ::<false> where not.
+    ($name:ident($($arg:ident: $ty:ty),*) = $generic:ident::<fma>) => {
+        $crate::train::parts::by_isa!(@one $name($($arg: $ty),*) = $generic::<true>, $generic::<false>);
+    };
+    (@one $name:ident($($arg:ident: $ty:ty),*) = $fast:path, $plain:path) => {
         pub(crate) fn $name($($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
-                unsafe fn v4($($arg: $ty),*) { $generic($($arg),*) }
+                unsafe fn v4($($arg: $ty),*) { $fast($($arg),*) }
                 #[target_feature(enable = "avx2,fma")]
-                unsafe fn v3($($arg: $ty),*) { $generic($($arg),*) }
+                unsafe fn v3($($arg: $ty),*) { $fast($($arg),*) }
                 match $crate::kernels::active().isa() {
                     // SAFETY: the selected ISA is one this CPU supports.
                     $crate::kernels::Isa::Avx512 => return unsafe { v4($($arg),*) },
@@ -198,7 +205,7 @@ macro_rules! by_isa {
                     $crate::kernels::Isa::Portable => {}
                 }
             }
-            $generic($($arg),*)
+            $plain($($arg),*)
         }
     };
 }

@@ -138,7 +138,7 @@ pub(super) fn backward_serial<T: Float>(s: &mut [T], dy: &[T], n: usize, c: f64)
 /// projection's dot product over 32 f32 lanes, the lanes added in f64.
 mod fast {
     use super::super::parts::{by_isa, lanes};
-    use crate::kernels::math::{erf_f32, exp_f32};
+    use crate::kernels::math::{erf_f32_with, exp_f32_with, madd};
 
     const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
 
@@ -153,24 +153,24 @@ mod fast {
     }
 
     #[inline(always)]
-    fn forward_row_generic(row: &[f32], out: &mut [f32], c: f64) {
+    fn forward_row_generic<const FMA: bool>(row: &[f32], out: &mut [f32], c: f64) {
         let f = (c / sum_sq(row).sqrt().max(super::MIN_NORM)) as f32;
         for (o, &v) in out.iter_mut().zip(row) {
-            let u = v * f;
-            *o = 0.5 * u * (1.0 + erf_f32(u * std::f32::consts::FRAC_1_SQRT_2));
+            *o = crate::kernels::math::gelu_erf_f32_with::<FMA>(v * f);
         }
     }
 
     /// `row` (the scores) becomes ∂L/∂s; `g` is scratch of the row's length.
     #[inline(always)]
-    fn backward_row_generic(row: &mut [f32], dy: &[f32], g: &mut [f32], c: f64) {
+    fn backward_row_generic<const FMA: bool>(row: &mut [f32], dy: &[f32], g: &mut [f32], c: f64) {
         let r = sum_sq(row).sqrt();
         let f64_f = c / r.max(super::MIN_NORM);
         let f = f64_f as f32;
         for ((gi, &x), &d) in g.iter_mut().zip(row.iter()).zip(dy) {
             let u = x * f;
-            let e = erf_f32(u * std::f32::consts::FRAC_1_SQRT_2);
-            let dgelu = 0.5 * (1.0 + e) + u * exp_f32(-0.5 * u * u) * FRAC_1_SQRT_2PI;
+            let e = erf_f32_with::<FMA>(u * std::f32::consts::FRAC_1_SQRT_2);
+            let density = exp_f32_with::<FMA>(-0.5 * u * u) * FRAC_1_SQRT_2PI;
+            let dgelu = madd::<FMA>(u, density, 0.5 * (1.0 + e));
             *gi = d * dgelu;
         }
         let dot = dot_f64(row, g);
@@ -184,8 +184,8 @@ mod fast {
         }
     }
 
-    by_isa!(forward_row(row: &[f32], out: &mut [f32], c: f64) = forward_row_generic);
-    by_isa!(backward_row(row: &mut [f32], dy: &[f32], g: &mut [f32], c: f64) = backward_row_generic);
+    by_isa!(forward_row(row: &[f32], out: &mut [f32], c: f64) = forward_row_generic::<fma>);
+    by_isa!(backward_row(row: &mut [f32], dy: &[f32], g: &mut [f32], c: f64) = backward_row_generic::<fma>);
 }
 
 pub(super) fn forward_f32(s: &[f32], n: usize, c: f64) -> Vec<f32> {
