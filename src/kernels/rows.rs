@@ -486,23 +486,56 @@ pub(super) mod avx512 {
 
     super::dot_rows_with!("avx512f,avx2,fma,f16c", f32);
 
-    /// See [`super::axpy_rows_on`]; the caller checks the bounds.
+    /// See [`super::axpy_rows_on`]; the caller checks the bounds. Columns
+    /// go 128 at a time (eight registers), then in one strip each of 64, 32
+    /// and 16 where they remain: a head of 64, 96 or 128 takes one or two
+    /// passes over its rows, not one per 16 columns (each pass reads a line
+    /// of every row again). Each column adds its rows in order.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub(super) unsafe fn axpy_rows(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
         let whole = out.len() / 16 * 16;
-        let rp = rows.as_ptr();
-        for c in (0..whole).step_by(16) {
-            // SAFETY: columns c..c + 16 of every row are in bounds.
-            unsafe {
-                let mut acc = _mm512_loadu_ps(out.as_ptr().add(c));
-                for (j, &pj) in p.iter().enumerate() {
-                    let v = _mm512_loadu_ps(rp.add(j * stride + c));
-                    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(pj), v));
-                }
-                _mm512_storeu_ps(out.as_mut_ptr().add(c), acc);
+        let (rp, op) = (rows.as_ptr(), out.as_mut_ptr());
+        let mut c = 0;
+        // SAFETY: columns below `whole` of every row are in bounds.
+        unsafe {
+            while c + 128 <= whole {
+                axpy_cols::<8>(p, rp.add(c), stride, op.add(c));
+                c += 128;
+            }
+            if c + 64 <= whole {
+                axpy_cols::<4>(p, rp.add(c), stride, op.add(c));
+                c += 64;
+            }
+            if c + 32 <= whole {
+                axpy_cols::<2>(p, rp.add(c), stride, op.add(c));
+                c += 32;
+            }
+            if c < whole {
+                axpy_cols::<1>(p, rp.add(c), stride, op.add(c));
             }
         }
         super::axpy_rows_tail(p, rows, stride, out, whole);
+    }
+
+    /// out[..16N] += Σ_j p[j] · row j[..16N], the rows `stride` apart from rp.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn axpy_cols<const N: usize>(p: &[f32], rp: *const f32, stride: usize, out: *mut f32) {
+        // SAFETY: the caller guarantees 16N columns at out and in every row.
+        unsafe {
+            let mut acc: [__m512; N] = std::array::from_fn(|i| _mm512_loadu_ps(out.add(16 * i)));
+            for (j, &pj) in p.iter().enumerate() {
+                let pj = _mm512_set1_ps(pj);
+                let row = rp.add(j * stride);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let v = _mm512_loadu_ps(row.add(16 * i));
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(pj, v));
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.add(16 * i), *a);
+            }
+        }
     }
 }
 
@@ -607,9 +640,12 @@ mod tests {
     #[test]
     fn row_batches_give_the_bits_of_row_by_row_kernels() {
         for path in Path::all() {
-            // Widths of 64-column groups, 8-column ones and a tail, and none.
+            // Widths of 64-column groups, 8-column ones and a tail, and none;
+            // 240 takes AVX-512's strips of 128, 64, 32 and 16 columns.
             let shapes = [
                 (64, 64, 37),
+                (240, 250, 6),
+                (48, 48, 3),
                 (24, 40, 5),
                 (17, 17, 1),
                 (64, 256, 0),
