@@ -49,6 +49,22 @@ pub(crate) struct Sampler {
     rng: StdRng,
 }
 
+/// The index of the first largest value (0 for an empty row or one of NaNs;
+/// a NaN never wins).
+pub(crate) fn first_argmax<T: Copy + Into<f64>>(row: &[T]) -> usize {
+    row.iter()
+        .enumerate()
+        .fold((0, f64::NEG_INFINITY), |best, (i, &v)| {
+            let v = v.into();
+            if v > best.1 {
+                (i, v)
+            } else {
+                best
+            }
+        })
+        .0
+}
+
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         let rng = StdRng::seed_from_u64(params.seed);
@@ -64,21 +80,8 @@ impl Sampler {
         } else {
             logits
         };
-        let argmax = || {
-            logits
-                .iter()
-                .enumerate()
-                .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
-                    if v > best.1 {
-                        (i, v)
-                    } else {
-                        best
-                    }
-                })
-                .0 as u32
-        };
         if self.params.temperature <= 0.0 {
-            return argmax();
+            return first_argmax(logits) as u32;
         }
         let t = self.params.temperature as f32;
         let mut cand: Vec<(u32, f32)> = logits
@@ -408,6 +411,14 @@ pub fn log_softmax(logits: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn first_argmax_takes_the_first_of_ties_and_skips_nans() {
+        assert_eq!(first_argmax(&[1.0f32, 3.0, 3.0, 2.0]), 1);
+        assert_eq!(first_argmax(&[f32::NAN, 1.0, 2.0, f32::NAN]), 2);
+        assert_eq!(first_argmax(&[0.5f64, f64::NEG_INFINITY]), 0);
+        assert_eq!(first_argmax::<f32>(&[]), 0);
+    }
 
     #[test]
     fn greedy_and_filters() {

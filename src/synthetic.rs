@@ -70,6 +70,7 @@ pub struct LogitAgreement {
 /// `ids` (logits [t, vocab] of the same t positions), over the t − 1
 /// positions that have a next token.
 pub fn logit_agreement(reference: &Tensor, other: &Tensor, ids: &[u32]) -> Result<LogitAgreement> {
+    use crate::generate::first_argmax;
     let a = reference.to_dtype(DType::F64)?.to_vec2::<f64>()?;
     let b = other.to_dtype(DType::F64)?.to_vec2::<f64>()?;
     if a.len() != b.len() || a.len() != ids.len() || a.len() < 2 {
@@ -85,19 +86,6 @@ pub fn logit_agreement(reference: &Tensor, other: &Tensor, ids: &[u32]) -> Resul
         let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
         row.iter().map(|v| v - lse).collect()
     };
-    // The first index of the largest value, as `argmax` picks it.
-    let top = |row: &[f64]| {
-        row.iter()
-            .enumerate()
-            .fold((0, f64::NEG_INFINITY), |best, (i, &v)| {
-                if v > best.1 {
-                    (i, v)
-                } else {
-                    best
-                }
-            })
-            .0
-    };
     let (mut nll_a, mut nll_b, mut kl, mut same) = (0f64, 0f64, 0f64, 0usize);
     let n = ids.len() - 1;
     for t in 0..n {
@@ -110,7 +98,7 @@ pub fn logit_agreement(reference: &Tensor, other: &Tensor, ids: &[u32]) -> Resul
             .zip(&lb)
             .map(|(p, q)| p.exp() * (p - q))
             .sum::<f64>();
-        same += usize::from(top(&a[t]) == top(&b[t]));
+        same += usize::from(first_argmax(&a[t]) == first_argmax(&b[t]));
     }
     let n = n as f64;
     Ok(LogitAgreement {

@@ -11,6 +11,7 @@
 //! 1/Σ of each query scales its output row once, instead of every score.
 //! Exponentials use fused multiply-adds and `vscalefps`.
 
+use super::math::{EXP_POLY, LN2_HI, LN2_LO};
 use std::arch::x86_64::*;
 
 /// Queries per block: 6 vectors of 16 lanes, a multiple of every value
@@ -233,16 +234,10 @@ unsafe fn exp(x: __m512) -> __m512 {
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
             _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
         );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            1.666_666_5e-1,
-            0.5,
-        ] {
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let mut p = _mm512_set1_ps(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
             p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
         }
         let e = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);

@@ -39,6 +39,21 @@ pub(crate) fn erf_f32_with<const FMA: bool>(x: f32) -> f32 {
     x * p / q
 }
 
+/// ln 2 = LN2_HI + LN2_LO, the first exact in few bits, so that x − n·ln 2
+/// loses nothing to rounding for the n of f32's range (Cephes' `expf`).
+pub(crate) const LN2_HI: f32 = 0.693_359_4;
+pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
+/// Cephes' `expf` polynomial for e^r on |r| ≤ ln 2 / 2, highest power first:
+/// e^r ≈ 1 + r + r²·P(r).
+pub(crate) const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 /// eˣ for f32 (Cephes' `expf` reduction and polynomial, ≈1 ulp), branch-free
 /// so softmax rows vectorise instead of calling libm per element. Inputs are
 /// clamped to [−87, 88]: below, the result is ~1e-38 rather than 0.
@@ -50,16 +65,10 @@ pub(crate) fn exp_f32_with<const FMA: bool>(x: f32) -> f32 {
     // ops on those bits (a float→int cast would not vectorise).
     let shifted = madd::<FMA>(x, std::f32::consts::LOG2_E, 12_582_912.0);
     let n = shifted - 12_582_912.0;
-    let r = madd::<FMA>(n, 2.121_944_4e-4, madd::<FMA>(n, -0.693_359_4, x));
-    let mut p = 1.987_569_1e-4_f32;
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ] {
-        p = madd::<FMA>(p, r, c);
+    let r = madd::<FMA>(n, -LN2_LO, madd::<FMA>(n, -LN2_HI, x));
+    let mut p = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        p = madd::<FMA>(p, r, *c);
     }
     let e = madd::<FMA>(p * r, r, r) + 1.0;
     e * f32::from_bits(shifted.to_bits().wrapping_sub(0x4B40_0000 - 127) << 23)
