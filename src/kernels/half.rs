@@ -324,58 +324,7 @@ mod avx512 {
         axpy_portable(a, &w[whole..], &mut y[whole..]);
     }
 
-    /// See [`super::axpy_rows_on`]; the caller checks the bounds. Columns
-    /// go in strips of 128, 64, 32 and 16, as the f32 kernel's do.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(crate) unsafe fn axpy_rows<H: Half>(p: &[f32], rows: &[H], stride: usize, out: &mut [f32]) {
-        let whole = out.len() / 16 * 16;
-        let (rp, op) = (rows.as_ptr(), out.as_mut_ptr());
-        let mut c = 0;
-        // SAFETY: columns below `whole` of every row are in bounds.
-        unsafe {
-            while c + 128 <= whole {
-                axpy_cols::<H, 8>(p, rp.add(c), stride, op.add(c));
-                c += 128;
-            }
-            if c + 64 <= whole {
-                axpy_cols::<H, 4>(p, rp.add(c), stride, op.add(c));
-                c += 64;
-            }
-            if c + 32 <= whole {
-                axpy_cols::<H, 2>(p, rp.add(c), stride, op.add(c));
-                c += 32;
-            }
-            if c < whole {
-                axpy_cols::<H, 1>(p, rp.add(c), stride, op.add(c));
-            }
-        }
-        super::axpy_rows_tail(p, rows, stride, out, whole);
-    }
-
-    /// out[..16N] += Σ_j p[j] · row j[..16N], the rows `stride` apart from rp.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn axpy_cols<H: Half, const N: usize>(
-        p: &[f32],
-        rp: *const H,
-        stride: usize,
-        out: *mut f32,
-    ) {
-        // SAFETY: the caller guarantees 16N columns at out and in every row.
-        unsafe {
-            let mut acc: [__m512; N] = std::array::from_fn(|i| _mm512_loadu_ps(out.add(16 * i)));
-            for (j, &pj) in p.iter().enumerate() {
-                let pj = _mm512_set1_ps(pj);
-                let row = rp.add(j * stride);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(pj, load16(row.add(16 * i))));
-                }
-            }
-            for (i, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(out.add(16 * i), *a);
-            }
-        }
-    }
+    super::super::rows::axpy_rows_avx512!(H: Half);
 }
 
 #[cfg(test)]

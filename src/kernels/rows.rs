@@ -346,6 +346,85 @@ macro_rules! dot_rows_with {
 #[cfg(target_arch = "x86_64")]
 pub(super) use dot_rows_with;
 
+/// Defines `axpy_rows(p, rows, stride, out)` in an AVX-512 module: out +=
+/// Σ_j p[j] · row j for rows of out's width `stride` apart, read as f32 by
+/// that module's `load16` (rows of type `$t`, a type parameter when
+/// `$t: $bound` is given); the caller checks the bounds. Columns go 128 at a
+/// time (eight registers), then in one strip each of 64, 32 and 16 where
+/// they remain: a head of 64, 96 or 128 takes one or two passes over its
+/// rows, not one per 16 columns (each pass reads a line of every row
+/// again). Each column adds its rows in order, the tail by the module's
+/// parent's `axpy_rows_tail`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! axpy_rows_avx512 {
+    ($t:ty) => {
+        $crate::kernels::rows::axpy_rows_avx512!(@fn [], [], $t);
+    };
+    ($t:ident: $bound:path) => {
+        $crate::kernels::rows::axpy_rows_avx512!(@fn [$t: $bound,], [$t,], $t);
+    };
+    (@fn [$($g:tt)*], [$($n:tt)*], $t:ty) => {
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        pub(in crate::kernels) unsafe fn axpy_rows<$($g)*>(
+            p: &[f32],
+            rows: &[$t],
+            stride: usize,
+            out: &mut [f32],
+        ) {
+            let whole = out.len() / 16 * 16;
+            let (rp, op) = (rows.as_ptr(), out.as_mut_ptr());
+            let mut c = 0;
+            // SAFETY: columns below `whole` of every row are in bounds.
+            unsafe {
+                while c + 128 <= whole {
+                    axpy_cols::<$($n)* 8>(p, rp.add(c), stride, op.add(c));
+                    c += 128;
+                }
+                if c + 64 <= whole {
+                    axpy_cols::<$($n)* 4>(p, rp.add(c), stride, op.add(c));
+                    c += 64;
+                }
+                if c + 32 <= whole {
+                    axpy_cols::<$($n)* 2>(p, rp.add(c), stride, op.add(c));
+                    c += 32;
+                }
+                if c < whole {
+                    axpy_cols::<$($n)* 1>(p, rp.add(c), stride, op.add(c));
+                }
+            }
+            super::axpy_rows_tail(p, rows, stride, out, whole);
+        }
+
+        /// out[..16N] += Σ_j p[j] · row j[..16N], the rows `stride` apart from rp.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+        unsafe fn axpy_cols<$($g)* const N: usize>(
+            p: &[f32],
+            rp: *const $t,
+            stride: usize,
+            out: *mut f32,
+        ) {
+            // SAFETY: the caller guarantees 16N columns at out and in every row.
+            unsafe {
+                let mut acc: [__m512; N] =
+                    std::array::from_fn(|i| _mm512_loadu_ps(out.add(16 * i)));
+                for (j, &pj) in p.iter().enumerate() {
+                    let pj = _mm512_set1_ps(pj);
+                    let row = rp.add(j * stride);
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_add_ps(*a, _mm512_mul_ps(pj, load16(row.add(16 * i))));
+                    }
+                }
+                for (i, a) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(out.add(16 * i), *a);
+                }
+            }
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+pub(super) use axpy_rows_avx512;
+
 /// 256-bit registers: the 32 lanes of the dot contract are four registers.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx2 {
@@ -486,57 +565,15 @@ pub(super) mod avx512 {
 
     super::dot_rows_with!("avx512f,avx2,fma,f16c", f32);
 
-    /// See [`super::axpy_rows_on`]; the caller checks the bounds. Columns
-    /// go 128 at a time (eight registers), then in one strip each of 64, 32
-    /// and 16 where they remain: a head of 64, 96 or 128 takes one or two
-    /// passes over its rows, not one per 16 columns (each pass reads a line
-    /// of every row again). Each column adds its rows in order.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_rows(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
-        let whole = out.len() / 16 * 16;
-        let (rp, op) = (rows.as_ptr(), out.as_mut_ptr());
-        let mut c = 0;
-        // SAFETY: columns below `whole` of every row are in bounds.
-        unsafe {
-            while c + 128 <= whole {
-                axpy_cols::<8>(p, rp.add(c), stride, op.add(c));
-                c += 128;
-            }
-            if c + 64 <= whole {
-                axpy_cols::<4>(p, rp.add(c), stride, op.add(c));
-                c += 64;
-            }
-            if c + 32 <= whole {
-                axpy_cols::<2>(p, rp.add(c), stride, op.add(c));
-                c += 32;
-            }
-            if c < whole {
-                axpy_cols::<1>(p, rp.add(c), stride, op.add(c));
-            }
-        }
-        super::axpy_rows_tail(p, rows, stride, out, whole);
-    }
-
-    /// out[..16N] += Σ_j p[j] · row j[..16N], the rows `stride` apart from rp.
+    /// 16 f32 at `p`, as [`axpy_rows`] reads rows.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn axpy_cols<const N: usize>(p: &[f32], rp: *const f32, stride: usize, out: *mut f32) {
-        // SAFETY: the caller guarantees 16N columns at out and in every row.
-        unsafe {
-            let mut acc: [__m512; N] = std::array::from_fn(|i| _mm512_loadu_ps(out.add(16 * i)));
-            for (j, &pj) in p.iter().enumerate() {
-                let pj = _mm512_set1_ps(pj);
-                let row = rp.add(j * stride);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let v = _mm512_loadu_ps(row.add(16 * i));
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(pj, v));
-                }
-            }
-            for (i, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(out.add(16 * i), *a);
-            }
-        }
+    unsafe fn load16(p: *const f32) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable values.
+        unsafe { _mm512_loadu_ps(p) }
     }
+
+    super::axpy_rows_avx512!(f32);
 }
 
 dispatch! {
