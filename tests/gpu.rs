@@ -7,7 +7,8 @@
 //! equals f32 on the shipped digit images; the Pile evaluation's batched scoring
 //! equals the CPU's; a training run resumed on the other device equals the
 //! uninterrupted one. The project's own CUDA kernels (Θ, flash attention,
-//! log-softmax-gather) equal their definitions in plain candle ops on the same GPU;
+//! log-softmax-gather) equal their definitions in plain candle ops on the same GPU,
+//! and training's Θ (a kernel each way) equals the CPU's op and its gradient;
 //! they are called directly, so they are checked whatever `TOKENFORMER_CUDA_KERNELS`
 //! says, while the model-level tests above take them only under
 //! `TOKENFORMER_CUDA_KERNELS=1` (run.sh runs the file both ways). Under
@@ -356,6 +357,177 @@ fn the_theta_kernel_equals_the_definition() {
             assert_eq!(got.dtype(), dtype);
             let d = max_rel(&f32s(&got), &want);
             assert!(d < tol, "{act:?} {dtype:?}: {d}");
+        }
+    }
+}
+
+/// Training's Θ on the GPU (`kernels::cuda::trainable_theta`, a CUDA kernel each way)
+/// against the same op on the CPU in f64 from the same rounded inputs: values and
+/// the gradient of Σ Θ(s)·w, for each dtype; in f32 with an all-zero row (whose
+/// clamped norm makes the gradient √n / 1e-30 · GELU′(0) · w, too large for f16).
+#[test]
+fn the_training_theta_kernels_equal_the_cpus_op_and_its_gradient() {
+    use tokenformer::kernels::cuda::trainable_theta;
+    let Some(gpu) = cuda() else { return };
+    let (rows, n) = (37, 1000);
+    let s = (Tensor::randn(0f32, 1.0, (rows, n), &gpu).unwrap() * 3.0).unwrap();
+    let zero = Tensor::zeros((1, n), DType::F32, &gpu).unwrap();
+    let w = Tensor::randn(0f32, 1.0, (rows + 1, n), &gpu).unwrap();
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 2e-3)] {
+        let s = if dtype == DType::F32 {
+            Tensor::cat(&[&s, &zero], 0).unwrap()
+        } else {
+            s.clone()
+        };
+        let w = w
+            .narrow(0, 0, s.dim(0).unwrap())
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let on_gpu = candle_core::Var::from_tensor(&s.to_dtype(dtype).unwrap()).unwrap();
+        let on_cpu = candle_core::Var::from_tensor(
+            &on_gpu
+                .as_tensor()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_device(&Device::Cpu)
+                .unwrap(),
+        )
+        .unwrap();
+        let w_cpu = w
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        let run = |x: &candle_core::Var, w: &Tensor| {
+            let y = trainable_theta(x.as_tensor(), n).unwrap();
+            let grads = (&y * w).unwrap().sum_all().unwrap().backward().unwrap();
+            let dx = grads.get(x.as_tensor()).expect("a gradient").clone();
+            (y, dx)
+        };
+        let (y, dy) = run(&on_gpu, &w);
+        let (want_y, want_dy) = run(&on_cpu, &w_cpu);
+        assert_eq!((y.dtype(), dy.dtype()), (dtype, dtype));
+        let d = max_rel(&f32s(&y), &f32s(&want_y));
+        assert!(d < tol, "{dtype:?} values: {d}");
+        let d = max_rel(&f32s(&dy), &f32s(&want_dy));
+        assert!(d < tol, "{dtype:?} gradient: {d}");
+    }
+}
+
+/// Training attention's softmax kernel (causal or not, square or over a longer past)
+/// against the same softmax in plain candle ops in f32 on the same GPU: values and
+/// the gradient of Σ softmax·w, from the same rounded inputs for each dtype.
+#[test]
+fn the_training_softmax_kernels_equal_the_plain_ops_and_their_gradient() {
+    use tokenformer::kernels::cuda::softmax_scaled;
+    let Some(gpu) = cuda() else { return };
+    let scale = 0.125;
+    for (queries, keys) in [(77, 77), (5, 300), (1, 1500)] {
+        let s = (Tensor::randn(0f32, 1.0, (2, 3, queries, keys), &gpu).unwrap() * 8.0).unwrap();
+        let w = Tensor::randn(0f32, 1.0, s.dims(), &gpu).unwrap();
+        for causal in [false, true] {
+            // 0 where query q sees key j (j ≤ q + keys − queries), else −∞.
+            let mask: Vec<f32> = (0..queries)
+                .flat_map(|q| {
+                    (0..keys).map(move |j| {
+                        if j <= q + keys - queries {
+                            0.0
+                        } else {
+                            f32::NEG_INFINITY
+                        }
+                    })
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (queries, keys), &gpu).unwrap();
+            for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 2e-3)] {
+                let x = candle_core::Var::from_tensor(&s.to_dtype(dtype).unwrap()).unwrap();
+                let w = w.to_dtype(dtype).unwrap();
+                let y = softmax_scaled(x.as_tensor(), scale, causal).unwrap();
+                let dx = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let dx = dx.get(x.as_tensor()).expect("a gradient");
+                assert_eq!((y.dtype(), dx.dtype()), (dtype, dtype));
+                let x32 =
+                    candle_core::Var::from_tensor(&x.as_tensor().to_dtype(DType::F32).unwrap())
+                        .unwrap();
+                let mut z = (x32.as_tensor() * scale).unwrap();
+                if causal {
+                    z = z.broadcast_add(&mask).unwrap();
+                }
+                let e = z
+                    .broadcast_sub(&z.max_keepdim(3).unwrap())
+                    .unwrap()
+                    .exp()
+                    .unwrap();
+                let want = e.broadcast_div(&e.sum_keepdim(3).unwrap()).unwrap();
+                let w32 = w.to_dtype(DType::F32).unwrap();
+                let want_dx = (&want * &w32)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                let want_dx = want_dx.get(x32.as_tensor()).expect("a gradient");
+                let what = format!("{queries}x{keys} causal {causal} {dtype:?}");
+                close(&f32s(&y), &f32s(&want), tol, &format!("{what} values"));
+                close(&f32s(dx), &f32s(want_dx), tol, &format!("{what} gradient"));
+            }
+        }
+    }
+}
+
+/// Training's cross-entropy by the log-softmax-gather kernel and its backward against
+/// the same loss in plain candle ops in f32 on the same GPU: the loss and the
+/// gradient of 3 · loss, from the same rounded logits for each dtype, over a
+/// vocabulary-sized row set and the ViT's 10 classes.
+#[test]
+fn the_training_cross_entropy_kernels_equal_the_plain_ops_and_their_gradient() {
+    let Some(gpu) = cuda() else { return };
+    for (n, classes) in [(37, 50_304), (64, 10)] {
+        let x = (Tensor::randn(0f32, 1.0, (n, classes), &gpu).unwrap() * 4.0).unwrap();
+        let targets: Vec<u32> = (0..n).map(|i| (i * 7919 % classes) as u32).collect();
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2), (DType::F16, 2e-3)] {
+            let x = candle_core::Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();
+            let loss = tokenformer::kernels::cuda::cross_entropy(x.as_tensor(), &targets).unwrap();
+            let dx = (&loss * 3.0).unwrap().backward().unwrap();
+            let dx = dx.get(x.as_tensor()).expect("a gradient");
+            assert_eq!(dx.dtype(), dtype);
+            let x32 = candle_core::Var::from_tensor(&x.as_tensor().to_dtype(DType::F32).unwrap())
+                .unwrap();
+            let z = x32.as_tensor();
+            let shifted = z.broadcast_sub(&z.max_keepdim(1).unwrap()).unwrap();
+            let lse = shifted
+                .exp()
+                .unwrap()
+                .sum_keepdim(1)
+                .unwrap()
+                .log()
+                .unwrap();
+            let index = Tensor::new(targets.as_slice(), &gpu)
+                .unwrap()
+                .unsqueeze(1)
+                .unwrap();
+            let want = (lse - shifted.gather(&index, 1).unwrap())
+                .unwrap()
+                .mean_all()
+                .unwrap();
+            let want_dx = (&want * 3.0).unwrap().backward().unwrap();
+            let want_dx = want_dx.get(x32.as_tensor()).expect("a gradient");
+            let what = format!("{n}x{classes} {dtype:?}");
+            close(
+                &[loss.to_scalar::<f32>().unwrap()],
+                &[want.to_scalar::<f32>().unwrap()],
+                1e-5,
+                &format!("{what} loss"),
+            );
+            // The gradient's entries are ~1/n; compared relative to the largest.
+            let (got, want) = (f32s(dx), f32s(want_dx));
+            let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
+            assert!(worst <= tol * top, "{what} gradient: {worst} against {top}");
         }
     }
 }

@@ -6,7 +6,7 @@
 //! speed, races the barriers hide, or the GPU's own arithmetic (expf, fmaf),
 //! which the GPU tests (tests/gpu.rs) check on a device.
 //! Built and run by scripts/cuda-emulate/run.sh, once per kernel (-DATTENTION,
-//! -DLOGPROB, -DTHETA).
+//! -DLOGPROB, -DTHETA, -DSOFTMAX).
 #include <condition_variable>
 #include <mutex>
 #include <climits>
@@ -279,6 +279,35 @@ int main() {
                 check(out[2] == 0.0f && out[5] == 5.0f, "ties go to the first index");
                 check(std::abs(out[6] + std::log(2.0)) < 1e-6 && out[9] == -INFINITY, "-inf logits");
             }
+            // The backward from this lse: a · softmax − b · one-hot, against double.
+            std::vector<float> coef(3 * n);
+            for (int r = 0; r < n; ++r) {
+                coef[3 * r] = 0.5f + 0.1f * float(r % 5);
+                coef[3 * r + 1] = 0.75f - 0.05f * float(r % 7);
+                coef[3 * r + 2] = out[3 * r + 1];
+            }
+            std::vector<float> g(xr.size());
+            std::vector<__nv_bfloat16> gb(xr.size());
+            launch({unsigned(n), 1, 1}, threads, [&] {
+                if (bf16) logprob_grad_bf16(xb.data(), tg.data(), coef.data(), gb.data(), vocab);
+                else logprob_grad_f32(xr.data(), tg.data(), coef.data(), g.data(), vocab);
+            });
+            double worst_g = 0;
+            for (int r = 0; r < n; ++r) {
+                const float *row = xr.data() + size_t(r) * vocab;
+                double m = -INFINITY, s = 0;
+                for (int i = 0; i < vocab; ++i) m = std::max(m, double(row[i]));
+                for (int i = 0; i < vocab; ++i) s += std::exp(row[i] - m);
+                for (int i = 0; i < vocab; ++i) {
+                    const double p = std::exp(row[i] - m) / s;
+                    const double want = coef[3 * r] * p - (unsigned(i) == tg[r] ? coef[3 * r + 1] : 0.0);
+                    const double got = bf16 ? __bfloat162float(gb[size_t(r) * vocab + i]) : g[size_t(r) * vocab + i];
+                    worst_g = std::max(worst_g, std::abs(got - want));
+                }
+            }
+            std::snprintf(what, sizeof what, "logprob_grad vocab %d %s: %.3g", vocab, bf16 ? "bf16" : "f32", worst_g);
+            std::printf("%s\n", what);
+            check(worst_g < (bf16 ? 4e-3 : 1e-6), what);
         }
     }
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
@@ -322,6 +351,116 @@ int main() {
             std::snprintf(what, sizeof what, "theta n %d act %d: %.3g", n, act, worst);
             std::printf("%s\n", what);
             check(worst < 1e-5, what);
+        }
+    }
+    // act 0's backward against central differences of Σ Θ(s)·w in double, the last
+    // row all zeros (there ∂L/∂s = f·w·GELU′(0), the clamped norm a constant).
+    for (int n : {1, 31, 1000, 1500}) {
+        const int rows = 4;
+        auto x = randn(size_t(rows) * n, 3.0f);
+        auto w = randn(x.size(), 1.0f);
+        std::fill(x.end() - n, x.end(), 0.0f);
+        const float scale = std::sqrt(float(n));
+        std::vector<float> out(x.size());
+        unsigned threads = 32;
+        while (threads < unsigned(n) && threads < 1024) threads *= 2;
+        launch({unsigned(rows), 1, 1}, threads, [&] { theta_grad_f32(x.data(), w.data(), out.data(), n, scale); });
+        auto g = [](double v) { return 0.5 * v * (1.0 + std::erf(v / std::sqrt(2.0))); };
+        // Σ_i Θ(row)_i · w_i in double, for one row.
+        auto loss = [&](const std::vector<double> &s, const float *wr) {
+            double ss = 0, l = 0;
+            for (double v : s) ss += v * v;
+            const double f = scale / std::max(std::sqrt(ss), 1e-30);
+            for (int i = 0; i < n; ++i) l += g(s[i] * f) * wr[i];
+            return l;
+        };
+        double worst = 0;
+        for (int r = 0; r < rows - 1; ++r) {
+            const float *wr = w.data() + size_t(r) * n;
+            std::vector<double> s(x.begin() + size_t(r) * n, x.begin() + size_t(r + 1) * n);
+            for (int i = 0; i < n; i += std::max(1, n / 40)) {
+                const double h = 1e-4 * std::max(1.0, std::abs(s[i]));
+                auto p = s, m = s;
+                p[i] += h;
+                m[i] -= h;
+                const double want = (loss(p, wr) - loss(m, wr)) / (2 * h);
+                worst = std::max(worst, std::abs(out[size_t(r) * n + i] - want) / std::max(1.0, std::abs(want)));
+            }
+        }
+        double zero = 0;
+        for (int i = 0; i < n; ++i) {
+            const double want = double(scale) / 1e-30f * 0.5 * w[size_t(rows - 1) * n + i];
+            zero = std::max(zero, std::abs(out[size_t(rows - 1) * n + i] - want) / std::abs(want));
+        }
+        char what[96];
+        std::snprintf(what, sizeof what, "theta_grad n %d: %.3g, zero row %.3g", n, worst, zero);
+        std::printf("%s\n", what);
+        check(worst < 1e-4 && zero < 1e-6, what);
+    }
+    std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
+    return failures != 0;
+}
+#endif
+
+#ifdef SOFTMAX
+#include "../../src/kernels/cuda/softmax.cu"
+
+// softmax(scale · s) of one row over its first `seen` entries (0 after), in double.
+std::vector<double> softmax_ref(const float *s, int n, int seen, double scale) {
+    std::vector<double> y(n, 0.0);
+    double m = -INFINITY, z = 0;
+    for (int i = 0; i < seen; ++i) m = std::max(m, scale * s[i]);
+    for (int i = 0; i < seen; ++i) z += std::exp(scale * s[i] - m);
+    for (int i = 0; i < seen; ++i) y[i] = std::exp(scale * s[i] - m) / z;
+    return y;
+}
+
+int main() {
+    const float scale = 0.125f;
+    // (queries, keys): square, a cached past (keys > queries), one query, a long row.
+    for (auto [queries, n] : {std::pair{7, 7}, {5, 12}, {1, 40}, {3, 1500}}) {
+        for (int causal = 0; causal < 2; ++causal) {
+            const int rows = 2 * queries;  // two heads
+            auto s = randn(size_t(rows) * n, 8.0f);
+            auto w = randn(s.size(), 1.0f);
+            std::vector<float> y(s.size()), ds(s.size());
+            unsigned threads = 32;
+            while (threads < unsigned(n) && threads < 1024) threads *= 2;
+            launch({unsigned(rows), 1, 1}, threads,
+                   [&] { softmax_f32(s.data(), y.data(), n, scale, queries, causal); });
+            launch({unsigned(rows), 1, 1}, threads,
+                   [&] { softmax_grad_f32(y.data(), w.data(), ds.data(), n, scale); });
+            double worst_y = 0, worst_g = 0;
+            for (int r = 0; r < rows; ++r) {
+                const int seen = causal ? r % queries + (n - queries) + 1 : n;
+                const float *sr = s.data() + size_t(r) * n, *wr = w.data() + size_t(r) * n;
+                auto want = softmax_ref(sr, n, seen, scale);
+                for (int i = 0; i < n; ++i) {
+                    const double got = y[size_t(r) * n + i];
+                    worst_y = std::max(worst_y, std::abs(got - want[i]));
+                    if (i >= seen) check(got == 0.0, "a masked weight is not 0");
+                }
+                // ∂/∂s_i of Σ softmax(scale · s)·w by central differences.
+                std::vector<float> p(sr, sr + n);
+                for (int i = 0; i < n; i += std::max(1, n / 30)) {
+                    const float h = 1e-2f;
+                    auto loss = [&](float v) {
+                        p[i] = v;
+                        auto y = softmax_ref(p.data(), n, seen, scale);
+                        double l = 0;
+                        for (int j = 0; j < n; ++j) l += y[j] * wr[j];
+                        return l;
+                    };
+                    const double fd = (loss(sr[i] + h) - loss(sr[i] - h)) / (2.0 * h);
+                    p[i] = sr[i];
+                    worst_g = std::max(worst_g, std::abs(ds[size_t(r) * n + i] - fd));
+                }
+            }
+            char what[96];
+            std::snprintf(what, sizeof what, "softmax %dx%d causal %d: values %.3g, gradient %.3g", queries, n,
+                          causal, worst_y, worst_g);
+            std::printf("%s\n", what);
+            check(worst_y < 1e-6 && worst_g < 1e-5, what);
         }
     }
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);

@@ -60,11 +60,15 @@ mod norm;
 pub mod q8;
 mod rotary;
 mod rows;
+#[cfg(feature = "cuda")]
+mod rows_cuda;
 #[cfg(target_arch = "x86_64")]
 mod sgemm;
+#[cfg(feature = "cuda")]
+pub(crate) mod softmax_cuda;
 pub mod theta;
 #[cfg(feature = "cuda")]
-mod theta_cuda;
+pub(crate) mod theta_cuda;
 
 /// A raw pointer handed to the tasks of one kernel, which read through it or
 /// write disjoint parts of what it points to.
@@ -82,7 +86,31 @@ unsafe impl Sync for SharedPtr {}
 pub mod cuda {
     pub use super::attention_cuda::flash_attention;
     pub use super::logprob_cuda::target_logprobs;
+
+    /// Training's mean cross-entropy of `logits` [n, classes] on a GPU by the
+    /// log-softmax-gather kernel and its backward (what `train` takes there under
+    /// `TOKENFORMER_CUDA_KERNELS=1`); called directly by the GPU tests.
+    pub fn cross_entropy(
+        logits: &candle_core::Tensor,
+        targets: &[u32],
+    ) -> candle_core::Result<candle_core::Tensor> {
+        let (n, classes) = logits.dims2()?;
+        crate::train::loss::check_targets(n, classes, targets)?;
+        super::logprob_cuda::cross_entropy(logits, targets)
+    }
+    pub use super::softmax_cuda::softmax_scaled;
     pub use super::theta_cuda::theta;
+
+    /// Θ (`l2_norm_gelu`) as training runs it, with its backward: on a GPU both
+    /// passes are CUDA kernels, on the CPU the fused f32/f64 passes. What the
+    /// training path takes under `TOKENFORMER_CUDA_KERNELS=1`; called directly by
+    /// the GPU tests.
+    pub fn trainable_theta(
+        scores: &candle_core::Tensor,
+        scale_tokens: usize,
+    ) -> candle_core::Result<candle_core::Tensor> {
+        crate::train::theta::l2_norm_gelu(scores, scale_tokens)
+    }
 }
 
 pub(crate) use attention::attention;

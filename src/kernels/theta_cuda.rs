@@ -1,20 +1,20 @@
 //! Θ on a CUDA GPU as one kernel (`cuda/theta.cu`, PTX built by build.rs): a
 //! pass over the scores instead of candle's half-dozen element-wise and
-//! reduction launches, every sum in f32 whatever the scores' dtype. For
-//! inference only (no backward): training differentiates the definition.
+//! reduction launches, every sum in f32 whatever the scores' dtype; and, for
+//! training, the backward of `l2_norm_gelu` (`crate::train::theta`'s op runs
+//! both on a GPU).
 //! Experimental: taken only when `TOKENFORMER_CUDA_KERNELS=1` (see
 //! [`super::cuda_kernels_enabled`]) until a GPU session has checked it.
 
-use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, DType, Layout, Result, Shape, Tensor};
 
+use super::rows_cuda::{launch_rows, Module};
 use super::theta::Activation;
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/theta.ptx"));
+const THETA: Module = Module {
+    name: "tokenformer_theta",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/theta.ptx")),
+};
 
 /// Whether the model's Θ takes the kernel for `scores`: the CUDA kernels
 /// turned on, and [`fits`].
@@ -55,48 +55,30 @@ struct ThetaCuda {
     scale_tokens: usize,
 }
 
-impl ThetaCuda {
-    fn launch<T: DeviceRepr + CudaDType>(
-        &self,
-        storage: &CudaStorage,
-        layout: &Layout,
-        kernel: &str,
-    ) -> Result<CudaStorage> {
-        let n = *layout.dims().last().expect("rank ≥ 1");
-        let rows = layout.shape().elem_count() / n;
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("theta kernel: contiguous scores only")
-        };
-        let dev = &storage.device;
-        let func = dev.get_or_load_custom_func(kernel, "tokenformer_theta", PTX)?;
-        let src: &CudaSlice<T> = storage.as_cuda_slice()?;
-        let src = src.slice(start..end);
-        // SAFETY: every element is written by the kernel before it is read.
-        let out = unsafe { dev.alloc::<T>(end - start)? };
-        let (scale, act) = match self.activation {
-            Activation::L2NormGelu => ((self.scale_tokens as f32).sqrt(), 0i32),
-            Activation::GeluL2Norm => ((self.scale_tokens as f32).sqrt(), 1),
-            Activation::Softmax => (self.scale_tokens as f32, 2),
-        };
-        let n32 = n as i32;
-        // One block a row; fewer threads for short rows (a warp at least).
-        let threads = n.next_power_of_two().clamp(32, 1024) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = func.builder();
-        b.arg(&src);
-        b.arg(&out);
-        b.arg(&n32);
-        b.arg(&scale);
-        b.arg(&act);
-        // SAFETY: the arguments match the kernel's (in, out, n, scale, act), and
-        // `in` and `out` hold rows · n elements.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-    }
+/// Θ of the kind `activation` with the multiplier `scale` (√n or n, as theta.cu
+/// says) over contiguous f32/bf16/f16 scores on a GPU.
+pub(crate) fn theta_storage(
+    storage: &CudaStorage,
+    layout: &Layout,
+    activation: Activation,
+    scale: f32,
+) -> Result<CudaStorage> {
+    let act = match activation {
+        Activation::L2NormGelu => 0i32,
+        Activation::GeluL2Norm => 1,
+        Activation::Softmax => 2,
+    };
+    launch_rows(THETA, "theta", &[(storage, layout)], scale, &[act])
+}
+
+/// ∂L/∂s of `l2_norm_gelu` with the multiplier `scale` (√n) from contiguous scores
+/// and ∂L/∂Θ of one shape and dtype (f32/bf16/f16) on a GPU, for training.
+pub(crate) fn l2_norm_gelu_grad_storage(
+    scores: (&CudaStorage, &Layout),
+    grad: (&CudaStorage, &Layout),
+    scale: f32,
+) -> Result<CudaStorage> {
+    launch_rows(THETA, "theta_grad", &[scores, grad], scale, &[])
 }
 
 impl candle_core::CustomOp1 for ThetaCuda {
@@ -109,16 +91,11 @@ impl candle_core::CustomOp1 for ThetaCuda {
     }
 
     fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> Result<(CudaStorage, Shape)> {
-        let rows = layout.shape().elem_count() / layout.dims().last().copied().unwrap_or(1).max(1);
-        if rows > u32::MAX as usize {
-            candle_core::bail!("theta kernel: {rows} rows are more than one launch takes")
-        }
-        let out = match storage.dtype() {
-            DType::F32 => self.launch::<f32>(storage, layout, "theta_f32")?,
-            DType::BF16 => self.launch::<::half::bf16>(storage, layout, "theta_bf16")?,
-            DType::F16 => self.launch::<::half::f16>(storage, layout, "theta_f16")?,
-            d => candle_core::bail!("theta kernel: no {d:?} version"),
+        let scale = match self.activation {
+            Activation::L2NormGelu | Activation::GeluL2Norm => (self.scale_tokens as f32).sqrt(),
+            Activation::Softmax => self.scale_tokens as f32,
         };
+        let out = theta_storage(storage, layout, self.activation, scale)?;
         Ok((out, layout.shape().clone()))
     }
 }

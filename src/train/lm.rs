@@ -293,9 +293,7 @@ pub(crate) fn pattention<P: Params + ?Sized>(
     let x2 = x.reshape(((), d))?;
     *dims.last_mut().expect("a rank of at least 1") = v.dim(1)?;
     let scores = x2.matmul(&k.t()?)?;
-    // The one-pass Θ is a CPU kernel (f32, f64); elsewhere the definition's ops.
-    let one_pass = matches!(scores.dtype(), DType::F32 | DType::F64);
-    let weights = if l2_norm_gelu && one_pass && crate::kernels::fused_on(&scores) {
+    let weights = if l2_norm_gelu && super::theta::serves(&scores) {
         super::theta::l2_norm_gelu(&scores, scale_tokens)?
     } else {
         theta(&scores, activation, scale_tokens)?
@@ -394,12 +392,8 @@ pub(crate) fn attention<P: Params + ?Sized>(
     } else {
         let heads_first = |x: Tensor| x.reshape((b, t, heads, hd))?.transpose(1, 2)?.contiguous();
         let (q, k, v) = (heads_first(q)?, heads_first(k)?, heads_first(v)?);
-        let mut scores = q.matmul(&k.t()?.contiguous()?)?;
-        if causal {
-            // Entries 0 or −∞, so adding them before the scaling equals adding after.
-            scores = scores.broadcast_add(&causal_mask(t, scores.dtype(), h.device())?)?;
-        }
-        softmax_scaled(&scores, scale)?
+        let scores = q.matmul(&k.t()?.contiguous()?)?;
+        masked_softmax(&scores, scale, causal)?
             .matmul(&v)?
             .transpose(1, 2)?
             .reshape((b, t, d))?
@@ -471,8 +465,28 @@ pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
     softmax_scaled(x, 1.0)
 }
 
+/// softmax(scale · scores) over the last axis of [.., t, t] attention scores, with
+/// the causal mask if `causal`.
+fn masked_softmax(scores: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::kernels::softmax_cuda::serves(scores) {
+        return crate::kernels::cuda::softmax_scaled(scores, scale, causal);
+    }
+    if !causal {
+        return softmax_scaled(scores, scale);
+    }
+    let t = scores.dim(D::Minus1)?;
+    // Entries 0 or −∞, so adding them before the scaling equals adding after.
+    let mask = causal_mask(t, scores.dtype(), scores.device())?;
+    softmax_scaled(&scores.broadcast_add(&mask)?, scale)
+}
+
 /// softmax(scale · x) over the last axis.
 pub(crate) fn softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::kernels::softmax_cuda::serves(x) {
+        return crate::kernels::cuda::softmax_scaled(x, scale, false);
+    }
     if super::fused::serves(x) {
         return super::fused::softmax_scaled(x, scale);
     }

@@ -14,6 +14,10 @@ use rayon::prelude::*;
 pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     let (n, v) = logits.dims2()?;
     check_targets(n, v, targets)?;
+    #[cfg(feature = "cuda")]
+    if crate::kernels::logprob_cuda_serves(logits) {
+        return crate::kernels::cuda::cross_entropy(logits, targets);
+    }
     if !crate::kernels::fused_on(logits) || !matches!(logits.dtype(), DType::F32 | DType::F64) {
         return composite(logits, targets);
     }
@@ -22,7 +26,8 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     })
 }
 
-/// The same loss in differentiable candle ops, in f32 at least (a GPU's path).
+/// The same loss in differentiable candle ops, in f32 at least (a GPU's path
+/// without the CUDA kernels).
 fn composite(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     let x = crate::kernels::widened(logits)?;
     let max = x.max_keepdim(1)?.detach();

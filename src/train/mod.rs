@@ -18,7 +18,7 @@ pub mod optim;
 pub mod options;
 mod parts;
 pub mod plot;
-mod theta;
+pub(crate) mod theta;
 pub mod trainer;
 pub mod vit;
 pub mod vl;

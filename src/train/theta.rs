@@ -5,20 +5,34 @@
 //! each way. Its values are the definition's ([`crate::pattention::theta`]) up to
 //! rounding: f32 scores go through the inference kernels' branch-free erf and exp
 //! (erf within 3e-7) and 32-lane sums so that the loops vectorise; f64 scores through
-//! libm and running f64 sums.
+//! libm and running f64 sums. On a GPU (a `cuda` build, `TOKENFORMER_CUDA_KERNELS=1`)
+//! both passes are `kernels/cuda/theta.cu`'s, for f32, bf16 and f16 scores with f32 sums.
 //!
 //! Backward, with f = √n / ‖s‖, u = f·s and g = ∂L/∂Θ · GELU′(u):
 //! ∂L/∂s = f·g − f · s · (s·g) / ‖s‖² (the normalisation's projection), and f·g for a
 //! row whose norm is clamped at the floor (an all-zero row).
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 /// The smallest norm divided by, as in the inference Θ.
 const MIN_NORM: f64 = 1e-30;
 
-/// Θ over the last axis of contiguous f32 or f64 scores with the √n constant of
-/// `scale_tokens`.
+/// Whether [`l2_norm_gelu`] takes `scores`: f32 or f64 on the CPU with the fused
+/// kernels on, or (in a `cuda` build) f32, bf16 or f16 on a GPU with the CUDA
+/// kernels on (`TOKENFORMER_CUDA_KERNELS`). Elsewhere training differentiates the
+/// definition's ops.
+pub(crate) fn serves(scores: &Tensor) -> bool {
+    let cpu = matches!(scores.dtype(), DType::F32 | DType::F64) && crate::kernels::fused_on(scores);
+    #[cfg(feature = "cuda")]
+    let gpu = crate::kernels::theta_cuda::serves(scores);
+    #[cfg(not(feature = "cuda"))]
+    let gpu = false;
+    cpu || gpu
+}
+
+/// Θ over the last axis of contiguous scores (f32 or f64 on the CPU; f32, bf16 or
+/// f16 on a GPU, every sum in f32) with the √n constant of `scale_tokens`.
 pub(crate) fn l2_norm_gelu(scores: &Tensor, scale_tokens: usize) -> Result<Tensor> {
     scores.contiguous()?.apply_op1(L2NormGelu {
         c: (scale_tokens as f64).sqrt(),
@@ -252,6 +266,18 @@ impl CustomOp1 for L2NormGelu {
         Ok((out, layout.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::kernels::theta_cuda::theta_storage;
+        let activation = crate::pattention::Activation::L2NormGelu;
+        let out = theta_storage(storage, layout, activation, self.c as f32)?;
+        Ok((out, layout.shape().clone()))
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         let g = grad_res.contiguous()?;
         Ok(Some(arg.apply_op2_no_bwd(&g, &Grad { c: self.c })?))
@@ -284,6 +310,19 @@ impl CustomOp2 for Grad {
             }
             _ => candle_core::bail!("Θ's gradient needs f32 or f64"),
         };
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::kernels::theta_cuda::l2_norm_gelu_grad_storage;
+        let out = l2_norm_gelu_grad_storage((s1, l1), (s2, l2), self.c as f32)?;
         Ok((out, l1.shape().clone()))
     }
 }

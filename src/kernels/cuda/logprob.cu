@@ -6,6 +6,9 @@
 // online (max, Σ exp(x − max), first index of max) over its strided elements,
 // then the block merges the triples. Output [n, 3] f32: log p, lse, argmax
 // (as a float: exact below 2^24, which the host checks).
+// logprob_grad_*: the backward for training's cross-entropy: with per-row
+// coefficients (a, b, lse) [n, 3] f32, ∂L/∂x = a · exp(x − lse) − b · one-hot(target)
+// (a = ∂L/∂log p + ∂L/∂lse, b = ∂L/∂log p), in the logits' dtype.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <limits.h>
@@ -13,6 +16,9 @@
 __device__ __forceinline__ float load(const float *p, long i) { return p[i]; }
 __device__ __forceinline__ float load(const __nv_bfloat16 *p, long i) { return __bfloat162float(p[i]); }
 __device__ __forceinline__ float load(const __half *p, long i) { return __half2float(p[i]); }
+__device__ __forceinline__ void store(float *p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(__nv_bfloat16 *p, long i, float v) { p[i] = __float2bfloat16(v); }
+__device__ __forceinline__ void store(__half *p, long i, float v) { p[i] = __float2half(v); }
 
 struct Acc {
     float m;   // maximum so far (−inf: nothing above −inf seen)
@@ -80,4 +86,29 @@ extern "C" __global__ void logprob_bf16(const __nv_bfloat16 *logits, const unsig
 }
 extern "C" __global__ void logprob_f16(const __half *logits, const unsigned int *targets, float *out, int vocab) {
     logprob_row(logits, targets, out, vocab);
+}
+
+template <typename T>
+__device__ __forceinline__ void logprob_grad_row(const T *logits, const unsigned int *targets, const float *coef,
+                                                 T *out, int vocab) {
+    const long row = (long)blockIdx.x * vocab;
+    const float a = coef[3 * blockIdx.x], b = coef[3 * blockIdx.x + 1], lse = coef[3 * blockIdx.x + 2];
+    const unsigned int target = targets[blockIdx.x];
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float p = expf(load(logits + row, i) - lse);
+        store(out + row, i, a * p - ((unsigned int)i == target ? b : 0.0f));
+    }
+}
+
+extern "C" __global__ void logprob_grad_f32(const float *logits, const unsigned int *targets, const float *coef,
+                                            float *out, int vocab) {
+    logprob_grad_row(logits, targets, coef, out, vocab);
+}
+extern "C" __global__ void logprob_grad_bf16(const __nv_bfloat16 *logits, const unsigned int *targets,
+                                             const float *coef, __nv_bfloat16 *out, int vocab) {
+    logprob_grad_row(logits, targets, coef, out, vocab);
+}
+extern "C" __global__ void logprob_grad_f16(const __half *logits, const unsigned int *targets, const float *coef,
+                                            __half *out, int vocab) {
+    logprob_grad_row(logits, targets, coef, out, vocab);
 }

@@ -5,44 +5,12 @@
 //   act 1, gelu_l2_norm:  GELU(s) / max(‖GELU(s)‖₂, 1e-30) · scale     scale = √n
 //   act 2, softmax:       exp(s − max s) / Σ exp(s − max s) · scale     scale = n
 // The same definitions as crate::kernels::theta::theta (the tests compare them).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-__device__ __forceinline__ float load(const float *p, long i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16 *p, long i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ float load(const __half *p, long i) { return __half2float(p[i]); }
-__device__ __forceinline__ void store(float *p, long i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(__nv_bfloat16 *p, long i, float v) { p[i] = __float2bfloat16(v); }
-__device__ __forceinline__ void store(__half *p, long i, float v) { p[i] = __float2half(v); }
+// theta_grad_*: act 0's backward for training (crate::train::theta's, on the GPU).
+#include "rows.cuh"
 
 // Exact (erf) GELU, as torch's default.
 __device__ __forceinline__ float gelu(float x) {
     return 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f));
-}
-
-// The sum (max: the maximum) of v over the block, returned to every thread.
-template <bool MAX>
-__device__ float block_reduce(float v) {
-    __shared__ float part[32];
-    for (int o = 16; o > 0; o >>= 1) {
-        float w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = MAX ? fmaxf(v, w) : v + w;
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads(); // an earlier call's readers are done with part[]
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        const int warps = (blockDim.x + 31) >> 5;
-        v = lane < warps ? part[lane] : (MAX ? -INFINITY : 0.0f);
-        for (int o = 16; o > 0; o >>= 1) {
-            float w = __shfl_xor_sync(0xffffffffu, v, o);
-            v = MAX ? fmaxf(v, w) : v + w;
-        }
-        if (lane == 0) part[0] = v;
-    }
-    __syncthreads();
-    return part[0];
 }
 
 template <typename T>
@@ -72,6 +40,42 @@ __device__ void theta_row(const T *in, T *out, int n, float scale, int act) {
     }
 }
 
+// GELU′(u) = Φ(u) + u·φ(u).
+__device__ __forceinline__ float gelu_grad(float u) {
+    return 0.5f * (1.0f + erff(u * 0.70710678118654752440f)) + u * expf(-0.5f * u * u) * 0.39894228040143267794f;
+}
+
+// ∂L/∂s of act 0 for one row, from the scores s and ∂L/∂Θ dy. With r = ‖s‖,
+// f = scale / max(r, 1e-30), u = f·s and g = dy·GELU′(u):
+//   ∂L/∂s = f·(g − s·(s·g)/r²)   (f·g where r ≤ 1e-30: the clamped norm is a constant).
+// g is computed twice (for s·g, then for the output) rather than kept, so rows of
+// any length need no shared memory.
+template <typename T>
+__device__ void theta_grad_row(const T *in, const T *grad, T *out, int n, float scale) {
+    const long row = (long)blockIdx.x * n;
+    const T *s = in + row, *dy = grad + row;
+    T *ds = out + row;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = load(s, i);
+        ss += v * v;
+    }
+    const float r = sqrtf(block_reduce<false>(ss));
+    const float f = scale / fmaxf(r, 1e-30f);
+    float dot = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = load(s, i);
+        dot += v * load(dy, i) * gelu_grad(v * f);
+    }
+    dot = block_reduce<false>(dot);
+    // dot / r / r, not dot / (r·r): r² underflows for rows of tiny scores.
+    const float proj = r > 1e-30f ? dot / r / r : 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = load(s, i);
+        store(ds, i, f * (load(dy, i) * gelu_grad(v * f) - v * proj));
+    }
+}
+
 extern "C" __global__ void theta_f32(const float *in, float *out, int n, float scale, int act) {
     theta_row(in, out, n, scale, act);
 }
@@ -80,4 +84,14 @@ extern "C" __global__ void theta_bf16(const __nv_bfloat16 *in, __nv_bfloat16 *ou
 }
 extern "C" __global__ void theta_f16(const __half *in, __half *out, int n, float scale, int act) {
     theta_row(in, out, n, scale, act);
+}
+extern "C" __global__ void theta_grad_f32(const float *s, const float *dy, float *ds, int n, float scale) {
+    theta_grad_row(s, dy, ds, n, scale);
+}
+extern "C" __global__ void theta_grad_bf16(const __nv_bfloat16 *s, const __nv_bfloat16 *dy, __nv_bfloat16 *ds, int n,
+                                           float scale) {
+    theta_grad_row(s, dy, ds, n, scale);
+}
+extern "C" __global__ void theta_grad_f16(const __half *s, const __half *dy, __half *ds, int n, float scale) {
+    theta_grad_row(s, dy, ds, n, scale);
 }

@@ -1,0 +1,103 @@
+//! Launching the project's row kernels on a GPU (`cuda/theta.cu`,
+//! `cuda/softmax.cu`): one thread block per row of the last axis, contiguous
+//! inputs of one shape and dtype (f32, bf16 or f16), an output of that shape and
+//! dtype, and the arguments `(inputs…, out, n, scale, ints…)`.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaStorage, DType, Layout, Result};
+
+/// A PTX module built by build.rs and the name it is loaded under.
+pub(crate) struct Module {
+    pub(crate) name: &'static str,
+    pub(crate) ptx: &'static str,
+}
+
+/// Runs `{kernel}_{f32|bf16|f16}` of `module` over the rows of `inputs` (the
+/// first input's shape) and returns its output.
+pub(crate) fn launch_rows(
+    module: Module,
+    kernel: &str,
+    inputs: &[(&CudaStorage, &Layout)],
+    scale: f32,
+    ints: &[i32],
+) -> Result<CudaStorage> {
+    let Some(&(first, _)) = inputs.first() else {
+        candle_core::bail!("{kernel} kernel: no input")
+    };
+    if let Some((s, _)) = inputs.iter().find(|(s, _)| s.dtype() != first.dtype()) {
+        candle_core::bail!(
+            "{kernel} kernel: {:?} and {:?} inputs",
+            first.dtype(),
+            s.dtype()
+        )
+    }
+    match first.dtype() {
+        DType::F32 => launch::<f32>(module, &format!("{kernel}_f32"), inputs, scale, ints),
+        DType::BF16 => {
+            launch::<::half::bf16>(module, &format!("{kernel}_bf16"), inputs, scale, ints)
+        }
+        DType::F16 => launch::<::half::f16>(module, &format!("{kernel}_f16"), inputs, scale, ints),
+        d => candle_core::bail!("{kernel} kernel: no {d:?} version"),
+    }
+}
+
+fn launch<T: DeviceRepr + CudaDType>(
+    module: Module,
+    kernel: &str,
+    inputs: &[(&CudaStorage, &Layout)],
+    scale: f32,
+    ints: &[i32],
+) -> Result<CudaStorage> {
+    let (first, layout) = inputs[0];
+    let n = layout.dims().last().copied().unwrap_or(1).max(1);
+    let rows = layout.shape().elem_count() / n;
+    // A grid's x dimension takes up to 2³¹ − 1 blocks.
+    let (Ok(rows), Ok(n)) = (i32::try_from(rows), i32::try_from(n)) else {
+        candle_core::bail!("{kernel}: {rows} rows of {n} are more than one launch takes")
+    };
+    let views = inputs
+        .iter()
+        .map(|&(s, l)| {
+            if l.shape() != layout.shape() {
+                candle_core::bail!("{kernel}: inputs {:?} and {:?}", layout.shape(), l.shape())
+            }
+            let Some((start, end)) = l.contiguous_offsets() else {
+                candle_core::bail!("{kernel}: contiguous inputs only")
+            };
+            Ok(s.as_cuda_slice::<T>()?.slice(start..end))
+        })
+        .collect::<Result<Vec<CudaView<'_, T>>>>()?;
+    let dev = &first.device;
+    let elements = layout.shape().elem_count();
+    // SAFETY: every element is written by the kernel before it is read.
+    let out = unsafe { dev.alloc::<T>(elements)? };
+    if elements == 0 {
+        return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+    }
+    let func = dev.get_or_load_custom_func(kernel, module.name, module.ptx)?;
+    // One block a row; fewer threads for short rows (a warp at least).
+    let threads = (n as u32).next_power_of_two().clamp(32, 1024);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = func.builder();
+    for v in &views {
+        b.arg(v);
+    }
+    b.arg(&out);
+    b.arg(&n);
+    b.arg(&scale);
+    for i in ints {
+        b.arg(i);
+    }
+    // SAFETY: the arguments are the kernel's (inputs…, out, n, scale, ints…) as
+    // the caller names them, and every input and the output hold rows · n elements.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+}
