@@ -3,8 +3,8 @@
 //! the log-sum-exp and the first argmax of each row from one read of the
 //! logits, in f32 whatever their dtype, instead of candle's max, subtract,
 //! exp, sum, log, gather and argmax passes (and their [n, vocab] temporaries).
-//! With a backward (a second kernel writing (softmax − one-hot) · grad), the same
-//! read serves training's cross-entropy on a GPU ([`cross_entropy`]).
+//! The CUDA side of [`super::logprob`]'s op, whose backward (a second kernel
+//! writing the gradient in one pass) serves training's cross-entropy on a GPU.
 //! Experimental: scoring and training take it only when
 //! `TOKENFORMER_CUDA_KERNELS=1` (see [`super::cuda_kernels_enabled`]) until a GPU
 //! session has checked it.
@@ -12,7 +12,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CpuStorage, CudaStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Tensor};
 
 use super::TargetLogprobs;
 
@@ -66,7 +66,7 @@ pub fn target_logprobs(logits: &Tensor, targets: &[u32]) -> Result<TargetLogprob
     let index = Tensor::new(targets, logits.device())?;
     let out = logits
         .contiguous()?
-        .apply_op2_no_bwd(&index, &LogprobGather)?
+        .apply_op2_no_bwd(&index, &super::logprob::LogprobGather)?
         .to_vec2::<f32>()?;
     let mut r = TargetLogprobs {
         logprob: Vec::with_capacity(n),
@@ -81,219 +81,143 @@ pub fn target_logprobs(logits: &Tensor, targets: &[u32]) -> Result<TargetLogprob
     Ok(r)
 }
 
-/// The mean over rows of log-sum-exp − x[target] of `logits` [n, classes] (f32, bf16
-/// or f16 on a GPU, checked by the caller to fit and to hold every target), as an f32
-/// scalar with its backward: the kernel's one read of the logits forward and one
-/// pass writing (softmax − one-hot) · grad / n back. Training's loss on a GPU.
-pub(crate) fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
-    let index = Tensor::new(targets, logits.device())?;
-    let rows = logits.contiguous()?.apply_op2(&index, LogprobGather)?;
-    rows.narrow(1, 0, 1)?.neg()?.mean_all()
-}
-
-/// Log-softmax-gather as an op: [n, 3] f32 (log p(target), log-sum-exp, argmax),
-/// differentiable in the logits through the first two columns.
-struct LogprobGather;
-
-impl LogprobGather {
-    fn launch<T: DeviceRepr + CudaDType>(
-        &self,
-        logits: &CudaStorage,
-        ll: &Layout,
-        targets: &CudaStorage,
-        lt: &Layout,
-        name: &str,
-    ) -> Result<(CudaStorage, Shape)> {
-        let (n, vocab) = ll.shape().dims2()?;
-        let (Some((a, b)), Some((ta, tb))) = (ll.contiguous_offsets(), lt.contiguous_offsets())
-        else {
-            candle_core::bail!("log-softmax-gather kernel: contiguous logits and targets only")
-        };
-        if tb - ta != n {
-            candle_core::bail!(
-                "log-softmax-gather kernel: {} targets for {n} rows",
-                tb - ta
-            )
-        }
-        let dev = &logits.device;
-        let func =
-            dev.get_or_load_custom_func(&format!("logprob_{name}"), "tokenformer_logprob", PTX)?;
-        let x = logits.as_cuda_slice::<T>()?.slice(a..b);
-        let tg = targets.as_cuda_slice::<u32>()?.slice(ta..tb);
-        // SAFETY: the kernel writes all three values of every row.
-        let out = unsafe { dev.alloc::<f32>(n * 3)? };
-        let vocab32 = vocab as i32;
-        // One block a row: 512 threads stream a 50k-token row; short rows fewer.
-        let threads = vocab.next_power_of_two().clamp(32, 512) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut args = func.builder();
-        args.arg(&x);
-        args.arg(&tg);
-        args.arg(&out);
-        args.arg(&vocab32);
-        // SAFETY: the arguments match the kernel's (logits, targets, out, vocab);
-        // logits hold n · vocab elements, targets n, out 3n.
-        unsafe { args.launch(cfg) }.w()?;
-        let out = CudaStorage::wrap_cuda_slice(out, dev.clone());
-        Ok((out, Shape::from((n, 3))))
+/// The kernel's [n, 3] rows (log p(target), log-sum-exp, argmax) for contiguous
+/// logits [n, vocab] (f32, bf16 or f16) and u32 targets [n].
+pub(crate) fn gather(
+    logits: &CudaStorage,
+    ll: &Layout,
+    targets: &CudaStorage,
+    lt: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    if targets.dtype() != DType::U32 {
+        candle_core::bail!(
+            "log-softmax-gather kernel: u32 targets, not {:?}",
+            targets.dtype()
+        )
+    }
+    match logits.dtype() {
+        DType::F32 => launch_gather::<f32>(logits, ll, targets, lt, "f32"),
+        DType::BF16 => launch_gather::<::half::bf16>(logits, ll, targets, lt, "bf16"),
+        DType::F16 => launch_gather::<::half::f16>(logits, ll, targets, lt, "f16"),
+        d => candle_core::bail!("log-softmax-gather kernel: no {d:?} version"),
     }
 }
 
-impl CustomOp2 for LogprobGather {
-    fn name(&self) -> &'static str {
-        "log-softmax-gather-cuda"
+fn launch_gather<T: DeviceRepr + CudaDType>(
+    logits: &CudaStorage,
+    ll: &Layout,
+    targets: &CudaStorage,
+    lt: &Layout,
+    name: &str,
+) -> Result<(CudaStorage, Shape)> {
+    let (n, vocab) = ll.shape().dims2()?;
+    let (Some((a, b)), Some((ta, tb))) = (ll.contiguous_offsets(), lt.contiguous_offsets()) else {
+        candle_core::bail!("log-softmax-gather kernel: contiguous logits and targets only")
+    };
+    if tb - ta != n {
+        candle_core::bail!(
+            "log-softmax-gather kernel: {} targets for {n} rows",
+            tb - ta
+        )
     }
+    let dev = &logits.device;
+    let func =
+        dev.get_or_load_custom_func(&format!("logprob_{name}"), "tokenformer_logprob", PTX)?;
+    let x = logits.as_cuda_slice::<T>()?.slice(a..b);
+    let tg = targets.as_cuda_slice::<u32>()?.slice(ta..tb);
+    // SAFETY: the kernel writes all three values of every row.
+    let out = unsafe { dev.alloc::<f32>(n * 3)? };
+    let vocab32 = vocab as i32;
+    // One block a row: 512 threads stream a 50k-token row; short rows fewer.
+    let threads = vocab.next_power_of_two().clamp(32, 512) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = func.builder();
+    args.arg(&x);
+    args.arg(&tg);
+    args.arg(&out);
+    args.arg(&vocab32);
+    // SAFETY: the arguments match the kernel's (logits, targets, out, vocab);
+    // logits hold n · vocab elements, targets n, out 3n.
+    unsafe { args.launch(cfg) }.w()?;
+    let out = CudaStorage::wrap_cuda_slice(out, dev.clone());
+    Ok((out, Shape::from((n, 3))))
+}
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("the CUDA log-softmax-gather kernel runs on a GPU only")
+/// The backward's ∂L/∂logits = a · exp(x − lse) − b · one-hot(target) for
+/// contiguous logits [n, vocab], u32 targets [n] and f32 coefficients (a, b, lse)
+/// [n, 3], in the logits' dtype.
+pub(crate) fn grad(
+    (logits, ll): (&CudaStorage, &Layout),
+    (targets, lt): (&CudaStorage, &Layout),
+    (coef, lc): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    if targets.dtype() != DType::U32 || coef.dtype() != DType::F32 {
+        candle_core::bail!(
+            "log-softmax-gather gradient: u32 targets and f32 coefficients, not {:?} and {:?}",
+            targets.dtype(),
+            coef.dtype()
+        )
     }
-
-    fn cuda_fwd(
-        &self,
-        logits: &CudaStorage,
-        ll: &Layout,
-        targets: &CudaStorage,
-        lt: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        if targets.dtype() != DType::U32 {
-            candle_core::bail!(
-                "log-softmax-gather kernel: u32 targets, not {:?}",
-                targets.dtype()
-            )
-        }
-        match logits.dtype() {
-            DType::F32 => self.launch::<f32>(logits, ll, targets, lt, "f32"),
-            DType::BF16 => self.launch::<::half::bf16>(logits, ll, targets, lt, "bf16"),
-            DType::F16 => self.launch::<::half::f16>(logits, ll, targets, lt, "f16"),
-            d => candle_core::bail!("log-softmax-gather kernel: no {d:?} version"),
-        }
-    }
-
-    /// With g0, g1 the gradients of log p(target) and log-sum-exp:
-    /// ∂L/∂x = (g0 + g1) · softmax(x) − g0 · one-hot(target).
-    fn bwd(
-        &self,
-        logits: &Tensor,
-        targets: &Tensor,
-        res: &Tensor,
-        grad_res: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let g0 = grad_res.narrow(1, 0, 1)?;
-        let g1 = grad_res.narrow(1, 1, 1)?;
-        let lse = res.narrow(1, 1, 1)?;
-        let coef = Tensor::cat(&[&(&g0 + &g1)?, &g0, &lse], 1)?.contiguous()?;
-        let dx = logits.apply_op3_no_bwd(targets, &coef, &LogprobGrad)?;
-        Ok((Some(dx), None))
+    let (x, t, c) = ((logits, ll), (targets, lt), (coef, lc));
+    match logits.dtype() {
+        DType::F32 => launch_grad::<f32>(x, t, c, "f32"),
+        DType::BF16 => launch_grad::<::half::bf16>(x, t, c, "bf16"),
+        DType::F16 => launch_grad::<::half::f16>(x, t, c, "f16"),
+        d => candle_core::bail!("log-softmax-gather gradient: no {d:?} version"),
     }
 }
 
-/// The backward of [`LogprobGather`] from the logits, the targets and per-row
-/// coefficients (a, b, lse) [n, 3] f32: a · exp(x − lse) − b · one-hot(target).
-struct LogprobGrad;
-
-impl LogprobGrad {
-    fn launch<T: DeviceRepr + CudaDType>(
-        &self,
-        (logits, ll): (&CudaStorage, &Layout),
-        (targets, lt): (&CudaStorage, &Layout),
-        (coef, lc): (&CudaStorage, &Layout),
-        name: &str,
-    ) -> Result<(CudaStorage, Shape)> {
-        let (n, vocab) = ll.shape().dims2()?;
-        let (Some((a, b)), Some((ta, tb)), Some((ca, cb))) = (
-            ll.contiguous_offsets(),
-            lt.contiguous_offsets(),
-            lc.contiguous_offsets(),
-        ) else {
-            candle_core::bail!("log-softmax-gather gradient: contiguous inputs only")
-        };
-        if tb - ta != n || cb - ca != 3 * n {
-            candle_core::bail!(
-                "log-softmax-gather gradient: {} targets and {} coefficients for {n} rows",
-                tb - ta,
-                cb - ca
-            )
-        }
-        let dev = &logits.device;
-        let kernel = format!("logprob_grad_{name}");
-        let func = dev.get_or_load_custom_func(&kernel, "tokenformer_logprob", PTX)?;
-        let x = logits.as_cuda_slice::<T>()?.slice(a..b);
-        let tg = targets.as_cuda_slice::<u32>()?.slice(ta..tb);
-        let c = coef.as_cuda_slice::<f32>()?.slice(ca..cb);
-        // SAFETY: the kernel writes every element of every row.
-        let out = unsafe { dev.alloc::<T>(n * vocab)? };
-        let vocab32 = vocab as i32;
-        let threads = vocab.next_power_of_two().clamp(32, 512) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut args = func.builder();
-        args.arg(&x);
-        args.arg(&tg);
-        args.arg(&c);
-        args.arg(&out);
-        args.arg(&vocab32);
-        // SAFETY: the arguments match the kernel's (logits, targets, coef, out, vocab);
-        // logits and out hold n · vocab elements, targets n, coef 3n.
-        unsafe { args.launch(cfg) }.w()?;
-        Ok((
-            CudaStorage::wrap_cuda_slice(out, dev.clone()),
-            ll.shape().clone(),
-        ))
+fn launch_grad<T: DeviceRepr + CudaDType>(
+    (logits, ll): (&CudaStorage, &Layout),
+    (targets, lt): (&CudaStorage, &Layout),
+    (coef, lc): (&CudaStorage, &Layout),
+    name: &str,
+) -> Result<(CudaStorage, Shape)> {
+    let (n, vocab) = ll.shape().dims2()?;
+    let (Some((a, b)), Some((ta, tb)), Some((ca, cb))) = (
+        ll.contiguous_offsets(),
+        lt.contiguous_offsets(),
+        lc.contiguous_offsets(),
+    ) else {
+        candle_core::bail!("log-softmax-gather gradient: contiguous inputs only")
+    };
+    if tb - ta != n || cb - ca != 3 * n {
+        candle_core::bail!(
+            "log-softmax-gather gradient: {} targets and {} coefficients for {n} rows",
+            tb - ta,
+            cb - ca
+        )
     }
-}
-
-impl candle_core::CustomOp3 for LogprobGrad {
-    fn name(&self) -> &'static str {
-        "log-softmax-gather-grad-cuda"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("the CUDA log-softmax-gather kernel runs on a GPU only")
-    }
-
-    fn cuda_fwd(
-        &self,
-        logits: &CudaStorage,
-        ll: &Layout,
-        targets: &CudaStorage,
-        lt: &Layout,
-        coef: &CudaStorage,
-        lc: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        if targets.dtype() != DType::U32 || coef.dtype() != DType::F32 {
-            candle_core::bail!(
-                "log-softmax-gather gradient: u32 targets and f32 coefficients, not {:?} and {:?}",
-                targets.dtype(),
-                coef.dtype()
-            )
-        }
-        let (x, t, c) = ((logits, ll), (targets, lt), (coef, lc));
-        match logits.dtype() {
-            DType::F32 => self.launch::<f32>(x, t, c, "f32"),
-            DType::BF16 => self.launch::<::half::bf16>(x, t, c, "bf16"),
-            DType::F16 => self.launch::<::half::f16>(x, t, c, "f16"),
-            d => candle_core::bail!("log-softmax-gather gradient: no {d:?} version"),
-        }
-    }
+    let dev = &logits.device;
+    let kernel = format!("logprob_grad_{name}");
+    let func = dev.get_or_load_custom_func(&kernel, "tokenformer_logprob", PTX)?;
+    let x = logits.as_cuda_slice::<T>()?.slice(a..b);
+    let tg = targets.as_cuda_slice::<u32>()?.slice(ta..tb);
+    let c = coef.as_cuda_slice::<f32>()?.slice(ca..cb);
+    // SAFETY: the kernel writes every element of every row.
+    let out = unsafe { dev.alloc::<T>(n * vocab)? };
+    let vocab32 = vocab as i32;
+    let threads = vocab.next_power_of_two().clamp(32, 512) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut args = func.builder();
+    args.arg(&x);
+    args.arg(&tg);
+    args.arg(&c);
+    args.arg(&out);
+    args.arg(&vocab32);
+    // SAFETY: the arguments match the kernel's (logits, targets, coef, out, vocab);
+    // logits and out hold n · vocab elements, targets n, coef 3n.
+    unsafe { args.launch(cfg) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        ll.shape().clone(),
+    ))
 }

@@ -52,8 +52,10 @@ mod attention_avx512;
 mod attention_cuda;
 mod gemv;
 mod half;
+mod logprob;
 #[cfg(feature = "cuda")]
 mod logprob_cuda;
+pub(crate) mod masked_softmax;
 pub(crate) mod math;
 mod matmul;
 mod norm;
@@ -96,9 +98,9 @@ pub mod cuda {
     ) -> candle_core::Result<candle_core::Tensor> {
         let (n, classes) = logits.dims2()?;
         crate::train::loss::check_targets(n, classes, targets)?;
-        super::logprob_cuda::cross_entropy(logits, targets)
+        super::logprob::cross_entropy(logits, targets)
     }
-    pub use super::softmax_cuda::softmax_scaled;
+    pub use super::masked_softmax::softmax_scaled;
     pub use super::theta_cuda::theta;
 
     /// Θ (`l2_norm_gelu`) as training runs it, with its backward: on a GPU both

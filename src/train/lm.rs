@@ -470,7 +470,7 @@ pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
 fn masked_softmax(scores: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if crate::kernels::softmax_cuda::serves(scores) {
-        return crate::kernels::cuda::softmax_scaled(scores, scale, causal);
+        return crate::kernels::masked_softmax::softmax_scaled(scores, scale, causal);
     }
     if !causal {
         return softmax_scaled(scores, scale);
@@ -485,7 +485,7 @@ fn masked_softmax(scores: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
 pub(crate) fn softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if crate::kernels::softmax_cuda::serves(x) {
-        return crate::kernels::cuda::softmax_scaled(x, scale, false);
+        return crate::kernels::masked_softmax::softmax_scaled(x, scale, false);
     }
     if super::fused::serves(x) {
         return super::fused::softmax_scaled(x, scale);

@@ -8,7 +8,8 @@
 // (as a float: exact below 2^24, which the host checks).
 // logprob_grad_*: the backward for training's cross-entropy: with per-row
 // coefficients (a, b, lse) [n, 3] f32, ∂L/∂x = a · exp(x − lse) − b · one-hot(target)
-// (a = ∂L/∂log p + ∂L/∂lse, b = ∂L/∂log p), in the logits' dtype.
+// (a = ∂L/∂lse − ∂L/∂log p, b = −∂L/∂log p: crate::kernels::logprob), in the
+// logits' dtype.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <limits.h>

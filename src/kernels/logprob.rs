@@ -1,0 +1,252 @@
+//! Log-softmax-gather as a differentiable op: for logits [n, classes] and u32
+//! targets [n], the rows (log p(target), log-sum-exp, first argmax) as [n, 3] f32
+//! from one read of the logits, with a backward that writes
+//! ∂L/∂x = (g_lse − g_logp) · softmax(x) + g_logp · one-hot(target) in one pass.
+//! On a GPU both are `cuda/logprob.cu`'s kernels (scoring's reductions and
+//! training's cross-entropy, [`cross_entropy`]); on the CPU they are plain loops
+//! in f64, so the op's own logic (its backward's coefficients among it) is
+//! tested where there is no GPU.
+// Without the `cuda` feature only the tests below use the op.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+/// The mean over rows of log-sum-exp − x[target] of `logits` [n, classes], an f32
+/// scalar with its backward, for targets already checked to lie below `classes`.
+pub(crate) fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    let index = Tensor::new(targets, logits.device())?;
+    let rows = logits.contiguous()?.apply_op2(&index, LogprobGather)?;
+    rows.narrow(1, 0, 1)?.neg()?.mean_all()
+}
+
+/// [n, 3] f32: log p(target), log-sum-exp, first argmax (as f32) of each row.
+pub(crate) struct LogprobGather;
+
+/// The contiguous elements of a CPU storage under `layout`.
+fn cpu_slice<'a, T: candle_core::WithDType>(s: &'a CpuStorage, layout: &Layout) -> Result<&'a [T]> {
+    let Some((a, b)) = layout.contiguous_offsets() else {
+        candle_core::bail!("log-softmax-gather: contiguous inputs only")
+    };
+    Ok(&s.as_slice::<T>()?[a..b])
+}
+
+/// The logits of a CPU storage in f64 (f32 or f64 logits).
+fn cpu_logits(s: &CpuStorage, layout: &Layout) -> Result<Vec<f64>> {
+    Ok(match s.dtype() {
+        DType::F32 => cpu_slice::<f32>(s, layout)?
+            .iter()
+            .map(|&x| f64::from(x))
+            .collect(),
+        DType::F64 => cpu_slice::<f64>(s, layout)?.to_vec(),
+        d => candle_core::bail!("log-softmax-gather on the CPU: f32 or f64 logits, not {d:?}"),
+    })
+}
+
+/// The row's maximum, its first index and log Σ exp(x − max) + max.
+fn row_stats(row: &[f64]) -> (usize, f64) {
+    let (mut arg, mut max) = (0, f64::NEG_INFINITY);
+    for (i, &x) in row.iter().enumerate() {
+        if x > max {
+            (arg, max) = (i, x);
+        }
+    }
+    if max == f64::NEG_INFINITY {
+        return (arg, max);
+    }
+    let sum: f64 = row.iter().map(|&x| (x - max).exp()).sum();
+    (arg, max + sum.ln())
+}
+
+impl CustomOp2 for LogprobGather {
+    fn name(&self) -> &'static str {
+        "log-softmax-gather"
+    }
+
+    fn cpu_fwd(
+        &self,
+        logits: &CpuStorage,
+        ll: &Layout,
+        targets: &CpuStorage,
+        lt: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, classes) = ll.shape().dims2()?;
+        let x = cpu_logits(logits, ll)?;
+        let t = cpu_slice::<u32>(targets, lt)?;
+        if t.len() != n || t.iter().any(|&t| t as usize >= classes) {
+            candle_core::bail!("log-softmax-gather: {n} targets below {classes} wanted")
+        }
+        let mut out = Vec::with_capacity(3 * n);
+        for (row, &t) in x.chunks(classes.max(1)).zip(t) {
+            let (arg, lse) = row_stats(row);
+            out.extend([(row[t as usize] - lse) as f32, lse as f32, arg as f32]);
+        }
+        Ok((CpuStorage::F32(out), Shape::from((n, 3))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        logits: &candle_core::CudaStorage,
+        ll: &Layout,
+        targets: &candle_core::CudaStorage,
+        lt: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::logprob_cuda::gather(logits, ll, targets, lt)
+    }
+
+    /// With g_logp and g_lse the gradients of the first two columns:
+    /// ∂L/∂x = (g_lse − g_logp) · softmax(x) + g_logp · one-hot(target).
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g_logp = grad_res.narrow(1, 0, 1)?;
+        let g_lse = grad_res.narrow(1, 1, 1)?;
+        let lse = res.narrow(1, 1, 1)?;
+        let coef = Tensor::cat(&[&(g_lse - &g_logp)?, &g_logp.neg()?, &lse], 1)?
+            .to_dtype(DType::F32)?
+            .contiguous()?;
+        let dx = logits.apply_op3_no_bwd(targets, &coef, &LogprobGrad)?;
+        Ok((Some(dx), None))
+    }
+}
+
+/// From logits [n, classes], targets [n] and f32 coefficients (a, b, lse) [n, 3]:
+/// a · exp(x − lse) − b · one-hot(target), in the logits' dtype.
+struct LogprobGrad;
+
+impl CustomOp3 for LogprobGrad {
+    fn name(&self) -> &'static str {
+        "log-softmax-gather-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        logits: &CpuStorage,
+        ll: &Layout,
+        targets: &CpuStorage,
+        lt: &Layout,
+        coef: &CpuStorage,
+        lc: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, classes) = ll.shape().dims2()?;
+        let x = cpu_logits(logits, ll)?;
+        let t = cpu_slice::<u32>(targets, lt)?;
+        let c = cpu_slice::<f32>(coef, lc)?;
+        if t.len() != n || c.len() != 3 * n {
+            candle_core::bail!("log-softmax-gather gradient: inputs for {n} rows wanted")
+        }
+        let mut dx = Vec::with_capacity(n * classes);
+        for ((row, &t), c) in x.chunks(classes.max(1)).zip(t).zip(c.chunks(3)) {
+            let (a, b, lse) = (f64::from(c[0]), f64::from(c[1]), f64::from(c[2]));
+            dx.extend(
+                row.iter()
+                    .enumerate()
+                    .map(|(j, &x)| a * (x - lse).exp() - if j == t as usize { b } else { 0.0 }),
+            );
+        }
+        let out = match logits.dtype() {
+            DType::F32 => CpuStorage::F32(dx.into_iter().map(|v| v as f32).collect()),
+            _ => CpuStorage::F64(dx),
+        };
+        Ok((out, ll.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        logits: &candle_core::CudaStorage,
+        ll: &Layout,
+        targets: &candle_core::CudaStorage,
+        lt: &Layout,
+        coef: &candle_core::CudaStorage,
+        lc: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::logprob_cuda::grad((logits, ll), (targets, lt), (coef, lc))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// The op's loss and gradients equal the composite definition's under candle's
+    /// autograd (f64 logits), also when a loss uses the log-sum-exp column too.
+    #[test]
+    fn cross_entropy_and_its_gradient_equal_the_definition() {
+        let dev = Device::Cpu;
+        let (n, classes) = (6, 11);
+        let v: Vec<f64> = (0..n * classes)
+            .map(|i| ((i * 37 % 23) as f64 - 11.0) * 0.4)
+            .collect();
+        let targets: Vec<u32> = (0..n).map(|i| (i * 5 % classes) as u32).collect();
+        let x = Var::from_tensor(&Tensor::from_vec(v, (n, classes), &dev).unwrap()).unwrap();
+        let index = Tensor::new(targets.as_slice(), &dev).unwrap();
+        // A loss reading both columns with different weights per row: 2·mean(−log p)
+        // + Σ_i w_i·lse_i.
+        let w = Tensor::arange(1f32, 1.0 + n as f32, &dev)
+            .unwrap()
+            .unsqueeze(1)
+            .unwrap();
+        let fused = {
+            let rows = x.as_tensor().apply_op2(&index, LogprobGather).unwrap();
+            let ce = cross_entropy(x.as_tensor(), &targets).unwrap();
+            let lse = rows.narrow(1, 1, 1).unwrap();
+            ((ce * 2.0).unwrap() + (lse * &w).unwrap().sum_all().unwrap()).unwrap()
+        };
+        let def = {
+            let z = x.as_tensor();
+            let lse = z
+                .broadcast_sub(&z.max_keepdim(1).unwrap().detach())
+                .unwrap()
+                .exp()
+                .unwrap()
+                .sum_keepdim(1)
+                .unwrap()
+                .log()
+                .unwrap()
+                .broadcast_add(&z.max_keepdim(1).unwrap().detach())
+                .unwrap();
+            let picked = z.gather(&index.unsqueeze(1).unwrap(), 1).unwrap();
+            let ce = (&lse - picked).unwrap().mean_all().unwrap();
+            let w = w.to_dtype(DType::F64).unwrap();
+            ((ce * 2.0).unwrap() + (lse * &w).unwrap().sum_all().unwrap()).unwrap()
+        };
+        let got = fused
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
+        let want = def.to_scalar::<f64>().unwrap();
+        assert!((got - want).abs() < 1e-5 * want.abs(), "{got} vs {want}");
+        let g = fused.backward().unwrap();
+        let d = def.backward().unwrap();
+        let (g, d) = (g.get(x.as_tensor()).unwrap(), d.get(x.as_tensor()).unwrap());
+        let (g, d): (Vec<f64>, Vec<f64>) = (
+            g.flatten_all().unwrap().to_vec1().unwrap(),
+            d.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        for (i, (a, b)) in g.iter().zip(&d).enumerate() {
+            assert!((a - b).abs() < 1e-6 * b.abs().max(1.0), "{i}: {a} vs {b}");
+        }
+        // The argmax column: the first index of each row's maximum.
+        let rows = x.as_tensor().apply_op2(&index, LogprobGather).unwrap();
+        let arg: Vec<f32> = rows
+            .narrow(1, 2, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let x: Vec<Vec<f64>> = x.as_tensor().to_vec2().unwrap();
+        for (row, a) in x.iter().zip(arg) {
+            let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            assert_eq!(a as usize, row.iter().position(|&v| v == max).unwrap());
+        }
+    }
+}
