@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 4] = ["theta", "softmax", "attention", "logprob"];
+const KERNELS: [&str; 5] = ["theta", "softmax", "norm", "attention", "logprob"];
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
@@ -18,7 +18,7 @@ fn main() {
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".to_string());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".to_string());
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    // Included by theta.cu and softmax.cu.
+    // Included by theta.cu, softmax.cu and norm.cu.
     println!("cargo::rerun-if-changed=src/kernels/cuda/rows.cuh");
     for k in KERNELS {
         let src = format!("src/kernels/cuda/{k}.cu");

@@ -8,7 +8,8 @@
 //! equals the CPU's; a training run resumed on the other device equals the
 //! uninterrupted one. The project's own CUDA kernels (Θ, flash attention,
 //! log-softmax-gather) equal their definitions in plain candle ops on the same GPU,
-//! and training's Θ (a kernel each way) equals the CPU's op and its gradient;
+//! and the training kernels (Θ, attention's softmax, LayerNorm, cross-entropy, each
+//! a kernel each way) equal the CPU's op or the plain ops, values and gradients;
 //! they are called directly, so they are checked whatever `TOKENFORMER_CUDA_KERNELS`
 //! says, while the model-level tests above take them only under
 //! `TOKENFORMER_CUDA_KERNELS=1` (run.sh runs the file both ways). Under
@@ -528,6 +529,47 @@ fn the_training_cross_entropy_kernels_equal_the_plain_ops_and_their_gradient() {
                 .zip(&want)
                 .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
             assert!(worst <= tol * top, "{what} gradient: {worst} against {top}");
+        }
+    }
+}
+
+/// Training's LayerNorm kernels (no weight and bias) against the same norm in plain
+/// candle ops in f32 on the same GPU: values and the gradient of Σ LN(x)·w, from the
+/// same rounded inputs for each dtype, with an offset the mean must remove.
+#[test]
+fn the_training_layer_norm_kernels_equal_the_plain_ops_and_their_gradient() {
+    use tokenformer::kernels::cuda::layer_norm;
+    let Some(gpu) = cuda() else { return };
+    let eps = 1e-5;
+    for n in [768, 1000, 31] {
+        let x = (Tensor::randn(0f32, 2.0, (3, 41, n), &gpu).unwrap() + 5.0).unwrap();
+        let w = Tensor::randn(0f32, 1.0, x.dims(), &gpu).unwrap();
+        for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 3e-2), (DType::F16, 5e-3)] {
+            let v = candle_core::Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();
+            let w = w.to_dtype(dtype).unwrap();
+            let y = layer_norm(v.as_tensor(), eps).unwrap();
+            let dx = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let dx = dx.get(v.as_tensor()).expect("a gradient");
+            assert_eq!((y.dtype(), dx.dtype()), (dtype, dtype));
+            let v32 = candle_core::Var::from_tensor(&v.as_tensor().to_dtype(DType::F32).unwrap())
+                .unwrap();
+            let z = v32.as_tensor();
+            let centred = z.broadcast_sub(&z.mean_keepdim(2).unwrap()).unwrap();
+            let var = centred.sqr().unwrap().mean_keepdim(2).unwrap();
+            let want = centred
+                .broadcast_div(&(var + eps).unwrap().sqrt().unwrap())
+                .unwrap();
+            let w32 = w.to_dtype(DType::F32).unwrap();
+            let want_dx = (&want * &w32)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let want_dx = want_dx.get(z).expect("a gradient");
+            let what = format!("n {n} {dtype:?}");
+            close(&f32s(&y), &f32s(&want), tol, &format!("{what} values"));
+            close(&f32s(dx), &f32s(want_dx), tol, &format!("{what} gradient"));
         }
     }
 }

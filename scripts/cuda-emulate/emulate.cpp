@@ -6,7 +6,7 @@
 //! speed, races the barriers hide, or the GPU's own arithmetic (expf, fmaf),
 //! which the GPU tests (tests/gpu.rs) check on a device.
 //! Built and run by scripts/cuda-emulate/run.sh, once per kernel (-DATTENTION,
-//! -DLOGPROB, -DTHETA, -DSOFTMAX).
+//! -DLOGPROB, -DTHETA, -DSOFTMAX, -DNORM).
 #include <condition_variable>
 #include <mutex>
 #include <climits>
@@ -54,6 +54,8 @@ inline float __int_as_float(int i) {
     return f;
 }
 inline int min(int a, int b) { return a < b ? a : b; }
+struct float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
 
 // A barrier for `n` threads that a finished thread can leave (libstdc++ 12's
 // std::barrier failed with SIGFPE under this use).
@@ -462,6 +464,64 @@ int main() {
             std::printf("%s\n", what);
             check(worst_y < 1e-6 && worst_g < 1e-5, what);
         }
+    }
+    std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
+    return failures != 0;
+}
+#endif
+
+#ifdef NORM
+#include "../../src/kernels/cuda/norm.cu"
+
+int main() {
+    const float eps = 1e-5f;
+    for (int n : {1, 31, 768, 1500}) {
+        const int rows = 4;
+        auto x = randn(size_t(rows) * n, 2.0f);
+        for (auto &v : x) v += 5.0f;  // an offset the mean must remove
+        std::fill(x.end() - n, x.end(), 0.75f);  // a constant row: variance 0
+        auto w = randn(x.size(), 1.0f);
+        std::vector<float> y(x.size()), dx(x.size());
+        unsigned threads = 32;
+        while (threads < unsigned(n) && threads < 1024) threads *= 2;
+        launch({unsigned(rows), 1, 1}, threads, [&] { layer_norm_f32(x.data(), y.data(), n, eps); });
+        launch({unsigned(rows), 1, 1}, threads, [&] { layer_norm_grad_f32(x.data(), w.data(), dx.data(), n, eps); });
+        // LN(row) in double and Σ LN(row)·w.
+        auto ln = [&](const std::vector<double> &r) {
+            double mean = 0, var = 0;
+            for (double v : r) mean += v;
+            mean /= n;
+            for (double v : r) var += (v - mean) * (v - mean);
+            var /= n;
+            std::vector<double> out(n);
+            for (int i = 0; i < n; ++i) out[i] = (r[i] - mean) / std::sqrt(var + eps);
+            return out;
+        };
+        double worst_y = 0, worst_g = 0;
+        for (int r = 0; r < rows; ++r) {
+            std::vector<double> row(x.begin() + size_t(r) * n, x.begin() + size_t(r + 1) * n);
+            const float *wr = w.data() + size_t(r) * n;
+            auto want = ln(row);
+            for (int i = 0; i < n; ++i) worst_y = std::max(worst_y, std::abs(y[size_t(r) * n + i] - want[i]));
+            auto loss = [&](const std::vector<double> &v) {
+                auto o = ln(v);
+                double l = 0;
+                for (int i = 0; i < n; ++i) l += o[i] * wr[i];
+                return l;
+            };
+            for (int i = 0; i < n; i += std::max(1, n / 40)) {
+                const double h = 1e-4;
+                auto p = row, m = row;
+                p[i] += h;
+                m[i] -= h;
+                const double fd = (loss(p) - loss(m)) / (2 * h);
+                worst_g = std::max(worst_g, std::abs(dx[size_t(r) * n + i] - fd) / std::max(1.0, std::abs(fd)));
+            }
+        }
+        char what[96];
+        std::snprintf(what, sizeof what, "layer_norm n %d: values %.3g, gradient %.3g", n, worst_y, worst_g);
+        std::printf("%s\n", what);
+        check(worst_y < 2e-5 && worst_g < 2e-4, what);
     }
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
     return failures != 0;

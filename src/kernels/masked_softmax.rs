@@ -2,7 +2,9 @@
 //! optionally causal (query q sees keys 0 ..= q + keys − queries, as adding the
 //! −∞ mask first does), as one differentiable op: the backward needs only the
 //! probabilities, ∂L/∂s = scale · y · (dy − Σ y·dy). On a GPU both passes are
-//! `cuda/softmax.cu`'s kernels (training attention there); on the CPU they are
+//! `cuda/softmax.cu`'s kernels (training attention there: no [t, t] mask tensor,
+//! no widened copy, sums and exponentials in f32 for f32, bf16 and f16 scores;
+//! taken under `TOKENFORMER_CUDA_KERNELS=1`, see [`serves`]); on the CPU they are
 //! plain f64 loops, so the op's logic is tested where there is no GPU.
 // Without the `cuda` feature only the tests below use the op.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -91,8 +93,7 @@ impl CustomOp1 for Softmax {
         storage: &candle_core::CudaStorage,
         layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out =
-            super::softmax_cuda::forward((storage, layout), self.scale, self.queries, self.causal)?;
+        let out = cuda::forward((storage, layout), self.scale, self.queries, self.causal)?;
         Ok((out, layout.shape().clone()))
     }
 
@@ -138,8 +139,49 @@ impl CustomOp2 for Grad {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::softmax_cuda::grad((s1, l1), (s2, l2), self.scale)?;
+        let out = cuda::grad((s1, l1), (s2, l2), self.scale)?;
         Ok((out, l1.shape().clone()))
+    }
+}
+
+/// Whether training's softmax takes the kernels for `scores`: the CUDA kernels
+/// turned on, f32/bf16/f16 scores of rank ≥ 2 on a GPU.
+#[cfg(feature = "cuda")]
+pub(crate) fn serves(scores: &Tensor) -> bool {
+    super::cuda_kernels_enabled()
+        && scores.device().is_cuda()
+        && matches!(scores.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && scores.rank() >= 2
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::super::rows_cuda::{launch_rows, Module};
+    use candle_core::{CudaStorage, Layout, Result};
+
+    const SOFTMAX: Module = Module {
+        name: "tokenformer_softmax",
+        ptx: include_str!(concat!(env!("OUT_DIR"), "/softmax.ptx")),
+    };
+
+    /// The softmax of contiguous scores whose second-to-last axis holds `queries`.
+    pub(super) fn forward(
+        scores: (&CudaStorage, &Layout),
+        scale: f32,
+        queries: i32,
+        causal: bool,
+    ) -> Result<CudaStorage> {
+        let ints = [queries.max(1), i32::from(causal)];
+        launch_rows(SOFTMAX, "softmax", &[scores], scale, &ints)
+    }
+
+    /// ∂L/∂s from the probabilities y and dy.
+    pub(super) fn grad(
+        y: (&CudaStorage, &Layout),
+        dy: (&CudaStorage, &Layout),
+        scale: f32,
+    ) -> Result<CudaStorage> {
+        launch_rows(SOFTMAX, "softmax_grad", &[y, dy], scale, &[])
     }
 }
 

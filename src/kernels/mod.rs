@@ -58,6 +58,7 @@ mod logprob_cuda;
 pub(crate) mod masked_softmax;
 pub(crate) mod math;
 mod matmul;
+pub(crate) mod nonparam_norm;
 mod norm;
 pub mod q8;
 mod rotary;
@@ -66,8 +67,6 @@ mod rows;
 mod rows_cuda;
 #[cfg(target_arch = "x86_64")]
 mod sgemm;
-#[cfg(feature = "cuda")]
-pub(crate) mod softmax_cuda;
 pub mod theta;
 #[cfg(feature = "cuda")]
 pub(crate) mod theta_cuda;
@@ -101,6 +100,7 @@ pub mod cuda {
         super::logprob::cross_entropy(logits, targets)
     }
     pub use super::masked_softmax::softmax_scaled;
+    pub use super::nonparam_norm::layer_norm;
     pub use super::theta_cuda::theta;
 
     /// Θ (`l2_norm_gelu`) as training runs it, with its backward: on a GPU both

@@ -1,5 +1,5 @@
 //! Launching the project's row kernels on a GPU (`cuda/theta.cu`,
-//! `cuda/softmax.cu`): one thread block per row of the last axis, contiguous
+//! `cuda/softmax.cu`, `cuda/norm.cu`): one thread block per row of the last axis, contiguous
 //! inputs of one shape and dtype (f32, bf16 or f16), an output of that shape and
 //! dtype, and the arguments `(inputs…, out, n, scale, ints…)`.
 

@@ -469,7 +469,7 @@ pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
 /// the causal mask if `causal`.
 fn masked_softmax(scores: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if crate::kernels::softmax_cuda::serves(scores) {
+    if crate::kernels::masked_softmax::serves(scores) {
         return crate::kernels::masked_softmax::softmax_scaled(scores, scale, causal);
     }
     if !causal {
@@ -484,7 +484,7 @@ fn masked_softmax(scores: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
 /// softmax(scale · x) over the last axis.
 pub(crate) fn softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if crate::kernels::softmax_cuda::serves(x) {
+    if crate::kernels::masked_softmax::serves(x) {
         return crate::kernels::masked_softmax::softmax_scaled(x, scale, false);
     }
     if super::fused::serves(x) {
@@ -512,6 +512,10 @@ fn widened(x: &Tensor) -> Result<Option<Tensor>> {
 
 /// LayerNorm without weight and bias over the last axis (biased variance, as torch).
 pub(crate) fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if crate::kernels::nonparam_norm::serves(x) {
+        return crate::kernels::nonparam_norm::layer_norm(x, eps);
+    }
     if super::fused::serves(x) {
         return super::fused::layer_norm(x, eps);
     }

@@ -1,4 +1,4 @@
-// What the row kernels (theta.cu, softmax.cu) share: loads widening the
+// What the row kernels (theta.cu, softmax.cu, norm.cu) share: loads widening the
 // scores' dtype to f32, stores rounding back, and a block-wide sum or max.
 // Each kernel runs one thread block a row.
 #pragma once

@@ -1,6 +1,6 @@
 // Training attention's softmax over the last axis of contiguous scores
 // [.., queries, n] (f32, bf16 or f16; sums and exponentials in f32), forward and
-// backward, one thread block a row (crate::kernels::softmax_cuda):
+// backward, one thread block a row (crate::kernels::masked_softmax):
 //   softmax_*:      y = softmax(scale · s); with causal != 0, row r is query
 //                   q = r mod queries and sees keys 0 ..= q + (n − queries), y = 0
 //                   after them (what adding the −∞ causal mask first gives)
