@@ -18,7 +18,7 @@ fn main() {
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".to_string());
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".to_string());
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    // Included by theta.cu, softmax.cu and norm.cu.
+    // Included by every kernel.
     println!("cargo::rerun-if-changed=src/kernels/cuda/rows.cuh");
     for k in KERNELS {
         let src = format!("src/kernels/cuda/{k}.cu");

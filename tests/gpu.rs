@@ -374,46 +374,42 @@ fn the_training_theta_kernels_equal_the_cpus_op_and_its_gradient() {
     let s = (Tensor::randn(0f32, 1.0, (rows, n), &gpu).unwrap() * 3.0).unwrap();
     let zero = Tensor::zeros((1, n), DType::F32, &gpu).unwrap();
     let w = Tensor::randn(0f32, 1.0, (rows + 1, n), &gpu).unwrap();
+    let on_cpu = |t: &Tensor| {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap()
+    };
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 2e-3)] {
         let s = if dtype == DType::F32 {
             Tensor::cat(&[&s, &zero], 0).unwrap()
         } else {
             s.clone()
         };
+        let s = s.to_dtype(dtype).unwrap();
         let w = w
             .narrow(0, 0, s.dim(0).unwrap())
             .unwrap()
             .to_dtype(dtype)
             .unwrap();
-        let on_gpu = candle_core::Var::from_tensor(&s.to_dtype(dtype).unwrap()).unwrap();
-        let on_cpu = candle_core::Var::from_tensor(
-            &on_gpu
-                .as_tensor()
-                .to_dtype(DType::F64)
-                .unwrap()
-                .to_device(&Device::Cpu)
-                .unwrap(),
-        )
-        .unwrap();
-        let w_cpu = w
-            .to_dtype(DType::F64)
-            .unwrap()
-            .to_device(&Device::Cpu)
-            .unwrap();
-        let run = |x: &candle_core::Var, w: &Tensor| {
-            let y = trainable_theta(x.as_tensor(), n).unwrap();
-            let grads = (&y * w).unwrap().sum_all().unwrap().backward().unwrap();
-            let dx = grads.get(x.as_tensor()).expect("a gradient").clone();
-            (y, dx)
-        };
-        let (y, dy) = run(&on_gpu, &w);
-        let (want_y, want_dy) = run(&on_cpu, &w_cpu);
+        let theta = |x: &Tensor| trainable_theta(x, n).unwrap();
+        let (y, dy) = value_and_grad(&s, &w, theta);
+        let (want_y, want_dy) = value_and_grad(&on_cpu(&s), &on_cpu(&w), theta);
         assert_eq!((y.dtype(), dy.dtype()), (dtype, dtype));
         let d = max_rel(&f32s(&y), &f32s(&want_y));
         assert!(d < tol, "{dtype:?} values: {d}");
         let d = max_rel(&f32s(&dy), &f32s(&want_dy));
         assert!(d < tol, "{dtype:?} gradient: {d}");
     }
+}
+
+/// f(x) and the gradient of Σ f(x)·w with respect to x.
+fn value_and_grad(x: &Tensor, w: &Tensor, f: impl Fn(&Tensor) -> Tensor) -> (Tensor, Tensor) {
+    let x = candle_core::Var::from_tensor(x).unwrap();
+    let y = f(x.as_tensor());
+    let grads = (&y * w).unwrap().sum_all().unwrap().backward().unwrap();
+    let dx = grads.get(x.as_tensor()).expect("a gradient").clone();
+    (y, dx)
 }
 
 /// Training attention's softmax kernel (causal or not, square or over a longer past)
@@ -427,31 +423,22 @@ fn the_training_softmax_kernels_equal_the_plain_ops_and_their_gradient() {
     for (queries, keys) in [(77, 77), (5, 300), (1, 1500)] {
         let s = (Tensor::randn(0f32, 1.0, (2, 3, queries, keys), &gpu).unwrap() * 8.0).unwrap();
         let w = Tensor::randn(0f32, 1.0, s.dims(), &gpu).unwrap();
-        for causal in [false, true] {
-            // 0 where query q sees key j (j ≤ q + keys − queries), else −∞.
-            let mask: Vec<f32> = (0..queries)
-                .flat_map(|q| {
-                    (0..keys).map(move |j| {
-                        if j <= q + keys - queries {
-                            0.0
-                        } else {
-                            f32::NEG_INFINITY
-                        }
-                    })
+        // 0 where query q sees key j (j ≤ q + keys − queries), else −∞.
+        let mask: Vec<f32> = (0..queries)
+            .flat_map(|q| {
+                (0..keys).map(move |j| {
+                    if j <= q + keys - queries {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
                 })
-                .collect();
-            let mask = Tensor::from_vec(mask, (queries, keys), &gpu).unwrap();
-            for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 2e-3)] {
-                let x = candle_core::Var::from_tensor(&s.to_dtype(dtype).unwrap()).unwrap();
-                let w = w.to_dtype(dtype).unwrap();
-                let y = softmax_scaled(x.as_tensor(), scale, causal).unwrap();
-                let dx = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
-                let dx = dx.get(x.as_tensor()).expect("a gradient");
-                assert_eq!((y.dtype(), dx.dtype()), (dtype, dtype));
-                let x32 =
-                    candle_core::Var::from_tensor(&x.as_tensor().to_dtype(DType::F32).unwrap())
-                        .unwrap();
-                let mut z = (x32.as_tensor() * scale).unwrap();
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (queries, keys), &gpu).unwrap();
+        for causal in [false, true] {
+            let plain = |x: &Tensor| {
+                let mut z = (x * scale).unwrap();
                 if causal {
                     z = z.broadcast_add(&mask).unwrap();
                 }
@@ -460,21 +447,42 @@ fn the_training_softmax_kernels_equal_the_plain_ops_and_their_gradient() {
                     .unwrap()
                     .exp()
                     .unwrap();
-                let want = e.broadcast_div(&e.sum_keepdim(3).unwrap()).unwrap();
-                let w32 = w.to_dtype(DType::F32).unwrap();
-                let want_dx = (&want * &w32)
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .backward()
-                    .unwrap();
-                let want_dx = want_dx.get(x32.as_tensor()).expect("a gradient");
+                e.broadcast_div(&e.sum_keepdim(3).unwrap()).unwrap()
+            };
+            for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 2e-3)] {
+                let (x, w) = (s.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap());
+                let kernel = |x: &Tensor| softmax_scaled(x, scale, causal).unwrap();
                 let what = format!("{queries}x{keys} causal {causal} {dtype:?}");
-                close(&f32s(&y), &f32s(&want), tol, &format!("{what} values"));
-                close(&f32s(dx), &f32s(want_dx), tol, &format!("{what} gradient"));
+                equals_the_plain_ops(&x, &w, kernel, plain, tol, &what);
             }
         }
     }
+}
+
+fn f32_of(t: &Tensor) -> Tensor {
+    t.to_dtype(DType::F32).unwrap()
+}
+
+/// `kernel` keeps x's dtype, and its values and the gradient of Σ kernel(x)·w equal
+/// `plain`'s in f32 from the same rounded x and w, within `tol`.
+fn equals_the_plain_ops(
+    x: &Tensor,
+    w: &Tensor,
+    kernel: impl Fn(&Tensor) -> Tensor,
+    plain: impl Fn(&Tensor) -> Tensor,
+    tol: f32,
+    what: &str,
+) {
+    let (y, dx) = value_and_grad(x, w, kernel);
+    assert_eq!((y.dtype(), dx.dtype()), (x.dtype(), x.dtype()), "{what}");
+    let (want, want_dx) = value_and_grad(&f32_of(x), &f32_of(w), plain);
+    close(&f32s(&y), &f32s(&want), tol, &format!("{what} values"));
+    close(
+        &f32s(&dx),
+        &f32s(&want_dx),
+        tol,
+        &format!("{what} gradient"),
+    );
 }
 
 /// Training's cross-entropy by the log-softmax-gather kernel and its backward against
@@ -484,18 +492,15 @@ fn the_training_softmax_kernels_equal_the_plain_ops_and_their_gradient() {
 #[test]
 fn the_training_cross_entropy_kernels_equal_the_plain_ops_and_their_gradient() {
     let Some(gpu) = cuda() else { return };
+    let three = Tensor::new(3f32, &gpu).unwrap();
     for (n, classes) in [(37, 50_304), (64, 10)] {
         let x = (Tensor::randn(0f32, 1.0, (n, classes), &gpu).unwrap() * 4.0).unwrap();
         let targets: Vec<u32> = (0..n).map(|i| (i * 7919 % classes) as u32).collect();
-        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2), (DType::F16, 2e-3)] {
-            let x = candle_core::Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();
-            let loss = tokenformer::kernels::cuda::cross_entropy(x.as_tensor(), &targets).unwrap();
-            let dx = (&loss * 3.0).unwrap().backward().unwrap();
-            let dx = dx.get(x.as_tensor()).expect("a gradient");
-            assert_eq!(dx.dtype(), dtype);
-            let x32 = candle_core::Var::from_tensor(&x.as_tensor().to_dtype(DType::F32).unwrap())
-                .unwrap();
-            let z = x32.as_tensor();
+        let index = Tensor::new(targets.as_slice(), &gpu)
+            .unwrap()
+            .unsqueeze(1)
+            .unwrap();
+        let plain = |z: &Tensor| {
             let shifted = z.broadcast_sub(&z.max_keepdim(1).unwrap()).unwrap();
             let lse = shifted
                 .exp()
@@ -504,25 +509,22 @@ fn the_training_cross_entropy_kernels_equal_the_plain_ops_and_their_gradient() {
                 .unwrap()
                 .log()
                 .unwrap();
-            let index = Tensor::new(targets.as_slice(), &gpu)
-                .unwrap()
-                .unsqueeze(1)
-                .unwrap();
-            let want = (lse - shifted.gather(&index, 1).unwrap())
+            (lse - shifted.gather(&index, 1).unwrap())
                 .unwrap()
                 .mean_all()
-                .unwrap();
-            let want_dx = (&want * 3.0).unwrap().backward().unwrap();
-            let want_dx = want_dx.get(x32.as_tensor()).expect("a gradient");
+                .unwrap()
+        };
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2), (DType::F16, 2e-3)] {
+            let x = x.to_dtype(dtype).unwrap();
+            let kernel =
+                |x: &Tensor| tokenformer::kernels::cuda::cross_entropy(x, &targets).unwrap();
+            let (loss, dx) = value_and_grad(&x, &three, kernel);
+            assert_eq!(dx.dtype(), dtype);
+            let (want, want_dx) = value_and_grad(&f32_of(&x), &three, plain);
             let what = format!("{n}x{classes} {dtype:?}");
-            close(
-                &[loss.to_scalar::<f32>().unwrap()],
-                &[want.to_scalar::<f32>().unwrap()],
-                1e-5,
-                &format!("{what} loss"),
-            );
+            close(&f32s(&loss), &f32s(&want), 1e-5, &format!("{what} loss"));
             // The gradient's entries are ~1/n; compared relative to the largest.
-            let (got, want) = (f32s(dx), f32s(want_dx));
+            let (got, want) = (f32s(&dx), f32s(&want_dx));
             let top = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             let worst = got
                 .iter()
@@ -541,35 +543,20 @@ fn the_training_layer_norm_kernels_equal_the_plain_ops_and_their_gradient() {
     use tokenformer::kernels::cuda::layer_norm;
     let Some(gpu) = cuda() else { return };
     let eps = 1e-5;
+    let plain = |z: &Tensor| {
+        let centred = z.broadcast_sub(&z.mean_keepdim(2).unwrap()).unwrap();
+        let var = centred.sqr().unwrap().mean_keepdim(2).unwrap();
+        centred
+            .broadcast_div(&(var + eps).unwrap().sqrt().unwrap())
+            .unwrap()
+    };
     for n in [768, 1000, 31] {
         let x = (Tensor::randn(0f32, 2.0, (3, 41, n), &gpu).unwrap() + 5.0).unwrap();
         let w = Tensor::randn(0f32, 1.0, x.dims(), &gpu).unwrap();
         for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 3e-2), (DType::F16, 5e-3)] {
-            let v = candle_core::Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap();
-            let w = w.to_dtype(dtype).unwrap();
-            let y = layer_norm(v.as_tensor(), eps).unwrap();
-            let dx = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let dx = dx.get(v.as_tensor()).expect("a gradient");
-            assert_eq!((y.dtype(), dx.dtype()), (dtype, dtype));
-            let v32 = candle_core::Var::from_tensor(&v.as_tensor().to_dtype(DType::F32).unwrap())
-                .unwrap();
-            let z = v32.as_tensor();
-            let centred = z.broadcast_sub(&z.mean_keepdim(2).unwrap()).unwrap();
-            let var = centred.sqr().unwrap().mean_keepdim(2).unwrap();
-            let want = centred
-                .broadcast_div(&(var + eps).unwrap().sqrt().unwrap())
-                .unwrap();
-            let w32 = w.to_dtype(DType::F32).unwrap();
-            let want_dx = (&want * &w32)
-                .unwrap()
-                .sum_all()
-                .unwrap()
-                .backward()
-                .unwrap();
-            let want_dx = want_dx.get(z).expect("a gradient");
-            let what = format!("n {n} {dtype:?}");
-            close(&f32s(&y), &f32s(&want), tol, &format!("{what} values"));
-            close(&f32s(dx), &f32s(want_dx), tol, &format!("{what} gradient"));
+            let (x, w) = (x.to_dtype(dtype).unwrap(), w.to_dtype(dtype).unwrap());
+            let kernel = |x: &Tensor| layer_norm(x, eps).unwrap();
+            equals_the_plain_ops(&x, &w, kernel, plain, tol, &format!("n {n} {dtype:?}"));
         }
     }
 }

@@ -12,6 +12,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
+use super::row_op;
+
 /// The mean over rows of log-sum-exp − x[target] of `logits` [n, classes], an f32
 /// scalar with its backward, for targets already checked to lie below `classes`.
 pub(crate) fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
@@ -22,26 +24,6 @@ pub(crate) fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> 
 
 /// [n, 3] f32: log p(target), log-sum-exp, first argmax (as f32) of each row.
 pub(crate) struct LogprobGather;
-
-/// The contiguous elements of a CPU storage under `layout`.
-fn cpu_slice<'a, T: candle_core::WithDType>(s: &'a CpuStorage, layout: &Layout) -> Result<&'a [T]> {
-    let Some((a, b)) = layout.contiguous_offsets() else {
-        candle_core::bail!("log-softmax-gather: contiguous inputs only")
-    };
-    Ok(&s.as_slice::<T>()?[a..b])
-}
-
-/// The logits of a CPU storage in f64 (f32 or f64 logits).
-fn cpu_logits(s: &CpuStorage, layout: &Layout) -> Result<Vec<f64>> {
-    Ok(match s.dtype() {
-        DType::F32 => cpu_slice::<f32>(s, layout)?
-            .iter()
-            .map(|&x| f64::from(x))
-            .collect(),
-        DType::F64 => cpu_slice::<f64>(s, layout)?.to_vec(),
-        d => candle_core::bail!("log-softmax-gather on the CPU: f32 or f64 logits, not {d:?}"),
-    })
-}
 
 /// The row's maximum, its first index and log Σ exp(x − max) + max.
 fn row_stats(row: &[f64]) -> (usize, f64) {
@@ -71,8 +53,8 @@ impl CustomOp2 for LogprobGather {
         lt: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (n, classes) = ll.shape().dims2()?;
-        let x = cpu_logits(logits, ll)?;
-        let t = cpu_slice::<u32>(targets, lt)?;
+        let x = row_op::f64s(logits, ll)?;
+        let t = row_op::contiguous::<u32>(targets, lt)?;
         if t.len() != n || t.iter().any(|&t| t as usize >= classes) {
             candle_core::bail!("log-softmax-gather: {n} targets below {classes} wanted")
         }
@@ -134,9 +116,9 @@ impl CustomOp3 for LogprobGrad {
         lc: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (n, classes) = ll.shape().dims2()?;
-        let x = cpu_logits(logits, ll)?;
-        let t = cpu_slice::<u32>(targets, lt)?;
-        let c = cpu_slice::<f32>(coef, lc)?;
+        let x = row_op::f64s(logits, ll)?;
+        let t = row_op::contiguous::<u32>(targets, lt)?;
+        let c = row_op::contiguous::<f32>(coef, lc)?;
         if t.len() != n || c.len() != 3 * n {
             candle_core::bail!("log-softmax-gather gradient: inputs for {n} rows wanted")
         }

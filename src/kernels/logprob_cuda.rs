@@ -103,6 +103,16 @@ pub(crate) fn gather(
     }
 }
 
+/// One block a row: 512 threads stream a 50k-token row; short rows fewer.
+fn row_config(rows: usize, vocab: usize) -> LaunchConfig {
+    let threads = vocab.next_power_of_two().clamp(32, 512) as u32;
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn launch_gather<T: DeviceRepr + CudaDType>(
     logits: &CudaStorage,
     ll: &Layout,
@@ -128,13 +138,7 @@ fn launch_gather<T: DeviceRepr + CudaDType>(
     // SAFETY: the kernel writes all three values of every row.
     let out = unsafe { dev.alloc::<f32>(n * 3)? };
     let vocab32 = vocab as i32;
-    // One block a row: 512 threads stream a 50k-token row; short rows fewer.
-    let threads = vocab.next_power_of_two().clamp(32, 512) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (n as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = row_config(n, vocab);
     let mut args = func.builder();
     args.arg(&x);
     args.arg(&tg);
@@ -201,12 +205,7 @@ fn launch_grad<T: DeviceRepr + CudaDType>(
     // SAFETY: the kernel writes every element of every row.
     let out = unsafe { dev.alloc::<T>(n * vocab)? };
     let vocab32 = vocab as i32;
-    let threads = vocab.next_power_of_two().clamp(32, 512) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (n as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = row_config(n, vocab);
     let mut args = func.builder();
     args.arg(&x);
     args.arg(&tg);

@@ -4,13 +4,14 @@
 //! probabilities, ∂L/∂s = scale · y · (dy − Σ y·dy). On a GPU both passes are
 //! `cuda/softmax.cu`'s kernels (training attention there: no [t, t] mask tensor,
 //! no widened copy, sums and exponentials in f32 for f32, bf16 and f16 scores;
-//! taken under `TOKENFORMER_CUDA_KERNELS=1`, see [`serves`]); on the CPU they are
+//! taken under `TOKENFORMER_CUDA_KERNELS=1`, see `serves`); on the CPU they are
 //! plain f64 loops, so the op's logic is tested where there is no GPU.
 // Without the `cuda` feature only the tests below use the op.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{Result, Tensor};
+
+use super::row_op::{self, RowOp};
 
 /// softmax(scale · scores) over the last axis, differentiable, with the causal
 /// mask if `causal`.
@@ -26,132 +27,75 @@ pub fn softmax_scaled(scores: &Tensor, scale: f64, causal: bool) -> Result<Tenso
     let Ok(queries) = i32::try_from(queries) else {
         candle_core::bail!("masked softmax: {queries} queries")
     };
-    scores.contiguous()?.apply_op1(Softmax {
+    let op = Softmax {
         scale: scale as f32,
         queries,
         causal,
-    })
+    };
+    row_op::apply(scores, op)
 }
 
+#[derive(Clone)]
 struct Softmax {
     scale: f32,
     queries: i32,
     causal: bool,
 }
 
-/// A CPU storage's contiguous f32 or f64 elements in f64.
-fn cpu_f64(s: &CpuStorage, layout: &Layout) -> Result<Vec<f64>> {
-    let Some((a, b)) = layout.contiguous_offsets() else {
-        candle_core::bail!("masked softmax: contiguous inputs only")
-    };
-    Ok(match s {
-        CpuStorage::F32(v) => v[a..b].iter().map(|&x| f64::from(x)).collect(),
-        CpuStorage::F64(v) => v[a..b].to_vec(),
-        _ => candle_core::bail!("masked softmax on the CPU: f32 or f64, not {:?}", s.dtype()),
-    })
-}
+impl RowOp for Softmax {
+    const NAME: &'static str = "masked-softmax";
+    const GRAD_NAME: &'static str = "masked-softmax-grad";
+    const GRAD_FROM_OUTPUT: bool = true;
 
-/// `v` in the dtype of `like`.
-fn cpu_like(like: &CpuStorage, v: Vec<f64>) -> CpuStorage {
-    match like.dtype() {
-        DType::F32 => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
-        _ => CpuStorage::F64(v),
-    }
-}
-
-impl CustomOp1 for Softmax {
-    fn name(&self) -> &'static str {
-        "masked-softmax"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let s = cpu_f64(storage, layout)?;
-        let keys = layout.dims().last().copied().unwrap_or(1).max(1);
+    fn forward_row(&self, index: usize, x: &[f64], y: &mut [f64]) {
+        let keys = x.len();
         let queries = self.queries.max(1) as usize;
+        let seen = if self.causal {
+            index % queries + keys - queries + 1
+        } else {
+            keys
+        };
         let scale = f64::from(self.scale);
-        let mut y = vec![0.0; s.len()];
-        for (r, (row, out)) in s.chunks(keys).zip(y.chunks_mut(keys)).enumerate() {
-            let seen = if self.causal {
-                r % queries + keys - queries + 1
-            } else {
-                keys
-            };
-            let max = row[..seen]
-                .iter()
-                .fold(f64::NEG_INFINITY, |m, &x| m.max(scale * x));
-            let z: f64 = row[..seen].iter().map(|&x| (scale * x - max).exp()).sum();
-            for (o, &x) in out[..seen].iter_mut().zip(row) {
-                *o = (scale * x - max).exp() / z;
-            }
+        let max = x[..seen]
+            .iter()
+            .fold(f64::NEG_INFINITY, |m, &v| m.max(scale * v));
+        let z: f64 = x[..seen].iter().map(|&v| (scale * v - max).exp()).sum();
+        for (o, &v) in y[..seen].iter_mut().zip(x) {
+            *o = (scale * v - max).exp() / z;
         }
-        Ok((cpu_like(storage, y), layout.shape().clone()))
+    }
+
+    fn grad_row(&self, y: &[f64], dy: &[f64], ds: &mut [f64]) {
+        let dot: f64 = y.iter().zip(dy).map(|(a, b)| a * b).sum();
+        let scale = f64::from(self.scale);
+        for ((d, &y), &g) in ds.iter_mut().zip(y).zip(dy) {
+            *d = scale * y * (g - dot);
+        }
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
+    fn cuda_forward(
         &self,
-        storage: &candle_core::CudaStorage,
-        layout: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = cuda::forward((storage, layout), self.scale, self.queries, self.causal)?;
-        Ok((out, layout.shape().clone()))
-    }
-
-    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let g = grad_res.contiguous()?;
-        Ok(Some(res.apply_op2_no_bwd(&g, &Grad { scale: self.scale })?))
-    }
-}
-
-/// ∂L/∂s = scale · y · (dy − Σ y·dy) from the probabilities y and dy.
-struct Grad {
-    scale: f32,
-}
-
-impl CustomOp2 for Grad {
-    fn name(&self) -> &'static str {
-        "masked-softmax-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (y, dy) = (cpu_f64(s1, l1)?, cpu_f64(s2, l2)?);
-        let keys = l1.dims().last().copied().unwrap_or(1).max(1);
-        let scale = f64::from(self.scale);
-        let mut ds = Vec::with_capacity(y.len());
-        for (y, dy) in y.chunks(keys).zip(dy.chunks(keys)) {
-            let dot: f64 = y.iter().zip(dy).map(|(a, b)| a * b).sum();
-            ds.extend(y.iter().zip(dy).map(|(&y, &g)| scale * y * (g - dot)));
-        }
-        Ok((cpu_like(s1, ds), l1.shape().clone()))
+        x: (&candle_core::CudaStorage, &candle_core::Layout),
+    ) -> Result<candle_core::CudaStorage> {
+        cuda::forward(x, self.scale, self.queries, self.causal)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
+    fn cuda_grad(
         &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = cuda::grad((s1, l1), (s2, l2), self.scale)?;
-        Ok((out, l1.shape().clone()))
+        y: (&candle_core::CudaStorage, &candle_core::Layout),
+        dy: (&candle_core::CudaStorage, &candle_core::Layout),
+    ) -> Result<candle_core::CudaStorage> {
+        cuda::grad(y, dy, self.scale)
     }
 }
 
-/// Whether training's softmax takes the kernels for `scores`: the CUDA kernels
-/// turned on, f32/bf16/f16 scores of rank ≥ 2 on a GPU.
+/// Whether training's softmax takes the kernels for `scores` (see
+/// [`super::rows_cuda::serves`]; rank ≥ 2).
 #[cfg(feature = "cuda")]
 pub(crate) fn serves(scores: &Tensor) -> bool {
-    super::cuda_kernels_enabled()
-        && scores.device().is_cuda()
-        && matches!(scores.dtype(), DType::F32 | DType::BF16 | DType::F16)
-        && scores.rank() >= 2
+    super::rows_cuda::serves(scores) && scores.rank() >= 2
 }
 
 #[cfg(feature = "cuda")]

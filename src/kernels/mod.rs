@@ -62,6 +62,7 @@ pub(crate) mod nonparam_norm;
 mod norm;
 pub mod q8;
 mod rotary;
+mod row_op;
 mod rows;
 #[cfg(feature = "cuda")]
 mod rows_cuda;

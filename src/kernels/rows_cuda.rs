@@ -8,7 +8,15 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaStorage, DType, Layout, Result};
+use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
+
+/// Whether a model or training path takes a row kernel for `t`: the CUDA kernels
+/// turned on (`TOKENFORMER_CUDA_KERNELS`), and f32, bf16 or f16 on a GPU.
+pub(crate) fn serves(t: &Tensor) -> bool {
+    super::cuda_kernels_enabled()
+        && t.device().is_cuda()
+        && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+}
 
 /// A PTX module built by build.rs and the name it is loaded under.
 pub(crate) struct Module {

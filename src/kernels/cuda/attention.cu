@@ -17,15 +17,8 @@
 // softmax update and P·V need no shared memory for P. SIMT only (no tensor
 // cores): a first kernel whose numbers the GPU session checks before it is
 // made fast.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "rows.cuh"
 
-__device__ __forceinline__ float load(const float *p, long i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16 *p, long i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ float load(const __half *p, long i) { return __half2float(p[i]); }
-__device__ __forceinline__ void store(float *p, long i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(__nv_bfloat16 *p, long i, float v) { p[i] = __float2bfloat16(v); }
-__device__ __forceinline__ void store(__half *p, long i, float v) { p[i] = __float2half(v); }
 
 #define THREADS 128
 #define LANES 4                 // lanes per query

@@ -10,16 +10,8 @@
 // coefficients (a, b, lse) [n, 3] f32, ∂L/∂x = a · exp(x − lse) − b · one-hot(target)
 // (a = ∂L/∂lse − ∂L/∂log p, b = −∂L/∂log p: crate::kernels::logprob), in the
 // logits' dtype.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "rows.cuh"
 #include <limits.h>
-
-__device__ __forceinline__ float load(const float *p, long i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16 *p, long i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ float load(const __half *p, long i) { return __half2float(p[i]); }
-__device__ __forceinline__ void store(float *p, long i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(__nv_bfloat16 *p, long i, float v) { p[i] = __float2bfloat16(v); }
-__device__ __forceinline__ void store(__half *p, long i, float v) { p[i] = __float2half(v); }
 
 struct Acc {
     float m;   // maximum so far (−inf: nothing above −inf seen)

@@ -1,6 +1,6 @@
-// What the row kernels (theta.cu, softmax.cu, norm.cu) share: loads widening the
-// scores' dtype to f32, stores rounding back, and a block-wide sum or max.
-// Each kernel runs one thread block a row.
+// What the kernels share: loads widening f32, bf16 and f16 to f32 and stores
+// rounding back; and, for the row kernels (theta.cu, softmax.cu, norm.cu: one
+// thread block a row), a block-wide sum or max.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
