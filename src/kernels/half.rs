@@ -223,51 +223,7 @@ mod avx2 {
         axpy_portable(a, &w[whole..], &mut y[whole..]);
     }
 
-    /// See [`super::axpy_rows_on`]; the caller checks the bounds. Columns
-    /// go 64 at a time (eight registers, one pass over the rows for a head
-    /// of 64), then 8 at a time, as the f32 kernel's do.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn axpy_rows<H: Half>(p: &[f32], rows: &[H], stride: usize, out: &mut [f32]) {
-        let whole = out.len() / 8 * 8;
-        let mut c = 0;
-        // SAFETY: columns below `whole` of every row are in bounds.
-        unsafe {
-            while c + 64 <= whole {
-                axpy_cols::<H, 8>(p, rows.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
-                c += 64;
-            }
-            while c < whole {
-                axpy_cols::<H, 1>(p, rows.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
-                c += 8;
-            }
-        }
-        super::axpy_rows_tail(p, rows, stride, out, whole);
-    }
-
-    /// out[..8N] += Σ_j p[j] · row j[..8N], the rows `stride` apart from rp.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn axpy_cols<H: Half, const N: usize>(
-        p: &[f32],
-        rp: *const H,
-        stride: usize,
-        out: *mut f32,
-    ) {
-        // SAFETY: the caller guarantees 8N columns at out and in every row.
-        unsafe {
-            let mut acc: [__m256; N] = std::array::from_fn(|i| _mm256_loadu_ps(out.add(8 * i)));
-            for (j, &pj) in p.iter().enumerate() {
-                let pj = _mm256_set1_ps(pj);
-                let row = rp.add(j * stride);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(pj, load8(row.add(8 * i))));
-                }
-            }
-            for (i, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.add(8 * i), *a);
-            }
-        }
-    }
+    super::super::rows::axpy_rows_avx2!(H: Half);
 }
 
 /// 512-bit registers: the 32 lanes of the contract are two registers.

@@ -425,6 +425,73 @@ macro_rules! axpy_rows_avx512 {
 #[cfg(target_arch = "x86_64")]
 pub(super) use axpy_rows_avx512;
 
+/// Defines `axpy_rows(p, rows, stride, out)` in an AVX2 module, as
+/// [`axpy_rows_avx512`] does with that module's `load8`: columns go 64 at a
+/// time (eight registers, one pass over the rows for a head of 64), then 8
+/// at a time; each column adds its rows in order.
+#[cfg(target_arch = "x86_64")]
+macro_rules! axpy_rows_avx2 {
+    ($t:ty) => {
+        $crate::kernels::rows::axpy_rows_avx2!(@fn [], [], $t);
+    };
+    ($t:ident: $bound:path) => {
+        $crate::kernels::rows::axpy_rows_avx2!(@fn [$t: $bound,], [$t,], $t);
+    };
+    (@fn [$($g:tt)*], [$($n:tt)*], $t:ty) => {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(in crate::kernels) unsafe fn axpy_rows<$($g)*>(
+            p: &[f32],
+            rows: &[$t],
+            stride: usize,
+            out: &mut [f32],
+        ) {
+            let whole = out.len() / 8 * 8;
+            let (rp, op) = (rows.as_ptr(), out.as_mut_ptr());
+            let mut c = 0;
+            // SAFETY: columns below `whole` of every row are in bounds.
+            unsafe {
+                while c + 64 <= whole {
+                    axpy_cols::<$($n)* 8>(p, rp.add(c), stride, op.add(c));
+                    c += 64;
+                }
+                while c < whole {
+                    axpy_cols::<$($n)* 1>(p, rp.add(c), stride, op.add(c));
+                    c += 8;
+                }
+            }
+            super::axpy_rows_tail(p, rows, stride, out, whole);
+        }
+
+        /// out[..8N] += Σ_j p[j] · row j[..8N], the rows `stride` apart from rp.
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn axpy_cols<$($g)* const N: usize>(
+            p: &[f32],
+            rp: *const $t,
+            stride: usize,
+            out: *mut f32,
+        ) {
+            // SAFETY: the caller guarantees 8N columns at out and in every row.
+            unsafe {
+                let mut acc: [__m256; N] =
+                    std::array::from_fn(|i| _mm256_loadu_ps(out.add(8 * i)));
+                for (j, &pj) in p.iter().enumerate() {
+                    let pj = _mm256_set1_ps(pj);
+                    let row = rp.add(j * stride);
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(pj, load8(row.add(8 * i))));
+                    }
+                }
+                for (i, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.add(8 * i), *a);
+                }
+            }
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+pub(super) use axpy_rows_avx2;
+
 /// 256-bit registers: the 32 lanes of the dot contract are four registers.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx2 {
@@ -475,47 +542,15 @@ pub(super) mod avx2 {
 
     super::dot_rows_with!("avx2,fma,f16c", f32);
 
-    /// See [`super::axpy_rows_on`]; the caller checks the bounds. Columns
-    /// go 64 at a time (eight registers, one pass over the rows for a head
-    /// of 64), then 8 at a time; each column adds its rows in order.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_rows(p: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
-        let whole = out.len() / 8 * 8;
-        let mut c = 0;
-        // SAFETY: columns below `whole` of every row are in bounds.
-        unsafe {
-            while c + 64 <= whole {
-                axpy_cols::<8>(p, rows.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
-                c += 64;
-            }
-            while c < whole {
-                axpy_cols::<1>(p, rows.as_ptr().add(c), stride, out.as_mut_ptr().add(c));
-                c += 8;
-            }
-        }
-        super::axpy_rows_tail(p, rows, stride, out, whole);
-    }
-
-    /// out[..8N] += Σ_j p[j] · row j[..8N], the rows `stride` apart from rp.
+    /// 8 f32 at `p`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn axpy_cols<const N: usize>(p: &[f32], rp: *const f32, stride: usize, out: *mut f32) {
-        // SAFETY: the caller guarantees 8N columns at out and in every row.
-        unsafe {
-            let mut acc: [__m256; N] = std::array::from_fn(|i| _mm256_loadu_ps(out.add(8 * i)));
-            for (j, &pj) in p.iter().enumerate() {
-                let pj = _mm256_set1_ps(pj);
-                let row = rp.add(j * stride);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let v = _mm256_loadu_ps(row.add(8 * i));
-                    *a = _mm256_add_ps(*a, _mm256_mul_ps(pj, v));
-                }
-            }
-            for (i, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.add(8 * i), *a);
-            }
-        }
+    unsafe fn load8(p: *const f32) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable values.
+        unsafe { _mm256_loadu_ps(p) }
     }
+
+    super::axpy_rows_avx2!(f32);
 }
 
 /// 512-bit registers: the 32 lanes of the dot contract are two registers.
