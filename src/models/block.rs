@@ -55,6 +55,10 @@ pub struct BlockConfig {
 pub struct Norm {
     inner: LayerNorm,
     eps: f64,
+    /// Without weight and bias: on a GPU with the CUDA kernels on, one kernel
+    /// pass in the activations' dtype (no widened copy).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    nonparam: bool,
 }
 
 impl Norm {
@@ -63,6 +67,7 @@ impl Norm {
         Ok(Self {
             inner: candle_nn::layer_norm(hidden, eps, vb.set_dtype(DType::F32))?,
             eps,
+            nonparam: false,
         })
     }
 
@@ -75,6 +80,7 @@ impl Norm {
                 eps,
             ),
             eps,
+            nonparam: true,
         })
     }
 
@@ -85,6 +91,10 @@ impl Norm {
 
 impl Module for Norm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.nonparam && crate::kernels::nonparam_norm::serves(x) {
+            return crate::kernels::nonparam_norm::layer_norm(x, self.eps);
+        }
         match x.dtype() {
             DType::F32 => self.inner.forward(x),
             DType::BF16 | DType::F16 => {
