@@ -17,7 +17,7 @@ pub(crate) trait RowOp: Clone + Send + Sync + 'static {
     const GRAD_NAME: &'static str;
     /// Whether the backward reads the op's output (else its input) beside ∂L/∂y.
     const GRAD_FROM_OUTPUT: bool;
-    /// Row `index` of the forward, in f64.
+    /// Row `index` of the forward, in f64 (`y` starts at 0).
     fn forward_row(&self, index: usize, x: &[f64], y: &mut [f64]);
     /// ∂L/∂x of one row from the saved row and ∂L/∂y, in f64.
     fn grad_row(&self, saved: &[f64], dy: &[f64], dx: &mut [f64]);
