@@ -33,11 +33,15 @@
 //! - `sgemm`: the packed f32 product of the AVX2 path;
 //! - `matmul`: the products' entry points, gemm for the compute-bound ones.
 //!
-//! With the `cuda` feature, three kernels of our own for a GPU (`cuda/*.cu`,
-//! PTX built by build.rs): Θ, flash-style attention and scoring's
-//! log-softmax-gather. They are experimental: written and compiled but not
-//! yet run on a GPU, so they stay off unless `TOKENFORMER_CUDA_KERNELS=1`
-//! (see [`cuda_kernels_enabled`]); without it a GPU runs plain candle ops.
+//! With the `cuda` feature, kernels of our own for a GPU (`cuda/*.cu`, PTX
+//! built by build.rs): Θ, flash-style attention and scoring's
+//! log-softmax-gather for inference; for training, Θ's backward and three
+//! ops with a kernel each way (`masked_softmax`, `nonparam_norm`, and
+//! `logprob`'s cross-entropy), one op for every device through `row_op`
+//! (their CPU sides are f64 loops for the tests). They are experimental:
+//! written, compiled and emulated on the CPU but not yet run on a GPU, so
+//! they stay off unless `TOKENFORMER_CUDA_KERNELS=1` (see
+//! [`cuda_kernels_enabled`]); without it a GPU runs plain candle ops.
 
 use std::sync::OnceLock;
 
