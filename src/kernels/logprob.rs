@@ -9,7 +9,6 @@
 // Without the `cuda` feature only the tests below use the op.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::row_op;
@@ -25,17 +24,13 @@ pub(crate) fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> 
 /// [n, 3] f32: log p(target), log-sum-exp, first argmax (as f32) of each row.
 pub(crate) struct LogprobGather;
 
-/// The row's maximum, its first index and log Σ exp(x − max) + max.
+/// The first index of the row's maximum and the row's log-sum-exp.
 fn row_stats(row: &[f64]) -> (usize, f64) {
-    let (mut arg, mut max) = (0, f64::NEG_INFINITY);
-    for (i, &x) in row.iter().enumerate() {
-        if x > max {
-            (arg, max) = (i, x);
-        }
-    }
-    if max == f64::NEG_INFINITY {
-        return (arg, max);
-    }
+    let arg = crate::generate::first_argmax(row);
+    // No value above −∞ (NaNs never win): the row's log-sum-exp is −∞.
+    let Some(max) = row.get(arg).copied().filter(|&m| m > f64::NEG_INFINITY) else {
+        return (arg, f64::NEG_INFINITY);
+    };
     let sum: f64 = row.iter().map(|&x| (x - max).exp()).sum();
     (arg, max + sum.ln())
 }
@@ -131,11 +126,7 @@ impl CustomOp3 for LogprobGrad {
                     .map(|(j, &x)| a * (x - lse).exp() - if j == t as usize { b } else { 0.0 }),
             );
         }
-        let out = match logits.dtype() {
-            DType::F32 => CpuStorage::F32(dx.into_iter().map(|v| v as f32).collect()),
-            _ => CpuStorage::F64(dx),
-        };
-        Ok((out, ll.shape().clone()))
+        Ok((row_op::like(logits, dx), ll.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
