@@ -64,8 +64,9 @@ done
 run() { bash "$here/gpu/run-on-gpu.sh" "$@"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 # Each part twice: with the project's own CUDA kernels first, then plain candle ops (the
-# default). TOKENFORMER_CUDA_KERNELS=1 turns on Θ, flash attention, log-softmax-gather (the
-# kernel tests call them directly either way); KERNEL_RUNS="1" (or "0") runs one side
+# default). TOKENFORMER_CUDA_KERNELS=1 turns on Θ, flash attention (on tensor cores in
+# bf16/f16; TOKENFORMER_FLASH_TC=0 keeps the SIMT kernel), log-softmax-gather and the
+# training kernels (the kernel tests call them directly either way); KERNEL_RUNS="1" (or "0") runs one side
 # only. Everything is written to $out as it goes, so a run cut short still returns what
 # it finished.
 runs="${KERNEL_RUNS:-1 0}"
@@ -80,6 +81,17 @@ for kernels in $runs; do
         >"$out/bench-kernels$kernels.json" 2>"$out/bench-kernels$kernels.err"
     echo "rc=$?"; cat "$out/bench-kernels$kernels.json"; tail -5 "$out/bench-kernels$kernels.err"
 done
+if [[ " $runs " == *" 1 "* ]]; then
+    # The SIMT attention forward instead of the tensor-core one (bf16/f16): its tests,
+    # and the prefill figures to compare with the first bench above.
+    echo "== attention tests and bench --only prefill, TOKENFORMER_FLASH_TC=0"
+    TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 TOKENFORMER_TEST_ROOT="$root" \
+        TOKENFORMER_BIN="$bin/tokenformer" run "$bin/gpu-tests" attention --test-threads=1 \
+        --nocapture 2>&1 | tee "$out/gpu-tests-simt-attention.txt"
+    TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 run "$bin/tokenformer" bench --device cuda \
+        --only prefill --json >"$out/bench-simt-attention.json" 2>"$out/bench-simt-attention.err"
+    echo "rc=$?"; cat "$out/bench-simt-attention.json"
+fi
 py="${TORCH_VENV:-/opt/torch/.venv}/bin/python"
 echo "== eager PyTorch anchor"
 "$py" "$here/gpu/torch_gpu_anchor.py" >"$out/torch.json" 2>"$out/torch.err"; cat "$out/torch.json"

@@ -679,6 +679,60 @@ fn the_attention_kernel_equals_the_plain_ops() {
     );
 }
 
+/// Training attention by the flash kernels, forward and backward, against plain candle
+/// ops in f32 on the same GPU: values and the gradients of Σ o·w in q, k and v (q the
+/// model's head-split view), square with ragged tiles (training's case) and over a
+/// longer past, causal and not, in f32, bf16 and f16 from the same rounded inputs.
+#[test]
+fn the_training_attention_kernels_equal_the_plain_ops_and_their_gradients() {
+    use tokenformer::kernels::cuda::flash_attention;
+    let Some(gpu) = cuda() else { return };
+    for (b, h, t, keys, hd) in [(2, 3, 70, 70, 64), (1, 2, 5, 133, 128), (1, 2, 33, 33, 8)] {
+        let q = Tensor::randn(0f32, 1.0, (b, t, h, hd), &gpu).unwrap();
+        let k = (Tensor::randn(0f32, 1.0, (b, h, keys, hd), &gpu).unwrap() * 1.5).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (b, h, keys, hd), &gpu).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (b, t, h * hd), &gpu).unwrap();
+        for causal in [true, false] {
+            for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 3e-2), (DType::F16, 4e-3)] {
+                let c = |x: &Tensor| {
+                    candle_core::Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap()
+                };
+                let (qd, kd, vd) = (c(&q), c(&k), c(&v));
+                let wd = w.to_dtype(dtype).unwrap();
+                let what =
+                    format!("b {b} h {h} t {t} keys {keys} hd {hd} causal {causal} {dtype:?}");
+                let run = |kernel: bool| {
+                    let qv = qd.as_tensor().transpose(1, 2).unwrap();
+                    let o = if kernel {
+                        flash_attention(&qv, kd.as_tensor(), vd.as_tensor(), causal).unwrap()
+                    } else {
+                        plain_attention(&qv, kd.as_tensor(), vd.as_tensor(), causal)
+                    };
+                    let grads = (f32_of(&o) * f32_of(&wd))
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    let g = |x: &candle_core::Var| {
+                        grads.get(x.as_tensor()).expect("a gradient").clone()
+                    };
+                    (o, [g(&qd), g(&kd), g(&vd)])
+                };
+                let (got, got_g) = run(true);
+                let (want, want_g) = run(false);
+                assert_eq!(got.dtype(), dtype, "{what}");
+                close(&f32s(&got), &f32s(&want), tol, &format!("{what}: values"));
+                for (name, (a, e)) in ["q", "k", "v"].iter().zip(got_g.iter().zip(&want_g)) {
+                    assert_eq!(a.dtype(), dtype, "{what}: ∂{name}");
+                    assert_eq!(a.dims(), e.dims(), "{what}: ∂{name}");
+                    close(&f32s(a), &f32s(e), tol, &format!("{what}: ∂{name}"));
+                }
+            }
+        }
+    }
+}
+
 /// The log-softmax-gather kernel against candle's log-softmax, gather and a first
 /// argmax on the same GPU: vocabularies that are not a multiple of the block
 /// (including 1 and 50,304, the models' own), ties (the first index wins), −inf

@@ -5,8 +5,8 @@
 //! `__shared__` a static (blocks run one at a time). It says nothing about
 //! speed, races the barriers hide, or the GPU's own arithmetic (expf, fmaf),
 //! which the GPU tests (tests/gpu.rs) check on a device.
-//! Built and run by scripts/cuda-emulate/run.sh, once per kernel (-DATTENTION,
-//! -DLOGPROB, -DTHETA, -DSOFTMAX, -DNORM).
+//! Built and run by scripts/cuda-emulate/run.sh, once per kernel file (-DATTENTION,
+//! forward and backward; -DLOGPROB, -DTHETA, -DSOFTMAX, -DNORM).
 #include <condition_variable>
 #include <mutex>
 #include <climits>
@@ -145,13 +145,78 @@ std::vector<float> randn(size_t n, float sd) {
 }
 float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
+// WMMA (mma.h) for the host: every thread of a warp holds the whole tile (row-major
+// floats), which gives the collective ops' results without their register layout; a
+// kernel that touches fragments only through load, store, fill and mma cannot tell.
+// Loads and stores check WMMA's alignment rules (32-byte pointers; ldm a multiple of
+// 16 bytes), which a GPU enforces by faulting. A store is written by lane 0 only, so
+// a kernel that reads it without a __syncwarp races here as it would on a GPU.
+inline void __syncwarp() { warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
+namespace nvcuda::wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment {
+    static constexpr int R = std::is_same_v<Use, matrix_b> ? K : M;
+    static constexpr int C = std::is_same_v<Use, matrix_a> ? K : N;
+    static constexpr int num_elements = R * C;
+    float x[R * C];
+};
+inline float widen(float v) { return v; }
+inline float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+inline float widen(__half v) { return __half2float(v); }
+template <typename T> void check_layout(const T *p, unsigned ldm, const char *what) {
+    if (reinterpret_cast<uintptr_t>(p) % 32 != 0 || (ldm * sizeof(T)) % 16 != 0) {
+        std::printf("FAIL wmma %s: pointer %p, ldm %u misaligned\n", what, (const void *)p, ldm);
+        std::abort();
+    }
+}
+template <typename Use, int M, int N, int K, typename T, typename L>
+void load_matrix_sync(fragment<Use, M, N, K, T, L> &f, const T *p, unsigned ldm) {
+    check_layout(p, ldm, "load");
+    using F = fragment<Use, M, N, K, T, L>;
+    for (int r = 0; r < F::R; ++r)
+        for (int c = 0; c < F::C; ++c)
+            f.x[r * F::C + c] = widen(std::is_same_v<L, col_major> ? p[c * ldm + r] : p[r * ldm + c]);
+}
+template <int M, int N, int K>
+void store_matrix_sync(float *p, const fragment<accumulator, M, N, K, float> &f, unsigned ldm, layout_t l) {
+    check_layout(p, ldm, "store");
+    if (threadIdx.x % 32 != 0) return;
+    for (int r = 0; r < M; ++r)
+        for (int c = 0; c < N; ++c) (l == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[r * N + c];
+}
+template <typename Use, int M, int N, int K, typename T, typename L>
+void fill_fragment(fragment<Use, M, N, K, T, L> &f, float v) {
+    for (auto &x : f.x) x = v;
+}
+// d = a·b + c, products of the (already rounded) inputs summed in f32.
+template <int M, int N, int K, typename T, typename LA, typename LB>
+void mma_sync(fragment<accumulator, M, N, K, float> &d, const fragment<matrix_a, M, N, K, T, LA> &a,
+              const fragment<matrix_b, M, N, K, T, LB> &b, const fragment<accumulator, M, N, K, float> &c) {
+    float r[M * N];
+    for (int i = 0; i < M; ++i)
+        for (int j = 0; j < N; ++j) {
+            float acc = c.x[i * N + j];
+            for (int kk = 0; kk < K; ++kk) acc += a.x[i * K + kk] * b.x[kk * N + j];
+            r[i * N + j] = acc;
+        }
+    std::memcpy(d.x, r, sizeof r);
+}
+} // namespace nvcuda::wmma
+#define __align__(n) __attribute__((aligned(n)))
+
 #ifdef ATTENTION
 #include "../../src/kernels/cuda/attention.cu"
 
 // q [b, t, h, hd] read as [b, h, t, hd]; k [b, h, keys, hd]; v the first `keys`
 // of `keys + 7` positions: the model's layouts, as the GPU test uses them.
 template <typename T, typename K>
-void attention_case(int b, int h, int t, int keys, int hd, bool causal, bool bf16, K kernel) {
+void attention_case(int b, int h, int t, int keys, int hd, bool causal, bool bf16, K kernel, int rows = ROWS,
+                    const char *name = "attention") {
     auto q = randn(size_t(b) * t * h * hd, 1.0f), k = randn(size_t(b) * h * keys * hd, 1.5f),
          v = randn(size_t(b) * h * (keys + 7) * hd, 1.0f);
     if (bf16)
@@ -171,8 +236,8 @@ void attention_case(int b, int h, int t, int keys, int hd, bool causal, bool bf1
     auto qd = conv(q), kd = conv(k), vd = conv(v);
     std::vector<T> out(size_t(b) * t * h * hd);
     const float scale = 1.0f / std::sqrt(float(hd));
-    launch({unsigned((t + ROWS - 1) / ROWS), unsigned(h), unsigned(b)}, THREADS, [&] {
-        kernel(qd.data(), kd.data(), vd.data(), out.data(), h, t, keys, hd, int(causal), scale,
+    launch({unsigned((t + rows - 1) / rows), unsigned(h), unsigned(b)}, THREADS, [&] {
+        kernel(qd.data(), kd.data(), vd.data(), out.data(), nullptr, h, t, keys, hd, int(causal), scale,
                qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]);
     });
     double worst = 0;
@@ -204,10 +269,125 @@ void attention_case(int b, int h, int t, int keys, int hd, bool causal, bool bf1
             }
     const double tol = bf16 ? 8e-3 : 1e-5;
     char what[200];
-    std::snprintf(what, sizeof what, "attention b %d h %d t %d keys %d hd %d causal %d %s: %.3g", b, h, t,
+    std::snprintf(what, sizeof what, "%s b %d h %d t %d keys %d hd %d causal %d %s: %.3g", name, b, h, t,
                   keys, hd, int(causal), bf16 ? "bf16" : "f32", worst);
     std::printf("%s\n", what);
     check(worst < tol, what);
+}
+
+// The training kernels on contiguous q, k, v [b, h, n, hd] (the backward's layouts are
+// the forward's): the forward's lse, then ∂q, ∂k and ∂v for a random ∂o, against the
+// gradient written with the whole probability matrix in double precision,
+// ∂s = p ∘ (∂o·vᵀ − Σ_j p ∂o·vᵀ), ∂q = scale·∂s·k, ∂k = scale·∂sᵀ·q, ∂v = pᵀ·∂o.
+template <typename T, typename F, typename Q, typename KV>
+void attention_grad_case(int b, int h, int t, int keys, int hd, bool causal, bool bf16, F fwd, Q dq_kernel,
+                         KV dkv_kernel, int fwd_rows = ROWS) {
+    const size_t nq = size_t(b) * h * t * hd, nk = size_t(b) * h * keys * hd;
+    auto q = randn(nq, 1.0f), k = randn(nk, 1.5f), v = randn(nk, 1.0f), dout = randn(nq, 1.0f);
+    if (bf16)
+        for (auto *a : {&q, &k, &v, &dout})
+            for (auto &x : *a) x = round_bf16(x);
+    auto conv = [](const std::vector<float> &a) {
+        std::vector<T> r(a.size());
+        for (size_t i = 0; i < a.size(); ++i) {
+            if constexpr (std::is_same_v<T, float>) r[i] = a[i];
+            else r[i] = __float2bfloat16(a[i]);
+        }
+        return r;
+    };
+    auto back = [](T x) -> double {
+        if constexpr (std::is_same_v<T, float>) return x;
+        else return __bfloat162float(x);
+    };
+    // dout arrives as [b, t, h, hd]; the reference below indexes it that way.
+    auto qd = conv(q), kd = conv(k), vd = conv(v), dd = conv(dout);
+    const long qs[3] = {long(h) * t * hd, long(t) * hd, hd};
+    const long ks[3] = {long(h) * keys * hd, long(keys) * hd, hd};
+    const float scale = 1.0f / std::sqrt(float(hd));
+    std::vector<T> out(nq);
+    std::vector<float> lse(size_t(b) * t * h, NAN);
+    launch({unsigned((t + fwd_rows - 1) / fwd_rows), unsigned(h), unsigned(b)}, THREADS, [&] {
+        fwd(qd.data(), kd.data(), vd.data(), out.data(), lse.data(), h, t, keys, hd, int(causal), scale,
+            qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], ks[0], ks[1], ks[2]);
+    });
+    // delta from the kernel's own output, as the op computes it.
+    std::vector<float> delta(size_t(b) * t * h);
+    for (size_t r = 0; r < delta.size(); ++r) {
+        double d = 0;
+        for (int c = 0; c < hd; ++c) d += back(out[r * hd + c]) * back(dd[r * hd + c]);
+        delta[r] = float(d);
+    }
+    std::vector<T> dq(nq), dkv(2 * nk);
+    launch({unsigned((t + ROWS - 1) / ROWS), unsigned(h), unsigned(b)}, THREADS, [&] {
+        dq_kernel(qd.data(), kd.data(), vd.data(), dd.data(), lse.data(), delta.data(), dq.data(), h, t, keys,
+                  hd, int(causal), scale, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], ks[0], ks[1], ks[2]);
+    });
+    launch({unsigned((keys + ROWS - 1) / ROWS), unsigned(h), unsigned(b)}, THREADS, [&] {
+        dkv_kernel(qd.data(), kd.data(), vd.data(), dd.data(), lse.data(), delta.data(), dkv.data(), long(nk),
+                   h, t, keys, hd, int(causal), scale, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], ks[0], ks[1],
+                   ks[2]);
+    });
+    double worst_lse = 0, worst_q = 0, worst_k = 0, worst_v = 0;
+    const int past = keys - t;
+    auto err = [](double &w, double got, double want, double unit) {
+        const double e = std::abs(got - want) / std::max(unit, std::abs(want));
+        w = std::isfinite(got) ? std::max(w, e) : INFINITY;
+    };
+    for (int bi = 0; bi < b; ++bi)
+        for (int hi = 0; hi < h; ++hi) {
+            const size_t qo = (size_t(bi) * h + hi) * t * hd, ko = (size_t(bi) * h + hi) * keys * hd;
+            auto dO = [&](int i, int c) { return double(dout[((size_t(bi) * t + i) * h + hi) * hd + c]); };
+            std::vector<double> p(size_t(t) * keys, 0.0), ds(size_t(t) * keys, 0.0);
+            for (int i = 0; i < t; ++i) {
+                double m = -INFINITY, z = 0;
+                std::vector<double> s(keys, -INFINITY);
+                for (int j = 0; j < keys; ++j) {
+                    if (causal && j > past + i) continue;
+                    double d = 0;
+                    for (int c = 0; c < hd; ++c) d += double(q[qo + i * hd + c]) * k[ko + j * hd + c];
+                    s[j] = d * scale;
+                    m = std::max(m, s[j]);
+                }
+                for (int j = 0; j < keys; ++j) z += std::exp(s[j] - m);
+                err(worst_lse, lse[(size_t(bi) * t + i) * h + hi], m + std::log(z), 1.0);
+                double pdp = 0;
+                std::vector<double> dp(keys);
+                for (int j = 0; j < keys; ++j) {
+                    p[i * keys + j] = std::exp(s[j] - m) / z;
+                    double d = 0;
+                    for (int c = 0; c < hd; ++c) d += dO(i, c) * v[ko + j * hd + c];
+                    dp[j] = d;
+                    pdp += p[i * keys + j] * d;
+                }
+                for (int j = 0; j < keys; ++j) ds[i * keys + j] = p[i * keys + j] * (dp[j] - pdp);
+            }
+            for (int i = 0; i < t; ++i)
+                for (int c = 0; c < hd; ++c) {
+                    double g = 0;
+                    for (int j = 0; j < keys; ++j) g += ds[i * keys + j] * k[ko + j * hd + c];
+                    err(worst_q, back(dq[qo + i * hd + c]), g * scale, 1.0);
+                }
+            for (int j = 0; j < keys; ++j)
+                for (int c = 0; c < hd; ++c) {
+                    double gk = 0, gv = 0;
+                    for (int i = 0; i < t; ++i) {
+                        gk += ds[i * keys + j] * q[qo + i * hd + c];
+                        gv += p[i * keys + j] * dO(i, c);
+                    }
+                    err(worst_k, back(dkv[ko + j * hd + c]), gk * scale, 1.0);
+                    err(worst_v, back(dkv[nk + ko + j * hd + c]), gv, 1.0);
+                }
+        }
+    // f32 sums of ~100 terms stay near 1e-6. In bf16, D = ∂o·o comes from the output
+    // rounded to 2⁻⁹, and ∂s = p·(dp − D) subtracts numbers of like size: ~1 %, as the
+    // GPU test's bf16 tolerance allows.
+    const double tol = bf16 ? 3e-2 : 2e-5;
+    char what[240];
+    std::snprintf(what, sizeof what,
+                  "attention backward b %d h %d t %d keys %d hd %d causal %d %s: lse %.3g dq %.3g dk %.3g dv %.3g",
+                  b, h, t, keys, hd, int(causal), bf16 ? "bf16" : "f32", worst_lse, worst_q, worst_k, worst_v);
+    std::printf("%s\n", what);
+    check(worst_lse < 1e-5 && worst_q < tol && worst_k < tol && worst_v < tol, what);
 }
 
 int main() {
@@ -220,6 +400,33 @@ int main() {
             auto b16 = hd <= 64 ? flash_attention_bf16_d64 : hd <= 128 ? flash_attention_bf16_d128 : flash_attention_bf16_d256;
             attention_case<float>(b, h, t, keys, hd, causal, false, f32);
             attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, b16);
+            if (hd <= 128) // the tensor-core forward (bf16; f16 is the same code)
+                attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true,
+                                              hd <= 64 ? flash_tc_bf16_d64 : flash_tc_bf16_d128, TC_ROWS,
+                                              "attention (tensor cores)");
+        }
+    // The backward: square (training's case) with ragged tiles of queries and keys, a
+    // longer past, one query, and each instance's head sizes.
+    const int grad_cases[][5] = {{2, 2, 70, 70, 64}, {1, 1, 1, 1, 64}, {1, 2, 5, 133, 128},
+                                 {1, 3, 33, 33, 8},  {1, 1, 40, 40, 256}, {1, 2, 65, 97, 200}};
+    for (auto &c : grad_cases)
+        for (int causal = 0; causal < 2; ++causal) {
+            const int b = c[0], h = c[1], t = c[2], keys = c[3], hd = c[4];
+            if (hd <= 64) {
+                attention_grad_case<float>(b, h, t, keys, hd, causal, false, flash_attention_f32_d64,
+                                           flash_dq_f32_d64, flash_dkv_f32_d64);
+                attention_grad_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, flash_attention_bf16_d64,
+                                                   flash_dq_bf16_d64, flash_dkv_bf16_d64);
+                // The backward from the tensor-core forward's log-sum-exp, as bf16 training runs.
+                attention_grad_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, flash_tc_bf16_d64,
+                                                   flash_dq_bf16_d64, flash_dkv_bf16_d64, TC_ROWS);
+            } else if (hd <= 128) {
+                attention_grad_case<float>(b, h, t, keys, hd, causal, false, flash_attention_f32_d128,
+                                           flash_dq_f32_d128, flash_dkv_f32_d128);
+            } else {
+                attention_grad_case<float>(b, h, t, keys, hd, causal, false, flash_attention_f32_d256,
+                                           flash_dq_f32_d256, flash_dkv_f32_d256);
+            }
         }
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
     return failures != 0;

@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 out=../../target/cuda-emulate
 mkdir -p "$out/include"
-# The CUDA headers' types and conversions are emulate.cpp's own.
-touch "$out/include/cuda_bf16.h" "$out/include/cuda_fp16.h"
+# The CUDA headers' types, conversions and WMMA are emulate.cpp's own.
+touch "$out/include/cuda_bf16.h" "$out/include/cuda_fp16.h" "$out/include/mma.h"
 rc=0
 for k in ATTENTION LOGPROB THETA SOFTMAX NORM; do
     g++ -std=c++20 -O2 -pthread -I"$out/include" -D"$k" -o "$out/${k,,}" emulate.cpp

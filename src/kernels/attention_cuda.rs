@@ -1,212 +1,267 @@
 //! Flash-style attention on a CUDA GPU (`cuda/attention.cu`, PTX built by
-//! build.rs): softmax(q·kᵀ/√d)·v with an online softmax over key tiles, so no
-//! [heads, t, keys] score tensor is allocated, every sum in f32 whatever the
-//! inputs' dtype. For inference only (no backward). Experimental: the model
-//! takes it only when `TOKENFORMER_CUDA_KERNELS=1` (see
-//! [`super::cuda_kernels_enabled`]) until a GPU session has checked it.
+//! build.rs): the launchers of [`super::flash`]'s op, whose forward runs an online
+//! softmax over key tiles (no [heads, t, keys] score tensor is allocated) and whose
+//! backward recomputes the probabilities tile by tile, every sum in f32 whatever the
+//! inputs' dtype. Experimental: the models take it only when
+//! `TOKENFORMER_CUDA_KERNELS=1` (see [`super::cuda_kernels_enabled`]) until a GPU
+//! session has checked it.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaView, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
+
+use super::flash::{fits, Part, HEAD_DIMS};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 
-/// Queries per thread block (`ROWS` in the kernel) and its threads.
+const MODULE: &str = "tokenformer_attention";
+
+/// Rows (queries, or the ∂k/∂v kernel's keys) per thread block (`ROWS` in the
+/// kernels; `TC_ROWS` queries for the tensor-core forward) and its threads.
 const ROWS: usize = 32;
+const TC_ROWS: usize = 64;
 const THREADS: u32 = 128;
 
-/// The head sizes the kernel's instances take (the smallest that fits runs).
-const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// The tensor-core forward's instance for `dtype` and head size `hd`, if it has
+/// one (bf16 and f16, hd ≤ 128) and `TOKENFORMER_FLASH_TC` is not `0` (which keeps
+/// the SIMT kernel, for comparing the two on a GPU).
+fn tensor_core_instance(dtype: DType, hd: usize) -> Option<String> {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("TOKENFORMER_FLASH_TC").is_ok_and(|v| v == "0"));
+    let name = match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => return None,
+    };
+    let maxd = [64, 128].into_iter().find(|&m| hd <= m)?;
+    (!off).then(|| format!("flash_tc_{name}_d{maxd}"))
+}
 
-/// Whether the model's attention takes the kernel: the CUDA kernels turned
-/// on and [`fits`].
+/// `storage` from its layout's offset, as T.
+fn view<'a, T: CudaDType>((s, l): Arg<'a>) -> Result<CudaView<'a, T>> {
+    Ok(s.as_cuda_slice::<T>()?.slice(l.start_offset()..))
+}
+
+/// Whether attention takes the kernels: the CUDA kernels turned on, q on a GPU, and
+/// [`fits`].
 pub(crate) fn serves(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> bool {
-    super::cuda_kernels_enabled() && fits(q, k, v, causal).is_ok()
+    super::cuda_kernels_enabled() && q.device().is_cuda() && fits(q, k, v, causal).is_ok()
 }
 
-/// Why the kernel cannot take q [b, h, t, hd], k and v [b, h, keys, hd], if
-/// it cannot: all on one GPU in one of f32/bf16/f16, hd ≤ 256, at least one
-/// key (and, causal, at least as many keys as queries), shapes within one
-/// launch.
-fn fits(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> std::result::Result<(), String> {
-    let dev = q.device();
-    if !(dev.is_cuda() && dev.same_device(k.device()) && dev.same_device(v.device())) {
-        return Err("q, k and v must be on one GPU".into());
-    }
-    let dtype = q.dtype();
-    if k.dtype() != dtype
-        || v.dtype() != dtype
-        || !matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
-    {
-        return Err(format!(
-            "q, k, v {:?}/{:?}/{:?}: one of f32, bf16, f16 for all three",
-            dtype,
-            k.dtype(),
-            v.dtype()
-        ));
-    }
-    let (Ok((b, h, t, hd)), Ok((kb, kh, keys, khd))) = (q.dims4(), k.dims4()) else {
-        return Err(format!(
-            "q {:?}, k {:?}: rank 4 expected",
-            q.dims(),
-            k.dims()
-        ));
-    };
-    if (kb, kh, khd) != (b, h, hd) || v.dims() != k.dims() {
-        return Err(format!(
-            "q {:?}, k {:?}, v {:?} do not match",
-            q.dims(),
-            k.dims(),
-            v.dims()
-        ));
-    }
-    if hd == 0 || hd > HEAD_DIMS[2] || t == 0 || keys == 0 || (causal && keys < t) {
-        return Err(format!(
-            "head size {hd} (1 to 256), {t} queries, {keys} keys{}",
-            if causal {
-                " (causal: keys ≥ queries)"
-            } else {
-                ""
-            }
-        ));
-    }
-    if b > 65_535 || h > 65_535 || t.div_ceil(ROWS) > i32::MAX as usize || keys > i32::MAX as usize
-    {
-        return Err(format!("[{b}, {h}, {t}] is more than one launch takes"));
-    }
-    Ok(())
-}
-
-/// Attention of q [b, h, t, hd] over k, v [b, h, keys, hd] (each row's
-/// features contiguous, other strides free: copied otherwise), scaled by
-/// 1/√hd, causal counting from the end (keys − t earlier positions are the
-/// past), as [b, t, h·hd] in q's dtype, by the kernel whatever
-/// `TOKENFORMER_CUDA_KERNELS` says. The same definition as
-/// `crate::kernels::attention`.
+/// Attention of q [b, h, t, hd] over k, v [b, h, keys, hd] (each row's features
+/// contiguous, other strides free: copied otherwise), scaled by 1/√hd, causal
+/// counting from the end (keys − t earlier positions are the past), as [b, t, h·hd]
+/// in q's dtype, by the kernels whatever `TOKENFORMER_CUDA_KERNELS` says;
+/// differentiable. The same definition as `crate::kernels::attention`.
 pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
-    if let Err(e) = fits(q, k, v, causal) {
-        candle_core::bail!("attention kernel: {e}")
+    if !q.device().is_cuda() {
+        candle_core::bail!("attention kernel: q, k and v must be on a GPU")
     }
-    let unit = |x: &Tensor| -> Result<Tensor> {
-        if x.stride()[3] == 1 {
-            Ok(x.clone())
-        } else {
-            x.contiguous()
-        }
+    super::flash::attention(q, k, v, causal)
+}
+
+/// One of q, k, v and its layout.
+type Arg<'a> = (&'a CudaStorage, &'a Layout);
+
+/// The instance suffix ("f32_d64", …) for `dtype` and head size `hd`.
+fn instance(dtype: DType, hd: usize) -> Result<String> {
+    let name = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        d => candle_core::bail!("attention kernel: no {d:?} version"),
     };
-    let hd = q.dim(3)?;
-    unit(q)?.apply_op3_no_bwd(
-        &unit(k)?,
-        &unit(v)?,
-        &FlashAttention {
-            causal,
-            scale: 1.0 / (hd as f32).sqrt(),
-        },
-    )
+    let Some(maxd) = HEAD_DIMS.into_iter().find(|&m| hd <= m) else {
+        candle_core::bail!("attention kernel: head size {hd} above {}", HEAD_DIMS[2])
+    };
+    Ok(format!("{name}_d{maxd}"))
 }
 
-struct FlashAttention {
-    causal: bool,
+/// The arguments every kernel takes after its pointers: heads, t, keys, hd, causal,
+/// scale, then q's, k's and v's [b, h, row] strides.
+struct Common {
+    ints: [i32; 5],
     scale: f32,
+    strides: [i64; 9],
 }
 
-impl FlashAttention {
-    #[allow(clippy::too_many_arguments)]
-    fn launch<T: DeviceRepr + CudaDType>(
-        &self,
-        sq: &CudaStorage,
-        lq: &Layout,
-        sk: &CudaStorage,
-        lk: &Layout,
-        sv: &CudaStorage,
-        lv: &Layout,
-        name: &str,
-    ) -> Result<(CudaStorage, Shape)> {
-        let (b, h, t, hd) = lq.shape().dims4()?;
-        let keys = lk.dims()[2];
-        let maxd = HEAD_DIMS
-            .into_iter()
-            .find(|&m| hd <= m)
-            .expect("fits checked hd ≤ 256");
-        let dev = &sq.device;
-        let func = dev.get_or_load_custom_func(
-            &format!("flash_attention_{name}_d{maxd}"),
-            "tokenformer_attention",
-            PTX,
-        )?;
-        let q = sq.as_cuda_slice::<T>()?.slice(lq.start_offset()..);
-        let k = sk.as_cuda_slice::<T>()?.slice(lk.start_offset()..);
-        let v = sv.as_cuda_slice::<T>()?.slice(lv.start_offset()..);
-        // SAFETY: the kernel writes every element of [b, t, h, hd] before it is read.
-        let out = unsafe { dev.alloc::<T>(b * t * h * hd)? };
-        let strides = |l: &Layout| -> [i64; 3] {
-            let s = l.stride();
-            [s[0] as i64, s[1] as i64, s[2] as i64]
-        };
-        let (qs, ks, vs) = (strides(lq), strides(lk), strides(lv));
-        let (heads, t32, keys32, hd32) = (h as i32, t as i32, keys as i32, hd as i32);
-        let causal = i32::from(self.causal);
-        let cfg = LaunchConfig {
-            grid_dim: (t.div_ceil(ROWS) as u32, h as u32, b as u32),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut a = func.builder();
-        a.arg(&q);
-        a.arg(&k);
-        a.arg(&v);
-        a.arg(&out);
-        a.arg(&heads);
-        a.arg(&t32);
-        a.arg(&keys32);
-        a.arg(&hd32);
-        a.arg(&causal);
+impl Common {
+    fn new(q: &Layout, k: &Layout, v: &Layout, causal: bool, scale: f32) -> Result<Self> {
+        let (_, h, t, hd) = q.shape().dims4()?;
+        let keys = k.dims()[2];
+        let mut strides = [0i64; 9];
+        for (i, l) in [q, k, v].iter().enumerate() {
+            for (j, &s) in l.stride()[..3].iter().enumerate() {
+                strides[3 * i + j] = s as i64;
+            }
+        }
+        Ok(Self {
+            ints: [
+                h as i32,
+                t as i32,
+                keys as i32,
+                hd as i32,
+                i32::from(causal),
+            ],
+            scale,
+            strides,
+        })
+    }
+
+    fn push<'a>(&'a self, a: &mut LaunchArgs<'a>) {
+        for i in &self.ints {
+            a.arg(i);
+        }
         a.arg(&self.scale);
-        for s in qs.iter().chain(&ks).chain(&vs) {
+        for s in &self.strides {
             a.arg(s);
         }
-        // SAFETY: the arguments match the kernel's (q, k, v, out, heads, t, keys,
-        // hd, causal, scale, then q's, k's and v's [b, h, row] strides); the views
-        // start at each layout's offset and every index the kernel forms from
-        // them lies inside its tensor.
-        unsafe { a.launch(cfg) }.w()?;
-        let out = CudaStorage::wrap_cuda_slice(out, dev.clone());
-        Ok((out, Shape::from((b, t, h * hd))))
     }
 }
 
-impl CustomOp3 for FlashAttention {
-    fn name(&self) -> &'static str {
-        "flash-attention-cuda"
+/// `rows` rows in blocks of `per_block`, for each head and batch.
+fn config(rows: usize, per_block: usize, h: usize, b: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(per_block) as u32, h as u32, b as u32),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
     }
+}
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("the CUDA attention kernel runs on a GPU only")
+/// The forward: the output [b, t, h·hd] in q's dtype and each query row's
+/// log-sum-exp [b, t, h] in f32.
+pub(super) fn forward(
+    q: Arg,
+    k: Arg,
+    v: Arg,
+    causal: bool,
+    scale: f32,
+) -> Result<(CudaStorage, CudaStorage)> {
+    fn run<T: DeviceRepr + CudaDType>(
+        [q, k, v]: [Arg; 3],
+        causal: bool,
+        scale: f32,
+    ) -> Result<(CudaStorage, CudaStorage)> {
+        let (b, h, t, hd) = q.1.shape().dims4()?;
+        let dev = &q.0.device;
+        // The tensor-core kernel where it has an instance and the PTX holds it (built
+        // for compute capability 8.0 or later), else the SIMT one.
+        let tc = tensor_core_instance(q.0.dtype(), hd)
+            .and_then(|name| dev.get_or_load_custom_func(&name, MODULE, PTX).ok());
+        let (func, rows) = match tc {
+            Some(func) => (func, TC_ROWS),
+            None => {
+                let name = format!("flash_attention_{}", instance(q.0.dtype(), hd)?);
+                (dev.get_or_load_custom_func(&name, MODULE, PTX)?, ROWS)
+            }
+        };
+        let (qs, ks, vs) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
+        // SAFETY: the kernel writes every element of both before they are read.
+        let out = unsafe { dev.alloc::<T>(b * t * h * hd)? };
+        let lse = unsafe { dev.alloc::<f32>(b * t * h)? };
+        let common = Common::new(q.1, k.1, v.1, causal, scale)?;
+        let mut a = func.builder();
+        a.arg(&qs);
+        a.arg(&ks);
+        a.arg(&vs);
+        a.arg(&out);
+        a.arg(&lse);
+        common.push(&mut a);
+        // SAFETY: the arguments match the kernel's (q, k, v, out, lse, then
+        // `Common`); the views start at each layout's offset and every index the
+        // kernel forms from the strides lies inside its tensor.
+        unsafe { a.launch(config(t, rows, h, b)) }.w()?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, dev.clone()),
+            CudaStorage::wrap_cuda_slice(lse, dev.clone()),
+        ))
     }
+    match q.0.dtype() {
+        DType::F32 => run::<f32>([q, k, v], causal, scale),
+        DType::BF16 => run::<::half::bf16>([q, k, v], causal, scale),
+        DType::F16 => run::<::half::f16>([q, k, v], causal, scale),
+        d => candle_core::bail!("attention kernel: no {d:?} version"),
+    }
+}
 
-    fn cuda_fwd(
-        &self,
-        sq: &CudaStorage,
-        lq: &Layout,
-        sk: &CudaStorage,
-        lk: &Layout,
-        sv: &CudaStorage,
-        lv: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        match sq.dtype() {
-            DType::F32 => self.launch::<f32>(sq, lq, sk, lk, sv, lv, "f32"),
-            DType::BF16 => self.launch::<::half::bf16>(sq, lq, sk, lk, sv, lv, "bf16"),
-            DType::F16 => self.launch::<::half::f16>(sq, lq, sk, lk, sv, lv, "f16"),
-            d => candle_core::bail!("attention kernel: no {d:?} version"),
+/// The backward's `part`: ∂q [b, h, t, hd], or ∂k and ∂v as [2, b, h, keys, hd], in
+/// q's dtype, from `saved` = ∂o [b, t, h·hd] (q's dtype, contiguous), the
+/// log-sum-exp and D [b, t, h] (f32, contiguous).
+pub(super) fn grad(
+    part: Part,
+    qkv: [Arg; 3],
+    saved: [Arg; 3],
+    causal: bool,
+    scale: f32,
+) -> Result<CudaStorage> {
+    fn run<T: DeviceRepr + CudaDType>(
+        part: Part,
+        [q, k, v]: [Arg; 3],
+        [dout, lse, delta]: [Arg; 3],
+        causal: bool,
+        scale: f32,
+    ) -> Result<CudaStorage> {
+        let (b, h, t, hd) = q.1.shape().dims4()?;
+        let keys = k.1.dims()[2];
+        let dev = &q.0.device;
+        let kernel = match part {
+            Part::Q => "flash_dq",
+            Part::KV => "flash_dkv",
+        };
+        let name = format!("{kernel}_{}", instance(q.0.dtype(), hd)?);
+        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let (qs, ks, vs, ds) = (
+            view::<T>(q)?,
+            view::<T>(k)?,
+            view::<T>(v)?,
+            view::<T>(dout)?,
+        );
+        let (ls, es) = (view::<f32>(lse)?, view::<f32>(delta)?);
+        for (what, l, n) in [
+            ("∂o", dout.1, b * t * h * hd),
+            ("log-sum-exp", lse.1, b * t * h),
+            ("D", delta.1, b * t * h),
+        ] {
+            if !l.is_contiguous() || l.shape().elem_count() != n {
+                candle_core::bail!(
+                    "attention kernel: {what} of shape {:?}, not {n} contiguous elements",
+                    l.dims()
+                )
+            }
         }
+        let plane = (b * h * keys * hd) as i64;
+        let (len, rows) = match part {
+            Part::Q => (b * h * t * hd, t),
+            Part::KV => (2 * plane as usize, keys),
+        };
+        // SAFETY: the kernel writes every element before it is read.
+        let out = unsafe { dev.alloc::<T>(len)? };
+        let common = Common::new(q.1, k.1, v.1, causal, scale)?;
+        let mut a = func.builder();
+        a.arg(&qs);
+        a.arg(&ks);
+        a.arg(&vs);
+        a.arg(&ds);
+        a.arg(&ls);
+        a.arg(&es);
+        a.arg(&out);
+        if part == Part::KV {
+            a.arg(&plane);
+        }
+        common.push(&mut a);
+        // SAFETY: the arguments match the kernel's (q, k, v, dout, lse, delta, out,
+        // for ∂k/∂v the plane, then `Common`); the views start at each layout's
+        // offset, the saved tensors are contiguous with the sizes checked above.
+        unsafe { a.launch(config(rows, ROWS, h, b)) }.w()?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+    match qkv[0].0.dtype() {
+        DType::F32 => run::<f32>(part, qkv, saved, causal, scale),
+        DType::BF16 => run::<::half::bf16>(part, qkv, saved, causal, scale),
+        DType::F16 => run::<::half::f16>(part, qkv, saved, causal, scale),
+        d => candle_core::bail!("attention kernel: no {d:?} version"),
     }
 }

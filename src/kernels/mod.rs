@@ -35,10 +35,11 @@
 //!
 //! With the `cuda` feature, kernels of our own for a GPU (`cuda/*.cu`, PTX
 //! built by build.rs): Θ, flash-style attention and scoring's
-//! log-softmax-gather for inference; for training, Θ's backward and three
+//! log-softmax-gather for inference; for training, Θ's backward, the
+//! attention's backward (`flash`: no [b, h, t, t] tensors) and three
 //! ops with a kernel each way (`masked_softmax`, `nonparam_norm`, and
-//! `logprob`'s cross-entropy), one op for every device through `row_op`
-//! (their CPU sides are f64 loops for the tests). They are experimental:
+//! `logprob`'s cross-entropy), one op for every device (their CPU sides
+//! are f64 loops for the tests; the row ops share `row_op`). They are experimental:
 //! written, compiled and emulated on the CPU but not yet run on a GPU, so
 //! they stay off unless `TOKENFORMER_CUDA_KERNELS=1` (see
 //! [`cuda_kernels_enabled`]); without it a GPU runs plain candle ops.
@@ -53,7 +54,8 @@ mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_avx512;
 #[cfg(feature = "cuda")]
-mod attention_cuda;
+pub(crate) mod attention_cuda;
+pub(crate) mod flash;
 mod gemv;
 mod half;
 mod logprob;

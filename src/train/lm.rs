@@ -389,6 +389,8 @@ pub(crate) fn attention<P: Params + ?Sized>(
     let scale = 1.0 / (hd as f64).sqrt();
     let out = if super::fused::serves(h) {
         super::fused::attention(&q, &k, &v, heads, scale, causal)?
+    } else if let Some(out) = flash_attention(&q, &k, &v, heads, causal)? {
+        out
     } else {
         let heads_first = |x: Tensor| x.reshape((b, t, heads, hd))?.transpose(1, 2)?.contiguous();
         let (q, k, v) = (heads_first(q)?, heads_first(k)?, heads_first(v)?);
@@ -405,6 +407,29 @@ pub(crate) fn attention<P: Params + ?Sized>(
         spec.activation,
         spec.scale_proj,
     )
+}
+
+/// Attention of q, k, v [b, t, d] by the GPU's flash kernels, forward and backward,
+/// when they serve (`TOKENFORMER_CUDA_KERNELS=1`): the heads read as views, no
+/// [b, h, t, t] scores or probabilities kept for the backward. None elsewhere.
+fn flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    heads: usize,
+    causal: bool,
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    {
+        let (b, t, d) = q.dims3()?;
+        let split = |x: &Tensor| x.reshape((b, t, heads, d / heads))?.transpose(1, 2);
+        let (q, k, v) = (split(q)?, split(k)?, split(v)?);
+        if crate::kernels::attention_cuda::serves(&q, &k, &v, causal) {
+            return crate::kernels::flash::attention(&q, &k, &v, causal).map(Some);
+        }
+    }
+    let _ = (q, k, v, heads, causal);
+    Ok(None)
 }
 
 /// GPT-NeoX rotary on the first `dims` features of x [.., t, .., hd] with cos/sin

@@ -1,6 +1,7 @@
-// Flash-style attention for inference on a GPU: softmax(q·kᵀ·scale)·v per
-// (batch, head) with an online softmax over tiles of keys, so no
-// [queries, keys] score tensor is ever in memory.
+// Flash-style attention on a GPU: softmax(q·kᵀ·scale)·v per (batch, head) with an
+// online softmax over tiles of keys, so no [queries, keys] score tensor is ever in
+// memory, and its backward (FlashAttention-2's scheme: the probabilities recomputed
+// tile by tile from each query row's log-sum-exp, which the forward writes).
 //
 // q [b, h, t, hd], k and v [b, h, keys, hd] are read through their strides (the
 // model's head-split views need no copy); only each row's features must be
@@ -9,14 +10,14 @@
 // 0..=past+i, past = keys − t (a KV cache or a prefix counts as the past).
 // f32, bf16 and f16 inputs; products, softmax and accumulation in f32.
 //
-// A block of 128 threads takes 32 queries; each query is shared by 4 adjacent
-// lanes, lane `sub` keeping features sub, sub+4, … of the query and of its
-// output in registers. A tile of BK keys and values is staged in shared memory
-// as f32; each score is 4 partial dot products summed across the 4 lanes by
-// two shuffles, which leaves every lane of the row with all BK scores, so the
-// softmax update and P·V need no shared memory for P. SIMT only (no tensor
-// cores): a first kernel whose numbers the GPU session checks before it is
-// made fast.
+// A block of 128 threads takes 32 queries (the backward's ∂k, ∂v kernel: 32 keys);
+// each row is shared by 4 adjacent lanes, lane `sub` keeping features sub, sub+4, …
+// of the row and of its accumulators in registers. A tile of the other side's rows
+// is staged in shared memory as f32; each dot product is 4 partial sums added
+// across the 4 lanes by two shuffles, which leaves every lane of the row with the
+// whole sum, so nothing per pair goes through shared memory. SIMT only (no tensor
+// cores): first kernels whose numbers the GPU session checks before they are made
+// fast.
 #include "rows.cuh"
 
 
@@ -25,11 +26,12 @@
 #define ROWS (THREADS / LANES)  // queries per block
 
 // MAXD: the largest head size the instance takes; BK: keys per tile, chosen so
-// that the K and V tiles are 32 KiB of static shared memory together.
+// that the K and V tiles are 32 KiB of static shared memory together. lse, when not
+// null, receives each query row's log Σ exp(scaled scores), [b, t, h] in f32.
 template <typename T, int MAXD, int BK>
 __device__ __forceinline__ void flash_rows(
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ out,
-    int heads, int t, int keys, int hd, int causal, float scale,
+    float *__restrict__ lse, int heads, int t, int keys, int hd, int causal, float scale,
     long qs0, long qs1, long qs2, long ks0, long ks1, long ks2, long vs0, long vs1, long vs2) {
     constexpr int PER = MAXD / LANES;
     __shared__ float kt[BK][MAXD];
@@ -106,6 +108,7 @@ __device__ __forceinline__ void flash_rows(
     }
     if (!live) return;
     // Every live row saw key 0 (causal: past + qi ≥ 0), so l ≥ 1.
+    if (lse != nullptr && sub == 0) lse[((long)bi * t + qi) * heads + hi] = m + logf(l);
     const float inv = 1.0f / l;
     T *orow = out + (((long)bi * t + qi) * heads + hi) * hd;
 #pragma unroll
@@ -117,11 +120,11 @@ __device__ __forceinline__ void flash_rows(
 
 #define FLASH(NAME, T, MAXD, BK)                                                                  \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                   \
-        const T *q, const T *k, const T *v, T *out, int heads, int t, int keys, int hd,          \
-        int causal, float scale, long qs0, long qs1, long qs2, long ks0, long ks1, long ks2,     \
-        long vs0, long vs1, long vs2) {                                                          \
-        flash_rows<T, MAXD, BK>(q, k, v, out, heads, t, keys, hd, causal, scale, qs0, qs1, qs2, \
-                                ks0, ks1, ks2, vs0, vs1, vs2);                                   \
+        const T *q, const T *k, const T *v, T *out, float *lse, int heads, int t, int keys,      \
+        int hd, int causal, float scale, long qs0, long qs1, long qs2, long ks0, long ks1,       \
+        long ks2, long vs0, long vs1, long vs2) {                                                \
+        flash_rows<T, MAXD, BK>(q, k, v, out, lse, heads, t, keys, hd, causal, scale, qs0, qs1, \
+                                qs2, ks0, ks1, ks2, vs0, vs1, vs2);                              \
     }
 
 FLASH(flash_attention_f32_d64, float, 64, 64)
@@ -133,3 +136,347 @@ FLASH(flash_attention_bf16_d256, __nv_bfloat16, 256, 16)
 FLASH(flash_attention_f16_d64, __half, 64, 64)
 FLASH(flash_attention_f16_d128, __half, 128, 32)
 FLASH(flash_attention_f16_d256, __half, 256, 16)
+
+// The forward on tensor cores, for bf16 and f16 (head sizes up to 64 or 128; the SIMT
+// kernel above takes the rest): q·kᵀ and p·v as 16×16×16 WMMA products with f32
+// accumulators. A WMMA accumulator's layout is opaque, so it cannot be rescaled row by
+// row as the one-pass online softmax needs; instead the keys are read twice. The first
+// pass finds each query row's max m and l = Σ exp(s − m) of its scaled scores, the
+// second adds exp(s − m)/l · v, whose weights are final, into the accumulators. That
+// computes q·kᵀ twice (1.5× the products of one pass), on units ~16× faster than
+// SIMT FMAs. The weights p are rounded to T for the tensor cores, as FlashAttention does.
+// A block of 4 warps takes 64 queries (16 a warp); tiles of TK keys. Each warp's
+// scores go through its own shared-memory slab, where two lanes a row apply the
+// scale, the causal mask and the softmax.
+#include <mma.h>
+
+#define TC_WARPS 4
+#define TC_ROWS (16 * TC_WARPS)
+#define TK 32
+
+template <typename T, int HD>
+__device__ __forceinline__ void flash_tc_rows(
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ out,
+    float *__restrict__ lse, int heads, int t, int keys, int hd, int causal, float scale, long qs0,
+    long qs1, long qs2, long ks0, long ks1, long ks2, long vs0, long vs1, long vs2) {
+    using namespace nvcuda;
+    constexpr int NF = HD / 16; // 16-wide slices of the features
+    __shared__ __align__(32) T qt[TC_ROWS][HD];
+    __shared__ __align__(32) T kt[TK][HD];
+    __shared__ __align__(32) T vt[TK][HD];
+    __shared__ __align__(32) float st[TC_WARPS][16][TK];
+    __shared__ __align__(32) T pt[TC_WARPS][16][TK];
+    const int bi = blockIdx.z, hi = blockIdx.y;
+    const int q0 = blockIdx.x * TC_ROWS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int past = keys - t;
+
+    // The block's queries, zero past t and past hd (zeros add nothing to a product).
+    const T *qb = q + bi * qs0 + hi * qs1;
+    for (int i = threadIdx.x; i < TC_ROWS * HD; i += THREADS) {
+        const int r = i / HD, c = i % HD, qi = q0 + r;
+        store(&qt[r][0], c, (qi < t && c < hd) ? load(qb + qi * qs2, c) : 0.0f);
+    }
+    __syncthreads();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[NF];
+#pragma unroll
+    for (int f = 0; f < NF; ++f) wmma::load_matrix_sync(qf[f], &qt[warp * 16][f * 16], HD);
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> of[NF];
+#pragma unroll
+    for (int f = 0; f < NF; ++f) wmma::fill_fragment(of[f], 0.0f);
+
+    // Lane `lane` takes columns half·TK/2 .. of the warp's row lane/2.
+    const int row = lane / 2, half = lane % 2;
+    const int qi = q0 + warp * 16 + row;
+    const bool live = qi < t;
+    const int kend = causal ? min(keys, past + min(t, q0 + TC_ROWS)) : keys;
+    const T *kb = k + bi * ks0 + hi * ks1;
+    const T *vb = v + bi * vs0 + hi * vs1;
+    float m = -INFINITY, l = 0.0f, inv = 0.0f;
+
+    for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 1) {
+            // The two lanes of a row merge their maxima and sums.
+            const float m2 = __shfl_xor_sync(0xffffffffu, m, 1);
+            const float l2 = __shfl_xor_sync(0xffffffffu, l, 1);
+            const float mm = fmaxf(m, m2);
+            l = (m == -INFINITY ? 0.0f : l * expf(m - mm)) + (m2 == -INFINITY ? 0.0f : l2 * expf(m2 - mm));
+            m = mm;
+            inv = l > 0.0f ? 1.0f / l : 0.0f; // 0 only on padding rows
+        }
+        for (int j0 = 0; j0 < kend; j0 += TK) {
+            __syncthreads(); // the previous tile's readers are done
+            for (int i = threadIdx.x; i < TK * HD; i += THREADS) {
+                const int j = i / HD, c = i % HD, key = j0 + j;
+                const bool in = key < kend && c < hd;
+                store(&kt[j][0], c, in ? load(kb + key * ks2, c) : 0.0f);
+                if (pass == 1) store(&vt[j][0], c, in ? load(vb + key * vs2, c) : 0.0f);
+            }
+            __syncthreads();
+#pragma unroll
+            for (int n = 0; n < TK / 16; ++n) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf;
+                wmma::fill_fragment(sf, 0.0f);
+#pragma unroll
+                for (int f = 0; f < NF; ++f) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
+                    wmma::load_matrix_sync(kf, &kt[n * 16][f * 16], HD);
+                    wmma::mma_sync(sf, qf[f], kf, sf);
+                }
+                wmma::store_matrix_sync(&st[warp][0][n * 16], sf, TK, wmma::mem_row_major);
+            }
+            __syncwarp();
+            for (int c = half * (TK / 2); c < (half + 1) * (TK / 2); ++c) {
+                const int key = j0 + c;
+                const bool seen = live && key < kend && (!causal || key <= past + qi);
+                const float s = st[warp][row][c] * scale;
+                if (pass == 0) {
+                    if (seen) {
+                        if (s > m) {
+                            l = l * expf(m - s) + 1.0f; // exp(−inf) = 0 on the first
+                            m = s;
+                        } else {
+                            l += expf(s - m);
+                        }
+                    }
+                } else {
+                    store(&pt[warp][row][0], c, seen ? expf(s - m) * inv : 0.0f);
+                }
+            }
+            if (pass == 1) {
+                __syncwarp();
+#pragma unroll
+                for (int kk = 0; kk < TK / 16; ++kk) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
+                    wmma::load_matrix_sync(pf, &pt[warp][0][kk * 16], TK);
+#pragma unroll
+                    for (int f = 0; f < NF; ++f) {
+                        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+                        wmma::load_matrix_sync(vf, &vt[kk * 16][f * 16], HD);
+                        wmma::mma_sync(of[f], pf, vf, of[f]);
+                    }
+                }
+            }
+            __syncwarp(); // st and pt are written again by the next tile
+        }
+    }
+    if (live && half == 0 && lse != nullptr) lse[((long)bi * t + qi) * heads + hi] = m + logf(l);
+    // The output, a 16×16 slice at a time through the warp's slab.
+#pragma unroll
+    for (int f = 0; f < NF; ++f) {
+        wmma::store_matrix_sync(&st[warp][0][0], of[f], TK, wmma::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 256; e += 32) {
+            const int r = e / 16, c = f * 16 + e % 16, qr = q0 + warp * 16 + r;
+            if (qr < t && c < hd) store(out + (((long)bi * t + qr) * heads + hi) * hd, c, st[warp][r][e % 16]);
+        }
+        __syncwarp();
+    }
+}
+
+#define FLASH_TC(NAME, T, HD)                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS) flash_tc_##NAME(                       \
+        const T *q, const T *k, const T *v, T *out, float *lse, int heads, int t, int keys,      \
+        int hd, int causal, float scale, long qs0, long qs1, long qs2, long ks0, long ks1,       \
+        long ks2, long vs0, long vs1, long vs2) {                                                \
+        flash_tc_rows<T, HD>(q, k, v, out, lse, heads, t, keys, hd, causal, scale, qs0, qs1,    \
+                             qs2, ks0, ks1, ks2, vs0, vs1, vs2);                                 \
+    }
+
+FLASH_TC(bf16_d64, __nv_bfloat16, 64)
+FLASH_TC(bf16_d128, __nv_bfloat16, 128)
+FLASH_TC(f16_d64, __half, 64)
+FLASH_TC(f16_d128, __half, 128)
+
+// The backward. With p_ij = exp(s_ij − lse_i) (s the scaled scores), dp_ij = ∂o_i·v_j and
+// D_i = ∂o_i·o_i (`delta`, computed beforehand):
+//   ∂q_i = scale · Σ_j p_ij (dp_ij − D_i) k_j,  ∂k_j = scale · Σ_i p_ij (dp_ij − D_i) q_i,
+//   ∂v_j = Σ_i p_ij ∂o_i.
+// ∂o (`dout`) is [b, t, h, hd] contiguous, the output's layout; lse and delta [b, t, h] f32.
+// One kernel over query rows writes ∂q [b, h, t, hd]; one over key rows writes ∂k and ∂v
+// as [2, b, h, keys, hd] (`plane` = b·h·keys·hd apart). Each row's sums stay in one
+// block's registers, so neither needs atomics and both give the same bits every run.
+
+// ∂q: the forward's loop, with ∂o's row beside q's and ∂v's tile beside k's.
+template <typename T, int MAXD, int BK>
+__device__ __forceinline__ void flash_dq_rows(
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+    const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ delta,
+    T *__restrict__ dq, int heads, int t, int keys, int hd, int causal, float scale, long qs0,
+    long qs1, long qs2, long ks0, long ks1, long ks2, long vs0, long vs1, long vs2) {
+    constexpr int PER = MAXD / LANES;
+    __shared__ float kt[BK][MAXD];
+    __shared__ float vt[BK][MAXD];
+    const int bi = blockIdx.z, hi = blockIdx.y;
+    const int q0 = blockIdx.x * ROWS;
+    const int row = threadIdx.x / LANES, sub = threadIdx.x % LANES;
+    const int qi = q0 + row;
+    const bool live = qi < t;
+    const int past = keys - t;
+
+    float qr[PER], dr[PER], acc[PER];
+    const T *qrow = q + bi * qs0 + hi * qs1 + (long)(live ? qi : 0) * qs2;
+    const long r = ((long)bi * t + (live ? qi : 0)) * heads + hi; // [b, t, h] index
+    const T *drow = dout + r * hd;
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        const int c = sub + e * LANES;
+        qr[e] = (live && c < hd) ? load(qrow, c) : 0.0f;
+        dr[e] = (live && c < hd) ? load(drow, c) : 0.0f;
+        acc[e] = 0.0f;
+    }
+    const float lse_i = lse[r], d_i = delta[r];
+    const int kend = causal ? min(keys, past + min(t, q0 + ROWS)) : keys;
+    const T *kb = k + bi * ks0 + hi * ks1;
+    const T *vb = v + bi * vs0 + hi * vs1;
+
+    for (int j0 = 0; j0 < kend; j0 += BK) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < BK * MAXD; i += THREADS) {
+            const int j = i / MAXD, c = i % MAXD;
+            const int key = j0 + j;
+            const bool in = key < kend && c < hd;
+            kt[j][c] = in ? load(kb + key * ks2, c) : 0.0f;
+            vt[j][c] = in ? load(vb + key * vs2, c) : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int j = 0; j < BK; ++j) {
+            float s = 0.0f, dp = 0.0f;
+#pragma unroll
+            for (int e = 0; e < PER; ++e) {
+                s = fmaf(qr[e], kt[j][sub + e * LANES], s);
+                dp = fmaf(dr[e], vt[j][sub + e * LANES], dp);
+            }
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            dp += __shfl_xor_sync(0xffffffffu, dp, 1);
+            dp += __shfl_xor_sync(0xffffffffu, dp, 2);
+            const int key = j0 + j;
+            const bool seen = live && key < kend && (!causal || key <= past + qi);
+            const float p = seen ? expf(s * scale - lse_i) : 0.0f;
+            const float ds = p * (dp - d_i);
+#pragma unroll
+            for (int e = 0; e < PER; ++e) acc[e] = fmaf(ds, kt[j][sub + e * LANES], acc[e]);
+        }
+    }
+    if (!live) return;
+    T *out = dq + (((long)bi * heads + hi) * t + qi) * hd;
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        const int c = sub + e * LANES;
+        if (c < hd) store(out, c, acc[e] * scale);
+    }
+}
+
+// ∂k and ∂v: rows are keys; tiles of BQ queries (q, ∂o, lse, delta) in shared memory.
+template <typename T, int MAXD, int BQ>
+__device__ __forceinline__ void flash_dkv_rows(
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+    const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ delta,
+    T *__restrict__ dkv, long plane, int heads, int t, int keys, int hd, int causal, float scale,
+    long qs0, long qs1, long qs2, long ks0, long ks1, long ks2, long vs0, long vs1, long vs2) {
+    constexpr int PER = MAXD / LANES;
+    __shared__ float qt[BQ][MAXD];
+    __shared__ float dt[BQ][MAXD];
+    __shared__ float lt[BQ], dl[BQ];
+    const int bi = blockIdx.z, hi = blockIdx.y;
+    const int k0 = blockIdx.x * ROWS;
+    const int row = threadIdx.x / LANES, sub = threadIdx.x % LANES;
+    const int kj = k0 + row;
+    const bool live = kj < keys;
+    const int past = keys - t;
+
+    float kr[PER], vr[PER], dk[PER], dv[PER];
+    const T *krow = k + bi * ks0 + hi * ks1 + (long)(live ? kj : 0) * ks2;
+    const T *vrow = v + bi * vs0 + hi * vs1 + (long)(live ? kj : 0) * vs2;
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        const int c = sub + e * LANES;
+        kr[e] = (live && c < hd) ? load(krow, c) : 0.0f;
+        vr[e] = (live && c < hd) ? load(vrow, c) : 0.0f;
+        dk[e] = 0.0f;
+        dv[e] = 0.0f;
+    }
+    // Causal: query i sees key j when j ≤ past + i, so no query before k0 − past sees
+    // any key of this block.
+    const int istart = causal && k0 > past ? k0 - past : 0;
+    const T *qb = q + bi * qs0 + hi * qs1;
+
+    for (int i0 = istart; i0 < t; i0 += BQ) {
+        __syncthreads();
+        for (int x = threadIdx.x; x < BQ * MAXD; x += THREADS) {
+            const int i = x / MAXD, c = x % MAXD;
+            const int qi = i0 + i;
+            const bool in = qi < t && c < hd;
+            qt[i][c] = in ? load(qb + qi * qs2, c) : 0.0f;
+            dt[i][c] = in ? load(dout + (((long)bi * t + qi) * heads + hi) * hd, c) : 0.0f;
+        }
+        for (int i = threadIdx.x; i < BQ; i += THREADS) {
+            const int qi = i0 + i;
+            const long r = ((long)bi * t + qi) * heads + hi;
+            lt[i] = qi < t ? lse[r] : 0.0f;
+            dl[i] = qi < t ? delta[r] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int i = 0; i < BQ; ++i) {
+            float s = 0.0f, dp = 0.0f;
+#pragma unroll
+            for (int e = 0; e < PER; ++e) {
+                s = fmaf(kr[e], qt[i][sub + e * LANES], s);
+                dp = fmaf(vr[e], dt[i][sub + e * LANES], dp);
+            }
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            dp += __shfl_xor_sync(0xffffffffu, dp, 1);
+            dp += __shfl_xor_sync(0xffffffffu, dp, 2);
+            const int qi = i0 + i;
+            const bool seen = live && qi < t && (!causal || kj <= past + qi);
+            const float p = seen ? expf(s * scale - lt[i]) : 0.0f;
+            const float ds = p * (dp - dl[i]);
+#pragma unroll
+            for (int e = 0; e < PER; ++e) {
+                dv[e] = fmaf(p, dt[i][sub + e * LANES], dv[e]);
+                dk[e] = fmaf(ds, qt[i][sub + e * LANES], dk[e]);
+            }
+        }
+    }
+    if (!live) return;
+    T *out = dkv + (((long)bi * heads + hi) * keys + kj) * hd;
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        const int c = sub + e * LANES;
+        if (c < hd) {
+            store(out, c, dk[e] * scale);
+            store(out + plane, c, dv[e]);
+        }
+    }
+}
+
+#define FLASH_GRAD(NAME, T, MAXD, BK)                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) flash_dq_##NAME(                       \
+        const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta, \
+        T *dq, int heads, int t, int keys, int hd, int causal, float scale, long qs0, long qs1,  \
+        long qs2, long ks0, long ks1, long ks2, long vs0, long vs1, long vs2) {                  \
+        flash_dq_rows<T, MAXD, BK>(q, k, v, dout, lse, delta, dq, heads, t, keys, hd, causal,   \
+                                   scale, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2);          \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) flash_dkv_##NAME(                      \
+        const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta, \
+        T *dkv, long plane, int heads, int t, int keys, int hd, int causal, float scale,         \
+        long qs0, long qs1, long qs2, long ks0, long ks1, long ks2, long vs0, long vs1,          \
+        long vs2) {                                                                              \
+        flash_dkv_rows<T, MAXD, BK>(q, k, v, dout, lse, delta, dkv, plane, heads, t, keys, hd,  \
+                                    causal, scale, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2); \
+    }
+
+FLASH_GRAD(f32_d64, float, 64, 64)
+FLASH_GRAD(f32_d128, float, 128, 32)
+FLASH_GRAD(f32_d256, float, 256, 16)
+FLASH_GRAD(bf16_d64, __nv_bfloat16, 64, 64)
+FLASH_GRAD(bf16_d128, __nv_bfloat16, 128, 32)
+FLASH_GRAD(bf16_d256, __nv_bfloat16, 256, 16)
+FLASH_GRAD(f16_d64, __half, 64, 64)
+FLASH_GRAD(f16_d128, __half, 128, 32)
+FLASH_GRAD(f16_d256, __half, 256, 16)
