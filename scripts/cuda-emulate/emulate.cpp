@@ -212,6 +212,16 @@ void mma_sync(fragment<accumulator, M, N, K, float> &d, const fragment<matrix_a,
 #ifdef ATTENTION
 #include "../../src/kernels/cuda/attention.cu"
 
+// a as the kernels' input type: f32 as it is, else rounded to bf16.
+template <typename T> std::vector<T> narrowed(const std::vector<float> &a) {
+    std::vector<T> r(a.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+        if constexpr (std::is_same_v<T, float>) r[i] = a[i];
+        else r[i] = __float2bfloat16(a[i]);
+    }
+    return r;
+}
+
 // q [b, t, h, hd] read as [b, h, t, hd]; k [b, h, keys, hd]; v the first `keys`
 // of `keys + 7` positions: the model's layouts, as the GPU test uses them.
 template <typename T, typename K>
@@ -225,15 +235,7 @@ void attention_case(int b, int h, int t, int keys, int hd, bool causal, bool bf1
     const long qs[3] = {long(t) * h * hd, hd, long(h) * hd};
     const long ks[3] = {long(h) * keys * hd, long(keys) * hd, hd};
     const long vs[3] = {long(h) * (keys + 7) * hd, long(keys + 7) * hd, hd};
-    auto conv = [](const std::vector<float> &a) {
-        std::vector<T> r(a.size());
-        for (size_t i = 0; i < a.size(); ++i) {
-            if constexpr (std::is_same_v<T, float>) r[i] = a[i];
-            else r[i] = __float2bfloat16(a[i]);
-        }
-        return r;
-    };
-    auto qd = conv(q), kd = conv(k), vd = conv(v);
+    auto qd = narrowed<T>(q), kd = narrowed<T>(k), vd = narrowed<T>(v);
     std::vector<T> out(size_t(b) * t * h * hd);
     const float scale = 1.0f / std::sqrt(float(hd));
     launch({unsigned((t + rows - 1) / rows), unsigned(h), unsigned(b)}, THREADS, [&] {
@@ -287,20 +289,12 @@ void attention_grad_case(int b, int h, int t, int keys, int hd, bool causal, boo
     if (bf16)
         for (auto *a : {&q, &k, &v, &dout})
             for (auto &x : *a) x = round_bf16(x);
-    auto conv = [](const std::vector<float> &a) {
-        std::vector<T> r(a.size());
-        for (size_t i = 0; i < a.size(); ++i) {
-            if constexpr (std::is_same_v<T, float>) r[i] = a[i];
-            else r[i] = __float2bfloat16(a[i]);
-        }
-        return r;
-    };
     auto back = [](T x) -> double {
         if constexpr (std::is_same_v<T, float>) return x;
         else return __bfloat162float(x);
     };
     // dout arrives as [b, t, h, hd]; the reference below indexes it that way.
-    auto qd = conv(q), kd = conv(k), vd = conv(v), dd = conv(dout);
+    auto qd = narrowed<T>(q), kd = narrowed<T>(k), vd = narrowed<T>(v), dd = narrowed<T>(dout);
     const long qs[3] = {long(h) * t * hd, long(t) * hd, hd};
     const long ks[3] = {long(h) * keys * hd, long(keys) * hd, hd};
     const float scale = 1.0f / std::sqrt(float(hd));

@@ -493,7 +493,7 @@ pub(crate) fn causal_softmax(scores: &Tensor) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_util::{bits, max_abs_diff, spread};
+    use super::super::test_util::{attention_reference, bits, max_abs_diff, spread};
     use super::*;
     use candle_core::{DType, Device};
 
@@ -664,7 +664,7 @@ mod tests {
             assert!(!k.is_contiguous());
             let f = |x: &Tensor| x.to_dtype(DType::F64).unwrap().contiguous().unwrap();
             for causal in [true, false] {
-                let want = reference(&f(&q), &f(&k), &f(&v), causal);
+                let want = attention_reference(&f(&q), &f(&k), &f(&v), causal);
                 let (kw, vw) = (
                     k.to_dtype(DType::F32).unwrap(),
                     v.to_dtype(DType::F32).unwrap(),
@@ -697,32 +697,6 @@ mod tests {
         let mixed = attention(&q, &k, &q, true).unwrap();
         let d = max_abs_diff(&mixed, &attention(&q, &q, &q, true).unwrap());
         assert!(d < 1e-2, "{d}");
-    }
-
-    /// softmax(q·kᵀ/√hd)·v in f64 tensor ops → [b, t, h·hd].
-    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Tensor {
-        let (b, h, t, hd) = q.dims4().unwrap();
-        let total = k.dim(2).unwrap();
-        let scores = (q.matmul(&k.t().unwrap()).unwrap() / (hd as f64).sqrt()).unwrap();
-        let mask: Vec<f64> = (0..t)
-            .flat_map(|i| {
-                (0..total).map(move |j| {
-                    if causal && j > total - t + i {
-                        f64::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (t, total), &Device::Cpu).unwrap();
-        let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask).unwrap()).unwrap();
-        p.matmul(v)
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap()
-            .reshape((b, t, h * hd))
-            .unwrap()
     }
 
     #[test]

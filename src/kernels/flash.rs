@@ -426,42 +426,8 @@ impl CustomOp3 for Grad {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var, D};
-
-    /// The definition in candle ops (f64): scores, the −∞ mask, softmax, ·v, heads
-    /// back beside each other.
-    fn plain(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Tensor {
-        let (b, h, t, hd) = q.dims4().unwrap();
-        let keys = k.dim(2).unwrap();
-        let q = q.contiguous().unwrap();
-        let s = (q.matmul(&k.t().unwrap()).unwrap() / (hd as f64).sqrt()).unwrap();
-        let mask: Vec<f64> = (0..t)
-            .flat_map(|i| {
-                (0..keys).map(move |j| {
-                    if causal && j > keys - t + i {
-                        f64::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-            })
-            .collect();
-        let s = s
-            .broadcast_add(&Tensor::from_vec(mask, (t, keys), q.device()).unwrap())
-            .unwrap();
-        let e = s
-            .broadcast_sub(&s.max_keepdim(D::Minus1).unwrap())
-            .unwrap()
-            .exp()
-            .unwrap();
-        let p = e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap();
-        p.matmul(&v.contiguous().unwrap())
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap()
-            .reshape((b, t, h * hd))
-            .unwrap()
-    }
+    use crate::kernels::test_util::attention_reference;
+    use candle_core::{Device, Var};
 
     fn filled(shape: (usize, usize, usize, usize), salt: f64) -> Tensor {
         let n = shape.0 * shape.1 * shape.2 * shape.3;
@@ -495,7 +461,7 @@ mod tests {
             let qv = q.as_tensor().transpose(1, 2).unwrap();
             for causal in [false, true] {
                 let got = attention(&qv, k.as_tensor(), v.as_tensor(), causal).unwrap();
-                let want = plain(&qv, k.as_tensor(), v.as_tensor(), causal);
+                let want = attention_reference(&qv, k.as_tensor(), v.as_tensor(), causal);
                 let what = format!("{t}x{keys} causal {causal}");
                 for (a, b) in flat(&got).iter().zip(flat(&want)) {
                     assert!((a - b).abs() < 1e-12, "{what}: {a} vs {b}");

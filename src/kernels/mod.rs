@@ -548,6 +548,47 @@ pub(crate) mod test_util {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
+    /// softmax(q·kᵀ/√hd)·v for q [b, h, t, hd] over k, v [b, h, keys, hd] in tensor
+    /// ops (differentiable: max, exp, sum rather than a fused softmax), causal
+    /// counting from the end, as [b, t, h·hd]: the definition the attention
+    /// kernels are tested against.
+    pub(crate) fn attention_reference(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Tensor {
+        let (b, h, t, hd) = q.dims4().unwrap();
+        let keys = k.dim(2).unwrap();
+        let q = q.contiguous().unwrap();
+        let s = (q.matmul(&k.t().unwrap()).unwrap() / (hd as f64).sqrt()).unwrap();
+        let mask: Vec<f32> = (0..t)
+            .flat_map(|i| {
+                (0..keys).map(move |j| {
+                    if causal && j > keys - t + i {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, keys), q.device())
+            .unwrap()
+            .to_dtype(s.dtype())
+            .unwrap();
+        let s = s.broadcast_add(&mask).unwrap();
+        let e = s
+            .broadcast_sub(&s.max_keepdim(candle_core::D::Minus1).unwrap())
+            .unwrap()
+            .exp()
+            .unwrap();
+        let p = e
+            .broadcast_div(&e.sum_keepdim(candle_core::D::Minus1).unwrap())
+            .unwrap();
+        p.matmul(&v.contiguous().unwrap())
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .reshape((b, t, h * hd))
+            .unwrap()
+    }
+
     pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
         d.abs()

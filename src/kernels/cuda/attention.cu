@@ -297,6 +297,24 @@ FLASH_TC(f16_d128, __half, 128)
 // as [2, b, h, keys, hd] (`plane` = b·h·keys·hd apart). Each row's sums stay in one
 // block's registers, so neither needs atomics and both give the same bits every run.
 
+// a·ta and b·tb over one row's features, each summed across the row's 4 lanes (lane
+// `sub` holds features sub, sub+4, … of a and b; ta and tb are whole rows of a tile).
+template <int PER>
+__device__ __forceinline__ void row_dots(const float *a, const float *ta, const float *b, const float *tb,
+                                         int sub, float &x, float &y) {
+    x = 0.0f;
+    y = 0.0f;
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        x = fmaf(a[e], ta[sub + e * LANES], x);
+        y = fmaf(b[e], tb[sub + e * LANES], y);
+    }
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    y += __shfl_xor_sync(0xffffffffu, y, 1);
+    y += __shfl_xor_sync(0xffffffffu, y, 2);
+}
+
 // ∂q: the forward's loop, with ∂o's row beside q's and ∂v's tile beside k's.
 template <typename T, int MAXD, int BK>
 __device__ __forceinline__ void flash_dq_rows(
@@ -342,16 +360,8 @@ __device__ __forceinline__ void flash_dq_rows(
         __syncthreads();
 #pragma unroll 4
         for (int j = 0; j < BK; ++j) {
-            float s = 0.0f, dp = 0.0f;
-#pragma unroll
-            for (int e = 0; e < PER; ++e) {
-                s = fmaf(qr[e], kt[j][sub + e * LANES], s);
-                dp = fmaf(dr[e], vt[j][sub + e * LANES], dp);
-            }
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
-            s += __shfl_xor_sync(0xffffffffu, s, 2);
-            dp += __shfl_xor_sync(0xffffffffu, dp, 1);
-            dp += __shfl_xor_sync(0xffffffffu, dp, 2);
+            float s, dp;
+            row_dots<PER>(qr, kt[j], dr, vt[j], sub, s, dp);
             const int key = j0 + j;
             const bool seen = live && key < kend && (!causal || key <= past + qi);
             const float p = seen ? expf(s * scale - lse_i) : 0.0f;
@@ -421,16 +431,8 @@ __device__ __forceinline__ void flash_dkv_rows(
         __syncthreads();
 #pragma unroll 4
         for (int i = 0; i < BQ; ++i) {
-            float s = 0.0f, dp = 0.0f;
-#pragma unroll
-            for (int e = 0; e < PER; ++e) {
-                s = fmaf(kr[e], qt[i][sub + e * LANES], s);
-                dp = fmaf(vr[e], dt[i][sub + e * LANES], dp);
-            }
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
-            s += __shfl_xor_sync(0xffffffffu, s, 2);
-            dp += __shfl_xor_sync(0xffffffffu, dp, 1);
-            dp += __shfl_xor_sync(0xffffffffu, dp, 2);
+            float s, dp;
+            row_dots<PER>(kr, qt[i], vr, dt[i], sub, s, dp);
             const int qi = i0 + i;
             const bool seen = live && qi < t && (!causal || kj <= past + qi);
             const float p = seen ? expf(s * scale - lt[i]) : 0.0f;
