@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 5] = ["theta", "softmax", "norm", "attention", "logprob"];
+const KERNELS: [&str; 6] = ["theta", "softmax", "norm", "attention", "logprob", "adamw"];
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");

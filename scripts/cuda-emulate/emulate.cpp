@@ -6,7 +6,7 @@
 //! speed, races the barriers hide, or the GPU's own arithmetic (expf, fmaf),
 //! which the GPU tests (tests/gpu.rs) check on a device.
 //! Built and run by scripts/cuda-emulate/run.sh, once per kernel file (-DATTENTION,
-//! forward and backward; -DLOGPROB, -DTHETA, -DSOFTMAX, -DNORM).
+//! forward and backward; -DLOGPROB, -DTHETA, -DSOFTMAX, -DNORM, -DADAMW).
 #include <condition_variable>
 #include <mutex>
 #include <climits>
@@ -30,7 +30,7 @@
 #define __shared__ static
 struct Dim { unsigned x = 0, y = 0, z = 0; };
 thread_local Dim threadIdx, blockIdx;
-Dim blockDim;
+Dim blockDim, gridDim;
 struct __nv_bfloat16 { uint16_t x; };
 struct __half { _Float16 x; };
 inline float __bfloat162float(__nv_bfloat16 b) {
@@ -55,6 +55,13 @@ inline float __int_as_float(int i) {
 }
 inline int min(int a, int b) { return a < b ? a : b; }
 struct float2 { float x, y; };
+// IEEE round-to-nearest operations (no contraction into fused multiply-adds: this file
+// is built without -mfma).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float2 make_float2(float x, float y) { return {x, y}; }
 
 // A barrier for `n` threads that a finished thread can leave (libstdc++ 12's
@@ -103,6 +110,7 @@ inline int __shfl_xor_sync(unsigned, int v, int o) { return shfl(xi, v, o); }
 /// Runs `kernel` over the grid, one block at a time, a host thread per CUDA thread.
 void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
     blockDim = {threads, 1, 1};
+    gridDim = grid;
     block_bar = std::make_unique<Barrier>(threads);
     warp_bar.clear();
     for (unsigned w = 0; w < (threads + 31) / 32; ++w)
@@ -724,6 +732,44 @@ int main() {
         std::printf("%s\n", what);
         check(worst_y < 2e-5 && worst_g < 2e-4, what);
     }
+    std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
+    return failures != 0;
+}
+#endif
+
+#ifdef ADAMW
+#include "../../src/kernels/cuda/adamw.cu"
+
+// The two passes against train/optim.rs's CPU arithmetic (the same operations in f32),
+// bit for bit, with a grid smaller than the tensor (the grid-stride loop) and larger.
+int main() {
+    for (long n : {1L, 1000L, 70001L})
+        for (unsigned blocks : {2u, 300u}) {
+            auto theta = randn(n, 0.5f), m = randn(n, 0.1f), v = randn(n, 0.01f), g = randn(n, 1.0f);
+            for (auto &x : v) x = std::abs(x);
+            const float b1 = 0.9f, c1 = 0.1f, b2 = 0.999f, c2 = 1.0f - 0.999f;
+            const float keep = 1.0f - 1e-3f * 0.01f, sbc2 = std::sqrt(1.0f - 0.999f), eps = 1e-8f,
+                        step = 1e-3f / (1.0f - 0.9f);
+            auto wm = m, wv = v, wt = theta;
+            for (long i = 0; i < n; ++i) {
+                wm[i] = wm[i] * b1 + g[i] * c1;
+                wv[i] = wv[i] * b2 + g[i] * g[i] * c2;
+                wt[i] = wt[i] * keep - wm[i] / (std::sqrt(wv[i]) / sbc2 + eps) * step;
+            }
+            launch({blocks, 1, 1}, 32, [&] { adamw_moment(m.data(), g.data(), n, b1, c1, 0); });
+            launch({blocks, 1, 1}, 32, [&] { adamw_moment(v.data(), g.data(), n, b2, c2, 1); });
+            launch({blocks, 1, 1}, 32, [&] {
+                adamw_apply(theta.data(), m.data(), v.data(), n, keep, sbc2, eps, step);
+            });
+            long differ = 0;
+            for (long i = 0; i < n; ++i)
+                differ += (m[i] != wm[i]) + (v[i] != wv[i]) + (theta[i] != wt[i]);
+            char what[120];
+            std::snprintf(what, sizeof what, "adamw n %ld, %u blocks of 32: %ld elements differ", n, blocks,
+                          differ);
+            std::printf("%s\n", what);
+            check(differ == 0, what);
+        }
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
     return failures != 0;
 }

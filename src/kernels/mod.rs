@@ -71,7 +71,7 @@ mod rotary;
 mod row_op;
 mod rows;
 #[cfg(feature = "cuda")]
-mod rows_cuda;
+pub(crate) mod rows_cuda;
 #[cfg(target_arch = "x86_64")]
 mod sgemm;
 pub mod theta;

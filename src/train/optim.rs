@@ -278,11 +278,27 @@ mod in_place {
             && t.is_contiguous()
     }
 
-    /// Whether [`step_all`] serves these four: contiguous f32 or f64 on the CPU, all of
-    /// one dtype and shape.
+    /// Whether the GPU's AdamW kernels serve `t` (`cuda::moment`, `cuda::apply`):
+    /// contiguous f32 on a GPU, with the CUDA kernels turned on.
+    #[cfg(feature = "cuda")]
+    fn gpu_serves(t: &Tensor) -> bool {
+        crate::kernels::cuda_kernels_enabled()
+            && t.device().is_cuda()
+            && t.dtype() == DType::F32
+            && t.is_contiguous()
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn gpu_serves(_: &Tensor) -> bool {
+        false
+    }
+
+    /// Whether [`step_all`] serves these four: all of one dtype and shape, and
+    /// contiguous f32 or f64 on the CPU or contiguous f32 on a GPU.
     pub(super) fn serves_all(theta: &Tensor, m: &Tensor, v: &Tensor, g: &Tensor) -> bool {
-        let ok = |t: &Tensor| serves(t) && t.dtype() == theta.dtype() && t.dims() == theta.dims();
-        [theta, m, v, g].into_iter().all(ok)
+        let same = |t: &Tensor| t.dtype() == theta.dtype() && t.dims() == theta.dims();
+        let all = |on: fn(&Tensor) -> bool| [theta, m, v, g].into_iter().all(|t| on(t) && same(t));
+        all(serves) || all(gpu_serves)
     }
 
     /// One tensor's in-place step: the variable, its moments, its gradient.
@@ -298,7 +314,7 @@ mod in_place {
     /// the tensors in parallel: a model's dozens of small tensors then cost one hand-off
     /// to the thread pool, not one each.
     pub(super) fn step_all(jobs: &[Job]) -> Result<()> {
-        jobs.par_iter().try_for_each(|j| {
+        let step = |j: &Job| {
             let u = &j.update;
             let moment = |beta, square| Moment {
                 beta,
@@ -308,7 +324,12 @@ mod in_place {
             j.m.inplace_op2(&j.g, &moment(u.beta1, false))?;
             j.v.inplace_op2(&j.g, &moment(u.beta2, true))?;
             j.theta.inplace_op3(&j.m, &j.v, &Apply(u))
-        })
+        };
+        if jobs.iter().any(|j| j.theta.device().is_cuda()) {
+            // Kernel launches on the device's one stream, in order.
+            return jobs.iter().try_for_each(step);
+        }
+        jobs.par_iter().try_for_each(step)
     }
 
     /// A pass over one tensor's elements, written once for f32 and f64.
@@ -543,6 +564,18 @@ mod in_place {
             "adamw-moment"
         }
 
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            dst: &mut candle_core::CudaStorage,
+            dl: &Layout,
+            g: &candle_core::CudaStorage,
+            gl: &Layout,
+        ) -> Result<()> {
+            let consts = [self.beta as f32, (1.0 - self.beta) as f32];
+            cuda::moment((dst, dl), (g, gl), self.from, consts, self.square)
+        }
+
         fn cpu_fwd(
             &self,
             dst: &mut CpuStorage,
@@ -592,6 +625,27 @@ mod in_place {
             "adamw-apply"
         }
 
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            dst: &mut candle_core::CudaStorage,
+            dl: &Layout,
+            m: &candle_core::CudaStorage,
+            ml: &Layout,
+            v: &candle_core::CudaStorage,
+            vl: &Layout,
+        ) -> Result<()> {
+            let u = self.0;
+            // As `run` rounds them for f32.
+            let consts = [
+                (1.0 - u.lr * u.decay) as f32,
+                u.bc2.sqrt() as f32,
+                u.eps as f32,
+                (u.lr / u.bc1) as f32,
+            ];
+            cuda::apply((dst, dl), [(m, ml), (v, vl)], u.from, consts)
+        }
+
         fn cpu_fwd(
             &self,
             dst: &mut CpuStorage,
@@ -611,6 +665,109 @@ mod in_place {
                     self.run(slice_mut::<f64>(dst, dl)?, m, v);
                 }
             }
+            Ok(())
+        }
+    }
+
+    /// The passes on a GPU: `cuda/adamw.cu`'s kernels, one launch each, in place from
+    /// element `from` on (the frozen rows' elements before it stay).
+    #[cfg(feature = "cuda")]
+    mod cuda {
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::WrapErr;
+        use candle_core::{CudaStorage, Layout, Result};
+
+        use crate::kernels::rows_cuda::Module;
+
+        const ADAMW: Module = Module {
+            name: "tokenformer_adamw",
+            ptx: include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx")),
+        };
+
+        /// The storage range a pass covers: the layout's elements from `from` on.
+        fn range(l: &Layout, from: usize) -> Result<std::ops::Range<usize>> {
+            match l.contiguous_offsets() {
+                Some((a, b)) if a + from <= b => Ok(a + from..b),
+                _ => candle_core::bail!("adamw kernel: contiguous tensors of {from}+ elements"),
+            }
+        }
+
+        /// Blocks of 256 threads, a grid-stride loop past 4,096 blocks.
+        fn config(n: usize) -> LaunchConfig {
+            LaunchConfig {
+                grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            }
+        }
+
+        /// m ← b·m + c·g (g² when `square`), `[b, c]` = consts.
+        pub(super) fn moment(
+            (dst, dl): (&mut CudaStorage, &Layout),
+            (g, gl): (&CudaStorage, &Layout),
+            from: usize,
+            [b, c]: [f32; 2],
+            square: bool,
+        ) -> Result<()> {
+            let (r, gr) = (range(dl, from)?, range(gl, from)?);
+            if r.len() != gr.len() {
+                candle_core::bail!("adamw kernel: {} moments, {} gradients", r.len(), gr.len())
+            }
+            let n = r.len() as i64;
+            if n == 0 {
+                return Ok(());
+            }
+            let dev = dst.device.clone();
+            let func = dev.get_or_load_custom_func("adamw_moment", ADAMW.name, ADAMW.ptx)?;
+            let gv = g.as_cuda_slice::<f32>()?.slice(gr);
+            let mut mv = dst.as_cuda_slice_mut::<f32>()?.slice_mut(r);
+            let square = i32::from(square);
+            let mut a = func.builder();
+            a.arg(&mut mv);
+            a.arg(&gv);
+            a.arg(&n);
+            a.arg(&b);
+            a.arg(&c);
+            a.arg(&square);
+            // SAFETY: the arguments are the kernel's (m, g, n, b, c, square); both views
+            // hold n f32s.
+            unsafe { a.launch(config(n as usize)) }.w()?;
+            Ok(())
+        }
+
+        /// θ ← θ·keep − m / (√v / sbc2 + eps) · step, `[keep, sbc2, eps, step]` = consts.
+        pub(super) fn apply(
+            (dst, dl): (&mut CudaStorage, &Layout),
+            [(m, ml), (v, vl)]: [(&CudaStorage, &Layout); 2],
+            from: usize,
+            consts: [f32; 4],
+        ) -> Result<()> {
+            let (r, mr, vr) = (range(dl, from)?, range(ml, from)?, range(vl, from)?);
+            if r.len() != mr.len() || r.len() != vr.len() {
+                candle_core::bail!("adamw kernel: tensors of different sizes")
+            }
+            let n = r.len() as i64;
+            if n == 0 {
+                return Ok(());
+            }
+            let dev = dst.device.clone();
+            let func = dev.get_or_load_custom_func("adamw_apply", ADAMW.name, ADAMW.ptx)?;
+            let (mv, vv) = (
+                m.as_cuda_slice::<f32>()?.slice(mr),
+                v.as_cuda_slice::<f32>()?.slice(vr),
+            );
+            let mut tv = dst.as_cuda_slice_mut::<f32>()?.slice_mut(r);
+            let mut a = func.builder();
+            a.arg(&mut tv);
+            a.arg(&mv);
+            a.arg(&vv);
+            a.arg(&n);
+            for k in &consts {
+                a.arg(k);
+            }
+            // SAFETY: the arguments are the kernel's (theta, m, v, n, keep, sbc2, eps,
+            // step); the three views hold n f32s.
+            unsafe { a.launch(config(n as usize)) }.w()?;
             Ok(())
         }
     }
