@@ -789,13 +789,18 @@ pub fn clip_grad_norm<'a>(
     let norm = match in_place::sum_sq_all(&gs)? {
         Some(sq) => sq.sqrt(),
         None => {
-            let mut sq = 0f64;
+            // In f64 (an f32 sum over a large embedding gradient drifts by ~1e-5), the
+            // per-tensor sums added where they are, in order: on a GPU one transfer and
+            // one wait, not one per tensor.
+            let mut sq: Option<Tensor> = None;
             for g in &gs {
-                // In f64: an f32 sum over a large embedding gradient drifts by ~1e-5.
-                let g = g.to_dtype(candle_core::DType::F64)?;
-                sq += g.sqr()?.sum_all()?.to_scalar::<f64>()?;
+                let s = g.to_dtype(candle_core::DType::F64)?.sqr()?.sum_all()?;
+                sq = Some(match sq {
+                    Some(acc) => (acc + s)?,
+                    None => s,
+                });
             }
-            sq.sqrt()
+            sq.map_or(Ok(0.0), |s| s.to_scalar::<f64>())?.sqrt()
         }
     };
     let coef = max_norm / (norm + 1e-6);
