@@ -25,6 +25,23 @@
 #define LANES 4                 // lanes per query
 #define ROWS (THREADS / LANES)  // queries per block
 
+// Keys and values j0 .. j0 + BK (zero from kend on, and past hd) into the block's f32
+// tiles, between barriers: the previous tile's readers are done before it is written,
+// and every thread sees it whole after.
+template <typename T, int MAXD, int BK>
+__device__ __forceinline__ void kv_tile(float (*kt)[MAXD], float (*vt)[MAXD], const T *kb, const T *vb,
+                                        long ks2, long vs2, int j0, int kend, int hd) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < BK * MAXD; i += THREADS) {
+        const int j = i / MAXD, c = i % MAXD;
+        const int key = j0 + j;
+        const bool in = key < kend && c < hd;
+        kt[j][c] = in ? load(kb + key * ks2, c) : 0.0f;
+        vt[j][c] = in ? load(vb + key * vs2, c) : 0.0f;
+    }
+    __syncthreads();
+}
+
 // MAXD: the largest head size the instance takes; BK: keys per tile, chosen so
 // that the K and V tiles are 32 KiB of static shared memory together. lse, when not
 // null, receives each query row's log Σ exp(scaled scores), [b, t, h] in f32.
@@ -60,15 +77,7 @@ __device__ __forceinline__ void flash_rows(
     const T *vb = v + bi * vs0 + hi * vs1;
 
     for (int j0 = 0; j0 < kend; j0 += BK) {
-        __syncthreads(); // the previous tile's readers are done
-        for (int i = threadIdx.x; i < BK * MAXD; i += THREADS) {
-            const int j = i / MAXD, c = i % MAXD;
-            const int key = j0 + j;
-            const bool in = key < kend && c < hd;
-            kt[j][c] = in ? load(kb + key * ks2, c) : 0.0f;
-            vt[j][c] = in ? load(vb + key * vs2, c) : 0.0f;
-        }
-        __syncthreads();
+        kv_tile<T, MAXD, BK>(kt, vt, kb, vb, ks2, vs2, j0, kend, hd);
 
         float s[BK];
         float tile_max = -INFINITY;
@@ -349,15 +358,7 @@ __device__ __forceinline__ void flash_dq_rows(
     const T *vb = v + bi * vs0 + hi * vs1;
 
     for (int j0 = 0; j0 < kend; j0 += BK) {
-        __syncthreads();
-        for (int i = threadIdx.x; i < BK * MAXD; i += THREADS) {
-            const int j = i / MAXD, c = i % MAXD;
-            const int key = j0 + j;
-            const bool in = key < kend && c < hd;
-            kt[j][c] = in ? load(kb + key * ks2, c) : 0.0f;
-            vt[j][c] = in ? load(vb + key * vs2, c) : 0.0f;
-        }
-        __syncthreads();
+        kv_tile<T, MAXD, BK>(kt, vt, kb, vb, ks2, vs2, j0, kend, hd);
 #pragma unroll 4
         for (int j = 0; j < BK; ++j) {
             float s, dp;
