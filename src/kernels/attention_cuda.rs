@@ -25,19 +25,15 @@ const ROWS: usize = 32;
 const TC_ROWS: usize = 64;
 const THREADS: u32 = 128;
 
-/// The tensor-core forward's instance for `dtype` and head size `hd`, if it has
-/// one (bf16 and f16, hd ≤ 128) and `TOKENFORMER_FLASH_TC` is not `0` (which keeps
-/// the SIMT kernel, for comparing the two on a GPU).
+/// The tensor-core forward's kernel for `dtype` and head size `hd`, if it has one
+/// (bf16 and f16, hd ≤ 128) and `TOKENFORMER_FLASH_TC` is not `0` (which keeps the
+/// SIMT kernel, for comparing the two on a GPU).
 fn tensor_core_instance(dtype: DType, hd: usize) -> Option<String> {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("TOKENFORMER_FLASH_TC").is_ok_and(|v| v == "0"));
-    let name = match dtype {
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        _ => return None,
-    };
-    let maxd = [64, 128].into_iter().find(|&m| hd <= m)?;
-    (!off).then(|| format!("flash_tc_{name}_d{maxd}"))
+    let fits = matches!(dtype, DType::BF16 | DType::F16) && hd <= HEAD_DIMS[1];
+    let name = instance(dtype, hd).ok().filter(|_| fits && !off)?;
+    Some(format!("flash_tc_{name}"))
 }
 
 /// `storage` from its layout's offset, as T.

@@ -14,7 +14,7 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 
-use super::row_op;
+use super::row_op::{self, f64s};
 
 /// softmax(q·kᵀ/√hd)·v for q [b, h, t, hd] over k, v [b, h, keys, hd] (each row's
 /// features contiguous, other strides free), causal counting from the end (query i
@@ -24,8 +24,9 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
     if let Err(e) = fits(q, k, v, causal) {
         candle_core::bail!("flash attention: {e}")
     }
+    // The GPU kernels read rows through strides; the CPU's loops take contiguous inputs.
     let unit = |x: &Tensor| -> Result<Tensor> {
-        if x.stride()[3] == 1 {
+        if x.stride()[3] == 1 && !x.device().is_cpu() {
             Ok(x.clone())
         } else {
             x.contiguous()
@@ -134,6 +135,13 @@ impl Dims {
             hd,
         })
     }
+    /// Each (batch, head) pair with its index in [b, h] order.
+    fn heads(&self) -> impl Iterator<Item = (usize, (usize, usize))> {
+        let h = self.h;
+        (0..self.b)
+            .flat_map(move |b| (0..h).map(move |i| (b, i)))
+            .enumerate()
+    }
     /// Keys query i sees.
     fn seen(&self, causal: bool, i: usize) -> usize {
         if causal {
@@ -159,15 +167,12 @@ impl CustomOp3 for Flash {
         lv: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let d = Dims::of(lq, lk)?;
-        let (q, k, v) = (dense(sq, lq)?, dense(sk, lk)?, dense(sv, lv)?);
+        let (q, k, v) = (f64s(sq, lq)?, f64s(sk, lk)?, f64s(sv, lv)?);
         let (mut out, mut lse) = (
             vec![0.0; d.b * d.t * d.h * d.hd],
             vec![0.0; d.b * d.t * d.h],
         );
-        for (bh, (b, h)) in (0..d.b)
-            .flat_map(|b| (0..d.h).map(move |h| (b, h)))
-            .enumerate()
-        {
+        for (bh, (b, h)) in d.heads() {
             let (qo, ko) = (bh * d.t * d.hd, bh * d.keys * d.hd);
             for i in 0..d.t {
                 let r = (b * d.t + i) * d.h + h;
@@ -289,23 +294,6 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// The elements of a CPU tensor in row-major order as f64, whatever its strides.
-fn dense(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
-    // Each element's storage index: the row-major walk over the dims, through the strides.
-    let mut at = vec![l.start_offset()];
-    for (&n, &stride) in l.dims().iter().zip(l.stride()) {
-        at = at
-            .iter()
-            .flat_map(|&o| (0..n).map(move |i| o + i * stride))
-            .collect();
-    }
-    Ok(match s {
-        CpuStorage::F32(d) => at.iter().map(|&i| f64::from(d[i])).collect(),
-        CpuStorage::F64(d) => at.iter().map(|&i| d[i]).collect(),
-        _ => candle_core::bail!("flash attention: f32 or f64 on the CPU"),
-    })
-}
-
 /// Which gradient a [`Grad`] computes: ∂q [b, h, t, hd], or ∂k and ∂v stacked as
 /// [2, b, h, keys, hd].
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -340,11 +328,11 @@ impl CustomOp3 for Grad {
         lv: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let d = Dims::of(lq, lk)?;
-        let (q, k, v) = (dense(sq, lq)?, dense(sk, lk)?, dense(sv, lv)?);
+        let (q, k, v) = (f64s(sq, lq)?, f64s(sk, lk)?, f64s(sv, lv)?);
         let cpu = |t: &Tensor| -> Result<Vec<f64>> {
             let (s, l) = t.storage_and_layout();
             match &*s {
-                Storage::Cpu(s) => dense(s, l),
+                Storage::Cpu(s) => f64s(s, l),
                 _ => candle_core::bail!("flash attention: a saved tensor is not on the CPU"),
             }
         };
@@ -355,10 +343,7 @@ impl CustomOp3 for Grad {
             Part::Q => (vec![0.0; d.b * d.h * d.t * hd], vec![]),
             Part::KV => (vec![], vec![0.0; 2 * plane]),
         };
-        for (bh, (b, h)) in (0..d.b)
-            .flat_map(|b| (0..d.h).map(move |h| (b, h)))
-            .enumerate()
-        {
+        for (bh, (b, h)) in d.heads() {
             let (qo, ko) = (bh * d.t * hd, bh * d.keys * hd);
             for i in 0..d.t {
                 let r = (b * d.t + i) * d.h + h;
