@@ -6,7 +6,15 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 6] = ["theta", "softmax", "norm", "attention", "logprob", "adamw"];
+const KERNELS: [&str; 7] = [
+    "theta",
+    "softmax",
+    "norm",
+    "attention",
+    "logprob",
+    "adamw",
+    "rotary",
+];
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");

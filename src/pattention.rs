@@ -8,7 +8,7 @@
 //! This is the one implementation behind the language model, the image
 //! classifier and the merged vision-language model.
 
-use candle_core::{DType, Module, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor, TensorId, D};
 use candle_nn::VarBuilder;
 
 pub use crate::kernels::theta::{theta, Activation};
@@ -222,6 +222,84 @@ impl Pattention {
             Params::Rows { key, .. } => kernels::matmul_nt(&x, key),
             Params::Q8 { key, .. } => kernels::matmul_nt_q8(&x, key),
         }
+    }
+}
+
+/// Pattention layers that read the same input, fused: their keys [parts, d_in, n]
+/// and values [parts, n, d_out] kept as one tensor each, so that all parts take
+/// one product, one Θ and one batched product (a GPU's decoding step: three
+/// launches for q, k and v instead of nine). The parts' own weights become views
+/// of these tensors (no second copy), and a part replaced since (quantised, say)
+/// takes the fused path no more (see [`Self::serves`]).
+#[derive(Clone, Debug)]
+pub(crate) struct Fused {
+    keys_t: Tensor,
+    values: Tensor,
+    activation: Activation,
+    scale_tokens: usize,
+    /// The parts' weight tensors the fused ones were made from: which parts it serves.
+    ids: Vec<[TensorId; 2]>,
+}
+
+impl Fused {
+    /// Fuses `parts`, or `None` when they differ in shape, Θ or dtype, or keep
+    /// 8-bit weights. Their weights are left in [`Layout::Gemm`] as views.
+    pub(crate) fn new(parts: &mut [&mut Pattention]) -> Result<Option<Self>> {
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
+        if parts.iter().any(|p| p.is_q8()) {
+            return Ok(None);
+        }
+        let (activation, scale_tokens) = (first.activation, first.scale_tokens);
+        let kind = |p: &Pattention| {
+            (
+                p.key().shape().clone(),
+                p.value().shape().clone(),
+                p.key().dtype(),
+            )
+        };
+        let first_kind = kind(first);
+        let same = |p: &Pattention| {
+            (p.activation, p.scale_tokens) == (activation, scale_tokens) && kind(p) == first_kind
+        };
+        if !parts.iter().all(|p| same(p)) {
+            return Ok(None);
+        }
+        let keys: Vec<Tensor> = parts.iter().map(|p| p.key().t()).collect::<Result<_>>()?;
+        let values: Vec<Tensor> = parts.iter().map(|p| p.value()).collect();
+        let (keys_t, values) = (Tensor::stack(&keys, 0)?, Tensor::stack(&values, 0)?);
+        let mut ids = Vec::with_capacity(parts.len());
+        for (i, p) in parts.iter_mut().enumerate() {
+            let (key_t, value) = (keys_t.get(i)?, values.get(i)?);
+            ids.push([key_t.id(), value.id()]);
+            p.params = Params::Dense { key_t, value };
+        }
+        Ok(Some(Self {
+            keys_t,
+            values,
+            activation,
+            scale_tokens,
+            ids,
+        }))
+    }
+
+    /// Whether `parts` are still the layers this was made from.
+    pub(crate) fn serves(&self, parts: &[&Pattention]) -> bool {
+        parts.len() == self.ids.len()
+            && parts.iter().zip(&self.ids).all(|(p, ids)| match &p.params {
+                Params::Dense { key_t, value } => [key_t.id(), value.id()] == *ids,
+                _ => false,
+            })
+    }
+
+    /// x [..., d_in] → every part's output, [parts, rows, d_out].
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let d_in = x.dim(D::Minus1)?;
+        let rows = x.elem_count() / d_in.max(1);
+        let scores = x.reshape((rows, d_in))?.broadcast_matmul(&self.keys_t)?;
+        let w = kernels::theta_owned(scores, self.activation, self.scale_tokens)?;
+        w.matmul(&self.values)
     }
 }
 

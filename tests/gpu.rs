@@ -7,7 +7,8 @@
 //! equals f32 on the shipped digit images; the Pile evaluation's batched scoring
 //! equals the CPU's; a training run resumed on the other device equals the
 //! uninterrupted one. The project's own CUDA kernels (Θ, flash attention,
-//! log-softmax-gather) equal their definitions in plain candle ops on the same GPU,
+//! log-softmax-gather) equal their definitions in plain candle ops on the same GPU
+//! (the rotary kernel the CPU's bits),
 //! and the training kernels (Θ, attention's softmax, LayerNorm, cross-entropy, each
 //! a kernel each way) equal the CPU's op or the plain ops, values and gradients;
 //! they are called directly, so they are checked whatever `TOKENFORMER_CUDA_KERNELS`
@@ -425,6 +426,42 @@ fn the_theta_kernel_equals_the_definition() {
             let d = max_rel(&f32s(&got), &want);
             assert!(d < tol, "{act:?} {dtype:?}: {d}");
         }
+    }
+}
+
+/// Rotary positions for queries and keys stacked as the fused q/k/v product leaves
+/// them (one launch) give the CPU's bits in f32, bf16 and f16: the kernel rounds
+/// each product and difference as the CPU does, with no fused multiply-add.
+#[test]
+fn the_rotary_kernel_gives_the_cpus_bits() {
+    use tokenformer::kernels::cuda::rotary_heads;
+    let Some(gpu) = cuda() else { return };
+    let (b, t, h, hd, dims, positions, offset) = (2, 7, 12, 64, 16, 64, 40);
+    let angles = Tensor::randn(0f32, 20.0, (positions, dims / 2), &Device::Cpu).unwrap();
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    let qkv = Tensor::randn(0f32, 1.0, (3, b, t, h, hd), &Device::Cpu).unwrap();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let qk = qkv
+            .to_dtype(dtype)
+            .unwrap()
+            .narrow(0, 0, 2)
+            .unwrap()
+            .transpose(2, 3)
+            .unwrap();
+        let want = rotary_heads(&qk, &cos, &sin, dims, offset).unwrap();
+        let on = |x: &Tensor| x.to_device(&gpu).unwrap();
+        let got = rotary_heads(&on(&qk), &on(&cos), &on(&sin), dims, offset).unwrap();
+        assert_eq!((got.dtype(), got.dims()), (dtype, want.dims()));
+        let bits = |x: &Tensor| -> Vec<u32> { f32s(x).iter().map(|v| v.to_bits()).collect() };
+        let differ = bits(&got)
+            .iter()
+            .zip(bits(&want))
+            .filter(|(a, b)| *a != b)
+            .count();
+        assert_eq!(
+            differ, 0,
+            "{dtype:?}: {differ} elements differ from the CPU's"
+        );
     }
 }
 

@@ -6,7 +6,7 @@
 //! speed, races the barriers hide, or the GPU's own arithmetic (expf, fmaf),
 //! which the GPU tests (tests/gpu.rs) check on a device.
 //! Built and run by scripts/cuda-emulate/run.sh, once per kernel file (-DATTENTION,
-//! forward and backward; -DLOGPROB, -DTHETA, -DSOFTMAX, -DNORM, -DADAMW).
+//! forward and backward; -DLOGPROB, -DTHETA, -DSOFTMAX, -DNORM, -DADAMW, -DROTARY).
 #include <condition_variable>
 #include <mutex>
 #include <climits>
@@ -769,6 +769,72 @@ int main() {
                           differ);
             std::printf("%s\n", what);
             check(differ == 0, what);
+        }
+    std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
+    return failures != 0;
+}
+#endif
+
+#ifdef ROTARY
+#include "../../src/kernels/cuda/rotary.cu"
+
+// Queries and keys as a fused q/k/v product leaves them (x [2, b, h, t, hd] over a
+// [3, b, t, h, hd] buffer) against the CPU kernel's formula, bit for bit in f32 and
+// bf16, at a position offset, with unrotated features, a grid smaller than the
+// tensor (the grid-stride loop) and larger.
+int main() {
+    const int b = 2, t = 3, h = 4, hd = 16, positions = 12, offset = 7;
+    for (int dims : {16, 4})
+        for (unsigned blocks : {3u, 40u}) {
+            const int half = dims / 2;
+            auto qkv = randn(size_t(3) * b * t * h * hd, 1.0f);
+            auto ang = randn(size_t(positions) * half, 3.0f);
+            std::vector<float> cos(ang.size()), sin(ang.size());
+            for (size_t i = 0; i < ang.size(); ++i) cos[i] = std::cos(ang[i]), sin[i] = std::sin(ang[i]);
+            // [n, b, h, t, hd] strides over [3, b, t, h, hd].
+            const long s3 = long(h) * hd, s2 = hd, s1 = long(t) * h * hd, s0 = long(b) * s1;
+            const long total = 2L * b * h * t * hd;
+            std::vector<float> y(total), want(total);
+            std::vector<__nv_bfloat16> xb(qkv.size()), yb(total);
+            for (size_t i = 0; i < qkv.size(); ++i) xb[i] = __float2bfloat16(qkv[i]);
+            long differ = 0, differ_bf16 = 0;
+            for (int pass = 0; pass < 2; ++pass) {
+                // Widened inputs: the f32 values, then the bf16 ones.
+                auto in = [&](long i) { return pass == 0 ? qkv[i] : __bfloat162float(xb[i]); };
+                long i = 0;
+                for (int n = 0; n < 2; ++n)
+                    for (int bb = 0; bb < b; ++bb)
+                        for (int hh = 0; hh < h; ++hh)
+                            for (int tt = 0; tt < t; ++tt)
+                                for (int j = 0; j < hd; ++j, ++i) {
+                                    const long row = n * s0 + bb * s1 + hh * s2 + tt * s3;
+                                    const long p = long(offset + tt) * half;
+                                    float v = in(row + j);
+                                    if (j < half)
+                                        v = in(row + j) * cos[p + j] - in(row + j + half) * sin[p + j];
+                                    else if (j < dims)
+                                        v = in(row + j) * cos[p + j - half] + in(row + j - half) * sin[p + j - half];
+                                    want[i] = v;
+                                }
+                if (pass == 0) {
+                    launch({blocks, 1, 1}, 64, [&] {
+                        rotary_heads_f32(qkv.data(), y.data(), cos.data(), sin.data(), b, h, t, hd, dims, offset,
+                                         s0, s1, s2, s3, total);
+                    });
+                    for (long k = 0; k < total; ++k) differ += y[k] != want[k];
+                } else {
+                    launch({blocks, 1, 1}, 64, [&] {
+                        rotary_heads_bf16(xb.data(), yb.data(), cos.data(), sin.data(), b, h, t, hd, dims, offset,
+                                          s0, s1, s2, s3, total);
+                    });
+                    for (long k = 0; k < total; ++k) differ_bf16 += yb[k].x != __float2bfloat16(want[k]).x;
+                }
+            }
+            char what[120];
+            std::snprintf(what, sizeof what, "rotary dims %d, %u blocks of 64: %ld f32 and %ld bf16 elements differ",
+                          dims, blocks, differ, differ_bf16);
+            std::printf("%s\n", what);
+            check(differ == 0 && differ_bf16 == 0, what);
         }
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
     return failures != 0;

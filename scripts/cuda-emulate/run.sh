@@ -9,7 +9,7 @@ mkdir -p "$out/include"
 # The CUDA headers' types, conversions and WMMA are emulate.cpp's own.
 touch "$out/include/cuda_bf16.h" "$out/include/cuda_fp16.h" "$out/include/mma.h"
 rc=0
-for k in ATTENTION LOGPROB THETA SOFTMAX NORM ADAMW; do
+for k in ATTENTION LOGPROB THETA SOFTMAX NORM ADAMW ROTARY; do
     g++ -std=c++20 -O2 -pthread -I"$out/include" -D"$k" -o "$out/${k,,}" emulate.cpp
     "$out/${k,,}" || rc=1
 done

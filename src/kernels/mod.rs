@@ -108,6 +108,7 @@ pub mod cuda {
     }
     pub use super::masked_softmax::softmax_scaled;
     pub use super::nonparam_norm::layer_norm;
+    pub use super::rotary::rotary_heads;
     pub use super::theta_cuda::theta;
 
     /// Θ (`l2_norm_gelu`) as training runs it, with its backward: on a GPU both
@@ -128,6 +129,8 @@ pub use matmul::{matmul_nn, matmul_nt, matmul_nt_q8, SMALL_ROWS};
 pub(crate) use norm::layer_norm_half;
 pub use q8::Q8Matrix;
 pub(crate) use rotary::rotary;
+#[cfg(feature = "cuda")]
+pub(crate) use rotary::{heads_serve as rotary_heads_serve, rotary_heads};
 pub(crate) use rows::max_of;
 pub use rows::{max_and_exp_sum, sum};
 pub use theta::theta_owned;

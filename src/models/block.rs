@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{LayerNorm, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use crate::pattention::{Activation, Pattention};
+use crate::pattention::{Activation, Fused, Pattention};
 
 /// The √n constants of the three Pattention kinds. Absent in a config means
 /// "the layer's token count", which is what the official code does.
@@ -172,6 +172,12 @@ impl Rotary {
         if self.dims == 0 {
             return Ok(x.clone());
         }
+        #[cfg(feature = "cuda")]
+        if crate::kernels::rotary_heads_serve(x) {
+            let x = x.unsqueeze(0)?;
+            return crate::kernels::rotary_heads(&x, &self.cos, &self.sin, self.dims, offset)?
+                .squeeze(0);
+        }
         let (_, _, t, hd) = x.dims4()?;
         let cos = self.cos.narrow(0, offset, t)?;
         let sin = self.sin.narrow(0, offset, t)?;
@@ -198,6 +204,24 @@ impl Rotary {
     }
 }
 
+impl Rotary {
+    /// [`Self::apply`] to each of x [n, b, h, t, head_dim] (queries and keys
+    /// stacked): one kernel launch on a GPU with the CUDA kernels on.
+    pub(crate) fn apply_stacked(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
+        if self.dims == 0 {
+            return Ok(x.clone());
+        }
+        #[cfg(feature = "cuda")]
+        if crate::kernels::rotary_heads_serve(x) {
+            return crate::kernels::rotary_heads(x, &self.cos, &self.sin, self.dims, offset);
+        }
+        let parts = (0..x.dim(0)?)
+            .map(|i| self.apply(&x.get(i)?, offset))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&parts, 0)
+    }
+}
+
 /// Keys and values [b, h, t, head_dim] of one attention layer.
 pub(crate) type KeyValues = (Tensor, Tensor);
 
@@ -220,6 +244,8 @@ pub struct Attention {
     pub key: Pattention,
     pub value: Pattention,
     pub proj: Pattention,
+    /// q, k and v as one fused Pattention (on a GPU with the CUDA kernels on).
+    qkv: Option<Fused>,
     num_heads: usize,
     head_dim: usize,
 }
@@ -231,14 +257,28 @@ impl Attention {
         let p = |name: &str, tokens: usize, s: Option<usize>| {
             Pattention::new(d, d, tokens, s, cfg.activation, vb.pp(name))
         };
-        Ok(Self {
+        let mut attention = Self {
             query: p("query", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
             key: p("key", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
             value: p("value", cfg.qkv_tokens, scale.map(|s| s.qkv))?,
             proj: p("proj", cfg.proj_tokens, scale.map(|s| s.proj))?,
+            qkv: None,
             num_heads: cfg.num_heads,
             head_dim: d / cfg.num_heads,
-        })
+        };
+        // Where launches cost more than the products (a GPU decoding one token);
+        // the CPU's fused kernels and q8 work per part.
+        if vb.device().is_cuda() && crate::kernels::cuda_kernels_enabled() {
+            attention.fuse_qkv()?;
+        }
+        Ok(attention)
+    }
+
+    /// Makes q, k and v one fused Pattention ([`Fused`]); false where they
+    /// cannot be (different shapes or Θ, 8-bit weights).
+    pub(crate) fn fuse_qkv(&mut self) -> Result<bool> {
+        self.qkv = Fused::new(&mut [&mut self.query, &mut self.key, &mut self.value])?;
+        Ok(self.qkv.is_some())
     }
 
     /// [b, t, d] → [b, h, t, head_dim], as a strided view (the attention
@@ -249,13 +289,34 @@ impl Attention {
             .transpose(1, 2)
     }
 
-    /// q, k, v [b, h, t, head_dim] of a normalised x [b, t, d].
-    fn project_qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        Ok((
-            self.split_heads(&self.query.forward(x)?)?,
-            self.split_heads(&self.key.forward(x)?)?,
-            self.split_heads(&self.value.forward(x)?)?,
-        ))
+    /// q, k, v [b, h, t, head_dim] of a normalised x [b, t, d], q and k
+    /// rotated where `rotary` gives positions from an offset.
+    fn project_qkv(
+        &self,
+        x: &Tensor,
+        rotary: Option<(&Rotary, usize)>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let parts = [&self.query, &self.key, &self.value];
+        if let Some(fused) = self.qkv.as_ref().filter(|f| f.serves(&parts)) {
+            let (b, t, _) = x.dims3()?;
+            // [3, b·t, d] → [3, b, h, t, head_dim], views.
+            let heads = fused
+                .forward(x)?
+                .reshape((3, b, t, self.num_heads, self.head_dim))?
+                .transpose(2, 3)?;
+            let v = heads.get(2)?;
+            let qk = match rotary {
+                Some((rotary, offset)) => rotary.apply_stacked(&heads.narrow(0, 0, 2)?, offset)?,
+                None => heads,
+            };
+            return Ok((qk.get(0)?, qk.get(1)?, v));
+        }
+        let [q, k, v] = parts.map(|p| p.forward(x).and_then(|y| self.split_heads(&y)));
+        let (q, k) = match rotary {
+            Some((rotary, offset)) => (rotary.apply(&q?, offset)?, rotary.apply(&k?, offset)?),
+            None => (q?, k?),
+        };
+        Ok((q, k, v?))
     }
 
     /// The output projection of multi-head attention over x's own keys and
@@ -268,16 +329,16 @@ impl Attention {
         mode: AttentionMode,
         prefix: Option<&KeyValues>,
     ) -> Result<(Tensor, KeyValues)> {
-        let (q, k, v) = self.project_qkv(x)?;
         let causal = matches!(mode, AttentionMode::Causal { .. });
-        let (q, k, cache) = match mode {
-            AttentionMode::Bidirectional => (q, k, None),
+        let (rotary, cache) = match mode {
+            AttentionMode::Bidirectional => (None, None),
             AttentionMode::Causal {
                 rotary,
                 offset,
                 cache,
-            } => (rotary.apply(&q, offset)?, rotary.apply(&k, offset)?, cache),
+            } => (Some((rotary, offset)), cache),
         };
+        let (q, k, v) = self.project_qkv(x, rotary)?;
         let (ks, vs) = match prefix {
             Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
             None => (k.clone(), v.clone()),
@@ -476,5 +537,82 @@ mod tests {
                 assert_eq!(bits(&kept_out), bits(&f32_out), "{computed:?}");
             }
         }
+    }
+
+    /// q, k and v fused into one Pattention give the separate layers' output and
+    /// keys (rotated, at a position offset) and values, leave each layer's own
+    /// weights as they were, and stop serving a layer replaced since.
+    #[test]
+    fn fused_qkv_gives_the_separate_layers_output() {
+        let (d, heads, tokens, b, t) = (16, 2, 12, 2, 5);
+        let cfg = BlockConfig {
+            hidden_size: d,
+            num_heads: heads,
+            qkv_tokens: tokens,
+            proj_tokens: 7,
+            ffn_tokens: 9,
+            norm_eps: 1e-5,
+            activation: Activation::L2NormGelu,
+            scale_tokens: None,
+            parallel_residual: false,
+        };
+        let dev = Device::Cpu;
+        let mut map = std::collections::HashMap::new();
+        for (i, (name, n)) in [
+            ("query", tokens),
+            ("key", tokens),
+            ("value", tokens),
+            ("proj", 7),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for (j, part) in ["key_param_tokens", "value_param_tokens"]
+                .iter()
+                .enumerate()
+            {
+                let w = values((1, 1, n, d), DType::F32, (2 * i + j) as f64)
+                    .reshape((n, d))
+                    .unwrap();
+                map.insert(format!("{name}.{part}"), w);
+            }
+        }
+        let vb = VarBuilder::from_tensors(map, DType::F32, &dev);
+        let separate = Attention::new(&cfg, vb).unwrap();
+        let mut fused = separate.clone();
+        assert!(fused.fuse_qkv().unwrap());
+        for (a, f) in [
+            (&separate.query, &fused.query),
+            (&separate.value, &fused.value),
+        ] {
+            assert_eq!(bits(&a.key()), bits(&f.key()));
+            assert_eq!(bits(&a.value()), bits(&f.value()));
+        }
+        let rotary = Rotary::new(4, 10_000.0, 32, &dev).unwrap();
+        let x = values((1, b, t, d), DType::F32, 0.5).squeeze(0).unwrap();
+        let run = |a: &Attention| {
+            let mode = AttentionMode::Causal {
+                rotary: &rotary,
+                offset: 3,
+                cache: None,
+            };
+            let (out, (k, v)) = a.forward_kv(&x, mode, None).unwrap();
+            [out, k, v]
+        };
+        let want = run(&separate);
+        let got = run(&fused);
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g.dims(), w.dims());
+            let diff = crate::kernels::test_util::max_abs_diff(g, w);
+            assert!(diff < 1e-5, "{diff}");
+        }
+        let mut replaced = fused.clone();
+        replaced.key = separate.key.clone();
+        let parts = [&replaced.query, &replaced.key, &replaced.value];
+        assert!(!replaced.qkv.as_ref().unwrap().serves(&parts));
+        let parts = [&fused.query, &fused.key, &fused.value];
+        assert!(fused.qkv.as_ref().unwrap().serves(&parts));
+        let diff = crate::kernels::test_util::max_abs_diff(&run(&replaced)[0], &want[0]);
+        assert!(diff < 1e-5, "{diff}");
     }
 }
