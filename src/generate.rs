@@ -71,6 +71,23 @@ impl Sampler {
         Self { params, rng }
     }
 
+    /// The next token after `history` from the last position's logits
+    /// [vocab] on any device. A greedy pick without a penalty on a GPU with
+    /// the CUDA kernels on is the log-softmax-gather kernel's first argmax, so
+    /// only the token comes back to the host; otherwise the row does and is
+    /// [`Self::sample`]d.
+    pub(crate) fn next(&mut self, last: &Tensor, history: &[u32]) -> Result<u32> {
+        #[cfg(feature = "cuda")]
+        if self.params.temperature <= 0.0 && self.params.repeat_penalty == 1.0 {
+            let row = last.unsqueeze(0)?;
+            if crate::kernels::logprob_cuda_serves(&row) {
+                return Ok(crate::kernels::cuda::target_logprobs(&row, &[0])?.argmax[0]);
+            }
+        }
+        let row = last.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        Ok(self.sample(&row, history))
+    }
+
     /// The next token after `history` (the prompt and what was generated).
     pub(crate) fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let penalised;
@@ -384,7 +401,7 @@ fn decode(
     for _ in 0..budget {
         let logits = step(&input)?;
         let last = logits.squeeze(0)?.get(logits.dim(1)? - 1)?;
-        let next = sampler.sample(&last.to_dtype(DType::F32)?.to_vec1::<f32>()?, &history);
+        let next = sampler.next(&last, &history)?;
         out.push(next);
         history.push(next);
         if on_token(next)?.is_break() || next == cfg.eos_token_id {

@@ -1,7 +1,8 @@
 //! The GPU checks of the `--device cuda` issue, in a build with the `cuda` feature on a
 //! machine with a GPU (each test says it is skipped and passes where there is none):
 //! f32 logits of the official fixture and the shipped models equal the CPU's within
-//! 1e-4 relative; cached decoding equals the full forward; one training step equals
+//! 1e-4 relative; cached decoding equals the full forward and greedy generation
+//! picks the CPU's tokens; one training step equals
 //! PyTorch autograd + AdamW (`train_step.json`) to the CPU's tolerances; bf16
 //! perplexity of the shipped validation text is within 0.5 % of f32 and bf16 top-1
 //! equals f32 on the shipped digit images; the Pile evaluation's batched scoring
@@ -91,6 +92,27 @@ fn f32_logits_on_the_gpu_equal_the_cpus_and_cached_decoding_the_full_forward() {
         let d = max_rel(&last, &want[(ids.len() - 1) * v..]);
         assert!(d < 1e-4, "{}: cached decoding {d}", path.display());
     }
+}
+
+/// Greedy generation on the GPU picks the CPU's tokens (with the kernels on, the
+/// pick is made on the GPU and only the token comes back).
+#[test]
+fn greedy_generation_on_the_gpu_picks_the_cpus_tokens() {
+    use tokenformer::generate::generate;
+    let Some((gpu, _)) = gpu() else { return };
+    let files = locate(&zoo("tiny-kjv-lm"));
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 53 + 7) % 2048).collect();
+    let run = |device: &Device| {
+        let model = loader::load_lm(&files, device).unwrap();
+        let params = tokenformer::SamplingParams::default();
+        generate(&model, &prompt, 32, params, |_| {
+            Ok(std::ops::ControlFlow::Continue(()))
+        })
+        .unwrap()
+    };
+    let (want, got) = (run(&Device::Cpu), run(&gpu));
+    assert!(want.len() > 1, "{want:?}");
+    assert_eq!(got, want);
 }
 
 #[test]
