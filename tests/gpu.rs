@@ -9,7 +9,7 @@
 //! equals the CPU's; a training run resumed on the other device equals the
 //! uninterrupted one. The project's own CUDA kernels (Θ, flash attention,
 //! log-softmax-gather) equal their definitions in plain candle ops on the same GPU
-//! (the rotary kernel the CPU's bits),
+//! (the rotary kernel the CPU's bits, the residual-and-norm kernel the two ops),
 //! and the training kernels (Θ, attention's softmax, LayerNorm, cross-entropy, each
 //! a kernel each way) equal the CPU's op or the plain ops, values and gradients;
 //! they are called directly, so they are checked whatever `TOKENFORMER_CUDA_KERNELS`
@@ -484,6 +484,30 @@ fn the_rotary_kernel_gives_the_cpus_bits() {
             differ, 0,
             "{dtype:?}: {differ} elements differ from the CPU's"
         );
+    }
+}
+
+/// Inference's residual and norm in one kernel: the sum is the GPU's own addition bit
+/// for bit, and its rows normalised as the LayerNorm kernel normalises that sum.
+#[test]
+fn the_residual_and_norm_kernel_equals_the_two_ops() {
+    use tokenformer::kernels::cuda::{add_layer_norm, layer_norm};
+    let Some(gpu) = cuda() else { return };
+    let x = Tensor::randn(0f32, 3.0, (5, 7, 768), &gpu).unwrap();
+    let a = Tensor::randn(0f32, 1.0, (5, 7, 768), &gpu).unwrap();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let (x, a) = (x.to_dtype(dtype).unwrap(), a.to_dtype(dtype).unwrap());
+        let out = add_layer_norm(&x, &a, 1e-5).unwrap();
+        let sum = (&x + &a).unwrap();
+        let want = [sum.clone(), layer_norm(&sum, 1e-5).unwrap()];
+        for (i, want) in want.iter().enumerate() {
+            let got = out.get(i).unwrap();
+            assert_eq!((got.dtype(), got.dims()), (dtype, want.dims()));
+            // bf16 and f16 sums: candle may round the addition differently (one ulp).
+            let tol = if dtype == DType::F32 { 0.0 } else { 1e-2 };
+            let d = max_rel(&f32s(&got), &f32s(want));
+            assert!(d <= tol, "{dtype:?} part {i}: {d}");
+        }
     }
 }
 

@@ -731,6 +731,20 @@ int main() {
         std::snprintf(what, sizeof what, "layer_norm n %d: values %.3g, gradient %.3g", n, worst_y, worst_g);
         std::printf("%s\n", what);
         check(worst_y < 2e-5 && worst_g < 2e-4, what);
+        // The residual and the norm in one pass: out [2, rows, n], the sum bit for bit,
+        // then the rows of the sum normalised as layer_norm_f32 does them.
+        auto a = randn(x.size(), 1.0f);
+        std::vector<float> both(2 * x.size()), sum(x.size()), ln_sum(x.size());
+        for (size_t i = 0; i < x.size(); ++i) sum[i] = x[i] + a[i];
+        launch({unsigned(rows), 1, 1}, threads,
+               [&] { add_layer_norm_f32(x.data(), a.data(), both.data(), n, eps, rows); });
+        launch({unsigned(rows), 1, 1}, threads, [&] { layer_norm_f32(sum.data(), ln_sum.data(), n, eps); });
+        long differ = 0;
+        for (size_t i = 0; i < x.size(); ++i)
+            differ += (both[i] != sum[i]) + (both[x.size() + i] != ln_sum[i]);
+        std::snprintf(what, sizeof what, "add_layer_norm n %d: %ld elements differ", n, differ);
+        std::printf("%s\n", what);
+        check(differ == 0, what);
     }
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
     return failures != 0;

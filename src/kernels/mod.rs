@@ -107,7 +107,7 @@ pub mod cuda {
         super::logprob::cross_entropy(logits, targets)
     }
     pub use super::masked_softmax::softmax_scaled;
-    pub use super::nonparam_norm::layer_norm;
+    pub use super::nonparam_norm::{add_layer_norm, layer_norm};
     pub use super::rotary::rotary_heads;
     pub use super::theta_cuda::theta;
 

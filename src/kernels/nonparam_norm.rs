@@ -78,6 +78,81 @@ impl RowOp for Norm {
     }
 }
 
+/// Inference's residual and the norm after it: x + a and its normalised
+/// rows, `[2, ...x's shape]` as one tensor (the sum first), from one kernel pass
+/// on a GPU (`cuda/norm.cu`'s `add_layer_norm`) instead of an addition and a
+/// norm. The sum is rounded to x's dtype before it is normalised, as the two
+/// ops do it. On the CPU (f32, f64) the same definition in plain loops, so the
+/// op's logic is tested where there is no GPU. No backward.
+pub fn add_layer_norm(x: &Tensor, a: &Tensor, eps: f64) -> Result<Tensor> {
+    if x.shape() != a.shape() || x.dtype() != a.dtype() {
+        candle_core::bail!(
+            "add-layer-norm: {:?} {:?} and {:?} {:?}",
+            x.dims(),
+            x.dtype(),
+            a.dims(),
+            a.dtype()
+        )
+    }
+    let (x, a) = (x.contiguous()?, a.contiguous()?);
+    let mut shape = vec![2];
+    shape.extend_from_slice(x.dims());
+    x.apply_op2_no_bwd(&a, &AddNorm(Norm { eps: eps as f32 }))?
+        .reshape(shape)
+}
+
+/// [`add_layer_norm`]'s op: its output is flat, [2 · elements].
+struct AddNorm(Norm);
+
+impl candle_core::CustomOp2 for AddNorm {
+    fn name(&self) -> &'static str {
+        "add-layer-norm-nonparam"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (x, a) = (row_op::f64s(s1, l1)?, row_op::f64s(s2, l2)?);
+        let f32s = matches!(s1, candle_core::CpuStorage::F32(_));
+        // The sum rounded to the inputs' dtype, as an addition op would leave it.
+        let sum: Vec<f64> = x
+            .iter()
+            .zip(&a)
+            .map(|(x, a)| {
+                if f32s {
+                    f64::from((x + a) as f32)
+                } else {
+                    x + a
+                }
+            })
+            .collect();
+        let n = l1.dims().last().copied().unwrap_or(1).max(1);
+        let mut y = vec![0.0; sum.len()];
+        for (s, y) in sum.chunks(n).zip(y.chunks_mut(n)) {
+            self.0.forward_row(0, s, y);
+        }
+        let out = [sum, y].concat();
+        Ok((row_op::like(s1, out), candle_core::Shape::from(2 * x.len())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        let elements = l1.shape().elem_count();
+        let out = cuda::add_forward((s1, l1), (s2, l2), self.0.eps)?;
+        Ok((out, candle_core::Shape::from(2 * elements)))
+    }
+}
+
 /// Whether training's LayerNorm takes the kernels for `x` (see
 /// [`super::rows_cuda::serves`]).
 #[cfg(feature = "cuda")]
@@ -87,7 +162,7 @@ pub(crate) fn serves(x: &Tensor) -> bool {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::super::rows_cuda::{launch_rows, Module};
+    use super::super::rows_cuda::{launch_rows, launch_rows_n, Module};
     use candle_core::{CudaStorage, Layout, Result};
 
     const NORM: Module = Module {
@@ -97,6 +172,18 @@ mod cuda {
 
     pub(super) fn forward(x: (&CudaStorage, &Layout), eps: f32) -> Result<CudaStorage> {
         launch_rows(NORM, "layer_norm", &[x], eps, &[])
+    }
+
+    pub(super) fn add_forward(
+        x: (&CudaStorage, &Layout),
+        a: (&CudaStorage, &Layout),
+        eps: f32,
+    ) -> Result<CudaStorage> {
+        let n = x.1.dims().last().copied().unwrap_or(1).max(1);
+        let Ok(rows) = i32::try_from(x.1.shape().elem_count() / n) else {
+            candle_core::bail!("add-layer-norm: too many rows for one launch")
+        };
+        launch_rows_n(NORM, "add_layer_norm", &[x, a], 2, eps, &[rows])
     }
 
     pub(super) fn grad(
@@ -153,5 +240,27 @@ mod tests {
         for (i, (a, b)) in g.iter().zip(&d).enumerate() {
             assert!((a - b).abs() < 1e-7 * b.abs().max(1.0), "{i}: {a} vs {b}");
         }
+    }
+
+    /// The residual and the norm in one op: the sum x + a bit for bit, and the
+    /// normalised sum as the standalone op gives it; mismatched inputs are an error.
+    #[test]
+    fn add_layer_norm_is_the_sum_and_its_norm() {
+        let dev = Device::Cpu;
+        let x = (Tensor::randn(0f32, 3.0, (2, 3, 40), &dev).unwrap() + 2.0).unwrap();
+        let a = Tensor::randn(0f32, 1.0, (2, 3, 40), &dev).unwrap();
+        let out = add_layer_norm(&x, &a, 1e-5).unwrap();
+        assert_eq!(out.dims(), &[2, 2, 3, 40]);
+        let sum = (&x + &a).unwrap();
+        let bits = crate::kernels::test_util::bits;
+        assert_eq!(bits(&out.get(0).unwrap()), bits(&sum));
+        assert_eq!(
+            bits(&out.get(1).unwrap()),
+            bits(&layer_norm(&sum, 1e-5).unwrap())
+        );
+        let d = crate::kernels::test_util::max_abs_diff(&out.get(1).unwrap(), &sum);
+        assert!(d > 0.5, "nothing normalised: {d}");
+        let e = add_layer_norm(&x, &a.narrow(2, 0, 39).unwrap(), 1e-5).unwrap_err();
+        assert!(e.to_string().contains("add-layer-norm"), "{e}");
     }
 }

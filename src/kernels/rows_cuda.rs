@@ -1,7 +1,8 @@
 //! Launching the project's row kernels on a GPU (`cuda/theta.cu`,
 //! `cuda/softmax.cu`, `cuda/norm.cu`): one thread block per row of the last axis, contiguous
 //! inputs of one shape and dtype (f32, bf16 or f16), an output of that shape and
-//! dtype, and the arguments `(inputs…, out, n, scale, ints…)`.
+//! dtype (or several, one after the other), and the arguments `(inputs…, out, n,
+//! scale, ints…)`.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -33,6 +34,19 @@ pub(crate) fn launch_rows(
     scale: f32,
     ints: &[i32],
 ) -> Result<CudaStorage> {
+    launch_rows_n(module, kernel, inputs, 1, scale, ints)
+}
+
+/// [`launch_rows`] for a kernel that writes `outputs` tensors of the inputs'
+/// shape, one after the other in one allocation ([outputs, ...shape]).
+pub(crate) fn launch_rows_n(
+    module: Module,
+    kernel: &str,
+    inputs: &[(&CudaStorage, &Layout)],
+    outputs: usize,
+    scale: f32,
+    ints: &[i32],
+) -> Result<CudaStorage> {
     let Some(&(first, _)) = inputs.first() else {
         candle_core::bail!("{kernel} kernel: no input")
     };
@@ -44,11 +58,22 @@ pub(crate) fn launch_rows(
         )
     }
     match first.dtype() {
-        DType::F32 => launch::<f32>(module, &format!("{kernel}_f32"), inputs, scale, ints),
+        DType::F32 => launch::<f32>(
+            module,
+            &format!("{kernel}_f32"),
+            inputs,
+            outputs,
+            scale,
+            ints,
+        ),
         DType::BF16 => {
-            launch::<::half::bf16>(module, &format!("{kernel}_bf16"), inputs, scale, ints)
+            let name = format!("{kernel}_bf16");
+            launch::<::half::bf16>(module, &name, inputs, outputs, scale, ints)
         }
-        DType::F16 => launch::<::half::f16>(module, &format!("{kernel}_f16"), inputs, scale, ints),
+        DType::F16 => {
+            let name = format!("{kernel}_f16");
+            launch::<::half::f16>(module, &name, inputs, outputs, scale, ints)
+        }
         d => candle_core::bail!("{kernel} kernel: no {d:?} version"),
     }
 }
@@ -57,6 +82,7 @@ fn launch<T: DeviceRepr + CudaDType>(
     module: Module,
     kernel: &str,
     inputs: &[(&CudaStorage, &Layout)],
+    outputs: usize,
     scale: f32,
     ints: &[i32],
 ) -> Result<CudaStorage> {
@@ -82,7 +108,7 @@ fn launch<T: DeviceRepr + CudaDType>(
     let dev = &first.device;
     let elements = layout.shape().elem_count();
     // SAFETY: every element is written by the kernel before it is read.
-    let out = unsafe { dev.alloc::<T>(elements)? };
+    let out = unsafe { dev.alloc::<T>(elements * outputs)? };
     if elements == 0 {
         return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
     }
@@ -105,7 +131,8 @@ fn launch<T: DeviceRepr + CudaDType>(
         b.arg(i);
     }
     // SAFETY: the arguments are the kernel's (inputs…, out, n, scale, ints…) as
-    // the caller names them, and every input and the output hold rows · n elements.
+    // the caller names them, and every input holds rows · n elements, the output
+    // `outputs` times that.
     unsafe { b.launch(cfg) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }

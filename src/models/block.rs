@@ -87,6 +87,22 @@ impl Norm {
     pub fn weight(&self) -> &Tensor {
         self.inner.weight()
     }
+
+    /// x + a and the norm of that sum: one kernel on a GPU with the CUDA
+    /// kernels on (a residual and the next norm of a decoding step).
+    pub(crate) fn add_forward(&self, x: &Tensor, a: &Tensor) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if self.nonparam
+            && crate::kernels::nonparam_norm::serves(x)
+            && (a.shape(), a.dtype()) == (x.shape(), x.dtype())
+        {
+            let out = crate::kernels::nonparam_norm::add_layer_norm(x, a, self.eps)?;
+            return Ok((out.get(0)?, out.get(1)?));
+        }
+        let sum = (x + a)?;
+        let y = self.forward(&sum)?;
+        Ok((sum, y))
+    }
 }
 
 impl Module for Norm {
@@ -399,8 +415,8 @@ impl Block {
             // Both branches read the same LN(x): the norm has no parameters.
             return Ok((((x + a)? + self.mlp.forward(&h)?)?, kv));
         }
-        let x = (x + a)?;
-        Ok(((&x + self.mlp.forward(&self.norm.forward(&x)?)?)?, kv))
+        let (x, h) = self.norm.add_forward(x, &a)?;
+        Ok(((&x + self.mlp.forward(&h)?)?, kv))
     }
 }
 

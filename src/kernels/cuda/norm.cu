@@ -1,9 +1,11 @@
-// Training's LayerNorm without weight and bias over the last axis of contiguous
-// rows [rows, n] (f32, bf16 or f16; every sum in f32), forward and backward, one
-// thread block a row (crate::kernels::layer_norm_op):
+// LayerNorm without weight and bias over the last axis of contiguous rows [rows, n]
+// (f32, bf16 or f16; every sum in f32), one thread block a row
+// (crate::kernels::nonparam_norm):
 //   layer_norm_*:      y = (x − mean) / √(var + eps), var biased (as torch)
 //   layer_norm_grad_*: ∂L/∂x = (dy − mean(dy) − y · mean(dy · y)) / √(var + eps),
-//                      from x and dy (y recomputed: no third input)
+//                      from x and dy (y recomputed: no third input), for training
+//   add_layer_norm_*:  inference's residual and the norm after it, out [2, rows, n]:
+//                      s = x + a rounded to the dtype, then y of the rounded s
 #include "rows.cuh"
 
 // The row's mean and 1 / √(var + eps), the variance from a second pass over the
@@ -48,6 +50,25 @@ __device__ void layer_norm_grad_row(const T *in, const T *grad, T *out, int n, f
     for (int i = threadIdx.x; i < n; i += blockDim.x)
         store(dx, i, m.y * (load(dy, i) - a - (load(x, i) - m.x) * m.y * b));
 }
+
+// Each thread reads back only the sums it wrote itself (row_moments and the last
+// loop stride over the row as the first loop does), so no barrier is needed first.
+template <typename T>
+__device__ void add_layer_norm_row(const T *in, const T *add, T *out, int n, float eps, int rows) {
+    const long row = (long)blockIdx.x * n;
+    T *s = out + row, *y = out + (long)rows * n + row;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) store(s, i, load(in + row, i) + load(add + row, i));
+    const float2 m = row_moments(s, n, eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) store(y, i, (load(s, i) - m.x) * m.y);
+}
+
+#define ADD_LAYER_NORM(NAME, T)                                                                    \
+    extern "C" __global__ void NAME(const T *x, const T *a, T *out, int n, float eps, int rows) { \
+        add_layer_norm_row(x, a, out, n, eps, rows);                                              \
+    }
+ADD_LAYER_NORM(add_layer_norm_f32, float)
+ADD_LAYER_NORM(add_layer_norm_bf16, __nv_bfloat16)
+ADD_LAYER_NORM(add_layer_norm_f16, __half)
 
 extern "C" __global__ void layer_norm_f32(const float *x, float *y, int n, float eps) {
     layer_norm_row(x, y, n, eps);
