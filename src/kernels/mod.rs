@@ -19,7 +19,7 @@
 //! - `rows`: per-row primitives (dot, axpy, sums, softmax) and the dispatch
 //!   between instruction sets;
 //! - [`theta`]: Θ, the Pattention non-linearity (reference and fused);
-//! - `rotary`: GPT-NeoX rotary embeddings;
+//! - `rotary`: GPT-NeoX rotary embeddings (also on a GPU);
 //! - `attention`: fused token-token attention;
 //! - `attention_avx512`: its blocks of prefill queries on AVX-512 (keys and
 //!   values read where they lie, the softmax down the lanes);
@@ -128,9 +128,7 @@ pub(crate) use matmul::{gemm_f32, gemm_parallelism};
 pub use matmul::{matmul_nn, matmul_nt, matmul_nt_q8, SMALL_ROWS};
 pub(crate) use norm::layer_norm_half;
 pub use q8::Q8Matrix;
-pub(crate) use rotary::rotary;
-#[cfg(feature = "cuda")]
-pub(crate) use rotary::{heads_serve as rotary_heads_serve, rotary_heads};
+pub(crate) use rotary::{rotary_heads, serves as rotary_heads_serve};
 pub(crate) use rows::max_of;
 pub use rows::{max_and_exp_sum, sum};
 pub use theta::theta_owned;

@@ -1,7 +1,8 @@
-//! GPT-NeoX rotary position embedding (rotate-half) as one fused row-parallel
-//! pass over the heads; and, for a GPU, one launch that rotates queries and keys
-//! stacked [n, b, h, t, hd] as they come out of their products (`cuda/rotary.cu`),
-//! where candle's ops took a copy, `rope` and a concatenation each.
+//! GPT-NeoX rotary position embedding (rotate-half) as one op for the CPU and a
+//! GPU: a row-parallel pass over the heads on the CPU, one launch on a GPU
+//! (`cuda/rotary.cu`), both reading queries and keys through their strides
+//! (stacked [n, b, h, t, hd] as the fused q/k/v product leaves them, or one at a
+//! time), where candle's ops took a copy, `rope` and a concatenation each.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, WithDType};
@@ -9,61 +10,12 @@ use rayon::prelude::*;
 
 use super::f32_slice;
 
-/// GPT-NeoX rotary embedding (rotate-half) of the first `dims` features of
-/// every head, x [b, t, h, hd] contiguous, cos/sin [t, dims/2].
-struct Rotary {
-    dims: usize,
-}
-
-impl candle_core::CustomOp3 for Rotary {
-    fn name(&self) -> &'static str {
-        "rotary"
-    }
-
-    fn cpu_fwd(
-        &self,
-        sx: &CpuStorage,
-        lx: &Layout,
-        sc: &CpuStorage,
-        lc: &Layout,
-        ss: &CpuStorage,
-        ls: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let x = f32_slice(sx, lx, "rotary")?;
-        let (cos, sin) = (f32_slice(sc, lc, "rotary")?, f32_slice(ss, ls, "rotary")?);
-        let (_, t, h, hd) = lx.shape().dims4()?;
-        let half = self.dims / 2;
-        let mut out = x.to_vec();
-        // One task per position: all its heads share a row of cos/sin.
-        out.par_chunks_mut(h * hd).enumerate().for_each(|(row, o)| {
-            let pos = row % t;
-            let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
-            for head in o.chunks_mut(hd) {
-                let (x1, x2) = head[..self.dims].split_at_mut(half);
-                for i in 0..half {
-                    let (a, b) = (x1[i], x2[i]);
-                    x1[i] = a * c[i] - b * s[i];
-                    x2[i] = b * c[i] + a * s[i];
-                }
-            }
-        });
-        Ok((CpuStorage::F32(out), lx.shape().clone()))
-    }
-}
-
-/// Rotary positions for x [b, t, h, hd] (contiguous f32 on the CPU) with
-/// the cos/sin rows [t, dims/2] of its positions.
-pub(crate) fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor, dims: usize) -> Result<Tensor> {
-    x.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &Rotary { dims })
-}
-
 /// Rotary positions for x [n, b, h, t, hd] (f32, bf16 or f16; each head's
 /// features contiguous, other strides free) at positions offset..offset + t,
 /// with the model's whole cos/sin tables [positions, dims/2] (f32): a
-/// contiguous tensor of x's shape and dtype, the arithmetic in f32 as the CPU
-/// kernel above does it. One kernel launch on a GPU; on the CPU the same
-/// definition in plain loops, so its indexing is tested where there is no GPU.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+/// contiguous tensor of x's shape and dtype, the arithmetic in f32 with each
+/// product and difference rounded (`rope`'s on widened features), so both
+/// devices give the same bits.
 pub fn rotary_heads(
     x: &Tensor,
     cos: &Tensor,
@@ -88,61 +40,58 @@ pub fn rotary_heads(
     x.apply_op3_no_bwd(&cos, &sin, &Heads { dims, offset })
 }
 
-/// Whether the model rotates `x` with [`rotary_heads`]: the CUDA kernels turned
-/// on, x f32/bf16/f16 on a GPU with each head's features contiguous (the CPU
-/// keeps its own kernel above).
-#[cfg(feature = "cuda")]
-pub(crate) fn heads_serve(x: &Tensor) -> bool {
-    super::rows_cuda::serves(x) && x.stride().last() == Some(&1)
+/// Whether the model rotates `x` with [`rotary_heads`]: f32/bf16/f16 with each
+/// head's features contiguous, on the CPU with its fused kernels on or on a GPU
+/// with the CUDA kernels on.
+pub(crate) fn serves(x: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    let gpu = super::rows_cuda::serves(x);
+    #[cfg(not(feature = "cuda"))]
+    let gpu = false;
+    let float = matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    (gpu || (super::fused_on(x) && float)) && x.stride().last() == Some(&1)
 }
 
 /// [`rotary_heads`]'s op.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Heads {
     dims: usize,
     offset: usize,
 }
 
 impl Heads {
-    /// Element i of the contiguous output over x's layout: (index of x's
-    /// element, whether it is rotated, the table index, the partner's index and
-    /// the partner's sign).
-    fn each(&self, l: &Layout, mut visit: impl FnMut(usize, Option<(usize, usize, bool)>)) {
-        let d = l.dims();
-        let s = l.stride();
-        let (half, hd, t) = (self.dims / 2, d[4], d[3]);
-        let rows = l.shape().elem_count() / hd.max(1);
-        for r in 0..rows {
-            let (mut rest, mut at) = (r, l.start_offset());
-            for axis in (0..4).rev() {
-                at += rest % d[axis] * s[axis];
-                rest /= d[axis];
-            }
-            let pos = (self.offset + r % t) * half;
-            for j in 0..hd {
-                let rot = if j < half {
-                    Some((pos + j, at + j + half, false))
-                } else if j < self.dims {
-                    Some((pos + j - half, at + j - half, true))
-                } else {
-                    None
-                };
-                visit(at + j, rot);
-            }
-        }
-    }
-
+    /// x's rotated rows into a contiguous output, a task per row of hd
+    /// features: each row's start from x's strides, its position from its t index.
     fn cpu<T: WithDType>(&self, x: &[T], l: &Layout, cos: &[f32], sin: &[f32]) -> Vec<T> {
-        let f = |i: usize| x[i].to_f64() as f32;
-        let mut out = Vec::with_capacity(l.shape().elem_count());
-        self.each(l, |i, rot| {
-            let v = match rot {
-                None => f(i),
-                Some((c, partner, false)) => f(i) * cos[c] - f(partner) * sin[c],
-                Some((c, partner, true)) => f(i) * cos[c] + f(partner) * sin[c],
-            };
-            out.push(T::from_f64(f64::from(v)));
-        });
+        let (d, s) = (l.dims(), l.stride());
+        let (half, t, hd) = (self.dims / 2, d[3], d[4].max(1));
+        let mut out = vec![T::zero(); l.shape().elem_count()];
+        // Tasks of at least ~16K elements: a decoding step's few rows stay on
+        // this thread instead of waking the others.
+        let min_rows = (16_384 / hd).max(1);
+        let wide = |v: T| v.to_f64() as f32;
+        let round = |v: f32| T::from_f64(f64::from(v));
+        out.par_chunks_mut(hd)
+            .with_min_len(min_rows)
+            .enumerate()
+            .for_each(|(r, o)| {
+                let (mut rest, mut at) = (r, l.start_offset());
+                for axis in (0..4).rev() {
+                    at += rest % d[axis] * s[axis];
+                    rest /= d[axis];
+                }
+                let row = &x[at..at + hd];
+                let pos = (self.offset + r % t) * half;
+                let (c, sn) = (&cos[pos..pos + half], &sin[pos..pos + half]);
+                let (x1, x2) = row[..self.dims].split_at(half);
+                let (o1, o) = o.split_at_mut(half);
+                let (o2, pass) = o.split_at_mut(half);
+                for i in 0..half {
+                    let (a, b) = (wide(x1[i]), wide(x2[i]));
+                    o1[i] = round(a * c[i] - b * sn[i]);
+                    o2[i] = round(b * c[i] + a * sn[i]);
+                }
+                pass.copy_from_slice(&row[self.dims..]);
+            });
         out
     }
 }
@@ -277,80 +226,63 @@ mod tests {
     use crate::kernels::test_util::{bits, max_abs_diff, spread};
     use candle_core::D;
 
-    /// The fused pass equals candle's `rope` on the rotated features and
-    /// leaves the rest alone, for every batch row and position.
-    #[test]
-    fn matches_candle_rope_and_passes_the_rest_through() {
-        let (b, t, h, hd) = (2, 5, 3, 8);
-        for dims in [4, 8] {
-            let x = spread((b, t, h, hd));
-            let cos = spread((t, dims / 2)).cos().unwrap();
-            let sin = spread((t, dims / 2)).sin().unwrap();
-            let got = rotary(&x, &cos, &sin, dims).unwrap();
-            let xh = x.transpose(1, 2).unwrap();
-            let rot = xh.narrow(D::Minus1, 0, dims).unwrap().contiguous().unwrap();
-            let rot = candle_nn::rotary_emb::rope(&rot, &cos, &sin).unwrap();
-            let pass = xh.narrow(D::Minus1, dims, hd - dims).unwrap();
-            let want = Tensor::cat(&[&rot, &pass], D::Minus1)
-                .unwrap()
-                .transpose(1, 2)
-                .unwrap();
-            let d = max_abs_diff(&got, &want);
-            assert!(d <= 1e-6, "dims={dims}: {d}");
-            assert!(max_abs_diff(&got, &x) > 0.1, "dims={dims}: nothing rotated");
-        }
-    }
-
-    /// Queries and keys stacked as a fused q/k/v product leaves them ([2, b, h,
-    /// t, hd] over [3, b, t, h, hd]) rotate as the CPU kernel rotates each of
-    /// them, bit for bit in f32, at a position offset and with features left
-    /// unrotated; bf16 as the model's plain path does it (widened, rotated,
-    /// rounded once). Bad tables or offsets are an error, not a read past them.
-    #[test]
-    fn stacked_heads_rotate_as_the_cpu_kernel_does() {
-        let (b, t, h, hd, dims, positions, offset) = (2, 3, 4, 8, 4, 9, 5);
-        let qkv = spread((3, b, t, h, hd));
-        let qk = qkv.narrow(0, 0, 2).unwrap().transpose(2, 3).unwrap();
-        let angles = spread((positions, dims / 2)).affine(7.0, 0.0).unwrap();
-        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
-        let got = rotary_heads(&qk, &cos, &sin, dims, offset).unwrap();
-        assert!(got.is_contiguous());
+    /// The model's plain path: `rope` on the rotated features (widened to f32),
+    /// the rest passed through, x [b, h, t, hd] at positions offset..offset + t.
+    fn plain(x: &Tensor, cos: &Tensor, sin: &Tensor, dims: usize, offset: usize) -> Tensor {
+        let (_, _, t, hd) = x.dims4().unwrap();
         let (c, s) = (
             cos.narrow(0, offset, t).unwrap(),
             sin.narrow(0, offset, t).unwrap(),
         );
-        for i in 0..2 {
-            let rows = qkv.get(i).unwrap().contiguous().unwrap();
-            let want = rotary(&rows, &c, &s, dims)
-                .unwrap()
-                .transpose(1, 2)
-                .unwrap();
-            let one = got.get(i).unwrap();
-            assert_eq!(bits(&one), bits(&want), "part {i}");
-            assert!(max_abs_diff(&one, &rows.transpose(1, 2).unwrap()) > 0.1);
+        let rot = x
+            .narrow(D::Minus1, 0, dims)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        let rot = candle_nn::rotary_emb::rope(&rot.contiguous().unwrap(), &c, &s).unwrap();
+        let pass = x.narrow(D::Minus1, dims, hd - dims).unwrap();
+        Tensor::cat(&[&rot.to_dtype(x.dtype()).unwrap(), &pass], D::Minus1).unwrap()
+    }
+
+    /// Queries and keys stacked as a fused q/k/v product leaves them ([2, b, h,
+    /// t, hd] over [3, b, t, h, hd]), and one of them alone, rotate as candle's
+    /// `rope` on the rotated features does, bit for bit in f32 and bf16, at a
+    /// position offset, with the other features passed through (or none).
+    /// Bad tables or offsets are an error, not a read past them.
+    #[test]
+    fn rotates_as_candle_rope_does() {
+        let (b, t, h, hd, positions, offset) = (2, 3, 4, 8, 9, 5);
+        let qkv = spread((3, b, t, h, hd));
+        for dims in [4, 8] {
+            let angles = spread((positions, dims / 2)).affine(7.0, 0.0).unwrap();
+            let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+            for dtype in [DType::F32, DType::BF16] {
+                let x = qkv.to_dtype(dtype).unwrap();
+                let qk = x.narrow(0, 0, 2).unwrap().transpose(2, 3).unwrap();
+                let got = rotary_heads(&qk, &cos, &sin, dims, offset).unwrap();
+                assert!(got.is_contiguous() && got.dtype() == dtype);
+                for i in 0..2 {
+                    let one = qk.get(i).unwrap();
+                    let want = plain(&one, &cos, &sin, dims, offset);
+                    assert_eq!(
+                        bits(&got.get(i).unwrap()),
+                        bits(&want),
+                        "{dims} {dtype:?} {i}"
+                    );
+                    let alone = rotary_heads(&one.unsqueeze(0).unwrap(), &cos, &sin, dims, offset);
+                    assert_eq!(
+                        bits(&alone.unwrap()),
+                        bits(&want),
+                        "{dims} {dtype:?} {i} alone"
+                    );
+                    assert!(max_abs_diff(&want, &one) > 0.1, "nothing rotated");
+                }
+            }
         }
-        let half = qk.to_dtype(DType::BF16).unwrap();
-        let got = rotary_heads(&half, &cos, &sin, dims, offset).unwrap();
-        for i in 0..2 {
-            let x = half.get(i).unwrap();
-            let rot = x
-                .narrow(D::Minus1, 0, dims)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap();
-            let rot = candle_nn::rotary_emb::rope(&rot.contiguous().unwrap(), &c, &s).unwrap();
-            let pass = x.narrow(D::Minus1, dims, hd - dims).unwrap();
-            let want =
-                Tensor::cat(&[&rot.to_dtype(DType::BF16).unwrap(), &pass], D::Minus1).unwrap();
-            assert_eq!(bits(&got.get(i).unwrap()), bits(&want), "bf16 part {i}");
-        }
-        for (dims, offset) in [
-            (3, 0),
-            (10, 0),
-            (2 * (dims / 2) + 2, 0),
-            (dims, positions - t + 1),
-        ] {
-            let e = rotary_heads(&qk, &cos, &sin, dims, offset)
+        let qk = qkv.narrow(0, 0, 2).unwrap().transpose(2, 3).unwrap();
+        let angles = spread((positions, 2)).cos().unwrap();
+        for (dims, offset) in [(3, 0), (10, 0), (6, 0), (4, positions - t + 1)] {
+            let e = rotary_heads(&qk, &angles, &angles, dims, offset)
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("rotary:"), "{dims} {offset}: {e}");

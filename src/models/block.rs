@@ -188,7 +188,6 @@ impl Rotary {
         if self.dims == 0 {
             return Ok(x.clone());
         }
-        #[cfg(feature = "cuda")]
         if crate::kernels::rotary_heads_serve(x) {
             let x = x.unsqueeze(0)?;
             return crate::kernels::rotary_heads(&x, &self.cos, &self.sin, self.dims, offset)?
@@ -197,12 +196,6 @@ impl Rotary {
         let (_, _, t, hd) = x.dims4()?;
         let cos = self.cos.narrow(0, offset, t)?;
         let sin = self.sin.narrow(0, offset, t)?;
-        if crate::kernels::fused_on(x) && x.dtype() == DType::F32 {
-            // One fused pass in the projections' own [b, t, h, hd] layout
-            // (a free view when x came from `split_heads`).
-            let rows = x.transpose(1, 2)?.contiguous()?;
-            return crate::kernels::rotary(&rows, &cos, &sin, self.dims)?.transpose(1, 2);
-        }
         // Half precision rotates in f32 (the tables are f32, and positions
         // near 2048 need their bits), then rounds back.
         let dtype = crate::kernels::reduction_dtype(x.dtype());
@@ -222,12 +215,12 @@ impl Rotary {
 
 impl Rotary {
     /// [`Self::apply`] to each of x [n, b, h, t, head_dim] (queries and keys
-    /// stacked): one kernel launch on a GPU with the CUDA kernels on.
+    /// stacked) in one op where [`crate::kernels::rotary_heads`] serves (one
+    /// launch on a GPU).
     pub(crate) fn apply_stacked(&self, x: &Tensor, offset: usize) -> Result<Tensor> {
         if self.dims == 0 {
             return Ok(x.clone());
         }
-        #[cfg(feature = "cuda")]
         if crate::kernels::rotary_heads_serve(x) {
             return crate::kernels::rotary_heads(x, &self.cos, &self.sin, self.dims, offset);
         }

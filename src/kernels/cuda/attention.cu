@@ -25,6 +25,25 @@
 #define LANES 4                 // lanes per query
 #define ROWS (THREADS / LANES)  // queries per block
 
+// A row's features held by lane `sub` of its 4 (sub, sub+4, …) into registers as f32,
+// zero past hd or for a padding row (not `live`); and back, times `mul`.
+template <typename T, int PER>
+__device__ __forceinline__ void load_row(float *r, const T *row, bool live, int sub, int hd) {
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        const int c = sub + e * LANES;
+        r[e] = (live && c < hd) ? load(row, c) : 0.0f;
+    }
+}
+template <typename T, int PER>
+__device__ __forceinline__ void store_row(T *row, const float *r, float mul, int sub, int hd) {
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        const int c = sub + e * LANES;
+        if (c < hd) store(row, c, r[e] * mul);
+    }
+}
+
 // Keys and values j0 .. j0 + BK (zero from kend on, and past hd) into the block's f32
 // tiles, between barriers: the previous tile's readers are done before it is written,
 // and every thread sees it whole after.
@@ -62,14 +81,8 @@ __device__ __forceinline__ void flash_rows(
     const bool live = qi < t;
     const int past = keys - t;
 
-    float qr[PER], o[PER];
-    const T *qrow = q + bi * qs0 + hi * qs1 + (long)(live ? qi : 0) * qs2;
-#pragma unroll
-    for (int e = 0; e < PER; ++e) {
-        const int c = sub + e * LANES;
-        qr[e] = (live && c < hd) ? load(qrow, c) : 0.0f;
-        o[e] = 0.0f;
-    }
+    float qr[PER], o[PER] = {};
+    load_row<T, PER>(qr, q + bi * qs0 + hi * qs1 + (long)(live ? qi : 0) * qs2, live, sub, hd);
     float m = -INFINITY, l = 0.0f;
     // Causal: no query of this block sees a key after its last query's position.
     const int kend = causal ? min(keys, past + min(t, q0 + ROWS)) : keys;
@@ -118,13 +131,7 @@ __device__ __forceinline__ void flash_rows(
     if (!live) return;
     // Every live row saw key 0 (causal: past + qi ≥ 0), so l ≥ 1.
     if (lse != nullptr && sub == 0) lse[((long)bi * t + qi) * heads + hi] = m + logf(l);
-    const float inv = 1.0f / l;
-    T *orow = out + (((long)bi * t + qi) * heads + hi) * hd;
-#pragma unroll
-    for (int e = 0; e < PER; ++e) {
-        const int c = sub + e * LANES;
-        if (c < hd) store(orow, c, o[e] * inv);
-    }
+    store_row<T, PER>(out + (((long)bi * t + qi) * heads + hi) * hd, o, 1.0f / l, sub, hd);
 }
 
 #define FLASH(NAME, T, MAXD, BK)                                                                  \
@@ -341,17 +348,10 @@ __device__ __forceinline__ void flash_dq_rows(
     const bool live = qi < t;
     const int past = keys - t;
 
-    float qr[PER], dr[PER], acc[PER];
-    const T *qrow = q + bi * qs0 + hi * qs1 + (long)(live ? qi : 0) * qs2;
+    float qr[PER], dr[PER], acc[PER] = {};
     const long r = ((long)bi * t + (live ? qi : 0)) * heads + hi; // [b, t, h] index
-    const T *drow = dout + r * hd;
-#pragma unroll
-    for (int e = 0; e < PER; ++e) {
-        const int c = sub + e * LANES;
-        qr[e] = (live && c < hd) ? load(qrow, c) : 0.0f;
-        dr[e] = (live && c < hd) ? load(drow, c) : 0.0f;
-        acc[e] = 0.0f;
-    }
+    load_row<T, PER>(qr, q + bi * qs0 + hi * qs1 + (long)(live ? qi : 0) * qs2, live, sub, hd);
+    load_row<T, PER>(dr, dout + r * hd, live, sub, hd);
     const float lse_i = lse[r], d_i = delta[r];
     const int kend = causal ? min(keys, past + min(t, q0 + ROWS)) : keys;
     const T *kb = k + bi * ks0 + hi * ks1;
@@ -372,12 +372,7 @@ __device__ __forceinline__ void flash_dq_rows(
         }
     }
     if (!live) return;
-    T *out = dq + (((long)bi * heads + hi) * t + qi) * hd;
-#pragma unroll
-    for (int e = 0; e < PER; ++e) {
-        const int c = sub + e * LANES;
-        if (c < hd) store(out, c, acc[e] * scale);
-    }
+    store_row<T, PER>(dq + (((long)bi * heads + hi) * t + qi) * hd, acc, scale, sub, hd);
 }
 
 // ∂k and ∂v: rows are keys; tiles of BQ queries (q, ∂o, lse, delta) in shared memory.
@@ -398,17 +393,9 @@ __device__ __forceinline__ void flash_dkv_rows(
     const bool live = kj < keys;
     const int past = keys - t;
 
-    float kr[PER], vr[PER], dk[PER], dv[PER];
-    const T *krow = k + bi * ks0 + hi * ks1 + (long)(live ? kj : 0) * ks2;
-    const T *vrow = v + bi * vs0 + hi * vs1 + (long)(live ? kj : 0) * vs2;
-#pragma unroll
-    for (int e = 0; e < PER; ++e) {
-        const int c = sub + e * LANES;
-        kr[e] = (live && c < hd) ? load(krow, c) : 0.0f;
-        vr[e] = (live && c < hd) ? load(vrow, c) : 0.0f;
-        dk[e] = 0.0f;
-        dv[e] = 0.0f;
-    }
+    float kr[PER], vr[PER], dk[PER] = {}, dv[PER] = {};
+    load_row<T, PER>(kr, k + bi * ks0 + hi * ks1 + (long)(live ? kj : 0) * ks2, live, sub, hd);
+    load_row<T, PER>(vr, v + bi * vs0 + hi * vs1 + (long)(live ? kj : 0) * vs2, live, sub, hd);
     // Causal: query i sees key j when j ≤ past + i, so no query before k0 − past sees
     // any key of this block.
     const int istart = causal && k0 > past ? k0 - past : 0;
@@ -447,14 +434,8 @@ __device__ __forceinline__ void flash_dkv_rows(
     }
     if (!live) return;
     T *out = dkv + (((long)bi * heads + hi) * keys + kj) * hd;
-#pragma unroll
-    for (int e = 0; e < PER; ++e) {
-        const int c = sub + e * LANES;
-        if (c < hd) {
-            store(out, c, dk[e] * scale);
-            store(out + plane, c, dv[e]);
-        }
-    }
+    store_row<T, PER>(out, dk, scale, sub, hd);
+    store_row<T, PER>(out + plane, dv, 1.0f, sub, hd);
 }
 
 #define FLASH_GRAD(NAME, T, MAXD, BK)                                                             \
