@@ -777,8 +777,12 @@ fn the_attention_kernel_equals_the_plain_ops() {
         &[(DType::F32, 1e-4)]
     };
     // (b, h, t, keys, hd): 70 queries are 2 blocks of 32 and a ragged one, 70 and 133
-    // keys ragged tiles; t = 1 is a decode step; hd 8, 100 and 200 leave lanes idle.
+    // keys ragged tiles; t = 1 is a decode step; hd 8, 100 and 200 leave lanes idle;
+    // one and five queries over 1,000 and 700 cached keys take decoding's split over
+    // keys (8 and 11 chunks, merged).
     let cases = [
+        (1, 12, 1, 1000, 64),
+        (2, 2, 5, 700, 128),
         (2, 3, 70, 70, 64),
         (1, 2, 1, 1, 64),
         (1, 2, 1, 37, 64),

@@ -220,6 +220,17 @@ void mma_sync(fragment<accumulator, M, N, K, float> &d, const fragment<matrix_a,
 #ifdef ATTENTION
 #include "../../src/kernels/cuda/attention.cu"
 
+// The SIMT forward with its split over keys off (null partials), in the tensor-core
+// kernel's signature, so the cases below take either.
+template <typename F> auto one_pass(F kernel) {
+    return [kernel](const auto *q, const auto *k, const auto *v, auto *out, float *lse, int h, int t, int keys,
+                    int hd, int causal, float scale, long a0, long a1, long a2, long b0, long b1, long b2, long c0,
+                    long c1, long c2) {
+        kernel(q, k, v, out, lse, nullptr, nullptr, 0, h, t, keys, hd, causal, scale, a0, a1, a2, b0, b1, b2, c0,
+               c1, c2);
+    };
+}
+
 // a as the kernels' input type: f32 as it is, else rounded to bf16.
 template <typename T> std::vector<T> narrowed(const std::vector<float> &a) {
     std::vector<T> r(a.size());
@@ -232,9 +243,11 @@ template <typename T> std::vector<T> narrowed(const std::vector<float> &a) {
 
 // q [b, t, h, hd] read as [b, h, t, hd]; k [b, h, keys, hd]; v the first `keys`
 // of `keys + 7` positions: the model's layouts, as the GPU test uses them.
-template <typename T, typename K>
+// With `split` (and `combine`, `chunk`): decoding's split over keys instead, the
+// partials merged.
+template <typename T, typename K, typename S = std::nullptr_t, typename C = std::nullptr_t>
 void attention_case(int b, int h, int t, int keys, int hd, bool causal, bool bf16, K kernel, int rows = ROWS,
-                    const char *name = "attention") {
+                    const char *name = "attention", S split = nullptr, C combine = nullptr, int chunk = 0) {
     auto q = randn(size_t(b) * t * h * hd, 1.0f), k = randn(size_t(b) * h * keys * hd, 1.5f),
          v = randn(size_t(b) * h * (keys + 7) * hd, 1.0f);
     if (bf16)
@@ -246,10 +259,22 @@ void attention_case(int b, int h, int t, int keys, int hd, bool causal, bool bf1
     auto qd = narrowed<T>(q), kd = narrowed<T>(k), vd = narrowed<T>(v);
     std::vector<T> out(size_t(b) * t * h * hd);
     const float scale = 1.0f / std::sqrt(float(hd));
-    launch({unsigned((t + rows - 1) / rows), unsigned(h), unsigned(b)}, THREADS, [&] {
-        kernel(qd.data(), kd.data(), vd.data(), out.data(), nullptr, h, t, keys, hd, int(causal), scale,
-               qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]);
-    });
+    if constexpr (std::is_same_v<S, std::nullptr_t>) {
+        launch({unsigned((t + rows - 1) / rows), unsigned(h), unsigned(b)}, THREADS, [&] {
+            kernel(qd.data(), kd.data(), vd.data(), out.data(), nullptr, h, t, keys, hd, int(causal), scale,
+                   qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]);
+        });
+    } else {
+        const int chunks = (keys + chunk - 1) / chunk;
+        const long nrows = long(b) * t * h;
+        std::vector<float> po(size_t(chunks) * nrows * hd, NAN), pml(size_t(chunks) * nrows * 2, NAN),
+            lse(nrows);
+        launch({unsigned(chunks), unsigned(h), unsigned(b)}, THREADS, [&] {
+            split(qd.data(), kd.data(), vd.data(), nullptr, nullptr, po.data(), pml.data(), chunk, h, t, keys, hd,
+                  int(causal), scale, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]);
+        });
+        launch({3, 1, 1}, 64, [&] { combine(po.data(), pml.data(), out.data(), lse.data(), chunks, nrows, hd); });
+    }
     double worst = 0;
     const int past = keys - t;
     for (int bi = 0; bi < b; ++bi)
@@ -398,14 +423,34 @@ int main() {
     for (auto &c : cases)
         for (int causal = 0; causal < 2; ++causal) {
             const int b = c[0], h = c[1], t = c[2], keys = c[3], hd = c[4];
-            auto f32 = hd <= 64 ? flash_attention_f32_d64 : hd <= 128 ? flash_attention_f32_d128 : flash_attention_f32_d256;
-            auto b16 = hd <= 64 ? flash_attention_bf16_d64 : hd <= 128 ? flash_attention_bf16_d128 : flash_attention_bf16_d256;
+            auto f32 = one_pass(hd <= 64    ? flash_attention_f32_d64
+                                : hd <= 128 ? flash_attention_f32_d128
+                                            : flash_attention_f32_d256);
+            auto b16 = one_pass(hd <= 64    ? flash_attention_bf16_d64
+                                : hd <= 128 ? flash_attention_bf16_d128
+                                            : flash_attention_bf16_d256);
             attention_case<float>(b, h, t, keys, hd, causal, false, f32);
             attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, b16);
             if (hd <= 128) // the tensor-core forward (bf16; f16 is the same code)
                 attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true,
                                               hd <= 64 ? flash_tc_bf16_d64 : flash_tc_bf16_d128, TC_ROWS,
                                               "attention (tensor cores)");
+        }
+    // Decoding's split over keys: one query and a few (causal, so some rows see nothing
+    // of the last chunks), chunks of whole and ragged tiles, each instance's head sizes.
+    const int split_cases[][6] = {{1, 2, 1, 300, 64, 64}, {2, 1, 3, 133, 128, 40}, {1, 1, 32, 70, 256, 16},
+                                  {1, 2, 1, 1, 64, 64}};
+    for (auto &c : split_cases)
+        for (int causal = 0; causal < 2; ++causal) {
+            const int b = c[0], h = c[1], t = c[2], keys = c[3], hd = c[4], chunk = c[5];
+            auto fs = hd <= 64 ? flash_attention_f32_d64 : hd <= 128 ? flash_attention_f32_d128 : flash_attention_f32_d256;
+            auto bs = hd <= 64    ? flash_attention_bf16_d64
+                      : hd <= 128 ? flash_attention_bf16_d128
+                                  : flash_attention_bf16_d256;
+            attention_case<float>(b, h, t, keys, hd, causal, false, nullptr, ROWS, "attention (split keys)", fs,
+                                  flash_combine_f32, chunk);
+            attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, nullptr, ROWS,
+                                          "attention (split keys)", bs, flash_combine_bf16, chunk);
         }
     // The backward: square (training's case) with ragged tiles of queries and keys, a
     // longer past, one query, and each instance's head sizes.
@@ -415,18 +460,18 @@ int main() {
         for (int causal = 0; causal < 2; ++causal) {
             const int b = c[0], h = c[1], t = c[2], keys = c[3], hd = c[4];
             if (hd <= 64) {
-                attention_grad_case<float>(b, h, t, keys, hd, causal, false, flash_attention_f32_d64,
+                attention_grad_case<float>(b, h, t, keys, hd, causal, false, one_pass(flash_attention_f32_d64),
                                            flash_dq_f32_d64, flash_dkv_f32_d64);
-                attention_grad_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, flash_attention_bf16_d64,
+                attention_grad_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, one_pass(flash_attention_bf16_d64),
                                                    flash_dq_bf16_d64, flash_dkv_bf16_d64);
                 // The backward from the tensor-core forward's log-sum-exp, as bf16 training runs.
                 attention_grad_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, flash_tc_bf16_d64,
                                                    flash_dq_bf16_d64, flash_dkv_bf16_d64, TC_ROWS);
             } else if (hd <= 128) {
-                attention_grad_case<float>(b, h, t, keys, hd, causal, false, flash_attention_f32_d128,
+                attention_grad_case<float>(b, h, t, keys, hd, causal, false, one_pass(flash_attention_f32_d128),
                                            flash_dq_f32_d128, flash_dkv_f32_d128);
             } else {
-                attention_grad_case<float>(b, h, t, keys, hd, causal, false, flash_attention_f32_d256,
+                attention_grad_case<float>(b, h, t, keys, hd, causal, false, one_pass(flash_attention_f32_d256),
                                            flash_dq_f32_d256, flash_dkv_f32_d256);
             }
         }

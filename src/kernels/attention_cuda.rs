@@ -13,7 +13,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
 
-use super::flash::{fits, Part, HEAD_DIMS};
+use super::flash::{fits, split_chunk, Part, HEAD_DIMS};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 
@@ -142,10 +142,14 @@ pub(super) fn forward(
     ) -> Result<(CudaStorage, CudaStorage)> {
         let (b, h, t, hd) = q.1.shape().dims4()?;
         let dev = &q.0.device;
+        if let Some(chunk) = split_chunk(b, h, t, k.1.dims()[2], hd, ROWS) {
+            return split::<T>([q, k, v], causal, scale, chunk);
+        }
         // The tensor-core kernel where it has an instance and the PTX holds it (built
         // for compute capability 8.0 or later), else the SIMT one.
         let tc = tensor_core_instance(q.0.dtype(), hd)
             .and_then(|name| dev.get_or_load_custom_func(&name, MODULE, PTX).ok());
+        let simt = tc.is_none();
         let (func, rows) = match tc {
             Some(func) => (func, TC_ROWS),
             None => {
@@ -164,10 +168,16 @@ pub(super) fn forward(
         a.arg(&vs);
         a.arg(&out);
         a.arg(&lse);
+        // The SIMT kernel's split over keys off: no partials (null), no chunk.
+        let (null, no_chunk) = (0u64, 0i32);
+        if simt {
+            a.arg(&null).arg(&null).arg(&no_chunk);
+        }
         common.push(&mut a);
-        // SAFETY: the arguments match the kernel's (q, k, v, out, lse, then
-        // `Common`); the views start at each layout's offset and every index the
-        // kernel forms from the strides lies inside its tensor.
+        // SAFETY: the arguments match the kernel's (q, k, v, out, lse, for the SIMT
+        // kernel null partials and chunk, then `Common`); the views start at each
+        // layout's offset and every index the kernel forms from the strides lies
+        // inside its tensor.
         unsafe { a.launch(config(t, rows, h, b)) }.w()?;
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -180,6 +190,65 @@ pub(super) fn forward(
         DType::F16 => run::<::half::f16>([q, k, v], causal, scale),
         d => candle_core::bail!("attention kernel: no {d:?} version"),
     }
+}
+
+/// The forward by decoding's split over keys: `flash_attention_*` over (chunks, h, b)
+/// blocks into f32 partials, then `flash_combine_*` merges them into the output
+/// [b, t, h·hd] and the log-sum-exp [b, t, h].
+fn split<T: DeviceRepr + CudaDType>(
+    [q, k, v]: [Arg; 3],
+    causal: bool,
+    scale: f32,
+    chunk: usize,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let (b, h, t, hd) = q.1.shape().dims4()?;
+    let keys = k.1.dims()[2];
+    let chunks = keys.div_ceil(chunk);
+    let rows = b * t * h;
+    let dev = &q.0.device;
+    let name = instance(q.0.dtype(), hd)?;
+    let split = dev.get_or_load_custom_func(&format!("flash_attention_{name}"), MODULE, PTX)?;
+    let dtype = name.split('_').next().unwrap_or_default();
+    let combine = dev.get_or_load_custom_func(&format!("flash_combine_{dtype}"), MODULE, PTX)?;
+    let (qs, ks, vs) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
+    // SAFETY: the split kernel writes every partial of a live row, the merge every
+    // output and log-sum-exp, before anything reads them.
+    let po = unsafe { dev.alloc::<f32>(chunks * rows * hd)? };
+    let pml = unsafe { dev.alloc::<f32>(chunks * rows * 2)? };
+    let out = unsafe { dev.alloc::<T>(rows * hd)? };
+    let lse = unsafe { dev.alloc::<f32>(rows)? };
+    let common = Common::new(q.1, k.1, v.1, causal, scale)?;
+    // Unused in a split: the output and the log-sum-exp come from the merge.
+    let (null, chunk_arg) = (0u64, chunk as i32);
+    let mut a = split.builder();
+    a.arg(&qs).arg(&ks).arg(&vs).arg(&null).arg(&null);
+    a.arg(&po).arg(&pml).arg(&chunk_arg);
+    common.push(&mut a);
+    let grid = LaunchConfig {
+        grid_dim: (chunks as u32, h as u32, b as u32),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match flash_attention's (q, k, v, out and lse null, po,
+    // pml, chunk, then `Common`); the partials hold chunks · rows rows; t ≤ ROWS, so
+    // one block of queries covers every row.
+    unsafe { a.launch(grid) }.w()?;
+    let (chunks_arg, rows_arg, hd_arg) = (chunks as i32, rows as i64, hd as i32);
+    let mut a = combine.builder();
+    a.arg(&po).arg(&pml).arg(&out).arg(&lse);
+    a.arg(&chunks_arg).arg(&rows_arg).arg(&hd_arg);
+    let merge = LaunchConfig {
+        grid_dim: ((rows * hd).div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match flash_combine's (po, pml, out, lse, chunks, rows,
+    // hd), each buffer of the size allocated above.
+    unsafe { a.launch(merge) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        CudaStorage::wrap_cuda_slice(lse, dev.clone()),
+    ))
 }
 
 /// The backward's `part`: ∂q [b, h, t, hd], or ∂k and ∂v as [2, b, h, keys, hd], in

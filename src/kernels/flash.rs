@@ -47,6 +47,33 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
 /// The head sizes the GPU kernels' instances take (the smallest that fits runs).
 pub(crate) const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
+/// Keys a thread block takes in decoding's split over keys on a GPU
+/// (`flash_attention_*` with partials, in `cuda/attention.cu`), or `None` for the
+/// one-pass launch:
+/// the split serves one block of queries a head (t ≤ `rows`, a decoding step)
+/// when the heads alone would leave most of a GPU's 100-odd multiprocessors
+/// idle (fewer than 128 blocks), with whole tiles of keys and at least two chunks.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn split_chunk(
+    b: usize,
+    h: usize,
+    t: usize,
+    keys: usize,
+    hd: usize,
+    rows: usize,
+) -> Option<usize> {
+    const BLOCKS: usize = 256;
+    let maxd = HEAD_DIMS.into_iter().find(|&m| hd <= m)?;
+    // The kernels' keys a tile: 32 KiB of f32 K and V tiles.
+    let tile = 4096 / maxd;
+    if t > rows || b * h * 2 > BLOCKS || keys < 2 * tile {
+        return None;
+    }
+    let chunks = (BLOCKS / (b * h)).min(keys / tile);
+    let chunk = keys.div_ceil(chunks).next_multiple_of(tile);
+    (keys.div_ceil(chunk) > 1).then_some(chunk)
+}
+
 /// Why the op cannot take q, k and v, if it cannot: one device, one dtype (f32, bf16
 /// or f16 on a GPU; f32 or f64 on the CPU), rank 4 with matching batch, heads and
 /// head size, 1 ≤ hd ≤ 256, at least one key (and, causal, at least as many keys as
@@ -488,5 +515,25 @@ mod tests {
         assert!(e.contains("keys ≥ queries"), "{e}");
         let e = attention(&f(&q), &k, &k, false).unwrap_err().to_string();
         assert!(e.contains("one of"), "{e}");
+    }
+
+    /// Decoding's split over keys: a decoding step of the 150M (12 heads of 64)
+    /// splits 512 cached keys into whole tiles; prefill, many heads, a short cache
+    /// or a head size no kernel takes do not split.
+    #[test]
+    fn decoding_splits_its_keys_and_nothing_else_does() {
+        assert_eq!(split_chunk(1, 12, 1, 512, 64, 32), Some(64));
+        assert_eq!(split_chunk(1, 12, 1, 2048, 64, 32), Some(128));
+        assert_eq!(split_chunk(1, 2, 1, 300, 128, 32), Some(64));
+        assert_eq!(split_chunk(4, 16, 1, 4096, 128, 32), Some(1024));
+        assert_eq!(split_chunk(8, 32, 1, 4096, 128, 32), None);
+        assert_eq!(split_chunk(1, 12, 2048, 2048, 64, 32), None);
+        assert_eq!(split_chunk(1, 12, 1, 100, 64, 32), None);
+        assert_eq!(split_chunk(1, 12, 1, 512, 300, 32), None);
+        for keys in [128, 129, 1000, 4097] {
+            let chunk = split_chunk(1, 1, 1, keys, 256, 32).unwrap();
+            assert_eq!(chunk % 16, 0);
+            assert!((2..=256).contains(&keys.div_ceil(chunk)), "{keys}: {chunk}");
+        }
     }
 }

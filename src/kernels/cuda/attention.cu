@@ -61,36 +61,17 @@ __device__ __forceinline__ void kv_tile(float (*kt)[MAXD], float (*vt)[MAXD], co
     __syncthreads();
 }
 
-// MAXD: the largest head size the instance takes; BK: keys per tile, chosen so
-// that the K and V tiles are 32 KiB of static shared memory together. lse, when not
-// null, receives each query row's log Σ exp(scaled scores), [b, t, h] in f32.
+// The online softmax of a block's query rows over keys jbeg .. jend (jend clipped to
+// what the block's last query sees): each row's running max m, Σ exp l and
+// unnormalised output o (lane `sub`'s features) carried on from earlier keys.
 template <typename T, int MAXD, int BK>
-__device__ __forceinline__ void flash_rows(
-    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ out,
-    float *__restrict__ lse, int heads, int t, int keys, int hd, int causal, float scale,
-    long qs0, long qs1, long qs2, long ks0, long ks1, long ks2, long vs0, long vs1, long vs2) {
+__device__ __forceinline__ void attend_keys(float (*kt)[MAXD], float (*vt)[MAXD], const T *kb, const T *vb,
+                                            long ks2, long vs2, const float *qr, float *o, float &m, float &l,
+                                            int jbeg, int jend, int hd, int causal, int past, int qi,
+                                            float scale, int sub) {
     constexpr int PER = MAXD / LANES;
-    __shared__ float kt[BK][MAXD];
-    __shared__ float vt[BK][MAXD];
-    const int bi = blockIdx.z, hi = blockIdx.y;
-    const int q0 = blockIdx.x * ROWS;
-    const int row = threadIdx.x / LANES, sub = threadIdx.x % LANES;
-    const int qi = q0 + row;
-    // Rows past t (the last block's padding) compute on zeros and store nothing;
-    // they still take part in every shuffle and barrier.
-    const bool live = qi < t;
-    const int past = keys - t;
-
-    float qr[PER], o[PER] = {};
-    load_row<T, PER>(qr, q + bi * qs0 + hi * qs1 + (long)(live ? qi : 0) * qs2, live, sub, hd);
-    float m = -INFINITY, l = 0.0f;
-    // Causal: no query of this block sees a key after its last query's position.
-    const int kend = causal ? min(keys, past + min(t, q0 + ROWS)) : keys;
-    const T *kb = k + bi * ks0 + hi * ks1;
-    const T *vb = v + bi * vs0 + hi * vs1;
-
-    for (int j0 = 0; j0 < kend; j0 += BK) {
-        kv_tile<T, MAXD, BK>(kt, vt, kb, vb, ks2, vs2, j0, kend, hd);
+    for (int j0 = jbeg; j0 < jend; j0 += BK) {
+        kv_tile<T, MAXD, BK>(kt, vt, kb, vb, ks2, vs2, j0, jend, hd);
 
         float s[BK];
         float tile_max = -INFINITY;
@@ -104,7 +85,7 @@ __device__ __forceinline__ void flash_rows(
             part += __shfl_xor_sync(0xffffffffu, part, 1);
             part += __shfl_xor_sync(0xffffffffu, part, 2);
             const int key = j0 + j;
-            const bool seen = key < kend && (!causal || key <= past + qi);
+            const bool seen = key < jend && (!causal || key <= past + qi);
             s[j] = seen ? part * scale : -INFINITY;
             tile_max = fmaxf(tile_max, s[j]);
         }
@@ -128,7 +109,60 @@ __device__ __forceinline__ void flash_rows(
             o[e] = acc;
         }
     }
+}
+
+// MAXD: the largest head size the instance takes; BK: keys per tile, chosen so
+// that the K and V tiles are 32 KiB of static shared memory together. lse, when not
+// null, receives each query row's log Σ exp(scaled scores), [b, t, h] in f32.
+//
+// With `po` not null, decoding's split over keys (FlashDecoding) instead: with one
+// block of queries a head (t ≤ ROWS) there are too few blocks to fill the GPU, so
+// block (c, head, batch) takes keys c·chunk .. (c + 1)·chunk and writes each row's
+// unnormalised output, max and Σ exp as f32 partials, po [chunks, b, t, h, hd] and
+// pml [chunks, b, t, h, 2], which flash_combine_* merges. A row that sees no key of a
+// chunk (causal) leaves o = 0, m = −inf, l = 0 there, which the merge weighs by 0.
+// One kernel for both, so the tile loop's unrolled code is not in the PTX twice.
+template <typename T, int MAXD, int BK>
+__device__ __forceinline__ void flash_rows(
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ out,
+    float *__restrict__ lse, float *__restrict__ po, float *__restrict__ pml, int chunk, int heads, int t,
+    int keys, int hd, int causal, float scale, long qs0, long qs1, long qs2, long ks0, long ks1, long ks2,
+    long vs0, long vs1, long vs2) {
+    constexpr int PER = MAXD / LANES;
+    __shared__ float kt[BK][MAXD];
+    __shared__ float vt[BK][MAXD];
+    const int bi = blockIdx.z, hi = blockIdx.y;
+    const bool split = po != nullptr;
+    const int q0 = split ? 0 : blockIdx.x * ROWS;
+    const int row = threadIdx.x / LANES, sub = threadIdx.x % LANES;
+    const int qi = q0 + row;
+    // Rows past t (the last block's padding) compute on zeros and store nothing;
+    // they still take part in every shuffle and barrier.
+    const bool live = qi < t;
+    const int past = keys - t;
+
+    float qr[PER], o[PER] = {};
+    load_row<T, PER>(qr, q + bi * qs0 + hi * qs1 + (long)(live ? qi : 0) * qs2, live, sub, hd);
+    float m = -INFINITY, l = 0.0f;
+    // Causal: no query of this block sees a key after its last query's position.
+    const int kend = causal ? min(keys, past + min(t, q0 + ROWS)) : keys;
+    const int jbeg = split ? blockIdx.x * chunk : 0;
+    const int jend = split ? min(kend, jbeg + chunk) : kend;
+    const T *kb = k + bi * ks0 + hi * ks1;
+    const T *vb = v + bi * vs0 + hi * vs1;
+
+    attend_keys<T, MAXD, BK>(kt, vt, kb, vb, ks2, vs2, qr, o, m, l, jbeg, jend, hd, causal, past, qi, scale,
+                             sub);
     if (!live) return;
+    if (split) {
+        const long r = (((long)blockIdx.x * gridDim.z + bi) * t + qi) * heads + hi;
+        store_row<float, PER>(po + r * hd, o, 1.0f, sub, hd);
+        if (sub == 0) {
+            pml[2 * r] = m;
+            pml[2 * r + 1] = l;
+        }
+        return;
+    }
     // Every live row saw key 0 (causal: past + qi ≥ 0), so l ≥ 1.
     if (lse != nullptr && sub == 0) lse[((long)bi * t + qi) * heads + hi] = m + logf(l);
     store_row<T, PER>(out + (((long)bi * t + qi) * heads + hi) * hd, o, 1.0f / l, sub, hd);
@@ -136,11 +170,11 @@ __device__ __forceinline__ void flash_rows(
 
 #define FLASH(NAME, T, MAXD, BK)                                                                  \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                   \
-        const T *q, const T *k, const T *v, T *out, float *lse, int heads, int t, int keys,      \
-        int hd, int causal, float scale, long qs0, long qs1, long qs2, long ks0, long ks1,       \
-        long ks2, long vs0, long vs1, long vs2) {                                                \
-        flash_rows<T, MAXD, BK>(q, k, v, out, lse, heads, t, keys, hd, causal, scale, qs0, qs1, \
-                                qs2, ks0, ks1, ks2, vs0, vs1, vs2);                              \
+        const T *q, const T *k, const T *v, T *out, float *lse, float *po, float *pml, int chunk, \
+        int heads, int t, int keys, int hd, int causal, float scale, long qs0, long qs1,          \
+        long qs2, long ks0, long ks1, long ks2, long vs0, long vs1, long vs2) {                   \
+        flash_rows<T, MAXD, BK>(q, k, v, out, lse, po, pml, chunk, heads, t, keys, hd, causal,    \
+                                scale, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2);              \
     }
 
 FLASH(flash_attention_f32_d64, float, 64, 64)
@@ -152,6 +186,37 @@ FLASH(flash_attention_bf16_d256, __nv_bfloat16, 256, 16)
 FLASH(flash_attention_f16_d64, __half, 64, 64)
 FLASH(flash_attention_f16_d128, __half, 128, 32)
 FLASH(flash_attention_f16_d256, __half, 256, 16)
+
+// out [b, t, h·hd] and lse [b, t, h] (rows = b·t·h) from `chunks` partials:
+// M = max m_c, L = Σ l_c·e^(m_c − M), o = Σ o_c·e^(m_c − M) / L; a thread a feature.
+template <typename T>
+__device__ __forceinline__ void flash_combine(const float *po, const float *pml, T *out, float *lse, int chunks,
+                                              long rows, int hd) {
+    const long step = (long)gridDim.x * blockDim.x;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < rows * hd; i += step) {
+        const long r = i / hd;
+        float mx = -INFINITY;
+        for (int c = 0; c < chunks; ++c) mx = fmaxf(mx, pml[2 * (c * rows + r)]);
+        float sum = 0.0f, acc = 0.0f;
+        for (int c = 0; c < chunks; ++c) {
+            const long p = c * rows + r;
+            const float w = expf(pml[2 * p] - mx); // 0 for a chunk the row saw nothing of
+            sum += pml[2 * p + 1] * w;
+            acc += po[p * hd + i % hd] * w;
+        }
+        store(out, i, acc / sum);
+        if (i % hd == 0) lse[r] = mx + logf(sum);
+    }
+}
+
+#define FLASH_COMBINE(NAME, T)                                                                   \
+    extern "C" __global__ void flash_combine_##NAME(const float *po, const float *pml, T *out,  \
+                                                    float *lse, int chunks, long rows, int hd) { \
+        flash_combine(po, pml, out, lse, chunks, rows, hd);                                      \
+    }
+FLASH_COMBINE(f32, float)
+FLASH_COMBINE(bf16, __nv_bfloat16)
+FLASH_COMBINE(f16, __half)
 
 // The forward on tensor cores, for bf16 and f16 (head sizes up to 64 or 128; the SIMT
 // kernel above takes the rest): q·kᵀ and p·v as 16×16×16 WMMA products with f32
