@@ -91,6 +91,12 @@ if [[ " $runs " == *" 1 "* ]]; then
     TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 run "$bin/tokenformer" bench --device cuda \
         --only prefill --json >"$out/bench-simt-attention.json" 2>"$out/bench-simt-attention.err"
     echo "rc=$?"; cat "$out/bench-simt-attention.json"
+    # Decoding with one block a head instead of the split over keys, to compare with the
+    # first bench's decode figures.
+    echo "== bench --only decode, TOKENFORMER_FLASH_SPLIT=0"
+    TOKENFORMER_FLASH_SPLIT=0 TOKENFORMER_CUDA_KERNELS=1 run "$bin/tokenformer" bench --device cuda \
+        --only decode --json >"$out/bench-no-split.json" 2>"$out/bench-no-split.err"
+    echo "rc=$?"; cat "$out/bench-no-split.json"
 fi
 py="${TORCH_VENV:-/opt/torch/.venv}/bin/python"
 echo "== eager PyTorch anchor"

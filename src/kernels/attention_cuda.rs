@@ -142,7 +142,11 @@ pub(super) fn forward(
     ) -> Result<(CudaStorage, CudaStorage)> {
         let (b, h, t, hd) = q.1.shape().dims4()?;
         let dev = &q.0.device;
-        if let Some(chunk) = split_chunk(b, h, t, k.1.dims()[2], hd, ROWS) {
+        // `TOKENFORMER_FLASH_SPLIT=0` keeps one block a head, for comparing on a GPU.
+        static SPLIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let split_on = *SPLIT
+            .get_or_init(|| std::env::var("TOKENFORMER_FLASH_SPLIT").map_or(true, |v| v != "0"));
+        if let Some(chunk) = split_chunk(b, h, t, k.1.dims()[2], hd, ROWS).filter(|_| split_on) {
             return split::<T>([q, k, v], causal, scale, chunk);
         }
         // The tensor-core kernel where it has an instance and the PTX holds it (built
