@@ -14,6 +14,7 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
 
 use super::flash::{fits, split_chunk, Part, HEAD_DIMS};
+use super::rows_cuda::by_dtype;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 
@@ -188,12 +189,9 @@ pub(super) fn forward(
             CudaStorage::wrap_cuda_slice(lse, dev.clone()),
         ))
     }
-    match q.0.dtype() {
-        DType::F32 => run::<f32>([q, k, v], causal, scale),
-        DType::BF16 => run::<::half::bf16>([q, k, v], causal, scale),
-        DType::F16 => run::<::half::f16>([q, k, v], causal, scale),
-        d => candle_core::bail!("attention kernel: no {d:?} version"),
-    }
+    by_dtype!(q.0.dtype(), "attention kernel", |T, _name| {
+        run::<T>([q, k, v], causal, scale)
+    })
 }
 
 /// The forward by decoding's split over keys: `flash_attention_*` over (chunks, h, b)
@@ -326,10 +324,7 @@ pub(super) fn grad(
         unsafe { a.launch(config(rows, ROWS, h, b)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
-    match qkv[0].0.dtype() {
-        DType::F32 => run::<f32>(part, qkv, saved, causal, scale),
-        DType::BF16 => run::<::half::bf16>(part, qkv, saved, causal, scale),
-        DType::F16 => run::<::half::f16>(part, qkv, saved, causal, scale),
-        d => candle_core::bail!("attention kernel: no {d:?} version"),
-    }
+    by_dtype!(qkv[0].0.dtype(), "attention kernel", |T, _name| {
+        run::<T>(part, qkv, saved, causal, scale)
+    })
 }

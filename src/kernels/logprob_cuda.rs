@@ -14,6 +14,7 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Tensor};
 
+use super::rows_cuda::by_dtype;
 use super::TargetLogprobs;
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx"));
@@ -95,12 +96,9 @@ pub(crate) fn gather(
             targets.dtype()
         )
     }
-    match logits.dtype() {
-        DType::F32 => launch_gather::<f32>(logits, ll, targets, lt, "f32"),
-        DType::BF16 => launch_gather::<::half::bf16>(logits, ll, targets, lt, "bf16"),
-        DType::F16 => launch_gather::<::half::f16>(logits, ll, targets, lt, "f16"),
-        d => candle_core::bail!("log-softmax-gather kernel: no {d:?} version"),
-    }
+    by_dtype!(logits.dtype(), "log-softmax-gather kernel", |T, name| {
+        launch_gather::<T>(logits, ll, targets, lt, name)
+    })
 }
 
 /// One block a row: 512 threads stream a 50k-token row; short rows fewer.
@@ -167,12 +165,9 @@ pub(crate) fn grad(
         )
     }
     let (x, t, c) = ((logits, ll), (targets, lt), (coef, lc));
-    match logits.dtype() {
-        DType::F32 => launch_grad::<f32>(x, t, c, "f32"),
-        DType::BF16 => launch_grad::<::half::bf16>(x, t, c, "bf16"),
-        DType::F16 => launch_grad::<::half::f16>(x, t, c, "f16"),
-        d => candle_core::bail!("log-softmax-gather gradient: no {d:?} version"),
-    }
+    by_dtype!(logits.dtype(), "log-softmax-gather gradient", |T, name| {
+        launch_grad::<T>(x, t, c, name)
+    })
 }
 
 fn launch_grad<T: DeviceRepr + CudaDType>(

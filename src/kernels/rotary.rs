@@ -140,7 +140,9 @@ mod cuda {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaDType, WrapErr};
-    use candle_core::{CudaStorage, DType, Layout, Result};
+    use candle_core::{CudaStorage, Layout, Result};
+
+    use super::super::rows_cuda::by_dtype;
 
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rotary.ptx"));
 
@@ -153,12 +155,9 @@ mod cuda {
         dims: usize,
         offset: usize,
     ) -> Result<CudaStorage> {
-        match x.0.dtype() {
-            DType::F32 => run::<f32>("rotary_heads_f32", x, cos, sin, dims, offset),
-            DType::BF16 => run::<::half::bf16>("rotary_heads_bf16", x, cos, sin, dims, offset),
-            DType::F16 => run::<::half::f16>("rotary_heads_f16", x, cos, sin, dims, offset),
-            d => candle_core::bail!("rotary kernel: no {d:?} version"),
-        }
+        by_dtype!(x.0.dtype(), "rotary kernel", |T, name| {
+            run::<T>(&format!("rotary_heads_{name}"), x, cos, sin, dims, offset)
+        })
     }
 
     fn run<T: DeviceRepr + CudaDType>(

@@ -11,6 +11,33 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result, Tensor};
 
+/// Runs `$body` with `$t` the Rust type and `$name` the kernels' suffix ("f32",
+/// "bf16", "f16") of the CUDA dtype `$dtype`, or fails naming `$what`: the one
+/// dispatch from a storage's dtype to a kernel instance.
+macro_rules! by_dtype {
+    ($dtype:expr, $what:expr, |$t:ident, $name:ident| $body:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $t = f32;
+                let $name = "f32";
+                $body
+            }
+            candle_core::DType::BF16 => {
+                type $t = ::half::bf16;
+                let $name = "bf16";
+                $body
+            }
+            candle_core::DType::F16 => {
+                type $t = ::half::f16;
+                let $name = "f16";
+                $body
+            }
+            d => candle_core::bail!("{}: no {d:?} version", $what),
+        }
+    };
+}
+pub(crate) use by_dtype;
+
 /// Whether a model or training path takes a row kernel for `t`: the CUDA kernels
 /// turned on (`TOKENFORMER_CUDA_KERNELS`), and f32, bf16 or f16 on a GPU.
 pub(crate) fn serves(t: &Tensor) -> bool {
@@ -57,25 +84,16 @@ pub(crate) fn launch_rows_n(
             s.dtype()
         )
     }
-    match first.dtype() {
-        DType::F32 => launch::<f32>(
+    by_dtype!(first.dtype(), format!("{kernel} kernel"), |T, name| {
+        launch::<T>(
             module,
-            &format!("{kernel}_f32"),
+            &format!("{kernel}_{name}"),
             inputs,
             outputs,
             scale,
             ints,
-        ),
-        DType::BF16 => {
-            let name = format!("{kernel}_bf16");
-            launch::<::half::bf16>(module, &name, inputs, outputs, scale, ints)
-        }
-        DType::F16 => {
-            let name = format!("{kernel}_f16");
-            launch::<::half::f16>(module, &name, inputs, outputs, scale, ints)
-        }
-        d => candle_core::bail!("{kernel} kernel: no {d:?} version"),
-    }
+        )
+    })
 }
 
 fn launch<T: DeviceRepr + CudaDType>(
