@@ -211,9 +211,7 @@ impl Rotary {
         let pass = x.narrow(D::Minus1, self.dims, hd - self.dims)?;
         Tensor::cat(&[&rot, &pass], D::Minus1)
     }
-}
 
-impl Rotary {
     /// [`Self::apply`] to each of x [n, b, h, t, head_dim] (queries and keys
     /// stacked) in one op where [`crate::kernels::rotary_heads`] serves (one
     /// launch on a GPU).
