@@ -782,7 +782,7 @@ int main() {
         std::vector<float> both(2 * x.size()), sum(x.size()), ln_sum(x.size());
         for (size_t i = 0; i < x.size(); ++i) sum[i] = x[i] + a[i];
         launch({unsigned(rows), 1, 1}, threads,
-               [&] { add_layer_norm_f32(x.data(), a.data(), both.data(), n, eps, rows); });
+               [&] { add_layer_norm_f32(x.data(), a.data(), both.data(), n, eps); });
         launch({unsigned(rows), 1, 1}, threads, [&] { layer_norm_f32(sum.data(), ln_sum.data(), n, eps); });
         long differ = 0;
         for (size_t i = 0; i < x.size(); ++i)

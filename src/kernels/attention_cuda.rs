@@ -140,6 +140,7 @@ pub(super) fn forward(
         [q, k, v]: [Arg; 3],
         causal: bool,
         scale: f32,
+        dtype: &str,
     ) -> Result<(CudaStorage, CudaStorage)> {
         let (b, h, t, hd) = q.1.shape().dims4()?;
         let dev = &q.0.device;
@@ -148,7 +149,7 @@ pub(super) fn forward(
         let split_on = *SPLIT
             .get_or_init(|| std::env::var("TOKENFORMER_FLASH_SPLIT").map_or(true, |v| v != "0"));
         if let Some(chunk) = split_chunk(b, h, t, k.1.dims()[2], hd, ROWS).filter(|_| split_on) {
-            return split::<T>([q, k, v], causal, scale, chunk);
+            return split::<T>([q, k, v], causal, scale, chunk, dtype);
         }
         // The tensor-core kernel where it has an instance and the PTX holds it (built
         // for compute capability 8.0 or later), else the SIMT one.
@@ -189,19 +190,20 @@ pub(super) fn forward(
             CudaStorage::wrap_cuda_slice(lse, dev.clone()),
         ))
     }
-    by_dtype!(q.0.dtype(), "attention kernel", |T, _name| {
-        run::<T>([q, k, v], causal, scale)
+    by_dtype!(q.0.dtype(), "attention kernel", |T, dtype| {
+        run::<T>([q, k, v], causal, scale, dtype)
     })
 }
 
 /// The forward by decoding's split over keys: `flash_attention_*` over (chunks, h, b)
-/// blocks into f32 partials, then `flash_combine_*` merges them into the output
+/// blocks into f32 partials, then `flash_combine_{dtype}` merges them into the output
 /// [b, t, h·hd] and the log-sum-exp [b, t, h].
 fn split<T: DeviceRepr + CudaDType>(
     [q, k, v]: [Arg; 3],
     causal: bool,
     scale: f32,
     chunk: usize,
+    dtype: &str,
 ) -> Result<(CudaStorage, CudaStorage)> {
     let (b, h, t, hd) = q.1.shape().dims4()?;
     let keys = k.1.dims()[2];
@@ -210,7 +212,6 @@ fn split<T: DeviceRepr + CudaDType>(
     let dev = &q.0.device;
     let name = instance(q.0.dtype(), hd)?;
     let split = dev.get_or_load_custom_func(&format!("flash_attention_{name}"), MODULE, PTX)?;
-    let dtype = name.split('_').next().unwrap_or_default();
     let combine = dev.get_or_load_custom_func(&format!("flash_combine_{dtype}"), MODULE, PTX)?;
     let (qs, ks, vs) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
     // SAFETY: the split kernel writes every partial of a live row, the merge every
@@ -226,15 +227,10 @@ fn split<T: DeviceRepr + CudaDType>(
     a.arg(&qs).arg(&ks).arg(&vs).arg(&null).arg(&null);
     a.arg(&po).arg(&pml).arg(&chunk_arg);
     common.push(&mut a);
-    let grid = LaunchConfig {
-        grid_dim: (chunks as u32, h as u32, b as u32),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
     // SAFETY: the arguments match flash_attention's (q, k, v, out and lse null, po,
     // pml, chunk, then `Common`); the partials hold chunks · rows rows; t ≤ ROWS, so
     // one block of queries covers every row.
-    unsafe { a.launch(grid) }.w()?;
+    unsafe { a.launch(config(chunks, 1, h, b)) }.w()?;
     let (chunks_arg, rows_arg, hd_arg) = (chunks as i32, rows as i64, hd as i32);
     let mut a = combine.builder();
     a.arg(&po).arg(&pml).arg(&out).arg(&lse);

@@ -51,20 +51,21 @@ __device__ void layer_norm_grad_row(const T *in, const T *grad, T *out, int n, f
         store(dx, i, m.y * (load(dy, i) - a - (load(x, i) - m.x) * m.y * b));
 }
 
-// Each thread reads back only the sums it wrote itself (row_moments and the last
-// loop stride over the row as the first loop does), so no barrier is needed first.
+// One block a row, so the rows are gridDim.x. Each thread reads back only the sums it
+// wrote itself (row_moments and the last loop stride over the row as the first loop
+// does), so no barrier is needed first.
 template <typename T>
-__device__ void add_layer_norm_row(const T *in, const T *add, T *out, int n, float eps, int rows) {
+__device__ void add_layer_norm_row(const T *in, const T *add, T *out, int n, float eps) {
     const long row = (long)blockIdx.x * n;
-    T *s = out + row, *y = out + (long)rows * n + row;
+    T *s = out + row, *y = out + (long)gridDim.x * n + row;
     for (int i = threadIdx.x; i < n; i += blockDim.x) store(s, i, load(in + row, i) + load(add + row, i));
     const float2 m = row_moments(s, n, eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) store(y, i, (load(s, i) - m.x) * m.y);
 }
 
-#define ADD_LAYER_NORM(NAME, T)                                                                    \
-    extern "C" __global__ void NAME(const T *x, const T *a, T *out, int n, float eps, int rows) { \
-        add_layer_norm_row(x, a, out, n, eps, rows);                                              \
+#define ADD_LAYER_NORM(NAME, T)                                                          \
+    extern "C" __global__ void NAME(const T *x, const T *a, T *out, int n, float eps) { \
+        add_layer_norm_row(x, a, out, n, eps);                                          \
     }
 ADD_LAYER_NORM(add_layer_norm_f32, float)
 ADD_LAYER_NORM(add_layer_norm_bf16, __nv_bfloat16)
