@@ -153,68 +153,56 @@ std::vector<float> randn(size_t n, float sd) {
 }
 float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
-// WMMA (mma.h) for the host: every thread of a warp holds the whole tile (row-major
-// floats), which gives the collective ops' results without their register layout; a
-// kernel that touches fragments only through load, store, fill and mma cannot tell.
-// Loads and stores check WMMA's alignment rules (32-byte pointers; ldm a multiple of
-// 16 bytes), which a GPU enforces by faulting. A store is written by lane 0 only, so
-// a kernel that reads it without a __syncwarp races here as it would on a GPU.
-inline void __syncwarp() { warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
-namespace nvcuda::wmma {
-struct matrix_a {};
-struct matrix_b {};
-struct accumulator {};
-struct row_major {};
-struct col_major {};
-enum layout_t { mem_row_major, mem_col_major };
-template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment {
-    static constexpr int R = std::is_same_v<Use, matrix_b> ? K : M;
-    static constexpr int C = std::is_same_v<Use, matrix_a> ? K : N;
-    static constexpr int num_elements = R * C;
-    float x[R * C];
-};
-inline float widen(float v) { return v; }
-inline float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
-inline float widen(__half v) { return __half2float(v); }
-template <typename T> void check_layout(const T *p, unsigned ldm, const char *what) {
-    if (reinterpret_cast<uintptr_t>(p) % 32 != 0 || (ldm * sizeof(T)) % 16 != 0) {
-        std::printf("FAIL wmma %s: pointer %p, ldm %u misaligned\n", what, (const void *)p, ldm);
-        std::abort();
+// mma.sync m16n8k16 (row.col, f32 accumulators) for the host, as the kernels call it
+// (`mma16816`): every lane's fragment registers are exchanged through memory between
+// warp barriers, each lane rebuilds the whole 16×16 and 16×8 operands by the PTX ISA's
+// layout of those registers and computes its own four accumulator elements. Lane
+// (g, c) = (lane / 4, lane % 4): A's register r holds row g + 8·(r % 2) at columns
+// 2c + 8·(r / 2) and +1; B's register r rows 2c + 8·r and +1 of column g; D's element
+// e is row g + 8·(e / 2), column 2c + e % 2; the lower index in the low 16 bits.
+#define TOKENFORMER_EMULATE
+struct uint4 { unsigned x, y, z, w; };
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
+inline unsigned short __half_as_ushort(__half h) {
+    unsigned short u;
+    std::memcpy(&u, &h.x, 2);
+    return u;
+}
+inline float widen_bits(uint32_t h, __nv_bfloat16) { return __bfloat162float({uint16_t(h)}); }
+inline float widen_bits(uint32_t h, __half) {
+    const uint16_t u = uint16_t(h);
+    __half x;
+    std::memcpy(&x.x, &u, 2);
+    return __half2float(x);
+}
+static uint32_t mma_a[1024][4], mma_b[1024][2];
+template <typename T> void mma_emulated(float *d, const uint32_t *a, const uint32_t *b) {
+    const int t = threadIdx.x, w = t / 32 * 32;
+    std::memcpy(mma_a[t], a, sizeof mma_a[t]);
+    std::memcpy(mma_b[t], b, sizeof mma_b[t]);
+    warp_bar[t / 32]->arrive_and_wait();
+    float A[16][16], B[16][8];
+    for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, c = lane % 4 * 2;
+        for (int r = 0; r < 4; ++r)
+            for (int h = 0; h < 2; ++h) {
+                A[g + 8 * (r % 2)][c + 8 * (r / 2) + h] = widen_bits(mma_a[w + lane][r] >> (16 * h), T());
+                if (r < 2) B[c + 8 * r + h][g] = widen_bits(mma_b[w + lane][r] >> (16 * h), T());
+            }
     }
+    const int g = t % 32 / 4, c = t % 4 * 2;
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e / 2), col = c + e % 2;
+        float acc = d[e];
+        for (int kk = 0; kk < 16; ++kk) acc += A[row][kk] * B[kk][col];
+        d[e] = acc;
+    }
+    warp_bar[t / 32]->arrive_and_wait();
 }
-template <typename Use, int M, int N, int K, typename T, typename L>
-void load_matrix_sync(fragment<Use, M, N, K, T, L> &f, const T *p, unsigned ldm) {
-    check_layout(p, ldm, "load");
-    using F = fragment<Use, M, N, K, T, L>;
-    for (int r = 0; r < F::R; ++r)
-        for (int c = 0; c < F::C; ++c)
-            f.x[r * F::C + c] = widen(std::is_same_v<L, col_major> ? p[c * ldm + r] : p[r * ldm + c]);
+inline void mma16816(float *d, const uint32_t *a, const uint32_t *b, __nv_bfloat16) {
+    mma_emulated<__nv_bfloat16>(d, a, b);
 }
-template <int M, int N, int K>
-void store_matrix_sync(float *p, const fragment<accumulator, M, N, K, float> &f, unsigned ldm, layout_t l) {
-    check_layout(p, ldm, "store");
-    if (threadIdx.x % 32 != 0) return;
-    for (int r = 0; r < M; ++r)
-        for (int c = 0; c < N; ++c) (l == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[r * N + c];
-}
-template <typename Use, int M, int N, int K, typename T, typename L>
-void fill_fragment(fragment<Use, M, N, K, T, L> &f, float v) {
-    for (auto &x : f.x) x = v;
-}
-// d = a·b + c, products of the (already rounded) inputs summed in f32.
-template <int M, int N, int K, typename T, typename LA, typename LB>
-void mma_sync(fragment<accumulator, M, N, K, float> &d, const fragment<matrix_a, M, N, K, T, LA> &a,
-              const fragment<matrix_b, M, N, K, T, LB> &b, const fragment<accumulator, M, N, K, float> &c) {
-    float r[M * N];
-    for (int i = 0; i < M; ++i)
-        for (int j = 0; j < N; ++j) {
-            float acc = c.x[i * N + j];
-            for (int kk = 0; kk < K; ++kk) acc += a.x[i * K + kk] * b.x[kk * N + j];
-            r[i * N + j] = acc;
-        }
-    std::memcpy(d.x, r, sizeof r);
-}
-} // namespace nvcuda::wmma
+inline void mma16816(float *d, const uint32_t *a, const uint32_t *b, __half) { mma_emulated<__half>(d, a, b); }
 #define __align__(n) __attribute__((aligned(n)))
 
 #ifdef ATTENTION
@@ -236,6 +224,7 @@ template <typename T> std::vector<T> narrowed(const std::vector<float> &a) {
     std::vector<T> r(a.size());
     for (size_t i = 0; i < a.size(); ++i) {
         if constexpr (std::is_same_v<T, float>) r[i] = a[i];
+        else if constexpr (std::is_same_v<T, __half>) r[i] = __float2half(a[i]);
         else r[i] = __float2bfloat16(a[i]);
     }
     return r;
@@ -297,15 +286,17 @@ void attention_case(int b, int h, int t, int keys, int hd, bool causal, bool bf1
                     const T g = out[((size_t(bi) * t + i) * h + hi) * hd + c];
                     float gf;
                     if constexpr (std::is_same_v<T, float>) gf = g;
+                    else if constexpr (std::is_same_v<T, __half>) gf = __half2float(g);
                     else gf = __bfloat162float(g);
                     const double e = std::abs(gf - o) / std::max(1.0, std::abs(o));
                     worst = std::isfinite(gf) ? std::max(worst, e) : INFINITY;
                 }
             }
-    const double tol = bf16 ? 8e-3 : 1e-5;
+    // f16 keeps 3 more bits than bf16.
+    const double tol = std::is_same_v<T, __half> ? 1.5e-3 : bf16 ? 8e-3 : 1e-5;
     char what[200];
     std::snprintf(what, sizeof what, "%s b %d h %d t %d keys %d hd %d causal %d %s: %.3g", name, b, h, t,
-                  keys, hd, int(causal), bf16 ? "bf16" : "f32", worst);
+                  keys, hd, int(causal), std::is_same_v<T, __half> ? "f16" : bf16 ? "bf16" : "f32", worst);
     std::printf("%s\n", what);
     check(worst < tol, what);
 }
@@ -431,10 +422,14 @@ int main() {
                                             : flash_attention_bf16_d256);
             attention_case<float>(b, h, t, keys, hd, causal, false, f32);
             attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, b16);
-            if (hd <= 128) // the tensor-core forward (bf16; f16 is the same code)
+            if (hd <= 128) { // the tensor-core forward, on the bf16 values in bf16 and in f16
                 attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true,
                                               hd <= 64 ? flash_tc_bf16_d64 : flash_tc_bf16_d128, TC_ROWS,
                                               "attention (tensor cores)");
+                attention_case<__half>(b, h, t, keys, hd, causal, true,
+                                       hd <= 64 ? flash_tc_f16_d64 : flash_tc_f16_d128, TC_ROWS,
+                                       "attention (tensor cores)");
+            }
         }
     // Decoding's split over keys: one query and a few (causal, so some rows see nothing
     // of the last chunks), chunks of whole and ragged tiles, each instance's head sizes.

@@ -6,11 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")"
 out=../../target/cuda-emulate
 mkdir -p "$out/include"
-# The CUDA headers' types, conversions and WMMA are emulate.cpp's own.
-touch "$out/include/cuda_bf16.h" "$out/include/cuda_fp16.h" "$out/include/mma.h"
+# The CUDA headers' types, conversions and mma.sync are emulate.cpp's own; the kernels
+# read 16-bit pairs as 32-bit words, as CUDA code does (hence no strict aliasing).
+touch "$out/include/cuda_bf16.h" "$out/include/cuda_fp16.h"
 rc=0
 for k in ATTENTION LOGPROB THETA SOFTMAX NORM ADAMW ROTARY; do
-    g++ -std=c++20 -O2 -pthread -I"$out/include" -D"$k" -o "$out/${k,,}" emulate.cpp
+    g++ -std=c++20 -O2 -fno-strict-aliasing -pthread -I"$out/include" -D"$k" -o "$out/${k,,}" emulate.cpp
     "$out/${k,,}" || rc=1
 done
 exit $rc

@@ -15,9 +15,11 @@
 // of the row and of its accumulators in registers. A tile of the other side's rows
 // is staged in shared memory as f32; each dot product is 4 partial sums added
 // across the 4 lanes by two shuffles, which leaves every lane of the row with the
-// whole sum, so nothing per pair goes through shared memory. SIMT only (no tensor
-// cores): first kernels whose numbers the GPU session checks before they are made
-// fast.
+// whole sum, so nothing per pair goes through shared memory. These SIMT kernels take
+// f32 and the backward; bf16 and f16 forwards with head sizes up to 128 run on tensor
+// cores (`flash_tc_*`, below).
+#include <stdint.h>
+
 #include "rows.cuh"
 
 
@@ -218,140 +220,226 @@ FLASH_COMBINE(f32, float)
 FLASH_COMBINE(bf16, __nv_bfloat16)
 FLASH_COMBINE(f16, __half)
 
-// The forward on tensor cores, for bf16 and f16 (head sizes up to 64 or 128; the SIMT
-// kernel above takes the rest): q·kᵀ and p·v as 16×16×16 WMMA products with f32
-// accumulators. A WMMA accumulator's layout is opaque, so it cannot be rescaled row by
-// row as the one-pass online softmax needs; instead the keys are read twice. The first
-// pass finds each query row's max m and l = Σ exp(s − m) of its scaled scores, the
-// second adds exp(s − m)/l · v, whose weights are final, into the accumulators. That
-// computes q·kᵀ twice (1.5× the products of one pass), on units ~16× faster than
-// SIMT FMAs. The weights p are rounded to T for the tensor cores, as FlashAttention does.
-// A block of 4 warps takes 64 queries (16 a warp); tiles of TK keys. Each warp's
-// scores go through its own shared-memory slab, where two lanes a row apply the
-// scale, the causal mask and the softmax.
-#include <mma.h>
-
+// The forward on tensor cores, for bf16 and f16 (head sizes up to 128; the SIMT kernel
+// above takes the rest): FlashAttention-2's loop on PTX `mma.sync` m16n8k16 products
+// with f32 accumulators. Their register layout is documented (PTX ISA, "Matrix
+// Fragments for mma.m16n8k16"), so the scores stay in registers: the row maxima, the
+// rescaling of the output and the weights p are computed where the product leaves
+// them, and the scores of 16 keys are, element for element, the left operand of p·v.
+// One pass over the keys. A block of 4 warps takes 64 queries (16 a warp); tiles of
+// TK keys pass through shared memory, keys as rows and values transposed, so that both
+// products read their right operand as pairs of adjacent elements, each row padded by
+// TC_PAD elements so that a warp's 32 reads fall in 32 different banks. The weights p
+// are rounded to T for the tensor cores, as FlashAttention does; their sums stay f32.
+// Scores are held in base-2 units (scale·log₂e folded in) for exp2f.
+//
+// Lane (g, c) = (lane / 4, lane % 4) holds: of a 16×8 accumulator, rows g and g + 8 at
+// columns 2c and 2c + 1 (registers 0, 1 and 2, 3); of a 16×16 left operand, those rows
+// at columns 2c, 2c + 1 (registers 0 and 1) and 2c + 8, 2c + 9 (2 and 3); of a 16×8
+// right operand, rows 2c, 2c + 1 and 2c + 8, 2c + 9 of column g. Two 16-bit elements
+// share a register, the lower column (or row) in the low half.
 #define TC_WARPS 4
 #define TC_ROWS (16 * TC_WARPS)
-#define TK 32
+#define TC_KEYS 64
+#define TC_PAD 8
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#ifndef TOKENFORMER_EMULATE
+// d += a·b on the warp's tensor cores (compute capability 8.0 and later); the type of
+// the last argument picks bf16 or f16. The emulator (scripts/cuda-emulate) brings its
+// own, which exchanges the fragments between the lanes.
+__device__ __forceinline__ void mma16816(float *d, const uint32_t *a, const uint32_t *b, __nv_bfloat16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma16816(float *d, const uint32_t *a, const uint32_t *b, __half) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+__device__ __forceinline__ uint32_t bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+__device__ __forceinline__ uint32_t bits(__half x) { return __half_as_ushort(x); }
+// lo and hi rounded to T, as one register (lo in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    T a, b;
+    store(&a, 0, lo);
+    store(&b, 0, hi);
+    return bits(a) | bits(b) << 16;
+}
+// p[0] and p[1] as one register (p 4-byte aligned).
+template <typename T>
+__device__ __forceinline__ uint32_t pair(const T *p) {
+    return *reinterpret_cast<const uint32_t *>(p);
+}
+
+// Keys and values j0 .. j0 + TC_KEYS (zero from kend on, and past hd) into the block's
+// tiles, keys as rows and values transposed, between barriers. With `vec`, 8 features
+// (16 bytes) a load, consecutive threads on consecutive keys (so that the transposed
+// stores do not collide in banks); else one element a load.
+template <typename T, int HD>
+__device__ __forceinline__ void tc_tile(T (*kt)[HD + TC_PAD], T (*vt)[TC_KEYS + TC_PAD], const T *kb,
+                                        const T *vb, long ks2, long vs2, int j0, int kend, int hd, bool vec) {
+    __syncthreads();
+    if (vec) {
+        for (int i = threadIdx.x; i < TC_KEYS * HD / 8; i += THREADS) {
+            const int j = i % TC_KEYS, c = i / TC_KEYS * 8, key = j0 + j;
+            uint4 kx = {0u, 0u, 0u, 0u}, vx = {0u, 0u, 0u, 0u};
+            if (key < kend && c < hd) {
+                kx = *reinterpret_cast<const uint4 *>(kb + key * ks2 + c);
+                vx = *reinterpret_cast<const uint4 *>(vb + key * vs2 + c);
+            }
+            *reinterpret_cast<uint4 *>(&kt[j][c]) = kx;
+            const T *ve = reinterpret_cast<const T *>(&vx);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) vt[c + e][j] = ve[e];
+        }
+    } else {
+        for (int i = threadIdx.x; i < TC_KEYS * HD; i += THREADS) {
+            const int j = i / HD, c = i % HD, key = j0 + j;
+            const bool in = key < kend && c < hd;
+            store(&kt[j][0], c, in ? load(kb + key * ks2, c) : 0.0f);
+            store(&vt[c][0], j, in ? load(vb + key * vs2, c) : 0.0f);
+        }
+    }
+    __syncthreads();
+}
+
+// Element (r, c) of the warp's queries as f32, zero past t and past hd.
+template <typename T>
+__device__ __forceinline__ float q_at(const T *qp, long qs2, int r, int c, int t, int hd) {
+    return (r < t && c < hd) ? load(qp + r * qs2, c) : 0.0f;
+}
 
 template <typename T, int HD>
 __device__ __forceinline__ void flash_tc_rows(
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ out,
     float *__restrict__ lse, int heads, int t, int keys, int hd, int causal, float scale, long qs0,
     long qs1, long qs2, long ks0, long ks1, long ks2, long vs0, long vs1, long vs2) {
-    using namespace nvcuda;
-    constexpr int NF = HD / 16; // 16-wide slices of the features
-    __shared__ __align__(32) T qt[TC_ROWS][HD];
-    __shared__ __align__(32) T kt[TK][HD];
-    __shared__ __align__(32) T vt[TK][HD];
-    __shared__ __align__(32) float st[TC_WARPS][16][TK];
-    __shared__ __align__(32) T pt[TC_WARPS][16][TK];
+    constexpr int NK = HD / 16;      // 16-feature slices: the depth of q·kᵀ
+    constexpr int NO = HD / 8;       // 8-feature slices of the output
+    constexpr int NS = TC_KEYS / 8;  // 8-key slices of a tile's scores
+    __shared__ __align__(16) T kt[TC_KEYS][HD + TC_PAD];
+    __shared__ __align__(16) T vt[HD][TC_KEYS + TC_PAD];
     const int bi = blockIdx.z, hi = blockIdx.y;
-    const int q0 = blockIdx.x * TC_ROWS;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c2 = lane % 4 * 2;
     const int past = keys - t;
+    const int q0 = blockIdx.x * TC_ROWS, r0 = q0 + warp * 16;
+    const int rows[2] = {r0 + g, r0 + g + 8}; // this lane's two query rows
 
-    // The block's queries, zero past t and past hd (zeros add nothing to a product).
-    const T *qb = q + bi * qs0 + hi * qs1;
-    for (int i = threadIdx.x; i < TC_ROWS * HD; i += THREADS) {
-        const int r = i / HD, c = i % HD, qi = q0 + r;
-        store(&qt[r][0], c, (qi < t && c < hd) ? load(qb + qi * qs2, c) : 0.0f);
-    }
-    __syncthreads();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[NF];
+    // The warp's 16 queries as left operands, one per 16 features.
+    const T *qp = q + bi * qs0 + hi * qs1;
+    uint32_t qf[NK][4];
 #pragma unroll
-    for (int f = 0; f < NF; ++f) wmma::load_matrix_sync(qf[f], &qt[warp * 16][f * 16], HD);
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> of[NF];
+    for (int f = 0; f < NK; ++f)
 #pragma unroll
-    for (int f = 0; f < NF; ++f) wmma::fill_fragment(of[f], 0.0f);
+        for (int r = 0; r < 4; ++r) {
+            const int row = rows[r % 2], col = f * 16 + r / 2 * 8 + c2;
+            qf[f][r] = pack<T>(q_at(qp, qs2, row, col, t, hd), q_at(qp, qs2, row, col + 1, t, hd));
+        }
 
-    // Lane `lane` takes columns half·TK/2 .. of the warp's row lane/2.
-    const int row = lane / 2, half = lane % 2;
-    const int qi = q0 + warp * 16 + row;
-    const bool live = qi < t;
+    float o[NO][4] = {};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    const float sl2 = scale * 1.4426950408889634f; // log₂ e
+    // Causal: no query of the block sees a key after its last query's position, and no
+    // query of the warp one after the warp's last (none for a warp wholly past t).
     const int kend = causal ? min(keys, past + min(t, q0 + TC_ROWS)) : keys;
+    const int wend = r0 >= t ? 0 : causal ? min(kend, past + min(t, r0 + 16)) : kend;
     const T *kb = k + bi * ks0 + hi * ks1;
     const T *vb = v + bi * vs0 + hi * vs1;
-    float m = -INFINITY, l = 0.0f, inv = 0.0f;
+    const bool vec = hd % 8 == 0 && ks2 % 8 == 0 && vs2 % 8 == 0 &&
+                     ((reinterpret_cast<uintptr_t>(kb) | reinterpret_cast<uintptr_t>(vb)) & 15) == 0;
 
-    for (int pass = 0; pass < 2; ++pass) {
-        if (pass == 1) {
-            // The two lanes of a row merge their maxima and sums.
-            const float m2 = __shfl_xor_sync(0xffffffffu, m, 1);
-            const float l2 = __shfl_xor_sync(0xffffffffu, l, 1);
-            const float mm = fmaxf(m, m2);
-            l = (m == -INFINITY ? 0.0f : l * expf(m - mm)) + (m2 == -INFINITY ? 0.0f : l2 * expf(m2 - mm));
-            m = mm;
-            inv = l > 0.0f ? 1.0f / l : 0.0f; // 0 only on padding rows
+    for (int j0 = 0; j0 < kend; j0 += TC_KEYS) {
+        tc_tile<T, HD>(kt, vt, kb, vb, ks2, vs2, j0, kend, hd, vec);
+        if (j0 >= wend) continue; // warp-uniform: the tile is past every row of the warp
+
+        float s[NS][4];
+#pragma unroll
+        for (int n = 0; n < NS; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+#pragma unroll
+            for (int f = 0; f < NK; ++f) {
+                const uint32_t b[2] = {pair(&kt[n * 8 + g][f * 16 + c2]), pair(&kt[n * 8 + g][f * 16 + 8 + c2])};
+                mma16816(s[n], qf[f], b, T());
+            }
         }
-        for (int j0 = 0; j0 < kend; j0 += TK) {
-            __syncthreads(); // the previous tile's readers are done
-            for (int i = threadIdx.x; i < TK * HD; i += THREADS) {
-                const int j = i / HD, c = i % HD, key = j0 + j;
-                const bool in = key < kend && c < hd;
-                store(&kt[j][0], c, in ? load(kb + key * ks2, c) : 0.0f);
-                if (pass == 1) store(&vt[j][0], c, in ? load(vb + key * vs2, c) : 0.0f);
-            }
-            __syncthreads();
+        // Scale and mask (−inf for what a row does not see), then each row's maximum
+        // over the tile, across the 4 lanes that share the row.
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int n = 0; n < TK / 16; ++n) {
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> sf;
-                wmma::fill_fragment(sf, 0.0f);
+        for (int n = 0; n < NS; ++n)
 #pragma unroll
-                for (int f = 0; f < NF; ++f) {
-                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
-                    wmma::load_matrix_sync(kf, &kt[n * 16][f * 16], HD);
-                    wmma::mma_sync(sf, qf[f], kf, sf);
-                }
-                wmma::store_matrix_sync(&st[warp][0][n * 16], sf, TK, wmma::mem_row_major);
+            for (int e = 0; e < 4; ++e) {
+                const int key = j0 + n * 8 + c2 + e % 2, qi = rows[e / 2];
+                const bool seen = qi < t && key < kend && (!causal || key <= past + qi);
+                s[n][e] = seen ? s[n][e] * sl2 : -INFINITY;
+                mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
             }
-            __syncwarp();
-            for (int c = half * (TK / 2); c < (half + 1) * (TK / 2); ++c) {
-                const int key = j0 + c;
-                const bool seen = live && key < kend && (!causal || key <= past + qi);
-                const float s = st[warp][row][c] * scale;
-                if (pass == 0) {
-                    if (seen) {
-                        if (s > m) {
-                            l = l * expf(m - s) + 1.0f; // exp(−inf) = 0 on the first
-                            m = s;
-                        } else {
-                            l += expf(s - m);
-                        }
-                    }
-                } else {
-                    store(&pt[warp][row][0], c, seen ? expf(s - m) * inv : 0.0f);
-                }
-            }
-            if (pass == 1) {
-                __syncwarp();
+        float base[2];
 #pragma unroll
-                for (int kk = 0; kk < TK / 16; ++kk) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
-                    wmma::load_matrix_sync(pf, &pt[warp][0][kk * 16], TK);
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float mn = fmaxf(m[r], mx[r]);
+            // A row that has seen nothing yet stays at zero (exp2(−inf − −inf) is NaN).
+            base[r] = mn == -INFINITY ? 0.0f : mn;
+            const float alpha = exp2f(m[r] - base[r]); // 0 while m = −inf
+            m[r] = mn;
+            l[r] *= alpha;
 #pragma unroll
-                    for (int f = 0; f < NF; ++f) {
-                        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
-                        wmma::load_matrix_sync(vf, &vt[kk * 16][f * 16], HD);
-                        wmma::mma_sync(of[f], pf, vf, of[f]);
-                    }
-                }
+            for (int nt = 0; nt < NO; ++nt) {
+                o[nt][2 * r] *= alpha;
+                o[nt][2 * r + 1] *= alpha;
             }
-            __syncwarp(); // st and pt are written again by the next tile
+        }
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[n][e] = exp2f(s[n][e] - base[e / 2]); // masked: exp2(−inf) = 0
+                l[e / 2] += s[n][e];
+            }
+        // p·v, 16 keys at a time: their scores (two 8-key accumulators) are the left
+        // operand as they lie.
+#pragma unroll
+        for (int kk = 0; kk < TC_KEYS / 16; ++kk) {
+            const float *s0 = s[2 * kk], *s1 = s[2 * kk + 1];
+            const uint32_t a[4] = {pack<T>(s0[0], s0[1]), pack<T>(s0[2], s0[3]), pack<T>(s1[0], s1[1]),
+                                   pack<T>(s1[2], s1[3])};
+#pragma unroll
+            for (int nt = 0; nt < NO; ++nt) {
+                const uint32_t b[2] = {pair(&vt[nt * 8 + g][kk * 16 + c2]), pair(&vt[nt * 8 + g][kk * 16 + 8 + c2])};
+                mma16816(o[nt], a, b, T());
+            }
         }
     }
-    if (live && half == 0 && lse != nullptr) lse[((long)bi * t + qi) * heads + hi] = m + logf(l);
-    // The output, a 16×16 slice at a time through the warp's slab.
+    // Each lane summed its own columns: the row's Σ exp across its 4 lanes.
 #pragma unroll
-    for (int f = 0; f < NF; ++f) {
-        wmma::store_matrix_sync(&st[warp][0][0], of[f], TK, wmma::mem_row_major);
-        __syncwarp();
-        for (int e = lane; e < 256; e += 32) {
-            const int r = e / 16, c = f * 16 + e % 16, qr = q0 + warp * 16 + r;
-            if (qr < t && c < hd) store(out + (((long)bi * t + qr) * heads + hi) * hd, c, st[warp][r][e % 16]);
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int qi = rows[r];
+        if (qi >= t) continue;
+        // Every live row saw key 0 (causal: past + qi ≥ 0), so l ≥ 1.
+        const float inv = 1.0f / l[r];
+        T *orow = out + (((long)bi * t + qi) * heads + hi) * hd;
+#pragma unroll
+        for (int nt = 0; nt < NO; ++nt) {
+            const int col = nt * 8 + c2;
+            if (col < hd) store(orow, col, o[nt][2 * r] * inv);
+            if (col + 1 < hd) store(orow, col + 1, o[nt][2 * r + 1] * inv);
         }
-        __syncwarp();
+        if (c2 == 0 && lse != nullptr) lse[((long)bi * t + qi) * heads + hi] = (m[r] + log2f(l[r])) * 0.6931471805599453f;
     }
 }
 
@@ -368,6 +456,7 @@ FLASH_TC(bf16_d64, __nv_bfloat16, 64)
 FLASH_TC(bf16_d128, __nv_bfloat16, 128)
 FLASH_TC(f16_d64, __half, 64)
 FLASH_TC(f16_d128, __half, 128)
+#endif
 
 // The backward. With p_ij = exp(s_ij − lse_i) (s the scaled scores), dp_ij = ∂o_i·v_j and
 // D_i = ∂o_i·o_i (`delta`, computed beforehand):
