@@ -848,7 +848,8 @@ fn the_attention_kernel_equals_the_plain_ops() {
 /// Training attention by the flash kernels, forward and backward, against plain candle
 /// ops in f32 on the same GPU: values and the gradients of Σ o·w in q, k and v (q the
 /// model's head-split view), square with ragged tiles (training's case) and over a
-/// longer past, causal and not, in f32, bf16 and f16 from the same rounded inputs.
+/// longer past, causal and not, in f32, bf16 and f16 from the same rounded inputs (bf16
+/// and f16 at head sizes up to 64 take the tensor-core backward, above it the SIMT one).
 #[test]
 fn the_training_attention_kernels_equal_the_plain_ops_and_their_gradients() {
     use tokenformer::kernels::cuda::flash_attention;
@@ -860,7 +861,12 @@ fn the_training_attention_kernels_equal_the_plain_ops_and_their_gradients() {
     } else {
         &[(DType::F32, 1e-4)]
     };
-    for (b, h, t, keys, hd) in [(2, 3, 70, 70, 64), (1, 2, 5, 133, 128), (1, 2, 33, 33, 8)] {
+    for (b, h, t, keys, hd) in [
+        (2, 3, 70, 70, 64),
+        (1, 2, 5, 133, 128),
+        (1, 2, 33, 33, 8),
+        (1, 2, 20, 150, 48),
+    ] {
         let q = Tensor::randn(0f32, 1.0, (b, t, h, hd), &gpu).unwrap();
         let k = (Tensor::randn(0f32, 1.0, (b, h, keys, hd), &gpu).unwrap() * 1.5).unwrap();
         let v = Tensor::randn(0f32, 1.0, (b, h, keys, hd), &gpu).unwrap();

@@ -21,20 +21,46 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 const MODULE: &str = "tokenformer_attention";
 
 /// Rows (queries, or the ∂k/∂v kernel's keys) per thread block (`ROWS` in the
-/// kernels; `TC_ROWS` queries for the tensor-core forward) and its threads.
+/// kernels; `TC_ROWS` queries or keys for the tensor-core ones) and its threads.
 const ROWS: usize = 32;
 const TC_ROWS: usize = 64;
 const THREADS: u32 = 128;
 
-/// The tensor-core forward's kernel for `dtype` and head size `hd`, if it has one
-/// (bf16 and f16, hd ≤ 128) and `TOKENFORMER_FLASH_TC` is not `0` (which keeps the
-/// SIMT kernel, for comparing the two on a GPU).
-fn tensor_core_instance(dtype: DType, hd: usize) -> Option<String> {
+/// The tensor-core version of `kernel` ("flash" for the forward, "flash_dq",
+/// "flash_dkv") for `dtype` and head size `hd`, if it has one (bf16 and f16; head sizes
+/// up to 128 forward, 64 backward) and `TOKENFORMER_FLASH_TC` is not `0` (which keeps
+/// the SIMT kernels, for comparing the two on a GPU).
+fn tensor_core_instance(kernel: &str, dtype: DType, hd: usize) -> Option<String> {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("TOKENFORMER_FLASH_TC").is_ok_and(|v| v == "0"));
-    let fits = matches!(dtype, DType::BF16 | DType::F16) && hd <= HEAD_DIMS[1];
+    let max_hd = if kernel == "flash" {
+        HEAD_DIMS[1]
+    } else {
+        HEAD_DIMS[0]
+    };
+    let fits = matches!(dtype, DType::BF16 | DType::F16) && hd <= max_hd;
     let name = instance(dtype, hd).ok().filter(|_| fits && !off)?;
-    Some(format!("flash_tc_{name}"))
+    let kernel = kernel.strip_prefix("flash").unwrap_or(kernel);
+    Some(format!("flash_tc{kernel}_{name}"))
+}
+
+/// The name of `kernel`'s tensor-core version where it has one and the PTX holds it
+/// (built for compute capability 8.0 or later), with its rows a block, else of the SIMT
+/// one (`simt`: its stem, "flash_attention" for the forward) with its; and whether it
+/// is the tensor-core one.
+fn pick(
+    dev: &candle_core::CudaDevice,
+    kernel: &str,
+    simt: &str,
+    dtype: DType,
+    hd: usize,
+) -> Result<(String, usize, bool)> {
+    let tc = tensor_core_instance(kernel, dtype, hd)
+        .filter(|name| dev.get_or_load_custom_func(name, MODULE, PTX).is_ok());
+    Ok(match tc {
+        Some(name) => (name, TC_ROWS, true),
+        None => (format!("{simt}_{}", instance(dtype, hd)?), ROWS, false),
+    })
 }
 
 /// `storage` from its layout's offset, as T.
@@ -151,18 +177,8 @@ pub(super) fn forward(
         if let Some(chunk) = split_chunk(b, h, t, k.1.dims()[2], hd, ROWS).filter(|_| split_on) {
             return split::<T>([q, k, v], causal, scale, chunk, dtype);
         }
-        // The tensor-core kernel where it has an instance and the PTX holds it (built
-        // for compute capability 8.0 or later), else the SIMT one.
-        let tc = tensor_core_instance(q.0.dtype(), hd)
-            .and_then(|name| dev.get_or_load_custom_func(&name, MODULE, PTX).ok());
-        let simt = tc.is_none();
-        let (func, rows) = match tc {
-            Some(func) => (func, TC_ROWS),
-            None => {
-                let name = format!("flash_attention_{}", instance(q.0.dtype(), hd)?);
-                (dev.get_or_load_custom_func(&name, MODULE, PTX)?, ROWS)
-            }
-        };
+        let (name, rows, tc) = pick(dev, "flash", "flash_attention", q.0.dtype(), hd)?;
+        let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let (qs, ks, vs) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
         // SAFETY: the kernel writes every element of both before they are read.
         let out = unsafe { dev.alloc::<T>(b * t * h * hd)? };
@@ -176,7 +192,7 @@ pub(super) fn forward(
         a.arg(&lse);
         // The SIMT kernel's split over keys off: no partials (null), no chunk.
         let (null, no_chunk) = (0u64, 0i32);
-        if simt {
+        if !tc {
             a.arg(&null).arg(&null).arg(&no_chunk);
         }
         common.push(&mut a);
@@ -273,7 +289,7 @@ pub(super) fn grad(
             Part::Q => "flash_dq",
             Part::KV => "flash_dkv",
         };
-        let name = format!("{kernel}_{}", instance(q.0.dtype(), hd)?);
+        let (name, per_block, _) = pick(dev, kernel, kernel, q.0.dtype(), hd)?;
         let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let (qs, ks, vs, ds) = (
             view::<T>(q)?,
@@ -317,7 +333,7 @@ pub(super) fn grad(
         // SAFETY: the arguments match the kernel's (q, k, v, dout, lse, delta, out,
         // for ∂k/∂v the plane, then `Common`); the views start at each layout's
         // offset, the saved tensors are contiguous with the sizes checked above.
-        unsafe { a.launch(config(rows, ROWS, h, b)) }.w()?;
+        unsafe { a.launch(config(rows, per_block, h, b)) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
     by_dtype!(qkv[0].0.dtype(), "attention kernel", |T, _name| {

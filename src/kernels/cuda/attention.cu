@@ -278,52 +278,120 @@ __device__ __forceinline__ uint32_t pair(const T *p) {
     return *reinterpret_cast<const uint32_t *>(p);
 }
 
-// Keys and values j0 .. j0 + TC_KEYS (zero from kend on, and past hd) into the block's
-// tiles, keys as rows and values transposed, between barriers. With `vec`, 8 features
-// (16 bytes) a load, consecutive threads on consecutive keys (so that the transposed
-// stores do not collide in banks); else one element a load.
-template <typename T, int HD>
-__device__ __forceinline__ void tc_tile(T (*kt)[HD + TC_PAD], T (*vt)[TC_KEYS + TC_PAD], const T *kb,
-                                        const T *vb, long ks2, long vs2, int j0, int kend, int hd, bool vec) {
-    __syncthreads();
+// Rows r0 .. r0 + TR of a [rows, hd] matrix (row stride `stride`, features contiguous;
+// zero from rend on, and past hd) into shared memory as T: as rows into `rt` and/or
+// transposed into `tt` (either may be null). Where hd, the stride and the pointer
+// allow it, 8 features (16 bytes) a load, consecutive threads on consecutive rows (so
+// that the transposed stores do not collide in banks); else one element a load. The
+// caller puts the barriers around it.
+template <typename T, int HD, int TR>
+__device__ __forceinline__ void stage(T (*rt)[HD + TC_PAD], T (*tt)[TR + TC_PAD], const T *src, long stride,
+                                      int r0, int rend, int hd) {
+    const bool vec = hd % 8 == 0 && stride % 8 == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0;
     if (vec) {
-        for (int i = threadIdx.x; i < TC_KEYS * HD / 8; i += THREADS) {
-            const int j = i % TC_KEYS, c = i / TC_KEYS * 8, key = j0 + j;
-            uint4 kx = {0u, 0u, 0u, 0u}, vx = {0u, 0u, 0u, 0u};
-            if (key < kend && c < hd) {
-                kx = *reinterpret_cast<const uint4 *>(kb + key * ks2 + c);
-                vx = *reinterpret_cast<const uint4 *>(vb + key * vs2 + c);
-            }
-            *reinterpret_cast<uint4 *>(&kt[j][c]) = kx;
-            const T *ve = reinterpret_cast<const T *>(&vx);
+        for (int i = threadIdx.x; i < TR * HD / 8; i += THREADS) {
+            const int j = i % TR, c = i / TR * 8, r = r0 + j;
+            uint4 x = {0u, 0u, 0u, 0u};
+            if (r < rend && c < hd) x = *reinterpret_cast<const uint4 *>(src + r * stride + c);
+            if (rt != nullptr) *reinterpret_cast<uint4 *>(&rt[j][c]) = x;
+            if (tt != nullptr) {
+                const T *xe = reinterpret_cast<const T *>(&x);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) vt[c + e][j] = ve[e];
+                for (int e = 0; e < 8; ++e) tt[c + e][j] = xe[e];
+            }
         }
     } else {
-        for (int i = threadIdx.x; i < TC_KEYS * HD; i += THREADS) {
-            const int j = i / HD, c = i % HD, key = j0 + j;
-            const bool in = key < kend && c < hd;
-            store(&kt[j][0], c, in ? load(kb + key * ks2, c) : 0.0f);
-            store(&vt[c][0], j, in ? load(vb + key * vs2, c) : 0.0f);
+        for (int i = threadIdx.x; i < TR * HD; i += THREADS) {
+            const int j = i / HD, c = i % HD, r = r0 + j;
+            const float x = r < rend && c < hd ? load(src + r * stride, c) : 0.0f;
+            if (rt != nullptr) store(&rt[j][0], c, x);
+            if (tt != nullptr) store(&tt[c][0], j, x);
         }
     }
-    __syncthreads();
 }
 
-// Element (r, c) of the warp's queries as f32, zero past t and past hd.
+// Element (r, c) of a [rows, hd] matrix as f32, zero from rend on and past hd.
 template <typename T>
-__device__ __forceinline__ float q_at(const T *qp, long qs2, int r, int c, int t, int hd) {
-    return (r < t && c < hd) ? load(qp + r * qs2, c) : 0.0f;
+__device__ __forceinline__ float elem(const T *src, long stride, int r, int c, int rend, int hd) {
+    return (r < rend && c < hd) ? load(src + r * stride, c) : 0.0f;
 }
+
+// Rows r0 .. r0 + 15 of a [rows, hd] matrix (zero from rend on and past hd) as left
+// operands, one per 16 features, straight from global memory (once per block).
+template <typename T, int NK>
+__device__ __forceinline__ void left_rows(uint32_t (*f)[4], const T *src, long stride, int r0, int rend, int hd,
+                                          int g, int c2) {
+#pragma unroll
+    for (int k = 0; k < NK; ++k)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = r0 + g + r % 2 * 8, col = k * 16 + r / 2 * 8 + c2;
+            f[k][r] = pack<T>(elem(src, stride, row, col, rend, hd), elem(src, stride, row, col + 1, rend, hd));
+        }
+}
+
+// s = a·btᵀ for the warp's 16 rows against NS·8 rows of bt (features contiguous): the
+// scores of q against keys, or of keys against queries.
+template <typename T, int HD, int NS>
+__device__ __forceinline__ void products_nt(float (*s)[4], const uint32_t (*a)[4], const T (*bt)[HD + TC_PAD],
+                                            int g, int c2) {
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < HD / 16; ++k) {
+            const uint32_t b[2] = {pair(&bt[n * 8 + g][k * 16 + c2]), pair(&bt[n * 8 + g][k * 16 + 8 + c2])};
+            mma16816(s[n], a[k], b, T());
+        }
+    }
+}
+
+// o += p·b, p the warp's weights over TR rows of b as the score products left them
+// (rounded to T here), b given transposed (tt [HD][TR]): 16 of p's columns, two 8-wide
+// accumulators, are one left operand as they lie.
+template <typename T, int HD, int TR>
+__device__ __forceinline__ void accumulate(float (*o)[4], const float (*p)[4], const T (*tt)[TR + TC_PAD], int g,
+                                           int c2) {
+#pragma unroll
+    for (int kk = 0; kk < TR / 16; ++kk) {
+        const float *p0 = p[2 * kk], *p1 = p[2 * kk + 1];
+        const uint32_t a[4] = {pack<T>(p0[0], p0[1]), pack<T>(p0[2], p0[3]), pack<T>(p1[0], p1[1]),
+                               pack<T>(p1[2], p1[3])};
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; ++nt) {
+            const uint32_t b[2] = {pair(&tt[nt * 8 + g][kk * 16 + c2]), pair(&tt[nt * 8 + g][kk * 16 + 8 + c2])};
+            mma16816(o[nt], a, b, T());
+        }
+    }
+}
+
+// The lane's accumulator rows of a 16×HD result (rows r0 + g and r0 + g + 8 of a
+// [rows, hd] matrix with contiguous rows of hd) times `mul`, for rows below rend.
+template <typename T, int HD>
+__device__ __forceinline__ void store_rows(T *dst, const float (*o)[4], float mul, int r0, int rend, int hd, int g,
+                                           int c2) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r0 + g + 8 * r;
+        if (row >= rend) continue;
+#pragma unroll
+        for (int nt = 0; nt < HD / 8; ++nt) {
+            const int col = nt * 8 + c2;
+            if (col < hd) store(dst + (long)row * hd, col, o[nt][2 * r] * mul);
+            if (col + 1 < hd) store(dst + (long)row * hd, col + 1, o[nt][2 * r + 1] * mul);
+        }
+    }
+}
+
+#define LOG2E 1.4426950408889634f
 
 template <typename T, int HD>
 __device__ __forceinline__ void flash_tc_rows(
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ out,
     float *__restrict__ lse, int heads, int t, int keys, int hd, int causal, float scale, long qs0,
     long qs1, long qs2, long ks0, long ks1, long ks2, long vs0, long vs1, long vs2) {
-    constexpr int NK = HD / 16;      // 16-feature slices: the depth of q·kᵀ
-    constexpr int NO = HD / 8;       // 8-feature slices of the output
-    constexpr int NS = TC_KEYS / 8;  // 8-key slices of a tile's scores
+    constexpr int NS = TC_KEYS / 8; // 8-key slices of a tile's scores
     __shared__ __align__(16) T kt[TC_KEYS][HD + TC_PAD];
     __shared__ __align__(16) T vt[HD][TC_KEYS + TC_PAD];
     const int bi = blockIdx.z, hi = blockIdx.y;
@@ -332,44 +400,27 @@ __device__ __forceinline__ void flash_tc_rows(
     const int q0 = blockIdx.x * TC_ROWS, r0 = q0 + warp * 16;
     const int rows[2] = {r0 + g, r0 + g + 8}; // this lane's two query rows
 
-    // The warp's 16 queries as left operands, one per 16 features.
-    const T *qp = q + bi * qs0 + hi * qs1;
-    uint32_t qf[NK][4];
-#pragma unroll
-    for (int f = 0; f < NK; ++f)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int row = rows[r % 2], col = f * 16 + r / 2 * 8 + c2;
-            qf[f][r] = pack<T>(q_at(qp, qs2, row, col, t, hd), q_at(qp, qs2, row, col + 1, t, hd));
-        }
-
-    float o[NO][4] = {};
+    uint32_t qf[HD / 16][4];
+    left_rows<T, HD / 16>(qf, q + bi * qs0 + hi * qs1, qs2, r0, t, hd, g, c2);
+    float o[HD / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    const float sl2 = scale * 1.4426950408889634f; // log₂ e
+    const float sl2 = scale * LOG2E;
     // Causal: no query of the block sees a key after its last query's position, and no
     // query of the warp one after the warp's last (none for a warp wholly past t).
     const int kend = causal ? min(keys, past + min(t, q0 + TC_ROWS)) : keys;
     const int wend = r0 >= t ? 0 : causal ? min(kend, past + min(t, r0 + 16)) : kend;
     const T *kb = k + bi * ks0 + hi * ks1;
     const T *vb = v + bi * vs0 + hi * vs1;
-    const bool vec = hd % 8 == 0 && ks2 % 8 == 0 && vs2 % 8 == 0 &&
-                     ((reinterpret_cast<uintptr_t>(kb) | reinterpret_cast<uintptr_t>(vb)) & 15) == 0;
 
     for (int j0 = 0; j0 < kend; j0 += TC_KEYS) {
-        tc_tile<T, HD>(kt, vt, kb, vb, ks2, vs2, j0, kend, hd, vec);
+        __syncthreads(); // the previous tile's readers are done
+        stage<T, HD, TC_KEYS>(kt, nullptr, kb, ks2, j0, kend, hd);
+        stage<T, HD, TC_KEYS>(nullptr, vt, vb, vs2, j0, kend, hd);
+        __syncthreads();
         if (j0 >= wend) continue; // warp-uniform: the tile is past every row of the warp
 
         float s[NS][4];
-#pragma unroll
-        for (int n = 0; n < NS; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
-#pragma unroll
-            for (int f = 0; f < NK; ++f) {
-                const uint32_t b[2] = {pair(&kt[n * 8 + g][f * 16 + c2]), pair(&kt[n * 8 + g][f * 16 + 8 + c2])};
-                mma16816(s[n], qf[f], b, T());
-            }
-        }
+        products_nt<T, HD, NS>(s, qf, kt, g, c2);
         // Scale and mask (−inf for what a row does not see), then each row's maximum
         // over the tile, across the 4 lanes that share the row.
         float mx[2] = {-INFINITY, -INFINITY};
@@ -394,7 +445,7 @@ __device__ __forceinline__ void flash_tc_rows(
             m[r] = mn;
             l[r] *= alpha;
 #pragma unroll
-            for (int nt = 0; nt < NO; ++nt) {
+            for (int nt = 0; nt < HD / 8; ++nt) {
                 o[nt][2 * r] *= alpha;
                 o[nt][2 * r + 1] *= alpha;
             }
@@ -406,40 +457,31 @@ __device__ __forceinline__ void flash_tc_rows(
                 s[n][e] = exp2f(s[n][e] - base[e / 2]); // masked: exp2(−inf) = 0
                 l[e / 2] += s[n][e];
             }
-        // p·v, 16 keys at a time: their scores (two 8-key accumulators) are the left
-        // operand as they lie.
-#pragma unroll
-        for (int kk = 0; kk < TC_KEYS / 16; ++kk) {
-            const float *s0 = s[2 * kk], *s1 = s[2 * kk + 1];
-            const uint32_t a[4] = {pack<T>(s0[0], s0[1]), pack<T>(s0[2], s0[3]), pack<T>(s1[0], s1[1]),
-                                   pack<T>(s1[2], s1[3])};
-#pragma unroll
-            for (int nt = 0; nt < NO; ++nt) {
-                const uint32_t b[2] = {pair(&vt[nt * 8 + g][kk * 16 + c2]), pair(&vt[nt * 8 + g][kk * 16 + 8 + c2])};
-                mma16816(o[nt], a, b, T());
-            }
-        }
+        accumulate<T, HD, TC_KEYS>(o, s, vt, g, c2);
     }
-    // Each lane summed its own columns: the row's Σ exp across its 4 lanes.
+    // Each lane summed its own columns: the row's Σ exp across its 4 lanes. Every live
+    // row saw key 0 (causal: past + qi ≥ 0), so l ≥ 1 there.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        if (rows[r] < t && c2 == 0 && lse != nullptr)
+            lse[((long)bi * t + rows[r]) * heads + hi] = (m[r] + log2f(l[r])) / LOG2E;
     }
+    // out is [b, t, h, hd]: rows of the head h·hd apart; store_rows takes rows hd apart,
+    // so each row is written through its own pointer.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int qi = rows[r];
         if (qi >= t) continue;
-        // Every live row saw key 0 (causal: past + qi ≥ 0), so l ≥ 1.
         const float inv = 1.0f / l[r];
         T *orow = out + (((long)bi * t + qi) * heads + hi) * hd;
 #pragma unroll
-        for (int nt = 0; nt < NO; ++nt) {
+        for (int nt = 0; nt < HD / 8; ++nt) {
             const int col = nt * 8 + c2;
             if (col < hd) store(orow, col, o[nt][2 * r] * inv);
             if (col + 1 < hd) store(orow, col + 1, o[nt][2 * r + 1] * inv);
         }
-        if (c2 == 0 && lse != nullptr) lse[((long)bi * t + qi) * heads + hi] = (m[r] + log2f(l[r])) * 0.6931471805599453f;
     }
 }
 
@@ -456,6 +498,157 @@ FLASH_TC(bf16_d64, __nv_bfloat16, 64)
 FLASH_TC(bf16_d128, __nv_bfloat16, 128)
 FLASH_TC(f16_d64, __half, 64)
 FLASH_TC(f16_d128, __half, 128)
+
+// The backward on tensor cores (bf16 and f16, head sizes up to 64; the SIMT kernels
+// below take the rest), the same two kernels as the SIMT backward with the same
+// arguments and outputs, each product an mma.sync over tiles of 64 rows:
+// - ∂q, a block of 4 warps per 64 queries (16 a warp) over tiles of keys: s = q·kᵀ and
+//   dp = ∂o·vᵀ, then ∂s = p·(dp − D) in the registers they came out in, which are the
+//   left operand of ∂q += ∂s·k (keys staged as rows and transposed);
+// - ∂k and ∂v, a block per 64 keys over tiles of queries: sᵀ = k·qᵀ and dpᵀ = v·∂oᵀ,
+//   then ∂v += pᵀ·∂o and ∂k += ∂sᵀ·q (queries and ∂o staged as rows and transposed).
+// p and ∂s are rounded to T for the products, as FlashAttention does; every sum is f32.
+template <typename T, int HD>
+__device__ __forceinline__ void flash_tc_dq_rows(
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ dout,
+    const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq, int heads, int t,
+    int keys, int hd, int causal, float scale, long qs0, long qs1, long qs2, long ks0, long ks1, long ks2,
+    long vs0, long vs1, long vs2) {
+    constexpr int NS = TC_KEYS / 8;
+    __shared__ __align__(16) T kt[TC_KEYS][HD + TC_PAD];  // keys as rows: q·kᵀ
+    __shared__ __align__(16) T vt[TC_KEYS][HD + TC_PAD];  // values as rows: ∂o·vᵀ
+    __shared__ __align__(16) T ktt[HD][TC_KEYS + TC_PAD]; // keys transposed: ∂s·k
+    const int bi = blockIdx.z, hi = blockIdx.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c2 = lane % 4 * 2;
+    const int past = keys - t;
+    const int q0 = blockIdx.x * TC_ROWS, r0 = q0 + warp * 16;
+    const int rows[2] = {r0 + g, r0 + g + 8};
+    const long dstride = (long)heads * hd; // ∂o is [b, t, h, hd]
+    const T *db = dout + ((long)bi * t * heads + hi) * hd;
+
+    uint32_t qf[HD / 16][4], df[HD / 16][4];
+    left_rows<T, HD / 16>(qf, q + bi * qs0 + hi * qs1, qs2, r0, t, hd, g, c2);
+    left_rows<T, HD / 16>(df, db, dstride, r0, t, hd, g, c2);
+    float lse2[2], dl[2]; // each row's log-sum-exp in base 2, and D
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const long i = ((long)bi * t + rows[r]) * heads + hi;
+        lse2[r] = rows[r] < t ? lse[i] * LOG2E : 0.0f;
+        dl[r] = rows[r] < t ? delta[i] : 0.0f;
+    }
+    float acc[HD / 8][4] = {};
+    const float sl2 = scale * LOG2E;
+    const int kend = causal ? min(keys, past + min(t, q0 + TC_ROWS)) : keys;
+    const int wend = r0 >= t ? 0 : causal ? min(kend, past + min(t, r0 + 16)) : kend;
+    const T *kb = k + bi * ks0 + hi * ks1;
+    const T *vb = v + bi * vs0 + hi * vs1;
+
+    for (int j0 = 0; j0 < kend; j0 += TC_KEYS) {
+        __syncthreads();
+        stage<T, HD, TC_KEYS>(kt, ktt, kb, ks2, j0, kend, hd);
+        stage<T, HD, TC_KEYS>(vt, nullptr, vb, vs2, j0, kend, hd);
+        __syncthreads();
+        if (j0 >= wend) continue;
+        float s[NS][4], dp[NS][4];
+        products_nt<T, HD, NS>(s, qf, kt, g, c2);
+        products_nt<T, HD, NS>(dp, df, vt, g, c2);
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = j0 + n * 8 + c2 + e % 2, qi = rows[e / 2];
+                const bool seen = qi < t && key < kend && (!causal || key <= past + qi);
+                const float p = seen ? exp2f(s[n][e] * sl2 - lse2[e / 2]) : 0.0f;
+                s[n][e] = p * (dp[n][e] - dl[e / 2]); // ∂s
+            }
+        accumulate<T, HD, TC_KEYS>(acc, s, ktt, g, c2);
+    }
+    store_rows<T, HD>(dq + ((long)bi * heads + hi) * t * hd, acc, scale, r0, t, hd, g, c2);
+}
+
+template <typename T, int HD>
+__device__ __forceinline__ void flash_tc_dkv_rows(
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ dout,
+    const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dkv, long plane, int heads,
+    int t, int keys, int hd, int causal, float scale, long qs0, long qs1, long qs2, long ks0, long ks1,
+    long ks2, long vs0, long vs1, long vs2) {
+    constexpr int TQ = TC_KEYS, NS = TQ / 8; // queries a tile
+    __shared__ __align__(16) T qt[TQ][HD + TC_PAD];  // queries as rows: k·qᵀ
+    __shared__ __align__(16) T dt[TQ][HD + TC_PAD];  // ∂o as rows: v·∂oᵀ
+    __shared__ __align__(16) T qtt[HD][TQ + TC_PAD]; // queries transposed: ∂sᵀ·q
+    __shared__ __align__(16) T dtt[HD][TQ + TC_PAD]; // ∂o transposed: pᵀ·∂o
+    __shared__ float lt[TQ], dlt[TQ];                // log-sum-exp (base 2) and D
+    const int bi = blockIdx.z, hi = blockIdx.y;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c2 = lane % 4 * 2;
+    const int past = keys - t;
+    const int k0 = blockIdx.x * TC_ROWS, kw = k0 + warp * 16; // the block's and the warp's first key
+    const int krows[2] = {kw + g, kw + g + 8};
+    const long dstride = (long)heads * hd;
+    const T *db = dout + ((long)bi * t * heads + hi) * hd;
+    const T *qb = q + bi * qs0 + hi * qs1;
+
+    uint32_t kf[HD / 16][4], vf[HD / 16][4];
+    left_rows<T, HD / 16>(kf, k + bi * ks0 + hi * ks1, ks2, kw, keys, hd, g, c2);
+    left_rows<T, HD / 16>(vf, v + bi * vs0 + hi * vs1, vs2, kw, keys, hd, g, c2);
+    float dk[HD / 8][4] = {}, dv[HD / 8][4] = {};
+    const float sl2 = scale * LOG2E;
+    // Causal: query i sees key j when j ≤ past + i, so no query before k0 − past sees a
+    // key of the block, nor one before kw − past a key of the warp.
+    const int istart = causal && k0 > past ? k0 - past : 0;
+    const int wstart = causal && kw > past ? kw - past : 0;
+
+    for (int i0 = istart; i0 < t; i0 += TQ) {
+        __syncthreads();
+        stage<T, HD, TQ>(qt, qtt, qb, qs2, i0, t, hd);
+        stage<T, HD, TQ>(dt, dtt, db, dstride, i0, t, hd);
+        for (int i = threadIdx.x; i < TQ; i += THREADS) {
+            const int qi = i0 + i;
+            const long r = ((long)bi * t + qi) * heads + hi;
+            lt[i] = qi < t ? lse[r] * LOG2E : 0.0f;
+            dlt[i] = qi < t ? delta[r] : 0.0f;
+        }
+        __syncthreads();
+        if (kw >= keys || i0 + TQ <= wstart) continue; // warp-uniform
+        float s[NS][4], dp[NS][4];
+        products_nt<T, HD, NS>(s, kf, qt, g, c2);  // sᵀ: the warp's keys against the tile's queries
+        products_nt<T, HD, NS>(dp, vf, dt, g, c2); // dpᵀ
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = n * 8 + c2 + e % 2, qi = i0 + col, kj = krows[e / 2];
+                const bool seen = kj < keys && qi < t && (!causal || kj <= past + qi);
+                const float p = seen ? exp2f(s[n][e] * sl2 - lt[col]) : 0.0f;
+                s[n][e] = p;
+                dp[n][e] = p * (dp[n][e] - dlt[col]); // ∂sᵀ
+            }
+        accumulate<T, HD, TQ>(dv, s, dtt, g, c2);
+        accumulate<T, HD, TQ>(dk, dp, qtt, g, c2);
+    }
+    T *out = dkv + ((long)bi * heads + hi) * keys * hd;
+    store_rows<T, HD>(out, dk, scale, kw, keys, hd, g, c2);
+    store_rows<T, HD>(out + plane, dv, 1.0f, kw, keys, hd, g, c2);
+}
+
+#define FLASH_TC_GRAD(NAME, T, HD)                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS) flash_tc_dq_##NAME(                    \
+        const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta, \
+        T *dq, int heads, int t, int keys, int hd, int causal, float scale, long qs0, long qs1,  \
+        long qs2, long ks0, long ks1, long ks2, long vs0, long vs1, long vs2) {                  \
+        flash_tc_dq_rows<T, HD>(q, k, v, dout, lse, delta, dq, heads, t, keys, hd, causal, scale, \
+                                qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2);                    \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) flash_tc_dkv_##NAME(                   \
+        const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta, \
+        T *dkv, long plane, int heads, int t, int keys, int hd, int causal, float scale,         \
+        long qs0, long qs1, long qs2, long ks0, long ks1, long ks2, long vs0, long vs1,          \
+        long vs2) {                                                                              \
+        flash_tc_dkv_rows<T, HD>(q, k, v, dout, lse, delta, dkv, plane, heads, t, keys, hd,      \
+                                 causal, scale, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1, vs2);    \
+    }
+
+FLASH_TC_GRAD(bf16_d64, __nv_bfloat16, 64)
+FLASH_TC_GRAD(f16_d64, __half, 64)
 #endif
 
 // The backward. With p_ij = exp(s_ij − lse_i) (s the scaled scores), dp_ij = ∂o_i·v_j and
