@@ -6,7 +6,9 @@
 //! step is forward + backward + global-norm clipping at 1.0 + AdamW (lr 1e-3, betas
 //! 0.9/0.95, eps 1e-8, weight decay 0.01), f32, random weights (N(0, 0.02)) and random
 //! batches; the median of 5 timed steps after 2 warm-ups. Peak resident memory is
-//! measured over each part.
+//! measured over each part. On a GPU also the GPU anchor's figures: the `base` LM (6
+//! layers, d 512, 8 heads, 512/512/2048 tokens, sequence 512, batch 4) beside the small
+//! one, each in f32 and bf16-mixed, and the ViT in bf16-mixed.
 
 use std::time::Instant;
 
@@ -59,13 +61,35 @@ fn round(x: f64, d: i32) -> f64 {
     (x * m).round() / m
 }
 
-fn lm(dev: &Device) -> Result<(f64, f64, Option<f64>)> {
-    let mut cfg = Config::released(4, 256, 4);
-    cfg.ffn_tokens = 1024;
-    cfg.max_position_embeddings = 256;
-    let (b, s) = (8, 256);
+/// The peer's language-model shapes: `small` (the CPU figure) and `base`.
+#[derive(Clone, Copy)]
+enum LmShape {
+    Small,
+    Base,
+}
+
+impl LmShape {
+    fn name(self) -> &'static str {
+        match self {
+            LmShape::Small => "small",
+            LmShape::Base => "base",
+        }
+    }
+}
+
+/// Tokens/s, first loss and peak RSS of training the peer's `shape` LM, computing in
+/// `dtype` (bf16: bf16-mixed, f32 master weights and optimizer state).
+fn lm(dev: &Device, shape: LmShape, dtype: DType) -> Result<(f64, f64, Option<f64>)> {
+    // (layers, d, heads, feed-forward tokens, sequence, batch), as torch_train_baseline.py.
+    let (layers, d, heads, ffn, s, b) = match shape {
+        LmShape::Small => (4, 256, 4, 1024, 256, 8),
+        LmShape::Base => (6, 512, 8, 2048, 512, 4),
+    };
+    let mut cfg = Config::released(layers, d, heads);
+    cfg.ffn_tokens = ffn;
+    cfg.max_position_embeddings = s;
     let tensors = tokenformer::train::lm::init_tensors(&cfg, 0, dev)?;
-    let model = TrainableLm::new(&cfg, &tensors, DType::F32, dev)?;
+    let model = TrainableLm::new(&cfg, &tensors, dtype, dev)?;
     drop(tensors);
     let mut opt = AdamW::new(model.params().clone(), adamw())?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(2);
@@ -83,7 +107,7 @@ fn lm(dev: &Device) -> Result<(f64, f64, Option<f64>)> {
     Ok(((b * s) as f64 / secs, first, peak))
 }
 
-fn vit(dev: &Device) -> Result<(f64, f64, Option<f64>)> {
+fn vit(dev: &Device, dtype: DType) -> Result<(f64, f64, Option<f64>)> {
     let mut cfg = vit::Config::imagenet(4, 192, 3, 192, 768);
     cfg.image_size = 32;
     cfg.patch_size = 4;
@@ -91,7 +115,7 @@ fn vit(dev: &Device) -> Result<(f64, f64, Option<f64>)> {
     cfg.norm_eps = 1e-5;
     let b = 64;
     let tensors = tokenformer::train::vit::init_tensors(&cfg, 1, dev)?;
-    let model = tokenformer::train::vit::TrainableVit::new(&cfg, &tensors, DType::F32, dev)?;
+    let model = tokenformer::train::vit::TrainableVit::new(&cfg, &tensors, dtype, dev)?;
     let mut opt = AdamW::new(model.params().clone(), adamw())?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(2);
     let (secs, first, peak) = measure(|_| {
@@ -110,19 +134,45 @@ fn vit(dev: &Device) -> Result<(f64, f64, Option<f64>)> {
 /// The training metrics, under the peer's keys (plus peak memory).
 pub fn run(dev: &Device) -> Result<Map<String, Value>> {
     let mut out = Map::new();
-    let (rate, first, peak) = lm(dev)?;
+    let small = lm(dev, LmShape::Small, DType::F32)?;
+    let (rate, first, peak) = small;
     out.insert("train_lm_tokens_per_s".into(), json!(round(rate, 1)));
     out.insert("train_lm_first_loss".into(), json!(round(first, 4)));
     out.insert(
         "train_lm_peak_rss_mb".into(),
         json!(peak.map(|p| round(p, 1))),
     );
-    let (rate, first, peak) = vit(dev)?;
+    let (rate, first, peak) = vit(dev, DType::F32)?;
     out.insert("train_vit_images_per_s".into(), json!(round(rate, 1)));
     out.insert("train_vit_first_loss".into(), json!(round(first, 4)));
     out.insert(
         "train_vit_peak_rss_mb".into(),
         json!(peak.map(|p| round(p, 1))),
     );
+    if dev.is_cuda() {
+        // The GPU anchor's figures (`../shared/gpu/torch_gpu_anchor.py`, its keys): both
+        // LM shapes in f32 and bf16-mixed (its bf16 autocast), and the ViT in bf16-mixed.
+        // One that fails is reported as `{key}_error` and the others still run.
+        let mut record = |key: &str, unit: &str, r: Result<(f64, f64, Option<f64>)>| match r {
+            Ok((rate, first, _)) => {
+                out.insert(format!("{key}_{unit}_per_s"), json!(round(rate, 1)));
+                out.insert(format!("{key}_first_loss"), json!(round(first, 4)));
+            }
+            Err(e) => {
+                out.insert(format!("{key}_error"), json!(format!("{e:#}")));
+            }
+        };
+        // The small LM in f32 is the figure above.
+        record("train_lm_small_f32", "tokens", Ok(small));
+        for (shape, dtype, tag) in [
+            (LmShape::Small, DType::BF16, "bf16amp"),
+            (LmShape::Base, DType::F32, "f32"),
+            (LmShape::Base, DType::BF16, "bf16amp"),
+        ] {
+            let key = format!("train_lm_{}_{tag}", shape.name());
+            record(&key, "tokens", lm(dev, shape, dtype));
+        }
+        record("train_vit_bf16amp", "images", vit(dev, DType::BF16));
+    }
     Ok(out)
 }
