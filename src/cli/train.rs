@@ -145,7 +145,8 @@ pub struct TrainArgs {
     #[command(flatten)]
     pub device: super::DeviceArgs,
     /// f32, or bf16-mixed: f32 weights and AdamW state, the forward and backward in bf16
-    /// with norms, softmaxes and the loss in f32 (for GPUs).
+    /// with norms, softmaxes and the loss in f32 (for GPUs; on the CPU several times
+    /// slower than f32).
     #[arg(long, value_enum, default_value_t)]
     pub precision: Precision,
     /// Train --model to behave like SOURCE, the Transformer it was imported from (a
@@ -216,6 +217,14 @@ mod train_vl;
 
 pub fn run(a: TrainArgs) -> Result<()> {
     let dev = a.device.open()?;
+    if dev.is_cpu() && a.precision == Precision::Bf16Mixed {
+        // candle's bf16 products on the CPU: 7× slower than f32 for the bench's small LM,
+        // 10× for its ViT (docs/PERFORMANCE.md).
+        eprintln!(
+            "warning: --precision bf16-mixed on the CPU is several times slower than f32 \
+             (it is meant for GPUs); f32 trains faster here"
+        );
+    }
     let (betas_1, betas_2) = parse_betas(&a.betas)?;
     let train_globs = a.train.as_deref().map(parse_train);
     let grow_at = a
