@@ -386,6 +386,15 @@ __device__ __forceinline__ void store_rows(T *dst, const float (*o)[4], float mu
 
 #define LOG2E 1.4426950408889634f
 
+// The keys (0 .. kend) that the block's queries q0 .. q0 + TC_ROWS see, and those
+// (0 .. wend) that the warp's r0 .. r0 + 15 see. Causal: none after the last query's
+// position; none for a warp wholly past t.
+__device__ __forceinline__ void key_ends(int causal, int keys, int t, int q0, int r0, int &kend, int &wend) {
+    const int past = keys - t;
+    kend = causal ? min(keys, past + min(t, q0 + TC_ROWS)) : keys;
+    wend = r0 >= t ? 0 : causal ? min(kend, past + min(t, r0 + 16)) : kend;
+}
+
 template <typename T, int HD>
 __device__ __forceinline__ void flash_tc_rows(
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ out,
@@ -405,10 +414,8 @@ __device__ __forceinline__ void flash_tc_rows(
     float o[HD / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     const float sl2 = scale * LOG2E;
-    // Causal: no query of the block sees a key after its last query's position, and no
-    // query of the warp one after the warp's last (none for a warp wholly past t).
-    const int kend = causal ? min(keys, past + min(t, q0 + TC_ROWS)) : keys;
-    const int wend = r0 >= t ? 0 : causal ? min(kend, past + min(t, r0 + 16)) : kend;
+    int kend, wend;
+    key_ends(causal, keys, t, q0, r0, kend, wend);
     const T *kb = k + bi * ks0 + hi * ks1;
     const T *vb = v + bi * vs0 + hi * vs1;
 
@@ -538,8 +545,8 @@ __device__ __forceinline__ void flash_tc_dq_rows(
     }
     float acc[HD / 8][4] = {};
     const float sl2 = scale * LOG2E;
-    const int kend = causal ? min(keys, past + min(t, q0 + TC_ROWS)) : keys;
-    const int wend = r0 >= t ? 0 : causal ? min(kend, past + min(t, r0 + 16)) : kend;
+    int kend, wend;
+    key_ends(causal, keys, t, q0, r0, kend, wend);
     const T *kb = k + bi * ks0 + hi * ks1;
     const T *vb = v + bi * vs0 + hi * vs1;
 
