@@ -411,8 +411,9 @@ void attention_grad_case(int b, int h, int t, int keys, int hd, bool causal, boo
 }
 
 int main() {
-    const int cases[][5] = {{2, 3, 70, 70, 64}, {1, 2, 1, 1, 64},   {1, 2, 1, 37, 64},  {2, 2, 5, 133, 128},
-                            {1, 4, 33, 33, 8},  {1, 2, 17, 50, 100}, {1, 1, 40, 40, 256}, {1, 2, 65, 97, 200}};
+    const int cases[][5] = {{2, 3, 70, 70, 64}, {1, 2, 1, 1, 64},    {1, 2, 1, 37, 64},   {2, 2, 5, 133, 128},
+                            {1, 4, 33, 33, 8},  {1, 2, 17, 50, 100},  {1, 2, 40, 90, 80},  {1, 2, 20, 20, 96},
+                            {1, 1, 40, 40, 256}, {1, 2, 65, 97, 200}};
     for (auto &c : cases)
         for (int causal = 0; causal < 2; ++causal) {
             const int b = c[0], h = c[1], t = c[2], keys = c[3], hd = c[4];
@@ -426,11 +427,15 @@ int main() {
             attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, b16);
             if (hd <= 128) { // the tensor-core forward, on the bf16 values in bf16 and in f16
                 attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true,
-                                              hd <= 64 ? flash_tc_bf16_d64 : flash_tc_bf16_d128, TC_ROWS,
-                                              "attention (tensor cores)");
+                                              hd <= 64   ? flash_tc_bf16_d64
+                                              : hd <= 96 ? flash_tc_bf16_d96
+                                                         : flash_tc_bf16_d128,
+                                              TC_ROWS, "attention (tensor cores)");
                 attention_case<__half>(b, h, t, keys, hd, causal, true,
-                                       hd <= 64 ? flash_tc_f16_d64 : flash_tc_f16_d128, TC_ROWS,
-                                       "attention (tensor cores)");
+                                       hd <= 64   ? flash_tc_f16_d64
+                                       : hd <= 96 ? flash_tc_f16_d96
+                                                  : flash_tc_f16_d128,
+                                       TC_ROWS, "attention (tensor cores)");
             }
         }
     // Decoding's split over keys: one query and a few (causal, so some rows see nothing

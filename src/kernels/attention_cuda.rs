@@ -26,6 +26,11 @@ const ROWS: usize = 32;
 const TC_ROWS: usize = 64;
 const THREADS: u32 = 128;
 
+/// The head sizes of the tensor-core forward's instances (96: the 1.5B's, which would
+/// spend a quarter of a 128-wide instance's products on padding) and of its backward's.
+const TC_HEAD_DIMS: [usize; 3] = [64, 96, 128];
+const TC_GRAD_HEAD_DIMS: [usize; 1] = [64];
+
 /// The tensor-core version of `kernel` ("flash" for the forward, "flash_dq",
 /// "flash_dkv") for `dtype` and head size `hd`, if it has one (bf16 and f16; head sizes
 /// up to 128 forward, 64 backward) and `TOKENFORMER_FLASH_TC` is not `0` (which keeps
@@ -33,15 +38,19 @@ const THREADS: u32 = 128;
 fn tensor_core_instance(kernel: &str, dtype: DType, hd: usize) -> Option<String> {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("TOKENFORMER_FLASH_TC").is_ok_and(|v| v == "0"));
-    let max_hd = if kernel == "flash" {
-        HEAD_DIMS[1]
+    let dims: &[usize] = if kernel == "flash" {
+        &TC_HEAD_DIMS
     } else {
-        HEAD_DIMS[0]
+        &TC_GRAD_HEAD_DIMS
     };
-    let fits = matches!(dtype, DType::BF16 | DType::F16) && hd <= max_hd;
-    let name = instance(dtype, hd).ok().filter(|_| fits && !off)?;
+    let maxd = dims.iter().find(|&&m| hd <= m)?;
+    let name = match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => return None,
+    };
     let kernel = kernel.strip_prefix("flash").unwrap_or(kernel);
-    Some(format!("flash_tc{kernel}_{name}"))
+    (!off).then(|| format!("flash_tc{kernel}_{name}_d{maxd}"))
 }
 
 /// The name of `kernel`'s tensor-core version where it has one and the PTX holds it

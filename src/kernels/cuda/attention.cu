@@ -220,9 +220,9 @@ FLASH_COMBINE(f32, float)
 FLASH_COMBINE(bf16, __nv_bfloat16)
 FLASH_COMBINE(f16, __half)
 
-// The forward on tensor cores, for bf16 and f16 (head sizes up to 128; the SIMT kernel
-// above takes the rest): FlashAttention-2's loop on PTX `mma.sync` m16n8k16 products
-// with f32 accumulators. Their register layout is documented (PTX ISA, "Matrix
+// The forward on tensor cores, for bf16 and f16 (instances for head sizes 64, 96 and
+// 128; the SIMT kernel above takes larger ones): FlashAttention-2's loop on PTX
+// `mma.sync` m16n8k16 products with f32 accumulators. Their register layout is documented (PTX ISA, "Matrix
 // Fragments for mma.m16n8k16"), so the scores stay in registers: the row maxima, the
 // rescaling of the output and the weights p are computed where the product leaves
 // them, and the scores of 16 keys are, element for element, the left operand of p·v.
@@ -502,8 +502,10 @@ __device__ __forceinline__ void flash_tc_rows(
     }
 
 FLASH_TC(bf16_d64, __nv_bfloat16, 64)
+FLASH_TC(bf16_d96, __nv_bfloat16, 96)
 FLASH_TC(bf16_d128, __nv_bfloat16, 128)
 FLASH_TC(f16_d64, __half, 64)
+FLASH_TC(f16_d96, __half, 96)
 FLASH_TC(f16_d128, __half, 128)
 
 // The backward on tensor cores (bf16 and f16, head sizes up to 64; the SIMT kernels
