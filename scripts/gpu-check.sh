@@ -11,9 +11,10 @@
 #
 # On the GPU machine (device tool: carry ["target/gpu-check"]), from the checkout's root:
 #   bash target/gpu-check/run.sh [--compile]
-# prints the GPU, runs the GPU tests and `tokenformer bench --device cuda` each with the
-# project's CUDA kernels (TOKENFORMER_CUDA_KERNELS=1) and without, then eager PyTorch's
-# anchor on the same card (--compile: also torch.compile's, ~2 more minutes);
+# prints the GPU, runs the GPU tests and `tokenformer bench --device cuda` with the
+# project's CUDA kernels (TOKENFORMER_CUDA_KERNELS=1), eager PyTorch's anchor on the same
+# card, then the tests and the bench without the kernels and the A/B runs (--compile:
+# also torch.compile's anchor, ~2 more minutes);
 # everything lands in $OUT (the device tool's returned folder) or a temporary folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,44 +64,48 @@ for b in tokenformer gpu-tests; do
 done
 run() { bash "$here/gpu/run-on-gpu.sh" "$@"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
-# Each part twice: with the project's own CUDA kernels first, then plain candle ops (the
-# default). TOKENFORMER_CUDA_KERNELS=1 turns on Θ, flash attention (on tensor cores in
-# bf16/f16; TOKENFORMER_FLASH_TC=0 keeps the SIMT kernel), log-softmax-gather and the
-# training kernels (the kernel tests call them directly either way); KERNEL_RUNS="1" (or "0") runs one side
-# only. Everything is written to $out as it goes, so a run cut short still returns what
-# it finished.
+# The GPU tests and the bench with the project's own CUDA kernels first
+# (TOKENFORMER_CUDA_KERNELS=1: Θ, flash attention, on tensor cores in bf16/f16 forward
+# and backward, log-softmax-gather, the norms, decoding's fused q/k/v and rotary, the
+# training kernels; the kernel tests call them directly either way), then eager
+# PyTorch's anchor on the same card, so that the figures the issues compare come first;
+# then both again with plain candle ops (the default) and the A/B runs. KERNEL_RUNS="1"
+# (or "0") runs one side only. Everything is written to $out as it goes, so a run cut
+# short still returns what it finished.
 runs="${KERNEL_RUNS:-1 0}"
+py="${TORCH_VENV:-/opt/torch/.venv}/bin/python"
+anchor_done=0
 for kernels in $runs; do
     echo "== GPU tests, TOKENFORMER_CUDA_KERNELS=$kernels"
     TOKENFORMER_CUDA_KERNELS=$kernels TOKENFORMER_TEST_ROOT="$root" TOKENFORMER_BIN="$bin/tokenformer" \
         run "$bin/gpu-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/gpu-tests-kernels$kernels.txt"
-done
-for kernels in $runs; do
     echo "== bench --device cuda, TOKENFORMER_CUDA_KERNELS=$kernels"
     TOKENFORMER_CUDA_KERNELS=$kernels run "$bin/tokenformer" bench --device cuda --json \
         >"$out/bench-kernels$kernels.json" 2>"$out/bench-kernels$kernels.err"
     echo "rc=$?"; cat "$out/bench-kernels$kernels.json"; tail -5 "$out/bench-kernels$kernels.err"
+    if [ "$anchor_done" = 0 ]; then
+        echo "== eager PyTorch anchor"
+        "$py" "$here/gpu/torch_gpu_anchor.py" >"$out/torch.json" 2>"$out/torch.err"; cat "$out/torch.json"
+        anchor_done=1
+    fi
 done
 if [[ " $runs " == *" 1 "* ]]; then
-    # The SIMT attention forward instead of the tensor-core one (bf16/f16): its tests,
-    # and the prefill figures to compare with the first bench above.
-    echo "== attention tests and bench --only prefill, TOKENFORMER_FLASH_TC=0"
-    TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 TOKENFORMER_TEST_ROOT="$root" \
-        TOKENFORMER_BIN="$bin/tokenformer" run "$bin/gpu-tests" attention --test-threads=1 \
-        --nocapture 2>&1 | tee "$out/gpu-tests-simt-attention.txt"
-    TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 run "$bin/tokenformer" bench --device cuda \
-        --only prefill --json >"$out/bench-simt-attention.json" 2>"$out/bench-simt-attention.err"
-    echo "rc=$?"; cat "$out/bench-simt-attention.json"
     # Decoding with one block a head instead of the split over keys, to compare with the
     # first bench's decode figures.
     echo "== bench --only decode, TOKENFORMER_FLASH_SPLIT=0"
     TOKENFORMER_FLASH_SPLIT=0 TOKENFORMER_CUDA_KERNELS=1 run "$bin/tokenformer" bench --device cuda \
         --only decode --json >"$out/bench-no-split.json" 2>"$out/bench-no-split.err"
     echo "rc=$?"; cat "$out/bench-no-split.json"
+    # The SIMT attention instead of the tensor-core one (bf16/f16, forward and backward):
+    # its tests, and the prefill and training figures to compare with the first bench.
+    echo "== attention tests and bench --only prefill,train, TOKENFORMER_FLASH_TC=0"
+    TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 TOKENFORMER_TEST_ROOT="$root" \
+        TOKENFORMER_BIN="$bin/tokenformer" run "$bin/gpu-tests" attention --test-threads=1 \
+        --nocapture 2>&1 | tee "$out/gpu-tests-simt-attention.txt"
+    TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 run "$bin/tokenformer" bench --device cuda \
+        --only prefill,train --json >"$out/bench-simt-attention.json" 2>"$out/bench-simt-attention.err"
+    echo "rc=$?"; cat "$out/bench-simt-attention.json"
 fi
-py="${TORCH_VENV:-/opt/torch/.venv}/bin/python"
-echo "== eager PyTorch anchor"
-"$py" "$here/gpu/torch_gpu_anchor.py" >"$out/torch.json" 2>"$out/torch.err"; cat "$out/torch.json"
 if [ "${1:-}" = "--compile" ]; then
     echo "== torch.compile anchor"
     "$py" "$here/gpu/torch_compile_anchor.py" >"$out/torch-compile.json" 2>"$out/torch-compile.err"
