@@ -785,9 +785,9 @@ fn the_attention_kernel_equals_the_plain_ops() {
     };
     // (b, h, t, keys, hd): 70 queries are 2 blocks of 32 and a ragged one, 70 and 133
     // keys ragged tiles; t = 1 is a decode step; hd 8, 80, 100 and 200 leave lanes
-    // idle, 96 is the 1.5B's (its own tensor-core instance); one and five queries over
-    // 1,000 and 700 cached keys take decoding's split over keys (8 and 11 chunks,
-    // merged).
+    // idle, 96 is the 1.5B's (its own tensor-core instance); 40 queries over 150 keys
+    // take the tiled f32 kernel over a past; one and five queries over 1,000 and 700
+    // cached keys take decoding's split over keys (8 and 11 chunks, merged).
     let cases = [
         (1, 12, 1, 1000, 64),
         (2, 2, 5, 700, 128),
@@ -799,6 +799,7 @@ fn the_attention_kernel_equals_the_plain_ops() {
         (1, 2, 17, 50, 100),
         (1, 2, 40, 90, 80),
         (1, 2, 20, 20, 96),
+        (1, 2, 40, 150, 48),
         (1, 1, 40, 40, 256),
         (1, 2, 65, 97, 200),
     ];

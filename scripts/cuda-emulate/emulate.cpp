@@ -55,6 +55,8 @@ inline float __int_as_float(int i) {
 }
 inline int min(int a, int b) { return a < b ? a : b; }
 struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 // IEEE round-to-nearest operations (no contraction into fused multiply-adds: this file
 // is built without -mfma).
 inline float __fmul_rn(float a, float b) { return a * b; }
@@ -413,6 +415,7 @@ void attention_grad_case(int b, int h, int t, int keys, int hd, bool causal, boo
 int main() {
     const int cases[][5] = {{2, 3, 70, 70, 64}, {1, 2, 1, 1, 64},    {1, 2, 1, 37, 64},   {2, 2, 5, 133, 128},
                             {1, 4, 33, 33, 8},  {1, 2, 17, 50, 100},  {1, 2, 40, 90, 80},  {1, 2, 20, 20, 96},
+                            {1, 2, 40, 150, 48},
                             {1, 1, 40, 40, 256}, {1, 2, 65, 97, 200}};
     for (auto &c : cases)
         for (int causal = 0; causal < 2; ++causal) {
@@ -424,6 +427,9 @@ int main() {
                                 : hd <= 128 ? flash_attention_bf16_d128
                                             : flash_attention_bf16_d256);
             attention_case<float>(b, h, t, keys, hd, causal, false, f32);
+            if (hd <= 64) // the register-tiled f32 forward
+                attention_case<float>(b, h, t, keys, hd, causal, false, flash_tile_f32_d64, TILE_Q,
+                                      "attention (f32 tiles)");
             attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, b16);
             if (hd <= 128) { // the tensor-core forward, on the bf16 values in bf16 and in f16
                 attention_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true,
@@ -465,6 +471,9 @@ int main() {
             if (hd <= 64) {
                 attention_grad_case<float>(b, h, t, keys, hd, causal, false, one_pass(flash_attention_f32_d64),
                                            flash_dq_f32_d64, flash_dkv_f32_d64);
+                // From the register-tiled forward's log-sum-exp, as f32 training runs.
+                attention_grad_case<float>(b, h, t, keys, hd, causal, false, flash_tile_f32_d64, flash_dq_f32_d64,
+                                           flash_dkv_f32_d64, TILE_Q);
                 attention_grad_case<__nv_bfloat16>(b, h, t, keys, hd, causal, true, one_pass(flash_attention_bf16_d64),
                                                    flash_dq_bf16_d64, flash_dkv_bf16_d64);
                 // The SIMT backward from the tensor-core forward's log-sum-exp, then the

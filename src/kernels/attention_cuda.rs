@@ -21,23 +21,35 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 const MODULE: &str = "tokenformer_attention";
 
 /// Rows (queries, or the ∂k/∂v kernel's keys) per thread block (`ROWS` in the
-/// kernels; `TC_ROWS` queries or keys for the tensor-core ones) and its threads.
+/// kernels; `FAST_ROWS` queries or keys for the tensor-core and tiled ones) and its
+/// threads.
 const ROWS: usize = 32;
-const TC_ROWS: usize = 64;
+const FAST_ROWS: usize = 64;
 const THREADS: u32 = 128;
 
 /// The head sizes of the tensor-core forward's instances (96: the 1.5B's, which would
 /// spend a quarter of a 128-wide instance's products on padding) and of its backward's.
 const TC_HEAD_DIMS: [usize; 3] = [64, 96, 128];
 const TC_GRAD_HEAD_DIMS: [usize; 1] = [64];
+/// The largest head size of the register-tiled f32 forward (`flash_tile_f32_d64`).
+const TILE_HEAD_DIM: usize = 64;
 
-/// The tensor-core version of `kernel` ("flash" for the forward, "flash_dq",
-/// "flash_dkv") for `dtype` and head size `hd`, if it has one (bf16 and f16; head sizes
-/// up to 128 forward, 64 backward) and `TOKENFORMER_FLASH_TC` is not `0` (which keeps
-/// the SIMT kernels, for comparing the two on a GPU).
-fn tensor_core_instance(kernel: &str, dtype: DType, hd: usize) -> Option<String> {
+/// The faster version of `kernel` ("flash" for the forward, "flash_dq", "flash_dkv")
+/// for `dtype`, head size `hd` and `t` queries, if it has one: on tensor cores for bf16
+/// and f16 (head sizes up to 128 forward, 64 backward), register-tiled for the f32
+/// forward (head sizes up to 64, more than one of the first kernel's blocks of
+/// queries); unless `TOKENFORMER_FLASH_TC` is `0`, which keeps the first SIMT kernels,
+/// for comparing the two on a GPU.
+fn fast_instance(kernel: &str, dtype: DType, hd: usize, t: usize) -> Option<String> {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("TOKENFORMER_FLASH_TC").is_ok_and(|v| v == "0"));
+    if off {
+        return None;
+    }
+    if dtype == DType::F32 {
+        let serves = kernel == "flash" && hd <= TILE_HEAD_DIM && t > ROWS;
+        return serves.then(|| "flash_tile_f32_d64".to_string());
+    }
     let dims: &[usize] = if kernel == "flash" {
         &TC_HEAD_DIMS
     } else {
@@ -50,24 +62,26 @@ fn tensor_core_instance(kernel: &str, dtype: DType, hd: usize) -> Option<String>
         _ => return None,
     };
     let kernel = kernel.strip_prefix("flash").unwrap_or(kernel);
-    (!off).then(|| format!("flash_tc{kernel}_{name}_d{maxd}"))
+    Some(format!("flash_tc{kernel}_{name}_d{maxd}"))
 }
 
-/// The name of `kernel`'s tensor-core version where it has one and the PTX holds it
-/// (built for compute capability 8.0 or later), with its rows a block, else of the SIMT
-/// one (`simt`: its stem, "flash_attention" for the forward) with its; and whether it
-/// is the tensor-core one.
+/// The name of `kernel`'s faster version ([`fast_instance`]) where it has one and the
+/// PTX holds it (the tensor-core ones: built for compute capability 8.0 or later), with
+/// its rows a block, else of the first SIMT one (`simt`: its stem, "flash_attention"
+/// for the forward) with its; and whether it is the faster one (whose forward takes no
+/// split-over-keys arguments).
 fn pick(
     dev: &candle_core::CudaDevice,
     kernel: &str,
     simt: &str,
     dtype: DType,
     hd: usize,
+    t: usize,
 ) -> Result<(String, usize, bool)> {
-    let tc = tensor_core_instance(kernel, dtype, hd)
+    let fast = fast_instance(kernel, dtype, hd, t)
         .filter(|name| dev.get_or_load_custom_func(name, MODULE, PTX).is_ok());
-    Ok(match tc {
-        Some(name) => (name, TC_ROWS, true),
+    Ok(match fast {
+        Some(name) => (name, FAST_ROWS, true),
         None => (format!("{simt}_{}", instance(dtype, hd)?), ROWS, false),
     })
 }
@@ -186,7 +200,7 @@ pub(super) fn forward(
         if let Some(chunk) = split_chunk(b, h, t, k.1.dims()[2], hd, ROWS).filter(|_| split_on) {
             return split::<T>([q, k, v], causal, scale, chunk, dtype);
         }
-        let (name, rows, tc) = pick(dev, "flash", "flash_attention", q.0.dtype(), hd)?;
+        let (name, rows, fast) = pick(dev, "flash", "flash_attention", q.0.dtype(), hd, t)?;
         let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let (qs, ks, vs) = (view::<T>(q)?, view::<T>(k)?, view::<T>(v)?);
         // SAFETY: the kernel writes every element of both before they are read.
@@ -201,7 +215,7 @@ pub(super) fn forward(
         a.arg(&lse);
         // The SIMT kernel's split over keys off: no partials (null), no chunk.
         let (null, no_chunk) = (0u64, 0i32);
-        if !tc {
+        if !fast {
             a.arg(&null).arg(&null).arg(&no_chunk);
         }
         common.push(&mut a);
@@ -298,7 +312,7 @@ pub(super) fn grad(
             Part::Q => "flash_dq",
             Part::KV => "flash_dkv",
         };
-        let (name, per_block, _) = pick(dev, kernel, kernel, q.0.dtype(), hd)?;
+        let (name, per_block, _) = pick(dev, kernel, kernel, q.0.dtype(), hd, t)?;
         let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
         let (qs, ks, vs, ds) = (
             view::<T>(q)?,

@@ -15,9 +15,10 @@
 // of the row and of its accumulators in registers. A tile of the other side's rows
 // is staged in shared memory as f32; each dot product is 4 partial sums added
 // across the 4 lanes by two shuffles, which leaves every lane of the row with the
-// whole sum, so nothing per pair goes through shared memory. These SIMT kernels take
-// f32 and the backward; bf16 and f16 forwards with head sizes up to 128 run on tensor
-// cores (`flash_tc_*`, below).
+// whole sum, so nothing per pair goes through shared memory. These first SIMT kernels
+// take decoding, head sizes above the faster kernels' and f32's backward; below them
+// are a register-tiled f32 forward (`flash_tile_f32_d64`) and the tensor-core forward
+// and backward for bf16 and f16 (`flash_tc_*`).
 #include <stdint.h>
 
 #include "rows.cuh"
@@ -219,6 +220,134 @@ __device__ __forceinline__ void flash_combine(const float *po, const float *pml,
 FLASH_COMBINE(f32, float)
 FLASH_COMBINE(bf16, __nv_bfloat16)
 FLASH_COMBINE(f16, __half)
+
+// The f32 forward for head sizes up to 64 and more than one block of queries (prefill
+// and training), register-tiled as a SIMT matrix product is: a block of 128 threads
+// takes 64 queries over tiles of 32 keys; thread (ty, tx) = (tid / 8, tid % 8) holds
+// the scores of queries 4ty .. 4ty + 3 against keys 4tx .. 4tx + 3 of the tile, and
+// the output of those queries at features 4tx .. 4tx + 3 and 32 + 4tx .. 32 + 4tx + 3.
+// Queries and keys are staged transposed and the weights p go through shared memory
+// transposed, so that every operand is read as float4 (a warp's reads of a row are 128
+// contiguous bytes or one broadcast): 16 multiply-adds per two loads for the scores, 32
+// per three for p·v, where the kernel above does one per load. The transposed rows are
+// padded so that the staging's stores collide at most 4 ways. The 8 threads that share a
+// row are adjacent lanes, so its maximum and sum take three shuffles.
+#define TILE_Q 64
+#define TILE_K 32
+
+__device__ __forceinline__ float4 ld4(const float *p) { return *reinterpret_cast<const float4 *>(p); }
+
+__device__ __forceinline__ void flash_tile_rows(
+    const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v, float *__restrict__ out,
+    float *__restrict__ lse, int heads, int t, int keys, int hd, int causal, float scale, long qs0, long qs1,
+    long qs2, long ks0, long ks1, long ks2, long vs0, long vs1, long vs2) {
+    __shared__ __align__(16) float qs[64][TILE_Q + 4];  // q transposed: [feature][query]
+    __shared__ __align__(16) float kts[64][TILE_K + 4]; // the keys transposed
+    __shared__ __align__(16) float vts[TILE_K][64];     // the values as rows
+    __shared__ __align__(16) float ps[TILE_K][TILE_Q + 8]; // the weights transposed: [key][query]
+    const int bi = blockIdx.z, hi = blockIdx.y;
+    const int tid = threadIdx.x, ty = tid / 8, tx = tid % 8;
+    const int q0 = blockIdx.x * TILE_Q, past = keys - t;
+    const float *qb = q + bi * qs0 + hi * qs1;
+    for (int i = tid; i < TILE_Q * 64; i += THREADS) {
+        const int r = i / 64, c = i % 64;
+        qs[c][r] = (q0 + r < t && c < hd) ? qb[(q0 + r) * qs2 + c] : 0.0f;
+    }
+    const int kend = causal ? min(keys, past + min(t, q0 + TILE_Q)) : keys;
+    const float *kb = k + bi * ks0 + hi * ks1;
+    const float *vb = v + bi * vs0 + hi * vs1;
+    float o[4][8] = {}, m[4], l[4] = {};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) m[r] = -INFINITY;
+
+    for (int j0 = 0; j0 < kend; j0 += TILE_K) {
+        __syncthreads(); // the previous tile's readers are done (and q is staged)
+        for (int i = tid; i < TILE_K * 64; i += THREADS) {
+            const int j = i / 64, c = i % 64, key = j0 + j;
+            const bool in = key < kend && c < hd;
+            kts[c][j] = in ? kb[key * ks2 + c] : 0.0f;
+            vts[j][c] = in ? vb[key * vs2 + c] : 0.0f;
+        }
+        __syncthreads();
+        float s[4][4] = {};
+#pragma unroll 8
+        for (int c = 0; c < 64; ++c) {
+            const float4 a = ld4(&qs[c][4 * ty]), b = ld4(&kts[c][4 * tx]);
+            const float ar[4] = {a.x, a.y, a.z, a.w}, br[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) s[r][j] = fmaf(ar[r], br[j], s[r][j]);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int qi = q0 + 4 * ty + r;
+            float mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int key = j0 + 4 * tx + j;
+                const bool seen = qi < t && key < kend && (!causal || key <= past + qi);
+                s[r][j] = seen ? s[r][j] * scale : -INFINITY;
+                mx = fmaxf(mx, s[r][j]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+            const float mn = fmaxf(m[r], mx);
+            // A row that has seen nothing yet stays at zero (exp(−inf − −inf) is NaN).
+            const float base = mn == -INFINITY ? 0.0f : mn;
+            const float alpha = expf(m[r] - base); // 0 while m = −inf
+            m[r] = mn;
+            l[r] *= alpha;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[r][e] *= alpha;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                s[r][j] = expf(s[r][j] - base); // masked: exp(−inf) = 0
+                l[r] += s[r][j];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            *reinterpret_cast<float4 *>(&ps[4 * tx + j][4 * ty]) = make_float4(s[0][j], s[1][j], s[2][j], s[3][j]);
+        __syncthreads();
+#pragma unroll 4
+        for (int j = 0; j < TILE_K; ++j) {
+            const float4 a = ld4(&ps[j][4 * ty]), b0 = ld4(&vts[j][4 * tx]), b1 = ld4(&vts[j][32 + 4 * tx]);
+            const float ar[4] = {a.x, a.y, a.z, a.w}, br[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[r][e] = fmaf(ar[r], br[e], o[r][e]);
+        }
+    }
+    // Each thread summed its own keys: the row's Σ exp across its 8 lanes. Every live
+    // row saw key 0 (causal: past + qi ≥ 0), so l ≥ 1 there.
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 4);
+        const int qi = q0 + 4 * ty + r;
+        if (qi >= t) continue;
+        if (tx == 0 && lse != nullptr) lse[((long)bi * t + qi) * heads + hi] = m[r] + logf(l[r]);
+        float *orow = out + (((long)bi * t + qi) * heads + hi) * hd;
+        const float inv = 1.0f / l[r];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int c = (e < 4 ? 0 : 28) + 4 * tx + e; // 4tx + e, then 32 + 4tx + e − 4
+            if (c < hd) orow[c] = o[r][e] * inv;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) flash_tile_f32_d64(
+    const float *q, const float *k, const float *v, float *out, float *lse, int heads, int t, int keys, int hd,
+    int causal, float scale, long qs0, long qs1, long qs2, long ks0, long ks1, long ks2, long vs0, long vs1,
+    long vs2) {
+    flash_tile_rows(q, k, v, out, lse, heads, t, keys, hd, causal, scale, qs0, qs1, qs2, ks0, ks1, ks2, vs0, vs1,
+                    vs2);
+}
 
 // The forward on tensor cores, for bf16 and f16 (instances for head sizes 64, 96 and
 // 128; the SIMT kernel above takes larger ones): FlashAttention-2's loop on PTX
