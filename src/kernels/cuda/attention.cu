@@ -351,16 +351,17 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_tile_f32_d64(
 
 // The forward on tensor cores, for bf16 and f16 (instances for head sizes 64, 96 and
 // 128; the SIMT kernel above takes larger ones): FlashAttention-2's loop on PTX
-// `mma.sync` m16n8k16 products with f32 accumulators. Their register layout is documented (PTX ISA, "Matrix
-// Fragments for mma.m16n8k16"), so the scores stay in registers: the row maxima, the
-// rescaling of the output and the weights p are computed where the product leaves
-// them, and the scores of 16 keys are, element for element, the left operand of p·v.
-// One pass over the keys. A block of 4 warps takes 64 queries (16 a warp); tiles of
-// TK keys pass through shared memory, keys as rows and values transposed, so that both
-// products read their right operand as pairs of adjacent elements, each row padded by
-// TC_PAD elements so that a warp's 32 reads fall in 32 different banks. The weights p
-// are rounded to T for the tensor cores, as FlashAttention does; their sums stay f32.
-// Scores are held in base-2 units (scale·log₂e folded in) for exp2f.
+// `mma.sync` m16n8k16 products with f32 accumulators. Their register layout is
+// documented (PTX ISA, "Matrix Fragments for mma.m16n8k16"), so the scores stay in
+// registers: the row maxima, the rescaling of the output and the weights p are computed
+// where the product leaves them, and the scores of 16 keys are, element for element,
+// the left operand of p·v. One pass over the keys. A block of 4 warps takes 64 queries
+// (16 a warp); tiles of TC_KEYS keys pass through shared memory, keys as rows and
+// values transposed, so that both products read their right operand as pairs of
+// adjacent elements, each row padded by TC_PAD elements so that a warp's 32 reads fall
+// in 32 different banks. The weights p are rounded to T for the tensor cores, as
+// FlashAttention does; their sums stay f32. Scores are held in base-2 units
+// (scale·log₂e folded in) for exp2f.
 //
 // Lane (g, c) = (lane / 4, lane % 4) holds: of a 16×8 accumulator, rows g and g + 8 at
 // columns 2c and 2c + 1 (registers 0, 1 and 2, 3); of a 16×16 left operand, those rows
