@@ -237,6 +237,15 @@ FLASH_COMBINE(f16, __half)
 
 __device__ __forceinline__ float4 ld4(const float *p) { return *reinterpret_cast<const float4 *>(p); }
 
+// acc[r][c] += a[r]·b[c] for 4 rows and C columns: a thread's share of a tile product.
+template <int C>
+__device__ __forceinline__ void outer(float (*acc)[C], const float *a, const float *b) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < C; ++c) acc[r][c] = fmaf(a[r], b[c], acc[r][c]);
+}
+
 __device__ __forceinline__ void flash_tile_rows(
     const float *__restrict__ q, const float *__restrict__ k, const float *__restrict__ v, float *__restrict__ out,
     float *__restrict__ lse, int heads, int t, int keys, int hd, int causal, float scale, long qs0, long qs1,
@@ -274,10 +283,7 @@ __device__ __forceinline__ void flash_tile_rows(
         for (int c = 0; c < 64; ++c) {
             const float4 a = ld4(&qs[c][4 * ty]), b = ld4(&kts[c][4 * tx]);
             const float ar[4] = {a.x, a.y, a.z, a.w}, br[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) s[r][j] = fmaf(ar[r], br[j], s[r][j]);
+            outer<4>(s, ar, br);
         }
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -315,10 +321,7 @@ __device__ __forceinline__ void flash_tile_rows(
         for (int j = 0; j < TILE_K; ++j) {
             const float4 a = ld4(&ps[j][4 * ty]), b0 = ld4(&vts[j][4 * tx]), b1 = ld4(&vts[j][32 + 4 * tx]);
             const float ar[4] = {a.x, a.y, a.z, a.w}, br[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) o[r][e] = fmaf(ar[r], br[e], o[r][e]);
+            outer<8>(o, ar, br);
         }
     }
     // Each thread summed its own keys: the row's Σ exp across its 8 lanes. Every live
