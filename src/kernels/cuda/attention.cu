@@ -499,20 +499,22 @@ __device__ __forceinline__ void accumulate(float (*o)[4], const float (*p)[4], c
     }
 }
 
-// The lane's accumulator rows of a 16×HD result (rows r0 + g and r0 + g + 8 of a
-// [rows, hd] matrix with contiguous rows of hd) times `mul`, for rows below rend.
+// The lane's accumulator rows of a 16×HD result, rows r0 + g and r0 + g + 8 of a
+// matrix whose rows are `stride` apart (features contiguous), times mul[0] and mul[1]
+// respectively, for rows below rend and features below hd.
 template <typename T, int HD>
-__device__ __forceinline__ void store_rows(T *dst, const float (*o)[4], float mul, int r0, int rend, int hd, int g,
-                                           int c2) {
+__device__ __forceinline__ void store_rows(T *dst, long stride, const float (*o)[4], const float *mul, int r0,
+                                           int rend, int hd, int g, int c2) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = r0 + g + 8 * r;
         if (row >= rend) continue;
+        T *d = dst + row * stride;
 #pragma unroll
         for (int nt = 0; nt < HD / 8; ++nt) {
             const int col = nt * 8 + c2;
-            if (col < hd) store(dst + (long)row * hd, col, o[nt][2 * r] * mul);
-            if (col + 1 < hd) store(dst + (long)row * hd, col + 1, o[nt][2 * r + 1] * mul);
+            if (col < hd) store(d, col, o[nt][2 * r] * mul[r]);
+            if (col + 1 < hd) store(d, col + 1, o[nt][2 * r + 1] * mul[r]);
         }
     }
 }
@@ -608,21 +610,10 @@ __device__ __forceinline__ void flash_tc_rows(
         if (rows[r] < t && c2 == 0 && lse != nullptr)
             lse[((long)bi * t + rows[r]) * heads + hi] = (m[r] + log2f(l[r])) / LOG2E;
     }
-    // out is [b, t, h, hd]: rows of the head h·hd apart; store_rows takes rows hd apart,
-    // so each row is written through its own pointer.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int qi = rows[r];
-        if (qi >= t) continue;
-        const float inv = 1.0f / l[r];
-        T *orow = out + (((long)bi * t + qi) * heads + hi) * hd;
-#pragma unroll
-        for (int nt = 0; nt < HD / 8; ++nt) {
-            const int col = nt * 8 + c2;
-            if (col < hd) store(orow, col, o[nt][2 * r] * inv);
-            if (col + 1 < hd) store(orow, col + 1, o[nt][2 * r + 1] * inv);
-        }
-    }
+    // out is [b, t, h, hd]: a head's rows are h·hd apart. (A padding row's 1/0 is not
+    // stored.)
+    const float inv[2] = {1.0f / l[0], 1.0f / l[1]};
+    store_rows<T, HD>(out + ((long)bi * t * heads + hi) * hd, (long)heads * hd, o, inv, r0, t, hd, g, c2);
 }
 
 #define FLASH_TC(NAME, T, HD)                                                                     \
@@ -705,7 +696,8 @@ __device__ __forceinline__ void flash_tc_dq_rows(
             }
         accumulate<T, HD, TC_KEYS>(acc, s, ktt, g, c2);
     }
-    store_rows<T, HD>(dq + ((long)bi * heads + hi) * t * hd, acc, scale, r0, t, hd, g, c2);
+    const float mul[2] = {scale, scale};
+    store_rows<T, HD>(dq + ((long)bi * heads + hi) * t * hd, hd, acc, mul, r0, t, hd, g, c2);
 }
 
 template <typename T, int HD>
@@ -768,8 +760,9 @@ __device__ __forceinline__ void flash_tc_dkv_rows(
         accumulate<T, HD, TQ>(dk, dp, qtt, g, c2);
     }
     T *out = dkv + ((long)bi * heads + hi) * keys * hd;
-    store_rows<T, HD>(out, dk, scale, kw, keys, hd, g, c2);
-    store_rows<T, HD>(out + plane, dv, 1.0f, kw, keys, hd, g, c2);
+    const float mul_k[2] = {scale, scale}, mul_v[2] = {1.0f, 1.0f};
+    store_rows<T, HD>(out, hd, dk, mul_k, kw, keys, hd, g, c2);
+    store_rows<T, HD>(out + plane, hd, dv, mul_v, kw, keys, hd, g, c2);
 }
 
 #define FLASH_TC_GRAD(NAME, T, HD)                                                                \
