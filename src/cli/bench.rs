@@ -115,6 +115,20 @@ fn timed(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
+/// Runs one part of a bench into `out`; a part that fails (out of memory, say) is
+/// reported under `{name}_error` and the others still run, so that one call on a lent
+/// GPU returns every figure it can.
+pub fn part(
+    out: &mut Map<String, Value>,
+    name: &str,
+    f: impl FnOnce(&mut Map<String, Value>) -> anyhow::Result<()>,
+) {
+    if let Err(e) = f(out) {
+        eprintln!("warning: bench part {name} failed: {e:#}");
+        out.insert(format!("{name}_error"), json!(format!("{e:#}")));
+    }
+}
+
 /// Peak resident memory of this process in MB (VmHWM).
 pub fn peak_rss_mb() -> Option<f64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;

@@ -12,26 +12,13 @@
 
 use std::time::Instant;
 
+use super::bench::part;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Map, Value};
 use tokenformer::checkpoint::{self, Tensors};
 use tokenformer::models::tokenformer::{Config, TokenFormerLm};
 use tokenformer::models::vit::{self, VisionTransformer};
-
-/// Runs one part of the bench into `out`; a part that fails (out of memory, say) is
-/// reported under `{name}_error` and the others still run, so that one call on a lent
-/// GPU returns every figure it can.
-fn part(
-    out: &mut Map<String, Value>,
-    name: &str,
-    f: impl FnOnce(&mut Map<String, Value>) -> Result<()>,
-) {
-    if let Err(e) = f(out) {
-        eprintln!("warning: bench part {name} failed: {e:#}");
-        out.insert(format!("{name}_error"), json!(format!("{e:#}")));
-    }
-}
 
 /// Median seconds of three runs of `f` after a warm-up, each synchronised.
 fn timed(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {

@@ -12,7 +12,7 @@
 
 use std::time::Instant;
 
-use super::bench::{peak_rss_mb, reset_peak_rss};
+use super::bench::{part, peak_rss_mb, reset_peak_rss};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
@@ -153,14 +153,13 @@ pub fn run(dev: &Device) -> Result<Map<String, Value>> {
         // The GPU anchor's figures (`../shared/gpu/torch_gpu_anchor.py`, its keys): both
         // LM shapes in f32 and bf16-mixed (its bf16 autocast), and the ViT in bf16-mixed.
         // One that fails is reported as `{key}_error` and the others still run.
-        let mut record = |key: &str, unit: &str, r: Result<(f64, f64, Option<f64>)>| match r {
-            Ok((rate, first, _)) => {
-                out.insert(format!("{key}_{unit}_per_s"), json!(round(rate, 1)));
-                out.insert(format!("{key}_first_loss"), json!(round(first, 4)));
-            }
-            Err(e) => {
-                out.insert(format!("{key}_error"), json!(format!("{e:#}")));
-            }
+        let mut record = |key: &str, unit: &str, r: Result<(f64, f64, Option<f64>)>| {
+            part(&mut out, key, |o| {
+                let (rate, first, _) = r?;
+                o.insert(format!("{key}_{unit}_per_s"), json!(round(rate, 1)));
+                o.insert(format!("{key}_first_loss"), json!(round(first, 4)));
+                Ok(())
+            })
         };
         // The small LM in f32 is the figure above.
         record("train_lm_small_f32", "tokens", Ok(small));
