@@ -10,7 +10,7 @@
 //! log-softmax is reduced to the target's value (and argmax) without
 //! materialising a log-probability tensor.
 
-use candle_core::{Storage, Tensor, D};
+use candle_core::{DType, Storage, Tensor, D};
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -92,12 +92,23 @@ pub fn score_ids(model: &TokenFormerLm, ids: &[u32]) -> Result<SequenceScore> {
 /// them with tensor ops.
 #[cfg(feature = "cuda")]
 fn fused_target_logprobs(logits: &Tensor, targets: &[u32]) -> Result<Option<TargetLogprobs>> {
-    if !crate::kernels::logprob_cuda_serves(logits) {
+    if !fused_serves(logits) {
         return Ok(None);
     }
     Ok(Some(crate::kernels::cuda::target_logprobs(
         logits, targets,
     )?))
+}
+
+/// Whether [`fused_target_logprobs`] takes `logits` as they are.
+#[cfg(feature = "cuda")]
+fn fused_serves(logits: &Tensor) -> bool {
+    crate::kernels::logprob_cuda_serves(logits)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_serves(_: &Tensor) -> bool {
+    false
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -284,7 +295,17 @@ impl<'m> Scorer<'m> {
             let end = (start + chunk).min(rows.len());
             let sel = Tensor::new(&rows[start..end], dev)?;
             let h = hidden.index_select(&sel, 0)?.unsqueeze(0)?;
-            let logits = self.model.head_with(&h, &output_matrix)?.squeeze(0)?;
+            // The GPU kernel reads bf16/f16 logits as they are, in f32 (the same
+            // values the widening would give it); every other reader gets f32.
+            let logits = self
+                .model
+                .head_in_compute_dtype(&h, &output_matrix)?
+                .squeeze(0)?;
+            let logits = if fused_serves(&logits) {
+                logits
+            } else {
+                logits.to_dtype(DType::F32)?
+            };
             let picked = target_logprobs(&logits, &targets[start..end], self.greedy)?;
             for (r, (lp, is_max)) in picked.into_iter().enumerate() {
                 let k = owner[start + r];
@@ -347,9 +368,9 @@ fn first_argmax(logits: &Tensor) -> Result<Tensor> {
     let (_, vocab) = logits.dims2()?;
     let at_max = logits
         .broadcast_ge(&logits.max_keepdim(D::Minus1)?)?
-        .to_dtype(candle_core::DType::F32)?;
+        .to_dtype(DType::F32)?;
     let rank = Tensor::arange(0u32, vocab as u32, logits.device())?
-        .to_dtype(candle_core::DType::F32)?
+        .to_dtype(DType::F32)?
         .affine(-1.0, vocab as f64)?;
     Ok(at_max.broadcast_mul(&rank)?.argmax(D::Minus1)?)
 }

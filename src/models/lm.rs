@@ -573,11 +573,16 @@ impl TokenFormerLm {
     /// another precision: a caller running the head on many row chunks widens
     /// f16 weights once instead of once per chunk. The logits are f32.
     pub(crate) fn head_with(&self, h: &Tensor, out: &Tensor) -> Result<Tensor> {
+        self.head_in_compute_dtype(h, out)?.to_dtype(DType::F32)
+    }
+
+    /// [`Self::head_with`] with the logits left in the product's dtype (bf16
+    /// logits of a bf16 model): for a reader that widens them itself, such as
+    /// the GPU's log-softmax-gather, so that they are not written twice.
+    pub(crate) fn head_in_compute_dtype(&self, h: &Tensor, out: &Tensor) -> Result<Tensor> {
         let (b, t, d) = h.dims3()?;
         let h = self.final_norm.forward(h)?.reshape((b * t, d))?;
-        crate::kernels::matmul_nt(&h, out)?
-            .to_dtype(DType::F32)?
-            .reshape((b, t, self.cfg.vocab_size))
+        crate::kernels::matmul_nt(&h, out)?.reshape((b, t, self.cfg.vocab_size))
     }
 
     /// Logits [b, t, vocab] for ids [b, t]. With a cache, positions continue
