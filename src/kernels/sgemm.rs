@@ -195,6 +195,35 @@ unsafe fn pack_b(panel: &mut [f32], b: Operand<*const f32>, kc: usize, j0: usize
 /// # Safety
 /// `a` must address mb × kc valid elements; the CPU must have AVX2.
 unsafe fn pack_a(ap: &mut [f32], a: Operand<*const f32>, mb: usize, kc: usize) {
+    if a.rs == 1 {
+        // A transposed (a weight gradient's activations): step p of every
+        // panel lies in one contiguous line of mb values. A few steps at a
+        // time for all panels, so that each line is read from L1 by the
+        // panels that share it instead of from L2 once per panel.
+        const STEPS: usize = 16;
+        let full = mb / MR;
+        for p0 in (0..kc).step_by(STEPS) {
+            for (r, panel) in ap.chunks_mut(MR * kc).take(full).enumerate() {
+                for p in p0..(p0 + STEPS).min(kc) {
+                    // SAFETY: rows r·MR..(r + 1)·MR ≤ mb at step p < kc are
+                    // inside a, MR values side by side; the panel holds step p.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            a.at(r * MR, p).ptr,
+                            panel.as_mut_ptr().add(p * MR),
+                            MR,
+                        )
+                    };
+                }
+            }
+        }
+        if full * MR < mb {
+            let panel = &mut ap[full * MR * kc..(full + 1) * MR * kc];
+            // SAFETY: rows full·MR.. < mb of kc columns are inside a.
+            unsafe { pack::<MR>(panel, a.at(full * MR, 0), mb - full * MR, kc) }
+        }
+        return;
+    }
     for (r, panel) in ap.chunks_mut(MR * kc).enumerate() {
         // SAFETY: rows r·MR.. < mb of kc columns are inside a.
         unsafe { pack::<MR>(panel, a.at(r * MR, 0), MR.min(mb - r * MR), kc) }
@@ -444,8 +473,9 @@ mod tests {
             return;
         }
         // Sizes around the tile (6×16) and block (KC, MC) edges; both
-        // layouts of B (wᵀ for the weights, plain for the values), a dst
-        // with a wider row stride, a scale, and the split over threads.
+        // layouts of A (rows, and transposed as a weight gradient's
+        // activations) and of B (wᵀ for the weights, plain for the values),
+        // a dst with a wider row stride, a scale, and the split over threads.
         let shapes = [
             (1, 1, 1),
             (5, 15, 3),
@@ -457,7 +487,7 @@ mod tests {
             (11, 200, 513),
         ];
         for (m, n, k) in shapes {
-            for transposed in [false, true] {
+            for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
                 for threads in [1, 2, 3] {
                     // One run of the shared deterministic values, split, so a
                     // and b differ.
@@ -466,8 +496,22 @@ mod tests {
                     let scale = 0.75f32;
                     let ld = n + 3;
                     let mut c = vec![f32::NAN; m * ld];
-                    let rhs = if transposed {
-                        // b holds wᵀ: w [n, k], element (p, j) at j·k + p.
+                    // a holds Aᵀ [k, m] when transposed: element (i, p) at p·m + i.
+                    let lhs = if a_t {
+                        Operand {
+                            ptr: a.as_ptr(),
+                            rs: 1,
+                            cs: m as isize,
+                        }
+                    } else {
+                        Operand {
+                            ptr: a.as_ptr(),
+                            rs: k as isize,
+                            cs: 1,
+                        }
+                    };
+                    // b holds wᵀ when transposed: w [n, k], element (p, j) at j·k + p.
+                    let rhs = if b_t {
                         Operand {
                             ptr: b.as_ptr(),
                             rs: 1,
@@ -489,11 +533,7 @@ mod tests {
                                 rs: ld as isize,
                                 cs: 1,
                             },
-                            Operand {
-                                ptr: a.as_ptr(),
-                                rs: k as isize,
-                                cs: 1,
-                            },
+                            lhs,
                             rhs,
                             scale,
                             threads,
@@ -503,20 +543,17 @@ mod tests {
                         for j in 0..n {
                             let (mut want, mut size) = (0f64, 0f64);
                             for p in 0..k {
-                                let bv = if transposed {
-                                    b[j * k + p]
-                                } else {
-                                    b[p * n + j]
-                                };
-                                want += a[i * k + p] as f64 * bv as f64;
-                                size += (a[i * k + p] as f64 * bv as f64).abs();
+                                let av = if a_t { a[p * m + i] } else { a[i * k + p] };
+                                let bv = if b_t { b[j * k + p] } else { b[p * n + j] };
+                                want += av as f64 * bv as f64;
+                                size += (av as f64 * bv as f64).abs();
                             }
                             let got = c[i * ld + j] as f64;
                             let want = want * scale as f64;
                             let tol = 1e-6 * size.max(1.0) * (k as f64).sqrt();
                             assert!(
                                 (got - want).abs() <= tol,
-                                "{m}×{n}×{k} t={transposed} threads={threads} ({i}, {j}): {got} vs {want}"
+                                "{m}×{n}×{k} a_t={a_t} b_t={b_t} threads={threads} ({i}, {j}): {got} vs {want}"
                             );
                         }
                         // Past the row's n columns dst is left alone.
