@@ -467,6 +467,25 @@ mod tests {
     use super::super::test_util::spread;
     use super::*;
 
+    /// A `rows × cols` matrix stored row by row, or as its transpose.
+    fn operand(
+        data: &[f32],
+        (rows, cols): (usize, usize),
+        transposed: bool,
+    ) -> Operand<*const f32> {
+        let (rs, cs) = if transposed { (1, rows) } else { (cols, 1) };
+        Operand {
+            ptr: data.as_ptr(),
+            rs: rs as isize,
+            cs: cs as isize,
+        }
+    }
+
+    /// Element (i, j) of `data` seen through `op`.
+    fn at(data: &[f32], op: Operand<*const f32>, i: usize, j: usize) -> f32 {
+        data[i * op.rs as usize + j * op.cs as usize]
+    }
+
     #[test]
     fn products_match_f64_on_every_edge_layout_and_split() {
         if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
@@ -496,34 +515,9 @@ mod tests {
                     let scale = 0.75f32;
                     let ld = n + 3;
                     let mut c = vec![f32::NAN; m * ld];
-                    // a holds Aᵀ [k, m] when transposed: element (i, p) at p·m + i.
-                    let lhs = if a_t {
-                        Operand {
-                            ptr: a.as_ptr(),
-                            rs: 1,
-                            cs: m as isize,
-                        }
-                    } else {
-                        Operand {
-                            ptr: a.as_ptr(),
-                            rs: k as isize,
-                            cs: 1,
-                        }
-                    };
-                    // b holds wᵀ when transposed: w [n, k], element (p, j) at j·k + p.
-                    let rhs = if b_t {
-                        Operand {
-                            ptr: b.as_ptr(),
-                            rs: 1,
-                            cs: k as isize,
-                        }
-                    } else {
-                        Operand {
-                            ptr: b.as_ptr(),
-                            rs: n as isize,
-                            cs: 1,
-                        }
-                    };
+                    // A [m, k] and B [k, n], each stored as itself or as its
+                    // transpose (wᵀ for the weights: w [n, k]).
+                    let (lhs, rhs) = (operand(a, (m, k), a_t), operand(b, (k, n), b_t));
                     // SAFETY: the operands cover m×k, k×n and m×ld elements.
                     unsafe {
                         sgemm(
@@ -543,8 +537,7 @@ mod tests {
                         for j in 0..n {
                             let (mut want, mut size) = (0f64, 0f64);
                             for p in 0..k {
-                                let av = if a_t { a[p * m + i] } else { a[i * k + p] };
-                                let bv = if b_t { b[j * k + p] } else { b[p * n + j] };
+                                let (av, bv) = (at(a, lhs, i, p), at(b, rhs, p, j));
                                 want += av as f64 * bv as f64;
                                 size += (av as f64 * bv as f64).abs();
                             }
