@@ -404,4 +404,12 @@ fn bench_names_a_bad_kv_dtype_or_decode_context() {
         se.contains("--decode-context 2000: between 1 and 1984"),
         "{se}"
     );
+    // A part that does not exist here (`ops` is the GPU's) is named, with the CPU's list.
+    let (out, _, se) = tokenformer(&["bench", "--only", "prefill,ops"]);
+    assert!(!out.status.success());
+    assert!(
+        se.contains("--only ops: not a part of `bench` on this device (load, prefill, decode"),
+        "{se}"
+    );
+    assert!(!se.contains("panicked"), "{se}");
 }

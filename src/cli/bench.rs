@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use anyhow::anyhow;
+use anyhow::{anyhow, bail};
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use serde_json::{json, Map, Value};
@@ -33,7 +33,8 @@ pub struct BenchArgs {
     /// decode_f16_kv (f16 weights and KV cache), pattention, matmul, vit, train (training
     /// throughput; not run unless named). `TOKENFORMER_KERNELS=portable|avx2|avx512` forces a
     /// kernel path.
-    /// On a GPU (`--device cuda`): prefill, decode, vit, train (all by default).
+    /// On a GPU (`--device cuda`): prefill, ops (where a prefill's time goes, piece by
+    /// piece), decode, vit, train (all by default).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// The KV cache of the decode, decode_f16 and decode_q8 parts (decode_f16_kv's is f16).
@@ -49,8 +50,33 @@ pub struct BenchArgs {
     pub device: super::DeviceArgs,
 }
 
+/// The parts `--only` names on the CPU.
+const CPU_PARTS: [&str; 10] = [
+    "load",
+    "prefill",
+    "decode",
+    "decode_f16",
+    "decode_q8",
+    "decode_f16_kv",
+    "pattention",
+    "matmul",
+    "vit",
+    "train",
+];
+
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let dev = a.device.open()?;
+    let parts: &[&str] = if dev.is_cpu() {
+        &CPU_PARTS
+    } else {
+        &super::bench_gpu::PARTS
+    };
+    if let Some(bad) = a.only.iter().find(|o| !parts.contains(&o.as_str())) {
+        bail!(
+            "--only {bad}: not a part of `bench` on this device ({})",
+            parts.join(", ")
+        );
+    }
     if !dev.is_cpu() {
         let out = super::bench_gpu::run(&dev, &a.only)?;
         if a.json {
@@ -67,18 +93,12 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let mut only = a.only.clone();
     if a.skip_vit {
         if only.is_empty() {
-            only = [
-                "load",
-                "prefill",
-                "decode",
-                "decode_f16",
-                "decode_q8",
-                "decode_f16_kv",
-                "pattention",
-                "matmul",
-            ]
-            .map(String::from)
-            .to_vec();
+            // Everything that runs by default (`train` only when named).
+            only = CPU_PARTS
+                .iter()
+                .filter(|&&p| p != "train")
+                .map(|&p| p.into())
+                .collect();
         }
         only.retain(|o| o != "vit");
     }

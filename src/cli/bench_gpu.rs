@@ -8,17 +8,22 @@
 //! GPU memory in use after it and, for the products, the model FLOPs utilisation against
 //! this card's dense peak as measured here (an 8192³ cuBLAS product in f32 and bf16; no
 //! TF32). `cuda_kernels` says whether the project's own kernels ran
-//! (`TOKENFORMER_CUDA_KERNELS=1`).
+//! (`TOKENFORMER_CUDA_KERNELS=1`). The `ops` part times the pieces of a 150M layer and
+//! its head one by one at the prefill's shape (f32 and bf16), so that one run also says
+//! where the prefill's time goes.
 
 use std::time::Instant;
 
 use super::bench::part;
 use anyhow::Result;
+use candle_core::Module;
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Map, Value};
 use tokenformer::checkpoint::{self, Tensors};
-use tokenformer::models::tokenformer::{Config, TokenFormerLm};
+use tokenformer::kernels;
+use tokenformer::models::tokenformer::{Config, Norm, TokenFormerLm};
 use tokenformer::models::vit::{self, VisionTransformer};
+use tokenformer::pattention::{Activation, Pattention};
 
 /// Median seconds of three runs of `f` after a warm-up, each synchronised.
 fn timed(dev: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
@@ -170,7 +175,151 @@ fn vit_b16(out: &mut Map<String, Value>, dtype: DType, dev: &Device, peak: f64) 
     Ok(())
 }
 
-/// The parts asked for (`only` empty: all but none) as one JSON object.
+/// What a piece of [`ops`] does, for its rate.
+#[derive(Clone, Copy)]
+enum Work {
+    /// Floating-point operations: TFLOP/s.
+    Flops(f64),
+    /// Bytes read and written: GB/s.
+    Bytes(f64),
+}
+
+impl Work {
+    /// The rate's key suffix and value for a piece that took `secs`.
+    fn rate(self, secs: f64) -> (&'static str, f64) {
+        match self {
+            Work::Flops(f) => ("tflops", f / secs / 1e12),
+            Work::Bytes(b) => ("gb_per_s", b / secs / 1e9),
+        }
+    }
+}
+
+/// The shapes of [`ops`]: a layer of `cfg` on `b` sequences of `s` tokens.
+#[derive(Clone, Copy)]
+struct OpsShape<'a> {
+    cfg: &'a Config,
+    b: usize,
+    s: usize,
+}
+
+/// Where a prefill's time goes: each piece of one layer of the model (the norm,
+/// a q/k/v/proj-sized Pattention whole and as its scores product and Θ, the
+/// feed-forward Pattention, the attention) and the head, timed alone on random
+/// inputs in `dtype` (synchronised, the median of three), with its rate: TFLOP/s
+/// for products, GB/s read and written for the passes over memory. `sum_ms` adds
+/// them up as a pass of the whole model takes them (every layer's pieces and the
+/// head with its f32 logits): what a measured prefill spends beyond it is launch
+/// gaps and copies. What runs is what the model takes (the project's kernels
+/// under `TOKENFORMER_CUDA_KERNELS=1`, candle's ops otherwise).
+fn ops(out: &mut Map<String, Value>, dtype: DType, dev: &Device, shape: OpsShape) -> Result<()> {
+    let OpsShape { cfg, b, s } = shape;
+    let (rows, d) = (b * s, cfg.hidden_size);
+    let heads = cfg.num_heads;
+    let size = dtype.size_in_bytes() as f64;
+    let key = |name: &str| format!("ops_{}_{name}", dtype.as_str());
+    let randn = |shape: &[usize], std: f32| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, std, shape, dev)?.to_dtype(dtype)?)
+    };
+    let mut sum = 0.0;
+    // Times `f`, records its milliseconds and rate, and adds it `times` times to the sum.
+    let mut record = |name: &str, work: Work, times: f64, f: &mut dyn FnMut() -> Result<()>| {
+        let secs = timed(dev, &mut *f)?;
+        sum += times * secs;
+        let (unit, rate) = work.rate(secs);
+        out.insert(key(&format!("{name}_ms")), json!(round(secs * 1e3, 3)));
+        out.insert(key(&format!("{name}_{unit}")), json!(round(rate, 2)));
+        anyhow::Ok(())
+    };
+    let layers = cfg.num_layers as f64;
+    let x = randn(&[b, s, d], 1.0)?;
+    let norm = Norm::nonparam(d, cfg.norm_eps, dev)?;
+    record(
+        "norm",
+        Work::Bytes(2.0 * (rows * d) as f64 * size),
+        2.0 * layers,
+        &mut || {
+            norm.forward(&x)?;
+            Ok(())
+        },
+    )?;
+    let [(_, nq), _, _, (_, no), (_, nf)] = cfg.pattentions();
+    // The output projection has q's size in every released shape: one timing serves both.
+    let mut sizes = vec![("pattention_qkv", nq, 3.0 * layers)];
+    if no == nq {
+        sizes[0].2 += layers;
+    } else {
+        sizes.push(("pattention_proj", no, layers));
+    }
+    sizes.push(("pattention_ffn", nf, layers));
+    for (name, n, times) in sizes {
+        let layer = Pattention::from_tensors(
+            randn(&[n, d], 1.0)?,
+            randn(&[n, d], 0.02)?,
+            Activation::L2NormGelu,
+            None,
+        )?;
+        let flops = 4.0 * (rows * n * d) as f64;
+        record(name, Work::Flops(flops), times, &mut || {
+            layer.forward(&x)?;
+            Ok(())
+        })?;
+        // Its two halves, not added to the sum (the whole is).
+        let keys = randn(&[n, d], 1.0)?;
+        let flat = x.reshape((rows, d))?;
+        record(
+            &format!("{name}_scores"),
+            Work::Flops(flops / 2.0),
+            0.0,
+            &mut || {
+                kernels::matmul_nt(&flat, &keys)?;
+                Ok(())
+            },
+        )?;
+        let scores = kernels::matmul_nt(&flat, &keys)?;
+        let bytes = 2.0 * (rows * n) as f64 * size;
+        record(
+            &format!("{name}_theta"),
+            Work::Bytes(bytes),
+            0.0,
+            &mut || {
+                kernels::theta_owned(scores.clone(), Activation::L2NormGelu, n)?;
+                Ok(())
+            },
+        )?;
+    }
+    let hd = d / heads;
+    let [q, k, v] = [(); 3].map(|_| randn(&[b, heads, s, hd], 1.0));
+    let (q, k, v) = (q?, k?, v?);
+    // Causal: half the scores and half the mixing.
+    let flops = 2.0 * (b * heads * s * s * hd) as f64;
+    record("attention", Work::Flops(flops), layers, &mut || {
+        kernels::attention(&q, &k, &v, true)?;
+        Ok(())
+    })?;
+    let out_matrix = randn(&[cfg.vocab_size, d], 0.02)?;
+    let flat = x.reshape((rows, d))?;
+    let flops = 2.0 * (rows * d * cfg.vocab_size) as f64;
+    record("head", Work::Flops(flops), 1.0, &mut || {
+        kernels::matmul_nt(&flat, &out_matrix)?;
+        Ok(())
+    })?;
+    if dtype != DType::F32 {
+        // The model's logits are f32 whatever it computes in.
+        let logits = kernels::matmul_nt(&flat, &out_matrix)?;
+        let bytes = (rows * cfg.vocab_size) as f64 * (size + 4.0);
+        record("head_to_f32", Work::Bytes(bytes), 1.0, &mut || {
+            logits.to_dtype(DType::F32)?;
+            Ok(())
+        })?;
+    }
+    out.insert(key("sum_ms"), json!(round(sum * 1e3, 2)));
+    Ok(())
+}
+
+/// The parts `--only` names on a GPU, all run by default.
+pub const PARTS: [&str; 5] = ["prefill", "ops", "decode", "vit", "train"];
+
+/// The parts asked for (`only` empty: all of [`PARTS`]) as one JSON object.
 pub fn run(dev: &Device, only: &[String]) -> Result<Map<String, Value>> {
     let want = |p: &str| only.is_empty() || only.iter().any(|o| o == p);
     let mut out = Map::new();
@@ -201,6 +350,18 @@ pub fn run(dev: &Device, only: &[String]) -> Result<Map<String, Value>> {
             prefill(o, "1.5b", &large, DType::BF16, dev, bf16_peak)
         });
     }
+    if want("ops") {
+        for dtype in [DType::F32, DType::BF16] {
+            part(&mut out, &format!("ops_{}", dtype.as_str()), |o| {
+                let shape = OpsShape {
+                    cfg: &small,
+                    b: 16,
+                    s: 2048,
+                };
+                ops(o, dtype, dev, shape)
+            });
+        }
+    }
     if want("decode") {
         part(&mut out, "decode_150m_f32", |o| {
             decode(o, "150m", &small, DType::F32, dev)
@@ -227,4 +388,67 @@ pub fn run(dev: &Device, only: &[String]) -> Result<Map<String, Value>> {
         });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On the CPU at a small shape: every piece has its time and rate, and the sum
+    /// counts each as often as a pass of the model runs it.
+    #[test]
+    fn ops_times_every_piece_and_counts_it_as_a_pass_does() {
+        let mut cfg = Config::released(3, 128, 4);
+        cfg.vocab_size = 1000;
+        for (dtype, proj) in [(DType::F32, 128), (DType::F32, 256), (DType::BF16, 128)] {
+            cfg.proj_tokens = proj;
+            let mut out = Map::new();
+            let shape = OpsShape {
+                cfg: &cfg,
+                b: 2,
+                s: 512,
+            };
+            ops(&mut out, dtype, &Device::Cpu, shape).unwrap();
+            let get = |k: &str| {
+                out[&format!("ops_{}_{k}", dtype.as_str())]
+                    .as_f64()
+                    .unwrap()
+            };
+            let mut pieces = vec![
+                ("norm", "gb_per_s", 6.0),
+                ("pattention_qkv", "tflops", 9.0),
+                ("pattention_qkv_scores", "tflops", 0.0),
+                ("pattention_qkv_theta", "gb_per_s", 0.0),
+                ("pattention_ffn", "tflops", 3.0),
+                ("pattention_ffn_scores", "tflops", 0.0),
+                ("pattention_ffn_theta", "gb_per_s", 0.0),
+                ("attention", "tflops", 3.0),
+                ("head", "tflops", 1.0),
+            ];
+            if proj == 128 {
+                pieces[1].2 = 12.0;
+            } else {
+                pieces.extend([
+                    ("pattention_proj", "tflops", 3.0),
+                    ("pattention_proj_scores", "tflops", 0.0),
+                    ("pattention_proj_theta", "gb_per_s", 0.0),
+                ]);
+            }
+            // f32 logits need no widening.
+            assert!(!out.contains_key("ops_f32_head_to_f32_ms"));
+            if dtype == DType::BF16 {
+                pieces.push(("head_to_f32", "gb_per_s", 1.0));
+            }
+            let mut want = 0.0;
+            for (piece, unit, times) in pieces {
+                let ms = get(&format!("{piece}_ms"));
+                assert!(ms > 0.0, "{piece}: {ms} ms");
+                assert!(get(&format!("{piece}_{unit}")) > 0.0, "{piece}");
+                want += times * ms;
+            }
+            // Each time is rounded to 1 µs (26 of them in the sum) and the sum to 10 µs.
+            let sum = get("sum_ms");
+            assert!((sum - want).abs() < 0.02, "sum {sum} ms, pieces {want} ms");
+        }
+    }
 }

@@ -405,7 +405,7 @@ thread_local! {
 
 /// softmax(q·kᵀ/√hd)·v for q [b, h, t, hd] and k, v [b, h, T, hd] → [b, t, h·hd].
 /// `causal`: query i (of the last t positions) sees keys 0..=T−t+i.
-pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
     let (b, h, t, hd) = q.dims4()?;
     #[cfg(feature = "cuda")]
     if super::attention_cuda::serves(q, k, v, causal) {

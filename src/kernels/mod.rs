@@ -123,7 +123,7 @@ pub mod cuda {
     }
 }
 
-pub(crate) use attention::attention;
+pub use attention::attention;
 pub(crate) use matmul::{gemm_f32, gemm_parallelism};
 pub use matmul::{matmul_nn, matmul_nt, matmul_nt_q8, SMALL_ROWS};
 pub(crate) use norm::layer_norm_half;

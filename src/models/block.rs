@@ -72,7 +72,7 @@ impl Norm {
     }
 
     /// Without weight and bias (the official `layernorm_nonparam`).
-    pub(crate) fn nonparam(hidden: usize, eps: f64, device: &Device) -> Result<Self> {
+    pub fn nonparam(hidden: usize, eps: f64, device: &Device) -> Result<Self> {
         Ok(Self {
             inner: LayerNorm::new(
                 Tensor::ones(hidden, DType::F32, device)?,
