@@ -208,8 +208,8 @@ struct OpsShape<'a> {
 /// inputs in `dtype` (synchronised, the median of three), with its rate: TFLOP/s
 /// for products, GB/s read and written for the passes over memory. `sum_ms` adds
 /// them up as a pass of the whole model takes them (every layer's pieces and the
-/// head with its f32 logits): what a measured prefill spends beyond it is launch
-/// gaps and copies. What runs is what the model takes (the project's kernels
+/// head with its f32 logits; the final norm aside): what a measured prefill spends
+/// beyond it is launch gaps, copies, rotary and the residual additions. What runs is what the model takes (the project's kernels
 /// under `TOKENFORMER_CUDA_KERNELS=1`, candle's ops otherwise).
 fn ops(out: &mut Map<String, Value>, dtype: DType, dev: &Device, shape: OpsShape) -> Result<()> {
     let OpsShape { cfg, b, s } = shape;
