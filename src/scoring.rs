@@ -295,17 +295,10 @@ impl<'m> Scorer<'m> {
             let end = (start + chunk).min(rows.len());
             let sel = Tensor::new(&rows[start..end], dev)?;
             let h = hidden.index_select(&sel, 0)?.unsqueeze(0)?;
-            // The GPU kernel reads bf16/f16 logits as they are, in f32 (the same
-            // values the widening would give it); every other reader gets f32.
             let logits = self
                 .model
                 .head_in_compute_dtype(&h, &output_matrix)?
                 .squeeze(0)?;
-            let logits = if fused_serves(&logits) {
-                logits
-            } else {
-                logits.to_dtype(DType::F32)?
-            };
             let picked = target_logprobs(&logits, &targets[start..end], self.greedy)?;
             for (r, (lp, is_max)) in picked.into_iter().enumerate() {
                 let k = owner[start + r];
@@ -375,11 +368,17 @@ fn first_argmax(logits: &Tensor) -> Result<Tensor> {
     Ok(at_max.broadcast_mul(&rank)?.argmax(D::Minus1)?)
 }
 
-/// For each row of `logits` [n, vocab]: log-softmax at the target and whether
-/// the target is the (first) argmax.
+/// For each row of `logits` [n, vocab] (any float dtype): log-softmax at the
+/// target and whether the target is the (first) argmax.
 fn target_logprobs(logits: &Tensor, targets: &[u32], greedy: bool) -> Result<Vec<(f64, bool)>> {
     let (n, vocab) = logits.dims2()?;
-    let logits = logits.contiguous()?;
+    // The GPU kernel reads bf16/f16 logits as they are, in f32 (the values the
+    // widening would give it); every other path reads f32.
+    let logits = if fused_serves(logits) {
+        logits.contiguous()?
+    } else {
+        logits.to_dtype(DType::F32)?.contiguous()?
+    };
     let compute = |data: &[f32]| -> Vec<(f64, bool)> {
         data.par_chunks(vocab)
             .zip(targets.par_iter())
