@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use common::*;
 use tokenformer::eval::imagenet::classify_files;
 use tokenformer::loader::{self, LocateOptions};
-use tokenformer::models::tokenformer::{Cache, TokenFormerLm};
+use tokenformer::models::tokenformer::{Cache, Logits, TokenFormerLm};
 use tokenformer::scoring::score_ids;
 
 fn fixture_files() -> loader::ModelFiles {
@@ -127,6 +127,14 @@ fn half_precision_perplexity_is_within_half_a_percent_of_f32() {
             "{dtype:?}: perplexity {ppl} vs f32 {want}"
         );
         assert_ne!(nll, base, "{dtype:?} computed exactly as f32");
+        // Logits in the compute dtype are what `forward` widens to f32.
+        let ids = Tensor::new(&[[5u32, 17, 42, 7, 99, 3]], &Device::Cpu).unwrap();
+        let own = model
+            .forward_in_compute_dtype(&ids, None, Logits::All)
+            .unwrap();
+        assert_eq!(own.dtype(), dtype);
+        let f32 = model.forward(&ids, None).unwrap();
+        assert_eq!(f32s(&own.to_dtype(DType::F32).unwrap()), f32s(&f32));
     }
 }
 

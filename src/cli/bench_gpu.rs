@@ -21,7 +21,7 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Map, Value};
 use tokenformer::checkpoint::{self, Tensors};
 use tokenformer::kernels;
-use tokenformer::models::tokenformer::{Config, Norm, TokenFormerLm};
+use tokenformer::models::tokenformer::{Config, Logits, Norm, TokenFormerLm};
 use tokenformer::models::vit::{self, VisionTransformer};
 use tokenformer::pattention::{Activation, Pattention};
 
@@ -111,8 +111,9 @@ fn prefill(
     let model = random_lm(cfg, dtype, dev)?;
     let v: Vec<u32> = (0..b * s).map(|i| ((i * 7919) % 50_277) as u32).collect();
     let ids = Tensor::from_vec(v, (b, s), dev)?;
+    // Logits in the model's dtype, as the anchor's: bf16 at bf16.
     let secs = timed(dev, || {
-        model.forward(&ids, None)?;
+        model.forward_in_compute_dtype(&ids, None, Logits::All)?;
         Ok(())
     })?;
     let rate = (b * s) as f64 / secs;
@@ -208,7 +209,7 @@ struct OpsShape<'a> {
 /// inputs in `dtype` (synchronised, the median of three), with its rate: TFLOP/s
 /// for products, GB/s read and written for the passes over memory. `sum_ms` adds
 /// them up as a pass of the whole model takes them (every layer's pieces and the
-/// head with its f32 logits; the final norm aside): what a measured prefill spends
+/// head, its logits in `dtype`; the final norm aside): what a measured prefill spends
 /// beyond it is launch gaps, copies, rotary and the residual additions. What runs
 /// is what the model takes (the project's kernels under
 /// `TOKENFORMER_CUDA_KERNELS=1`, candle's ops otherwise).
@@ -304,15 +305,6 @@ fn ops(out: &mut Map<String, Value>, dtype: DType, dev: &Device, shape: OpsShape
         kernels::matmul_nt(&flat, &out_matrix)?;
         Ok(())
     })?;
-    if dtype != DType::F32 {
-        // The model's logits are f32 whatever it computes in.
-        let logits = kernels::matmul_nt(&flat, &out_matrix)?;
-        let bytes = (rows * cfg.vocab_size) as f64 * (size + 4.0);
-        record("head_to_f32", Work::Bytes(bytes), 1.0, &mut || {
-            logits.to_dtype(DType::F32)?;
-            Ok(())
-        })?;
-    }
     out.insert(key("sum_ms"), json!(round(sum * 1e3, 2)));
     Ok(())
 }
@@ -434,12 +426,6 @@ mod tests {
                     ("pattention_proj_scores", "tflops", 0.0),
                     ("pattention_proj_theta", "gb_per_s", 0.0),
                 ]);
-            }
-            // Only half-precision logits are widened (and timed doing so).
-            let widened = format!("ops_{}_head_to_f32_ms", dtype.as_str());
-            assert_eq!(out.contains_key(&widened), dtype != DType::F32, "{widened}");
-            if dtype == DType::BF16 {
-                pieces.push(("head_to_f32", "gb_per_s", 1.0));
             }
             let mut want = 0.0;
             for (piece, unit, times) in pieces {

@@ -397,7 +397,8 @@ impl Matrix {
 /// decode traffic; [`TokenFormerLm::quantize_q8`] makes them 8-bit);
 /// activations and products are f32 unless [`TokenFormerLm::with_compute_dtype`]
 /// says otherwise (bf16 on a GPU). Norms, Θ's normalisation and softmaxes
-/// always reduce in f32, and logits come out as f32.
+/// always reduce in f32, and logits come out as f32 (in the compute dtype
+/// from [`TokenFormerLm::forward_in_compute_dtype`]).
 #[derive(Clone, Debug)]
 pub struct TokenFormerLm {
     word_embeddings: Matrix,
@@ -548,10 +549,15 @@ impl TokenFormerLm {
             .reshape((b, t, self.cfg.hidden_size))
     }
 
-    /// Final norm and output projection: hidden [b, t, d] → logits [b, t, vocab].
+    /// Final norm and output projection: hidden [b, t, d] → logits [b, t, vocab], f32.
     pub(crate) fn head(&self, h: &Tensor) -> Result<Tensor> {
+        self.head_in_own_dtype(h)?.to_dtype(DType::F32)
+    }
+
+    /// [`Self::head`] with the logits in the compute dtype (f32 for 8-bit weights).
+    fn head_in_own_dtype(&self, h: &Tensor) -> Result<Tensor> {
         match self.final_linear.as_ref().unwrap_or(&self.word_embeddings) {
-            Matrix::Dense(out) => self.head_with(h, out),
+            Matrix::Dense(out) => self.head_in_compute_dtype(h, out),
             Matrix::Q8(out) => {
                 let (b, t, d) = h.dims3()?;
                 let h = self.final_norm.forward(h)?.reshape((b * t, d))?;
@@ -569,16 +575,12 @@ impl TokenFormerLm {
         }
     }
 
-    /// [`Self::head`] against `out`, the output matrix or a copy of it in
-    /// another precision: a caller running the head on many row chunks widens
-    /// f16 weights once instead of once per chunk. The logits are f32.
-    pub(crate) fn head_with(&self, h: &Tensor, out: &Tensor) -> Result<Tensor> {
-        self.head_in_compute_dtype(h, out)?.to_dtype(DType::F32)
-    }
-
-    /// [`Self::head_with`] with the logits left in the product's dtype (bf16
-    /// logits of a bf16 model): for a reader that widens them itself, such as
-    /// the GPU's log-softmax-gather, so that they are not written twice.
+    /// The final norm and output projection against `out`, the output matrix
+    /// or a copy of it in another precision (a caller running the head on
+    /// many row chunks widens f16 weights once instead of once per chunk),
+    /// with the logits in the product's dtype (bf16 logits of a bf16 model):
+    /// for a reader that widens them itself, such as the GPU's
+    /// log-softmax-gather, so that they are not written twice.
     pub(crate) fn head_in_compute_dtype(&self, h: &Tensor, out: &Tensor) -> Result<Tensor> {
         let (b, t, d) = h.dims3()?;
         let h = self.final_norm.forward(h)?.reshape((b * t, d))?;
@@ -594,6 +596,20 @@ impl TokenFormerLm {
     /// [`Self::forward`] with logits for the positions `which` names only
     /// ([b, 1, vocab] for [`Logits::Last`], what a generation step reads).
     pub fn forward_with(
+        &self,
+        ids: &Tensor,
+        cache: Option<&mut Cache>,
+        which: Logits,
+    ) -> Result<Tensor> {
+        self.forward_in_compute_dtype(ids, cache, which)?
+            .to_dtype(DType::F32)
+    }
+
+    /// [`Self::forward_with`] with the logits left in the compute dtype: bf16
+    /// logits of a bf16 model, as PyTorch and transformers return them, for a
+    /// caller that reads them as they are. Widening a 16×2048 prefill's bf16
+    /// logits to f32 would write 6.6 GB more.
+    pub fn forward_in_compute_dtype(
         &self,
         ids: &Tensor,
         cache: Option<&mut Cache>,
@@ -628,6 +644,6 @@ impl TokenFormerLm {
             };
             x = layer.forward(&x, mode)?;
         }
-        self.head(&which.rows(&x)?)
+        self.head_in_own_dtype(&which.rows(&x)?)
     }
 }
