@@ -119,7 +119,7 @@ pub fn pipeline_tag(architecture: &str) -> &'static str {
     }
 }
 
-/// Class logits [num_classes] of an image classifier on the probe image.
+/// Class logits \[num_classes\] of an image classifier on the probe image.
 fn vit_logits(model: &VisionTransformer) -> Result<Tensor> {
     let cfg = model.config();
     let pixels = probe::probe_pixels(1, cfg.num_channels, cfg.image_size, model.device())?;

@@ -1,7 +1,7 @@
 //! 8-bit weights for decoding (`--weight-dtype q8`): rows [out, in] of
 //! symmetric int8 in blocks of [`BLOCK`] along the input dimension, one f32
 //! scale (largest magnitude / 127) per block. The activations a product
-//! takes are quantised alike ([`quantize_row`]), so a block's dot product is
+//! takes are quantised alike (`quantize_row`), so a block's dot product is
 //! an exact integer sum (`vpmaddubsw`/`vpmaddwd` on AVX2, as llama.cpp's
 //! Q8_0), scaled and accumulated in f32. Widening the weights instead left
 //! the AVX2 kernel bound by instructions, not memory (docs/PERFORMANCE.md).

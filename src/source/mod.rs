@@ -148,7 +148,7 @@ impl RawCheckpoint {
         Ok(t)
     }
 
-    /// A LayerNorm's `{prefix}.weight` and `{prefix}.bias`, both [d].
+    /// A LayerNorm's `{prefix}.weight` and `{prefix}.bias`, both \[d\].
     pub fn take_norm(&mut self, prefix: &str, d: usize) -> Result<Norm> {
         Ok(Norm {
             weight: self.take(&format!("{prefix}.weight"), &[d])?,
@@ -157,7 +157,7 @@ impl RawCheckpoint {
     }
 
     /// A linear layer's `{prefix}.weight` [out, inp] and `{prefix}.bias`
-    /// [out], which may be absent unless `bias_required`.
+    /// \[out\], which may be absent unless `bias_required`.
     pub fn take_dense(
         &mut self,
         prefix: &str,
@@ -294,7 +294,7 @@ pub fn usize_key(c: &Value, key: &str, origin: &str, default: Option<usize>) -> 
 pub struct LayerTrace {
     /// LayerNorm(x) without its affine part: what a TokenFormer block feeds q/k/v.
     pub attn_in: Tensor,
-    /// Per-row variance of the attention branch's LayerNorm input [rows].
+    /// Per-row variance of the attention branch's LayerNorm input \[rows\].
     pub attn_var: Tensor,
     pub query: Tensor,
     pub key: Tensor,
@@ -304,7 +304,7 @@ pub struct LayerTrace {
     pub proj_out: Tensor,
     /// LayerNorm without affine of the MLP's input.
     pub mlp_in: Tensor,
-    /// Per-row variance of the MLP branch's LayerNorm input [rows].
+    /// Per-row variance of the MLP branch's LayerNorm input \[rows\].
     pub mlp_var: Tensor,
     pub mlp_out: Tensor,
 }
@@ -361,7 +361,7 @@ fn rows(x: &Tensor) -> candle_core::Result<Tensor> {
 
 /// A pre-norm block's three branches, on LayerNorm outputs without affine: the
 /// source's linear layers (its norms' affine applied first), or the imported
-/// Pattention layers, so that one forward ([`run_layer`]) traces both.
+/// Pattention layers, so that one forward (`run_layer`) traces both.
 pub trait Block {
     /// q, k, v [b, t, d] of the standardised input u [b, t, d].
     fn qkv(&self, u: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)>;

@@ -351,7 +351,7 @@ pub fn blocks(tensors: &Tensors, layers: usize, th: Theta) -> Result<Vec<Pattent
 
 /// Each Pattention's value-token update scales, 1/RMS of its tokens' activations on
 /// the calibration `inputs` run through the TokenFormer of `tensors` by `stack`: one
-/// scale per token group of an import ([memories;] anchors, bias tokens), not per
+/// scale per token group of an import (memory anchors, bias tokens), not per
 /// token, so that a token the calibration rows barely activate does not get a huge
 /// scale (Adam takes a full step on however small a gradient). Anchors, bias tokens
 /// and MLP memories score ~10¹⁰ apart by construction, so Adam's equal-size step on

@@ -10,7 +10,7 @@
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-/// The mean over rows of logsumexp(x) − x[target].
+/// The mean over rows of logsumexp(x) − x\[target\].
 pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     let (n, v) = logits.dims2()?;
     check_targets(n, v, targets)?;

@@ -5,7 +5,7 @@
 //! The inference path runs fused kernels that have no backward pass; the training
 //! path computes the same function with candle tensor ops, which candle's autograd
 //! differentiates: on the CPU its hot pieces (a whole Pattention, LayerNorm, softmax)
-//! are single ops with their own backward ([`fused`]), elsewhere plain candle ops.
+//! are single ops with their own backward (`fused`), elsewhere plain candle ops.
 //! Both read the same canonical tensor names.
 
 mod checkpoints;

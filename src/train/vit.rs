@@ -196,7 +196,7 @@ impl TrainableVit {
             .broadcast_add(&self.p("head.bias")?)
     }
 
-    /// Mean cross-entropy of the logits of `pixels` against `labels` [b] (u32).
+    /// Mean cross-entropy of the logits of `pixels` against `labels` \[b\] (u32).
     pub fn loss(&self, pixels: &Tensor, labels: &Tensor) -> candle_core::Result<Tensor> {
         super::loss::cross_entropy(&self.forward(pixels)?, &labels.to_vec1::<u32>()?)
     }
@@ -360,7 +360,7 @@ fn counts(cfg: &Config) -> ScaleTokens {
 }
 
 impl Trainable for TrainableVit {
-    /// Pixels [b, 3, s, s] and labels [b] (u32).
+    /// Pixels [b, 3, s, s] and labels \[b\] (u32).
     type Batch = (Tensor, Tensor);
     const GROWS: bool = true;
 

@@ -51,7 +51,7 @@ pub struct Agreement {
     import_top1: Vec<u32>,
 }
 
-/// Per row: −log softmax(logits)[target] for rows 0..targets.len().
+/// Per row: −log softmax(logits)\[target\] for rows 0..targets.len().
 fn nll(log_probs: &Tensor, targets: &[u32]) -> Result<f64> {
     let n = targets.len();
     let t = Tensor::new(targets, log_probs.device())?.unsqueeze(1)?;

@@ -75,7 +75,7 @@ impl Mapping {
         Ok(Tensor::cat(&[&eye, &eye.neg()?, &small, &small.neg()?], 0)?)
     }
 
-    /// Values of the 2d bias tokens reproducing bias b [out].
+    /// Values of the 2d bias tokens reproducing bias b \[out\].
     fn bias_values(&self, bias: Option<&Tensor>, out: usize, dev: &Device) -> Result<Tensor> {
         let rows = 2 * self.width;
         match bias {
@@ -197,7 +197,7 @@ pub struct InputScale {
 }
 
 impl InputScale {
-    /// Adds the per-row variances [rows] of a LayerNorm input with that `eps`.
+    /// Adds the per-row variances \[rows\] of a LayerNorm input with that `eps`.
     pub fn add(&mut self, var: &Tensor, eps: f64) -> Result<()> {
         let var = var.to_dtype(DType::F64)?;
         let f = var.broadcast_div(&(&var + eps)?)?.sqrt()?;

@@ -1,4 +1,4 @@
-//! ViT image classifiers, in transformers' layout ([`hf`]) or timm's ([`timm`]),
+//! ViT image classifiers, in transformers' layout (`hf`) or timm's (`timm`),
 //! read into one [`VitSource`] with their own eval preprocessing, and run: patch
 //! embedding, the layer stack ([`super::Stack`], every token seeing every token),
 //! pooling, final norm and head.
@@ -81,7 +81,7 @@ enum Qkv {
     Fused(&'static str),
 }
 
-/// A ViT classifier in the shared source form (filled by [`hf`] or [`timm`]).
+/// A ViT classifier in the shared source form (filled by `hf` or `timm`).
 pub struct VitSource {
     pub meta: VitMeta,
     pub body: SourceBody,
