@@ -12,9 +12,10 @@
 # On the GPU machine (device tool: carry ["target/gpu-check"]), from the checkout's root:
 #   bash target/gpu-check/run.sh [--compile]
 # prints the GPU, runs the GPU tests and `tokenformer bench --device cuda` with the
-# project's CUDA kernels (TOKENFORMER_CUDA_KERNELS=1), eager PyTorch's anchor on the same
-# card, then the tests and the bench without the kernels and the A/B runs (--compile:
-# also torch.compile's anchor, ~2 more minutes);
+# project's CUDA kernels (TOKENFORMER_CUDA_KERNELS=1), each test and bench part in a
+# process of its own, eager PyTorch's anchor on the same card, then the tests and the
+# bench without the kernels and the A/B runs (--compile: also torch.compile's anchor,
+# ~2 more minutes);
 # everything lands in $OUT (the device tool's returned folder) or a temporary folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +64,46 @@ for b in tokenformer gpu-tests; do
     chmod +x "$bin/$b"
 done
 run() { bash "$here/gpu/run-on-gpu.sh" "$@"; }
+# The driver compiles the PTX for this GPU once and keeps it here for every later process.
+export CUDA_CACHE_PATH="$bin/nv-cache" CUDA_CACHE_MAXSIZE=4294967296
+export TOKENFORMER_TEST_ROOT="$root" TOKENFORMER_BIN="$bin/tokenformer"
+# Every GPU test and every bench part runs in a process of its own: a faulting kernel
+# leaves its CUDA context unusable, and must not take the checks after it down with it.
+tests() {  # tests TAG [FILTER]: the GPU tests (matching FILTER), one process each
+    local log="$out/gpu-tests-$1.txt" pass=0 fail=0 name
+    : >"$log"
+    while read -r name; do
+        echo "== $name" >>"$log"
+        if run "$bin/gpu-tests" --exact "$name" --nocapture >>"$log" 2>&1; then
+            pass=$((pass + 1))
+        else
+            fail=$((fail + 1)); echo "FAILED: $name"
+        fi
+    done < <(run "$bin/gpu-tests" --list --format terse ${2:+"$2"} | sed -n 's/: test$//p')
+    echo "GPU tests ($1): $pass passed, $fail failed; log $log" | tee -a "$log"
+}
+# The parts of `bench --device cuda` (bench_gpu::PARTS), merged into bench-TAG.json.
+bench() {  # bench TAG PART...
+    local tag=$1 part; shift
+    for part in "$@"; do
+        run "$bin/tokenformer" bench --device cuda --only "$part" --json \
+            >"$out/bench-$tag-$part.json" 2>"$out/bench-$tag-$part.err"
+        echo "bench $tag $part: rc=$?"; tail -3 "$out/bench-$tag-$part.err"
+    done
+    python3 - "$out" "$tag" "$@" <<'PY'
+import json, sys
+out, tag, parts = sys.argv[1], sys.argv[2], sys.argv[3:]
+merged = {}
+for p in parts:
+    try:
+        merged.update(json.load(open(f"{out}/bench-{tag}-{p}.json")))
+    except (OSError, ValueError) as e:
+        merged[f"{p}_error"] = f"no JSON from the {p} part: {e}"
+json.dump(merged, open(f"{out}/bench-{tag}.json", "w"), indent=1)
+print(json.dumps(merged))
+PY
+}
+all_parts="prefill ops decode vit train"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
 # The GPU tests and the bench with the project's own CUDA kernels first
 # (TOKENFORMER_CUDA_KERNELS=1: Θ, flash attention, on tensor cores in bf16/f16 forward
@@ -77,12 +118,10 @@ py="${TORCH_VENV:-/opt/torch/.venv}/bin/python"
 anchor_done=0
 for kernels in $runs; do
     echo "== GPU tests, TOKENFORMER_CUDA_KERNELS=$kernels"
-    TOKENFORMER_CUDA_KERNELS=$kernels TOKENFORMER_TEST_ROOT="$root" TOKENFORMER_BIN="$bin/tokenformer" \
-        run "$bin/gpu-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/gpu-tests-kernels$kernels.txt"
+    TOKENFORMER_CUDA_KERNELS=$kernels tests "kernels$kernels"
     echo "== bench --device cuda, TOKENFORMER_CUDA_KERNELS=$kernels"
-    TOKENFORMER_CUDA_KERNELS=$kernels run "$bin/tokenformer" bench --device cuda --json \
-        >"$out/bench-kernels$kernels.json" 2>"$out/bench-kernels$kernels.err"
-    echo "rc=$?"; cat "$out/bench-kernels$kernels.json"; tail -5 "$out/bench-kernels$kernels.err"
+    # shellcheck disable=SC2086
+    TOKENFORMER_CUDA_KERNELS=$kernels bench "kernels$kernels" $all_parts
     if [ "$anchor_done" = 0 ]; then
         echo "== eager PyTorch anchor"
         "$py" "$here/gpu/torch_gpu_anchor.py" >"$out/torch.json" 2>"$out/torch.err"; cat "$out/torch.json"
@@ -93,18 +132,12 @@ if [[ " $runs " == *" 1 "* ]]; then
     # Decoding with one block a head instead of the split over keys, to compare with the
     # first bench's decode figures.
     echo "== bench --only decode, TOKENFORMER_FLASH_SPLIT=0"
-    TOKENFORMER_FLASH_SPLIT=0 TOKENFORMER_CUDA_KERNELS=1 run "$bin/tokenformer" bench --device cuda \
-        --only decode --json >"$out/bench-no-split.json" 2>"$out/bench-no-split.err"
-    echo "rc=$?"; cat "$out/bench-no-split.json"
+    TOKENFORMER_FLASH_SPLIT=0 TOKENFORMER_CUDA_KERNELS=1 bench no-split decode
     # The SIMT attention instead of the tensor-core one (bf16/f16, forward and backward):
     # its tests, and the prefill and training figures to compare with the first bench.
     echo "== attention tests and bench --only prefill,train, TOKENFORMER_FLASH_TC=0"
-    TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 TOKENFORMER_TEST_ROOT="$root" \
-        TOKENFORMER_BIN="$bin/tokenformer" run "$bin/gpu-tests" attention --test-threads=1 \
-        --nocapture 2>&1 | tee "$out/gpu-tests-simt-attention.txt"
-    TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 run "$bin/tokenformer" bench --device cuda \
-        --only prefill,train --json >"$out/bench-simt-attention.json" 2>"$out/bench-simt-attention.err"
-    echo "rc=$?"; cat "$out/bench-simt-attention.json"
+    TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 tests simt-attention attention
+    TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 bench simt-attention prefill train
 fi
 if [ "${1:-}" = "--compile" ]; then
     echo "== torch.compile anchor"

@@ -387,6 +387,17 @@ pub fn run(dev: &Device, only: &[String]) -> Result<Map<String, Value>> {
 mod tests {
     use super::*;
 
+    /// scripts/gpu-check.sh runs every part in a process of its own, from a list of its own.
+    #[test]
+    fn the_gpu_check_script_runs_every_part() {
+        let script = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu-check.sh"),
+        )
+        .unwrap();
+        let want = format!("all_parts=\"{}\"", PARTS.join(" "));
+        assert!(script.contains(&want), "scripts/gpu-check.sh lacks `{want}`");
+    }
+
     /// On the CPU at a small shape: every piece has its time and rate, and the sum
     /// counts each as often as a pass of the model runs it.
     #[test]
