@@ -138,6 +138,10 @@ if [[ " $runs " == *" 1 "* ]]; then
     echo "== attention tests and bench --only prefill,train, TOKENFORMER_FLASH_TC=0"
     TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 tests simt-attention attention
     TOKENFORMER_FLASH_TC=0 TOKENFORMER_CUDA_KERNELS=1 bench simt-attention prefill train
+    # Training with each block composed from the ops instead of one node with its
+    # backward written out (`train/device_block.rs`), to compare with the first bench.
+    echo "== bench --only train, TOKENFORMER_DEVICE_BLOCK=0"
+    TOKENFORMER_DEVICE_BLOCK=0 TOKENFORMER_CUDA_KERNELS=1 bench composed-blocks train
 fi
 if [ "${1:-}" = "--compile" ]; then
     echo "== torch.compile anchor"

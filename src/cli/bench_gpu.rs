@@ -395,7 +395,10 @@ mod tests {
         )
         .unwrap();
         let want = format!("all_parts=\"{}\"", PARTS.join(" "));
-        assert!(script.contains(&want), "scripts/gpu-check.sh lacks `{want}`");
+        assert!(
+            script.contains(&want),
+            "scripts/gpu-check.sh lacks `{want}`"
+        );
     }
 
     /// On the CPU at a small shape: every piece has its time and rate, and the sum

@@ -21,6 +21,37 @@ use super::row_op::{self, f64s};
 /// sees keys 0..=keys − t + i), as [b, t, h·hd] in q's dtype; differentiable in q, k
 /// and v. On a GPU f32, bf16 or f16; on the CPU f32 or f64.
 pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+    let ([q, k, v], op) = prepared(q, k, v, causal)?;
+    q.apply_op3(&k, &v, op)
+}
+
+/// [`attention`] outside the graph, for a backward written out by hand: the output
+/// and what [`Saved::grads`] needs besides it.
+pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<(Tensor, Saved)> {
+    let ([q, k, v], op) = prepared(q, k, v, causal)?;
+    let out = q.apply_op3_no_bwd(&k, &v, &op)?;
+    Ok((out, Saved { q, k, v, op }))
+}
+
+/// What the backward of [`forward`] reads: its operands as the kernels took them and
+/// the rows' log-sum-exp.
+pub(crate) struct Saved {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    op: Flash,
+}
+
+impl Saved {
+    /// ∂q [b, h, t, hd] and ∂k, ∂v [b, h, keys, hd] from the forward's output and ∂o,
+    /// both [b, t, h·hd].
+    pub(crate) fn grads(&self, out: &Tensor, dout: &Tensor) -> Result<[Tensor; 3]> {
+        self.op.grads(&self.q, &self.k, &self.v, out, dout)
+    }
+}
+
+/// The operands as the kernels take them, checked, and the op.
+fn prepared(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<([Tensor; 3], Flash)> {
     if let Err(e) = fits(q, k, v, causal) {
         candle_core::bail!("flash attention: {e}")
     }
@@ -33,15 +64,12 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Res
         }
     };
     let hd = q.dim(3)?;
-    unit(q)?.apply_op3(
-        &unit(k)?,
-        &unit(v)?,
-        Flash {
-            causal,
-            scale: 1.0 / (hd as f64).sqrt(),
-            lse: Mutex::new(None),
-        },
-    )
+    let op = Flash {
+        causal,
+        scale: 1.0 / (hd as f64).sqrt(),
+        lse: Mutex::new(None),
+    };
+    Ok(([unit(q)?, unit(k)?, unit(v)?], op))
 }
 
 /// The head sizes the GPU kernels' instances take (the smallest that fits runs).
@@ -255,6 +283,25 @@ impl CustomOp3 for Flash {
         out: &Tensor,
         dout: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [dq, dk, dv] = self.grads(q, k, v, out, dout)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+impl Flash {
+    fn keep(&self, lse: Tensor) {
+        *self.lse.lock().expect("not poisoned") = Some(lse);
+    }
+
+    /// The backward: ∂q, ∂k and ∂v of the forward's operands from its output and ∂o.
+    fn grads(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        dout: &Tensor,
+    ) -> Result<[Tensor; 3]> {
         let lse = self.lse.lock().expect("not poisoned").clone();
         let Some(lse) = lse else {
             candle_core::bail!("flash attention: backward before forward")
@@ -277,13 +324,7 @@ impl CustomOp3 for Flash {
         };
         let dq = q.apply_op3_no_bwd(k, v, &grad(Part::Q))?;
         let dkv = q.apply_op3_no_bwd(k, v, &grad(Part::KV))?;
-        Ok((Some(dq), Some(dkv.get(0)?), Some(dkv.get(1)?)))
-    }
-}
-
-impl Flash {
-    fn keep(&self, lse: Tensor) {
-        *self.lse.lock().expect("not poisoned") = Some(lse);
+        Ok([dq, dkv.get(0)?, dkv.get(1)?])
     }
 }
 

@@ -18,6 +18,11 @@ pub fn layer_norm(x: &Tensor, eps: f64) -> Result<Tensor> {
     row_op::apply(x, Norm { eps: eps as f32 })
 }
 
+/// ∂L/∂x of [`layer_norm`] at `x` from ∂L/∂y, outside the graph.
+pub(crate) fn layer_norm_grad(x: &Tensor, dy: &Tensor, eps: f64) -> Result<Tensor> {
+    row_op::grad(x, dy, Norm { eps: eps as f32 })
+}
+
 #[derive(Clone)]
 struct Norm {
     eps: f32,

@@ -77,9 +77,14 @@ impl<R: RowOp> CustomOp1 for Forward<R> {
 
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         let saved = if R::GRAD_FROM_OUTPUT { res } else { arg };
-        let g = grad_res.contiguous()?;
-        Ok(Some(saved.apply_op2_no_bwd(&g, &Grad(self.0.clone()))?))
+        Ok(Some(grad(saved, grad_res, self.0.clone())?))
     }
+}
+
+/// ∂L/∂x of `op` outside the graph, from its saved tensor (its input, or its output
+/// where `R::GRAD_FROM_OUTPUT`) and ∂L/∂y: for a backward written out by hand.
+pub(crate) fn grad<R: RowOp>(saved: &Tensor, dy: &Tensor, op: R) -> Result<Tensor> {
+    saved.apply_op2_no_bwd(&dy.contiguous()?, &Grad(op))
 }
 
 impl<R: RowOp> CustomOp2 for Grad<R> {

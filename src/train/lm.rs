@@ -132,11 +132,20 @@ impl TrainableLm {
         };
         // Broadcast over the heads of q and k [b, t, heads, hd].
         let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
+        let device_rotary = super::device_block::Rotary {
+            dims: self.rotary.tables().0,
+            cos: cos.clone(),
+            sin: sin.clone(),
+        };
+        let block_rotary = BlockRotary {
+            cpu: rotary.as_ref(),
+            device: Some(&device_rotary),
+        };
         let params = self.weights.cast();
         for i in 0..cfg.num_layers {
             let prefix = format!("layers.{i}");
             let act = cfg.pattention_activation;
-            if let Some(y) = fused_block(&params, &prefix, &x, act, &spec, rotary.as_ref())? {
+            if let Some(y) = fused_block(&params, &prefix, &x, act, &spec, block_rotary)? {
                 x = y;
                 if let Some(hidden) = hidden.as_deref_mut() {
                     hidden.push(x.clone());
@@ -310,9 +319,11 @@ pub(crate) fn fused_block<P: Params + ?Sized>(
     x: &Tensor,
     activation: crate::pattention::Activation,
     spec: &super::fused::BlockSpec,
-    rotary: Option<&super::fused::RotaryTables>,
+    rotary: BlockRotary<'_>,
 ) -> Result<Option<Tensor>> {
-    if activation != crate::pattention::Activation::L2NormGelu || !super::fused::serves(x) {
+    let cpu = super::fused::serves(x);
+    let device = !cpu && super::device_block::serves(x, spec.heads, spec.causal);
+    if activation != crate::pattention::Activation::L2NormGelu || !(cpu || device) {
         return Ok(None);
     }
     let parts = [
@@ -340,7 +351,18 @@ pub(crate) fn fused_block<P: Params + ?Sized>(
         tokens: [nq, no, nf],
         ..spec.clone()
     };
-    super::fused::block(x, &keys, &values, &spec, rotary.cloned()).map(Some)
+    if device {
+        return super::device_block::block(x, &keys, &values, &spec, rotary.device).map(Some);
+    }
+    super::fused::block(x, &keys, &values, &spec, rotary.cpu.cloned()).map(Some)
+}
+
+/// A block's rotary positions as each of its fused forms takes them (none for a
+/// vision block): the CPU's f64 tables, a device's cos/sin tensors.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct BlockRotary<'a> {
+    pub cpu: Option<&'a super::fused::RotaryTables>,
+    pub device: Option<&'a super::device_block::Rotary>,
 }
 
 /// A rotation of q or k [b, t, heads, hd] (the language model's rotary embedding).
@@ -492,7 +514,7 @@ pub(crate) fn softmax_last(x: &Tensor) -> Result<Tensor> {
 
 /// softmax(scale · scores) over the last axis of [.., t, t] attention scores, with
 /// the causal mask if `causal`.
-fn masked_softmax(scores: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
+pub(crate) fn masked_softmax(scores: &Tensor, scale: f64, causal: bool) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if crate::kernels::masked_softmax::serves(scores) {
         return crate::kernels::masked_softmax::softmax_scaled(scores, scale, causal);

@@ -10,6 +10,7 @@
 
 mod checkpoints;
 pub mod data;
+mod device_block;
 pub mod distill;
 mod fused;
 pub mod lm;

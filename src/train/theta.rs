@@ -279,9 +279,21 @@ impl CustomOp1 for L2NormGelu {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let g = grad_res.contiguous()?;
-        Ok(Some(arg.apply_op2_no_bwd(&g, &Grad { c: self.c })?))
+        Ok(Some(grad(arg, grad_res, self.c)?))
     }
+}
+
+/// ∂L/∂scores of [`l2_norm_gelu`] from ∂L/∂Θ, outside the graph.
+pub(crate) fn l2_norm_gelu_grad(
+    scores: &Tensor,
+    dy: &Tensor,
+    scale_tokens: usize,
+) -> Result<Tensor> {
+    grad(&scores.contiguous()?, dy, (scale_tokens as f64).sqrt())
+}
+
+fn grad(scores: &Tensor, dy: &Tensor, c: f64) -> Result<Tensor> {
+    scores.apply_op2_no_bwd(&dy.contiguous()?, &Grad { c })
 }
 
 struct Grad {

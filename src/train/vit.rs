@@ -153,7 +153,9 @@ impl TrainableVit {
         };
         for i in 0..cfg.num_layers {
             let prefix = format!("layers.{i}");
-            if let Some(y) = super::lm::fused_block(&params, &prefix, &x, act, &block, None)? {
+            if let Some(y) =
+                super::lm::fused_block(&params, &prefix, &x, act, &block, Default::default())?
+            {
                 x = y;
                 if let Some(hidden) = hidden.as_deref_mut() {
                     hidden.push(x.clone());
