@@ -7,7 +7,7 @@
 //! gives every argument of every node a zeroed gradient and adds into it, so a small
 //! model's GPU step is thousands of launches (docs/PERFORMANCE.md). Here the forward
 //! runs detached, the node's output is a copy of its result, and the backward writes
-//! each gradient once: about fifty launches a block each way together.
+//! each gradient once: about eighty launches a block both ways.
 //!
 //! The block: h = LN(x); q, k, v = Θ(h·K_gᵀ)·V_g for their three token groups (one
 //! scores product over the stacked keys, one Θ, one batched value product); q and k
