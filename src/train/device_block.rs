@@ -108,8 +108,9 @@ struct Saved {
     o: Tensor,
     s_proj: Tensor,
     w_proj: Tensor,
-    /// The feed-forward's input: LN(x₁), or h with a parallel residual.
+    /// x₁ = x + the attention branch (x itself with a parallel residual).
     x1: Tensor,
+    /// The feed-forward's input: LN(x₁), or h with a parallel residual.
     h_ffn: Tensor,
     s_ffn: Tensor,
     w_ffn: Tensor,
