@@ -360,6 +360,7 @@ impl CustomOp3 for Node {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::test_util::max_abs_diff;
     use candle_core::{DType, Device, Var, D};
 
     /// Deterministic, irregular values of `shape`, different for each salt (rows that
@@ -414,7 +415,7 @@ mod tests {
                 let node = block(&x, &keys, &values, &spec, rotary.as_ref()).unwrap();
                 let want = composite(&x, &keys, &values, &spec, rotary.as_ref());
                 let case = format!("parallel {parallel}, rotary {with_rotary}");
-                assert!(max_diff(&node, &want) < 1e-12, "output ({case})");
+                assert!(max_abs_diff(&node, &want) < 1e-12, "output ({case})");
                 let loss = |y: &Tensor| (y * &weight).unwrap().sum_all().unwrap();
                 let (got, auto) = (
                     loss(&node).backward().unwrap(),
@@ -431,7 +432,7 @@ mod tests {
                         .unwrap()
                         .to_scalar::<f64>()
                         .unwrap();
-                    assert!(max_diff(g, a) < 1e-6 * size, "{what} ({case})");
+                    assert!(max_abs_diff(g, a) < 1e-6 * size, "{what} ({case})");
                     // Central differences of the loss on a few elements.
                     let base = v
                         .as_tensor()
@@ -460,17 +461,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
     }
 
     /// The block from candle ops, differentiated by candle's autograd.

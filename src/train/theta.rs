@@ -361,16 +361,7 @@ mod tests {
         let def =
             crate::pattention::theta(s.as_tensor(), crate::pattention::Activation::L2NormGelu, 5)
                 .unwrap();
-        let diff = |a: &Tensor, b: &Tensor| -> f64 {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f64>()
-                .unwrap()
-        };
+        let diff = crate::kernels::test_util::max_abs_diff;
         assert!(diff(&fused, &def) < 1e-12);
         let gf = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
         let a = gf.get(s.as_tensor()).unwrap();
