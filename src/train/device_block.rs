@@ -108,7 +108,7 @@ struct Saved {
     o: Tensor,
     s_proj: Tensor,
     w_proj: Tensor,
-    /// x₁ = x + the attention branch (x itself with a parallel residual).
+    /// x₁ = x + the attention branch.
     x1: Tensor,
     /// The feed-forward's input: LN(x₁), or h with a parallel residual.
     h_ffn: Tensor,
@@ -140,10 +140,8 @@ fn pattention_grads(
     Ok([ds.matmul(keys)?, ds.t()?.matmul(x)?, dv])
 }
 
-fn rotate(x: &Tensor, r: Option<&Rotary>, inverse: bool) -> Result<Tensor> {
+fn rotate(x: &Tensor, r: Option<&Rotary>) -> Result<Tensor> {
     match r {
-        // The rotation by −θ (sin negated) is the rotation's transpose: its backward.
-        Some(r) if inverse => super::lm::rotate(x, r.dims, &r.cos, &r.sin.neg()?),
         Some(r) => super::lm::rotate(x, r.dims, &r.cos, &r.sin),
         None => Ok(x.clone()),
     }
@@ -171,8 +169,8 @@ fn forward(
         .contiguous()?;
     let qkv = w_qkv.matmul(&part(values, 0, 3 * nq)?.reshape((3, nq, d))?)?;
     let split = |x: Tensor| x.reshape((b, t, heads, d / heads));
-    let q = rotate(&split(qkv.get(0)?)?, rotary, false)?;
-    let k = rotate(&split(qkv.get(1)?)?, rotary, false)?;
+    let q = rotate(&split(qkv.get(0)?)?, rotary)?;
+    let k = rotate(&split(qkv.get(1)?)?, rotary)?;
     let v = split(qkv.get(2)?)?;
     let heads_first = |x: &Tensor| x.transpose(1, 2);
     let (o, attention) = flash::forward(
@@ -184,20 +182,15 @@ fn forward(
     let o2 = o.reshape((rows, d))?;
     let (s_proj, w_proj) = scores_theta(&o2, &part(keys, 3 * nq, np)?, cp)?;
     let a = w_proj.matmul(&part(values, 3 * nq, np)?)?;
-    let (x1, h_ffn) = if spec.parallel_residual {
-        (x.clone(), h.clone())
+    let x1 = (&x + a)?;
+    let h_ffn = if spec.parallel_residual {
+        h.clone()
     } else {
-        let x1 = (&x + a.clone())?;
-        let h1 = layer_norm(&x1, spec.eps)?;
-        (x1, h1)
+        layer_norm(&x1, spec.eps)?
     };
     let (s_ffn, w_ffn) = scores_theta(&h_ffn, &part(keys, 3 * nq + np, nf)?, cf)?;
     let f = w_ffn.matmul(&part(values, 3 * nq + np, nf)?)?;
-    let y = if spec.parallel_residual {
-        ((&x + a)? + f)?
-    } else {
-        (&x1 + f)?
-    };
+    let y = (&x1 + f)?;
     let saved = Saved {
         keys: keys.clone(),
         values: values.clone(),
@@ -248,10 +241,18 @@ fn backward(
         .attention
         .grads(&s.o, &do2.reshape((b, t, d))?)?
         .map(|g| g.transpose(1, 2));
-    // [b, t, heads, hd] back to rows, q and k rotated back.
+    // [b, t, heads, hd] back to rows, q and k rotated back: the rotation by −θ (sin
+    // negated) is the rotation's transpose.
+    let back = match rotary {
+        Some(r) => Some(Rotary {
+            sin: r.sin.neg()?,
+            ..r.clone()
+        }),
+        None => None,
+    };
     let rows_of = |g: Tensor| g.contiguous()?.reshape((rows, d));
-    let dq = rows_of(rotate(&dq?, rotary, true)?)?;
-    let dk = rows_of(rotate(&dk?, rotary, true)?)?;
+    let dq = rows_of(rotate(&dq?, back.as_ref())?)?;
+    let dk = rows_of(rotate(&dk?, back.as_ref())?)?;
     let dv = rows_of(dv?)?;
     let dqkv = Tensor::stack(&[dq, dk, dv], 0)?;
     let v_qkv = part(&s.values, 0, 3 * nq)?.reshape((3, nq, d))?;
@@ -493,7 +494,7 @@ mod tests {
         let x2 = x.reshape((b * t, d)).unwrap();
         let h = norm(&x2);
         let heads = |x: Tensor| x.reshape((b, t, spec.heads, d / spec.heads)).unwrap();
-        let rot = |x: Tensor| rotate(&x, rotary, false).unwrap();
+        let rot = |x: Tensor| rotate(&x, rotary).unwrap();
         let q = rot(heads(pattention(&h, 0, nq, cq)));
         let k = rot(heads(pattention(&h, nq, nq, cq)));
         let v = heads(pattention(&h, 2 * nq, nq, cq));
