@@ -195,20 +195,17 @@ pub fn load_vit(model: &Path) -> VisionTransformer {
 /// `TOKENFORMER_BIN` if set, else the workspace's, built here first by cargo (a no-op
 /// when it is up to date) so that it is never stale against the library this test
 /// binary was built with. Cargo builds only the package under test's binaries.
+///
+/// `--workspace` resolves features as `cargo test --workspace` does (the Python
+/// crate's dependencies turn on features of gemm's), so after that command the
+/// binary is fresh; without it cargo built the library a second time (~3.5 minutes).
 pub fn tokenformer_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("TOKENFORMER_BIN") {
         return PathBuf::from(p);
     }
     let mut c = Command::new(env!("CARGO"));
-    c.args([
-        "build",
-        "--quiet",
-        "-p",
-        "tokenformer",
-        "--bin",
-        "tokenformer",
-    ])
-    .current_dir(env!("CARGO_MANIFEST_DIR"));
+    c.args(["build", "--quiet", "--workspace", "--bin", "tokenformer"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
     if !cfg!(debug_assertions) {
         c.arg("--release");
     }
