@@ -1,24 +1,26 @@
 //! Runs the project's CUDA kernels (`src/kernels/cuda/*.cu`) on the CPU with one
-//! host thread per CUDA thread, so their indexing, masking and reductions can be
+//! fiber per CUDA thread, so their indexing, masking and reductions can be
 //! checked on a machine without a GPU: `__syncthreads` is a block barrier,
 //! `__shfl_xor_sync` an exchange through memory between two warp barriers,
-//! `__shared__` a static (blocks run one at a time). It says nothing about
-//! speed, races the barriers hide, or the GPU's own arithmetic (expf, fmaf),
-//! which the GPU tests (tests/gpu.rs) check on a device.
+//! `__shared__` a static (blocks run one at a time). A barrier missing between a
+//! write to shared memory and another thread's read fails in one of the two thread
+//! orders run.sh runs. It says nothing about speed, races within a warp, or the
+//! GPU's own arithmetic (expf, fmaf), which the GPU tests (tests/gpu.rs) check on a
+//! device.
 //! Built and run by scripts/cuda-emulate/run.sh, once per kernel file (-DATTENTION,
 //! forward and backward; -DLOGPROB, -DTHETA, -DSOFTMAX, -DNORM, -DADAMW, -DROTARY).
-#include <condition_variable>
-#include <mutex>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
+#include <sys/mman.h>
+#include <ucontext.h>
 #include <vector>
 
 // The kernels' CUDA keywords and types for the host (run.sh puts empty
@@ -29,7 +31,7 @@
 #define __launch_bounds__(x)
 #define __shared__ static
 struct Dim { unsigned x = 0, y = 0, z = 0; };
-thread_local Dim threadIdx, blockIdx;
+Dim threadIdx, blockIdx;
 Dim blockDim, gridDim;
 struct __nv_bfloat16 { uint16_t x; };
 struct __half { _Float16 x; };
@@ -66,35 +68,52 @@ inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float2 make_float2(float x, float y) { return {x, y}; }
 
-// A barrier for `n` threads that a finished thread can leave (libstdc++ 12's
-// std::barrier failed with SIGFPE under this use).
-class Barrier {
-    std::mutex mu;
-    std::condition_variable cv;
+// Every CUDA thread of a block is a fiber (ucontext) on this one host thread, run in
+// turn until it reaches a barrier or returns: no OS threads to start, no locks. Fibers
+// run in thread order, or from the last thread down with EMULATE_ORDER=reverse, so a
+// barrier missing between a write to shared memory and another thread's read of it
+// reads stale data in one of the two orders (run.sh runs both).
+struct Barrier {
     unsigned n, waiting = 0, generation = 0;
-
+    explicit Barrier(unsigned n) : n(n) {}
+    void arrive_and_wait();
+    // A thread that returned early leaves the barrier to the others.
+    void arrive_and_drop() {
+        if (--n > 0 && waiting == n) release();
+    }
     void release() {
         waiting = 0;
         ++generation;
-        cv.notify_all();
-    }
-
-  public:
-    explicit Barrier(unsigned n) : n(n) {}
-    void arrive_and_wait() {
-        std::unique_lock<std::mutex> l(mu);
-        const unsigned g = generation;
-        if (++waiting == n) return release();
-        cv.wait(l, [&] { return generation != g; });
-    }
-    void arrive_and_drop() {
-        std::lock_guard<std::mutex> l(mu);
-        --n;
-        if (n > 0 && waiting == n) release();
     }
 };
+struct Fiber {
+    ucontext_t context;
+    char *stack = nullptr;
+    bool done = false;
+    const Barrier *waits = nullptr; // the barrier this fiber waits at, and its generation then
+    unsigned generation = 0;
+};
+constexpr size_t FIBER_STACK = 1 << 20;
+std::vector<Fiber> fibers;
+unsigned current;
+ucontext_t scheduler;
+const std::function<void()> *fiber_kernel;
 std::unique_ptr<Barrier> block_bar;
 std::vector<std::unique_ptr<Barrier>> warp_bar;
+void Barrier::arrive_and_wait() {
+    const unsigned g = generation;
+    if (++waiting == n) return release();
+    Fiber &f = fibers[current];
+    f.waits = this;
+    f.generation = g;
+    swapcontext(&f.context, &scheduler);
+}
+void fiber_main() {
+    (*fiber_kernel)();
+    block_bar->arrive_and_drop();
+    warp_bar[current / 32]->arrive_and_drop();
+    fibers[current].done = true;
+}
 static float xf[1024];
 static int xi[1024];
 inline void __syncthreads() { block_bar->arrive_and_wait(); }
@@ -109,32 +128,63 @@ template <typename T> T shfl(T *buf, T v, int o) {
 inline float __shfl_xor_sync(unsigned, float v, int o) { return shfl(xf, v, o); }
 inline int __shfl_xor_sync(unsigned, int v, int o) { return shfl(xi, v, o); }
 
-/// Runs `kernel` over the grid, one block at a time, a host thread per CUDA thread.
+/// Runs `kernel` over the grid, one block at a time, a fiber per CUDA thread.
 void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
+    static const bool reverse = [] {
+        const char *o = std::getenv("EMULATE_ORDER");
+        return o && std::string(o) == "reverse";
+    }();
     blockDim = {threads, 1, 1};
     gridDim = grid;
-    block_bar = std::make_unique<Barrier>(threads);
-    warp_bar.clear();
-    for (unsigned w = 0; w < (threads + 31) / 32; ++w)
-        warp_bar.push_back(std::make_unique<Barrier>(std::min(32u, threads - 32 * w)));
+    fiber_kernel = &kernel;
+    if (fibers.size() < threads) fibers.resize(threads);
+    for (unsigned t = 0; t < threads; ++t)
+        if (!fibers[t].stack) {
+            // A guard page below each stack: an overflow faults instead of writing on.
+            void *m = mmap(nullptr, FIBER_STACK + 4096, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (m == MAP_FAILED || mprotect(m, 4096, PROT_NONE) != 0) {
+                std::perror("fiber stack");
+                std::exit(2);
+            }
+            fibers[t].stack = static_cast<char *>(m) + 4096;
+        }
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
-                std::vector<std::thread> ts;
-                for (unsigned t = 0; t < threads; ++t)
-                    ts.emplace_back([&, t] {
-                        threadIdx = {t, 0, 0};
-                        blockIdx = {x, y, z};
-                        kernel();
-                        // A thread that returned early leaves the barriers to the others.
-                        block_bar->arrive_and_drop();
-                        warp_bar[t / 32]->arrive_and_drop();
-                    });
-                for (auto &th : ts) th.join();
-                // The next block starts with full barriers.
+                blockIdx = {x, y, z};
                 block_bar = std::make_unique<Barrier>(threads);
-                for (unsigned w = 0; w < warp_bar.size(); ++w)
-                    warp_bar[w] = std::make_unique<Barrier>(std::min(32u, threads - 32 * w));
+                warp_bar.clear();
+                for (unsigned w = 0; w < (threads + 31) / 32; ++w)
+                    warp_bar.push_back(std::make_unique<Barrier>(std::min(32u, threads - 32 * w)));
+                for (unsigned t = 0; t < threads; ++t) {
+                    Fiber &f = fibers[t];
+                    getcontext(&f.context);
+                    f.context.uc_stack = {f.stack, 0, FIBER_STACK};
+                    f.context.uc_link = &scheduler;
+                    makecontext(&f.context, fiber_main, 0);
+                    f.done = false;
+                    f.waits = nullptr;
+                }
+                for (unsigned left = threads; left > 0;) {
+                    bool ran = false;
+                    for (unsigned i = 0; i < threads; ++i) {
+                        const unsigned t = reverse ? threads - 1 - i : i;
+                        Fiber &f = fibers[t];
+                        if (f.done || (f.waits && f.waits->generation == f.generation)) continue;
+                        f.waits = nullptr;
+                        current = t;
+                        threadIdx = {t, 0, 0};
+                        swapcontext(&scheduler, &f.context);
+                        ran = true;
+                        left -= f.done;
+                    }
+                    if (!ran) {
+                        std::printf("FAIL block (%u, %u, %u): %u threads wait at barriers the others "
+                                    "never reach\n", x, y, z, left);
+                        std::exit(1);
+                    }
+                }
             }
 }
 

@@ -11,7 +11,16 @@ mkdir -p "$out/include"
 touch "$out/include/cuda_bf16.h" "$out/include/cuda_fp16.h"
 rc=0
 for k in ATTENTION LOGPROB THETA SOFTMAX NORM ADAMW ROTARY; do
-    g++ -std=c++20 -O2 -fno-strict-aliasing -pthread -I"$out/include" -D"$k" -o "$out/${k,,}" emulate.cpp
+    g++ -std=c++20 -O2 -fno-strict-aliasing -I"$out/include" -D"$k" -o "$out/${k,,}" emulate.cpp
+    # Each block's threads in order and, on the other core, in reverse order (see
+    # emulate.cpp's fibers); the second prints only what fails.
+    EMULATE_ORDER=reverse "$out/${k,,}" >"$out/${k,,}-reverse.txt" 2>&1 &
+    reverse=$!
     "$out/${k,,}" || rc=1
+    wait "$reverse" || {
+        rc=1
+        echo "FAILED in reverse order: $k (log: $out/${k,,}-reverse.txt)"
+        grep -E '^FAIL' "$out/${k,,}-reverse.txt" | sed 's/^/(reverse order) /'
+    }
 done
 exit $rc
