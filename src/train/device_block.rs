@@ -7,30 +7,67 @@
 //! gives every argument of every node a zeroed gradient and adds into it, so a small
 //! model's GPU step is thousands of launches (docs/PERFORMANCE.md). Here the forward
 //! runs detached, the node's output is a copy of its result, and the backward writes
-//! each gradient once: about eighty launches a block both ways.
+//! each gradient once: about fifty launches a block both ways, counted from the code.
 //!
 //! The block: h = LN(x); q, k, v = Θ(h·K_gᵀ)·V_g for their three token groups (one
 //! scores product over the stacked keys, one Θ, one batched value product); q and k
-//! rotated; o = attention(q, k, v); x₁ = x + Θ(o·K_pᵀ)·V_p; y = x₁ + Θ(LN(x₁)·K_fᵀ)·V_f
+//! rotated together (one op); o = attention(q, k, v); x₁ = x + Θ(o·K_pᵀ)·V_p; y = x₁ + Θ(LN(x₁)·K_fᵀ)·V_f
 //! (or y = x + Θ(o·K_pᵀ)·V_p + Θ(h·K_fᵀ)·V_f with a parallel residual).
 
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, D};
 
 use super::fused::BlockSpec;
 use super::theta::{l2_norm_gelu, l2_norm_gelu_grad};
 use crate::kernels::flash;
 use crate::kernels::nonparam_norm::{layer_norm, layer_norm_grad};
 
-/// GPT-NeoX rotary (rotate-half) on the first `dims` features of each head: cos and
-/// sin [t, 1, dims] in the activations' dtype.
+/// GPT-NeoX rotary (rotate-half) on the first `dims` features of each head, from the
+/// model's tables cos and sin [positions, dims/2] (f32).
 #[derive(Clone)]
 pub(crate) struct Rotary {
-    pub dims: usize,
-    pub cos: Tensor,
-    pub sin: Tensor,
+    dims: usize,
+    cos: Tensor,
+    sin: Tensor,
+    /// −sin: the rotation by −θ, the rotation's transpose (the backward's).
+    neg_sin: Tensor,
+}
+
+impl Rotary {
+    pub(crate) fn new(dims: usize, cos: &Tensor, sin: &Tensor) -> Result<Self> {
+        Ok(Self {
+            dims,
+            cos: cos.clone(),
+            sin: sin.clone(),
+            neg_sin: sin.neg()?,
+        })
+    }
+
+    /// The rotation by −θ.
+    fn inverse(&self) -> Self {
+        Self {
+            sin: self.neg_sin.clone(),
+            neg_sin: self.sin.clone(),
+            ..self.clone()
+        }
+    }
+
+    /// x [n, b, heads, t, hd] (each head's features contiguous) rotated at positions
+    /// 0..t, contiguous: in one op for f32, bf16 and f16 (one launch on a GPU, row
+    /// loops on the CPU), composed from tensor ops in f64 (the unit test's exact path).
+    fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        if x.dtype() != DType::F64 {
+            return crate::kernels::rotary_heads(x, &self.cos, &self.sin, self.dims, 0);
+        }
+        let t = x.dim(3)?;
+        let full = |table: &Tensor| -> Result<Tensor> {
+            let table = table.narrow(0, 0, t)?.to_dtype(DType::F64)?;
+            Tensor::cat(&[&table, &table], D::Minus1)
+        };
+        super::lm::rotate(x, self.dims, &full(&self.cos)?, &full(&self.sin)?)?.contiguous()
+    }
 }
 
 /// Whether the node serves x [b, t, d]: on a GPU with the project's kernels on, where
@@ -140,10 +177,11 @@ fn pattention_grads(
     Ok([ds.matmul(keys)?, ds.t()?.matmul(x)?, dv])
 }
 
-fn rotate(x: &Tensor, r: Option<&Rotary>) -> Result<Tensor> {
+/// x [n, b, heads, t, hd] rotated by `r`, if any.
+fn rotate(x: Tensor, r: Option<&Rotary>) -> Result<Tensor> {
     match r {
-        Some(r) => super::lm::rotate(x, r.dims, &r.cos, &r.sin),
-        None => Ok(x.clone()),
+        Some(r) => r.apply(&x),
+        None => Ok(x),
     }
 }
 
@@ -167,18 +205,14 @@ fn forward(
         .reshape((rows, 3, nq))?
         .transpose(0, 1)?
         .contiguous()?;
-    let qkv = w_qkv.matmul(&part(values, 0, 3 * nq)?.reshape((3, nq, d))?)?;
-    let split = |x: Tensor| x.reshape((b, t, heads, d / heads));
-    let q = rotate(&split(qkv.get(0)?)?, rotary)?;
-    let k = rotate(&split(qkv.get(1)?)?, rotary)?;
-    let v = split(qkv.get(2)?)?;
-    let heads_first = |x: &Tensor| x.transpose(1, 2);
-    let (o, attention) = flash::forward(
-        &heads_first(&q)?,
-        &heads_first(&k)?,
-        &heads_first(&v)?,
-        spec.causal,
-    )?;
+    // [3, b, heads, t, hd] over the product's [3, b, t, heads, hd]; q and k rotated
+    // together.
+    let qkv = w_qkv
+        .matmul(&part(values, 0, 3 * nq)?.reshape((3, nq, d))?)?
+        .reshape((3, b, t, heads, d / heads))?
+        .transpose(2, 3)?;
+    let qk = rotate(qkv.narrow(0, 0, 2)?, rotary)?;
+    let (o, attention) = flash::forward(&qk.get(0)?, &qk.get(1)?, &qkv.get(2)?, spec.causal)?;
     let o2 = o.reshape((rows, d))?;
     let (s_proj, w_proj) = scores_theta(&o2, &part(keys, 3 * nq, np)?, cp)?;
     let a = w_proj.matmul(&part(values, 3 * nq, np)?)?;
@@ -237,24 +271,19 @@ fn backward(
     };
     let o2 = s.o.reshape((rows, d))?;
     let [do2, dk_proj, dv_proj] = pattention_grads(&dx1, &o2, &kp, &vp, &s.s_proj, &s.w_proj, cp)?;
-    let [dq, dk, dv] = s
-        .attention
-        .grads(&s.o, &do2.reshape((b, t, d))?)?
-        .map(|g| g.transpose(1, 2));
-    // [b, t, heads, hd] back to rows, q and k rotated back: the rotation by −θ (sin
-    // negated) is the rotation's transpose.
-    let back = match rotary {
-        Some(r) => Some(Rotary {
-            sin: r.sin.neg()?,
-            ..r.clone()
-        }),
-        None => None,
-    };
-    let rows_of = |g: Tensor| g.contiguous()?.reshape((rows, d));
-    let dq = rows_of(rotate(&dq?, back.as_ref())?)?;
-    let dk = rows_of(rotate(&dk?, back.as_ref())?)?;
-    let dv = rows_of(dv?)?;
-    let dqkv = Tensor::stack(&[dq, dk, dv], 0)?;
+    // ∂q, ∂k and ∂v [b, heads, t, hd]; q's and k's rotated back; all three as rows
+    // [3, rows, d] (one copy each, from [heads, t] to [t, heads]).
+    let [dq, dk, dv] = s.attention.grads(&s.o, &do2.reshape((b, t, d))?)?;
+    let back = rotary.map(Rotary::inverse);
+    let one = |g: Tensor| g.unsqueeze(0);
+    let dq = rotate(one(dq)?, back.as_ref())?;
+    let dk = rotate(one(dk)?, back.as_ref())?;
+    let rows_first = |g: &Tensor| g.transpose(2, 3);
+    let dqkv = Tensor::cat(
+        &[rows_first(&dq)?, rows_first(&dk)?, rows_first(&one(dv)?)?],
+        0,
+    )?
+    .reshape((3, rows, d))?;
     let v_qkv = part(&s.values, 0, 3 * nq)?.reshape((3, nq, d))?;
     let dv_qkv = s
         .w_qkv
@@ -396,22 +425,7 @@ mod tests {
                 let x = Var::from_tensor(&filled(&[b, t, d], 0.1, 2.0)).unwrap();
                 let keys = Var::from_tensor(&filled(&[n, d], 0.3, 1.0)).unwrap();
                 let values = Var::from_tensor(&filled(&[n, d], 0.7, 0.5)).unwrap();
-                let rotary = with_rotary.then(|| {
-                    let dims = 2;
-                    // Both halves of the rotated features turn by the same angle.
-                    let angle = |p: usize, i: usize| 0.3 * (p * (1 + i % (dims / 2))) as f64;
-                    let table = |f: fn(f64) -> f64| {
-                        let v: Vec<f64> = (0..t)
-                            .flat_map(|p| (0..dims).map(move |i| f(angle(p, i))))
-                            .collect();
-                        Tensor::from_vec(v, (t, 1, dims), &Device::Cpu).unwrap()
-                    };
-                    Rotary {
-                        dims,
-                        cos: table(f64::cos),
-                        sin: table(f64::sin),
-                    }
-                });
+                let rotary = with_rotary.then(|| tables(t, DType::F64));
                 let weight = filled(&[b, t, d], 0.9, 1.0);
                 let node = block(&x, &keys, &values, &spec, rotary.as_ref()).unwrap();
                 let want = composite(&x, &keys, &values, &spec, rotary.as_ref());
@@ -464,6 +478,81 @@ mod tests {
         }
     }
 
+    /// Rotary tables for positions 0..t of 2 rotated features a head (the rotary path
+    /// of the heads of 4 in these tests: the first two features, the others passed on).
+    fn tables(t: usize, dtype: DType) -> Rotary {
+        let angle = Tensor::arange(0.0, t as f64, &Device::Cpu)
+            .unwrap()
+            .affine(0.3, 0.0)
+            .unwrap()
+            .reshape((t, 1))
+            .unwrap();
+        let of = |a: Tensor| a.to_dtype(dtype).unwrap();
+        Rotary::new(2, &of(angle.cos().unwrap()), &of(angle.sin().unwrap())).unwrap()
+    }
+
+    /// The node in f32, whose rotation is the `rotary_heads` op (the GPU's kernel, here
+    /// its CPU loops), against the node in f64 (composed rotation, which the test above
+    /// holds to candle's autograd and finite differences): the output and ∂x, ∂keys,
+    /// ∂values of a weighted sum, to f32's precision.
+    #[test]
+    fn in_f32_the_node_rotates_with_the_kernel_op_as_in_f64() {
+        let (b, t, d, heads) = (2, 5, 8, 2);
+        let (nq, np, nf) = (6, 4, 10);
+        let n = 3 * nq + np + nf;
+        for parallel in [false, true] {
+            let spec = BlockSpec {
+                heads,
+                tokens: [nq, np, nf],
+                scale_tokens: [nq, np + 1, nf],
+                causal: true,
+                parallel_residual: parallel,
+                eps: 1e-5,
+            };
+            let inputs = [
+                filled(&[b, t, d], 0.1, 2.0),
+                filled(&[n, d], 0.3, 1.0),
+                filled(&[n, d], 0.7, 0.5),
+            ];
+            let weight = filled(&[b, t, d], 0.9, 1.0);
+            let run = |dtype: DType| {
+                let [x, keys, values] = inputs
+                    .clone()
+                    .map(|v| Var::from_tensor(&v.to_dtype(dtype).unwrap()).unwrap());
+                let rotary = tables(t, DType::F32);
+                let y = block(&x, &keys, &values, &spec, Some(&rotary)).unwrap();
+                let loss = (&y * weight.to_dtype(dtype).unwrap())
+                    .unwrap()
+                    .sum_all()
+                    .unwrap();
+                let g = loss.backward().unwrap();
+                let wide = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+                [&x, &keys, &values]
+                    .map(|v| wide(g.get(v).unwrap()))
+                    .to_vec()
+                    .into_iter()
+                    .chain([wide(&y)])
+                    .collect::<Vec<_>>()
+            };
+            let (f32s, f64s) = (run(DType::F32), run(DType::F64));
+            for ((a, e), what) in f32s.iter().zip(&f64s).zip(["∂x", "∂keys", "∂values", "y"])
+            {
+                let size = e
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap();
+                let diff = max_abs_diff(a, e);
+                assert!(
+                    diff < 2e-5 * size,
+                    "{what} (parallel {parallel}): {diff} of {size}"
+                );
+            }
+        }
+    }
+
     /// The block from candle ops, differentiated by candle's autograd.
     fn composite(
         x: &Tensor,
@@ -494,12 +583,14 @@ mod tests {
         let x2 = x.reshape((b * t, d)).unwrap();
         let h = norm(&x2);
         let heads = |x: Tensor| x.reshape((b, t, spec.heads, d / spec.heads)).unwrap();
-        let rot = |x: Tensor| rotate(&x, rotary).unwrap();
-        let q = rot(heads(pattention(&h, 0, nq, cq)));
-        let k = rot(heads(pattention(&h, nq, nq, cq)));
-        let v = heads(pattention(&h, 2 * nq, nq, cq));
-        let first = |x: &Tensor| x.transpose(1, 2).unwrap().contiguous().unwrap();
-        let (q, k, v) = (first(&q), first(&k), first(&v));
+        let first = |x: Tensor| x.transpose(1, 2).unwrap().contiguous().unwrap();
+        let rot = |x: Tensor| {
+            let x = x.unsqueeze(0).unwrap();
+            rotate(x, rotary).unwrap().squeeze(0).unwrap()
+        };
+        let q = rot(first(heads(pattention(&h, 0, nq, cq))));
+        let k = rot(first(heads(pattention(&h, nq, nq, cq))));
+        let v = first(heads(pattention(&h, 2 * nq, nq, cq)));
         let scores = q.matmul(&k.t().unwrap()).unwrap();
         let hd = (d / spec.heads) as f64;
         let p = super::super::lm::masked_softmax(&scores, 1.0 / hd.sqrt(), spec.causal).unwrap();

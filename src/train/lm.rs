@@ -132,14 +132,13 @@ impl TrainableLm {
         };
         // Broadcast over the heads of q and k [b, t, heads, hd].
         let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
-        let device_rotary = super::device_block::Rotary {
-            dims: self.rotary.tables().0,
-            cos: cos.clone(),
-            sin: sin.clone(),
+        let device_rotary = match self.rotary.tables() {
+            (0, ..) => None,
+            (dims, cos, sin) => Some(super::device_block::Rotary::new(dims, cos, sin)?),
         };
         let block_rotary = BlockRotary {
             cpu: rotary.as_ref(),
-            device: Some(&device_rotary),
+            device: device_rotary.as_ref(),
         };
         let params = self.weights.cast();
         for i in 0..cfg.num_layers {
@@ -358,7 +357,7 @@ pub(crate) fn fused_block<P: Params + ?Sized>(
 }
 
 /// A block's rotary positions as each of its fused forms takes them (none for a
-/// vision block): the CPU's f64 tables, a device's cos/sin tensors.
+/// vision block): the CPU's f64 tables, the device block's f32 tables.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct BlockRotary<'a> {
     pub cpu: Option<&'a super::fused::RotaryTables>,
