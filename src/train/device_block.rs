@@ -405,23 +405,30 @@ mod tests {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
+    /// The tests' block: x [2, 5, 8] in two heads of 4; 6 q/k/v, 4 proj and 10
+    /// feed-forward parameter tokens (`TOKENS` in all).
+    const SHAPE: (usize, usize, usize) = (2, 5, 8);
+    const TOKENS: usize = 3 * 6 + 4 + 10;
+
+    fn spec(causal: bool, parallel_residual: bool) -> BlockSpec {
+        BlockSpec {
+            heads: 2,
+            tokens: [6, 4, 10],
+            scale_tokens: [6, 5, 10],
+            causal,
+            parallel_residual,
+            eps: 1e-5,
+        }
+    }
+
     /// The node against the same block composed from candle ops (the training path of
     /// every other device), in f64: outputs, ∂x, ∂keys and ∂values of a weighted sum.
     #[test]
     fn the_node_computes_and_differentiates_the_composite_block() {
-        let (b, t, d, heads) = (2, 5, 8, 2);
-        let (nq, np, nf) = (6, 4, 10);
+        let ((b, t, d), n) = (SHAPE, TOKENS);
         for parallel in [false, true] {
             for with_rotary in [false, true] {
-                let spec = BlockSpec {
-                    heads,
-                    tokens: [nq, np, nf],
-                    scale_tokens: [nq, np + 1, nf],
-                    causal: with_rotary,
-                    parallel_residual: parallel,
-                    eps: 1e-5,
-                };
-                let n = 3 * nq + np + nf;
+                let spec = spec(with_rotary, parallel);
                 let x = Var::from_tensor(&filled(&[b, t, d], 0.1, 2.0)).unwrap();
                 let keys = Var::from_tensor(&filled(&[n, d], 0.3, 1.0)).unwrap();
                 let values = Var::from_tensor(&filled(&[n, d], 0.7, 0.5)).unwrap();
@@ -497,18 +504,9 @@ mod tests {
     /// ∂values of a weighted sum, to f32's precision.
     #[test]
     fn in_f32_the_node_rotates_with_the_kernel_op_as_in_f64() {
-        let (b, t, d, heads) = (2, 5, 8, 2);
-        let (nq, np, nf) = (6, 4, 10);
-        let n = 3 * nq + np + nf;
+        let ((b, t, d), n) = (SHAPE, TOKENS);
         for parallel in [false, true] {
-            let spec = BlockSpec {
-                heads,
-                tokens: [nq, np, nf],
-                scale_tokens: [nq, np + 1, nf],
-                causal: true,
-                parallel_residual: parallel,
-                eps: 1e-5,
-            };
+            let spec = spec(true, parallel);
             let inputs = [
                 filled(&[b, t, d], 0.1, 2.0),
                 filled(&[n, d], 0.3, 1.0),
