@@ -602,6 +602,11 @@ pub(crate) mod test_util {
             .unwrap()
     }
 
+    /// The largest |element| of `t`, in f64: a size to scale a tolerance by.
+    pub(crate) fn max_abs(t: &Tensor) -> f64 {
+        max_abs_diff(t, &t.zeros_like().unwrap())
+    }
+
     /// One rounding of a half type, relative: 2⁻⁷ for bf16, 2⁻¹⁰ for f16.
     pub(crate) fn half_ulp(dtype: DType) -> f64 {
         if dtype == DType::BF16 {
