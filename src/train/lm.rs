@@ -243,6 +243,23 @@ impl TrainableLm {
 /// Tensors by canonical name: variables, or views of them (a merged model's routes).
 pub(crate) trait Params {
     fn tensor(&self, name: &str) -> Result<Option<Tensor>>;
+
+    /// The named matrices stacked by rows, with each one's rows; `None` where their
+    /// widths differ. [`Cast`] casts the stack once, not each matrix.
+    fn stacked(&self, names: &[String]) -> Result<Option<(Tensor, Vec<usize>)>> {
+        let parts = names
+            .iter()
+            .map(|name| param(self, name))
+            .collect::<Result<Vec<_>>>()?;
+        let mut rows = Vec::with_capacity(parts.len());
+        for part in &parts {
+            match part.dims() {
+                &[r, width] if width == parts[0].dim(D::Minus1)? => rows.push(r),
+                _ => return Ok(None),
+            }
+        }
+        Ok(Some((Tensor::cat(&parts, 0)?, rows)))
+    }
 }
 
 impl Params for BTreeMap<String, Var> {
@@ -270,6 +287,13 @@ impl<P: Params + ?Sized> Params for Cast<'_, P> {
             .tensor(name)?
             .map(|t| t.to_dtype(self.dtype))
             .transpose()
+    }
+
+    fn stacked(&self, names: &[String]) -> Result<Option<(Tensor, Vec<usize>)>> {
+        let Some((stack, rows)) = self.params.stacked(names)? else {
+            return Ok(None);
+        };
+        Ok(Some((stack.to_dtype(self.dtype)?, rows)))
     }
 }
 
@@ -332,20 +356,18 @@ pub(crate) fn fused_block<P: Params + ?Sized>(
         "attention.proj",
         "mlp",
     ];
-    let fetch = |kind: &str| -> Result<Vec<Tensor>> {
-        parts
-            .iter()
-            .map(|p| param(params, &format!("{prefix}.{p}.{kind}_param_tokens")))
-            .collect()
+    let stack = |kind: &str| {
+        let names = parts.map(|p| format!("{prefix}.{p}.{kind}_param_tokens"));
+        params.stacked(&names)
     };
-    let (keys, values) = (fetch("key")?, fetch("value")?);
+    let (Some((keys, rows)), Some((values, _))) = (stack("key")?, stack("value")?) else {
+        return Ok(None);
+    };
     let d = x.dim(2)?;
-    let rows = keys.iter().map(|k| k.dim(0)).collect::<Result<Vec<_>>>()?;
     let (nq, no, nf) = (rows[0], rows[3], rows[4]);
-    if keys.iter().chain(&values).any(|t| t.dim(1).ok() != Some(d)) || rows[1..3] != [nq, nq] {
+    if keys.dim(1)? != d || values.dim(1)? != d || rows[1..3] != [nq, nq] {
         return Ok(None);
     }
-    let (keys, values) = (Tensor::cat(&keys, 0)?, Tensor::cat(&values, 0)?);
     let spec = super::fused::BlockSpec {
         tokens: [nq, no, nf],
         ..spec.clone()
@@ -613,4 +635,70 @@ pub fn flops_per_token(cfg: &Config, seq_len: usize) -> f64 {
     let head = cfg.vocab_size as f64 * d;
     let attention = 6.0 * cfg.num_layers as f64 * seq_len as f64 * d;
     6.0 * (pattention + head) + attention
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// A cast stack is the stack of the casts, bit for bit, and gives each variable
+    /// the gradient the separate casts give it; matrices of other widths give `None`.
+    #[test]
+    fn a_cast_stack_is_the_stack_of_the_casts() {
+        let vars: BTreeMap<String, Var> = [("a", 2, 3), ("b", 4, 3), ("c", 1, 5)]
+            .into_iter()
+            .map(|(name, rows, width)| {
+                let n = rows * width;
+                let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 1.01).collect();
+                let t = Tensor::from_vec(v, (rows, width), &Device::Cpu).unwrap();
+                (name.to_string(), Var::from_tensor(&t).unwrap())
+            })
+            .collect();
+        let cast = Cast {
+            params: &vars,
+            dtype: DType::BF16,
+        };
+        let names = ["a".to_string(), "b".to_string()];
+        let (stack, rows) = cast.stacked(&names).unwrap().unwrap();
+        assert_eq!(rows, [2, 4]);
+        assert_eq!(stack.dtype(), DType::BF16);
+        let one_by_one =
+            Tensor::cat(&[param(&cast, "a").unwrap(), param(&cast, "b").unwrap()], 0).unwrap();
+        let bits = |t: &Tensor| {
+            t.to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        assert_eq!(bits(&stack), bits(&one_by_one));
+        let weight = Tensor::arange(0f32, 18.0, &Device::Cpu)
+            .unwrap()
+            .reshape((6, 3))
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let grads = |t: &Tensor| {
+            let g = (t * &weight)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            names
+                .clone()
+                .map(|n| bits(g.get(vars[&n].as_tensor()).unwrap()))
+        };
+        assert_eq!(grads(&stack), grads(&one_by_one));
+        assert_eq!(
+            grads(&stack)[1][0],
+            6.0,
+            "b's first gradient is weight[2][0]"
+        );
+        let other_width = ["a".to_string(), "c".to_string()];
+        assert!(cast.stacked(&other_width).unwrap().is_none());
+        assert!(vars.stacked(&other_width).unwrap().is_none());
+    }
 }
