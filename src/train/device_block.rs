@@ -17,7 +17,7 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, D};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::fused::BlockSpec;
 use super::theta::{l2_norm_gelu, l2_norm_gelu_grad};
@@ -61,11 +61,7 @@ impl Rotary {
         if x.dtype() != DType::F64 {
             return crate::kernels::rotary_heads(x, &self.cos, &self.sin, self.dims, 0);
         }
-        let t = x.dim(3)?;
-        let full = |table: &Tensor| -> Result<Tensor> {
-            let table = table.narrow(0, 0, t)?.to_dtype(DType::F64)?;
-            Tensor::cat(&[&table, &table], D::Minus1)
-        };
+        let full = |table: &Tensor| super::lm::full_table(table, x.dim(3)?, DType::F64);
         super::lm::rotate(x, self.dims, &full(&self.cos)?, &full(&self.sin)?)?.contiguous()
     }
 }

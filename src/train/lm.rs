@@ -500,11 +500,14 @@ pub(crate) fn rotate(x: &Tensor, dims: usize, cos: &Tensor, sin: &Tensor) -> Res
 /// cos/sin [t, rotary_dims] for positions 0..t, both halves (rotate-half layout).
 pub(crate) fn rotary_tables(rotary: &Rotary, t: usize, dtype: DType) -> Result<(Tensor, Tensor)> {
     let (_, cos, sin) = rotary.tables();
-    let full = |x: &Tensor| -> Result<Tensor> {
-        let x = x.narrow(0, 0, t)?.to_dtype(dtype)?;
-        Tensor::cat(&[&x, &x], D::Minus1)
-    };
-    Ok((full(cos)?, full(sin)?))
+    Ok((full_table(cos, t, dtype)?, full_table(sin, t, dtype)?))
+}
+
+/// A rotary table [positions, dims/2] as [t, dims] in `dtype` for positions 0..t:
+/// both halves of the rotated features turn by the same angles.
+pub(crate) fn full_table(table: &Tensor, t: usize, dtype: DType) -> Result<Tensor> {
+    let x = table.narrow(0, 0, t)?.to_dtype(dtype)?;
+    Tensor::cat(&[&x, &x], D::Minus1)
 }
 
 /// Canonical tensor names and shapes of a language-model config.
