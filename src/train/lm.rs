@@ -21,6 +21,9 @@ pub struct TrainableLm {
     cfg: Config,
     weights: Weights,
     rotary: Rotary,
+    /// The same tables as the GPU's training block takes them (with sin negated for
+    /// its backward, once), `None` without rotary.
+    block_rotary: Option<super::device_block::Rotary>,
 }
 
 impl TrainableLm {
@@ -41,10 +44,15 @@ impl TrainableLm {
             cfg.max_position_embeddings,
             device,
         )?;
+        let block_rotary = match rotary.tables() {
+            (0, ..) => None,
+            (dims, cos, sin) => Some(super::device_block::Rotary::new(dims, cos, sin)?),
+        };
         Ok(Self {
             cfg: cfg.clone(),
             weights,
             rotary,
+            block_rotary,
         })
     }
 
@@ -132,13 +140,9 @@ impl TrainableLm {
         };
         // Broadcast over the heads of q and k [b, t, heads, hd].
         let (cos, sin) = (cos.unsqueeze(1)?, sin.unsqueeze(1)?);
-        let device_rotary = match self.rotary.tables() {
-            (0, ..) => None,
-            (dims, cos, sin) => Some(super::device_block::Rotary::new(dims, cos, sin)?),
-        };
         let block_rotary = BlockRotary {
             cpu: rotary.as_ref(),
-            device: device_rotary.as_ref(),
+            device: self.block_rotary.as_ref(),
         };
         let params = self.weights.cast();
         for i in 0..cfg.num_layers {
