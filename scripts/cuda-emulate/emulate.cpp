@@ -68,11 +68,14 @@ inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float2 make_float2(float x, float y) { return {x, y}; }
 
-// Every CUDA thread of a block is a fiber (ucontext) on this one host thread, run in
-// turn until it reaches a barrier or returns: no OS threads to start, no locks. Fibers
-// run in thread order, or from the last thread down with EMULATE_ORDER=reverse, so a
-// barrier missing between a write to shared memory and another thread's read of it
-// reads stale data in one of the two orders (run.sh runs both).
+// Every CUDA thread of a block is a fiber (ucontext) on this one host thread, run
+// until it reaches a barrier or returns: no OS threads to start, no locks. The fiber
+// run next is always the first one free to run, in thread order or, with
+// EMULATE_ORDER=reverse, from the last thread down. So a warp let go by a warp barrier
+// (a shuffle) runs on before the threads behind it start, as far as the next block
+// barrier: a barrier missing between a write to shared memory and another thread's
+// read, or between a read and a later overwrite (the block reduction's "earlier call's
+// readers"), gives stale data in one of the two orders (run.sh runs both).
 struct Barrier {
     unsigned n, waiting = 0, generation = 0;
     explicit Barrier(unsigned n) : n(n) {}
@@ -81,10 +84,7 @@ struct Barrier {
     void arrive_and_drop() {
         if (--n > 0 && waiting == n) release();
     }
-    void release() {
-        waiting = 0;
-        ++generation;
-    }
+    void release();
 };
 struct Fiber {
     ucontext_t context;
@@ -100,6 +100,12 @@ ucontext_t scheduler;
 const std::function<void()> *fiber_kernel;
 std::unique_ptr<Barrier> block_bar;
 std::vector<std::unique_ptr<Barrier>> warp_bar;
+bool released; // a barrier let its fibers go since the scheduler last looked
+void Barrier::release() {
+    waiting = 0;
+    ++generation;
+    released = true;
+}
 void Barrier::arrive_and_wait() {
     const unsigned g = generation;
     if (++waiting == n) return release();
@@ -168,7 +174,8 @@ void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
                 }
                 for (unsigned left = threads; left > 0;) {
                     bool ran = false;
-                    for (unsigned i = 0; i < threads; ++i) {
+                    released = false;
+                    for (unsigned i = 0; i < threads && !released; ++i) {
                         const unsigned t = reverse ? threads - 1 - i : i;
                         Fiber &f = fibers[t];
                         if (f.done || (f.waits && f.waits->generation == f.generation)) continue;
