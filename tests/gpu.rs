@@ -2,8 +2,10 @@
 //! machine with a GPU (each test says it is skipped and passes where there is none):
 //! f32 logits of the official fixture and the shipped models equal the CPU's within
 //! 1e-4 relative; cached decoding equals the full forward and greedy generation
-//! picks the CPU's tokens; one training step equals
-//! PyTorch autograd + AdamW (`train_step.json`) to the CPU's tolerances; bf16
+//! picks the CPU's tokens, for the language model and the merged vision-language
+//! model; one training step of each architecture (LM, classifier, the merged model's
+//! bridge) equals PyTorch autograd + AdamW (their `train_step.json`) to the CPU's
+//! tolerances, the same checks as the CPU's (tests/common/steps.rs); bf16
 //! perplexity of the shipped validation text is within 0.5 % of f32 and bf16 top-1
 //! equals f32 on the shipped digit images; the Pile evaluation's batched scoring
 //! equals the CPU's; a training run resumed on the other device equals the
@@ -26,12 +28,11 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use common::*;
 use serde_json::Value;
-use tokenformer::checkpoint::official::to_official;
 use tokenformer::eval::imagenet::classify_files;
 use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::tokenformer::{Cache, TokenFormerLm};
 use tokenformer::scoring::score_ids;
-use tokenformer::train::{clip_grad_norm, AdamW, AdamWConfig, TrainableLm};
+use tokenformer::train::{AdamW, AdamWConfig};
 use tokenformer::DeviceSpec;
 
 /// The device the checks run on and its `--device` spelling: the first GPU, or
@@ -181,58 +182,89 @@ fn bf16_on_the_gpu_keeps_perplexity_within_half_a_percent_and_the_digits_top1() 
     assert!(same as f64 >= 0.99 * want.len() as f64);
 }
 
+/// One training step of each architecture on the GPU against its PyTorch fixture, to
+/// the CPU's tolerances (the same checks as tests/train.rs, train_vit.rs, train_vl.rs).
 #[test]
 fn one_training_step_on_the_gpu_matches_pytorch() {
     let Some((gpu, _)) = gpu() else { return };
-    let files = locate(&lm_fixture().join("pytorch_model.bin"));
-    let w = loader::read_weights(&files, Some(DType::F32), &gpu).unwrap();
-    let cfg = loader::lm_config(&w.config, &w.path).unwrap();
-    let want: Value = serde_json::from_str(
-        &std::fs::read_to_string(lm_fixture().join("train_step.json")).unwrap(),
+    common::steps::lm_step_matches_pytorch(&gpu);
+}
+
+#[test]
+fn one_classifier_training_step_on_the_gpu_matches_pytorch() {
+    let Some((gpu, _)) = gpu() else { return };
+    common::steps::vit_step_matches_pytorch(&gpu);
+}
+
+#[test]
+fn one_bridge_training_step_of_the_merged_model_on_the_gpu_matches_pytorch() {
+    let Some((gpu, _)) = gpu() else { return };
+    common::steps::vl_bridge_step_matches_pytorch(&gpu);
+}
+
+/// The shipped merged model (`tiny-digits-vl`) on the GPU: the mixed sequence's image
+/// and text logits equal the CPU's, its last text position again from the cache, and
+/// greedy generation from an image picks the CPU's tokens.
+#[test]
+fn the_merged_model_on_the_gpu_equals_the_cpus_and_decodes_from_its_cache() {
+    use tokenformer::generate::generate_with_image;
+    let Some((gpu, _)) = gpu() else { return };
+    let files = locate(&zoo("tiny-digits-vl"));
+    let cpu = loader::load_vl(&files, &Device::Cpu).unwrap();
+    let on_gpu = loader::load_vl(&files, &gpu).unwrap();
+    let v = cpu.vision().config();
+    let px = Tensor::randn(
+        0f32,
+        1.0,
+        (2, v.num_channels, v.image_size, v.image_size),
+        &Device::Cpu,
     )
     .unwrap();
-    let ids: Vec<u32> = serde_json::from_value(expected_lm()["ids"].clone()).unwrap();
-    let n = ids.len();
-    let ids = Tensor::from_vec(ids, (1, n), &gpu).unwrap();
-    let model = TrainableLm::new(&cfg, &w.tensors, DType::F32, &gpu).unwrap();
-    let loss = model.loss(&ids).unwrap();
-    let got = loss.to_scalar::<f32>().unwrap() as f64;
-    let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
-    assert!(
-        rel(got, want["loss"].as_f64().unwrap()) < 1e-5,
-        "loss {got}"
-    );
-    let mut grads = loss.backward().unwrap();
-    let norm = clip_grad_norm(&mut grads, model.params().values(), 1.0).unwrap();
-    let want_norm = want["grad_global_norm_before_clip"].as_f64().unwrap();
-    assert!(
-        rel(norm, want_norm) < 1e-5,
-        "global norm {norm} vs {want_norm}"
-    );
-    let mut opt = AdamW::new(
-        model.params().clone(),
-        AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        },
-    )
-    .unwrap();
-    opt.step(&grads, 1e-3).unwrap();
-    for (name, var) in model.params() {
-        let official = to_official(name, cfg.num_layers).unwrap();
-        let after: Vec<f64> =
-            serde_json::from_value(want["after_step_first8"][&official].clone()).unwrap();
-        let got = f32s(&var.as_tensor().flatten_all().unwrap());
-        for (i, w) in after.iter().enumerate() {
-            let g = got[i] as f64;
-            assert!(
-                (g - w).abs() <= 1e-6,
-                "{official}[{i}] after the step: {g} vs {w}"
-            );
-        }
-    }
+    let n = 9;
+    let ids: Vec<u32> = (0..2 * n as u32).map(|i| (i * 131 + 5) % 2048).collect();
+    let ids = Tensor::from_vec(ids, (2, n), &Device::Cpu).unwrap();
+    let (img, txt) = cpu.forward_mixed(Some(&px), &ids, None).unwrap();
+    let (img_gpu, txt_gpu) = on_gpu
+        .forward_mixed(
+            Some(&px.to_device(&gpu).unwrap()),
+            &ids.to_device(&gpu).unwrap(),
+            None,
+        )
+        .unwrap();
+    let d = max_rel(&f32s(&img_gpu.unwrap()), &f32s(&img.unwrap()));
+    assert!(d < 1e-4, "GPU vs CPU image logits {d}");
+    let want = f32s(&txt);
+    let d = max_rel(&f32s(&txt_gpu), &want);
+    assert!(d < 1e-4, "GPU vs CPU text logits {d}");
+    // The first image and all but the last id, then the last id from the GPU's cache.
+    let mut cache = on_gpu.new_cache();
+    let first = |t: &Tensor| t.narrow(0, 0, 1).unwrap().to_device(&gpu).unwrap();
+    let ids0 = first(&ids);
+    on_gpu
+        .forward_mixed(
+            Some(&first(&px)),
+            &ids0.narrow(1, 0, n - 1).unwrap(),
+            Some(&mut cache),
+        )
+        .unwrap();
+    let (_, last) = on_gpu
+        .forward_mixed(None, &ids0.narrow(1, n - 1, 1).unwrap(), Some(&mut cache))
+        .unwrap();
+    let vocab = on_gpu.language().config().vocab_size;
+    let d = max_rel(&f32s(&last), &want[(n - 1) * vocab..n * vocab]);
+    assert!(d < 1e-4, "cached decoding of the mixed sequence {d}");
+    let prompt: Vec<u32> = (0..6).map(|i| (i * 53 + 7) % 2048).collect();
+    let run = |model: &tokenformer::models::vl::VisionLanguageModel, device: &Device| {
+        let image = px.narrow(0, 1, 1).unwrap().to_device(device).unwrap();
+        let params = tokenformer::SamplingParams::default();
+        generate_with_image(model, &image, &prompt, 16, params, |_| {
+            Ok(std::ops::ControlFlow::Continue(()))
+        })
+        .unwrap()
+    };
+    let want = run(&cpu, &Device::Cpu);
+    assert!(want.len() > 1, "{want:?}");
+    assert_eq!(run(&on_gpu, &gpu), want);
 }
 
 /// Three AdamW steps on the GPU against the same steps on the CPU from the same f32

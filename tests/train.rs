@@ -6,15 +6,14 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::train::{
-    assert_resume_equals_uninterrupted, bits, f64s, metrics, ok, tokenformer_train, weights,
+    assert_resume_equals_uninterrupted, bits, metrics, ok, tokenformer_train, weights,
 };
 use common::{lm_fixture, random_lm_tensors, tiny_config};
 use serde_json::Value;
-use tokenformer::checkpoint::official::to_official;
 use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::tokenformer::{Config, ScaleTokens};
 use tokenformer::pattention::Activation;
-use tokenformer::train::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule, TrainableLm};
+use tokenformer::train::{LrSchedule, TrainableLm};
 
 fn fixture() -> (Config, tokenformer::checkpoint::Tensors) {
     let files = loader::locate(
@@ -41,102 +40,9 @@ fn fixture_ids() -> Tensor {
     Tensor::from_vec(ids, (1, n), &Device::Cpu).unwrap()
 }
 
-fn first8(t: &Tensor) -> Vec<f64> {
-    let v = f64s(t);
-    v[..8.min(v.len())].to_vec()
-}
-
-fn assert_rel(what: &str, got: f64, want: f64, tol: f64) {
-    assert!(
-        (got - want).abs() <= tol * want.abs(),
-        "{what}: {got} vs PyTorch {want} (relative {:e})",
-        (got - want).abs() / want.abs()
-    );
-}
-
-fn assert_abs(what: &str, got: &[f64], want: &Value, tol: f64) {
-    let want: Vec<f64> = want
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
-    assert_eq!(got.len(), want.len(), "{what}");
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert!((g - w).abs() <= tol, "{what}[{i}]: {g} vs PyTorch {w}");
-    }
-}
-
 #[test]
 fn one_training_step_matches_pytorch_autograd_and_adamw() {
-    let (cfg, tensors) = fixture();
-    let want = expected("train_step.json");
-    let model = TrainableLm::new(&cfg, &tensors, DType::F32, &Device::Cpu).unwrap();
-    let loss = model.loss(&fixture_ids()).unwrap();
-    let loss_value = loss.to_scalar::<f32>().unwrap() as f64;
-    assert_rel("loss", loss_value, want["loss"].as_f64().unwrap(), 1e-5);
-
-    let mut grads = loss.backward().unwrap();
-    let raw: Vec<(String, f64, Vec<f64>)> = model
-        .params()
-        .iter()
-        .map(|(name, var)| {
-            let g = grads
-                .get(var.as_tensor())
-                .unwrap_or_else(|| panic!("no gradient reached {name}"));
-            let sq = g.to_dtype(DType::F64).unwrap().sqr().unwrap();
-            let norm = sq.sum_all().unwrap().to_scalar::<f64>().unwrap().sqrt();
-            (name.clone(), norm, first8(g))
-        })
-        .collect();
-    let norm = clip_grad_norm(&mut grads, model.params().values(), 1.0).unwrap();
-    assert_rel(
-        "global norm",
-        norm,
-        want["grad_global_norm_before_clip"].as_f64().unwrap(),
-        1e-5,
-    );
-    // The fixture's gradients are the clipped ones. Their norms add up to 1.0000454, not
-    // 1: PyTorch clipped with its f32 total norm, 4.5e-5 below the global norm it
-    // reports. So the fixture's values are unclipped with the coefficient they imply
-    // (the global norm over the norm of the clipped gradients) before comparing.
-    let want_norms = want["grad_norm"].as_object().unwrap();
-    assert_eq!(want_norms.len(), model.params().len());
-    let want_total = want_norms
-        .values()
-        .map(|v| v.as_f64().unwrap().powi(2))
-        .sum::<f64>()
-        .sqrt();
-    let unclip = norm / want_total;
-    for (name, raw_norm, raw_first8) in &raw {
-        let official = to_official(name, cfg.num_layers).unwrap();
-        let want_norm = want_norms[&official].as_f64().unwrap() * unclip;
-        assert_rel(&official, *raw_norm, want_norm, 1e-5);
-        let want_first8: Vec<Value> = want["grad_first8"][&official]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| (v.as_f64().unwrap() * unclip).into())
-            .collect();
-        assert_abs(&official, raw_first8, &Value::from(want_first8), 1e-6);
-    }
-    let cfg_opt = AdamWConfig {
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.01,
-    };
-    let mut opt = AdamW::new(model.params().clone(), cfg_opt).unwrap();
-    opt.step(&grads, 1e-3).unwrap();
-    for (name, var) in model.params() {
-        let official = to_official(name, cfg.num_layers).unwrap();
-        assert_abs(
-            &format!("{official} after the step"),
-            &first8(var.as_tensor()),
-            &want["after_step_first8"][&official],
-            1e-6,
-        );
-    }
+    common::steps::lm_step_matches_pytorch(&Device::Cpu);
 }
 
 #[test]

@@ -3,97 +3,22 @@
 //! `tokenformer train` on a small generated image folder learning its classes.
 
 mod common;
-use common::train::f64s;
 
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde_json::Value;
 use tokenformer::checkpoint;
 use tokenformer::models::vit::Config;
-use tokenformer::train::vit::{TrainTransform, TrainableVit};
-use tokenformer::train::{clip_grad_norm, AdamW, AdamWConfig};
+use tokenformer::train::vit::TrainTransform;
 
 fn fixture() -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vit-train-step")
-}
-
-fn close(what: &str, got: f64, want: f64, rel: f64) {
-    assert!(
-        (got - want).abs() <= rel * want.abs(),
-        "{what}: {got} vs PyTorch {want}"
-    );
-}
-
-fn close8(what: &str, got: &Tensor, want: &Value) {
-    let got = f64s(got);
-    for (i, w) in want.as_array().unwrap().iter().enumerate() {
-        let w = w.as_f64().unwrap();
-        assert!(
-            (got[i] - w).abs() <= 1e-6,
-            "{what}[{i}]: {} vs PyTorch {w}",
-            got[i]
-        );
-    }
+    common::fixtures().join("vit-train-step")
 }
 
 #[test]
 fn one_classifier_training_step_matches_pytorch_autograd_and_adamw() {
-    let dir = fixture();
-    let want: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("train_step.json")).unwrap())
-            .unwrap();
-    let cfg: Config =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let dev = Device::Cpu;
-    let w = checkpoint::read_safetensors(&[dir.join("model.safetensors")], None, &dev).unwrap();
-    let px = checkpoint::read_safetensors(&[dir.join("pixels.safetensors")], None, &dev).unwrap();
-    let labels: Vec<u32> = want["labels"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect();
-    let labels = Tensor::from_vec(labels, 4, &dev).unwrap();
-    let model = TrainableVit::new(&cfg, &w, DType::F32, &dev).unwrap();
-    let loss = model.loss(&px["pixels"], &labels).unwrap();
-    close(
-        "loss",
-        loss.to_scalar::<f32>().unwrap() as f64,
-        want["loss"].as_f64().unwrap(),
-        1e-5,
-    );
-    let mut grads = loss.backward().unwrap();
-    assert_eq!(
-        want["grad_norm"].as_object().unwrap().len(),
-        model.params().len()
-    );
-    for (name, var) in model.params() {
-        let g = grads.get(var.as_tensor()).unwrap();
-        let n = f64s(g).iter().map(|x| x * x).sum::<f64>().sqrt();
-        close(name, n, want["grad_norm"][name].as_f64().unwrap(), 1e-5);
-        close8(name, g, &want["grad_first8"][name]);
-    }
-    let norm = clip_grad_norm(&mut grads, model.params().values(), 1.0).unwrap();
-    close(
-        "global norm",
-        norm,
-        want["grad_global_norm_before_clip"].as_f64().unwrap(),
-        1e-5,
-    );
-    let opt_cfg = AdamWConfig {
-        weight_decay: 0.1,
-        ..AdamWConfig::default()
-    };
-    let mut opt = AdamW::new(model.params().clone(), opt_cfg).unwrap();
-    opt.step(&grads, 1e-3).unwrap();
-    for (name, var) in model.params() {
-        close8(
-            &format!("{name} after the step"),
-            var.as_tensor(),
-            &want["after_step_first8"][name],
-        );
-    }
+    common::steps::vit_step_matches_pytorch(&Device::Cpu);
 }
 
 #[test]

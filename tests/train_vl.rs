@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use common::train::{bits, f64s};
+use common::train::bits;
 use tokenformer::checkpoint::{self, Tensors};
 use tokenformer::loader;
 use tokenformer::models::vl::{self, VisionLanguageModel};
@@ -205,124 +205,9 @@ fn train_bridge_moves_only_the_bridge_and_lowers_the_caption_loss() {
     assert_eq!(moved, 2 * 5 * 2, "every bridge tensor trains");
 }
 
-/// The largest absolute and relative differences seen, for the closing note.
-#[derive(Default)]
-struct Diff {
-    abs: f64,
-    rel: f64,
-}
-
-impl Diff {
-    fn rel(&mut self, what: &str, got: f64, want: f64) {
-        let r = (got - want).abs() / want.abs();
-        assert!(
-            r <= 1e-5,
-            "{what}: {got} vs PyTorch {want} (relative {r:e})"
-        );
-        self.rel = self.rel.max(r);
-    }
-
-    fn abs(&mut self, what: &str, got: &[f64], want: &serde_json::Value) {
-        let want = want.as_array().unwrap();
-        assert_eq!(got.len(), want.len(), "{what}");
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            let w = w.as_f64().unwrap();
-            assert!((g - w).abs() <= 1e-6, "{what}[{i}]: {g} vs PyTorch {w}");
-            self.abs = self.abs.max((g - w).abs());
-        }
-    }
-}
-
 #[test]
 fn one_bridge_training_step_matches_pytorch_autograd_and_adamw() {
-    use tokenformer::train::{TrainOptions, Trainable, Trainer};
-    let dir = common::fixtures().join("vl-train-step");
-    let want: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("train_step.json")).unwrap())
-            .unwrap();
-    let cfg: vl::Config =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let dev = Device::Cpu;
-    let w = checkpoint::read_safetensors(&[dir.join("model.safetensors")], None, &dev).unwrap();
-    let b = checkpoint::read_safetensors(&[dir.join("batch.safetensors")], None, &dev).unwrap();
-    let batch = (b["pixels"].clone(), b["ids"].clone(), b["mask"].clone());
-    let rows = want["bridge_rows"].as_u64().unwrap() as usize;
-    let bridge = |t: &Tensor| {
-        let n = t.dim(0).unwrap();
-        t.narrow(0, n - rows, rows).unwrap()
-    };
-    let mut diff = Diff::default();
-
-    // The loss and every bridge's gradient.
-    let model = TrainableVl::new(&cfg, &w, DType::F32, &dev).unwrap();
-    let loss = model.loss_of(&batch).unwrap();
-    let grads = loss.backward().unwrap();
-    diff.rel(
-        "loss",
-        loss.to_scalar::<f32>().unwrap() as f64,
-        want["loss"].as_f64().unwrap(),
-    );
-    let names = want["grad"].as_object().unwrap();
-    assert_eq!(names.len(), 2 * 5 * 2);
-    for name in names.keys() {
-        let g = bridge(grads.get(model.params()[name].as_tensor()).unwrap());
-        let got = f64s(&g);
-        let norm = got.iter().map(|x| x * x).sum::<f64>().sqrt();
-        diff.rel(name, norm, want["grad_norm"][name].as_f64().unwrap());
-        diff.abs(name, &got, &want["grad"][name]);
-    }
-
-    // The step as `train --train bridge` takes it: frozen rows masked, clipping, AdamW.
-    let lr = want["lr"].as_f64().unwrap();
-    let opts = TrainOptions {
-        steps: 1,
-        batch_size: 2,
-        grad_accum: 1,
-        seq_len: 6,
-        lr,
-        min_lr: lr,
-        warmup_steps: 0,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        clip_grad: want["clip"].as_f64().unwrap(),
-        seed: 0,
-        train: vec!["bridge".into()],
-        grow_at: vec![],
-        augment: Default::default(),
-    };
-    let model = TrainableVl::new(&cfg, &w, DType::F32, &dev).unwrap();
-    let mut t = Trainer::new(model, opts, None).unwrap();
-    assert_eq!(t.trained().len(), 20);
-    let mut once = Some(batch);
-    let r = t.step(|| Ok((once.take().unwrap(), 10))).unwrap();
-    diff.rel("step loss", r.loss, want["loss"].as_f64().unwrap());
-    diff.rel(
-        "global norm",
-        r.grad_norm,
-        want["grad_global_norm_before_clip"].as_f64().unwrap(),
-    );
-    assert!(
-        r.grad_norm > want["clip"].as_f64().unwrap(),
-        "the step clips"
-    );
-    let after = t.model().tensors();
-    for (name, before) in &w {
-        let now = &after[name];
-        match want["bridge_after_step"].get(name) {
-            Some(values) => {
-                let n = before.dim(0).unwrap();
-                assert_eq!(
-                    bits(&before.narrow(0, 0, n - rows).unwrap()),
-                    bits(&now.narrow(0, 0, n - rows).unwrap()),
-                    "{name}: frozen rows"
-                );
-                diff.abs(name, &f64s(&bridge(now)), values);
-            }
-            None => assert_eq!(bits(before), bits(now), "{name}"),
-        }
-    }
+    let diff = common::steps::vl_bridge_step_matches_pytorch(&Device::Cpu);
     eprintln!(
         "VL bridge step vs PyTorch: max relative {:e}, max absolute {:e}",
         diff.rel, diff.abs

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod hub_server;
+pub mod steps;
 pub mod train;
 
 use std::path::{Path, PathBuf};
