@@ -3,10 +3,12 @@
 //! checked on a machine without a GPU: `__syncthreads` is a block barrier,
 //! `__shfl_xor_sync` an exchange through memory between two warp barriers,
 //! `__shared__` a static (blocks run one at a time). A barrier missing between a
-//! write to shared memory and another thread's read fails in one of the two thread
-//! orders run.sh runs. It says nothing about speed, races within a warp, or the
-//! GPU's own arithmetic (expf, fmaf), which the GPU tests (tests/gpu.rs) check on a
-//! device.
+//! write to shared memory and another thread's read, or a read and another thread's
+//! overwrite, fails in one of the two thread orders run.sh runs (a mutation test
+//! removed each of the kernels' barriers in turn: every one failed). It says nothing
+//! about speed, about shared memory ordered only by a shuffle (here a shuffle orders
+//! memory too, on a GPU only `__syncwarp` does), or the GPU's own arithmetic (expf,
+//! fmaf), which the GPU tests (tests/gpu.rs) check on a device.
 //! Built and run by scripts/cuda-emulate/run.sh, once per kernel file (-DATTENTION,
 //! forward and backward; -DLOGPROB, -DTHETA, -DSOFTMAX, -DNORM, -DADAMW, -DROTARY).
 #include <climits>
