@@ -33,9 +33,12 @@ pub(crate) fn serves(logits: &Tensor) -> bool {
 fn fits(logits: &Tensor) -> bool {
     logits.device().is_cuda()
         && matches!(logits.dtype(), DType::F32 | DType::BF16 | DType::F16)
-        && logits
-            .dims2()
-            .is_ok_and(|(n, v)| n > 0 && n <= u32::MAX as usize && v > 0 && v < MAX_VOCAB)
+        && logits.dims2().is_ok_and(|(n, v)| shape_fits(n, v))
+}
+
+/// n rows within one launch's grid (2^31 - 1 blocks), 0 < vocab < 2^24.
+fn shape_fits(n: usize, vocab: usize) -> bool {
+    n > 0 && n <= i32::MAX as usize && vocab > 0 && vocab < MAX_VOCAB
 }
 
 /// log p(target), log-sum-exp and first argmax of each row of `logits`
@@ -102,13 +105,19 @@ pub(crate) fn gather(
 }
 
 /// One block a row: 512 threads stream a 50k-token row; short rows fewer.
-fn row_config(rows: usize, vocab: usize) -> LaunchConfig {
+fn row_config(rows: usize, vocab: usize) -> Result<LaunchConfig> {
+    if !shape_fits(rows, vocab) {
+        candle_core::bail!(
+            "log-softmax-gather kernel: {rows} rows of {vocab} logits \
+             (1 to 2^31 - 1 rows of fewer than 2^24)"
+        )
+    }
     let threads = vocab.next_power_of_two().clamp(32, 512) as u32;
-    LaunchConfig {
+    Ok(LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
-    }
+    })
 }
 
 fn launch_gather<T: DeviceRepr + CudaDType>(
@@ -119,6 +128,7 @@ fn launch_gather<T: DeviceRepr + CudaDType>(
     name: &str,
 ) -> Result<(CudaStorage, Shape)> {
     let (n, vocab) = ll.shape().dims2()?;
+    let cfg = row_config(n, vocab)?;
     let (Some((a, b)), Some((ta, tb))) = (ll.contiguous_offsets(), lt.contiguous_offsets()) else {
         candle_core::bail!("log-softmax-gather kernel: contiguous logits and targets only")
     };
@@ -136,7 +146,6 @@ fn launch_gather<T: DeviceRepr + CudaDType>(
     // SAFETY: the kernel writes all three values of every row.
     let out = unsafe { dev.alloc::<f32>(n * 3)? };
     let vocab32 = vocab as i32;
-    let cfg = row_config(n, vocab);
     let mut args = func.builder();
     args.arg(&x);
     args.arg(&tg);
@@ -177,6 +186,7 @@ fn launch_grad<T: DeviceRepr + CudaDType>(
     name: &str,
 ) -> Result<(CudaStorage, Shape)> {
     let (n, vocab) = ll.shape().dims2()?;
+    let cfg = row_config(n, vocab)?;
     let (Some((a, b)), Some((ta, tb)), Some((ca, cb))) = (
         ll.contiguous_offsets(),
         lt.contiguous_offsets(),
@@ -200,7 +210,6 @@ fn launch_grad<T: DeviceRepr + CudaDType>(
     // SAFETY: the kernel writes every element of every row.
     let out = unsafe { dev.alloc::<T>(n * vocab)? };
     let vocab32 = vocab as i32;
-    let cfg = row_config(n, vocab);
     let mut args = func.builder();
     args.arg(&x);
     args.arg(&tg);

@@ -85,7 +85,8 @@ template <typename T>
 __device__ __forceinline__ void logprob_grad_row(const T *logits, const unsigned int *targets, const float *coef,
                                                  T *out, int vocab) {
     const long row = (long)blockIdx.x * vocab;
-    const float a = coef[3 * blockIdx.x], b = coef[3 * blockIdx.x + 1], lse = coef[3 * blockIdx.x + 2];
+    const float *c = coef + 3L * blockIdx.x;
+    const float a = c[0], b = c[1], lse = c[2];
     const unsigned int target = targets[blockIdx.x];
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
         const float p = expf(load(logits + row, i) - lse);
