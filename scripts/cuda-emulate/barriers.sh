@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Checks that the emulator (emulate.cpp) notices each barrier of the CUDA kernels:
+# removes every `__syncthreads();` in src/kernels/cuda in turn, in a copy of the
+# kernels, runs the kernel files that include it in both thread orders, and prints
+# how many checks fail each way. Exits 1 if some barrier's removal goes unnoticed.
+# Not run by CI (about 15 minutes on 2 cores); run it after adding or moving a barrier.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+work="$root/target/cuda-emulate/barriers"
+rm -rf "$work"
+mkdir -p "$work/scripts/cuda-emulate" "$work/src/kernels" "$work/include"
+cp "$here/emulate.cpp" "$work/scripts/cuda-emulate/"
+cp -r "$root/src/kernels/cuda" "$work/src/kernels/"
+touch "$work/include/cuda_bf16.h" "$work/include/cuda_fp16.h"
+# The kernel files (run.sh's names) that compile each source.
+users() {
+    case "$1" in
+        rows.cuh) echo THETA SOFTMAX NORM ;;
+        *.cu) basename "$1" .cu | tr '[:lower:]' '[:upper:]' ;;
+    esac
+}
+missed=0
+while IFS=: read -r file line text; do
+    name="$(basename "$file")"
+    src="$work/src/kernels/cuda/$name"
+    sed -i "${line}s|__syncthreads();|/* removed */|" "$src"
+    result=""
+    caught=0
+    for k in $(users "$name"); do
+        (cd "$work/scripts/cuda-emulate" &&
+            g++ -std=c++20 -O2 -fno-strict-aliasing -I"$work/include" -D"$k" -o "$work/run" emulate.cpp)
+        fwd=$(timeout 600 "$work/run" 2>&1 | grep -c '^FAIL' || true)
+        rev=$(EMULATE_ORDER=reverse timeout 600 "$work/run" 2>&1 | grep -c '^FAIL' || true)
+        result+=" $k: $fwd in order, $rev reversed;"
+        if [ "$fwd" -gt 0 ] || [ "$rev" -gt 0 ]; then caught=1; fi
+    done
+    cp "$root/src/kernels/cuda/$name" "$src"
+    echo "$name:$line (${text#"${text%%[![:space:]]*}"}):$result"
+    [ "$caught" = 1 ] || { missed=1; echo "  NOT NOTICED: $name:$line"; }
+done < <(grep -n '__syncthreads();' "$root"/src/kernels/cuda/*.cu "$root"/src/kernels/cuda/*.cuh)
+exit $missed
