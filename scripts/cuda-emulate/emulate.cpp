@@ -135,6 +135,8 @@ template <typename T> T shfl(T *buf, T v, int o) {
 }
 inline float __shfl_xor_sync(unsigned, float v, int o) { return shfl(xf, v, o); }
 inline int __shfl_xor_sync(unsigned, int v, int o) { return shfl(xi, v, o); }
+static double xd[1024];
+inline double __shfl_xor_sync(unsigned, double v, int o) { return shfl(xd, v, o); }
 
 /// Runs `kernel` over the grid, one block at a time, a fiber per CUDA thread.
 void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
@@ -875,6 +877,73 @@ int main() {
 #ifdef ADAMW
 #include "../../src/kernels/cuda/adamw.cu"
 
+// The multi-tensor kernels on three tensors (one of them with frozen leading elements)
+// cut into pieces of at most `piece` elements, as train/optim.rs cuts them: the AdamW
+// step and the clipping scale against the CPU's arithmetic bit for bit, the sum of
+// squares against a double-precision sum.
+void multi_tensor_cases() {
+    const long sizes[3] = {1, 1000, 70001}, from[3] = {0, 0, 700};
+    const float keeps[3] = {1.0f, 1.0f - 1e-3f * 0.1f, 1.0f - 1e-3f * 0.1f};
+    for (long piece : {64L, 4096L}) {
+        std::vector<std::vector<float>> theta, m, v, g, wt, wm, wv, scaled;
+        std::vector<unsigned long long> step_table, sum_table, scale_table;
+        const float b1 = 0.9f, c1 = 0.1f, b2 = 0.95f, c2 = 1.0f - 0.95f, sbc2 = std::sqrt(1.0f - 0.95f * 0.95f),
+                    eps = 1e-8f, step = 1e-3f / (1.0f - 0.9f * 0.9f), k = 0.37f;
+        for (int j = 0; j < 3; ++j) {
+            theta.push_back(randn(sizes[j], 0.5f));
+            m.push_back(randn(sizes[j], 0.1f));
+            v.push_back(randn(sizes[j], 0.01f));
+            g.push_back(randn(sizes[j], 1.0f));
+            for (auto &x : v[j]) x = std::abs(x);
+            scaled.push_back(std::vector<float>(sizes[j], NAN));
+        }
+        wt = theta, wm = m, wv = v;
+        double want_sq = 0.0;
+        for (int j = 0; j < 3; ++j) {
+            for (long i = 0; i < sizes[j]; ++i) want_sq += double(g[j][i]) * g[j][i];
+            for (long i = from[j]; i < sizes[j]; ++i) {
+                wm[j][i] = wm[j][i] * b1 + g[j][i] * c1;
+                wv[j][i] = wv[j][i] * b2 + g[j][i] * g[j][i] * c2;
+                wt[j][i] = wt[j][i] * keeps[j] - wm[j][i] / (std::sqrt(wv[j][i]) / sbc2 + eps) * step;
+            }
+            auto addr = [](const std::vector<float> &x, long at) {
+                return (unsigned long long)(uintptr_t)(x.data() + at);
+            };
+            for (long at = 0; at < sizes[j]; at += piece) {
+                const unsigned long long n = std::min(piece, sizes[j] - at);
+                sum_table.insert(sum_table.end(), {addr(g[j], at), n});
+                scale_table.insert(scale_table.end(), {addr(g[j], at), addr(scaled[j], at), n});
+            }
+            unsigned keep_bits;
+            std::memcpy(&keep_bits, &keeps[j], 4);
+            for (long at = from[j]; at < sizes[j]; at += piece) {
+                const unsigned long long n = std::min(piece, sizes[j] - at);
+                step_table.insert(step_table.end(), {addr(theta[j], at), addr(m[j], at), addr(v[j], at),
+                                                     addr(g[j], at), n, keep_bits});
+            }
+        }
+        const unsigned steps = step_table.size() / 6, sums = sum_table.size() / 2, scales = scale_table.size() / 3;
+        launch({steps, 1, 1}, 64, [&] { adamw_step_multi(step_table.data(), b1, c1, b2, c2, sbc2, eps, step); });
+        std::vector<double> partial(sums, NAN);
+        launch({sums, 1, 1}, 96, [&] { sum_sq_multi(sum_table.data(), partial.data()); });
+        launch({scales, 1, 1}, 64, [&] { scale_multi(scale_table.data(), k); });
+        long differ = 0;
+        for (int j = 0; j < 3; ++j)
+            for (long i = 0; i < sizes[j]; ++i)
+                differ += (m[j][i] != wm[j][i]) + (v[j][i] != wv[j][i]) + (theta[j][i] != wt[j][i]) +
+                          (scaled[j][i] != g[j][i] * k);
+        double sq = 0.0;
+        for (double x : partial) sq += x;
+        const double rel = std::abs(sq - want_sq) / want_sq;
+        char what[160];
+        std::snprintf(what, sizeof what,
+                      "multi-tensor, pieces of %ld (%u, %u, %u blocks): %ld elements differ, sum of squares %.2g",
+                      piece, steps, sums, scales, differ, rel);
+        std::printf("%s\n", what);
+        check(differ == 0 && rel < 1e-12, what);
+    }
+}
+
 // The two passes against train/optim.rs's CPU arithmetic (the same operations in f32),
 // bit for bit, with a grid smaller than the tensor (the grid-stride loop) and larger.
 int main() {
@@ -905,6 +974,7 @@ int main() {
             std::printf("%s\n", what);
             check(differ == 0, what);
         }
+    multi_tensor_cases();
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
     return failures != 0;
 }

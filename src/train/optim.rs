@@ -278,7 +278,7 @@ mod in_place {
             && t.is_contiguous()
     }
 
-    /// Whether the GPU's AdamW kernels serve `t` (`cuda::moment`, `cuda::apply`):
+    /// Whether the GPU's AdamW and clipping kernels serve `t` (`cuda::step_all`, ...):
     /// contiguous f32 on a GPU, with the CUDA kernels turned on.
     #[cfg(feature = "cuda")]
     fn gpu_serves(t: &Tensor) -> bool {
@@ -326,6 +326,10 @@ mod in_place {
             j.theta.inplace_op3(&j.m, &j.v, &Apply(u))
         };
         if jobs.iter().any(|j| j.theta.device().is_cuda()) {
+            #[cfg(feature = "cuda")]
+            if cuda::step_all(jobs)? {
+                return Ok(());
+            }
             // Kernel launches on the device's one stream, in order.
             return jobs.iter().try_for_each(step);
         }
@@ -369,6 +373,10 @@ mod in_place {
                 Ok(parts.iter().sum())
             }
         }
+        #[cfg(feature = "cuda")]
+        if !ts.is_empty() && ts.iter().all(|t| gpu_serves(t)) {
+            return cuda::sum_sq_all(ts).map(Some);
+        }
         Ok(each(ts, &SumSq)?.map(|parts| parts.iter().sum()))
     }
 
@@ -387,6 +395,10 @@ mod in_place {
                 };
                 Tensor::from_vec(y, t.shape(), t.device())
             }
+        }
+        #[cfg(feature = "cuda")]
+        if !ts.is_empty() && ts.iter().all(|t| gpu_serves(t)) {
+            return cuda::scaled_all(ts, c as f32).map(Some);
         }
         each(ts, &Scale(c))
     }
@@ -670,14 +682,203 @@ mod in_place {
     }
 
     /// The passes on a GPU: `cuda/adamw.cu`'s kernels, one launch each, in place from
-    /// element `from` on (the frozen rows' elements before it stay).
+    /// element `from` on (the frozen rows' elements before it stay); and their
+    /// multi-tensor forms, one launch for all of a step's tensors.
     #[cfg(feature = "cuda")]
     mod cuda {
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::cudarc::driver::{
+            CudaSlice, DevicePtr, LaunchConfig, PushKernelArg,
+        };
         use candle_core::cuda_backend::WrapErr;
-        use candle_core::{CudaStorage, Layout, Result};
+        use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
+        use super::Job;
         use crate::kernels::rows_cuda::Module;
+
+        /// Elements a block of the multi-tensor kernels takes.
+        const PIECE: usize = 1 << 16;
+
+        /// The device, and the device address and length of `t`'s elements from `from`
+        /// on: a contiguous f32 tensor on a GPU. The caller keeps `t` alive until the
+        /// kernels that use the address are enqueued: candle's one stream orders them
+        /// before any later use or release of the memory.
+        fn address(t: &Tensor, from: usize) -> Result<(CudaDevice, u64, usize)> {
+            let (storage, layout) = t.storage_and_layout();
+            let Storage::Cuda(s) = &*storage else {
+                candle_core::bail!("multi-tensor kernels: a tensor not on a GPU")
+            };
+            let (a, b) = match layout.contiguous_offsets() {
+                Some((a, b)) if t.dtype() == DType::F32 && a + from <= b => (a, b),
+                _ => candle_core::bail!("multi-tensor kernels: contiguous f32 of {from}+ elements"),
+            };
+            let stream = s.device.cuda_stream();
+            let view = s.as_cuda_slice::<f32>()?.slice(a + from..b);
+            let (ptr, _read) = view.device_ptr(&stream);
+            Ok((s.device.clone(), ptr, b - a - from))
+        }
+
+        /// A multi-tensor kernel's table: pieces of at most [`PIECE`] elements, each as
+        /// its device addresses (4-byte elements), its length and any extra words; and
+        /// the one GPU all its tensors are on.
+        #[derive(Default)]
+        struct Table {
+            words: Vec<u64>,
+            dev: Option<CudaDevice>,
+        }
+
+        impl Table {
+            /// `n` elements from the addresses `at`, on `dev`.
+            fn add(&mut self, dev: CudaDevice, at: &[u64], n: usize, extra: &[u64]) -> Result<()> {
+                match &self.dev {
+                    Some(d) if d.id() != dev.id() => {
+                        candle_core::bail!("multi-tensor kernels: tensors on two GPUs")
+                    }
+                    Some(_) => {}
+                    None => self.dev = Some(dev),
+                }
+                for start in (0..n).step_by(PIECE) {
+                    self.words.extend(at.iter().map(|&a| a + 4 * start as u64));
+                    self.words.push(PIECE.min(n - start) as u64);
+                    self.words.extend_from_slice(extra);
+                }
+                Ok(())
+            }
+
+            /// The device, the table on it and one block of 256 threads a piece of
+            /// `width` words; `None` when there is no piece.
+            #[allow(clippy::type_complexity)]
+            fn upload(
+                self,
+                width: usize,
+            ) -> Result<Option<(CudaDevice, CudaSlice<u64>, LaunchConfig)>> {
+                let blocks = self.words.len() / width;
+                let Some(dev) = self.dev.filter(|_| blocks > 0) else {
+                    return Ok(None);
+                };
+                if blocks > i32::MAX as usize {
+                    candle_core::bail!("multi-tensor kernels: {blocks} pieces")
+                }
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let table = dev.clone_htod(&self.words)?;
+                Ok(Some((dev, table, cfg)))
+            }
+        }
+
+        /// Every job's step in one launch (`adamw_step_multi`), as [`super::step_all`]
+        /// takes them one by one. `false` (nothing done) unless the jobs share their
+        /// constants but for weight decay, as one optimizer's step does.
+        pub(super) fn step_all(jobs: &[Job]) -> Result<bool> {
+            let Some(first) = jobs.first() else {
+                return Ok(true);
+            };
+            let u = &first.update;
+            let shared = |v: &super::Update| {
+                (v.beta1, v.beta2, v.lr, v.bc1, v.bc2, v.eps)
+                    == (u.beta1, u.beta2, u.lr, u.bc1, u.bc2, u.eps)
+            };
+            if !jobs.iter().all(|j| shared(&j.update)) {
+                return Ok(false);
+            }
+            let mut table = Table::default();
+            for j in jobs {
+                let from = j.update.from;
+                let (dev, theta, n) = address(&j.theta, from)?;
+                let (_, m, nm) = address(&j.m, from)?;
+                let (_, v, nv) = address(&j.v, from)?;
+                let (_, g, ng) = address(&j.g, from)?;
+                if [nm, nv, ng] != [n, n, n] {
+                    candle_core::bail!("adamw kernel: tensors of different sizes")
+                }
+                // As `Apply::run` rounds it for f32.
+                let keep = (1.0 - j.update.lr * j.update.decay) as f32;
+                table.add(dev, &[theta, m, v, g], n, &[u64::from(keep.to_bits())])?;
+            }
+            let Some((dev, table, cfg)) = table.upload(6)? else {
+                return Ok(true);
+            };
+            let func = dev.get_or_load_custom_func("adamw_step_multi", ADAMW.name, ADAMW.ptx)?;
+            // As `Moment::cuda_fwd` and `Apply::cuda_fwd` round them.
+            let consts = [
+                u.beta1 as f32,
+                (1.0 - u.beta1) as f32,
+                u.beta2 as f32,
+                (1.0 - u.beta2) as f32,
+                u.bc2.sqrt() as f32,
+                u.eps as f32,
+                (u.lr / u.bc1) as f32,
+            ];
+            let mut a = func.builder();
+            a.arg(&table);
+            for k in &consts {
+                a.arg(k);
+            }
+            // SAFETY: the arguments are the kernel's (table, b1, c1, b2, c2, sbc2, eps,
+            // step); each piece's four addresses hold its length of f32s (`address`
+            // checked every tensor's extent), and the jobs' tensors outlive the enqueue.
+            unsafe { a.launch(cfg) }.w()?;
+            Ok(true)
+        }
+
+        /// Σ x² over all of `ts` (contiguous f32 on one GPU), in f64: one launch
+        /// (`sum_sq_multi`) and one copy of the pieces' sums, added here in order.
+        pub(super) fn sum_sq_all(ts: &[&Tensor]) -> Result<f64> {
+            let mut table = Table::default();
+            for t in ts {
+                let (dev, x, n) = address(t, 0)?;
+                table.add(dev, &[x], n, &[])?;
+            }
+            let Some((dev, table, cfg)) = table.upload(2)? else {
+                return Ok(0.0);
+            };
+            let blocks = cfg.grid_dim.0 as usize;
+            // SAFETY: the kernel writes every block's sum.
+            let partial = unsafe { dev.alloc::<f64>(blocks)? };
+            let func = dev.get_or_load_custom_func("sum_sq_multi", ADAMW.name, ADAMW.ptx)?;
+            let mut a = func.builder();
+            a.arg(&table);
+            a.arg(&partial);
+            // SAFETY: the arguments are the kernel's (table, partial); each piece's
+            // address holds its length of f32s, `partial` one f64 a piece.
+            unsafe { a.launch(cfg) }.w()?;
+            Ok(dev.clone_dtoh(&partial)?.iter().sum())
+        }
+
+        /// Each of `ts` (contiguous f32 on one GPU) · `c`, as views of one new tensor:
+        /// one launch (`scale_multi`).
+        pub(super) fn scaled_all(ts: &[&Tensor], c: f32) -> Result<Vec<Tensor>> {
+            let total: usize = ts.iter().map(|t| t.elem_count()).sum();
+            let Some(first) = ts.first() else {
+                return Ok(Vec::new());
+            };
+            let out = Tensor::zeros(total, DType::F32, first.device())?;
+            let mut table = Table::default();
+            let mut views = Vec::with_capacity(ts.len());
+            let mut at = 0;
+            for t in ts {
+                let n = t.elem_count();
+                let view = out.narrow(0, at, n)?.reshape(t.shape())?;
+                let (dev, src, _) = address(t, 0)?;
+                let (_, dst, _) = address(&view, 0)?;
+                table.add(dev, &[src, dst], n, &[])?;
+                views.push(view);
+                at += n;
+            }
+            let Some((dev, table, cfg)) = table.upload(3)? else {
+                return Ok(views);
+            };
+            let func = dev.get_or_load_custom_func("scale_multi", ADAMW.name, ADAMW.ptx)?;
+            let mut a = func.builder();
+            a.arg(&table);
+            a.arg(&c);
+            // SAFETY: the arguments are the kernel's (table, k); each piece's source and
+            // destination hold its length of f32s, and `out` is this function's own.
+            unsafe { a.launch(cfg) }.w()?;
+            Ok(views)
+        }
 
         const ADAMW: Module = Module {
             name: "tokenformer_adamw",
