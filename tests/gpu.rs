@@ -8,7 +8,8 @@
 //! tolerances, the same checks as the CPU's (tests/common/steps.rs); bf16
 //! perplexity of the shipped validation text is within 0.5 % of f32 and bf16 top-1
 //! equals f32 on the shipped digit images; the Pile evaluation's batched scoring
-//! equals the CPU's; a training run resumed on the other device equals the
+//! equals the CPU's; clipped AdamW steps give the CPU's bits (with the kernels: the
+//! multi-tensor ones); a training run resumed on the other device equals the
 //! uninterrupted one. The project's own CUDA kernels (Θ, flash attention,
 //! log-softmax-gather) equal their definitions in plain candle ops on the same GPU
 //! (the rotary kernel the CPU's bits, the residual-and-norm kernel the two ops),
