@@ -23,9 +23,10 @@ extern "C" __global__ void adamw_apply(float *theta, const float *m, const float
 }
 
 // The multi-tensor forms, one launch for all of a step's tensors instead of one or three
-// each (train/optim.rs's `cuda::multi`): `table` lists pieces of at most a few tens of
-// thousands of elements, one block a piece, each as device addresses and a count in
-// 64-bit words. The arithmetic per element is that of the passes above and of the CPU.
+// each (train/optim.rs's `cuda::step_all`, `sum_sq_all` and `scaled_all`): `table` lists
+// pieces of up to 65,536 elements, one block a piece, each as device addresses and a
+// count in 64-bit words. The arithmetic per element is that of the passes above and of
+// the CPU.
 
 // AdamW, both moments and the variable in one pass: piece p = (θ, m, v, g, n, keep's
 // bits); the constants as `adamw_moment` and `adamw_apply` take them.
