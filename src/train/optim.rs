@@ -787,15 +787,19 @@ mod in_place {
             for j in jobs {
                 let from = j.update.from;
                 let (dev, theta, n) = address(&j.theta, from)?;
-                let (_, m, nm) = address(&j.m, from)?;
-                let (_, v, nv) = address(&j.v, from)?;
-                let (_, g, ng) = address(&j.g, from)?;
-                if [nm, nv, ng] != [n, n, n] {
-                    candle_core::bail!("adamw kernel: tensors of different sizes")
+                let mut at = [theta; 4];
+                for (k, t) in [&j.m, &j.v, &j.g].into_iter().enumerate() {
+                    let (d, a, len) = address(t, from)?;
+                    if d.id() != dev.id() || len != n {
+                        candle_core::bail!(
+                            "adamw kernel: a variable, its moments and gradient differ"
+                        )
+                    }
+                    at[k + 1] = a;
                 }
                 // As `Apply::run` rounds it for f32.
                 let keep = (1.0 - j.update.lr * j.update.decay) as f32;
-                table.add(dev, &[theta, m, v, g], n, &[u64::from(keep.to_bits())])?;
+                table.add(dev, &at, n, &[u64::from(keep.to_bits())])?;
             }
             let Some((dev, table, cfg)) = table.upload(6)? else {
                 return Ok(true);
