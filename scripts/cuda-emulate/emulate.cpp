@@ -878,9 +878,9 @@ int main() {
 #include "../../src/kernels/cuda/adamw.cu"
 
 // The multi-tensor kernels on three tensors (one of them with frozen leading elements)
-// cut into pieces of at most `piece` elements, as train/optim.rs cuts them: the AdamW
-// step and the clipping scale against the CPU's arithmetic bit for bit, the sum of
-// squares against a double-precision sum.
+// cut into pieces of at most `piece` elements, as train/optim/in_place/cuda.rs cuts
+// them: the AdamW step and the clipping scale against the CPU's arithmetic bit for bit,
+// the sum of squares against a double-precision sum.
 void multi_tensor_cases() {
     const long sizes[3] = {1, 1000, 70001}, from[3] = {0, 0, 700};
     const float keeps[3] = {1.0f, 1.0f - 1e-3f * 0.1f, 1.0f - 1e-3f * 0.1f};
@@ -944,8 +944,9 @@ void multi_tensor_cases() {
     }
 }
 
-// The two passes against train/optim.rs's CPU arithmetic (the same operations in f32),
-// bit for bit, with a grid smaller than the tensor (the grid-stride loop) and larger.
+// The two passes against train/optim/in_place.rs's CPU arithmetic (the same operations
+// in f32), bit for bit, with a grid smaller than the tensor (the grid-stride loop) and
+// larger.
 int main() {
     for (long n : {1L, 1000L, 70001L})
         for (unsigned blocks : {2u, 300u}) {

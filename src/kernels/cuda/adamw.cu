@@ -1,8 +1,8 @@
-// AdamW's in-place passes on a GPU (`train/optim.rs`), f32: the moments, then the
-// variable, one launch each per tensor instead of a dozen element-wise candle ops (and
-// below, all of a step's tensors in one launch, with gradient clipping's two). The
-// arithmetic is the CPU's, operation for operation, in IEEE round-to-nearest intrinsics
-// (no fused multiply-adds), so a step on the GPU gives the CPU's bits.
+// AdamW's in-place passes on a GPU (`train/optim/in_place/cuda.rs`), f32: the moments,
+// then the variable, one launch each per tensor instead of a dozen element-wise candle
+// ops (and below, all of a step's tensors in one launch, with gradient clipping's two).
+// The arithmetic is the CPU's, operation for operation, in IEEE round-to-nearest
+// intrinsics (no fused multiply-adds), so a step on the GPU gives the CPU's bits.
 //   moment: m ← β·m + (1 − β)·g, or v ← β·v + (1 − β)·g·g (`square`)
 //   apply:  θ ← θ·(1 − lr·decay) − m / (√v / √bc2 + eps) · lr/bc1
 // Grid-stride loops over n elements (the caller offsets the pointers past frozen rows).
@@ -23,10 +23,10 @@ extern "C" __global__ void adamw_apply(float *theta, const float *m, const float
 }
 
 // The multi-tensor forms, one launch for all of a step's tensors instead of one or three
-// each (train/optim.rs's `cuda::step_all`, `sum_sq_all` and `scaled_all`): `table` lists
-// pieces of up to 65,536 elements, one block a piece, each as device addresses and a
-// count in 64-bit words. The arithmetic per element is that of the passes above and of
-// the CPU.
+// each (`step_all`, `sum_sq_all` and `scaled_all` in train/optim/in_place/cuda.rs):
+// `table` lists pieces of up to 65,536 elements, one block a piece, each as device
+// addresses and a count in 64-bit words. The arithmetic per element is that of the
+// passes above and of the CPU.
 
 // AdamW, both moments and the variable in one pass: piece p = (θ, m, v, g, n, keep's
 // bits); the constants as `adamw_moment` and `adamw_apply` take them.
