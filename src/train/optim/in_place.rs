@@ -177,6 +177,30 @@ pub(super) struct ApplyConsts<T> {
     step: T,
 }
 
+impl<T: WithDType> MomentConsts<T> {
+    /// β and 1 − β rounded to the element type, as every pass takes them (the CPU's
+    /// and the GPU's kernels, per tensor or all at once).
+    pub(super) fn of(beta: f64, square: bool) -> Self {
+        Self {
+            b: T::from_f64(beta),
+            c: T::from_f64(1.0 - beta),
+            square,
+        }
+    }
+}
+
+impl<T: WithDType> ApplyConsts<T> {
+    /// `u`'s constants rounded to the element type, as every pass takes them.
+    pub(super) fn of(u: &Update) -> Self {
+        Self {
+            keep: T::from_f64(1.0 - u.lr * u.decay),
+            sbc2: T::from_f64(u.bc2.sqrt()),
+            eps: T::from_f64(u.eps),
+            step: T::from_f64(u.lr / u.bc1),
+        }
+    }
+}
+
 /// m ← β·m + (1 − β)·g, or v ← β·v + (1 − β)·g².
 #[inline(always)]
 fn moment_generic<T: WithDType>(m: &mut [T], g: &[T], k: MomentConsts<T>) {
@@ -304,11 +328,7 @@ struct Moment {
 
 impl Moment {
     fn run<T: Elem>(&self, m: &mut [T], g: &[T]) {
-        let k = MomentConsts {
-            b: T::from_f64(self.beta),
-            c: T::from_f64(1.0 - self.beta),
-            square: self.square,
-        };
+        let k = MomentConsts::of(self.beta, self.square);
         let (m, g) = (&mut m[self.from..], &g[self.from..]);
         if m.len() < PARALLEL_FROM {
             return T::moment(m, g, k);
@@ -332,8 +352,8 @@ impl InplaceOp2 for Moment {
         g: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<()> {
-        let consts = [self.beta as f32, (1.0 - self.beta) as f32];
-        cuda::moment((dst, dl), (g, gl), self.from, consts, self.square)
+        let k = MomentConsts::<f32>::of(self.beta, self.square);
+        cuda::moment((dst, dl), (g, gl), self.from, [k.b, k.c], k.square)
     }
 
     fn cpu_fwd(
@@ -363,12 +383,7 @@ struct Apply<'a>(&'a Update);
 impl Apply<'_> {
     fn run<T: Elem>(&self, theta: &mut [T], m: &[T], v: &[T]) {
         let u = self.0;
-        let k = ApplyConsts {
-            keep: T::from_f64(1.0 - u.lr * u.decay),
-            sbc2: T::from_f64(u.bc2.sqrt()),
-            eps: T::from_f64(u.eps),
-            step: T::from_f64(u.lr / u.bc1),
-        };
+        let k = ApplyConsts::of(u);
         let (theta, m, v) = (&mut theta[u.from..], &m[u.from..], &v[u.from..]);
         if theta.len() < PARALLEL_FROM {
             return T::apply(theta, m, v, k);
@@ -395,15 +410,9 @@ impl InplaceOp3 for Apply<'_> {
         v: &candle_core::CudaStorage,
         vl: &Layout,
     ) -> Result<()> {
-        let u = self.0;
-        // As `run` rounds them for f32.
-        let consts = [
-            (1.0 - u.lr * u.decay) as f32,
-            u.bc2.sqrt() as f32,
-            u.eps as f32,
-            (u.lr / u.bc1) as f32,
-        ];
-        cuda::apply((dst, dl), [(m, ml), (v, vl)], u.from, consts)
+        let k = ApplyConsts::<f32>::of(self.0);
+        let consts = [k.keep, k.sbc2, k.eps, k.step];
+        cuda::apply((dst, dl), [(m, ml), (v, vl)], self.0.from, consts)
     }
 
     fn cpu_fwd(

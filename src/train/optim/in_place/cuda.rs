@@ -8,7 +8,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
-use super::Job;
+use super::{ApplyConsts, Job, MomentConsts};
 use crate::kernels::rows_cuda::Module;
 
 /// Elements a block of the multi-tensor kernels takes.
@@ -108,24 +108,19 @@ pub(super) fn step_all(jobs: &[Job]) -> Result<bool> {
             }
             at[k + 1] = a;
         }
-        // As `Apply::run` rounds it for f32.
-        let keep = (1.0 - j.update.lr * j.update.decay) as f32;
+        let keep = ApplyConsts::<f32>::of(&j.update).keep;
         table.add(dev, &at, n, &[u64::from(keep.to_bits())])?;
     }
     let Some((dev, table, cfg)) = table.upload(6)? else {
         return Ok(true);
     };
     let func = dev.get_or_load_custom_func("adamw_step_multi", ADAMW.name, ADAMW.ptx)?;
-    // As `Moment::cuda_fwd` and `Apply::cuda_fwd` round them.
-    let consts = [
-        u.beta1 as f32,
-        (1.0 - u.beta1) as f32,
-        u.beta2 as f32,
-        (1.0 - u.beta2) as f32,
-        u.bc2.sqrt() as f32,
-        u.eps as f32,
-        (u.lr / u.bc1) as f32,
-    ];
+    let (m, v, k) = (
+        MomentConsts::<f32>::of(u.beta1, false),
+        MomentConsts::<f32>::of(u.beta2, true),
+        ApplyConsts::<f32>::of(u),
+    );
+    let consts = [m.b, m.c, v.b, v.c, k.sbc2, k.eps, k.step];
     let mut a = func.builder();
     a.arg(&table);
     for k in &consts {
