@@ -3,7 +3,10 @@
 # removes every `__syncthreads();` in src/kernels/cuda in turn, in a copy of the
 # kernels, runs the kernel files that include it in both thread orders, and prints
 # how many checks fail each way. Exits 1 if some barrier's removal goes unnoticed.
-# Not run by CI (about 15 minutes on 2 cores); run it after adding or moving a barrier.
+# With RACES=1 it runs the race check instead (run.sh's ThreadSanitizer build) and
+# says whether ThreadSanitizer reports a race (it stops at the first).
+# Not run by CI (about 15 minutes on 2 cores either way); run it after adding or
+# moving a barrier.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -28,6 +31,17 @@ while IFS=: read -r file line text; do
     result=""
     caught=0
     for k in $(users "$name"); do
+        if [ "${RACES:-0}" = 1 ]; then
+            (cd "$work/scripts/cuda-emulate" &&
+                g++ -std=c++20 -O1 -fsanitize=thread -DEMULATE_RACES -fno-strict-aliasing -I"$work/include" \
+                    -D"$k" -o "$work/run" emulate.cpp)
+            # The first report ends the run: the rest would only take time.
+            races=$(TSAN_OPTIONS=halt_on_error=1 timeout 600 "$work/run" 2>&1 |
+                grep -c '^WARNING: ThreadSanitizer: data race' || true)
+            result+=" $k: $races race(s) reported;"
+            if [ "$races" -gt 0 ]; then caught=1; fi
+            continue
+        fi
         (cd "$work/scripts/cuda-emulate" &&
             g++ -std=c++20 -O2 -fno-strict-aliasing -I"$work/include" -D"$k" -o "$work/run" emulate.cpp)
         fwd=$(timeout 600 "$work/run" 2>&1 | grep -c '^FAIL' || true)

@@ -4,11 +4,13 @@
 //! `__shfl_xor_sync` an exchange through memory between two warp barriers,
 //! `__shared__` a static (blocks run one at a time). A barrier missing between a
 //! write to shared memory and another thread's read, or a read and another thread's
-//! overwrite, fails in one of the two thread orders run.sh runs (a mutation test
-//! removed each of the kernels' barriers in turn: every one failed). It says nothing
-//! about speed, about shared memory ordered only by a shuffle (here a shuffle orders
-//! memory too, on a GPU only `__syncwarp` does), or the GPU's own arithmetic (expf,
-//! fmaf), which the GPU tests (tests/gpu.rs) check on a device.
+//! overwrite, fails in one of the two thread orders run.sh runs, and is reported as a
+//! race by its third run, built with ThreadSanitizer (EMULATE_RACES, below), in which
+//! only a block barrier orders two threads' accesses; that run also reports shared
+//! memory ordered only by a shuffle (a GPU's shuffles order no memory). barriers.sh
+//! removes each of the kernels' barriers in turn: each removal fails both checks.
+//! It says nothing about speed or about the GPU's own arithmetic (expf, fmaf), which
+//! the GPU tests (tests/gpu.rs) check on a device.
 //! Built and run by scripts/cuda-emulate/run.sh, once per kernel file (-DATTENTION,
 //! forward and backward; -DLOGPROB, -DTHETA, -DSOFTMAX, -DNORM, -DADAMW, -DROTARY).
 #include <climits>
@@ -78,12 +80,84 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 // barrier: a barrier missing between a write to shared memory and another thread's
 // read, or between a read and a later overwrite (the block reduction's "earlier call's
 // readers"), gives stale data in one of the two orders (run.sh runs both).
+// With EMULATE_RACES (run.sh's second pass, built with -fsanitize=thread) each fiber
+// is a ThreadSanitizer fiber and the switches between them order nothing: a block
+// barrier is the only thing that orders two threads' memory accesses (each thread
+// releases it on arrival and acquires it on leaving), so a shared or global word
+// written by one thread and read or written by another with no barrier between them
+// is reported as a race whatever order the fibers ran in. Warp barriers (a shuffle,
+// mma.sync) order nothing, as on a GPU, where only `__syncwarp` would. The launch
+// orders the host's writes before it and the kernel's after it. The emulator's own
+// state (threadIdx, the barriers, the shuffle and mma exchange buffers, which stand
+// for registers) is kept out of the check. Fibers are kept from block to block, so
+// thread t of a later block knows what t knew in an earlier one: a race between blocks
+// shows only on what was written after a block's last barrier.
+#ifdef EMULATE_RACES
+#include <sanitizer/tsan_interface.h>
+extern "C" void AnnotateIgnoreReadsBegin(const char *, int);
+extern "C" void AnnotateIgnoreReadsEnd(const char *, int);
+extern "C" void AnnotateIgnoreWritesBegin(const char *, int);
+extern "C" void AnnotateIgnoreWritesEnd(const char *, int);
+struct Untracked {
+    Untracked() {
+        AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+        AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+    }
+    ~Untracked() {
+        AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+        AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+    }
+};
+// Not instrumented, so that entering and leaving a function that switches fibers
+// touches no fiber's shadow call stack.
+#define UNINSTRUMENTED __attribute__((no_sanitize_thread))
+UNINSTRUMENTED inline void hb_release(void *a) { __tsan_release(a); }
+UNINSTRUMENTED inline void hb_acquire(void *a) { __tsan_acquire(a); }
+UNINSTRUMENTED inline void *race_fiber_new() { return __tsan_create_fiber(0); }
+UNINSTRUMENTED inline void *race_fiber_here() { return __tsan_get_current_fiber(); }
+UNINSTRUMENTED inline void race_switch(void *to) { __tsan_switch_to_fiber(to, __tsan_switch_to_fiber_no_sync); }
+// A block's shared memory is its own, but here it is a static, which a block leaves as
+// the last one touched it. ThreadSanitizer forgets a range's accesses only where memory
+// is allocated, and its Java heap's allocation call does that for any range: each block
+// starts by "allocating" the program's zero-initialised statics (.bss, where every
+// `__shared__` array is, with the emulator's own state, which is not checked).
+extern "C" void __tsan_java_init(unsigned long heap_begin, unsigned long heap_size);
+extern "C" void __tsan_java_alloc(unsigned long ptr, unsigned long size);
+extern "C" void __tsan_java_free(unsigned long ptr, unsigned long size);
+extern char __bss_start[], _end[];
+UNINSTRUMENTED inline void race_fresh_shared() {
+    const unsigned long begin = (unsigned long)__bss_start & ~7ul,
+                        size = ((unsigned long)_end - begin + 7) & ~7ul;
+    static const bool heap = (__tsan_java_init(begin, size), true);
+    (void)heap;
+    __tsan_java_free(begin, size);
+    __tsan_java_alloc(begin, size);
+}
+#else
+#define UNINSTRUMENTED
+struct Untracked {
+    Untracked() {} // a user-provided constructor: no unused-variable warning
+};
+inline void hb_release(void *) {}
+inline void hb_acquire(void *) {}
+inline void *race_fiber_new() { return nullptr; }
+inline void *race_fiber_here() { return nullptr; }
+inline void race_switch(void *) {}
+inline void race_fresh_shared() {}
+#endif
+
 struct Barrier {
     unsigned n, waiting = 0, generation = 0;
-    explicit Barrier(unsigned n) : n(n) {}
+    const bool orders_memory; // a block barrier; a warp barrier orders nothing
+    // What the threads arriving in a generation release and those leaving it acquire.
+    // Two suffice: a thread cannot arrive at generation g + 2 before every thread has
+    // left g.
+    char hb[2] = {};
+    Barrier(unsigned n, bool orders_memory) : n(n), orders_memory(orders_memory) {}
     void arrive_and_wait();
     // A thread that returned early leaves the barrier to the others.
     void arrive_and_drop() {
+        if (orders_memory) hb_release(&hb[generation % 2]);
         if (--n > 0 && waiting == n) release();
     }
     void release();
@@ -91,6 +165,7 @@ struct Barrier {
 struct Fiber {
     ucontext_t context;
     char *stack = nullptr;
+    void *race = nullptr; // its ThreadSanitizer fiber (EMULATE_RACES)
     bool done = false;
     const Barrier *waits = nullptr; // the barrier this fiber waits at, and its generation then
     unsigned generation = 0;
@@ -99,33 +174,57 @@ constexpr size_t FIBER_STACK = 1 << 20;
 std::vector<Fiber> fibers;
 unsigned current;
 ucontext_t scheduler;
+void *scheduler_race; // the host thread's ThreadSanitizer fiber
 const std::function<void()> *fiber_kernel;
 std::unique_ptr<Barrier> block_bar;
 std::vector<std::unique_ptr<Barrier>> warp_bar;
 bool released; // a barrier let its fibers go since the scheduler last looked
+// The host's writes before a launch; the kernel's, for after it. Initialised, so not in
+// .bss, which the race check clears for each block.
+char launch_hb = 1, done_hb = 1;
 void Barrier::release() {
     waiting = 0;
     ++generation;
     released = true;
 }
 void Barrier::arrive_and_wait() {
+    Untracked untracked;
     const unsigned g = generation;
-    if (++waiting == n) return release();
-    Fiber &f = fibers[current];
-    f.waits = this;
-    f.generation = g;
-    swapcontext(&f.context, &scheduler);
+    if (orders_memory) hb_release(&hb[g % 2]);
+    if (++waiting == n) release();
+    else {
+        Fiber &f = fibers[current];
+        f.waits = this;
+        f.generation = g;
+        race_switch(scheduler_race);
+        swapcontext(&f.context, &scheduler);
+    }
+    if (orders_memory) hb_acquire(&hb[g % 2]);
 }
-void fiber_main() {
-    (*fiber_kernel)();
-    block_bar->arrive_and_drop();
-    warp_bar[current / 32]->arrive_and_drop();
-    fibers[current].done = true;
+// Not instrumented: it leaves its fiber for the scheduler's before it returns, where
+// ThreadSanitizer would pop the function's entry from the scheduler's stack.
+UNINSTRUMENTED void fiber_main() {
+    hb_acquire(&launch_hb);
+    const std::function<void()> *kernel;
+    {
+        Untracked untracked;
+        kernel = fiber_kernel;
+    }
+    (*kernel)();
+    hb_release(&done_hb);
+    {
+        Untracked untracked;
+        block_bar->arrive_and_drop();
+        warp_bar[current / 32]->arrive_and_drop();
+        fibers[current].done = true;
+    }
+    race_switch(scheduler_race);
 }
 static float xf[1024];
 static int xi[1024];
 inline void __syncthreads() { block_bar->arrive_and_wait(); }
 template <typename T> T shfl(T *buf, T v, int o) {
+    Untracked untracked;
     const int t = threadIdx.x;
     buf[t] = v;
     warp_bar[t / 32]->arrive_and_wait();
@@ -144,6 +243,9 @@ void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
         const char *o = std::getenv("EMULATE_ORDER");
         return o && std::string(o) == "reverse";
     }();
+    Untracked untracked;
+    hb_release(&launch_hb);
+    if (!scheduler_race) scheduler_race = race_fiber_here();
     blockDim = {threads, 1, 1};
     gridDim = grid;
     fiber_kernel = &kernel;
@@ -158,15 +260,17 @@ void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
                 std::exit(2);
             }
             fibers[t].stack = static_cast<char *>(m) + 4096;
+            fibers[t].race = race_fiber_new();
         }
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
                 blockIdx = {x, y, z};
-                block_bar = std::make_unique<Barrier>(threads);
+                race_fresh_shared();
+                block_bar = std::make_unique<Barrier>(threads, true);
                 warp_bar.clear();
                 for (unsigned w = 0; w < (threads + 31) / 32; ++w)
-                    warp_bar.push_back(std::make_unique<Barrier>(std::min(32u, threads - 32 * w)));
+                    warp_bar.push_back(std::make_unique<Barrier>(std::min(32u, threads - 32 * w), false));
                 for (unsigned t = 0; t < threads; ++t) {
                     Fiber &f = fibers[t];
                     getcontext(&f.context);
@@ -186,6 +290,7 @@ void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
                         f.waits = nullptr;
                         current = t;
                         threadIdx = {t, 0, 0};
+                        race_switch(f.race);
                         swapcontext(&scheduler, &f.context);
                         ran = true;
                         left -= f.done;
@@ -197,6 +302,7 @@ void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
                     }
                 }
             }
+    hb_acquire(&done_hb);
 }
 
 int failures = 0;
@@ -240,6 +346,7 @@ inline float widen_bits(uint32_t h, __half) {
 }
 static uint32_t mma_a[1024][4], mma_b[1024][2];
 template <typename T> void mma_emulated(float *d, const uint32_t *a, const uint32_t *b) {
+    Untracked untracked;
     const int t = threadIdx.x, w = t / 32 * 32;
     std::memcpy(mma_a[t], a, sizeof mma_a[t]);
     std::memcpy(mma_b[t], b, sizeof mma_b[t]);
@@ -1044,5 +1151,24 @@ int main() {
         }
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
     return failures != 0;
+}
+#endif
+
+#ifdef CANARY
+// The race check's own test (run.sh expects it to fail): lane 0 writes shared memory
+// and lane 1 reads it after a shuffle, which orders nothing on a GPU. With a block
+// barrier instead (`barrier` 1) the run is clean.
+int main(int argc, char **) {
+    const bool barrier = argc > 1;
+    std::vector<float> out(1);
+    launch({1, 1, 1}, 32, [&] {
+        __shared__ float word;
+        if (threadIdx.x == 0) word = 1.0f;
+        if (barrier) __syncthreads();
+        else __shfl_xor_sync(0xffffffffu, 0.0f, 1);
+        if (threadIdx.x == 1) out[0] = word;
+    });
+    std::printf("read %g\n", out[0]);
+    return 0;
 }
 #endif

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks the CUDA kernels' logic on the CPU (no GPU, no CUDA toolkit; g++ 12+):
 # builds scripts/cuda-emulate/emulate.cpp once per kernel into target/cuda-emulate
-# and runs it. See emulate.cpp for what this does and does not show.
+# and runs it three times: in thread order, in reverse, and built with
+# ThreadSanitizer for races. See emulate.cpp for what this does and does not show.
 set -euo pipefail
 cd "$(dirname "$0")"
 out=../../target/cuda-emulate
@@ -9,18 +10,41 @@ mkdir -p "$out/include"
 # The CUDA headers' types, conversions and mma.sync are emulate.cpp's own; the kernels
 # read 16-bit pairs as 32-bit words, as CUDA code does (hence no strict aliasing).
 touch "$out/include/cuda_bf16.h" "$out/include/cuda_fp16.h"
+flags=(-std=c++20 -fno-strict-aliasing -I"$out/include")
+tsan=(-O1 -g -fsanitize=thread -DEMULATE_RACES)
+export TSAN_OPTIONS="halt_on_error=1 exitcode=66"
 rc=0
+# First, that the race check notices a race: shared memory ordered by a shuffle only.
+g++ "${flags[@]}" "${tsan[@]}" -DCANARY -o "$out/canary" emulate.cpp
+if "$out/canary" >"$out/canary.txt" 2>&1 || [ $? != 66 ] || ! "$out/canary" barrier >/dev/null 2>&1; then
+    echo "FAILED: the race check's canary (log: $out/canary.txt)"
+    rc=1
+fi
 for k in ATTENTION LOGPROB THETA SOFTMAX NORM ADAMW ROTARY; do
-    g++ -std=c++20 -O2 -fno-strict-aliasing -I"$out/include" -D"$k" -o "$out/${k,,}" emulate.cpp
+    bin="$out/${k,,}"
+    # The race check's build, on the other core while the first binary is built.
+    g++ "${flags[@]}" "${tsan[@]}" -D"$k" -o "$bin-races" emulate.cpp &
+    races_built=$!
+    g++ "${flags[@]}" -O2 -D"$k" -o "$bin" emulate.cpp
     # Each block's threads in order and, on the other core, in reverse order (see
     # emulate.cpp's fibers); the second prints only what fails.
-    EMULATE_ORDER=reverse "$out/${k,,}" >"$out/${k,,}-reverse.txt" 2>&1 &
+    EMULATE_ORDER=reverse "$bin" >"$bin-reverse.txt" 2>&1 &
     reverse=$!
-    "$out/${k,,}" || rc=1
+    "$bin" || rc=1
     wait "$reverse" || {
         rc=1
-        echo "FAILED in reverse order: $k (log: $out/${k,,}-reverse.txt)"
-        grep -E '^FAIL' "$out/${k,,}-reverse.txt" | sed 's/^/(reverse order) /'
+        echo "FAILED in reverse order: $k (log: $bin-reverse.txt)"
+        grep -E '^FAIL' "$bin-reverse.txt" | sed 's/^/(reverse order) /'
     }
+    wait "$races_built"
+    # Every access ordered by block barriers alone: the first race is reported and
+    # ends the run (the run's own checks pass or fail as above).
+    if "$bin-races" >"$bin-races.txt" 2>&1; then
+        echo "$k: no races"
+    else
+        rc=1
+        echo "FAILED under ThreadSanitizer: $k (log: $bin-races.txt)"
+        grep -E -A12 '^WARNING: ThreadSanitizer' "$bin-races.txt" || tail -5 "$bin-races.txt"
+    fi
 done
 exit $rc
