@@ -610,8 +610,11 @@ mod tests {
         let got = run(&fused);
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g.dims(), w.dims());
+            // A few units in the last place of the largest value (~50): the
+            // portable kernels sum the fused and the separate products apart.
             let diff = crate::kernels::test_util::max_abs_diff(g, w);
-            assert!(diff < 1e-5, "{diff}");
+            let largest = crate::kernels::test_util::max_abs(w);
+            assert!(diff <= 1e-6 * largest, "{diff} against values up to {largest}");
         }
         let mut replaced = fused.clone();
         replaced.key = separate.key.clone();
