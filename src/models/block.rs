@@ -614,7 +614,10 @@ mod tests {
             // portable kernels sum the fused and the separate products apart.
             let diff = crate::kernels::test_util::max_abs_diff(g, w);
             let largest = crate::kernels::test_util::max_abs(w);
-            assert!(diff <= 1e-6 * largest, "{diff} against values up to {largest}");
+            assert!(
+                diff <= 1e-6 * largest,
+                "{diff} against values up to {largest}"
+            );
         }
         let mut replaced = fused.clone();
         replaced.key = separate.key.clone();
