@@ -80,7 +80,7 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 // barrier: a barrier missing between a write to shared memory and another thread's
 // read, or between a read and a later overwrite (the block reduction's "earlier call's
 // readers"), gives stale data in one of the two orders (run.sh runs both).
-// With EMULATE_RACES (run.sh's second pass, built with -fsanitize=thread) each fiber
+// With EMULATE_RACES (run.sh's third run, built with -fsanitize=thread) each fiber
 // is a ThreadSanitizer fiber and the switches between them order nothing: a block
 // barrier is the only thing that orders two threads' memory accesses (each thread
 // releases it on arrival and acquires it on leaving), so a shared or global word

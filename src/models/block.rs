@@ -611,7 +611,8 @@ mod tests {
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g.dims(), w.dims());
             // A few units in the last place of the largest value (~50): the
-            // portable kernels sum the fused and the separate products apart.
+            // portable kernels sum the fused and the separate products in
+            // different orders.
             let diff = crate::kernels::test_util::max_abs_diff(g, w);
             let largest = crate::kernels::test_util::max_abs(w);
             assert!(
