@@ -50,85 +50,119 @@ fi
 cat >"$out/run.sh" <<'EOF'
 #!/usr/bin/env bash
 # Runs on the GPU machine from the checkout's root (see scripts/gpu-check.sh).
+# Env: KERNEL_RUNS ("1 0": with the project's CUDA kernels, then without), AB (1: the
+# A/B runs), ANCHOR (1: eager PyTorch's anchor), TEST_TIMEOUT / PART_TIMEOUT (seconds
+# for one test / one bench part), DEADLINE (seconds after which nothing new starts).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
-# Outside the carried folder, so that it stays as small as it was built.
+# The device tool returns at most 8 files from $OUT: everything is written to $res and
+# packed into $OUT/results.tgz after each step, so a run cut short returns what it did.
 out="${OUT:-$(mktemp -d)}"
+res="$(mktemp -d)"
 bin="$(mktemp -d)"
 mkdir -p "$out"
-echo "results in $out"
+echo "results in $out/results.tgz"
+pack() { tar czf "$out/.results.tgz" -C "$res" . && mv "$out/.results.tgz" "$out/results.tgz"; }
 for b in tokenformer gpu-tests; do
     python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
         "$here/bin/$b.xz" "$bin/$b"
     chmod +x "$bin/$b"
 done
-run() { bash "$here/gpu/run-on-gpu.sh" "$@"; }
+# The CUDA libraries of the torch venv and the driver's libcuda, found once
+# (run-on-gpu.sh's search, which would otherwise run for every process).
+venv="${TORCH_VENV:-/opt/torch/.venv}"
+dirs="$(find "$venv" -path '*/site-packages/nvidia/*' -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd: -)"
+if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then
+    drv="$(find /usr/local/nvidia /usr/lib64 /usr/lib -name libcuda.so.1 2>/dev/null | head -1)"
+    [ -n "$drv" ] && dirs="$dirs:$(dirname "$drv")"
+fi
+export LD_LIBRARY_PATH="$dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+ldd "$bin/tokenformer" | grep 'not found' && echo "error: unresolved libraries above"
+run() { timeout -k 5 "$@"; }
 # The driver compiles the PTX for this GPU once and keeps it here for every later process.
 export CUDA_CACHE_PATH="$bin/nv-cache" CUDA_CACHE_MAXSIZE=4294967296
 export TOKENFORMER_TEST_ROOT="$root" TOKENFORMER_BIN="$bin/tokenformer"
+test_timeout="${TEST_TIMEOUT:-150}" part_timeout="${PART_TIMEOUT:-240}"
+left() { [ "$SECONDS" -lt "${DEADLINE:-1000000}" ]; }
 # Every GPU test and every bench part runs in a process of its own: a faulting kernel
 # leaves its CUDA context unusable, and must not take the checks after it down with it.
 tests() {  # tests TAG [FILTER]: the GPU tests (matching FILTER), one process each
-    local log="$out/gpu-tests-$1.txt" pass=0 fail=0 name
+    local log="$res/gpu-tests-$1.txt" pass=0 fail=0 name t0
     : >"$log"
     while read -r name; do
+        left || { echo "skipped (DEADLINE): $name"; continue; }
         echo "== $name" >>"$log"
-        if run "$bin/gpu-tests" --exact "$name" --nocapture >>"$log" 2>&1; then
-            pass=$((pass + 1))
+        t0=$SECONDS
+        if run "$test_timeout" "$bin/gpu-tests" --exact "$name" --nocapture >>"$log" 2>&1; then
+            pass=$((pass + 1)); echo "ok ($((SECONDS - t0)) s): $name"
         else
-            fail=$((fail + 1)); echo "FAILED: $name"
+            fail=$((fail + 1)); echo "FAILED ($((SECONDS - t0)) s): $name"
+            # The failure's own lines, so that the call's output shows them.
+            awk -v n="== $name" '$0 == n {p = 1; next} /^== / {p = 0} p' "$log" |
+                grep -v '^running\|^test result\|^$' | tail -15
         fi
-    done < <(run "$bin/gpu-tests" --list --format terse ${2:+"$2"} | sed -n 's/: test$//p')
-    echo "GPU tests ($1): $pass passed, $fail failed; log $log" | tee -a "$log"
+        pack
+    done < <("$bin/gpu-tests" --list --format terse ${2:+"$2"} | sed -n 's/: test$//p')
+    # A test that finds no GPU says so and passes: count those apart.
+    echo "GPU tests ($1): $pass passed ($(grep -c '^skipped' "$log") lines say skipped), $fail failed" |
+        tee -a "$log"
 }
 # The parts of `bench --device cuda` (bench_gpu::PARTS), merged into bench-TAG.json.
 bench() {  # bench TAG PART...
-    local tag=$1 part; shift
+    local tag=$1 part t0; shift
     for part in "$@"; do
-        run "$bin/tokenformer" bench --device cuda --only "$part" --json \
-            >"$out/bench-$tag-$part.json" 2>"$out/bench-$tag-$part.err"
-        echo "bench $tag $part: rc=$?"; tail -3 "$out/bench-$tag-$part.err"
+        left || { echo "skipped (DEADLINE): bench $tag $part"; continue; }
+        t0=$SECONDS
+        run "$part_timeout" "$bin/tokenformer" bench --device cuda --only "$part" --json \
+            >"$res/bench-$tag-$part.json" 2>"$res/bench-$tag-$part.err"
+        echo "bench $tag $part: rc=$? ($((SECONDS - t0)) s)"; tail -3 "$res/bench-$tag-$part.err"
+        pack
     done
-    python3 - "$out" "$tag" "$@" <<'PY'
+    python3 - "$res" "$tag" "$@" <<'PY'
 import json, sys
-out, tag, parts = sys.argv[1], sys.argv[2], sys.argv[3:]
+res, tag, parts = sys.argv[1], sys.argv[2], sys.argv[3:]
 merged = {}
 for p in parts:
     try:
-        merged.update(json.load(open(f"{out}/bench-{tag}-{p}.json")))
+        merged.update(json.load(open(f"{res}/bench-{tag}-{p}.json")))
     except (OSError, ValueError) as e:
         merged[f"{p}_error"] = f"no JSON from the {p} part: {e}"
-json.dump(merged, open(f"{out}/bench-{tag}.json", "w"), indent=1)
+json.dump(merged, open(f"{res}/bench-{tag}.json", "w"), indent=1)
 print(json.dumps(merged))
 PY
+    pack
 }
 all_parts="prefill ops decode vit train"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
-# The GPU tests and the bench with the project's own CUDA kernels first
-# (TOKENFORMER_CUDA_KERNELS=1: Θ, flash attention, on tensor cores in bf16/f16 forward
-# and backward, log-softmax-gather, the norms, decoding's fused q/k/v and rotary, the
-# training kernels; the kernel tests call them directly either way), then eager
-# PyTorch's anchor on the same card, so that the figures the issues compare come first;
-# then both again with plain candle ops (the default) and the A/B runs. KERNEL_RUNS="1"
-# (or "0") runs one side only. Everything is written to $out as it goes, so a run cut
-# short still returns what it finished.
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$res/gpu.txt"
+# The GPU tests first, with the project's own CUDA kernels (TOKENFORMER_CUDA_KERNELS=1:
+# Θ, flash attention, on tensor cores in bf16/f16 forward and backward,
+# log-softmax-gather, the norms, decoding's fused q/k/v and rotary, the training kernels;
+# the kernel tests call them directly either way) and with plain candle ops (the
+# default); then the bench with the kernels and eager PyTorch's anchor on the same card,
+# so that the figures the issues compare come next; then the bench with plain ops and
+# the A/B runs. Past DEADLINE seconds no new test or part starts.
 runs="${KERNEL_RUNS:-1 0}"
-py="${TORCH_VENV:-/opt/torch/.venv}/bin/python"
-anchor_done=0
+py="$venv/bin/python"
 for kernels in $runs; do
     echo "== GPU tests, TOKENFORMER_CUDA_KERNELS=$kernels"
     TOKENFORMER_CUDA_KERNELS=$kernels tests "kernels$kernels"
+done
+anchor_done=0
+[ "${ANCHOR:-1}" = 1 ] || anchor_done=1
+for kernels in $runs; do
     echo "== bench --device cuda, TOKENFORMER_CUDA_KERNELS=$kernels"
     # shellcheck disable=SC2086
     TOKENFORMER_CUDA_KERNELS=$kernels bench "kernels$kernels" $all_parts
-    if [ "$anchor_done" = 0 ]; then
+    if [ "$anchor_done" = 0 ] && left; then
         echo "== eager PyTorch anchor"
-        "$py" "$here/gpu/torch_gpu_anchor.py" >"$out/torch.json" 2>"$out/torch.err"; cat "$out/torch.json"
+        run 300 "$py" "$here/gpu/torch_gpu_anchor.py" >"$res/torch.json" 2>"$res/torch.err"
+        cat "$res/torch.json"; tail -3 "$res/torch.err"
+        pack
         anchor_done=1
     fi
 done
-if [[ " $runs " == *" 1 "* ]]; then
+if [[ " $runs " == *" 1 "* ]] && [ "${AB:-1}" = 1 ]; then
     # Decoding with one block a head instead of the split over keys, to compare with the
     # first bench's decode figures.
     echo "== bench --only decode, TOKENFORMER_FLASH_SPLIT=0"
@@ -143,10 +177,11 @@ if [[ " $runs " == *" 1 "* ]]; then
     echo "== bench --only train, TOKENFORMER_DEVICE_BLOCK=0"
     TOKENFORMER_DEVICE_BLOCK=0 TOKENFORMER_CUDA_KERNELS=1 bench composed-blocks train
 fi
-if [ "${1:-}" = "--compile" ]; then
+if [ "${1:-}" = "--compile" ] && left; then
     echo "== torch.compile anchor"
-    "$py" "$here/gpu/torch_compile_anchor.py" >"$out/torch-compile.json" 2>"$out/torch-compile.err"
-    cat "$out/torch-compile.json"
+    run 400 "$py" "$here/gpu/torch_compile_anchor.py" >"$res/torch-compile.json" 2>"$res/torch-compile.err"
+    cat "$res/torch-compile.json"
+    pack
 fi
 EOF
 chmod +x "$out/run.sh"
