@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of the `--device cuda` and GPU-speed issues, in two halves.
 #
-# Here (no GPU, no system CUDA; ~12 minutes cold on 2 cores):
+# Here (no GPU, no system CUDA; 14 minutes on a fresh checkout on 2 cores):
 #   bash scripts/gpu-check.sh [TOOLCHAIN_DIR]
 # builds the `cuda` feature with the wheel toolchain (scripts/setup-cuda-toolchain.sh,
 # installed into TOOLCHAIN_DIR, default ~/.cache/cuda-toolchain, if missing) in
@@ -10,17 +10,20 @@
 # the PyTorch anchors of ../shared/gpu and ../shared/bench; run.sh.
 #
 # On the GPU machine (device tool: carry ["target/gpu-check"]), from the checkout's root:
-#   bash target/gpu-check/run.sh [--compile]
-# prints the GPU, runs the GPU tests and `tokenformer bench --device cuda` with the
-# project's CUDA kernels (TOKENFORMER_CUDA_KERNELS=1), each test and bench part in a
-# process of its own, eager PyTorch's anchor on the same card, then the tests and the
-# bench without the kernels and the A/B runs (--compile: also torch.compile's anchor,
-# ~2 more minutes);
-# everything lands in $OUT (the device tool's returned folder) or a temporary folder.
+#   DEADLINE=400 bash target/gpu-check/run.sh [--compile]
+# prints the GPU, runs the GPU tests with the project's CUDA kernels
+# (TOKENFORMER_CUDA_KERNELS=1) and without, then `tokenformer bench --device cuda` with
+# them and eager PyTorch's anchor on the same card, then the bench without them and the
+# A/B runs (--compile: also torch.compile's anchor, ~2 more minutes), each test and bench
+# part in a process of its own; past DEADLINE seconds nothing new starts. The device
+# returns at most 8 files: everything is packed into $OUT/results.tgz after each step
+# (a temporary folder without $OUT), so a call cut short still returns what it did.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 toolchain="${1:-$HOME/.cache/cuda-toolchain}"
 shared="${SHARED:-../shared}"
+# The toolchain's driver stub is generated from cudarc's source: it must be fetched first.
+cargo fetch --quiet
 [ -f "$toolchain/env.sh" ] || bash scripts/setup-cuda-toolchain.sh "$toolchain"
 # shellcheck disable=SC1091
 . "$toolchain/env.sh"
