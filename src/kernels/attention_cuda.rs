@@ -167,13 +167,21 @@ impl Common {
     }
 }
 
-/// `rows` rows in blocks of `per_block`, for each head and batch.
-fn config(rows: usize, per_block: usize, h: usize, b: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (rows.div_ceil(per_block) as u32, h as u32, b as u32),
+/// `rows` rows in blocks of `per_block`, for each head and batch. A GPU takes at most
+/// 65,535 blocks along a grid's y and z (heads and batch), and 2^31 − 1 along x.
+fn config(rows: usize, per_block: usize, h: usize, b: usize) -> Result<LaunchConfig> {
+    let tiles = rows.div_ceil(per_block);
+    if h > 65_535 || b > 65_535 || tiles > i32::MAX as usize {
+        candle_core::bail!(
+            "attention kernel: {b} sequences of {h} heads of {rows} rows: a launch takes at \
+             most 65,535 sequences and heads (split the batch)"
+        )
+    }
+    Ok(LaunchConfig {
+        grid_dim: (tiles as u32, h as u32, b as u32),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
-    }
+    })
 }
 
 /// The forward: the output [b, t, h·hd] in q's dtype and each query row's
@@ -223,7 +231,7 @@ pub(super) fn forward(
         // kernel null partials and chunk, then `Common`); the views start at each
         // layout's offset and every index the kernel forms from the strides lies
         // inside its tensor.
-        unsafe { a.launch(config(t, rows, h, b)) }.w()?;
+        unsafe { a.launch(config(t, rows, h, b)?) }.w()?;
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             CudaStorage::wrap_cuda_slice(lse, dev.clone()),
@@ -269,7 +277,7 @@ fn split<T: DeviceRepr + CudaDType>(
     // SAFETY: the arguments match flash_attention's (q, k, v, out and lse null, po,
     // pml, chunk, then `Common`); the partials hold chunks · rows rows; t ≤ ROWS, so
     // one block of queries covers every row.
-    unsafe { a.launch(config(chunks, 1, h, b)) }.w()?;
+    unsafe { a.launch(config(chunks, 1, h, b)?) }.w()?;
     let (chunks_arg, rows_arg, hd_arg) = (chunks as i32, rows as i64, hd as i32);
     let mut a = combine.builder();
     a.arg(&po).arg(&pml).arg(&out).arg(&lse);
@@ -356,10 +364,24 @@ pub(super) fn grad(
         // SAFETY: the arguments match the kernel's (q, k, v, dout, lse, delta, out,
         // for ∂k/∂v the plane, then `Common`); the views start at each layout's
         // offset, the saved tensors are contiguous with the sizes checked above.
-        unsafe { a.launch(config(rows, per_block, h, b)) }.w()?;
+        unsafe { a.launch(config(rows, per_block, h, b)?) }.w()?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     }
     by_dtype!(qkv[0].0.dtype(), "attention kernel", |T, _name| {
         run::<T>(part, qkv, saved, causal, scale)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    /// The emulator takes any grid; a GPU refuses more than 65,535 blocks along y and z.
+    #[test]
+    fn a_grid_past_the_gpus_limits_is_an_error_naming_them() {
+        let ok = super::config(2048, 64, 16, 65_535).unwrap();
+        assert_eq!(ok.grid_dim, (32, 16, 65_535));
+        for (h, b) in [(16, 65_536), (65_536, 1)] {
+            let e = super::config(2048, 64, h, b).unwrap_err().to_string();
+            assert!(e.contains("65,535"), "{e}");
+        }
+    }
 }
