@@ -8,7 +8,7 @@
 # and the tests that CI runs on the GPU's path (TOKENFORMER_KERNELS=none, and the
 # training block of train/device_block.rs) run on it.
 #
-#   bash scripts/cuda-layouts.sh        (~15 minutes cold on 2 cores, its own target dir)
+#   bash scripts/cuda-layouts.sh     (~20 minutes cold on 2 cores, 5 warm; its own target dir)
 #
 # It checks the working tree's tracked files (committed or not) in a copy under
 # target/cuda-layouts/. Not in CI: it builds candle and the project a second time.
