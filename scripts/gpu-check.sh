@@ -55,7 +55,9 @@ cat >"$out/run.sh" <<'EOF'
 # Runs on the GPU machine from the checkout's root (see scripts/gpu-check.sh).
 # Env: KERNEL_RUNS ("1 0": with the project's CUDA kernels, then without), AB (1: the
 # A/B runs), ANCHOR (1: eager PyTorch's anchor), TEST_TIMEOUT / PART_TIMEOUT (seconds
-# for one test / one bench part), DEADLINE (seconds after which nothing new starts).
+# for one test / one bench part), DEADLINE (seconds after which nothing new starts),
+# SANITIZE (a test-name filter, e.g. `attention`: those GPU tests again under
+# compute-sanitizer's memcheck, racecheck and synccheck, first of all; unset: none).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -147,6 +149,24 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 # the A/B runs. Past DEADLINE seconds no new test or part starts.
 runs="${KERNEL_RUNS:-1 0}"
 py="$venv/bin/python"
+if [ -n "${SANITIZE:-}" ]; then
+    # After a kernel test fails: out-of-bounds accesses, shared-memory races and
+    # barrier misuse, as the GPU itself sees them.
+    cs="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -1)"
+    for tool in memcheck racecheck synccheck; do
+        [ -n "$cs" ] || { echo "no compute-sanitizer on this machine"; break; }
+        echo "== compute-sanitizer --tool $tool, tests matching $SANITIZE"
+        log="$res/sanitize-$tool.txt"
+        while read -r name; do
+            left || break
+            TOKENFORMER_CUDA_KERNELS=1 run "$test_timeout" "$cs" --tool "$tool" --error-exitcode 1 \
+                "$bin/gpu-tests" --exact "$name" --nocapture >>"$log" 2>&1
+            echo "$tool rc=$?: $name"
+            pack
+        done < <("$bin/gpu-tests" --list --format terse "$SANITIZE" | sed -n 's/: test$//p')
+        grep -m5 'ERROR SUMMARY: [1-9]\|Invalid\|Race reported\|Barrier error' "$log"
+    done
+fi
 for kernels in $runs; do
     echo "== GPU tests, TOKENFORMER_CUDA_KERNELS=$kernels"
     TOKENFORMER_CUDA_KERNELS=$kernels tests "kernels$kernels"
