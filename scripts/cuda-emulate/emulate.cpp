@@ -9,6 +9,11 @@
 //! only a block barrier orders two threads' accesses; that run also reports shared
 //! memory ordered only by a shuffle (a GPU's shuffles order no memory). barriers.sh
 //! removes each of the kernels' barriers in turn: each removal fails both checks.
+//! A fourth run, built with AddressSanitizer and UndefinedBehaviorSanitizer
+//! (EMULATE_ASAN), reports any read or write past a kernel's inputs and outputs (each
+//! its own exactly sized heap buffer), past a `__shared__` array of a kernel that is
+//! not a template (GCC leaves the statics of template functions uninstrumented), and
+//! any signed overflow in the index arithmetic: faults a GPU may let pass silently.
 //! It says nothing about speed or about the GPU's own arithmetic (expf, fmaf), which
 //! the GPU tests (tests/gpu.rs) check on a device.
 //! Built and run by scripts/cuda-emulate/run.sh, once per kernel file (-DATTENTION,
@@ -286,6 +291,13 @@ void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
                     f.context.uc_stack = {f.stack, 0, FIBER_STACK};
                     f.context.uc_link = &scheduler;
                     makecontext(&f.context, fiber_main, 0);
+#ifdef EMULATE_ASAN
+                    // AddressSanitizer clears the shadow of a context's whole stack (its
+                    // uc_stack) at every switch into it: 128 KB by mmap, most of the run's
+                    // time. Without a size it leaves it; every frame on these stacks has
+                    // returned before a stack is given to the next block's fiber.
+                    f.context.uc_stack.ss_size = 0;
+#endif
                     f.done = false;
                     f.waits = nullptr;
                 }
@@ -1167,7 +1179,9 @@ int main() {
 // The race check's own test (run.sh expects the first two to be reported): `shuffle`,
 // lane 0 writes shared memory and lane 1 reads it after a shuffle, which orders
 // nothing on a GPU; `blocks`, thread 0 of two blocks writes one element; `barrier`,
-// lane 1 reads lane 0's write after a block barrier, which is no race.
+// lane 1 reads lane 0's write after a block barrier, which is no race. And the
+// out-of-bounds check's (EMULATE_ASAN): `past`, lane 31 writes one element past the
+// output, which must be reported; `barrier` again, which must not.
 int main(int argc, char **argv) {
     const std::string mode = argc > 1 ? argv[1] : "";
     std::vector<float> out(1);
@@ -1177,6 +1191,7 @@ int main(int argc, char **argv) {
         if (mode == "barrier") __syncthreads();
         else __shfl_xor_sync(0xffffffffu, 0.0f, 1);
         if (mode == "blocks" ? threadIdx.x == 0 : threadIdx.x == 1) out[0] = word;
+        if (mode == "past" && threadIdx.x == 31) out.data()[1] = word;
     });
     std::printf("%s: read %g\n", mode.c_str(), out[0]);
     return 0;

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Checks the CUDA kernels' logic on the CPU (no GPU, no CUDA toolkit; g++ 12+):
 # builds scripts/cuda-emulate/emulate.cpp once per kernel into target/cuda-emulate
-# and runs it three times: in thread order, in reverse, and built with
-# ThreadSanitizer for races. See emulate.cpp for what this does and does not show.
+# and runs it four times: in thread order, in reverse, built with ThreadSanitizer
+# for races, and built with AddressSanitizer and UndefinedBehaviorSanitizer for
+# accesses out of bounds and overflowing index arithmetic. See emulate.cpp for what
+# this does and does not show.
 set -euo pipefail
 cd "$(dirname "$0")"
 out=../../target/cuda-emulate
@@ -12,7 +14,9 @@ mkdir -p "$out/include"
 touch "$out/include/cuda_bf16.h" "$out/include/cuda_fp16.h"
 flags=(-std=c++20 -fno-strict-aliasing -I"$out/include")
 tsan=(-O1 -g -fsanitize=thread -DEMULATE_RACES)
+asan=(-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -DEMULATE_ASAN)
 export TSAN_OPTIONS="halt_on_error=1 exitcode=66"
+export ASAN_OPTIONS="exitcode=67 detect_leaks=0" UBSAN_OPTIONS="print_stacktrace=1"
 # Without address randomisation where it can be turned off: GCC 12's ThreadSanitizer
 # does not expect the mappings of kernels that randomise with more than 28 bits.
 races() { if setarch -R true 2>/dev/null; then setarch -R "$@"; else "$@"; fi; }
@@ -25,6 +29,16 @@ for mode in shuffle blocks barrier; do
     races "$out/canary" "$mode" >"$out/canary-$mode.txt" 2>&1 || code=$?
     if [ "$code" != "$([ $mode = barrier ] && echo 0 || echo 66)" ]; then
         echo "FAILED: the race check's canary, $mode (exit $code; log: $out/canary-$mode.txt)"
+        rc=1
+    fi
+done
+# And that the out-of-bounds check notices a write one element past the output.
+g++ "${flags[@]}" "${asan[@]}" -DCANARY -o "$out/canary-asan" emulate.cpp
+for mode in past barrier; do
+    code=0
+    "$out/canary-asan" "$mode" >"$out/canary-asan-$mode.txt" 2>&1 || code=$?
+    if [ "$code" != "$([ $mode = barrier ] && echo 0 || echo 67)" ]; then
+        echo "FAILED: the out-of-bounds check's canary, $mode (exit $code; log: $out/canary-asan-$mode.txt)"
         rc=1
     fi
 done
@@ -45,6 +59,8 @@ for k in ATTENTION LOGPROB THETA SOFTMAX NORM ADAMW ROTARY; do
         grep -E '^FAIL' "$bin-reverse.txt" | sed 's/^/(reverse order) /'
     }
     wait "$races_built"
+    g++ "${flags[@]}" "${asan[@]}" -D"$k" -o "$bin-asan" emulate.cpp &
+    asan_built=$!
     # Every access ordered by block barriers alone: the first race is reported and
     # ends the run (the run's own checks pass or fail as above).
     if races "$bin-races" >"$bin-races.txt" 2>&1; then
@@ -53,6 +69,15 @@ for k in ATTENTION LOGPROB THETA SOFTMAX NORM ADAMW ROTARY; do
         rc=1
         echo "FAILED under ThreadSanitizer: $k (log: $bin-races.txt)"
         grep -E -A12 '^WARNING: ThreadSanitizer' "$bin-races.txt" || tail -5 "$bin-races.txt"
+    fi
+    wait "$asan_built"
+    # The first access out of bounds or overflow ends the run.
+    if "$bin-asan" >"$bin-asan.txt" 2>&1; then
+        echo "$k: no access out of bounds"
+    else
+        rc=1
+        echo "FAILED under AddressSanitizer: $k (log: $bin-asan.txt)"
+        grep -E -A12 '^==[0-9]+==ERROR|runtime error' "$bin-asan.txt" || tail -5 "$bin-asan.txt"
     fi
 done
 exit $rc
