@@ -11,9 +11,8 @@
 //! removes each of the kernels' barriers in turn: each removal fails both checks.
 //! A fourth run, built with AddressSanitizer and UndefinedBehaviorSanitizer
 //! (EMULATE_ASAN), reports any read or write past a kernel's inputs and outputs (each
-//! its own exactly sized heap buffer), past a `__shared__` array of a kernel that is
-//! not a template (GCC leaves the statics of template functions uninstrumented), and
-//! any signed overflow in the index arithmetic: faults a GPU may let pass silently.
+//! its own exactly sized heap buffer) or past a `__shared__` array, and any signed
+//! overflow in the index arithmetic: faults a GPU may let pass silently.
 //! It says nothing about speed or about the GPU's own arithmetic (expf, fmaf), which
 //! the GPU tests (tests/gpu.rs) check on a device.
 //! Built and run by scripts/cuda-emulate/run.sh, once per kernel file (-DATTENTION,
@@ -31,6 +30,11 @@
 #include <sys/mman.h>
 #include <ucontext.h>
 #include <vector>
+
+// Kernels in an unnamed namespace: each kernel file is included inside one, so that
+// the `__shared__` statics of its template functions have internal linkage. GCC's
+// AddressSanitizer leaves statics with vague (COMDAT) linkage uninstrumented, which
+// would leave every shared array of a templated kernel out of the fourth run.
 
 // The kernels' CUDA keywords and types for the host (run.sh puts empty
 // cuda_bf16.h and cuda_fp16.h on the include path).
@@ -397,7 +401,9 @@ inline void mma16816(float *d, const uint32_t *a, const uint32_t *b, __half) { m
 #define __align__(n) __attribute__((aligned(n)))
 
 #ifdef ATTENTION
+namespace { // internal linkage: see "Kernels in an unnamed namespace" above
 #include "../../src/kernels/cuda/attention.cu"
+} // namespace
 
 // The SIMT forward with its split over keys off (null partials), in the tensor-core
 // kernel's signature, so the cases below take either.
@@ -687,7 +693,9 @@ int main() {
 #endif
 
 #ifdef LOGPROB
+namespace { // internal linkage: see "Kernels in an unnamed namespace" above
 #include "../../src/kernels/cuda/logprob.cu"
+} // namespace
 
 int main() {
     for (int vocab : {1, 31, 777, 1000, 50304}) {
@@ -778,7 +786,9 @@ int main() {
 #endif
 
 #ifdef THETA
+namespace { // internal linkage: see "Kernels in an unnamed namespace" above
 #include "../../src/kernels/cuda/theta.cu"
+} // namespace
 
 int main() {
     for (int n : {1, 31, 1000, 1500}) {
@@ -865,7 +875,9 @@ int main() {
 #endif
 
 #ifdef SOFTMAX
+namespace { // internal linkage: see "Kernels in an unnamed namespace" above
 #include "../../src/kernels/cuda/softmax.cu"
+} // namespace
 
 // softmax(scale · s) of one row over its first `seen` entries (0 after), in double.
 std::vector<double> softmax_ref(const float *s, int n, int seen, double scale) {
@@ -931,7 +943,9 @@ int main() {
 #endif
 
 #ifdef NORM
+namespace { // internal linkage: see "Kernels in an unnamed namespace" above
 #include "../../src/kernels/cuda/norm.cu"
+} // namespace
 
 int main() {
     const float eps = 1e-5f;
@@ -1003,7 +1017,9 @@ int main() {
 #endif
 
 #ifdef ADAMW
+namespace { // internal linkage: see "Kernels in an unnamed namespace" above
 #include "../../src/kernels/cuda/adamw.cu"
+} // namespace
 
 // The multi-tensor kernels on three tensors (one of them with frozen leading elements)
 // cut into pieces of at most `piece` elements, as train/optim/in_place/cuda.rs cuts
@@ -1110,7 +1126,9 @@ int main() {
 #endif
 
 #ifdef ROTARY
+namespace { // internal linkage: see "Kernels in an unnamed namespace" above
 #include "../../src/kernels/cuda/rotary.cu"
+} // namespace
 
 // Queries and keys as a fused q/k/v product leaves them (x [2, b, h, t, hd] over a
 // [3, b, t, h, hd] buffer) against the CPU kernel's formula, bit for bit in f32 and
