@@ -74,15 +74,11 @@ for b in tokenformer gpu-tests; do
         "$here/bin/$b.xz" "$bin/$b"
     chmod +x "$bin/$b"
 done
-# The CUDA libraries of the torch venv and the driver's libcuda, found once
-# (run-on-gpu.sh's search, which would otherwise run for every process).
+# The CUDA libraries of the torch venv and the driver's libcuda, as run-on-gpu.sh finds
+# them, found once rather than by running it for every process.
 venv="${TORCH_VENV:-/opt/torch/.venv}"
-dirs="$(find "$venv" -path '*/site-packages/nvidia/*' -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd: -)"
-if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then
-    drv="$(find /usr/local/nvidia /usr/lib64 /usr/lib -name libcuda.so.1 2>/dev/null | head -1)"
-    [ -n "$drv" ] && dirs="$dirs:$(dirname "$drv")"
-fi
-export LD_LIBRARY_PATH="$dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+LD_LIBRARY_PATH="$(bash "$here/gpu/run-on-gpu.sh" /usr/bin/printenv LD_LIBRARY_PATH)"
+export LD_LIBRARY_PATH
 ldd "$bin/tokenformer" | grep 'not found' && echo "error: unresolved libraries above"
 run() { timeout -k 5 "$@"; }
 # The driver compiles the PTX for this GPU once and keeps it here for every later process.

@@ -21,27 +21,27 @@ export ASAN_OPTIONS="exitcode=67 detect_leaks=0" UBSAN_OPTIONS="print_stacktrace
 # does not expect the mappings of kernels that randomise with more than 28 bits.
 races() { if setarch -R true 2>/dev/null; then setarch -R "$@"; else "$@"; fi; }
 rc=0
+# canary WHAT RUNNER BINARY CODE MODE...: each mode but `barrier` must be reported
+# (exit CODE), `barrier` must pass (exit 0); RUNNER runs the binary (`races` or `env`).
+canary() {
+    local what=$1 runner=$2 bin=$3 reported=$4 mode code
+    shift 4
+    for mode in "$@"; do
+        code=0
+        "$runner" "$bin" "$mode" >"$bin-$mode.txt" 2>&1 || code=$?
+        if [ "$code" != "$([ "$mode" = barrier ] && echo 0 || echo "$reported")" ]; then
+            echo "FAILED: the $what check's canary, $mode (exit $code; log: $bin-$mode.txt)"
+            rc=1
+        fi
+    done
+}
 # First, that the race check notices races (shared memory ordered by a shuffle only;
 # two blocks writing one element) and passes what is ordered by a barrier.
 g++ "${flags[@]}" "${tsan[@]}" -DCANARY -o "$out/canary" emulate.cpp
-for mode in shuffle blocks barrier; do
-    code=0
-    races "$out/canary" "$mode" >"$out/canary-$mode.txt" 2>&1 || code=$?
-    if [ "$code" != "$([ $mode = barrier ] && echo 0 || echo 66)" ]; then
-        echo "FAILED: the race check's canary, $mode (exit $code; log: $out/canary-$mode.txt)"
-        rc=1
-    fi
-done
+canary race races "$out/canary" 66 shuffle blocks barrier
 # And that the out-of-bounds check notices a write one element past the output.
 g++ "${flags[@]}" "${asan[@]}" -DCANARY -o "$out/canary-asan" emulate.cpp
-for mode in past barrier; do
-    code=0
-    "$out/canary-asan" "$mode" >"$out/canary-asan-$mode.txt" 2>&1 || code=$?
-    if [ "$code" != "$([ $mode = barrier ] && echo 0 || echo 67)" ]; then
-        echo "FAILED: the out-of-bounds check's canary, $mode (exit $code; log: $out/canary-asan-$mode.txt)"
-        rc=1
-    fi
-done
+canary out-of-bounds env "$out/canary-asan" 67 past barrier
 for k in ATTENTION LOGPROB THETA SOFTMAX NORM ADAMW ROTARY; do
     bin="$out/${k,,}"
     # The race check's build, on the other core while the first binary is built.
