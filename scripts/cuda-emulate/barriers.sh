@@ -12,10 +12,11 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 work="$root/target/cuda-emulate/barriers"
 rm -rf "$work"
-mkdir -p "$work/scripts/cuda-emulate" "$work/src/kernels" "$work/include"
+mkdir -p "$work/scripts/cuda-emulate" "$work/src/kernels"
 cp "$here/emulate.cpp" "$work/scripts/cuda-emulate/"
 cp -r "$root/src/kernels/cuda" "$work/src/kernels/"
-touch "$work/include/cuda_bf16.h" "$work/include/cuda_fp16.h"
+include="$work/include"
+. "$here/flags.sh"
 # The kernel files (run.sh's names) that compile each source.
 users() {
     case "$1" in
@@ -33,8 +34,7 @@ while IFS=: read -r file line text; do
     for k in $(users "$name"); do
         if [ "${RACES:-0}" = 1 ]; then
             (cd "$work/scripts/cuda-emulate" &&
-                g++ -std=c++20 -O1 -fsanitize=thread -DEMULATE_RACES -fno-strict-aliasing -I"$work/include" \
-                    -D"$k" -o "$work/run" emulate.cpp)
+                g++ "${flags[@]}" "${tsan[@]}" -D"$k" -o "$work/run" emulate.cpp)
             # The first report ends the run: the rest would only take time.
             # Without address randomisation, as run.sh runs it.
             races=$(TSAN_OPTIONS=halt_on_error=1 timeout 600 setarch -R "$work/run" 2>&1 |
@@ -44,9 +44,9 @@ while IFS=: read -r file line text; do
             continue
         fi
         (cd "$work/scripts/cuda-emulate" &&
-            g++ -std=c++20 -O2 -fno-strict-aliasing -I"$work/include" -D"$k" -o "$work/run" emulate.cpp)
+            g++ "${flags[@]}" -O2 -D"$k" -o "$work/run" emulate.cpp)
         fwd=$(timeout 600 "$work/run" 2>&1 | grep -c '^FAIL' || true)
-        rev=$(EMULATE_ORDER=reverse timeout 600 "$work/run" 2>&1 | grep -c '^FAIL' || true)
+        rev=$(EMULATE_ORDER=reverse EMULATE_UNWRITTEN=7f timeout 600 "$work/run" 2>&1 | grep -c '^FAIL' || true)
         result+=" $k: $fwd in order, $rev reversed;"
         if [ "$fwd" -gt 0 ] || [ "$rev" -gt 0 ]; then caught=1; fi
     done

@@ -13,6 +13,10 @@
 //! (EMULATE_ASAN), reports any read or write past a kernel's inputs and outputs (each
 //! its own exactly sized heap buffer) or past a `__shared__` array, and any signed
 //! overflow in the index arithmetic: faults a GPU may let pass silently.
+//! What no thread wrote (shared memory when a block starts, an output buffer) holds
+//! NaNs in the first run and about 3.4e38 in the reverse one (unwritten_byte, below),
+//! where a GPU leaves whatever was there: a kernel that reads shared memory its block
+//! never wrote, or leaves an element of its output unwritten, fails its value checks.
 //! It says nothing about speed or about the GPU's own arithmetic (expf, fmaf), which
 //! the GPU tests (tests/gpu.rs) check on a device.
 //! Built and run by scripts/cuda-emulate/run.sh, once per kernel file (-DATTENTION,
@@ -35,6 +39,12 @@
 // the `__shared__` statics of its template functions have internal linkage. GCC's
 // AddressSanitizer leaves statics with vague (COMDAT) linkage uninstrumented, which
 // would leave every shared array of a templated kernel out of the fourth run.
+// Every `__shared__` array lies between __start_emu_shared and __stop_emu_shared
+// (shared.ld), apart from the emulator's own state, so that each block can start with
+// them unwritten (fill_shared, below) and the race check can forget them
+// (race_fresh_shared). A section attribute puts them there, except that GCC 12 drops
+// it from the statics of template instances; those, with -fdata-sections, each get a
+// section named after the unnamed namespace, which shared.ld gathers too.
 
 // The kernels' CUDA keywords and types for the host (run.sh puts empty
 // cuda_bf16.h and cuda_fp16.h on the include path).
@@ -42,7 +52,8 @@
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(x)
-#define __shared__ static
+#define __shared__ static __attribute__((section(".bss.emu_shared")))
+extern char __start_emu_shared[], __stop_emu_shared[]; // from shared.ld
 struct Dim { unsigned x = 0, y = 0, z = 0; };
 Dim threadIdx, blockIdx;
 Dim blockDim, gridDim;
@@ -131,15 +142,13 @@ UNINSTRUMENTED inline void race_switch(void *to) { __tsan_switch_to_fiber(to, __
 // A block's shared memory is its own, but here it is a static, which a block leaves as
 // the last one touched it. ThreadSanitizer forgets a range's accesses only where memory
 // is allocated, and its Java heap's allocation call does that for any range: each block
-// starts by "allocating" the program's zero-initialised statics (.bss, where every
-// `__shared__` array is, with the emulator's own state, which is not checked).
+// starts by "allocating" the section of the `__shared__` arrays.
 extern "C" void __tsan_java_init(unsigned long heap_begin, unsigned long heap_size);
 extern "C" void __tsan_java_alloc(unsigned long ptr, unsigned long size);
 extern "C" void __tsan_java_free(unsigned long ptr, unsigned long size);
-extern char __bss_start[], _end[];
 UNINSTRUMENTED inline void race_fresh_shared() {
-    const unsigned long begin = (unsigned long)__bss_start & ~7ul,
-                        size = ((unsigned long)_end - begin + 7) & ~7ul;
+    const unsigned long begin = (unsigned long)__start_emu_shared & ~7ul,
+                        size = ((unsigned long)__stop_emu_shared - begin + 7) & ~7ul;
     static const bool heap = (__tsan_java_init(begin, size), true);
     (void)heap;
     __tsan_java_free(begin, size);
@@ -193,9 +202,8 @@ const std::function<void()> *fiber_kernel;
 std::unique_ptr<Barrier> block_bar;
 std::vector<std::unique_ptr<Barrier>> warp_bar;
 bool released; // a barrier let its fibers go since the scheduler last looked
-// The host's writes before a launch; the kernel's, for after it. Initialised, so not in
-// .bss, which the race check clears for each block.
-char launch_hb = 1, done_hb = 1;
+// The host's writes before a launch; the kernel's, for after it.
+char launch_hb, done_hb;
 void Barrier::release() {
     waiting = 0;
     ++generation;
@@ -251,6 +259,33 @@ inline int __shfl_xor_sync(unsigned, int v, int o) { return shfl(xi, v, o); }
 static double xd[1024];
 inline double __shfl_xor_sync(unsigned, double v, int o) { return shfl(xd, v, o); }
 
+// What a kernel finds where nothing was written: on a GPU, shared memory holds what the
+// last block there left, and an output from candle's `alloc` whatever the memory held.
+// Here both hold one byte repeated, EMULATE_UNWRITTEN (hex; default ff, which makes
+// every f32, bf16 and f16 a NaN and every int -1; run.sh's reverse-order run takes 7f,
+// about 3.4e38 as f32 or bf16, which a max or a comparison does not pass over as it
+// does a NaN). So a kernel that reads shared memory no thread of its block wrote, or
+// leaves an element of its output unwritten, fails its case's value check.
+unsigned char unwritten_byte() {
+    static const unsigned char b = [] {
+        const char *e = std::getenv("EMULATE_UNWRITTEN");
+        return e ? (unsigned char)std::strtoul(e, nullptr, 16) : 0xff;
+    }();
+    return b;
+}
+// An output buffer as candle's `alloc` gives it.
+template <typename T> std::vector<T> unwritten(size_t n) {
+    std::vector<T> v(n);
+    std::memset((void *)v.data(), unwritten_byte(), n * sizeof(T));
+    return v;
+}
+// Byte by byte through a volatile pointer: AddressSanitizer would check a memset, and
+// report the red zones it keeps between the arrays.
+__attribute__((no_sanitize_address)) void fill_shared() {
+    const char b = char(unwritten_byte());
+    for (volatile char *p = __start_emu_shared; p < __stop_emu_shared; ++p) *p = b;
+}
+
 /// Runs `kernel` over the grid, one block at a time, a fiber per CUDA thread.
 void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
     static const bool reverse = [] {
@@ -284,6 +319,7 @@ void launch(Dim grid, unsigned threads, const std::function<void()> &kernel) {
             for (unsigned x = 0; x < grid.x; ++x) {
                 blockIdx = {x, y, z};
                 fibers = fiber_sets[block++ % RACE_SETS].data();
+                fill_shared();
                 race_fresh_shared();
                 block_bar = std::make_unique<Barrier>(threads, true);
                 warp_bar.clear();
@@ -337,6 +373,10 @@ void check(bool ok, const std::string &what) {
         std::printf("FAIL %s\n", what.c_str());
     }
 }
+
+// The larger of the worst error so far and a new one, a NaN (an unwritten or broken
+// result) counting as infinite, where std::max would pass over it.
+double worse(double worst, double e) { return std::isnan(e) ? INFINITY : std::max(worst, e); }
 
 std::mt19937 rng(7);
 std::vector<float> randn(size_t n, float sd) {
@@ -443,7 +483,7 @@ void attention_case(int b, int h, int t, int keys, int hd, bool causal, bool bf1
     const long ks[3] = {long(h) * keys * hd, long(keys) * hd, hd};
     const long vs[3] = {long(h) * (keys + 7) * hd, long(keys + 7) * hd, hd};
     auto qd = narrowed<T>(q), kd = narrowed<T>(k), vd = narrowed<T>(v);
-    std::vector<T> out(size_t(b) * t * h * hd);
+    auto out = unwritten<T>(size_t(b) * t * h * hd);
     const float scale = 1.0f / std::sqrt(float(hd));
     if constexpr (std::is_same_v<S, std::nullptr_t>) {
         launch({unsigned((t + rows - 1) / rows), unsigned(h), unsigned(b)}, THREADS, [&] {
@@ -453,8 +493,8 @@ void attention_case(int b, int h, int t, int keys, int hd, bool causal, bool bf1
     } else {
         const int chunks = (keys + chunk - 1) / chunk;
         const long nrows = long(b) * t * h;
-        std::vector<float> po(size_t(chunks) * nrows * hd, NAN), pml(size_t(chunks) * nrows * 2, NAN),
-            lse(nrows);
+        auto po = unwritten<float>(size_t(chunks) * nrows * hd), pml = unwritten<float>(size_t(chunks) * nrows * 2),
+             lse = unwritten<float>(nrows);
         launch({unsigned(chunks), unsigned(h), unsigned(b)}, THREADS, [&] {
             split(qd.data(), kd.data(), vd.data(), nullptr, nullptr, po.data(), pml.data(), chunk, h, t, keys, hd,
                   int(causal), scale, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]);
@@ -520,8 +560,8 @@ void attention_grad_case(int b, int h, int t, int keys, int hd, bool causal, boo
     const long qs[3] = {long(h) * t * hd, long(t) * hd, hd};
     const long ks[3] = {long(h) * keys * hd, long(keys) * hd, hd};
     const float scale = 1.0f / std::sqrt(float(hd));
-    std::vector<T> out(nq);
-    std::vector<float> lse(size_t(b) * t * h, NAN);
+    auto out = unwritten<T>(nq);
+    auto lse = unwritten<float>(size_t(b) * t * h);
     launch({unsigned((t + fwd_rows - 1) / fwd_rows), unsigned(h), unsigned(b)}, THREADS, [&] {
         fwd(qd.data(), kd.data(), vd.data(), out.data(), lse.data(), h, t, keys, hd, int(causal), scale,
             qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], ks[0], ks[1], ks[2]);
@@ -533,7 +573,7 @@ void attention_grad_case(int b, int h, int t, int keys, int hd, bool causal, boo
         for (int c = 0; c < hd; ++c) d += back(out[r * hd + c]) * back(dd[r * hd + c]);
         delta[r] = float(d);
     }
-    std::vector<T> dq(nq), dkv(2 * nk);
+    auto dq = unwritten<T>(nq), dkv = unwritten<T>(2 * nk);
     launch({unsigned((t + grad_rows - 1) / grad_rows), unsigned(h), unsigned(b)}, THREADS, [&] {
         dq_kernel(qd.data(), kd.data(), vd.data(), dd.data(), lse.data(), delta.data(), dq.data(), h, t, keys,
                   hd, int(causal), scale, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], ks[0], ks[1], ks[2]);
@@ -717,7 +757,7 @@ int main() {
                 for (auto &v : xr) v = round_bf16(v);
             std::vector<__nv_bfloat16> xb(xr.size());
             for (size_t i = 0; i < xr.size(); ++i) xb[i] = __float2bfloat16(xr[i]);
-            std::vector<float> out(3 * n, -1.0f);
+            auto out = unwritten<float>(3 * n);
             unsigned threads = 32;
             while (threads < unsigned(vocab) && threads < 512) threads *= 2;
             launch({unsigned(n), 1, 1}, threads, [&] {
@@ -737,7 +777,7 @@ int main() {
                     if (!std::isfinite(w)) return g == w ? 0.0 : INFINITY;
                     return std::abs(g - w) / std::max(1.0, std::abs(w));
                 };
-                worst = std::max({worst, err(out[3 * r], lp), err(out[3 * r + 1], lse)});
+                worst = worse(worse(worst, err(out[3 * r], lp)), err(out[3 * r + 1], lse));
                 check(out[3 * r + 2] == float(arg), "argmax row " + std::to_string(r) + " vocab " +
                                                         std::to_string(vocab));
             }
@@ -756,8 +796,8 @@ int main() {
                 coef[3 * r + 1] = 0.75f - 0.05f * float(r % 7);
                 coef[3 * r + 2] = out[3 * r + 1];
             }
-            std::vector<float> g(xr.size());
-            std::vector<__nv_bfloat16> gb(xr.size());
+            auto g = unwritten<float>(xr.size());
+            auto gb = unwritten<__nv_bfloat16>(xr.size());
             launch({unsigned(n), 1, 1}, threads, [&] {
                 if (bf16) logprob_grad_bf16(xb.data(), tg.data(), coef.data(), gb.data(), vocab);
                 else logprob_grad_f32(xr.data(), tg.data(), coef.data(), g.data(), vocab);
@@ -772,7 +812,7 @@ int main() {
                     const double p = std::exp(row[i] - m) / s;
                     const double want = coef[3 * r] * p - (unsigned(i) == tg[r] ? coef[3 * r + 1] : 0.0);
                     const double got = bf16 ? __bfloat162float(gb[size_t(r) * vocab + i]) : g[size_t(r) * vocab + i];
-                    worst_g = std::max(worst_g, std::abs(got - want));
+                    worst_g = worse(worst_g, std::abs(got - want));
                 }
             }
             std::snprintf(what, sizeof what, "logprob_grad vocab %d %s: %.3g", vocab, bf16 ? "bf16" : "f32", worst_g);
@@ -796,7 +836,7 @@ int main() {
         auto x = randn(size_t(rows) * n, 3.0f);
         for (int act = 0; act < 3; ++act) {
             const float scale = act == 2 ? float(n) : std::sqrt(float(n));
-            std::vector<float> out(x.size());
+            auto out = unwritten<float>(x.size());
             unsigned threads = 32;
             while (threads < unsigned(n) && threads < 1024) threads *= 2;
             launch({unsigned(rows), 1, 1}, threads, [&] { theta_f32(x.data(), out.data(), n, scale, act); });
@@ -817,7 +857,7 @@ int main() {
                     for (int i = 0; i < n; ++i) want[i] = act == 0 ? g(s[i] * f) : g(s[i]) * f;
                 }
                 for (int i = 0; i < n; ++i)
-                    worst = std::max(worst, std::abs(out[size_t(r) * n + i] - want[i]) / std::max(1.0, std::abs(want[i])));
+                    worst = worse(worst, std::abs(out[size_t(r) * n + i] - want[i]) / std::max(1.0, std::abs(want[i])));
             }
             char what[80];
             std::snprintf(what, sizeof what, "theta n %d act %d: %.3g", n, act, worst);
@@ -833,7 +873,7 @@ int main() {
         auto w = randn(x.size(), 1.0f);
         std::fill(x.end() - n, x.end(), 0.0f);
         const float scale = std::sqrt(float(n));
-        std::vector<float> out(x.size());
+        auto out = unwritten<float>(x.size());
         unsigned threads = 32;
         while (threads < unsigned(n) && threads < 1024) threads *= 2;
         launch({unsigned(rows), 1, 1}, threads, [&] { theta_grad_f32(x.data(), w.data(), out.data(), n, scale); });
@@ -856,7 +896,7 @@ int main() {
                 p[i] += h;
                 m[i] -= h;
                 const double want = (loss(p, wr) - loss(m, wr)) / (2 * h);
-                worst = std::max(worst, std::abs(out[size_t(r) * n + i] - want) / std::max(1.0, std::abs(want)));
+                worst = worse(worst, std::abs(out[size_t(r) * n + i] - want) / std::max(1.0, std::abs(want)));
             }
         }
         double zero = 0;
@@ -897,7 +937,7 @@ int main() {
             const int rows = 2 * queries;  // two heads
             auto s = randn(size_t(rows) * n, 8.0f);
             auto w = randn(s.size(), 1.0f);
-            std::vector<float> y(s.size()), ds(s.size());
+            auto y = unwritten<float>(s.size()), ds = unwritten<float>(s.size());
             unsigned threads = 32;
             while (threads < unsigned(n) && threads < 1024) threads *= 2;
             launch({unsigned(rows), 1, 1}, threads,
@@ -911,7 +951,7 @@ int main() {
                 auto want = softmax_ref(sr, n, seen, scale);
                 for (int i = 0; i < n; ++i) {
                     const double got = y[size_t(r) * n + i];
-                    worst_y = std::max(worst_y, std::abs(got - want[i]));
+                    worst_y = worse(worst_y, std::abs(got - want[i]));
                     if (i >= seen) check(got == 0.0, "a masked weight is not 0");
                 }
                 // ∂/∂s_i of Σ softmax(scale · s)·w by central differences.
@@ -927,7 +967,7 @@ int main() {
                     };
                     const double fd = (loss(sr[i] + h) - loss(sr[i] - h)) / (2.0 * h);
                     p[i] = sr[i];
-                    worst_g = std::max(worst_g, std::abs(ds[size_t(r) * n + i] - fd));
+                    worst_g = worse(worst_g, std::abs(ds[size_t(r) * n + i] - fd));
                 }
             }
             char what[96];
@@ -955,7 +995,7 @@ int main() {
         for (auto &v : x) v += 5.0f;  // an offset the mean must remove
         std::fill(x.end() - n, x.end(), 0.75f);  // a constant row: variance 0
         auto w = randn(x.size(), 1.0f);
-        std::vector<float> y(x.size()), dx(x.size());
+        auto y = unwritten<float>(x.size()), dx = unwritten<float>(x.size());
         unsigned threads = 32;
         while (threads < unsigned(n) && threads < 1024) threads *= 2;
         launch({unsigned(rows), 1, 1}, threads, [&] { layer_norm_f32(x.data(), y.data(), n, eps); });
@@ -976,7 +1016,7 @@ int main() {
             std::vector<double> row(x.begin() + size_t(r) * n, x.begin() + size_t(r + 1) * n);
             const float *wr = w.data() + size_t(r) * n;
             auto want = ln(row);
-            for (int i = 0; i < n; ++i) worst_y = std::max(worst_y, std::abs(y[size_t(r) * n + i] - want[i]));
+            for (int i = 0; i < n; ++i) worst_y = worse(worst_y, std::abs(y[size_t(r) * n + i] - want[i]));
             auto loss = [&](const std::vector<double> &v) {
                 auto o = ln(v);
                 double l = 0;
@@ -989,7 +1029,7 @@ int main() {
                 p[i] += h;
                 m[i] -= h;
                 const double fd = (loss(p) - loss(m)) / (2 * h);
-                worst_g = std::max(worst_g, std::abs(dx[size_t(r) * n + i] - fd) / std::max(1.0, std::abs(fd)));
+                worst_g = worse(worst_g, std::abs(dx[size_t(r) * n + i] - fd) / std::max(1.0, std::abs(fd)));
             }
         }
         char what[96];
@@ -999,7 +1039,8 @@ int main() {
         // The residual and the norm in one pass: out [2, rows, n], the sum bit for bit,
         // then the rows of the sum normalised as layer_norm_f32 does them.
         auto a = randn(x.size(), 1.0f);
-        std::vector<float> both(2 * x.size()), sum(x.size()), ln_sum(x.size());
+        auto both = unwritten<float>(2 * x.size()), ln_sum = unwritten<float>(x.size());
+        std::vector<float> sum(x.size());
         for (size_t i = 0; i < x.size(); ++i) sum[i] = x[i] + a[i];
         launch({unsigned(rows), 1, 1}, threads,
                [&] { add_layer_norm_f32(x.data(), a.data(), both.data(), n, eps); });
@@ -1039,7 +1080,7 @@ void multi_tensor_cases() {
             v.push_back(randn(sizes[j], 0.01f));
             g.push_back(randn(sizes[j], 1.0f));
             for (auto &x : v[j]) x = std::abs(x);
-            scaled.push_back(std::vector<float>(sizes[j], NAN));
+            scaled.push_back(unwritten<float>(sizes[j]));
         }
         wt = theta, wm = m, wv = v;
         double want_sq = 0.0;
@@ -1068,7 +1109,7 @@ void multi_tensor_cases() {
         }
         const unsigned steps = step_table.size() / 6, sums = sum_table.size() / 2, scales = scale_table.size() / 3;
         launch({steps, 1, 1}, 64, [&] { adamw_step_multi(step_table.data(), b1, c1, b2, c2, sbc2, eps, step); });
-        std::vector<double> partial(sums, NAN);
+        auto partial = unwritten<double>(sums);
         launch({sums, 1, 1}, 96, [&] { sum_sq_multi(sum_table.data(), partial.data()); });
         launch({scales, 1, 1}, 64, [&] { scale_multi(scale_table.data(), k); });
         long differ = 0;
@@ -1146,8 +1187,10 @@ int main() {
             // [n, b, h, t, hd] strides over [3, b, t, h, hd].
             const long s3 = long(h) * hd, s2 = hd, s1 = long(t) * h * hd, s0 = long(b) * s1;
             const long total = 2L * b * h * t * hd;
-            std::vector<float> y(total), want(total);
-            std::vector<__nv_bfloat16> xb(qkv.size()), yb(total);
+            auto y = unwritten<float>(total);
+            std::vector<float> want(total);
+            std::vector<__nv_bfloat16> xb(qkv.size());
+            auto yb = unwritten<__nv_bfloat16>(total);
             for (size_t i = 0; i < qkv.size(); ++i) xb[i] = __float2bfloat16(qkv[i]);
             long differ = 0, differ_bf16 = 0;
             for (int pass = 0; pass < 2; ++pass) {
@@ -1194,24 +1237,29 @@ int main() {
 #endif
 
 #ifdef CANARY
-// The race check's own test (run.sh expects the first two to be reported): `shuffle`,
-// lane 0 writes shared memory and lane 1 reads it after a shuffle, which orders
-// nothing on a GPU; `blocks`, thread 0 of two blocks writes one element; `barrier`,
-// lane 1 reads lane 0's write after a block barrier, which is no race. And the
-// out-of-bounds check's (EMULATE_ASAN): `past`, lane 31 writes one element past the
-// output, which must be reported; `barrier` again, which must not.
+// The checks' own tests. The race check's (run.sh expects the first two to be
+// reported): `shuffle`, lane 0 writes shared memory and lane 1 reads it after a
+// shuffle, which orders nothing on a GPU; `blocks`, thread 0 of two blocks writes one
+// element; `barrier`, lane 1 reads lane 0's write after a block barrier, which is no
+// race. The out-of-bounds check's (EMULATE_ASAN): `past`, lane 31 writes one element
+// past the output, which must be reported; `barrier` again, which must not. The value
+// check's, in a plain build: `unwritten`, lane 1 reads shared memory nobody wrote, and
+// `unset`, nobody writes the output; both must fail (exit 1), `barrier` must pass.
+namespace { // where the kernels' shared arrays are (see shared.ld)
+void canary(const std::string &mode, float *out) {
+    __shared__ float word;
+    if (threadIdx.x == 0 && mode != "unwritten") word = float(blockIdx.x);
+    if (mode == "barrier" || mode == "unwritten" || mode == "unset") __syncthreads();
+    else __shfl_xor_sync(0xffffffffu, 0.0f, 1);
+    if (mode != "unset" && (mode == "blocks" ? threadIdx.x == 0 : threadIdx.x == 1)) out[0] = word;
+    if (mode == "past" && threadIdx.x == 31) out[1] = word;
+}
+} // namespace
 int main(int argc, char **argv) {
     const std::string mode = argc > 1 ? argv[1] : "";
-    std::vector<float> out(1);
-    launch({mode == "blocks" ? 2u : 1u, 1, 1}, 32, [&] {
-        __shared__ float word;
-        if (threadIdx.x == 0) word = float(blockIdx.x);
-        if (mode == "barrier") __syncthreads();
-        else __shfl_xor_sync(0xffffffffu, 0.0f, 1);
-        if (mode == "blocks" ? threadIdx.x == 0 : threadIdx.x == 1) out[0] = word;
-        if (mode == "past" && threadIdx.x == 31) out.data()[1] = word;
-    });
+    auto out = unwritten<float>(1);
+    launch({mode == "blocks" ? 2u : 1u, 1, 1}, 32, [&] { canary(mode, out.data()); });
     std::printf("%s: read %g\n", mode.c_str(), out[0]);
-    return 0;
+    return out[0] == (mode == "blocks" ? 1.0f : 0.0f) ? 0 : 1;
 }
 #endif

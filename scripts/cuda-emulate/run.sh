@@ -1,20 +1,15 @@
 #!/usr/bin/env bash
 # Checks the CUDA kernels' logic on the CPU (no GPU, no CUDA toolkit; g++ 12+):
 # builds scripts/cuda-emulate/emulate.cpp once per kernel into target/cuda-emulate
-# and runs it four times: in thread order, in reverse, built with ThreadSanitizer
-# for races, and built with AddressSanitizer and UndefinedBehaviorSanitizer for
-# accesses out of bounds and overflowing index arithmetic. See emulate.cpp for what
-# this does and does not show.
+# and runs it four times: in thread order, in reverse (the two with different bytes
+# in what no thread wrote), built with ThreadSanitizer for races, and built with
+# AddressSanitizer and UndefinedBehaviorSanitizer for accesses out of bounds and
+# overflowing index arithmetic. See emulate.cpp for what this does and does not show.
 set -euo pipefail
 cd "$(dirname "$0")"
 out=../../target/cuda-emulate
-mkdir -p "$out/include"
-# The CUDA headers' types, conversions and mma.sync are emulate.cpp's own; the kernels
-# read 16-bit pairs as 32-bit words, as CUDA code does (hence no strict aliasing).
-touch "$out/include/cuda_bf16.h" "$out/include/cuda_fp16.h"
-flags=(-std=c++20 -fno-strict-aliasing -I"$out/include")
-tsan=(-O1 -g -fsanitize=thread -DEMULATE_RACES)
-asan=(-O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -DEMULATE_ASAN)
+include="$out/include"
+. ./flags.sh
 export TSAN_OPTIONS="halt_on_error=1 exitcode=66"
 export ASAN_OPTIONS="exitcode=67 detect_leaks=0" UBSAN_OPTIONS="print_stacktrace=1"
 # Without address randomisation where it can be turned off: GCC 12's ThreadSanitizer
@@ -42,6 +37,9 @@ canary race races "$out/canary" 66 shuffle blocks barrier
 # And that the out-of-bounds check notices a write one element past the output.
 g++ "${flags[@]}" "${asan[@]}" -DCANARY -o "$out/canary-asan" emulate.cpp
 canary out-of-bounds env "$out/canary-asan" 67 past barrier
+# And that the value checks notice shared memory read unwritten and an output left so.
+g++ "${flags[@]}" -O2 -DCANARY -o "$out/canary-plain" emulate.cpp
+canary unwritten-memory env "$out/canary-plain" 1 unwritten unset barrier
 for k in ATTENTION LOGPROB THETA SOFTMAX NORM ADAMW ROTARY; do
     bin="$out/${k,,}"
     # The race check's build, on the other core while the first binary is built.
@@ -49,8 +47,9 @@ for k in ATTENTION LOGPROB THETA SOFTMAX NORM ADAMW ROTARY; do
     races_built=$!
     g++ "${flags[@]}" -O2 -D"$k" -o "$bin" emulate.cpp
     # Each block's threads in order and, on the other core, in reverse order (see
-    # emulate.cpp's fibers); the second prints only what fails.
-    EMULATE_ORDER=reverse "$bin" >"$bin-reverse.txt" 2>&1 &
+    # emulate.cpp's fibers), with NaNs and with huge numbers where nothing was written
+    # (its unwritten_byte); the second prints only what fails.
+    EMULATE_ORDER=reverse EMULATE_UNWRITTEN=7f "$bin" >"$bin-reverse.txt" 2>&1 &
     reverse=$!
     "$bin" || rc=1
     wait "$reverse" || {
