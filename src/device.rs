@@ -135,6 +135,16 @@ pub fn gpu_memory(device: &Device) -> Option<(usize, usize)> {
     cuda::memory(device)
 }
 
+/// The device as torch (and lm-evaluation-harness's reports) name it: `cpu`,
+/// `cuda:N`.
+pub fn device_name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".to_string(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("mps:{gpu_id}"),
+    }
+}
+
 /// The name of the GPU `device` is on (`None` for the CPU).
 pub fn gpu_name(device: &Device) -> Option<String> {
     cuda::name(device)

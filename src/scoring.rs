@@ -61,7 +61,7 @@ pub fn score_ids(model: &TokenFormerLm, ids: &[u32]) -> Result<SequenceScore> {
             let targets = Tensor::new(&ids[1..], model.device())?.unsqueeze(1)?;
             let picked = logits.gather(&targets, 1)?.squeeze(1)?;
             let lp = (picked - &lse)?.to_vec1::<f32>()?;
-            let argmax = logits.argmax(D::Minus1)?.to_vec1::<u32>()?;
+            let argmax = first_argmax(&logits)?.to_vec1::<u32>()?;
             (lp, lse.to_vec1::<f32>()?, argmax)
         }
     };

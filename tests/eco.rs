@@ -363,6 +363,7 @@ fn pile_subsets_are_the_harness_pile_tasks() {
         model: "o/m@main".into(),
         model_commit: Some("c".repeat(40)),
         weight_dtype: Some("f16".into()),
+        device: "cuda:1".into(),
         data: "val.jsonl.zst".into(),
         data_sha256: "d".repeat(64),
         max_length: 2048,
@@ -408,6 +409,7 @@ fn pile_subsets_are_the_harness_pile_tasks() {
     assert_eq!(r["higher_is_better"]["pile_arxiv"]["bits_per_byte"], false);
     assert_eq!(r["config"]["model_sha"], "c".repeat(40));
     assert_eq!(r["config"]["model_dtype"], "f16");
+    assert_eq!(r["config"]["device"], "cuda:1");
     assert_eq!(
         r["config"]["model_args"],
         "pretrained=o/m,revision=main,dtype=f16"

@@ -338,6 +338,7 @@ fn run_info(secs: f64) -> RunInfo {
         model: "m".into(),
         model_commit: None,
         weight_dtype: None,
+        device: "cpu".into(),
         data: "d".into(),
         data_sha256: "x".into(),
         max_length: MAX_POS,
@@ -945,9 +946,20 @@ fn tasks_score_like_brute_force_and_merge() {
         };
         let c =
             tasks::evaluate(&greedy, &f.tok, Task::Lambada, &lam, None, &so, |_, _| {}).unwrap();
-        reports.push(task_shard(run_info(1.0), Task::Lambada, &o, i, c));
+        // Each shard on its own GPU, as the README's `--shard I/N --device cuda:I`.
+        let info = RunInfo {
+            device: format!("cuda:{i}"),
+            ..run_info(1.0)
+        };
+        reports.push(task_shard(info, Task::Lambada, &o, i, c));
     }
     let merged = merge_results(&reports).unwrap();
+    assert_eq!(merged["device"], "cuda:0,cuda:1");
+    assert_eq!(merged["config"]["device"], "cuda:0,cuda:1");
+    // A shard written before the device was recorded: the merge does not say one.
+    let mut old = reports.clone();
+    old[1].as_object_mut().unwrap().remove("device");
+    assert_eq!(merge_results(&old).unwrap()["device"], Value::Null);
     assert_eq!(merged["documents"], json!(3));
     assert_eq!(merged["correct"], json!(whole.correct));
     let ppl = (-whole.loglikelihood / 3.0).exp();

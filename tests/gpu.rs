@@ -141,7 +141,7 @@ fn bf16_on_the_gpu_keeps_perplexity_within_half_a_percent_and_the_digits_top1() 
     let f32_model = loader::load_lm(&files, &Device::Cpu).unwrap();
     let bf16_model = loader::load_lm_in(&files, &gpu, DType::BF16).unwrap();
     let max = f32_model.config().max_position_embeddings;
-    let (mut a, mut b, mut n) = (0.0, 0.0, 0usize);
+    let (mut a, mut b, mut n, mut tied) = (0.0, 0.0, 0usize, 0usize);
     for line in text.lines() {
         let v: Value = serde_json::from_str(line).unwrap();
         let ids = tok
@@ -151,12 +151,32 @@ fn bf16_on_the_gpu_keeps_perplexity_within_half_a_percent_and_the_digits_top1() 
             .to_vec();
         for w in ids.chunks(max).filter(|w| w.len() > 1) {
             a += score_ids(&f32_model, w).unwrap().nll;
-            b += score_ids(&bf16_model, w).unwrap().nll;
+            let scored = score_ids(&bf16_model, w).unwrap();
+            b += scored.nll;
             n += w.len() - 1;
+            // The argmax is the first of tied maxima, as torch's, also where bf16 ties.
+            let l = logits(&bf16_model, w);
+            let rows: Vec<&[f32]> = l.chunks(l.len() / w.len()).take(w.len() - 1).collect();
+            let first: Vec<u32> = rows
+                .iter()
+                .map(|r| {
+                    let m = r.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    r.iter().position(|&x| x == m).unwrap() as u32
+                })
+                .collect();
+            tied += rows
+                .iter()
+                .filter(|r| {
+                    let m = r.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    r.iter().filter(|&&x| x == m).count() > 1
+                })
+                .count();
+            assert_eq!(scored.argmax, first, "bf16 argmax on the GPU");
         }
     }
     let (ppl32, ppl16) = ((a / n as f64).exp(), (b / n as f64).exp());
     eprintln!("kjv-val perplexity: f32 (CPU) {ppl32:.5}, bf16 (GPU) {ppl16:.5}");
+    eprintln!("bf16 argmax: {tied} of {n} positions had tied maxima");
     assert!((ppl16 / ppl32 - 1.0).abs() < 0.005, "{ppl16} vs {ppl32}");
 
     let vit = locate(&zoo("tiny-digits-vit"));

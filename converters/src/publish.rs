@@ -441,6 +441,7 @@ mod tests {
             commit: None,
             dtype: Some("float32"),
             batch_size: 1,
+            device: Some("cpu"),
             limit: None,
             elapsed_seconds: 1.0,
         };

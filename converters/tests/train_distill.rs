@@ -335,6 +335,32 @@ fn bad_sources_fail_with_the_file_or_tensor_named_and_write_nothing() {
     );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("--weight-decay"), "{}", stderr(&o));
+
+    // So is a GPU: the recovery is CPU code (before this was checked, the weights went to
+    // the GPU and met the source's CPU tensors in a product).
+    let o = tokenformer(
+        &[
+            "train",
+            "--model",
+            s(&lm),
+            "--distill-from",
+            s(&import_fixtures().join("pythia")),
+            "--steps",
+            "2",
+            "--out",
+            s(&out),
+            "--device",
+            "cuda",
+        ],
+        None,
+    );
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--distill-from runs on the CPU only") && err.contains("--device cuda"),
+        "{err}"
+    );
+    assert!(!out.exists());
 }
 
 #[test]

@@ -20,6 +20,7 @@ use tokenformer::train::trainer::{Fed, LmSource, Source, Trainable};
 use tokenformer::train::{
     lm::init_tensors, LmTrainer, Split, StepReport, TokenWindows, TrainableLm,
 };
+use tokenformer::DeviceSpec;
 
 /// What a training step computes in.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -216,7 +217,17 @@ mod train_vit;
 mod train_vl;
 
 pub fn run(a: TrainArgs) -> Result<()> {
-    let dev = a.device.open()?;
+    // Distillation runs the importer's recovery, which is CPU code: `auto` means the CPU
+    // there, and a GPU asked for is refused rather than ignored.
+    let dev = match (&a.distill_from, a.device.device) {
+        (Some(_), DeviceSpec::Cuda(_)) => bail!(
+            "--distill-from runs on the CPU only (the importer's recovery), not on --device {} \
+             (from the flag or TOKENFORMER_DEVICE); drop it or pass --device cpu",
+            a.device.device
+        ),
+        (Some(_), _) => candle_core::Device::Cpu,
+        (None, _) => a.device.open()?,
+    };
     if dev.is_cpu() && a.precision == Precision::Bf16Mixed {
         // candle's bf16 products on the CPU: 7× slower than f32 for the bench's small LM,
         // 10× for its ViT (docs/PERFORMANCE.md).

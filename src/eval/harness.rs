@@ -67,6 +67,8 @@ pub struct RunConfig<'a> {
     pub dtype: Option<&'a str>,
     /// Inputs per forward pass.
     pub batch_size: usize,
+    /// Where it ran (`cpu`, `cuda:0`), when known.
+    pub device: Option<&'a str>,
     /// Only the first N documents.
     pub limit: Option<usize>,
     /// Seconds of evaluation.
@@ -158,7 +160,7 @@ pub fn blocks(tasks: &[TaskEntry], run: &RunConfig) -> Map<String, Value> {
             "model_sha": run.commit,
             "model_dtype": run.dtype,
             "batch_size": run.batch_size,
-            "device": "cpu",
+            "device": run.device,
             "limit": run.limit,
         }),
     );

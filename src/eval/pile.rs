@@ -26,7 +26,8 @@ use serde_json::Value;
 use super::data::{non_finite, NOTE_SKIP_BAD};
 use super::harness::{self, RunConfig, TaskEntry};
 use super::report::{
-    add_checked, check_loglikelihood, check_seconds, one_shard, run_settings, Report, Setting,
+    add_checked, check_loglikelihood, check_seconds, merged_devices, one_shard, run_settings,
+    Report, Setting,
 };
 use crate::error::{Error, Result};
 use crate::scoring::{Request, Scorer};
@@ -464,6 +465,10 @@ pub struct PileReport {
     /// `f32` or `f16` (`--weight-dtype`).
     #[serde(default)]
     pub weight_dtype: Option<String>,
+    /// Where it ran (`cpu`, `cuda:0`; a merge: each shard's, comma-separated). Absent
+    /// from results written before it was recorded.
+    #[serde(default)]
+    pub device: Option<String>,
     /// The data file as given.
     pub data: String,
     /// sha256 of the data file.
@@ -511,6 +516,7 @@ impl PileReport {
             model: info.model,
             model_commit: info.model_commit,
             weight_dtype: info.weight_dtype,
+            device: Some(info.device),
             data: info.data,
             data_sha256: info.data_sha256,
             max_line_bytes: Some(opts.max_line_bytes),
@@ -600,6 +606,7 @@ impl PileReport {
             model: &self.model,
             commit: self.model_commit.as_deref(),
             dtype: self.weight_dtype.as_deref(),
+            device: self.device.as_deref(),
             batch_size: self.batch_size,
             limit: self.limit,
             elapsed_seconds: self.elapsed_seconds,
@@ -728,6 +735,7 @@ impl Report for PileReport {
         out.shard = None;
         out.merged_shards = Some(n);
         out.elapsed_seconds = parts.iter().map(|p| p.elapsed_seconds).sum();
+        out.device = merged_devices(parts.iter().map(|p| p.device.as_deref()));
         out.set_totals(&totals);
         Ok(out)
     }

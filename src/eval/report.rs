@@ -17,6 +17,8 @@ pub struct RunInfo {
     pub model_commit: Option<String>,
     /// The weight dtype the model was loaded in (`f32`, `f16`, `q8`).
     pub weight_dtype: Option<String>,
+    /// Where it ran (`cpu`, `cuda:0`: [`crate::device::device_name`]).
+    pub device: String,
     /// The data file as given.
     pub data: String,
     /// sha256 of the data file.
@@ -137,6 +139,19 @@ pub(crate) fn run_settings(
 }
 
 /// A log-likelihood as a run can produce it: finite and not positive.
+/// The devices of merged shards: each once, in order, comma-separated (`cuda:0,cuda:1`
+/// for a run split over two GPUs); `None` if a shard did not record its own.
+pub(crate) fn merged_devices<'a>(devices: impl Iterator<Item = Option<&'a str>>) -> Option<String> {
+    let mut seen: Vec<&str> = Vec::new();
+    for d in devices {
+        let d = d?;
+        if !seen.contains(&d) {
+            seen.push(d);
+        }
+    }
+    Some(seen.join(","))
+}
+
 pub(crate) fn check_loglikelihood(i: usize, what: &str, ll: f64) -> Result<()> {
     if !(ll.is_finite() && ll <= 0.0) {
         return Err(Error::input(format!(

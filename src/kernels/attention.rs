@@ -406,7 +406,7 @@ thread_local! {
 /// softmax(q·kᵀ/√hd)·v for q [b, h, t, hd] and k, v [b, h, T, hd] → [b, t, h·hd].
 /// `causal`: query i (of the last t positions) sees keys 0..=T−t+i.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
-    let (b, h, t, hd) = q.dims4()?;
+    let (_, _, t, hd) = q.dims4()?;
     #[cfg(feature = "cuda")]
     if super::attention_cuda::serves(q, k, v, causal) {
         return super::attention_cuda::flash_attention(q, k, v, causal);
@@ -458,6 +458,56 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Ten
             },
         );
     }
+    plain_in_parts(q, k, v, causal, MAX_PLAIN_SCORES)
+}
+
+/// The most scores one plain attention computes at once: candle's GPU softmax
+/// indexes its input with 32-bit ints (its element-wise kernels with 32-bit
+/// unsigned ones), so a larger [b, h, t, T] would be read wrong.
+const MAX_PLAIN_SCORES: usize = i32::MAX as usize;
+
+/// [`plain_attention`] a slice of the batch at a time, or of the heads, so that no
+/// call has more than `max_scores` scores; one query row's keys must fit.
+fn plain_in_parts(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+    max_scores: usize,
+) -> Result<Tensor> {
+    let (b, h, t, _) = q.dims4()?;
+    let keys = k.dim(2)?;
+    let item = h * t * keys;
+    if b * item <= max_scores {
+        return plain_attention(q, k, v, causal);
+    }
+    let (dim, n, per_step) = if item <= max_scores {
+        (0, b, max_scores / item)
+    } else if t * keys <= max_scores {
+        (1, h, max_scores / (t * keys))
+    } else {
+        candle_core::bail!(
+            "attention over {t} queries and {keys} keys: more than {max_scores} scores a head, \
+             the most the plain path computes at once"
+        )
+    };
+    let parts = (0..n)
+        .step_by(per_step)
+        .map(|i| {
+            let m = per_step.min(n - i);
+            let part = |x: &Tensor| x.narrow(dim, i, m);
+            plain_in_parts(&part(q)?, &part(k)?, &part(v)?, causal, max_scores)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // The output is [b, t, h·hd]: batch slices join on the first axis, head slices on the last.
+    Tensor::cat(&parts, if dim == 0 { 0 } else { 2 })
+}
+
+/// Attention in plain tensor ops: the path of devices and dtypes the fused kernels
+/// do not take.
+fn plain_attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+    let (b, h, t, hd) = q.dims4()?;
+    let scale = 1.0 / (hd as f64).sqrt();
     // An f16 KV cache with queries of another dtype or device: computed in the queries' dtype.
     let (k, v) = (&k.to_dtype(q.dtype())?, &v.to_dtype(q.dtype())?);
     // Products in the inputs' dtype, the softmax in f32 at least (as the
@@ -728,5 +778,32 @@ mod tests {
             .to_vec1()
             .unwrap();
         assert!(row[..5].iter().all(|&p| p > 0.0) && row[5..].iter().all(|&p| p == 0.0));
+    }
+
+    /// The plain path in slices of the batch, of the heads, or of both (a head slice
+    /// still too large for the cap), gives the whole computation's bits; one head's
+    /// scores over the cap are an error naming the sizes.
+    #[test]
+    fn plain_attention_in_parts_equals_it_whole() {
+        let (b, h, t, keys, hd) = (3, 4, 5, 7, 8);
+        let q = spread((b, h, t, hd));
+        let k = (spread((b, h, keys, hd)) * 0.7).unwrap();
+        let v = (spread((b, h, keys, hd)) * -1.3).unwrap();
+        for causal in [false, true] {
+            let whole = plain_attention(&q, &k, &v, causal).unwrap();
+            // 420 scores: batch slices of 2 (300), then head slices of 2 (100, and 100
+            // again for each of those slices' 3 batch items).
+            for max in [420, 300, 140, 100, 35] {
+                let parts = plain_in_parts(&q, &k, &v, causal, max).unwrap();
+                assert_eq!(bits(&parts), bits(&whole), "causal {causal}, at most {max}");
+            }
+            let e = plain_in_parts(&q, &k, &v, causal, 34)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("5 queries and 7 keys") && e.contains("34"),
+                "{e}"
+            );
+        }
     }
 }

@@ -8,7 +8,8 @@ use crate::error::{Error, Result};
 use crate::eval::harness::{self, Metric, RunConfig, TaskEntry};
 use crate::eval::report::RunInfo;
 use crate::eval::report::{
-    add_checked, check_loglikelihood, check_seconds, one_shard, run_settings, Report, Setting,
+    add_checked, check_loglikelihood, check_seconds, merged_devices, one_shard, run_settings,
+    Report, Setting,
 };
 use crate::eval::shard::Shard;
 
@@ -44,6 +45,10 @@ pub struct TaskReport {
     /// `f32` or `f16` (`--weight-dtype`).
     #[serde(default)]
     pub weight_dtype: Option<String>,
+    /// Where it ran (`cpu`, `cuda:0`; a merge: each shard's, comma-separated). Absent
+    /// from results written before it was recorded.
+    #[serde(default)]
+    pub device: Option<String>,
     /// The data file as given.
     pub data: String,
     /// sha256 of the data file.
@@ -98,6 +103,7 @@ impl TaskReport {
             model: info.model,
             model_commit: info.model_commit,
             weight_dtype: info.weight_dtype,
+            device: Some(info.device),
             data: info.data,
             data_sha256: info.data_sha256,
             labels: None,
@@ -174,6 +180,7 @@ impl TaskReport {
             model: &self.model,
             commit: self.model_commit.as_deref(),
             dtype: self.weight_dtype.as_deref(),
+            device: self.device.as_deref(),
             batch_size: self.batch_size,
             limit: self.limit,
             elapsed_seconds: self.elapsed_seconds,
@@ -268,6 +275,7 @@ impl Report for TaskReport {
         out.shard = None;
         out.merged_shards = Some(n);
         out.elapsed_seconds = parts.iter().map(|p| p.elapsed_seconds).sum();
+        out.device = merged_devices(parts.iter().map(|p| p.device.as_deref()));
         out.set_counts(task, counts);
         Ok(out)
     }
