@@ -135,6 +135,18 @@ pub fn gpu_memory(device: &Device) -> Option<(usize, usize)> {
     cuda::memory(device)
 }
 
+/// The most elements one candle op takes on `device`: on a GPU 2^31 − 1, since
+/// candle's CUDA kernels index with 32-bit ints (signed in its softmax and norms,
+/// unsigned in element-wise ops), so a larger tensor would be read wrong; on the
+/// CPU no limit. Logits and attention scores are computed in slices below it.
+pub(crate) fn max_op_elements(device: &Device) -> usize {
+    if device.is_cpu() {
+        usize::MAX
+    } else {
+        i32::MAX as usize
+    }
+}
+
 /// The device as torch (and lm-evaluation-harness's reports) name it: `cpu`,
 /// `cuda:N`.
 pub fn device_name(device: &Device) -> String {

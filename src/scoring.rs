@@ -188,9 +188,12 @@ impl<'m> Scorer<'m> {
     /// Caps a batch at `tokens` padded input tokens (at least one request):
     /// full-length windows go alone, short ones are packed. On CPU one
     /// full window already fills the matmuls, and the attention buffers grow
-    /// with batch × length².
+    /// with batch × length². On a GPU at most as many tokens as keep the
+    /// logits (tokens × vocabulary) within [`crate::device::max_op_elements`].
     pub fn with_batch_tokens(mut self, tokens: usize) -> Self {
-        self.batch_tokens = tokens.max(1);
+        let most = crate::device::max_op_elements(self.model.device())
+            / self.model.config().vocab_size.max(1);
+        self.batch_tokens = tokens.min(most).max(1);
         self
     }
 

@@ -78,8 +78,9 @@ impl LmShape {
 }
 
 /// Tokens/s, first loss and peak RSS of training the peer's `shape` LM, computing in
-/// `dtype` (bf16: bf16-mixed, f32 master weights and optimizer state).
-fn lm(dev: &Device, shape: LmShape, dtype: DType) -> Result<(f64, f64, Option<f64>)> {
+/// `compute` (bf16: bf16-mixed, f32 master weights and optimizer state, as
+/// `train --precision bf16-mixed`).
+fn lm(dev: &Device, shape: LmShape, compute: DType) -> Result<(f64, f64, Option<f64>)> {
     // (layers, d, heads, feed-forward tokens, sequence, batch), as torch_train_baseline.py.
     let (layers, d, heads, ffn, s, b) = match shape {
         LmShape::Small => (4, 256, 4, 1024, 256, 8),
@@ -89,7 +90,7 @@ fn lm(dev: &Device, shape: LmShape, dtype: DType) -> Result<(f64, f64, Option<f6
     cfg.ffn_tokens = ffn;
     cfg.max_position_embeddings = s;
     let tensors = tokenformer::train::lm::init_tensors(&cfg, 0, dev)?;
-    let model = TrainableLm::new(&cfg, &tensors, dtype, dev)?;
+    let model = TrainableLm::new(&cfg, &tensors, DType::F32, dev)?.with_compute_dtype(compute);
     drop(tensors);
     let mut opt = AdamW::new(model.params().clone(), adamw())?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(2);
@@ -107,7 +108,9 @@ fn lm(dev: &Device, shape: LmShape, dtype: DType) -> Result<(f64, f64, Option<f6
     Ok(((b * s) as f64 / secs, first, peak))
 }
 
-fn vit(dev: &Device, dtype: DType) -> Result<(f64, f64, Option<f64>)> {
+/// Images/s, first loss and peak RSS of training the peer's tiny ViT, computing in
+/// `compute` (as `lm`).
+fn vit(dev: &Device, compute: DType) -> Result<(f64, f64, Option<f64>)> {
     let mut cfg = vit::Config::imagenet(4, 192, 3, 192, 768);
     cfg.image_size = 32;
     cfg.patch_size = 4;
@@ -115,7 +118,8 @@ fn vit(dev: &Device, dtype: DType) -> Result<(f64, f64, Option<f64>)> {
     cfg.norm_eps = 1e-5;
     let b = 64;
     let tensors = tokenformer::train::vit::init_tensors(&cfg, 1, dev)?;
-    let model = tokenformer::train::vit::TrainableVit::new(&cfg, &tensors, dtype, dev)?;
+    let model = tokenformer::train::vit::TrainableVit::new(&cfg, &tensors, DType::F32, dev)?
+        .with_compute_dtype(compute);
     let mut opt = AdamW::new(model.params().clone(), adamw())?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(2);
     let (secs, first, peak) = measure(|_| {

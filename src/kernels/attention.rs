@@ -458,13 +458,8 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Ten
             },
         );
     }
-    plain_in_parts(q, k, v, causal, MAX_PLAIN_SCORES)
+    plain_in_parts(q, k, v, causal, crate::device::max_op_elements(q.device()))
 }
-
-/// The most scores one plain attention computes at once: candle's GPU softmax
-/// indexes its input with 32-bit ints (its element-wise kernels with 32-bit
-/// unsigned ones), so a larger [b, h, t, T] would be read wrong.
-const MAX_PLAIN_SCORES: usize = i32::MAX as usize;
 
 /// [`plain_attention`] a slice of the batch at a time, or of the heads, so that no
 /// call has more than `max_scores` scores; one query row's keys must fit.

@@ -26,6 +26,30 @@ pub struct TrainableLm {
     block_rotary: Option<super::device_block::Rotary>,
 }
 
+/// The mean cross-entropy of the logits h·outᵀ at `targets`, a slice of h's rows at a
+/// time where the logits would have more than `most` elements (each slice's mean
+/// weighted by its share of the rows).
+fn head_loss_in_slices(h: &Tensor, out: &Tensor, targets: &[u32], most: usize) -> Result<Tensor> {
+    let n = h.dim(0)?;
+    let rows = (most / out.dim(0)?).max(1);
+    let mut total: Option<Tensor> = None;
+    for start in (0..n).step_by(rows) {
+        let m = rows.min(n - start);
+        let logits = h.narrow(0, start, m)?.matmul(&out.t()?)?;
+        let part = super::loss::cross_entropy(&logits, &targets[start..start + m])?;
+        let part = if m == n {
+            part
+        } else {
+            (part * (m as f64 / n as f64))?
+        };
+        total = Some(match total {
+            Some(t) => (t + part)?,
+            None => part,
+        });
+    }
+    total.ok_or_else(|| candle_core::Error::Msg("no rows to take the loss over".into()))
+}
+
 impl TrainableLm {
     /// Wraps canonical-name tensors (converted to `dtype`) as variables. Every tensor the
     /// config needs must be present with its shape, and none may be left over.
@@ -192,7 +216,8 @@ impl TrainableLm {
         if super::fused::serves(&h) {
             return super::fused::head_cross_entropy(&h, &out, &targets);
         }
-        super::loss::cross_entropy(&h.matmul(&out.t()?)?, &targets)
+        let most = crate::device::max_op_elements(h.device());
+        head_loss_in_slices(&h, &out, &targets, most)
     }
 
     /// The √n constant of the k-th Pattention of a block (q, k, v, proj, mlp).
@@ -648,6 +673,42 @@ pub fn flops_per_token(cfg: &Config, seq_len: usize) -> f64 {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// The head's loss in slices of rows (4, 4 and 2 of 10) equals it whole, and so do
+    /// the gradients of both operands.
+    #[test]
+    fn the_head_loss_in_slices_equals_it_whole() {
+        let dev = Device::Cpu;
+        let vals = |n: usize, k: f32| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i as f32 * 0.618_034).fract() - 0.5) * k)
+                .collect()
+        };
+        let h = Var::from_vec(vals(60, 3.0), (10, 6), &dev).unwrap();
+        let out = Var::from_vec(vals(42, 2.0), (7, 6), &dev).unwrap();
+        let targets = [0u32, 6, 3, 3, 1, 5, 2, 0, 4, 6];
+        let run = |most: usize| {
+            let loss = head_loss_in_slices(&h, &out, &targets, most).unwrap();
+            let g = loss.backward().unwrap();
+            let flat = |v: &Var| -> Vec<f32> {
+                g.get(v).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+            };
+            (loss.to_scalar::<f32>().unwrap(), flat(&h), flat(&out))
+        };
+        let (whole, gh, go) = run(usize::MAX);
+        let (sliced, sh, so) = run(4 * 7);
+        assert!(
+            (whole - sliced).abs() <= 1e-6 * whole.abs(),
+            "{whole} vs {sliced}"
+        );
+        for (a, b) in gh.iter().chain(&go).zip(sh.iter().chain(&so)) {
+            assert!((a - b).abs() <= 1e-6, "gradient {a} vs {b}");
+        }
+        assert!(
+            gh.iter().chain(&go).any(|g| g.abs() > 1e-3),
+            "no gradient to compare"
+        );
+    }
 
     /// A cast stack is the stack of the casts, bit for bit, and gives each variable
     /// the gradient the separate casts give it; matrices of other widths give `None`.
