@@ -163,12 +163,20 @@ pub fn gpu_name(device: &Device) -> Option<String> {
 }
 
 /// Whether a failed operation ran out of GPU memory (the driver's or
-/// cuBLAS's code somewhere in the error's text).
+/// cuBLAS's code somewhere in the error's text: cudarc shows cuBLAS's as
+/// `CublasError(CUBLAS_STATUS_ALLOC_FAILED)`, with no words).
 pub fn is_out_of_memory(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cause = Some(e);
     while let Some(c) = cause {
         let text = c.to_string();
-        if text.contains("OUT_OF_MEMORY") || text.contains("out of memory") {
+        if [
+            "OUT_OF_MEMORY",
+            "out of memory",
+            "CUBLAS_STATUS_ALLOC_FAILED",
+        ]
+        .iter()
+        .any(|code| text.contains(code))
+        {
             return true;
         }
         cause = c.source();
@@ -362,7 +370,8 @@ mod tests {
         let driver =
             std::io::Error::other("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")");
         assert!(is_out_of_memory(&Outer(driver)));
-        let cublas = std::io::Error::other("cublas: CUBLAS_STATUS_ALLOC_FAILED out of memory");
+        // As candle passes cudarc's cuBLAS error through (its Debug form).
+        let cublas = std::io::Error::other("CublasError(CUBLAS_STATUS_ALLOC_FAILED)");
         assert!(is_out_of_memory(&cublas));
         let other = std::io::Error::other("CUDA_ERROR_ILLEGAL_ADDRESS");
         assert!(!is_out_of_memory(&Outer(other)));

@@ -189,7 +189,8 @@ impl<'m> Scorer<'m> {
     /// full-length windows go alone, short ones are packed. On CPU one
     /// full window already fills the matmuls, and the attention buffers grow
     /// with batch × length². On a GPU at most as many tokens as keep the
-    /// logits (tokens × vocabulary) within [`crate::device::max_op_elements`].
+    /// logits (tokens × vocabulary) under 2^31 elements, the most candle's
+    /// CUDA kernels index.
     pub fn with_batch_tokens(mut self, tokens: usize) -> Self {
         let most = crate::device::max_op_elements(self.model.device())
             / self.model.config().vocab_size.max(1);
