@@ -555,16 +555,25 @@ void attention_grad_case(int b, int h, int t, int keys, int hd, bool causal, boo
         else if constexpr (std::is_same_v<T, __half>) return __half2float(x);
         else return __bfloat162float(x);
     };
-    // dout arrives as [b, t, h, hd]; the reference below indexes it that way.
-    auto qd = narrowed<T>(q), kd = narrowed<T>(k), vd = narrowed<T>(v), dd = narrowed<T>(dout);
+    // dout arrives as [b, t, h, hd]; the reference below indexes it that way. The kernels
+    // get v laid out unlike k, [b, keys, h, hd] (training's v is a view into the stacked
+    // q/k/v product, its k a rotated copy), so one reading v by k's strides fails.
     const long qs[3] = {long(h) * t * hd, long(t) * hd, hd};
     const long ks[3] = {long(h) * keys * hd, long(keys) * hd, hd};
+    const long vs[3] = {long(keys) * h * hd, hd, long(h) * hd};
+    std::vector<float> v_rows(nk);
+    for (int bi = 0; bi < b; ++bi)
+        for (int hi = 0; hi < h; ++hi)
+            for (int j = 0; j < keys; ++j)
+                for (int c = 0; c < hd; ++c)
+                    v_rows[bi * vs[0] + hi * vs[1] + j * vs[2] + c] = v[((size_t(bi) * h + hi) * keys + j) * hd + c];
+    auto qd = narrowed<T>(q), kd = narrowed<T>(k), vd = narrowed<T>(v_rows), dd = narrowed<T>(dout);
     const float scale = 1.0f / std::sqrt(float(hd));
     auto out = unwritten<T>(nq);
     auto lse = unwritten<float>(size_t(b) * t * h);
     launch({unsigned((t + fwd_rows - 1) / fwd_rows), unsigned(h), unsigned(b)}, THREADS, [&] {
         fwd(qd.data(), kd.data(), vd.data(), out.data(), lse.data(), h, t, keys, hd, int(causal), scale,
-            qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], ks[0], ks[1], ks[2]);
+            qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]);
     });
     // delta from the kernel's own output, as the op computes it.
     std::vector<float> delta(size_t(b) * t * h);
@@ -576,12 +585,12 @@ void attention_grad_case(int b, int h, int t, int keys, int hd, bool causal, boo
     auto dq = unwritten<T>(nq), dkv = unwritten<T>(2 * nk);
     launch({unsigned((t + grad_rows - 1) / grad_rows), unsigned(h), unsigned(b)}, THREADS, [&] {
         dq_kernel(qd.data(), kd.data(), vd.data(), dd.data(), lse.data(), delta.data(), dq.data(), h, t, keys,
-                  hd, int(causal), scale, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], ks[0], ks[1], ks[2]);
+                  hd, int(causal), scale, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2]);
     });
     launch({unsigned((keys + grad_rows - 1) / grad_rows), unsigned(h), unsigned(b)}, THREADS, [&] {
         dkv_kernel(qd.data(), kd.data(), vd.data(), dd.data(), lse.data(), delta.data(), dkv.data(), long(nk),
-                   h, t, keys, hd, int(causal), scale, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], ks[0], ks[1],
-                   ks[2]);
+                   h, t, keys, hd, int(causal), scale, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1],
+                   vs[2]);
     });
     double worst_lse = 0, worst_q = 0, worst_k = 0, worst_v = 0;
     const int past = keys - t;
