@@ -59,6 +59,14 @@ fn locate(path: &Path) -> loader::ModelFiles {
     loader::locate(path.to_str().unwrap(), &opts).unwrap()
 }
 
+/// The first index holding a row's maximum (torch's argmax) and how many entries
+/// hold it.
+fn first_max(row: &[f32]) -> (u32, usize) {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let first = row.iter().position(|&v| v == m).unwrap() as u32;
+    (first, row.iter().filter(|&&v| v == m).count())
+}
+
 fn logits(model: &TokenFormerLm, ids: &[u32]) -> Vec<f32> {
     let input = Tensor::new(ids, model.device())
         .unwrap()
@@ -156,21 +164,13 @@ fn bf16_on_the_gpu_keeps_perplexity_within_half_a_percent_and_the_digits_top1() 
             n += w.len() - 1;
             // The argmax is the first of tied maxima, as torch's, also where bf16 ties.
             let l = logits(&bf16_model, w);
-            let rows: Vec<&[f32]> = l.chunks(l.len() / w.len()).take(w.len() - 1).collect();
-            let first: Vec<u32> = rows
-                .iter()
-                .map(|r| {
-                    let m = r.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                    r.iter().position(|&x| x == m).unwrap() as u32
-                })
+            let maxima: Vec<(u32, usize)> = l
+                .chunks(l.len() / w.len())
+                .take(w.len() - 1)
+                .map(first_max)
                 .collect();
-            tied += rows
-                .iter()
-                .filter(|r| {
-                    let m = r.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                    r.iter().filter(|&&x| x == m).count() > 1
-                })
-                .count();
+            tied += maxima.iter().filter(|m| m.1 > 1).count();
+            let first: Vec<u32> = maxima.iter().map(|m| m.0).collect();
             assert_eq!(scored.argmax, first, "bf16 argmax on the GPU");
         }
     }
@@ -1054,13 +1054,7 @@ fn the_log_softmax_gather_kernel_equals_the_plain_ops() {
                     (m as f64 + s.ln()) as f32
                 })
                 .collect();
-            let want_argmax: Vec<u32> = host
-                .iter()
-                .map(|r| {
-                    let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    r.iter().position(|&v| v == m).unwrap() as u32
-                })
-                .collect();
+            let want_argmax: Vec<u32> = host.iter().map(|r| first_max(r).0).collect();
             let what = format!("vocab {vocab} {dtype:?}");
             close(&got.logprob, &want_lp, 1e-4, &format!("{what}: log p"));
             close(&got.logsumexp, &want_lse, 1e-4, &format!("{what}: lse"));
