@@ -138,7 +138,6 @@ pub(crate) fn run_settings(
     ]
 }
 
-/// A log-likelihood as a run can produce it: finite and not positive.
 /// The devices of merged shards: each once, in order, comma-separated (`cuda:0,cuda:1`
 /// for a run split over two GPUs); `None` if a shard did not record its own.
 pub(crate) fn merged_devices<'a>(devices: impl Iterator<Item = Option<&'a str>>) -> Option<String> {
@@ -152,6 +151,7 @@ pub(crate) fn merged_devices<'a>(devices: impl Iterator<Item = Option<&'a str>>)
     Some(seen.join(","))
 }
 
+/// A log-likelihood as a run can produce it: finite and not positive.
 pub(crate) fn check_loglikelihood(i: usize, what: &str, ll: f64) -> Result<()> {
     if !(ll.is_finite() && ll <= 0.0) {
         return Err(Error::input(format!(

@@ -462,7 +462,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Ten
 }
 
 /// [`plain_attention`] a slice of the batch at a time, or of the heads, so that no
-/// call has more than `max_scores` scores; one query row's keys must fit.
+/// call has more than `max_scores` scores; one head's queries × keys must fit.
 fn plain_in_parts(
     q: &Tensor,
     k: &Tensor,
@@ -786,8 +786,9 @@ mod tests {
         let v = (spread((b, h, keys, hd)) * -1.3).unwrap();
         for causal in [false, true] {
             let whole = plain_attention(&q, &k, &v, causal).unwrap();
-            // 420 scores: batch slices of 2 (300), then head slices of 2 (100, and 100
-            // again for each of those slices' 3 batch items).
+            // 420 scores in all: whole (420); batch slices of 2 and 1 (300); single
+            // items (140); head slices of 2, each then a batch item at a time (100);
+            // single heads of single items (35).
             for max in [420, 300, 140, 100, 35] {
                 let parts = plain_in_parts(&q, &k, &v, causal, max).unwrap();
                 assert_eq!(bits(&parts), bits(&whole), "causal {causal}, at most {max}");
