@@ -46,7 +46,7 @@
 // it from the statics of template instances; those, with -fdata-sections, each get a
 // section named after the unnamed namespace, which shared.ld gathers too.
 
-// The kernels' CUDA keywords and types for the host (run.sh puts empty
+// The kernels' CUDA keywords and types for the host (flags.sh puts empty
 // cuda_bf16.h and cuda_fp16.h on the include path).
 #define __global__
 #define __device__
