@@ -94,7 +94,7 @@ pub(crate) fn split_chunk(
     let maxd = HEAD_DIMS.into_iter().find(|&m| hd <= m)?;
     // The kernels' keys a tile: 32 KiB of f32 K and V tiles.
     let tile = 4096 / maxd;
-    if t > rows || b * h * 2 > BLOCKS || keys < 2 * tile {
+    if b * h == 0 || t > rows || b * h * 2 > BLOCKS || keys < 2 * tile {
         return None;
     }
     let chunks = (BLOCKS / (b * h)).min(keys / tile);
@@ -104,7 +104,7 @@ pub(crate) fn split_chunk(
 
 /// Why the op cannot take q, k and v, if it cannot: one device, one dtype (f32, bf16
 /// or f16 on a GPU; f32 or f64 on the CPU), rank 4 with matching batch, heads and
-/// head size, 1 ≤ hd ≤ 256, at least one key (and, causal, at least as many keys as
+/// head size, 1 ≤ hd ≤ 256, at least one sequence, head and key (and, causal, at least as many keys as
 /// queries), shapes within one GPU launch.
 pub(crate) fn fits(
     q: &Tensor,
@@ -145,9 +145,16 @@ pub(crate) fn fits(
             v.dims()
         ));
     }
-    if hd == 0 || hd > HEAD_DIMS[2] || t == 0 || keys == 0 || (causal && keys < t) {
+    if b == 0
+        || h == 0
+        || hd == 0
+        || hd > HEAD_DIMS[2]
+        || t == 0
+        || keys == 0
+        || (causal && keys < t)
+    {
         return Err(format!(
-            "head size {hd} (1 to 256), {t} queries, {keys} keys{}",
+            "batch {b}, {h} heads (1 or more), head size {hd} (1 to 256), {t} queries, {keys} keys{}",
             if causal {
                 " (causal: keys ≥ queries)"
             } else {
@@ -556,6 +563,13 @@ mod tests {
         assert!(e.contains("keys ≥ queries"), "{e}");
         let e = attention(&f(&q), &k, &k, false).unwrap_err().to_string();
         assert!(e.contains("one of"), "{e}");
+        // No sequence or no head: refused by name, where a GPU launch of an empty grid
+        // would fail with the driver's bare "invalid argument".
+        for dims in [(0, 2, 3, 4), (1, 0, 3, 4)] {
+            let x = filled(dims, 0.4);
+            let e = attention(&x, &x, &x, false).unwrap_err().to_string();
+            assert!(e.contains("1 or more"), "{dims:?}: {e}");
+        }
     }
 
     /// Decoding's split over keys: a decoding step of the 150M (12 heads of 64)
@@ -571,6 +585,8 @@ mod tests {
         assert_eq!(split_chunk(1, 12, 2048, 2048, 64, 32), None);
         assert_eq!(split_chunk(1, 12, 1, 100, 64, 32), None);
         assert_eq!(split_chunk(1, 12, 1, 512, 300, 32), None);
+        assert_eq!(split_chunk(0, 12, 1, 512, 64, 32), None);
+        assert_eq!(split_chunk(1, 0, 1, 512, 64, 32), None);
         for keys in [128, 129, 1000, 4097] {
             let chunk = split_chunk(1, 1, 1, keys, 256, 32).unwrap();
             assert_eq!(chunk % 16, 0);
