@@ -13,7 +13,8 @@
 #   DEADLINE=400 bash target/gpu-check/run.sh [--compile]
 # prints the GPU, runs the GPU tests with the project's CUDA kernels
 # (TOKENFORMER_CUDA_KERNELS=1) and without, then `tokenformer bench --device cuda` with
-# them and eager PyTorch's anchor on the same card, then the bench without them and the
+# them and eager PyTorch's anchor on the same card (and its pieces beside `ops`,
+# scripts/torch_ops_anchor.py), then the bench without them and the
 # A/B runs (--compile: also torch.compile's anchor, ~2 more minutes), each test and bench
 # part in a process of its own; past DEADLINE seconds nothing new starts. The device
 # returns at most 8 files: everything is packed into $OUT/results.tgz after each step
@@ -46,6 +47,7 @@ if [ -d "$shared/gpu" ]; then
     cp "$shared/gpu/run-on-gpu.sh" "$shared/gpu/torch_gpu_anchor.py" \
         "$shared/gpu/torch_compile_anchor.py" "$out/gpu/"
     cp "$shared/bench/torch_baseline.py" "$shared/bench/torch_train_baseline.py" "$out/bench/"
+    cp scripts/torch_ops_anchor.py "$out/gpu/"
 else
     echo "warning: $shared/gpu not found: no PyTorch anchors in the carry folder" >&2
 fi
@@ -178,6 +180,14 @@ for kernels in $runs; do
         run 300 "$py" "$here/gpu/torch_gpu_anchor.py" >"$res/torch.json" 2>"$res/torch.err"
         cat "$res/torch.json"; tail -3 "$res/torch.err"
         pack
+        # The same pieces as `bench --only ops`, in PyTorch, with each SDPA backend
+        # (FlashAttention-2 among them) timed alone.
+        if left; then
+            echo "== eager PyTorch, piece by piece"
+            run 200 "$py" "$here/gpu/torch_ops_anchor.py" >"$res/torch-ops.json" 2>"$res/torch-ops.err"
+            cat "$res/torch-ops.json"; tail -3 "$res/torch-ops.err"
+            pack
+        fi
         anchor_done=1
     fi
 done
