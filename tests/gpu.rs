@@ -223,6 +223,50 @@ fn one_bridge_training_step_of_the_merged_model_on_the_gpu_matches_pytorch() {
     common::steps::vl_bridge_step_matches_pytorch(&gpu);
 }
 
+/// Inputs with nothing in them, and attention with fewer keys than causal queries, are
+/// errors naming the shape (or, where the result is well defined, empty results) on
+/// the GPU, not the driver's bare "invalid argument" from a launch of an empty grid or
+/// the plain path's causal mask counted from a negative past; and a model that rotates
+/// no features trains in bf16, where candle's cast of an empty rotary table would
+/// launch such a grid.
+#[test]
+fn empty_inputs_on_the_gpu_are_errors_or_empty_results_not_driver_faults() {
+    let Some((gpu, _)) = gpu() else { return };
+    let files = locate(&lm_fixture().join("pytorch_model.bin"));
+    let model = loader::load_lm(&files, &gpu).unwrap();
+    let none = Tensor::zeros((1, 0), DType::U32, &gpu).unwrap();
+    let e = model.forward(&none, None).unwrap_err().to_string();
+    assert!(e.contains("no tokens to run"), "{e}");
+
+    let attention = tokenformer::kernels::attention;
+    let q = Tensor::zeros((1, 2, 0, 8), DType::F32, &gpu).unwrap();
+    let k = Tensor::ones((1, 2, 4, 8), DType::F32, &gpu).unwrap();
+    assert_eq!(attention(&q, &k, &k, true).unwrap().dims(), [1, 0, 16]);
+    let q = Tensor::ones((1, 2, 4, 8), DType::F32, &gpu).unwrap();
+    let short = k.narrow(2, 0, 3).unwrap();
+    let e = attention(&q, &short, &short, true).unwrap_err().to_string();
+    assert!(e.contains("causal queries but only 3 keys"), "{e}");
+    let e = attention(
+        &q,
+        &q.narrow(2, 0, 0).unwrap(),
+        &q.narrow(2, 0, 0).unwrap(),
+        false,
+    );
+    assert!(e.unwrap_err().to_string().contains("no keys"));
+
+    let w = loader::read_weights(&files, Some(DType::F32), &gpu).unwrap();
+    let mut cfg = loader::lm_config(&w.config, &w.path).unwrap();
+    cfg.rotary_pct = 0.5 / cfg.head_dim() as f64;
+    assert_eq!(cfg.rotary_dims(), 0);
+    let ids = Tensor::new(&[[3u32, 14, 15, 92, 65]], &gpu).unwrap();
+    let trainable = tokenformer::train::TrainableLm::new(&cfg, &w.tensors, DType::F32, &gpu)
+        .unwrap()
+        .with_compute_dtype(DType::BF16);
+    let loss = trainable.loss(&ids).unwrap();
+    assert!(loss.to_scalar::<f32>().unwrap().is_finite());
+    loss.backward().unwrap();
+}
+
 /// The shipped merged model (`tiny-digits-vl`) on the GPU: the mixed sequence's image
 /// and text logits equal the CPU's, its last text position again from the cache, and
 /// greedy generation from an image picks the CPU's tokens.

@@ -149,6 +149,19 @@ fn last_position_logits_equal_the_full_forwards_last_row() {
     }
 }
 
+/// Ids with no tokens, or no sequences, are an error naming their shape (on a GPU
+/// the embedding's gather would otherwise launch an empty grid and fail bare).
+#[test]
+fn a_forward_of_no_tokens_is_an_error_naming_the_shape() {
+    let (_, model) = fixture_model();
+    for shape in [(1, 0), (0, 5)] {
+        let ids = Tensor::zeros(shape, candle_core::DType::U32, &Device::Cpu).unwrap();
+        let e = model.forward(&ids, None).unwrap_err().to_string();
+        let want = format!("no tokens to run: ids of shape [{}, {}]", shape.0, shape.1);
+        assert!(e.contains(&want), "{e}");
+    }
+}
+
 #[test]
 fn f16_weights_give_the_f32_results_for_an_fp16_checkpoint() {
     // The fixture is fp16, so keeping the weights in f16 loses nothing: the

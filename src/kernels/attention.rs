@@ -406,7 +406,19 @@ thread_local! {
 /// softmax(q·kᵀ/√hd)·v for q [b, h, t, hd] and k, v [b, h, T, hd] → [b, t, h·hd].
 /// `causal`: query i (of the last t positions) sees keys 0..=T−t+i.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
-    let (_, _, t, hd) = q.dims4()?;
+    let (b, h, t, hd) = q.dims4()?;
+    let keys = k.dims4()?.2;
+    // Checked before any path: the plain one (every GPU path the kernels do not take)
+    // would count the causal past as keys − t, and a softmax over no keys has no value.
+    if keys == 0 {
+        candle_core::bail!("attention: {t} queries over no keys")
+    }
+    if causal && keys < t {
+        candle_core::bail!("attention: {t} causal queries but only {keys} keys")
+    }
+    if b * h * t == 0 {
+        return Tensor::zeros((b, t, h * hd), q.dtype(), q.device());
+    }
     #[cfg(feature = "cuda")]
     if super::attention_cuda::serves(q, k, v, causal) {
         return super::attention_cuda::flash_attention(q, k, v, causal);
@@ -801,5 +813,26 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    /// What the plain path (f64 here; every dtype and device the kernels do not take)
+    /// cannot compute is refused before it: fewer keys than causal queries (its mask
+    /// would count the past as keys − t) and no keys at all; no queries give an empty
+    /// result of the output's shape.
+    #[test]
+    fn attention_refuses_too_few_keys_and_returns_nothing_for_no_queries() {
+        let f64s = |x: Tensor| x.to_dtype(DType::F64).unwrap();
+        let (q, k) = (f64s(spread((2, 3, 4, 8))), f64s(spread((2, 3, 3, 8))));
+        let e = attention(&q, &k, &k, true).unwrap_err().to_string();
+        assert!(e.contains("4 causal queries but only 3 keys"), "{e}");
+        let none = k.narrow(2, 0, 0).unwrap();
+        let e = attention(&q, &none, &none, false).unwrap_err().to_string();
+        assert!(e.contains("no keys"), "{e}");
+        let empty = attention(&q.narrow(2, 0, 0).unwrap(), &k, &k, true).unwrap();
+        assert_eq!(empty.dims(), [2, 0, 24]);
+        assert_eq!(empty.dtype(), DType::F64);
+        // With enough keys the plain path still runs: 4 causal queries over 5 keys.
+        let k5 = f64s(spread((2, 3, 5, 8)));
+        assert_eq!(attention(&q, &k5, &k5, true).unwrap().dims(), [2, 4, 24]);
     }
 }

@@ -626,7 +626,10 @@ impl TokenFormerLm {
         mut cache: Option<&mut Cache>,
         which: Logits,
     ) -> Result<Tensor> {
-        let (_, t) = ids.dims2()?;
+        let (b, t) = ids.dims2()?;
+        if b == 0 || t == 0 {
+            candle_core::bail!("no tokens to run: ids of shape [{b}, {t}]")
+        }
         let offset = cache.as_ref().map_or(0, |c| c.len());
         let max = self.cfg.max_position_embeddings;
         if offset + t > max {

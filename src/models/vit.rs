@@ -353,6 +353,9 @@ impl VisionTransformer {
     pub fn embed_patches(&self, pixels: &Tensor) -> Result<Tensor> {
         let (b, c, h, w) = pixels.dims4()?;
         let p = self.cfg.patch_size;
+        if b == 0 {
+            candle_core::bail!("no images: pixels of shape {:?}", pixels.dims())
+        }
         if c != self.cfg.num_channels || h != self.cfg.image_size || w != self.cfg.image_size {
             candle_core::bail!(
                 "pixels of shape {:?}, expected [batch, {}, {}, {}]",

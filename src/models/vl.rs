@@ -534,7 +534,10 @@ impl VisionLanguageModel {
         mut cache: Option<&mut VlCache>,
         which: lm::Logits,
     ) -> Result<(Option<Tensor>, Tensor)> {
-        let t = ids.dim(1)?;
+        let (b, t) = ids.dims2()?;
+        if b == 0 || t == 0 {
+            candle_core::bail!("no text tokens to run: ids of shape [{b}, {t}]")
+        }
         if let Some(c) = cache.as_deref_mut() {
             if pixels.is_some() {
                 if !c.is_empty() {

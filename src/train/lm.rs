@@ -129,6 +129,9 @@ impl TrainableLm {
         mut hidden: Option<&mut Vec<Tensor>>,
     ) -> Result<(Tensor, Tensor)> {
         let (b, t) = ids.dims2()?;
+        if b == 0 || t == 0 {
+            candle_core::bail!("no tokens to run: ids of shape [{b}, {t}]")
+        }
         let cfg = &self.cfg;
         if t > cfg.max_position_embeddings {
             candle_core::bail!(
@@ -535,6 +538,11 @@ pub(crate) fn rotary_tables(rotary: &Rotary, t: usize, dtype: DType) -> Result<(
 /// A rotary table [positions, dims/2] as [t, dims] in `dtype` for positions 0..t:
 /// both halves of the rotated features turn by the same angles.
 pub(crate) fn full_table(table: &Tensor, t: usize, dtype: DType) -> Result<Tensor> {
+    if table.dim(1)? == 0 {
+        // No rotated features: candle's CUDA cast of an empty tensor launches an empty
+        // grid, which the driver refuses.
+        return Tensor::zeros((t, 0), dtype, table.device());
+    }
     let x = table.narrow(0, 0, t)?.to_dtype(dtype)?;
     Tensor::cat(&[&x, &x], D::Minus1)
 }

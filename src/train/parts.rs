@@ -130,6 +130,9 @@ pub(crate) fn embed_image<P: Params + ?Sized>(
     dtype: DType,
 ) -> candle_core::Result<Tensor> {
     let (b, c, h, w) = pixels.dims4()?;
+    if b == 0 {
+        candle_core::bail!("no images: pixels of shape {:?}", pixels.dims())
+    }
     if c != cfg.num_channels || h != cfg.image_size || w != cfg.image_size {
         candle_core::bail!(
             "pixels of shape {:?}, expected [batch, {}, {}, {}]",
