@@ -58,7 +58,8 @@ cat >"$out/run.sh" <<'EOF'
 # Env: KERNEL_RUNS ("1 0": with the project's CUDA kernels, then without), AB (1: the
 # A/B runs), ANCHOR (1: eager PyTorch's anchor), TEST_TIMEOUT / PART_TIMEOUT (seconds
 # for one test / one bench part), DEADLINE (seconds after which nothing new starts),
-# SANITIZE (a test-name filter, e.g. `attention`: those GPU tests again under
+# RERUNS (3: the first failing tests of each run again with CUDA_LAUNCH_BLOCKING=1 and
+# backtraces, each into rerun-TAG-NAME.txt), SANITIZE (a test-name filter, e.g. `attention`: those GPU tests again under
 # compute-sanitizer's memcheck, racecheck and synccheck, first of all; unset: none).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -104,6 +105,14 @@ tests() {  # tests TAG [FILTER]: the GPU tests (matching FILTER), one process ea
             # The failure's own lines, so that the call's output shows them.
             awk -v n="== $name" '$0 == n {p = 1; next} /^== / {p = 0} p' "$log" |
                 grep -v '^running\|^test result\|^$' | tail -15
+            # The first failures once more with every launch synchronous and backtraces on,
+            # so that an asynchronous CUDA error is reported at the launch that caused it.
+            if [ "$fail" -le "${RERUNS:-3}" ] && left; then
+                CUDA_LAUNCH_BLOCKING=1 RUST_BACKTRACE=1 TOKENFORMER_BACKTRACE=1 \
+                    run "$test_timeout" "$bin/gpu-tests" --exact "$name" --nocapture \
+                    >"$res/rerun-$1-$name.txt" 2>&1
+                echo "  rerun, launches synchronous: rc=$? (rerun-$1-$name.txt)"
+            fi
         fi
         pack
     done < <("$bin/gpu-tests" --list --format terse ${2:+"$2"} | sed -n 's/: test$//p')
