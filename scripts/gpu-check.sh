@@ -6,7 +6,7 @@
 # builds the `cuda` feature with the wheel toolchain (scripts/setup-cuda-toolchain.sh,
 # installed into TOOLCHAIN_DIR, default ~/.cache/cuda-toolchain, if missing) in
 # target/cuda, and lays out target/gpu-check/ (under 64 MiB, the device tool's carry
-# limit): the stripped `tokenformer` binary and GPU test binary (tests/gpu.rs), xz-packed;
+# limit): the `tokenformer` binary and GPU test binary (tests/gpu.rs) without debug info, xz-packed;
 # the PyTorch anchors of ../shared/gpu and ../shared/bench; run.sh.
 #
 # On the GPU machine (device tool: carry ["target/gpu-check"]), from the checkout's root:
@@ -40,8 +40,10 @@ tests="$(sed -n 's/.*Executable tests\/gpu.rs (\(.*\))/\1/p' "$log")"
 
 out=target/gpu-check
 rm -rf "$out" && mkdir -p "$out/bin" "$out/gpu" "$out/bench"
-strip -o "$out/bin/tokenformer" target/cuda/release/tokenformer
-strip -o "$out/bin/gpu-tests" "$tests"
+# Debug info goes, the symbols stay (1.4 MB packed): a failing test's backtrace then
+# names its functions.
+strip --strip-debug -o "$out/bin/tokenformer" target/cuda/release/tokenformer
+strip --strip-debug -o "$out/bin/gpu-tests" "$tests"
 xz -T0 -6 "$out/bin/tokenformer" "$out/bin/gpu-tests"
 if [ -d "$shared/gpu" ]; then
     cp "$shared/gpu/run-on-gpu.sh" "$shared/gpu/torch_gpu_anchor.py" \
