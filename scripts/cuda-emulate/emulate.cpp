@@ -843,6 +843,8 @@ int main() {
     for (int n : {1, 31, 1000, 1500}) {
         const int rows = 5;
         auto x = randn(size_t(rows) * n, 3.0f);
+        // The last row all zeros: 0 for both GELU variants (not 0/0), 1 = n/n for softmax.
+        std::fill(x.end() - n, x.end(), 0.0f);
         for (int act = 0; act < 3; ++act) {
             const float scale = act == 2 ? float(n) : std::sqrt(float(n));
             auto out = unwritten<float>(x.size());
@@ -933,6 +935,7 @@ std::vector<double> softmax_ref(const float *s, int n, int seen, double scale) {
     std::vector<double> y(n, 0.0);
     double m = -INFINITY, z = 0;
     for (int i = 0; i < seen; ++i) m = std::max(m, scale * s[i]);
+    if (m == -INFINITY) return y;  // nothing seen: zeros
     for (int i = 0; i < seen; ++i) z += std::exp(scale * s[i] - m);
     for (int i = 0; i < seen; ++i) y[i] = std::exp(scale * s[i] - m) / z;
     return y;
@@ -945,6 +948,12 @@ int main() {
         for (int causal = 0; causal < 2; ++causal) {
             const int rows = 2 * queries;  // two heads
             auto s = randn(size_t(rows) * n, 8.0f);
+            if (!causal) {
+                // Masks added as −∞ (the merged model's image rows): one entry of every
+                // even row, and all of row 1, which must give zeros rather than 0/0.
+                for (int r = 0; r < rows; r += 2) s[size_t(r) * n + r % n] = -INFINITY;
+                std::fill(s.begin() + n, s.begin() + 2 * size_t(n), -INFINITY);
+            }
             auto w = randn(s.size(), 1.0f);
             auto y = unwritten<float>(s.size()), ds = unwritten<float>(s.size());
             unsigned threads = 32;
@@ -961,7 +970,8 @@ int main() {
                 for (int i = 0; i < n; ++i) {
                     const double got = y[size_t(r) * n + i];
                     worst_y = worse(worst_y, std::abs(got - want[i]));
-                    if (i >= seen) check(got == 0.0, "a masked weight is not 0");
+                    if (i >= seen || sr[i] == -INFINITY) check(got == 0.0, "a masked weight is not 0");
+                    if (sr[i] == -INFINITY) check(ds[size_t(r) * n + i] == 0.0, "a masked gradient is not 0");
                 }
                 // ∂/∂s_i of Σ softmax(scale · s)·w by central differences.
                 std::vector<float> p(sr, sr + n);
@@ -1003,6 +1013,9 @@ int main() {
         auto x = randn(size_t(rows) * n, 2.0f);
         for (auto &v : x) v += 5.0f;  // an offset the mean must remove
         std::fill(x.end() - n, x.end(), 0.75f);  // a constant row: variance 0
+        // Another, whose f32 sums are inexact: E[x²] − mean² would come out below −eps
+        // (NaN) here; about the mean it is (x − mean)/√eps with x − mean a rounding.
+        std::fill(x.begin() + n, x.begin() + 2 * size_t(n), 3.3f);
         auto w = randn(x.size(), 1.0f);
         auto y = unwritten<float>(x.size()), dx = unwritten<float>(x.size());
         unsigned threads = 32;
@@ -1025,7 +1038,11 @@ int main() {
             std::vector<double> row(x.begin() + size_t(r) * n, x.begin() + size_t(r + 1) * n);
             const float *wr = w.data() + size_t(r) * n;
             auto want = ln(row);
-            for (int i = 0; i < n; ++i) worst_y = worse(worst_y, std::abs(y[size_t(r) * n + i] - want[i]));
+            for (int i = 0; i < n; ++i) {
+                const double e = std::abs(y[size_t(r) * n + i] - want[i]);
+                if (r == 1) check(e < 1e-3, "layer_norm of a constant row of 3.3 is not about 0");
+                else worst_y = worse(worst_y, e);
+            }
             auto loss = [&](const std::vector<double> &v) {
                 auto o = ln(v);
                 double l = 0;

@@ -59,6 +59,11 @@ impl RowOp for Softmax {
         let max = x[..seen]
             .iter()
             .fold(f64::NEG_INFINITY, |m, &v| m.max(scale * v));
+        if max == f64::NEG_INFINITY {
+            // Every seen score −∞ (a fully masked row): zeros, as the f32 rows and the
+            // GPU kernel give, not 0/0.
+            return;
+        }
         let z: f64 = x[..seen].iter().map(|&v| (scale * v - max).exp()).sum();
         for (o, &v) in y[..seen].iter_mut().zip(x) {
             *o = (scale * v - max).exp() / z;
@@ -194,5 +199,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A row whose scores are all −∞ (fully masked) gives zeros and a zero gradient, as
+    /// the f32 rows and the GPU kernel do, not 0/0; the other rows are untouched.
+    #[test]
+    fn a_fully_masked_row_gives_zeros() {
+        let dev = Device::Cpu;
+        let inf = f64::NEG_INFINITY;
+        let x = Tensor::new(&[[inf, inf, inf], [0.5, inf, -1.0]], &dev).unwrap();
+        let x = Var::from_tensor(&x).unwrap();
+        let y = softmax_scaled(x.as_tensor(), 0.5, false).unwrap();
+        let rows: Vec<Vec<f64>> = y.to_vec2().unwrap();
+        assert_eq!(rows[0], [0.0, 0.0, 0.0]);
+        let want = [(0.25f64).exp(), 0.0, (-0.5f64).exp()];
+        let sum: f64 = want.iter().sum();
+        for (a, b) in rows[1].iter().zip(want) {
+            assert!((a - b / sum).abs() < 1e-12, "{a} vs {}", b / sum);
+        }
+        let w = Tensor::new(&[[1.0f64, 2.0, 3.0], [1.0, 2.0, 3.0]], &dev).unwrap();
+        let g = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g: Vec<Vec<f64>> = g.get(x.as_tensor()).unwrap().to_vec2().unwrap();
+        assert_eq!(g[0], [0.0, 0.0, 0.0]);
+        assert!(g[1].iter().all(|v| v.is_finite()));
     }
 }

@@ -126,7 +126,7 @@ pub mod cuda {
 pub use attention::attention;
 pub(crate) use matmul::{gemm_f32, gemm_parallelism};
 pub use matmul::{matmul_nn, matmul_nt, matmul_nt_q8, SMALL_ROWS};
-pub(crate) use norm::layer_norm_half;
+pub(crate) use norm::layer_norm_rows;
 pub use q8::Q8Matrix;
 pub(crate) use rotary::{rotary_heads, serves as rotary_heads_serve};
 pub(crate) use rows::max_of;

@@ -1,19 +1,21 @@
-//! LayerNorm of bf16 or f16 rows on the CPU (a model computing in half
-//! precision): each row widened into an f32 buffer, normalised there with f32
-//! sums, as candle's f32 LayerNorm would, and rounded back once; one parallel
-//! pass instead of candle's conversions to f32 and back around its own kernel
-//! (each a single-threaded pass over the activations).
+//! LayerNorm of rows on the CPU with f32 sums, the mean first and then the
+//! variance about it (two passes over a row in cache, as PyTorch's CPU kernel
+//! does; candle's f32 LayerNorm takes E[x²] − mean² in one pass, which on a
+//! constant row of, say, 3.3 comes out below −eps and gives NaN). bf16 and f16
+//! rows are widened into an f32 buffer and rounded back once: one parallel pass
+//! instead of candle's conversions to f32 and back around its own kernel (each
+//! a single-threaded pass over the activations).
 
 use ::half::slice::HalfFloatSliceExt;
 use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 
-struct HalfNorm {
+struct RowNorm {
     weight: Vec<f32>,
     bias: Option<Vec<f32>>,
-    eps: f32,
+    eps: f64,
 }
 
-impl HalfNorm {
+impl RowNorm {
     fn rows<E: Send + Copy>(&self, x: &[E], n: usize) -> Vec<E>
     where
         [E]: HalfFloatSliceExt,
@@ -23,69 +25,76 @@ impl HalfNorm {
         out
     }
 
-    /// One f32 row normalised in place.
+    fn rows_f32(&self, x: &[f32], n: usize) -> Vec<f32> {
+        use rayon::prelude::*;
+        let mut out = x.to_vec();
+        out.par_chunks_mut(n.max(1))
+            .for_each(|row| self.normalise(row));
+        out
+    }
+
+    /// One f32 row normalised in place: the training LayerNorm's row (the mean,
+    /// then the variance about it, each summed over 32 lanes added in f64), then
+    /// the weight and bias.
     fn normalise(&self, row: &mut [f32]) {
-        let n = row.len() as f32;
-        let mean = row.iter().sum::<f32>() / n;
-        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
-        let inv = 1.0 / (var + self.eps).sqrt();
+        crate::train::layer_norm_row_f32(row, self.eps);
         match &self.bias {
             Some(b) => {
                 for ((v, w), b) in row.iter_mut().zip(&self.weight).zip(b) {
-                    *v = (*v - mean) * inv * w + b;
+                    *v = *v * w + b;
                 }
             }
             None => {
                 for (v, w) in row.iter_mut().zip(&self.weight) {
-                    *v = (*v - mean) * inv * w;
+                    *v *= w;
                 }
             }
         }
     }
 }
 
-impl candle_core::CustomOp1 for HalfNorm {
+impl candle_core::CustomOp1 for RowNorm {
     fn name(&self) -> &'static str {
-        "layer-norm-half"
+        "layer-norm-rows"
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let n = self.weight.len();
         let Some((a, b)) = l.contiguous_offsets() else {
-            candle_core::bail!("layer-norm-half: contiguous input only")
+            candle_core::bail!("layer-norm-rows: contiguous input only")
         };
         if l.dims().last() != Some(&n) {
-            candle_core::bail!("layer-norm-half: rows of {:?}, weights of {n}", l.dims())
+            candle_core::bail!("layer-norm-rows: rows of {:?}, weights of {n}", l.dims())
         }
         let out = match s {
             CpuStorage::BF16(d) => CpuStorage::BF16(self.rows(&d[a..b], n)),
             CpuStorage::F16(d) => CpuStorage::F16(self.rows(&d[a..b], n)),
-            _ => candle_core::bail!("layer-norm-half: bf16 or f16 only"),
+            CpuStorage::F32(d) => CpuStorage::F32(self.rows_f32(&d[a..b], n)),
+            _ => candle_core::bail!("layer-norm-rows: f32, bf16 or f16 only"),
         };
         Ok((out, l.shape().clone()))
     }
 }
 
-/// LayerNorm over the last axis of bf16/f16 `x` on the CPU with f32
+/// LayerNorm over the last axis of f32, bf16 or f16 `x` on the CPU with f32
 /// `weight` and `bias`, or None where the fused kernels do not take it
 /// (other devices, dtypes, layouts, or the kernels turned off).
-pub(crate) fn layer_norm_half(
+pub(crate) fn layer_norm_rows(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     eps: f64,
 ) -> Result<Option<Tensor>> {
-    if !(super::fused_on(x) && matches!(x.dtype(), DType::BF16 | DType::F16) && x.is_contiguous())
-        || x.rank() == 0
-    {
+    let float = matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16);
+    if !(super::fused_on(x) && float && x.is_contiguous()) || x.rank() == 0 {
         return Ok(None);
     }
-    let op = HalfNorm {
+    let op = RowNorm {
         weight: weight.to_dtype(DType::F32)?.to_vec1()?,
         bias: bias
             .map(|b| b.to_dtype(DType::F32)?.to_vec1())
             .transpose()?,
-        eps: eps as f32,
+        eps,
     };
     x.apply_op1_no_bwd(&op).map(Some)
 }
@@ -95,6 +104,30 @@ mod tests {
     use super::super::test_util::{assert_close, half_ulp, spread};
     use super::*;
     use candle_core::Module;
+
+    /// f32 rows: candle's f32 LayerNorm to rounding on ordinary rows, and on
+    /// constant rows (variance 0) about the bias, where E[x²] − mean² in f32 comes
+    /// out below −eps and candle's gives NaN for some values (3.3 among them).
+    #[test]
+    fn f32_rows_normalise_as_the_layer_norm_and_constant_rows_to_the_bias() {
+        let n = 768;
+        let w = (spread(n) + 1.0).unwrap();
+        let b = (spread(n) * 0.1).unwrap();
+        let x = ((spread((5, n)) * 2.0).unwrap() + 0.3).unwrap();
+        let got = layer_norm_rows(&x, &w, Some(&b), 1e-5)
+            .unwrap()
+            .expect("the fused path");
+        let ln = candle_nn::LayerNorm::new(w.clone(), b.clone(), 1e-5);
+        let want = ln.forward(&x).unwrap();
+        assert_close(&got, &want, |v| 1e-5 * v.abs().max(1.0), "ordinary rows");
+        for c in [3.3f32, 0.7, 10.1, -5.9] {
+            let x = Tensor::full(c, (2, n), &candle_core::Device::Cpu).unwrap();
+            let got = layer_norm_rows(&x, &w, Some(&b), 1e-5).unwrap().unwrap();
+            let want = b.unsqueeze(0).unwrap().broadcast_as((2, n)).unwrap();
+            // Finite, and the bias to within the f32 mean's rounding times 1/√eps.
+            assert_close(&got, &want, |_| 1e-2, &format!("constant rows of {c}"));
+        }
+    }
 
     /// candle's f32 LayerNorm on the widened rows, rounded once: equal to
     /// within one rounding of the half type, with and without a bias.
@@ -106,7 +139,7 @@ mod tests {
         for dtype in [DType::BF16, DType::F16] {
             let h = x.to_dtype(dtype).unwrap();
             for bias in [Some(&b), None] {
-                let got = layer_norm_half(&h, &w, bias, 1e-5)
+                let got = layer_norm_rows(&h, &w, bias, 1e-5)
                     .unwrap()
                     .expect("the fused path");
                 assert_eq!(got.dtype(), dtype);

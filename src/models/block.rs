@@ -112,21 +112,22 @@ impl Module for Norm {
             return crate::kernels::nonparam_norm::layer_norm(x, self.eps);
         }
         match x.dtype() {
-            DType::F32 => self.inner.forward(x),
-            DType::BF16 | DType::F16 => {
-                // On the CPU one fused pass; elsewhere widened for candle's kernel.
-                let fused = crate::kernels::layer_norm_half(
+            DType::F32 | DType::BF16 | DType::F16 => {
+                // On the CPU one fused pass with the variance about the mean; elsewhere
+                // candle's kernel, half precision widened for it.
+                let fused = crate::kernels::layer_norm_rows(
                     x,
                     self.inner.weight(),
                     self.inner.bias(),
                     self.eps,
                 )?;
-                match fused {
-                    Some(y) => Ok(y),
-                    None => self
+                match (fused, x.dtype()) {
+                    (Some(y), _) => Ok(y),
+                    (None, DType::F32) => self.inner.forward(x),
+                    (None, dtype) => self
                         .inner
                         .forward(&x.to_dtype(DType::F32)?)?
-                        .to_dtype(x.dtype()),
+                        .to_dtype(dtype),
                 }
             }
             // candle's fused LayerNorm has no f64 on the CPU; the same formula in plain ops.

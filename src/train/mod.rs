@@ -13,6 +13,7 @@ pub mod data;
 mod device_block;
 pub mod distill;
 mod fused;
+pub(crate) use fused::layer_norm_row_f32;
 pub mod lm;
 pub mod loss;
 pub mod optim;

@@ -3,7 +3,8 @@
 // backward, one thread block a row (crate::kernels::masked_softmax):
 //   softmax_*:      y = softmax(scale · s); with causal != 0, row r is query
 //                   q = r mod queries and sees keys 0 ..= q + (n − queries), y = 0
-//                   after them (what adding the −∞ causal mask first gives)
+//                   after them (what adding the −∞ causal mask first gives); a row
+//                   whose seen scores are all −∞ gives zeros
 //   softmax_grad_*: ∂L/∂s = scale · y · (dy − Σ y·dy) from y and dy (0 where y is)
 #include "rows.cuh"
 
@@ -17,6 +18,10 @@ __device__ void softmax_row(const T *in, T *out, int n, float scale, int queries
     float m = -INFINITY;
     for (int i = threadIdx.x; i <= last; i += blockDim.x) m = fmaxf(m, scale * load(s, i));
     m = block_reduce<true>(m);
+    if (m == -INFINITY) {  // nothing seen (every score −∞): zeros, as the CPU's rows give
+        for (int i = threadIdx.x; i < n; i += blockDim.x) store(y, i, 0.0f);
+        return;  // m is the whole block's: every thread returns here
+    }
     float z = 0.0f;
     for (int i = threadIdx.x; i <= last; i += blockDim.x) z += expf(scale * load(s, i) - m);
     const float inv = 1.0f / block_reduce<false>(z);

@@ -23,6 +23,10 @@ mod head;
 mod pattention;
 mod rows;
 
+/// A row normalised in place with f32 sums over 32 lanes, added in f64 (no weight or bias),
+/// on the selected instruction set: also the CPU inference LayerNorm's.
+pub(crate) use rows::fast::layer_norm_row as layer_norm_row_f32;
+
 pub(super) use attention::attention;
 pub(crate) use block::{block, BlockSpec, RotaryTables};
 pub(crate) use head::head_cross_entropy;
