@@ -27,9 +27,15 @@ impl RowNorm {
 
     fn rows_f32(&self, x: &[f32], n: usize) -> Vec<f32> {
         use rayon::prelude::*;
-        let mut out = x.to_vec();
-        out.par_chunks_mut(n.max(1))
-            .for_each(|row| self.normalise(row));
+        let n = n.max(1);
+        let mut out = vec![0f32; x.len()];
+        // A row at a time, copied and normalised while it is in cache.
+        out.par_chunks_mut(n)
+            .zip(x.par_chunks(n))
+            .for_each(|(row, src)| {
+                row.copy_from_slice(src);
+                self.normalise(row)
+            });
         out
     }
 
