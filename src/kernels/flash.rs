@@ -104,8 +104,8 @@ pub(crate) fn split_chunk(
 
 /// Why the op cannot take q, k and v, if it cannot: one device, one dtype (f32, bf16
 /// or f16 on a GPU; f32 or f64 on the CPU), rank 4 with matching batch, heads and
-/// head size, 1 ≤ hd ≤ 256, at least one sequence, head and key (and, causal, at least as many keys as
-/// queries), shapes within one GPU launch.
+/// head size, 1 ≤ hd ≤ 256, at least one sequence, head and key (and, causal, at
+/// least as many keys as queries), shapes within one GPU launch.
 pub(crate) fn fits(
     q: &Tensor,
     k: &Tensor,
