@@ -60,9 +60,10 @@ cat >"$out/run.sh" <<'EOF'
 # Env: KERNEL_RUNS ("1 0": with the project's CUDA kernels, then without), AB (1: the
 # A/B runs), ANCHOR (1: eager PyTorch's anchor), TEST_TIMEOUT / PART_TIMEOUT (seconds
 # for one test / one bench part), DEADLINE (seconds after which nothing new starts),
-# RERUNS (3: the first failing tests of each run again with CUDA_LAUNCH_BLOCKING=1 and
-# backtraces, each into rerun-TAG-NAME.txt), SANITIZE (a test-name filter, e.g. `attention`: those GPU tests again under
-# compute-sanitizer's memcheck, racecheck and synccheck, first of all; unset: none).
+# RERUNS (3: the first failing tests of each run, time-outs aside, again with
+# CUDA_LAUNCH_BLOCKING=1 and backtraces, each into rerun-TAG-NAME.txt), SANITIZE (a
+# test-name filter, e.g. `attention`: those GPU tests again under compute-sanitizer's
+# memcheck, racecheck and synccheck, first of all; unset: none).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -94,7 +95,7 @@ left() { [ "$SECONDS" -lt "${DEADLINE:-1000000}" ]; }
 # Every GPU test and every bench part runs in a process of its own: a faulting kernel
 # leaves its CUDA context unusable, and must not take the checks after it down with it.
 tests() {  # tests TAG [FILTER]: the GPU tests (matching FILTER), one process each
-    local log="$res/gpu-tests-$1.txt" pass=0 fail=0 name t0
+    local log="$res/gpu-tests-$1.txt" pass=0 fail=0 name t0 rc
     : >"$log"
     while read -r name; do
         left || { echo "skipped (DEADLINE): $name"; continue; }
@@ -103,13 +104,15 @@ tests() {  # tests TAG [FILTER]: the GPU tests (matching FILTER), one process ea
         if run "$test_timeout" "$bin/gpu-tests" --exact "$name" --nocapture >>"$log" 2>&1; then
             pass=$((pass + 1)); echo "ok ($((SECONDS - t0)) s): $name"
         else
+            rc=$?
             fail=$((fail + 1)); echo "FAILED ($((SECONDS - t0)) s): $name"
             # The failure's own lines, so that the call's output shows them.
             awk -v n="== $name" '$0 == n {p = 1; next} /^== / {p = 0} p' "$log" |
                 grep -v '^running\|^test result\|^$' | tail -15
             # The first failures once more with every launch synchronous and backtraces on,
-            # so that an asynchronous CUDA error is reported at the launch that caused it.
-            if [ "$fail" -le "${RERUNS:-3}" ] && left; then
+            # so that an asynchronous CUDA error is reported at the launch that caused it
+            # (not after a time-out: a hang would only spend the time again).
+            if [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] && [ "$fail" -le "${RERUNS:-3}" ] && left; then
                 CUDA_LAUNCH_BLOCKING=1 RUST_BACKTRACE=1 TOKENFORMER_BACKTRACE=1 \
                     run "$test_timeout" "$bin/gpu-tests" --exact "$name" --nocapture \
                     >"$res/rerun-$1-$name.txt" 2>&1
