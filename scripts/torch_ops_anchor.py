@@ -41,14 +41,16 @@ def timed(fn, sync):
 
 
 def sdpa_backends():
-    """PyTorch's SDPA backends by name, where this PyTorch can force one."""
+    """Context managers forcing each of PyTorch's SDPA backends, by name, where this
+    PyTorch can force one."""
     try:
-        from torch.nn.attention import SDPBackend
+        from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         return {}
     names = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
-    return {k: getattr(SDPBackend, v) for k, v in names.items() if hasattr(SDPBackend, v)}
+    return {k: (lambda b=getattr(SDPBackend, v): sdpa_kernel(b))
+            for k, v in names.items() if hasattr(SDPBackend, v)}
 
 
 def ops(out, c, dtype, dev, b, s, sync, vocab=50304):
@@ -92,10 +94,9 @@ def ops(out, c, dtype, dev, b, s, sync, vocab=50304):
         flops = 2.0 * b * H * s * s * hd  # causal: half the scores and half the mixing
         record("attention", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), L,
                flops=flops)
-        for backend, which in sdpa_backends().items():
-            from torch.nn.attention import sdpa_kernel
+        for backend, forced in sdpa_backends().items():
             def run():
-                with sdpa_kernel(which):
+                with forced():
                     F.scaled_dot_product_attention(q, k, v, is_causal=True)
             try:
                 record(f"attention_{backend}", run, 0, flops=flops)
