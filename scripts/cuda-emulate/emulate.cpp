@@ -772,7 +772,13 @@ int main() {
             for (int r : {2, 3}) x[r * vocab + 3] = x[r * vocab + 20] = 1.0f;
             tg[2] = 3;
             tg[3] = 4;
+            // Rows a broken model gives: one NaN among finite logits, one +inf, all NaN.
+            // Each must come out non-finite (scoring refuses it), never a finite number.
+            x[4 * vocab + 7] = NAN;
+            x[5 * vocab + 8] = INFINITY;
+            std::fill(x.begin() + 6 * vocab, x.begin() + 7 * vocab, NAN);
         }
+        const auto special = [vocab](int r) { return vocab >= 31 && r >= 4 && r <= 6; };
         for (int bf16 = 0; bf16 < 2; ++bf16) {
             std::vector<float> xr = x;
             if (bf16)
@@ -788,6 +794,11 @@ int main() {
             });
             double worst = 0;
             for (int r = 0; r < n; ++r) {
+                if (special(r)) {
+                    check(!std::isfinite(out[3 * r]) && !std::isfinite(out[3 * r + 1]),
+                          "row " + std::to_string(r) + " of NaN or inf logits gives finite results");
+                    continue;
+                }
                 const float *row = xr.data() + size_t(r) * vocab;
                 double m = -INFINITY, s = 0;
                 int arg = 0;
@@ -826,6 +837,7 @@ int main() {
             });
             double worst_g = 0;
             for (int r = 0; r < n; ++r) {
+                if (special(r)) continue;
                 const float *row = xr.data() + size_t(r) * vocab;
                 double m = -INFINITY, s = 0;
                 for (int i = 0; i < vocab; ++i) m = std::max(m, double(row[i]));
@@ -887,6 +899,35 @@ int main() {
             std::snprintf(what, sizeof what, "theta n %d act %d: %.3g", n, act, worst);
             std::printf("%s\n", what);
             check(worst < 1e-5, what);
+            // The bf16 and f16 instances (their loads and stores): every sum is in f32
+            // whatever the dtype, so each must give exactly the f32 kernel's result on the
+            // same rounded scores, rounded once to the dtype.
+            for (int half = 0; half < 2; ++half) {
+                std::vector<float> xr(x.size());
+                std::vector<__nv_bfloat16> xb(x.size());
+                std::vector<__half> xh(x.size());
+                for (size_t i = 0; i < x.size(); ++i) {
+                    xb[i] = __float2bfloat16(x[i]);
+                    xh[i] = __float2half(x[i]);
+                    xr[i] = half ? __half2float(xh[i]) : __bfloat162float(xb[i]);
+                }
+                auto ref = unwritten<float>(x.size());
+                auto ob = unwritten<__nv_bfloat16>(x.size());
+                auto oh = unwritten<__half>(x.size());
+                launch({unsigned(rows), 1, 1}, threads, [&] {
+                    theta_f32(xr.data(), ref.data(), n, scale, act);
+                    if (half) theta_f16(xh.data(), oh.data(), n, scale, act);
+                    else theta_bf16(xb.data(), ob.data(), n, scale, act);
+                });
+                size_t differ = 0;
+                for (size_t i = 0; i < x.size(); ++i)
+                    differ += half ? __half_as_ushort(oh[i]) != __half_as_ushort(__float2half(ref[i]))
+                                   : __bfloat16_as_ushort(ob[i]) != __bfloat16_as_ushort(__float2bfloat16(ref[i]));
+                std::snprintf(what, sizeof what, "theta n %d act %d %s: %zu of %zu differ from f32's, rounded", n,
+                              act, half ? "f16" : "bf16", differ, x.size());
+                std::printf("%s\n", what);
+                check(differ == 0, what);
+            }
         }
     }
     // act 0's backward against central differences of Σ Θ(s)·w in double, the last
@@ -932,6 +973,37 @@ int main() {
         std::snprintf(what, sizeof what, "theta_grad n %d: %.3g, zero row %.3g", n, worst, zero);
         std::printf("%s\n", what);
         check(worst < 1e-4 && zero < 1e-6, what);
+        // The bf16 and f16 instances: exactly the f32 kernel's result on the same
+        // rounded scores and gradients, rounded once (as the forward's above).
+        for (int half = 0; half < 2; ++half) {
+            std::vector<float> sr(x.size()), wr(x.size());
+            std::vector<__nv_bfloat16> sb(x.size()), wb(x.size());
+            std::vector<__half> sh(x.size()), wh(x.size());
+            for (size_t i = 0; i < x.size(); ++i) {
+                sb[i] = __float2bfloat16(x[i]);
+                wb[i] = __float2bfloat16(w[i]);
+                sh[i] = __float2half(x[i]);
+                wh[i] = __float2half(w[i]);
+                sr[i] = half ? __half2float(sh[i]) : __bfloat162float(sb[i]);
+                wr[i] = half ? __half2float(wh[i]) : __bfloat162float(wb[i]);
+            }
+            auto ref = unwritten<float>(x.size());
+            auto ob = unwritten<__nv_bfloat16>(x.size());
+            auto oh = unwritten<__half>(x.size());
+            launch({unsigned(rows), 1, 1}, threads, [&] {
+                theta_grad_f32(sr.data(), wr.data(), ref.data(), n, scale);
+                if (half) theta_grad_f16(sh.data(), wh.data(), oh.data(), n, scale);
+                else theta_grad_bf16(sb.data(), wb.data(), ob.data(), n, scale);
+            });
+            size_t differ = 0;
+            for (size_t i = 0; i < x.size(); ++i)
+                differ += half ? __half_as_ushort(oh[i]) != __half_as_ushort(__float2half(ref[i]))
+                               : __bfloat16_as_ushort(ob[i]) != __bfloat16_as_ushort(__float2bfloat16(ref[i]));
+            std::snprintf(what, sizeof what, "theta_grad n %d %s: %zu of %zu differ from f32's, rounded", n,
+                          half ? "f16" : "bf16", differ, x.size());
+            std::printf("%s\n", what);
+            check(differ == 0, what);
+        }
     }
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
     return failures != 0;

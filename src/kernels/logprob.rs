@@ -27,9 +27,11 @@ pub(crate) struct LogprobGather;
 /// The first index of the row's maximum and the row's log-sum-exp.
 fn row_stats(row: &[f64]) -> (usize, f64) {
     let arg = crate::generate::first_argmax(row);
-    // No value above −∞ (NaNs never win): the row's log-sum-exp is −∞.
+    // No value above −∞ (NaNs never win): the row's log-sum-exp is −∞, or NaN if
+    // it holds a NaN (as the GPU kernel and torch.logsumexp give).
     let Some(max) = row.get(arg).copied().filter(|&m| m > f64::NEG_INFINITY) else {
-        return (arg, f64::NEG_INFINITY);
+        let nan = row.iter().any(|x| x.is_nan());
+        return (arg, if nan { f64::NAN } else { f64::NEG_INFINITY });
     };
     let sum: f64 = row.iter().map(|&x| (x - max).exp()).sum();
     (arg, max + sum.ln())
@@ -147,6 +149,30 @@ impl CustomOp3 for LogprobGrad {
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    /// Rows a broken model gives (a NaN among finite logits, a +∞, only NaNs, NaNs
+    /// and −∞) come out with a non-finite log p and log-sum-exp, which scoring
+    /// refuses, never a finite number; a row of only −∞ has log-sum-exp −∞.
+    #[test]
+    fn rows_of_nan_or_infinite_logits_give_non_finite_results() {
+        let (inf, nan) = (f32::INFINITY, f32::NAN);
+        let rows: [[f32; 4]; 5] = [
+            [0.5, nan, 1.0, 2.0],
+            [0.5, inf, 1.0, 2.0],
+            [nan; 4],
+            [-inf, nan, -inf, -inf],
+            [-inf; 4],
+        ];
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        let x = Tensor::from_vec(flat, (5, 4), &Device::Cpu).unwrap();
+        let index = Tensor::new(&[0u32, 0, 0, 0, 0], &Device::Cpu).unwrap();
+        let out = x.apply_op2(&index, LogprobGather).unwrap().to_vec2::<f32>().unwrap();
+        for (r, o) in out.iter().enumerate().take(4) {
+            assert!(!o[0].is_finite() && !o[1].is_finite(), "row {r}: {o:?}");
+        }
+        assert!(out[2][1].is_nan() && out[3][1].is_nan(), "{out:?}");
+        assert_eq!(out[4][1], f32::NEG_INFINITY);
+    }
 
     /// The op's loss and gradients equal the composite definition's under candle's
     /// autograd (f64 logits), also when a loss uses the log-sum-exp column too.
