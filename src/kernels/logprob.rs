@@ -166,7 +166,11 @@ mod tests {
         let flat: Vec<f32> = rows.iter().flatten().copied().collect();
         let x = Tensor::from_vec(flat, (5, 4), &Device::Cpu).unwrap();
         let index = Tensor::new(&[0u32, 0, 0, 0, 0], &Device::Cpu).unwrap();
-        let out = x.apply_op2(&index, LogprobGather).unwrap().to_vec2::<f32>().unwrap();
+        let out = x
+            .apply_op2(&index, LogprobGather)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
         for (r, o) in out.iter().enumerate().take(4) {
             assert!(!o[0].is_finite() && !o[1].is_finite(), "row {r}: {o:?}");
         }
