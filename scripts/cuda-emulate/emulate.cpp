@@ -387,6 +387,35 @@ std::vector<float> randn(size_t n, float sd) {
 }
 float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }
 
+// a as the kernels' input type: f32 as it is, else rounded to bf16 or f16.
+template <typename T> std::vector<T> narrowed(const std::vector<float> &a) {
+    std::vector<T> r(a.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+        if constexpr (std::is_same_v<T, float>) r[i] = a[i];
+        else if constexpr (std::is_same_v<T, __half>) r[i] = __float2half(a[i]);
+        else r[i] = __float2bfloat16(a[i]);
+    }
+    return r;
+}
+
+// Half-precision values widened (exactly) to f32.
+template <typename T> std::vector<float> widened(const std::vector<T> &a) {
+    std::vector<float> r(a.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+        if constexpr (std::is_same_v<T, __half>) r[i] = __half2float(a[i]);
+        else r[i] = __bfloat162float(a[i]);
+    }
+    return r;
+}
+
+// How many of got's half-precision values differ, bit for bit, from want rounded once.
+template <typename T> size_t differ_from_rounded(const std::vector<T> &got, const std::vector<float> &want) {
+    const std::vector<T> w = narrowed<T>(want);
+    size_t differ = 0;
+    for (size_t i = 0; i < got.size(); ++i) differ += std::memcmp(&got[i], &w[i], sizeof(T)) != 0;
+    return differ;
+}
+
 // mma.sync m16n8k16 (row.col, f32 accumulators) for the host, as the kernels call it
 // (`mma16816`): every lane's fragment registers are exchanged through memory between
 // warp barriers, each lane rebuilds the whole 16×16 and 16×8 operands by the PTX ISA's
@@ -454,17 +483,6 @@ template <typename F> auto one_pass(F kernel) {
         kernel(q, k, v, out, lse, nullptr, nullptr, 0, h, t, keys, hd, causal, scale, a0, a1, a2, b0, b1, b2, c0,
                c1, c2);
     };
-}
-
-// a as the kernels' input type: f32 as it is, else rounded to bf16.
-template <typename T> std::vector<T> narrowed(const std::vector<float> &a) {
-    std::vector<T> r(a.size());
-    for (size_t i = 0; i < a.size(); ++i) {
-        if constexpr (std::is_same_v<T, float>) r[i] = a[i];
-        else if constexpr (std::is_same_v<T, __half>) r[i] = __float2half(a[i]);
-        else r[i] = __float2bfloat16(a[i]);
-    }
-    return r;
 }
 
 // q [b, t, h, hd] read as [b, h, t, hd]; k [b, h, keys, hd]; v the first `keys`
@@ -902,32 +920,24 @@ int main() {
             // The bf16 and f16 instances (their loads and stores): every sum is in f32
             // whatever the dtype, so each must give exactly the f32 kernel's result on the
             // same rounded scores, rounded once to the dtype.
-            for (int half = 0; half < 2; ++half) {
-                std::vector<float> xr(x.size());
-                std::vector<__nv_bfloat16> xb(x.size());
-                std::vector<__half> xh(x.size());
-                for (size_t i = 0; i < x.size(); ++i) {
-                    xb[i] = __float2bfloat16(x[i]);
-                    xh[i] = __float2half(x[i]);
-                    xr[i] = half ? __half2float(xh[i]) : __bfloat162float(xb[i]);
-                }
+            const auto rounded_case = [&](auto zero, const char *dtype, auto kernel) {
+                using T = decltype(zero);
+                const auto xt = narrowed<T>(x);
+                const auto xr = widened(xt);
                 auto ref = unwritten<float>(x.size());
-                auto ob = unwritten<__nv_bfloat16>(x.size());
-                auto oh = unwritten<__half>(x.size());
+                auto out = unwritten<T>(x.size());
                 launch({unsigned(rows), 1, 1}, threads, [&] {
                     theta_f32(xr.data(), ref.data(), n, scale, act);
-                    if (half) theta_f16(xh.data(), oh.data(), n, scale, act);
-                    else theta_bf16(xb.data(), ob.data(), n, scale, act);
+                    kernel(xt.data(), out.data(), n, scale, act);
                 });
-                size_t differ = 0;
-                for (size_t i = 0; i < x.size(); ++i)
-                    differ += half ? __half_as_ushort(oh[i]) != __half_as_ushort(__float2half(ref[i]))
-                                   : __bfloat16_as_ushort(ob[i]) != __bfloat16_as_ushort(__float2bfloat16(ref[i]));
+                const size_t differ = differ_from_rounded(out, ref);
                 std::snprintf(what, sizeof what, "theta n %d act %d %s: %zu of %zu differ from f32's, rounded", n,
-                              act, half ? "f16" : "bf16", differ, x.size());
+                              act, dtype, differ, x.size());
                 std::printf("%s\n", what);
                 check(differ == 0, what);
-            }
+            };
+            rounded_case(__nv_bfloat16{}, "bf16", theta_bf16);
+            rounded_case(__half{}, "f16", theta_f16);
         }
     }
     // act 0's backward against central differences of Σ Θ(s)·w in double, the last
@@ -975,35 +985,24 @@ int main() {
         check(worst < 1e-4 && zero < 1e-6, what);
         // The bf16 and f16 instances: exactly the f32 kernel's result on the same
         // rounded scores and gradients, rounded once (as the forward's above).
-        for (int half = 0; half < 2; ++half) {
-            std::vector<float> sr(x.size()), wr(x.size());
-            std::vector<__nv_bfloat16> sb(x.size()), wb(x.size());
-            std::vector<__half> sh(x.size()), wh(x.size());
-            for (size_t i = 0; i < x.size(); ++i) {
-                sb[i] = __float2bfloat16(x[i]);
-                wb[i] = __float2bfloat16(w[i]);
-                sh[i] = __float2half(x[i]);
-                wh[i] = __float2half(w[i]);
-                sr[i] = half ? __half2float(sh[i]) : __bfloat162float(sb[i]);
-                wr[i] = half ? __half2float(wh[i]) : __bfloat162float(wb[i]);
-            }
+        const auto rounded_case = [&](auto zero, const char *dtype, auto kernel) {
+            using T = decltype(zero);
+            const auto st = narrowed<T>(x), wt = narrowed<T>(w);
+            const auto sr = widened(st), wr = widened(wt);
             auto ref = unwritten<float>(x.size());
-            auto ob = unwritten<__nv_bfloat16>(x.size());
-            auto oh = unwritten<__half>(x.size());
+            auto out = unwritten<T>(x.size());
             launch({unsigned(rows), 1, 1}, threads, [&] {
                 theta_grad_f32(sr.data(), wr.data(), ref.data(), n, scale);
-                if (half) theta_grad_f16(sh.data(), wh.data(), oh.data(), n, scale);
-                else theta_grad_bf16(sb.data(), wb.data(), ob.data(), n, scale);
+                kernel(st.data(), wt.data(), out.data(), n, scale);
             });
-            size_t differ = 0;
-            for (size_t i = 0; i < x.size(); ++i)
-                differ += half ? __half_as_ushort(oh[i]) != __half_as_ushort(__float2half(ref[i]))
-                               : __bfloat16_as_ushort(ob[i]) != __bfloat16_as_ushort(__float2bfloat16(ref[i]));
-            std::snprintf(what, sizeof what, "theta_grad n %d %s: %zu of %zu differ from f32's, rounded", n,
-                          half ? "f16" : "bf16", differ, x.size());
+            const size_t differ = differ_from_rounded(out, ref);
+            std::snprintf(what, sizeof what, "theta_grad n %d %s: %zu of %zu differ from f32's, rounded", n, dtype,
+                          differ, x.size());
             std::printf("%s\n", what);
             check(differ == 0, what);
-        }
+        };
+        rounded_case(__nv_bfloat16{}, "bf16", theta_grad_bf16);
+        rounded_case(__half{}, "f16", theta_grad_f16);
     }
     std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
     return failures != 0;
