@@ -173,6 +173,25 @@ impl Config {
         self.grid() * self.grid()
     }
 
+    /// The batch size of normalised pixels [b, C, H, W], checked against this
+    /// shape: at least one image, of the configured channels and size.
+    pub(crate) fn image_batch(&self, pixels: &Tensor) -> Result<usize> {
+        let (b, c, h, w) = pixels.dims4()?;
+        if b == 0 {
+            candle_core::bail!("no images: pixels of shape {:?}", pixels.dims())
+        }
+        if c != self.num_channels || h != self.image_size || w != self.image_size {
+            candle_core::bail!(
+                "pixels of shape {:?}, expected [batch, {}, {}, {}]",
+                pixels.dims(),
+                self.num_channels,
+                self.image_size,
+                self.image_size
+            )
+        }
+        Ok(b)
+    }
+
     /// Checks what serde cannot: every number within its range, divisibility,
     /// list lengths and unique class ids. Every loader calls this before
     /// anything is allocated from the config.
@@ -351,21 +370,13 @@ impl VisionTransformer {
     /// docs/PERFORMANCE.md): pixels [b, C, H, W] → patch tokens [b, N, d],
     /// patches in row-major order.
     pub fn embed_patches(&self, pixels: &Tensor) -> Result<Tensor> {
-        let (b, c, h, w) = pixels.dims4()?;
-        let p = self.cfg.patch_size;
-        if b == 0 {
-            candle_core::bail!("no images: pixels of shape {:?}", pixels.dims())
-        }
-        if c != self.cfg.num_channels || h != self.cfg.image_size || w != self.cfg.image_size {
-            candle_core::bail!(
-                "pixels of shape {:?}, expected [batch, {}, {}, {}]",
-                pixels.dims(),
-                self.cfg.num_channels,
-                self.cfg.image_size,
-                self.cfg.image_size
-            )
-        }
-        let (gh, gw) = (h / p, w / p);
+        let b = self.cfg.image_batch(pixels)?;
+        let (c, s, p) = (
+            self.cfg.num_channels,
+            self.cfg.image_size,
+            self.cfg.patch_size,
+        );
+        let (gh, gw) = (s / p, s / p);
         let patches = pixels
             .to_dtype(self.compute)?
             .reshape((b, c, gh, p, gw, p))?
@@ -434,4 +445,29 @@ impl VisionTransformer {
 /// Class probabilities [b, classes] from logits.
 pub(crate) fn probabilities(logits: &Tensor) -> Result<Tensor> {
     candle_nn::ops::softmax(logits, D::Minus1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pixels are checked against the configured shape (the ViT's and the training
+    /// embedding's one check), and a batch of no images is refused by name.
+    #[test]
+    fn pixels_must_match_the_config_and_hold_an_image() {
+        let mut cfg = Config::imagenet(1, 8, 2, 8, 16);
+        cfg.image_size = 8;
+        cfg.patch_size = 4;
+        let px = |dims: (usize, usize, usize, usize)| Tensor::zeros(dims, DType::F32, &Device::Cpu);
+        assert_eq!(cfg.image_batch(&px((2, 3, 8, 8)).unwrap()).unwrap(), 2);
+        let e = cfg.image_batch(&px((0, 3, 8, 8)).unwrap()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("no images: pixels of shape [0, 3, 8, 8]"),
+            "{e}"
+        );
+        let e = cfg.image_batch(&px((1, 3, 8, 9)).unwrap()).unwrap_err();
+        let want = "pixels of shape [1, 3, 8, 9], expected [batch, 3, 8, 8]";
+        assert!(e.to_string().contains(want), "{e}");
+    }
 }

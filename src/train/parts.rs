@@ -129,24 +129,13 @@ pub(crate) fn embed_image<P: Params + ?Sized>(
     pixels: &Tensor,
     dtype: DType,
 ) -> candle_core::Result<Tensor> {
-    let (b, c, h, w) = pixels.dims4()?;
-    if b == 0 {
-        candle_core::bail!("no images: pixels of shape {:?}", pixels.dims())
-    }
-    if c != cfg.num_channels || h != cfg.image_size || w != cfg.image_size {
-        candle_core::bail!(
-            "pixels of shape {:?}, expected [batch, {}, {}, {}]",
-            pixels.dims(),
-            cfg.num_channels,
-            cfg.image_size,
-            cfg.image_size
-        )
-    }
+    let b = cfg.image_batch(pixels)?;
+    let (c, s) = (cfg.num_channels, cfg.image_size);
     let p = |name: &str| -> candle_core::Result<Tensor> {
         super::lm::param(params, &format!("{prefix}{name}"))
     };
     let (ps, d) = (cfg.patch_size, cfg.hidden_size);
-    let (gh, gw) = (h / ps, w / ps);
+    let (gh, gw) = (s / ps, s / ps);
     let patches = pixels
         .to_dtype(dtype)?
         .reshape((b, c, gh, ps, gw, ps))?
