@@ -6,11 +6,12 @@ use std::path::PathBuf;
 /// Errors of the `tokenformer` library; the CLI wraps them with `anyhow`.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{path}: {source}")]
+    /// The I/O error is in the message and not also a `source()`, so reports that walk
+    /// the chain (`{:#}`, the command line) do not show it twice.
+    #[error("{path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A config file that does not parse or has a missing/invalid field.
     #[error("config {path}: {msg}")]
@@ -67,10 +68,10 @@ impl From<crate::hub::HubError> for Error {
 }
 
 impl Error {
-    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
     pub fn config(path: impl Into<PathBuf>, msg: impl std::fmt::Display) -> Self {

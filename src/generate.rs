@@ -43,6 +43,34 @@ impl Default for SamplingParams {
     }
 }
 
+impl SamplingParams {
+    /// Checks each setting's range, as transformers' logits processors do: a finite
+    /// temperature ≥ 0, top_p in [0, 1], a finite repeat_penalty > 0.
+    pub fn validate(&self) -> Result<()> {
+        let t = self.temperature;
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(Error::option(
+                "temperature",
+                format!("must be a finite number ≥ 0 (0: greedy), got {t}"),
+            ));
+        }
+        if let Some(p) = self.top_p.filter(|p| !(0.0..=1.0).contains(p)) {
+            return Err(Error::option(
+                "top_p",
+                format!("must be between 0 and 1, got {p}"),
+            ));
+        }
+        let r = self.repeat_penalty;
+        if !(r.is_finite() && r > 0.0) {
+            return Err(Error::option(
+                "repeat_penalty",
+                format!("must be a positive number (1: off), got {r}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Picks the next token from one row of logits.
 pub(crate) struct Sampler {
     params: SamplingParams,
@@ -381,6 +409,7 @@ fn decode(
     mut on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
     mut step: impl FnMut(&[u32]) -> candle_core::Result<Tensor>,
 ) -> Result<Vec<u32>> {
+    params.validate()?;
     let cfg = text.config();
     if prompt.is_empty() {
         return Err(Error::input("the prompt is empty: give at least one token"));
@@ -435,6 +464,84 @@ mod tests {
         assert_eq!(first_argmax(&[f32::NAN, 1.0, 2.0, f32::NAN]), 2);
         assert_eq!(first_argmax(&[0.5f64, f64::NEG_INFINITY]), 0);
         assert_eq!(first_argmax::<f32>(&[]), 0);
+    }
+
+    #[test]
+    fn sampling_settings_out_of_range_are_refused_by_name() {
+        let ok = SamplingParams::default();
+        ok.validate().unwrap();
+        for top_p in [0.0, 0.5, 1.0] {
+            let p = SamplingParams {
+                top_p: Some(top_p),
+                temperature: 0.7,
+                ..ok.clone()
+            };
+            p.validate().unwrap();
+        }
+        let bad = [
+            (
+                "temperature",
+                SamplingParams {
+                    temperature: -0.5,
+                    ..ok.clone()
+                },
+            ),
+            (
+                "temperature",
+                SamplingParams {
+                    temperature: f64::NAN,
+                    ..ok.clone()
+                },
+            ),
+            (
+                "temperature",
+                SamplingParams {
+                    temperature: f64::INFINITY,
+                    ..ok.clone()
+                },
+            ),
+            (
+                "top_p",
+                SamplingParams {
+                    top_p: Some(1.5),
+                    ..ok.clone()
+                },
+            ),
+            (
+                "top_p",
+                SamplingParams {
+                    top_p: Some(-0.1),
+                    ..ok.clone()
+                },
+            ),
+            (
+                "top_p",
+                SamplingParams {
+                    top_p: Some(f64::NAN),
+                    ..ok.clone()
+                },
+            ),
+            (
+                "repeat_penalty",
+                SamplingParams {
+                    repeat_penalty: 0.0,
+                    ..ok.clone()
+                },
+            ),
+            (
+                "repeat_penalty",
+                SamplingParams {
+                    repeat_penalty: f32::NAN,
+                    ..ok.clone()
+                },
+            ),
+        ];
+        for (name, p) in bad {
+            match p.validate() {
+                Err(Error::Option { option, .. }) => assert_eq!(option, name, "{p:?}"),
+                other => panic!("{p:?}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -123,15 +123,8 @@ impl Default for GrowInit {
     }
 }
 
-/// Grows every Pattention tensor of `tensors` from the `old` token counts to `target`
-/// (each at least the old count); other tensors pass through. Returns the tensors and
-/// how many tensors of each kind (qkv, proj, ffn) grew.
-pub fn grow_tensors(
-    tensors: Tensors,
-    old: &ScaleTokens,
-    target: &ScaleTokens,
-    init: &GrowInit,
-) -> Result<(Tensors, [usize; 3])> {
+/// Refuses a `target` below the `old` count of any kind: growing only adds tokens.
+pub fn check_target(old: &ScaleTokens, target: &ScaleTokens) -> Result<()> {
     for k in Kind::ALL {
         let (from, to) = (Kind::of(old, k), Kind::of(target, k));
         if to < from {
@@ -141,6 +134,19 @@ pub fn grow_tensors(
             )));
         }
     }
+    Ok(())
+}
+
+/// Grows every Pattention tensor of `tensors` from the `old` token counts to `target`
+/// (each at least the old count); other tensors pass through. Returns the tensors and
+/// how many tensors of each kind (qkv, proj, ffn) grew.
+pub fn grow_tensors(
+    tensors: Tensors,
+    old: &ScaleTokens,
+    target: &ScaleTokens,
+    init: &GrowInit,
+) -> Result<(Tensors, [usize; 3])> {
+    check_target(old, target)?;
     let mut out = Tensors::new();
     let mut grown = [0usize; 3];
     for (name, t) in tensors {
@@ -240,5 +246,21 @@ mod tests {
         assert!(parse_target("mlp=3", &cur).is_err());
         assert!(parse_target("ffn", &cur).is_err());
         assert!(parse_target("ffn=-1", &cur).is_err());
+    }
+
+    #[test]
+    fn kinds_from_names() {
+        let k = |n: &str| pattention_kind(n).unwrap();
+        assert_eq!(
+            k("layers.3.attention.key.value_param_tokens"),
+            Some(Kind::Qkv)
+        );
+        assert_eq!(
+            k("layers.0.attention.proj.key_param_tokens"),
+            Some(Kind::Proj)
+        );
+        assert_eq!(k("layers.11.mlp.value_param_tokens"), Some(Kind::Ffn));
+        assert_eq!(k("word_embeddings.weight"), None);
+        assert!(pattention_kind("merger.key_param_tokens").is_err());
     }
 }

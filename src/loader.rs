@@ -568,9 +568,19 @@ fn lm_from_weights(mut w: LoadedWeights, device: &Device) -> Result<TokenFormerL
 
 /// The tokenizer of a model, with a clear error when there is none.
 pub fn load_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
-    let path = files.tokenizer.as_ref().ok_or_else(|| Error::NoTokenizer {
-        model: files.source.clone(),
-    })?;
+    let Some(path) = &files.tokenizer else {
+        // A classifier has no tokenizer to pass: what is wrong is the model.
+        if let ConfigSource::Json { value, path } = &files.config {
+            if architecture(value) == vit::ARCHITECTURE {
+                let origin = path.clone().unwrap_or_else(|| PathBuf::from(&files.source));
+                let found = ModelConfig::from_value(value, &origin)?;
+                return Err(not_a::<TokenFormerLm>(&found, &origin));
+            }
+        }
+        return Err(Error::NoTokenizer {
+            model: files.source.clone(),
+        });
+    };
     tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer {
         path: path.clone(),
         msg: e.to_string(),

@@ -35,7 +35,7 @@ enum Command {
     Zoo(cli::zoo::ZooCommand),
     /// Top-5 ImageNet classes and probabilities of images.
     Classify(cli::vision::ClassifyArgs),
-    /// Train a language model on text (from a checkpoint or fresh weights).
+    /// Train a language model, classifier or vision-language model (from a checkpoint or fresh weights).
     Train(cli::train::TrainArgs),
     /// Evaluate: Pile perplexity, zero-shot tasks, ImageNet, merging shard results.
     #[command(subcommand)]

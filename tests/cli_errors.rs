@@ -1,5 +1,6 @@
 //! Bad input through the `tokenformer` binary: every case exits 1 with a
-//! message naming the file or tensor at fault, and never panics.
+//! message naming the file or tensor at fault (2 for a flag's value refused
+//! while the command line is read), and never panics.
 
 mod common;
 
@@ -150,4 +151,122 @@ fn generation_stops_at_the_context_and_reports_unknown_models() {
     assert!(stdout.starts_with("one two"));
     let r = tokenformer(&["score", "--model", "no-such-model", "--ids", "1,2"]);
     assert_clean_failure(&r, &["no-such-model"]);
+}
+
+#[test]
+fn counts_of_zero_are_refused_by_flag() {
+    // Before: `--batch-size 0` ran with 1, `--limit 0` reported 0 % top-1 of 0 images and
+    // `--save-every 0` saved a checkpoint every step.
+    let digits = root().join("zoo/examples/digits");
+    let digits = digits.to_str().unwrap();
+    let image = root().join("zoo/examples/digits/seven/0005.png");
+    let lm = ["--model", "tiny-kjv-lm", "--data", "x.txt"];
+    let vit = ["--model", "tiny-digits-vit"];
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            [&["eval", "pile"][..], &lm, &["--batch-size", "0"]].concat(),
+            "--batch-size",
+        ),
+        (
+            [&["eval", "pile"][..], &lm, &["--limit", "0"]].concat(),
+            "--limit",
+        ),
+        (
+            [&["eval", "pile"][..], &lm, &["--max-batch-tokens", "0"]].concat(),
+            "--max-batch-tokens",
+        ),
+        (
+            [
+                &["eval", "tasks", "--tasks", "piqa"][..],
+                &lm,
+                &["--batch-size", "0"],
+            ]
+            .concat(),
+            "--batch-size",
+        ),
+        (
+            [
+                &["eval", "imagenet", "--data", digits][..],
+                &vit,
+                &["--limit", "0"],
+            ]
+            .concat(),
+            "--limit",
+        ),
+        (
+            [
+                &["eval", "imagenet", "--data", digits][..],
+                &vit,
+                &["--batch-size", "0"],
+            ]
+            .concat(),
+            "--batch-size",
+        ),
+        (
+            [
+                &["classify"][..],
+                &vit,
+                &["--batch-size", "0", image.to_str().unwrap()],
+            ]
+            .concat(),
+            "--batch-size",
+        ),
+    ];
+    let train = [
+        "train",
+        "--model",
+        "tiny-kjv-lm",
+        "--data",
+        "x.txt",
+        "--out",
+        "y",
+    ];
+    let mut cases = cases;
+    for flag in ["--save-every", "--eval-every", "--val-windows"] {
+        cases.push(([&train[..], &[flag, "0"]].concat(), flag));
+    }
+    for (args, flag) in cases {
+        let (out, _, se) = tokenformer(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {se}");
+        assert!(
+            se.contains(flag) && se.contains("must be at least 1"),
+            "{args:?}: {se}"
+        );
+    }
+    // The trainer's own checks name the flag too, before the data is read.
+    let (out, _, se) = tokenformer(&[&train[..], &["--seq-len", "0"]].concat());
+    assert_eq!(out.status.code(), Some(1), "{se}");
+    assert!(se.contains("--seq-len must be positive"), "{se}");
+}
+
+#[test]
+fn a_classifier_given_to_a_text_command_is_named_as_such() {
+    // Not "has no tokenizer.json: pass --tokenizer", which would not have helped.
+    let text = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(text.path(), "some text").unwrap();
+    let data = text.path().to_str().unwrap();
+    for args in [
+        vec!["score", "--model", "tiny-digits-vit", "--text", "a b c"],
+        vec!["generate", "--model", "tiny-digits-vit", "--prompt", "a"],
+        vec!["eval", "pile", "--model", "tiny-digits-vit", "--data", data],
+    ] {
+        let r = tokenformer(&args);
+        assert_clean_failure(&r, &["`tokenformer-vit` is not a language model"]);
+    }
+}
+
+#[test]
+fn a_missing_file_is_named_once_with_its_cause_once() {
+    let (out, _, se) = tokenformer(&[
+        "eval",
+        "pile",
+        "--model",
+        "tiny-kjv-lm",
+        "--data",
+        "no-such.txt",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{se}");
+    // It read "no-such.txt: No such file or directory (os error 2): No such file or …".
+    assert_eq!(se.matches("(os error 2)").count(), 1, "{se}");
+    assert!(se.contains("no-such.txt"), "{se}");
 }

@@ -171,19 +171,32 @@ fn generate_applies_a_repetition_penalty() {
         !plain.starts_with(got.trim_end()),
         "the penalty changed nothing"
     );
-    let (out, _, se) = tokenformer(&[
-        "generate",
-        "--model",
-        &kjv(),
-        "--prompt",
-        "x",
-        "--repeat-penalty",
-        "0",
-    ]);
-    assert!(
-        !out.status.success() && se.contains("--repeat-penalty"),
-        "{se}"
-    );
+    // Settings out of range are refused by flag, before the model is loaded.
+    for (flag, value) in [
+        ("--repeat-penalty", "0"),
+        ("--temperature", "nan"),
+        ("--temperature=-1", ""),
+        ("--top-p", "2"),
+    ] {
+        let mut args = vec![
+            "generate",
+            "--model",
+            "no/such-model",
+            "--prompt",
+            "x",
+            flag,
+        ];
+        if !value.is_empty() {
+            args.push(value);
+        }
+        let (out, _, se) = tokenformer(&args);
+        let name = flag.split('=').next().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{flag} {value}: {se}");
+        assert!(
+            se.contains(&format!("{name} must be")),
+            "{flag} {value}: {se}"
+        );
+    }
 }
 
 fn score_json(text: &str) -> serde_json::Value {
@@ -412,4 +425,29 @@ fn bench_names_a_bad_kv_dtype_or_decode_context() {
         "{se}"
     );
     assert!(!se.contains("panicked"), "{se}");
+}
+
+#[test]
+fn inspect_takes_model_names_as_the_other_commands_do() {
+    let json = |model: &str| -> serde_json::Value {
+        let (out, so, se) = tokenformer(&["inspect", model, "--json"]);
+        assert!(out.status.success(), "{model}: {se}");
+        serde_json::from_str(&so).unwrap()
+    };
+    // The bundled model by zoo name, against its folder in the repo.
+    let by_name = json("tiny-kjv-lm");
+    let by_path = json(&kjv());
+    assert_eq!(by_name["tensors"], by_path["tensors"]);
+    assert_eq!(by_name["architecture"], "tokenformer-lm");
+    let st = candle_core::safetensors::load(
+        std::path::Path::new(&kjv()).join("model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let elements: usize = st.values().map(|t| t.elem_count()).sum();
+    assert_eq!(by_name["parameters"], elements as u64);
+    assert_eq!(by_path["parameters"], elements as u64);
+    let (out, _, se) = tokenformer(&["inspect", "no-such-model"]);
+    assert_eq!(out.status.code(), Some(1), "{se}");
+    assert!(se.contains("no-such-model"), "{se}");
 }

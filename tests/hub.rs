@@ -247,6 +247,91 @@ fn offline_mode_and_failing_server_use_the_cache() {
     assert!(matches!(e, HubError::Offline { .. }), "{e}");
 }
 
+/// The methods and paths of the requests the hub saw, then forgotten.
+fn taken(hub: &FakeHub) -> Vec<String> {
+    let seen = hub
+        .requests()
+        .iter()
+        .map(|r| format!("{} {}", r.method, r.path))
+        .collect();
+    hub.clear_requests();
+    seen
+}
+
+#[test]
+fn an_unreachable_hub_is_tried_once_when_the_cache_holds_the_answer() {
+    // As huggingface_hub: what the cache holds is not retried for (a cluster node without
+    // network would wait through every backoff for every file); what it lacks is.
+    let hub = FakeHub::start();
+    let sha = tiny_repo(&hub);
+    let home = tempfile::tempdir().unwrap();
+    let r = repo("acme/tiny");
+    let retrying = |endpoint: &str| {
+        let cfg = config(endpoint, home.path(), &[])
+            .with_retries(3)
+            .with_retry_base_delay(Duration::from_millis(5));
+        HubClient::new(cfg).unwrap()
+    };
+    let c = retrying(&hub.endpoint());
+    let paths = c
+        .download_files(&r, &["config.json", "model.safetensors"], None)
+        .unwrap();
+
+    hub.fail_all(503);
+    hub.clear_requests();
+    // One HEAD for the first file; the second comes from the same cached commit unasked.
+    let got = c
+        .download_files(&r, &["config.json", "model.safetensors"], None)
+        .unwrap();
+    assert_eq!(got, paths);
+    assert_eq!(
+        taken(&hub),
+        ["HEAD /acme/tiny/resolve/main/config.json"],
+        "one try, then the cache"
+    );
+    let listed: Vec<String> = c
+        .list_files(&r)
+        .unwrap()
+        .into_iter()
+        .map(|f| f.path)
+        .collect();
+    assert_eq!(listed, ["config.json", "model.safetensors"]);
+    assert_eq!(taken(&hub), ["GET /api/models/acme/tiny/tree/main"]);
+    assert_eq!(c.resolve_commit(&r).unwrap(), sha);
+    assert_eq!(taken(&hub), ["GET /api/models/acme/tiny/revision/main"]);
+
+    // Not cached: the configured retries, then the server's error.
+    let e = c.download_files(&r, &["tokenizer.json"], None).unwrap_err();
+    assert!(matches!(e, HubError::Server { status: 503, .. }), "{e}");
+    assert_eq!(taken(&hub).len(), 4, "one try and three retries");
+    let other = repo("acme/other");
+    assert!(c.list_files(&other).is_err());
+    assert_eq!(taken(&hub).len(), 4);
+
+    // A cached copy that turns out wrong is removed, not used: then the Hub is retried.
+    let blob = std::fs::canonicalize(&paths[0]).unwrap();
+    std::fs::write(&blob, b"{}").unwrap();
+    let e = c.download_files(&r, &["config.json"], None).unwrap_err();
+    assert!(matches!(e, HubError::Server { status: 503, .. }), "{e}");
+    assert_eq!(taken(&hub).len(), 5, "one try, the check, then four tries");
+    assert!(!blob.exists());
+    hub.clear_failures();
+    let fresh = c.download_files(&r, &["config.json"], None).unwrap();
+    assert_eq!(std::fs::read(&fresh[0]).unwrap(), CONFIG_JSON);
+
+    // No server at all (connection refused): the same, without HF_HUB_OFFLINE.
+    let endpoint = hub.endpoint();
+    hub.stop();
+    let c = retrying(&endpoint);
+    let got = c
+        .download_files(&r, &["config.json", "model.safetensors"], None)
+        .unwrap();
+    assert_eq!(std::fs::read(&got[1]).unwrap(), weights());
+    assert_eq!(c.list_files(&r).unwrap().len(), 2);
+    let e = c.download_files(&r, &["tokenizer.json"], None).unwrap_err();
+    assert!(matches!(e, HubError::Network { .. }), "{e}");
+}
+
 #[test]
 fn errors_are_classified_name_repo_and_file_and_fail_fast() {
     let start = Instant::now();

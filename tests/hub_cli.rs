@@ -151,6 +151,33 @@ fn download_load_score_then_offline() {
         &["score", "--model", "someone/never-seen", "--ids", "1,2"],
     );
     assert_clean_failure(&r, &["someone/never-seen"]);
+
+    // Not offline, the Hub failing and retries on: the cache answers after one try of
+    // each request, none repeated.
+    for model in ["someone/tiny-tokenformer", "someone/tiny-official"] {
+        let args = ["score", "--model", model, "--text", &text, "--json"];
+        let out = command(&endpoint, &home, false, &args)
+            .env("TOKENFORMER_HUB_RETRIES", "5")
+            .env("TOKENFORMER_HUB_RETRY_DELAY", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{model}: {err}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let got: Vec<f64> = serde_json::from_value(v["next_token_logprobs"].clone()).unwrap();
+        assert_eq!(got.len(), want.len(), "{model}");
+        let seen: Vec<String> = hub
+            .requests()
+            .iter()
+            .map(|r| format!("{} {}", r.method, r.path))
+            .collect();
+        hub.clear_requests();
+        let mut once = seen.clone();
+        once.sort();
+        once.dedup();
+        assert_eq!(once.len(), seen.len(), "{model}: retried: {seen:?}");
+        assert!(seen[0].contains("/tree/"), "{model}: {seen:?}");
+    }
 }
 
 #[test]

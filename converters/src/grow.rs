@@ -10,18 +10,17 @@
 //! Works on canonical tensor names and the JSON config only, so language and
 //! vision models grow the same way.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Device;
 use clap::{Args, ValueEnum};
 use serde_json::json;
 use tokenformer::card::ModelCard;
-use tokenformer::checkpoint::Tensors;
-use tokenformer::grow::{append_rows, pattention_kind, Kind};
-use tokenformer::loader::{self, LocateOptions};
+use tokenformer::grow::{check_target, grow_tensors, GrowInit, Kind};
+use tokenformer::loader::{self, LocateOptions, CONFIG_FILE};
 use tokenformer::models::block::ScaleTokens;
+use tokenformer::models::ModelConfig;
 use tokenformer::pattention::Activation;
 
 use crate::args::{FolderOut, Shards, Storage};
@@ -166,12 +165,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
             ffn: a.ffn_tokens.unwrap_or(old.ffn),
         },
     };
-    for k in Kind::ALL {
-        let (from, to) = (Kind::of(&old, k), Kind::of(&target, k));
-        if to < from {
-            bail!("cannot grow {} from {from} to {to}: growing only adds tokens (the target must be at least {from})", k.config_key());
-        }
-    }
+    check_target(&old, &target)?;
     if target == old {
         println!("note: the targets equal the current token counts; the model is copied unchanged");
     }
@@ -208,43 +202,22 @@ pub fn run(a: GrowArgs) -> Result<()> {
         );
     }
 
-    let key_init = (a.key_init == KeyInit::Normal).then_some((a.key_std, a.seed));
-    let value_init = Some((a.value_std, a.seed));
-    let source_path = w.path.clone();
-    let mut tensors = Tensors::new();
-    let mut grown = BTreeMap::<&str, usize>::new();
+    // Checked before any tensor grows: a target past the config's limits is refused
+    // here, not by the allocator.
+    ModelConfig::from_value(&config, &a.out.out.join(CONFIG_FILE))
+        .map_err(|e| anyhow!("the grown config is invalid: {e}"))?;
     let dtypes: std::collections::BTreeSet<String> = w
         .tensors
         .values()
         .map(|t| format!("{:?}", t.dtype()).to_lowercase())
         .collect();
-    for (name, t) in w.tensors {
-        let Some(kind) = pattention_kind(&name)? else {
-            tensors.insert(name, t);
-            continue;
-        };
-        let (from, to) = (Kind::of(&old, kind), Kind::of(&target, kind));
-        let rows = t.dims().first().copied().unwrap_or(0);
-        if rows != from {
-            bail!(
-                "{}: tensor `{name}` has {rows} parameter tokens but the config says {} = {from}",
-                source_path.display(),
-                kind.config_key()
-            );
-        }
-        let t = if to > from {
-            *grown.entry(kind.config_key()).or_default() += 1;
-            let init = if name.ends_with(".key_param_tokens") {
-                key_init
-            } else {
-                value_init
-            };
-            append_rows(&t, to - from, init, &name)?
-        } else {
-            t
-        };
-        tensors.insert(name, t);
-    }
+    let init = GrowInit {
+        key_std: (a.key_init == KeyInit::Normal).then_some(a.key_std),
+        value_std: a.value_std,
+        seed: a.seed,
+    };
+    let (tensors, _) = grow_tensors(w.tensors, &old, &target, &init)
+        .map_err(|e| anyhow!("{}: {e}", w.path.display()))?;
     let n_tensors = tensors.len();
 
     let folder = ModelFolder::new(&a.out.out, a.out.force)?;
@@ -429,21 +402,5 @@ mod tests {
         let t = Family::Language(loader::lm_config(&e.config, Path::new("zoo")).unwrap());
         let t = t.token_counts();
         assert_eq!((t.qkv, t.proj, t.ffn), (2140, 2140, 8560));
-    }
-
-    #[test]
-    fn kinds_from_names() {
-        let k = |n: &str| pattention_kind(n).unwrap();
-        assert_eq!(
-            k("layers.3.attention.key.value_param_tokens"),
-            Some(Kind::Qkv)
-        );
-        assert_eq!(
-            k("layers.0.attention.proj.key_param_tokens"),
-            Some(Kind::Proj)
-        );
-        assert_eq!(k("layers.11.mlp.value_param_tokens"), Some(Kind::Ffn));
-        assert_eq!(k("word_embeddings.weight"), None);
-        assert!(pattention_kind("merger.key_param_tokens").is_err());
     }
 }

@@ -276,6 +276,12 @@ fn grow_refuses_what_it_cannot_do_without_writing() {
     );
     let err = fails_cleanly(&grow_args(&bin, &out, "--preset 3B"));
     assert!(err.contains("unknown preset"), "{err}");
+    // Past the config's limits: refused before any tensor grows (the allocator aborted).
+    let err = fails_cleanly(&grow_args(&bin, &out, "--ffn-tokens 100000000000"));
+    assert!(
+        err.contains("ffn_tokens") && err.contains("100000000000") && err.contains("allowed"),
+        "{err}"
+    );
     let nope = tmp.path().join("nope");
     let err = fails_cleanly(&grow_args(&nope, &out, "--qkv-tokens 30"));
     assert!(err.contains("nope"), "{err}");

@@ -336,9 +336,9 @@ impl ImageClassifier {
             })
             .map_err(err)?;
         let mut out = Vec::with_capacity(results.len());
-        for (path, r) in results {
-            let preds =
-                r.map_err(|e| TokenFormerError::new_err(format!("{}: {e}", path.display())))?;
+        for (_, r) in results {
+            // The error names the file already.
+            let preds = r.map_err(err)?;
             let list = preds
                 .iter()
                 .map(|p| {

@@ -82,6 +82,10 @@ def test_classify_equals_the_cli():
         assert [p["name"] for p in g] == [p["name"] for p in w["top5"]]
         np.testing.assert_allclose([p["prob"] for p in g], [p["prob"] for p in w["top5"]], rtol=1e-6)
     assert clf.classify(images[0], k=1)[0]["name"] == "seven"
+    # An unreadable file is an error naming it once, as the command line's.
+    with pytest.raises(tokenformer.TokenFormerError) as e:
+        clf.classify([images[0], __file__])
+    assert str(e.value) == f"{__file__}: not a JPEG, PNG or WebP image (unrecognised contents)"
 
 
 def test_errors_carry_the_library_message(tmp_path):
@@ -98,6 +102,11 @@ def test_errors_carry_the_library_message(tmp_path):
         tokenformer.LanguageModel.from_pretrained(KJV, weights="int4")
     with pytest.raises(tokenformer.TokenFormerError, match='kv_dtype must be "f32" or "f16", not "bf16"'):
         tokenformer.LanguageModel.from_pretrained(KJV, kv_dtype="bf16")
+    lm = tokenformer.LanguageModel.from_pretrained(KJV)
+    with pytest.raises(tokenformer.TokenFormerError, match="`temperature` must be a finite number"):
+        lm.generate("And", temperature=float("nan"))
+    with pytest.raises(tokenformer.TokenFormerError, match="`top_p` must be between 0 and 1, got 2"):
+        lm.generate("And", temperature=0.8, top_p=2.0)
 
 
 def test_an_f16_kv_cache_generates_as_the_cli_does():

@@ -59,10 +59,10 @@ pub struct PileArgs {
     #[arg(long)]
     pub max_length: Option<usize>,
     /// Windows per forward pass (from many documents; results do not depend on it).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = super::positive::<usize>)]
     pub batch_size: usize,
     /// At most this many (padded) tokens per forward pass (default: the window length).
-    #[arg(long)]
+    #[arg(long, value_parser = super::positive::<usize>)]
     pub max_batch_tokens: Option<usize>,
     /// Only documents with this meta.pile_set_name (e.g. "Pile-CC", "ArXiv").
     #[arg(long)]
@@ -75,7 +75,7 @@ pub struct PileArgs {
 #[derive(Args, Debug)]
 pub struct RunArgs {
     /// Only the first N documents (of those --subset selects, for `eval pile`).
-    #[arg(long)]
+    #[arg(long, value_parser = super::positive::<usize>)]
     pub limit: Option<usize>,
     /// Evaluate the deterministic I-th of N parts of the documents (I/N, 0-based); combine with `eval merge`.
     #[arg(long)]
@@ -126,11 +126,11 @@ pub struct TasksArgs {
     #[arg(long)]
     pub max_length: Option<usize>,
     /// Requests per forward pass.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = super::positive::<usize>)]
     pub batch_size: usize,
     /// At most this many (padded) tokens per forward pass (default: 2048 on the CPU,
     /// 32768 on a GPU).
-    #[arg(long)]
+    #[arg(long, value_parser = super::positive::<usize>)]
     pub max_batch_tokens: Option<usize>,
     /// Write every scored document to DIR/samples_<task>_<time>.jsonl, as lm-evaluation-harness's --log_samples.
     #[arg(long, value_name = "DIR")]

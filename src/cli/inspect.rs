@@ -1,46 +1,42 @@
-//! `tokenformer inspect PATH`: what a checkpoint holds, without running it.
+//! `tokenformer inspect MODEL`: what a checkpoint holds, without running it.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 use clap::Args;
 use tokenformer::checkpoint::{self, TensorInfo};
-use tokenformer::loader;
+use tokenformer::loader::{self, ConfigSource, LocateOptions, Weights};
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
-    /// A model folder, a .safetensors file, or an official .bin.
-    pub path: PathBuf,
+    /// A model folder, a .safetensors file or an official .bin (its yml not needed), or a
+    /// zoo name or Hub repo id as the other commands take (downloaded if not cached).
+    pub model: String,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }
 
 pub fn run(a: InspectArgs) -> Result<()> {
-    let p = &a.path;
-    if !p.exists() {
-        bail!("{}: no such file or folder", p.display());
-    }
-    let (files, config) = if p.is_dir() {
-        let files = match checkpoint::safetensors_files(p) {
-            Ok(f) => f,
-            Err(_) if p.join("pytorch_model.bin").exists() => vec![p.join("pytorch_model.bin")],
-            Err(e) => return Err(e.into()),
-        };
-        let cfg = p.join(loader::CONFIG_FILE);
-        (
-            files,
-            cfg.exists().then(|| loader::read_json(&cfg)).transpose()?,
-        )
+    let p = Path::new(&a.model);
+    let (source, files, config) = if p.exists() {
+        let (files, config) = local(p)?;
+        (p.display().to_string(), files, config)
     } else {
-        let cfg = p.with_file_name(loader::CONFIG_FILE);
-        let is_st = p.extension().is_some_and(|e| e == "safetensors");
-        (
-            vec![p.clone()],
-            (is_st && cfg.exists())
-                .then(|| loader::read_json(&cfg))
-                .transpose()?,
-        )
+        let opts = LocateOptions {
+            progress: Some(super::progress::download_bars()),
+            ..Default::default()
+        };
+        let m = loader::locate(&a.model, &opts)?;
+        let files = match m.weights {
+            Weights::Safetensors(f) => f,
+            Weights::OfficialBin(f) => vec![f],
+        };
+        let config = match m.config {
+            ConfigSource::Json { value, .. } => Some(value),
+            ConfigSource::OfficialYml(_) => None,
+        };
+        (m.source, files, config)
     };
     let mut tensors: Vec<TensorInfo> = Vec::new();
     for f in &files {
@@ -50,7 +46,7 @@ pub fn run(a: InspectArgs) -> Result<()> {
     let architecture = detect(&tensors, config.as_ref(), &files);
     if a.json {
         let out = serde_json::json!({
-            "path": p, "architecture": architecture, "parameters": params,
+            "path": source, "architecture": architecture, "parameters": params,
             "config": config, "tensors": tensors,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -68,6 +64,26 @@ pub fn run(a: InspectArgs) -> Result<()> {
         params as f64 / 1e6
     );
     Ok(())
+}
+
+/// The checkpoint files of a path and the config.json beside them, if any.
+fn local(p: &Path) -> Result<(Vec<PathBuf>, Option<serde_json::Value>)> {
+    if p.is_dir() {
+        let files = match checkpoint::safetensors_files(p) {
+            Ok(f) => f,
+            Err(_) if p.join("pytorch_model.bin").exists() => vec![p.join("pytorch_model.bin")],
+            Err(e) => return Err(e.into()),
+        };
+        let cfg = p.join(loader::CONFIG_FILE);
+        let config = cfg.exists().then(|| loader::read_json(&cfg)).transpose()?;
+        return Ok((files, config));
+    }
+    let cfg = p.with_file_name(loader::CONFIG_FILE);
+    let is_st = p.extension().is_some_and(|e| e == "safetensors");
+    let config = (is_st && cfg.exists())
+        .then(|| loader::read_json(&cfg))
+        .transpose()?;
+    Ok((vec![p.to_path_buf()], config))
 }
 
 /// Elements of all tensors, in checked arithmetic: the shapes come from the

@@ -72,6 +72,16 @@ enum Generator {
 }
 
 pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+        repeat_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+    };
+    // Before anything is downloaded or loaded.
+    params.validate()?;
     let dev = a.device.open()?;
     let files = a.model.locate()?;
     // Known before any weights are read, so a wrong --image fails fast.
@@ -93,25 +103,11 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     if text.is_empty() {
         bail!("the prompt is empty: pass --prompt TEXT, --prompt-file FILE or pipe it on stdin");
     }
-    if !(a.repeat_penalty > 0.0 && a.repeat_penalty.is_finite()) {
-        bail!(
-            "--repeat-penalty must be a positive number, got {}",
-            a.repeat_penalty
-        );
-    }
     let prompt = tokenizer
         .encode(text.as_str(), false)
         .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?
         .get_ids()
         .to_vec();
-    let params = SamplingParams {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        seed: a.seed,
-        repeat_penalty: a.repeat_penalty,
-        repeat_last_n: a.repeat_last_n,
-    };
     // Image + text runs the merged model; text alone runs a language model
     // (a merged model's language route when the folder is tokenformer-vl).
     let model = match &a.image {

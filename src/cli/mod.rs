@@ -28,6 +28,19 @@ pub fn describe(e: &anyhow::Error) -> String {
         .join(": ")
 }
 
+/// A count flag (`--batch-size`, `--limit`, `--save-every`, …) for which 0 is no setting
+/// at all: refused while the command line is read, not taken as 1.
+pub(crate) fn positive<T>(s: &str) -> Result<T, String>
+where
+    T: std::str::FromStr<Err: std::fmt::Display> + PartialEq + From<u8>,
+{
+    match s.parse::<T>() {
+        Ok(n) if n == T::from(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn hint(e: &Error) -> Option<String> {
     Some(match e {
         Error::UnknownModel(spec) => format!(

@@ -56,7 +56,8 @@ pub struct TrainArgs {
     pub resume: Option<PathBuf>,
     /// Training data. Language models: .txt (one document), .jsonl or .jsonl.zst (`text`
     /// field), repeatable. Classifiers: a folder of class folders, or one holding `train/`
-    /// (and `val/`, used for validation unless --val-data names another).
+    /// (and `val/`, used for validation unless --val-data names another). Vision-language
+    /// models: a .jsonl of `{"image", "text"}` pairs, image paths relative to the file.
     /// With --distill-from: the calibration data, one text file (.txt, or the `text` of
     /// .jsonl/.jsonl.zst/.parquet documents) or a folder of photos, local or
     /// hf://datasets/OWNER/NAME[@REV]/PATH (default: the samples shipped with the tool).
@@ -70,7 +71,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub val_fraction: Option<f64>,
     /// Validation windows (classifiers: images) evaluated at most (the first ones).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = super::positive::<usize>)]
     pub val_windows: usize,
     /// Output folder: checkpoint-NNNNNN/ folders and metrics.jsonl.
     #[arg(long)]
@@ -132,10 +133,10 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0.5)]
     pub hflip: f64,
     /// Save a checkpoint every N steps (and always at the end).
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = 500, value_parser = super::positive::<u64>)]
     pub save_every: u64,
     /// Evaluate on the held-out text every N steps (and at the end).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = super::positive::<u64>)]
     pub eval_every: u64,
     /// Keep only the newest K checkpoints (0 = keep all).
     #[arg(long, default_value_t = 0)]
@@ -348,6 +349,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
             source,
         );
     }
+    // Named by flag before any data is read (the trainer checks them again).
+    opts.validate()?;
     match loader::architecture(&value) {
         tokenformer::models::tokenformer::ARCHITECTURE => {}
         tokenformer::models::vit::ARCHITECTURE => {
@@ -478,7 +481,7 @@ pub(crate) fn drive<M: Trainable, S: Source<M>, R: Run<M, S>>(
         line[R::COUNTS] = json!(r.tokens);
         run.add_fields(&r, &mut line);
         let end = t.done();
-        if run.has_validation() && (r.step % a.eval_every.max(1) == 0 || end) {
+        if run.has_validation() && (r.step % a.eval_every == 0 || end) {
             run.validate(&t, &mut line)?;
         }
         writeln!(metrics, "{line}").context("writing metrics.jsonl")?;
@@ -486,7 +489,7 @@ pub(crate) fn drive<M: Trainable, S: Source<M>, R: Run<M, S>>(
         let secs = started.elapsed().as_secs_f64().max(1e-9);
         bar.set_message(run.progress(&t, &r, r.step - start_step, secs));
         bar.set_position(r.step);
-        if r.step % a.save_every.max(1) == 0 || end {
+        if r.step % a.save_every == 0 || end {
             last_ckpt = Some(run.save(&t, &a.out)?);
             curve.draw(&a.out)?;
             if a.keep_last > 0 {

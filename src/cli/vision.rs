@@ -35,10 +35,10 @@ pub struct ImagenetArgs {
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Evaluate only the first N images of the sorted list.
-    #[arg(long)]
+    #[arg(long, value_parser = super::positive::<usize>)]
     pub limit: Option<usize>,
     /// Images per forward pass (results do not depend on it).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = super::positive::<usize>)]
     pub batch_size: usize,
     /// Evaluate shard I of N (images whose sorted index ≡ I mod N); combine with `eval merge`.
     #[arg(long, value_name = "I/N")]
@@ -93,9 +93,6 @@ fn append_timm_csv(path: &std::path::Path, r: &imagenet::ImagenetResult) -> Resu
 
 pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
     let dev = a.device.open()?;
-    if a.batch_size == 0 {
-        bail!("--batch-size must be at least 1");
-    }
     let files = a.model.locate()?;
     let dtype = tokenformer::ComputeDtype::from(a.dtype).dtype();
     let model = loader::load_vit_in(&files, &dev, dtype)?;
@@ -202,7 +199,7 @@ pub struct ClassifyArgs {
     #[arg(long)]
     pub json: bool,
     /// Images per forward pass (results do not depend on it).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = super::positive::<usize>)]
     pub batch_size: usize,
     /// Images above this many pixels (width × height, read from the header) are refused, not decoded.
     #[arg(long, env = "TOKENFORMER_MAX_IMAGE_PIXELS", default_value_t = DEFAULT_MAX_PIXELS)]

@@ -168,6 +168,13 @@ impl RepoCache {
         same.then_some((etag, kind))
     }
 
+    /// Whether `snapshots/<commit>/<file>` leads to a blob that is there (not yet
+    /// whether it is the right one: that is checked before it is used).
+    pub(crate) fn has_snapshot(&self, commit: &str, file: &str) -> bool {
+        self.snapshot_etag(commit, file)
+            .is_some_and(|(etag, _)| self.blob_state(&etag) != BlobState::Missing)
+    }
+
     /// Point `snapshots/<commit>/<file>` at `blobs/<etag>` (relative link, replaced
     /// atomically if present).
     pub(crate) fn link_snapshot(

@@ -70,6 +70,16 @@ pub(crate) enum Redirects {
     Content,
 }
 
+/// Whether a request retries transient failures.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Tries {
+    /// Up to the configured `max_retries`, with backoff.
+    Configured,
+    /// One try: the cache can answer instead, so an unreachable Hub is not waited for
+    /// (huggingface_hub's "fast fallback to the local cache").
+    Once,
+}
+
 /// What a request is for, to name in errors (and to keep a download lock alive while
 /// waiting between retries).
 pub(crate) struct Ctx<'a> {
@@ -262,11 +272,28 @@ impl HubClient {
         range_from: Option<u64>,
         ctx: &Ctx,
     ) -> Result<Response, HubError> {
+        self.send_tries(method, url, policy, range_from, Tries::Configured, ctx)
+    }
+
+    /// [`send_range`](Self::send_range) with `tries` deciding whether to retry.
+    pub(crate) fn send_tries(
+        &self,
+        method: Method,
+        url: &Url,
+        policy: Redirects,
+        range_from: Option<u64>,
+        tries: Tries,
+        ctx: &Ctx,
+    ) -> Result<Response, HubError> {
+        let max_retries = match tries {
+            Tries::Configured => self.config.max_retries,
+            Tries::Once => 0,
+        };
         let mut attempt = 0u32;
         let mut timeouts = 0usize;
         loop {
             let result = self.send_once(&method, url, policy, range_from);
-            let last = attempt as usize >= self.config.max_retries;
+            let last = attempt as usize >= max_retries;
             match result {
                 Ok(resp) if is_retryable(resp.status()) && !last => {
                     let wait = self.retry_delay(attempt, resp.headers());
@@ -471,8 +498,8 @@ impl HubClient {
     }
 
     /// GET a JSON document from the API (same-origin redirects only, size-capped).
-    fn get_json(&self, url: &Url, ctx: &Ctx) -> Result<(Value, HeaderMap), HubError> {
-        let resp = self.send(Method::GET, url, Redirects::SameOrigin, ctx)?;
+    fn get_json(&self, url: &Url, tries: Tries, ctx: &Ctx) -> Result<(Value, HeaderMap), HubError> {
+        let resp = self.send_tries(Method::GET, url, Redirects::SameOrigin, None, tries, ctx)?;
         if !resp.status().is_success() {
             return Err(self.status_error(resp, ctx));
         }
@@ -501,12 +528,26 @@ impl HubClient {
         if self.config.offline {
             return self.list_cached(repo);
         }
+        // A revision the cache holds is listed from there when the Hub cannot be reached.
+        let cached = self.cached_commit(repo);
         let ctx = Ctx::new(repo, None, format!("listing files of {repo}"));
         let mut url = self.api_url(repo, &["tree", &repo.revision]);
         url.query_pairs_mut().append_pair("recursive", "true");
         let mut files = Vec::new();
-        for _ in 0..MAX_TREE_PAGES {
-            let (page, headers) = self.get_json(&url, &ctx)?;
+        for n in 0..MAX_TREE_PAGES {
+            let first_with_cache = n == 0 && cached.is_some();
+            let tries = if first_with_cache {
+                Tries::Once
+            } else {
+                Tries::Configured
+            };
+            let (page, headers) = match (self.get_json(&url, tries, &ctx), &cached) {
+                (Ok(page), _) => page,
+                (Err(e), Some(commit)) if first_with_cache && e.is_transient() => {
+                    return self.list_snapshot(repo, commit)
+                }
+                (Err(e), _) => return Err(e),
+            };
             let Some(entries) = page.as_array() else {
                 return Err(HubError::BadResponse {
                     op: ctx.op,
@@ -558,7 +599,8 @@ impl HubClient {
         })
     }
 
-    /// The commit sha the repo's revision points to (offline: from `refs/<revision>`).
+    /// The commit sha the repo's revision points to (offline, or when the Hub cannot be
+    /// reached: from `refs/<revision>`).
     pub fn resolve_commit(&self, repo: &RepoRef) -> Result<String, HubError> {
         if is_commit_sha(&repo.revision) {
             return Ok(repo.revision.to_ascii_lowercase());
@@ -572,7 +614,17 @@ impl HubClient {
             });
         }
         let ctx = Ctx::new(repo, None, format!("resolving the commit of {repo}"));
-        let (info, _) = self.get_json(&self.api_url(repo, &["revision", &repo.revision]), &ctx)?;
+        let cached = self.cached_ref(repo)?;
+        let tries = match cached {
+            Some(_) => Tries::Once,
+            None => Tries::Configured,
+        };
+        let url = self.api_url(repo, &["revision", &repo.revision]);
+        let (info, _) = match (self.get_json(&url, tries, &ctx), cached) {
+            (Ok(answer), _) => answer,
+            (Err(e), Some(commit)) if e.is_transient() => return Ok(commit),
+            (Err(e), _) => return Err(e),
+        };
         match info["sha"].as_str() {
             Some(sha) if is_commit_sha(sha) => Ok(sha.to_ascii_lowercase()),
             Some(sha) => Err(HubError::BadResponse {

@@ -7,7 +7,8 @@
 //! from `resolve/<commit>/<file>` (so a branch moving meanwhile cannot mix versions),
 //! streamed into `blobs/<etag>.incomplete`, checked against the ETag, and renamed into
 //! place; only then does the snapshot link appear. Interrupted transfers resume with a
-//! `Range` request. The files of one call all come from the same commit.
+//! `Range` request. The files of one call all come from the same commit. When the Hub
+//! cannot be reached, a file the cache holds for the revision is used after one try.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -19,7 +20,7 @@ use reqwest::{Method, StatusCode};
 
 use super::cache::{hash_file, BlobLock, BlobState, LockWaitError, RepoCache};
 use super::client::{
-    io_error_detail, io_timed_out, Ctx, HubClient, Redirects, RepoFile, MAX_TIMEOUT_RETRIES,
+    io_error_detail, io_timed_out, Ctx, HubClient, Redirects, RepoFile, Tries, MAX_TIMEOUT_RETRIES,
 };
 use super::error::HubError;
 use super::progress::{DownloadEvent, DownloadProgress};
@@ -113,17 +114,31 @@ impl HubClient {
                 .ok_or_else(not_cached);
         }
         let revision = fixed.as_deref().unwrap_or(&repo.revision);
-        let meta = match self.file_metadata(repo, revision, file) {
+        // Like huggingface_hub: when the Hub cannot be reached, the cache answers, at once
+        // (one try) when it holds the file, after the retries otherwise.
+        let cached = fixed
+            .clone()
+            .or_else(|| cache.read_ref(&repo.revision))
+            .filter(|c| cache.has_snapshot(c, file));
+        let tries = match cached {
+            Some(_) => Tries::Once,
+            None => Tries::Configured,
+        };
+        let meta = match self.file_metadata(repo, revision, file, tries) {
             Ok(m) => m,
-            // Like huggingface_hub: when the Hub cannot be reached, the cache answers.
             Err(e) if e.is_transient() => {
-                let commit = fixed.clone().or_else(|| cache.read_ref(&repo.revision));
-                if let Some(commit) = commit {
-                    if let Some(p) = self.cached_snapshot(&cache, repo, &commit, file)? {
+                let Some(commit) = cached else {
+                    return Err(e);
+                };
+                match self.cached_snapshot(&cache, repo, &commit, file)? {
+                    // The other files of this call then come from the same commit.
+                    Some(p) => {
+                        *pinned = Some(commit);
                         return Ok(p);
                     }
+                    // The cached copy was bad (and is gone): the Hub is the only source.
+                    None => self.file_metadata(repo, revision, file, Tries::Configured)?,
                 }
-                return Err(e);
             }
             Err(e) => return Err(e),
         };
@@ -157,6 +172,7 @@ impl HubClient {
         repo: &RepoRef,
         revision: &str,
         file: &str,
+        tries: Tries,
     ) -> Result<FileMeta, HubError> {
         let ctx = Ctx::new(
             repo,
@@ -164,7 +180,7 @@ impl HubClient {
             format!("downloading {file:?} from {repo}"),
         );
         let url = self.resolve_url(repo, revision, file);
-        let resp = self.send(Method::HEAD, &url, Redirects::Metadata, &ctx)?;
+        let resp = self.send_tries(Method::HEAD, &url, Redirects::Metadata, None, tries, &ctx)?;
         let status = resp.status();
         if !(status.is_success() || status.is_redirection()) {
             return Err(self.status_error(resp, &ctx));
@@ -548,9 +564,30 @@ impl HubClient {
 
     /// Offline listing: the files cached for the revision's commit.
     pub(crate) fn list_cached(&self, repo: &RepoRef) -> Result<Vec<RepoFile>, HubError> {
-        let cache = RepoCache::new(&self.config.cache_dir, repo);
         let commit = self.resolve_commit(repo)?;
-        let root = cache.snapshot_root(&commit);
+        self.list_snapshot(repo, &commit)
+    }
+
+    /// The commit the cache holds a snapshot of for the revision (the revision itself
+    /// when it is a commit sha), if any.
+    pub(crate) fn cached_commit(&self, repo: &RepoRef) -> Option<String> {
+        let cache = RepoCache::new(&self.config.cache_dir, repo);
+        let commit = if is_commit_sha(&repo.revision) {
+            repo.revision.to_ascii_lowercase()
+        } else {
+            cache.read_ref(&repo.revision)?
+        };
+        cache.snapshot_root(&commit).is_dir().then_some(commit)
+    }
+
+    /// The files cached in the snapshot of `commit`.
+    pub(crate) fn list_snapshot(
+        &self,
+        repo: &RepoRef,
+        commit: &str,
+    ) -> Result<Vec<RepoFile>, HubError> {
+        let cache = RepoCache::new(&self.config.cache_dir, repo);
+        let root = cache.snapshot_root(commit);
         if !root.is_dir() {
             return Err(HubError::NotCached {
                 repo: repo.repo_id(),

@@ -108,12 +108,9 @@ pub enum HubError {
     #[error("cannot publish folder {}: {reason}", folder.display())]
     InvalidFolder { folder: PathBuf, reason: String },
 
-    #[error("I/O error while {op}: {source}")]
-    Io {
-        op: String,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The I/O error is in the message, not also a `source()` (see [`crate::Error::Io`]).
+    #[error("I/O error while {op}: {error}")]
+    Io { op: String, error: std::io::Error },
 
     #[error("invalid Hub configuration: {detail}")]
     Config { detail: String },
@@ -133,10 +130,10 @@ impl HubError {
         }
     }
 
-    pub(crate) fn io(op: impl Into<String>, source: std::io::Error) -> Self {
+    pub(crate) fn io(op: impl Into<String>, error: std::io::Error) -> Self {
         HubError::Io {
             op: op.into(),
-            source,
+            error,
         }
     }
 }

@@ -480,7 +480,7 @@ impl HubClient {
                 endpoint: self.config.endpoint.clone(),
                 detail: self.config.scrub(error_chain(&source)),
             },
-            HFError::Io(source) => HubError::Io { op, source },
+            HFError::Io(error) => HubError::Io { op, error },
             other => HubError::Other {
                 op,
                 detail: self.config.scrub(other.to_string()),

@@ -13,10 +13,15 @@ use serde_json::json;
 use tokenformer::card::ModelCard;
 
 use super::data::agreement_interval;
-use super::mapping::{Exactness, LayerFidelity, Mapping, EXACT_TOLERANCE};
+use super::fit::{import_block, FitCheck, Fitted};
+use super::mapping::{
+    Exactness, ImportedLayer, LayerCheck, LayerFidelity, Mapping, EXACT_TOLERANCE,
+};
 use super::recover::RecoveryReport;
 use crate::output::ModelFolder;
 use tokenformer::source::data::{DataInfo, Unit};
+use tokenformer::source::recover::PattentionBlock;
+use tokenformer::source::{Block, Stack};
 
 /// Marsaglia's xorshift64 (13, 7, 17), the stream of the seeded ids.
 struct XorShift(u64);
@@ -601,10 +606,119 @@ fn end_to_end_line(label: &str, e: &EndToEnd) -> String {
 }
 
 /// The model card's words for a recovered import, after the importer's own.
-pub const RECOVERED_CARD_NOTE: &str = " It was then trained to match the source on the calibration data by distillation (`--recover-steps`: KL of the outputs plus per-layer hidden-state error); `metrics.jsonl` and `loss.png` in this folder record the run, the fidelity section gives agreement before and after.";
+const RECOVERED_CARD_NOTE: &str = " It was then trained to match the source on the calibration data by distillation (`--recover-steps`: KL of the outputs plus per-layer hidden-state error); `metrics.jsonl` and `loss.png` in this folder record the run, the fidelity section gives agreement before and after.";
 
 /// The model card's words for a fitted import, after the importer's own.
-pub const FITTED_CARD_NOTE: &str = " The value tokens of every Pattention were then fitted by ridge least squares on the calibration data, layer by layer on the import's own activations (`--fit values`); the fidelity section gives each part's error before and after.";
+const FITTED_CARD_NOTE: &str = " The value tokens of every Pattention were then fitted by ridge least squares on the calibration data, layer by layer on the import's own activations (`--fit values`); the fidelity section gives each part's error before and after.";
+
+/// The written import measured against the source on the eval data, batch by
+/// batch: each part's error on the source's activations ([`LayerCheck`]), the
+/// end-to-end agreement, a fitted import against the mapping it started from
+/// ([`FitCheck`]) and a recovered one against the import before recovery (run
+/// here, as it was before it was trained).
+pub struct Comparison {
+    check: LayerCheck,
+    agreement: Agreement,
+    fit: Option<FitCheck>,
+    before: Option<Before>,
+}
+
+/// The import before recovery and how it compares.
+struct Before {
+    blocks: Vec<PattentionBlock>,
+    agreement: Agreement,
+    paired: PairedAgreement,
+}
+
+/// What [`Comparison::finish`] gives the report.
+pub struct Compared {
+    pub layers: Vec<LayerFidelity>,
+    pub end_to_end: EndToEnd,
+    pub fit: Option<FitReport>,
+    /// With recovery: the import before it, end to end, and how recovery changed
+    /// top-1 agreement on the same items.
+    pub before_recovery: Option<(EndToEnd, AgreementChange)>,
+}
+
+impl Comparison {
+    /// For the import of `mapped` layers, `fitted` when their values were fitted, and
+    /// `recovered` when distillation then trained it further (the import before
+    /// recovery is `fitted`'s layers, or `mapped` when nothing was fitted).
+    pub fn new(
+        mapped: &[ImportedLayer],
+        fitted: Option<&Fitted>,
+        recovered: bool,
+        map: &Mapping,
+    ) -> Result<Self> {
+        let imported = fitted.map_or(mapped, |f| &f.layers);
+        let before = if recovered {
+            Some(Before {
+                blocks: imported
+                    .iter()
+                    .map(|l| import_block(l, map))
+                    .collect::<Result<_>>()?,
+                agreement: Agreement::default(),
+                paired: PairedAgreement::default(),
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            check: LayerCheck::new(imported, map)?,
+            agreement: Agreement::default(),
+            fit: fitted.map(|f| FitCheck::new(mapped, f, map)).transpose()?,
+            before,
+        })
+    }
+
+    /// Adds one eval batch: x [b, t, d] the source's input to its first layer,
+    /// `imp_logits` the written import's logits, `head` the copied final norm and
+    /// head (last hidden state → logits) and, for text, the next tokens as
+    /// [`Agreement::add`] takes them.
+    pub fn add<B: Block>(
+        &mut self,
+        stack: &Stack,
+        source: &[B],
+        x: &Tensor,
+        imp_logits: &Tensor,
+        head: impl Fn(&Tensor) -> Result<Tensor>,
+        next: Option<&[u32]>,
+    ) -> Result<()> {
+        let (h, traces) = stack.run(source, x)?;
+        self.check.add(&traces)?;
+        let src_logits = head(&h)?;
+        self.agreement.add(&src_logits, imp_logits, next)?;
+        let before = match &mut self.before {
+            Some(b) => {
+                let logits = head(&stack.run(&b.blocks, x)?.0)?;
+                b.agreement.add(&src_logits, &logits, next)?;
+                b.paired.add(&src_logits, &logits, imp_logits)?;
+                Some(logits)
+            }
+            None => None,
+        };
+        if let Some(fc) = &mut self.fit {
+            // The fitted import is the written one unless recovery trained it further.
+            let fitted_logits = before.as_ref().unwrap_or(imp_logits);
+            fc.add(stack, x, &traces, &src_logits, fitted_logits, &head, next)?;
+        }
+        Ok(())
+    }
+
+    /// The report's numbers, with `imported` the import before recovery (as
+    /// [`Comparison::new`] says) and `eps` the source's LayerNorm eps.
+    pub fn finish(self, imported: &[ImportedLayer], eps: f64, unit: Unit) -> Compared {
+        let (layer_fit, fit) = self.fit.map(|fc| fc.finish(unit)).unzip();
+        Compared {
+            layers: self.check.finish(imported, eps, layer_fit.as_deref()),
+            end_to_end: self.agreement.finish(unit),
+            fit,
+            before_recovery: self
+                .before
+                .map(|b| (b.agreement.finish(unit), b.paired.finish())),
+        }
+    }
+}
 
 /// An importer's own words in the model card.
 pub struct CardText {
@@ -624,7 +738,14 @@ pub fn finish(input: &str, folder: ModelFolder, report: &Report, text: CardText)
     if !Path::new(input).exists() {
         card.set("base_model", json!(input));
     }
-    card.section("Model", text.model);
+    let mut model = text.model;
+    if report.fit.is_some() {
+        model += FITTED_CARD_NOTE;
+    }
+    if report.recovery.is_some() {
+        model += RECOVERED_CARD_NOTE;
+    }
+    card.section("Model", model);
     card.section("Mapping", report.mapping.describe());
     card.section("Fidelity", report.markdown());
     let items: Vec<String> = report

@@ -17,12 +17,9 @@ use tokenformer::source::recover::{recover_lm, FitInputs};
 use tokenformer::source::RawCheckpoint;
 
 use super::args::{FitMode, ImportArgs};
-use super::fidelity::{
-    self, finish, Agreement, CardText, PairedAgreement, Report, FITTED_CARD_NOTE,
-    RECOVERED_CARD_NOTE,
-};
-use super::fit::{fit_values, import_block, FitCheck};
-use super::mapping::{Calibration, LayerCheck, Mapping};
+use super::fidelity::{self, finish, CardText, Comparison, Report};
+use super::fit::fit_values;
+use super::mapping::{Calibration, Mapping};
 use super::recover::{self, RecoveryReport};
 use crate::output::ModelFolder;
 
@@ -231,66 +228,28 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
 
     // The written folder, loaded as any user would, against the source on the eval text.
     let model = loader::load_lm(&folder.files()?, &dev)?;
-    let mut check = LayerCheck::new(imported, &map)?;
-    let mut agreement = Agreement::default();
-    let mut fit_check = fitted
-        .as_ref()
-        .map(|f| FitCheck::new(&mapped, f, &map))
-        .transpose()?;
-    // With recovery: the import before it, run here, against the written one.
-    let before_blocks = match recovered {
-        Some(_) => Some(
-            imported
-                .iter()
-                .map(|l| import_block(l, &map))
-                .collect::<Result<Vec<_>>>()?,
-        ),
-        None => None,
-    };
-    let (mut before_agreement, mut before_paired) =
-        (Agreement::default(), PairedAgreement::default());
+    let mut compare = Comparison::new(&mapped, fitted.as_ref(), recovered.is_some(), &map)?;
     for w in eval_ids.chunks(window) {
         let x = embed(w)?;
-        let (h, traces) = stack.run(&src.body.layers, &x)?;
-        check.add(&traces)?;
-        let src_logits = source_logits(&h)?;
         let imp_logits = model
             .forward(&Tensor::new(w, &dev)?.unsqueeze(0)?, None)?
             .squeeze(0)?;
-        agreement.add(&src_logits, &imp_logits, Some(&w[1..]))?;
-        let next = Some(&w[1..]);
-        let before = match &before_blocks {
-            Some(blocks) => {
-                let before = source_logits(&stack.run(blocks, &x)?.0)?;
-                before_agreement.add(&src_logits, &before, next)?;
-                before_paired.add(&src_logits, &before, &imp_logits)?;
-                Some(before)
-            }
-            None => None,
-        };
-        if let Some(fc) = &mut fit_check {
-            let fitted_logits = before.as_ref().unwrap_or(&imp_logits);
-            fc.add(
-                &stack,
-                &x,
-                &traces,
-                &src_logits,
-                fitted_logits,
-                source_logits,
-                next,
-            )?;
-        }
+        compare.add(
+            &stack,
+            &src.body.layers,
+            &x,
+            &imp_logits,
+            source_logits,
+            Some(&w[1..]),
+        )?;
     }
-    let recovery = recovered.map(|(rec, log, seq_len)| {
-        RecoveryReport::new(
-            rec,
-            &log,
-            Some(seq_len),
-            before_agreement.finish(Unit::Tokens),
-            before_paired.finish(),
-        )
-    });
-    let (layer_fit, fit) = fit_check.map(|fc| fc.finish(Unit::Tokens)).unzip();
+    let compared = compare.finish(imported, cfg.eps, Unit::Tokens);
+    let recovery =
+        recovered
+            .zip(compared.before_recovery)
+            .map(|((rec, log, seq_len), (before, change))| {
+                RecoveryReport::new(rec, &log, Some(seq_len), before, change)
+            });
     let not_rep = vec![
         "MLP pre-activation biases (dense_h_to_4h.bias + W·post_attention_layernorm.bias): no constant score exists for LayerNorm outputs; dropped, norms per layer in `dropped_mlp_bias_norm`".to_string(),
         "input/post-attention LayerNorm weights and biases: folded into the following Pattention keys and bias tokens (exact)".to_string(),
@@ -304,12 +263,12 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         evaluation: eval_info,
         eval_images: None,
         parallel_residual: Some(cfg.parallel_residual),
-        layers: check.finish(imported, cfg.eps, layer_fit.as_deref()),
-        end_to_end: agreement.finish(Unit::Tokens),
+        layers: compared.layers,
+        end_to_end: compared.end_to_end,
         copied,
         ignored_buffers: buffers,
         not_representable: not_rep,
-        fit,
+        fit: compared.fit,
         recovery,
     };
     let residual = if cfg.parallel_residual {
@@ -317,15 +276,6 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     } else {
         "The sequential residual is kept."
     };
-    let mut fitted_note = if report.fit.is_some() {
-        FITTED_CARD_NOTE
-    } else {
-        ""
-    }
-    .to_string();
-    if report.recovery.is_some() {
-        fitted_note += RECOVERED_CARD_NOTE;
-    }
     let card = CardText {
         title: format!(
             "TokenFormer LM imported from GPT-NeoX ({} layers, d {})",
@@ -335,7 +285,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         model: format!(
             "A TokenFormer language model initialised from the GPT-NeoX checkpoint `{}` by `tokenformer-convert import --from gpt-neox` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Embeddings, final norm and the untied output matrix are copied unchanged. {residual}",
             a.input, config.qkv_tokens, config.proj_tokens, config.ffn_tokens, map.scale_tokens
-        ) + &fitted_note,
+        ),
     };
     finish(&a.input, folder, &report, card)
 }

@@ -18,11 +18,9 @@ use tokenformer::source::RawCheckpoint;
 use tokenformer::vision::EvalTransform;
 
 use super::args::{FitMode, ImportArgs};
-use super::fidelity::{
-    finish, Agreement, CardText, PairedAgreement, Report, FITTED_CARD_NOTE, RECOVERED_CARD_NOTE,
-};
-use super::fit::{fit_values, import_block, FitCheck};
-use super::mapping::{Calibration, LayerCheck, Mapping};
+use super::fidelity::{finish, CardText, Comparison, Report};
+use super::fit::fit_values;
+use super::mapping::{Calibration, Mapping};
 use super::recover::{self, RecoveryReport};
 use crate::output::ModelFolder;
 
@@ -168,46 +166,18 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
     let model = loader::load_vit(&folder.files()?, &dev)?;
 
     // Source and import on the held-out photos.
-    let mut check = LayerCheck::new(imported, &map)?;
-    let mut agreement = Agreement::default();
-    let mut fit_check = fitted
-        .as_ref()
-        .map(|f| FitCheck::new(&mapped, f, &map))
-        .transpose()?;
-    // With recovery: the import before it, run here, against the written one.
-    let before_blocks = match recovered {
-        Some(_) => Some(
-            imported
-                .iter()
-                .map(|l| import_block(l, &map))
-                .collect::<Result<Vec<_>>>()?,
-        ),
-        None => None,
-    };
-    let (mut before_agreement, mut before_paired) =
-        (Agreement::default(), PairedAgreement::default());
+    let mut compare = Comparison::new(&mapped, fitted.as_ref(), recovered.is_some(), &map)?;
+    let head = |h: &Tensor| Ok(vit_head(&src, h)?);
     let mut measure = |px: &Tensor| -> Result<()> {
         let x = vit_embed(&src, px)?;
-        let (h, traces) = stack.run(&src.body.layers, &x)?;
-        check.add(&traces)?;
-        let src_logits = vit_head(&src, &h)?;
-        let imp_logits = model.forward(px)?;
-        agreement.add(&src_logits, &imp_logits, None)?;
-        let before = match &before_blocks {
-            Some(blocks) => {
-                let before = vit_head(&src, &stack.run(blocks, &x)?.0)?;
-                before_agreement.add(&src_logits, &before, None)?;
-                before_paired.add(&src_logits, &before, &imp_logits)?;
-                Some(before)
-            }
-            None => None,
-        };
-        if let Some(fc) = &mut fit_check {
-            let head = |h: &Tensor| Ok(vit_head(&src, h)?);
-            let fitted_logits = before.as_ref().unwrap_or(&imp_logits);
-            fc.add(&stack, &x, &traces, &src_logits, fitted_logits, head, None)?;
-        }
-        Ok(())
+        compare.add(
+            &stack,
+            &src.body.layers,
+            &x,
+            &model.forward(px)?,
+            head,
+            None,
+        )
     };
     let (evaluation, eval_images) = match &a.probe_pixels {
         Some(p) => {
@@ -232,17 +202,10 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             (eval.info, Some(names))
         }
     };
-    let (layer_fit, fit) = fit_check.map(|fc| fc.finish(Unit::Images)).unzip();
-    let layers = check.finish(imported, src.body.eps, layer_fit.as_deref());
-    let recovery = recovered.map(|(rec, log)| {
-        RecoveryReport::new(
-            rec,
-            &log,
-            None,
-            before_agreement.finish(Unit::Images),
-            before_paired.finish(),
-        )
-    });
+    let compared = compare.finish(imported, src.body.eps, Unit::Images);
+    let recovery = recovered
+        .zip(compared.before_recovery)
+        .map(|((rec, log), (before, change))| RecoveryReport::new(rec, &log, None, before, change));
     let report = Report {
         source: a.input.clone(),
         from: format!("vit ({})", src.meta.layout),
@@ -251,8 +214,8 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         evaluation,
         eval_images,
         parallel_residual: None,
-        layers,
-        end_to_end: agreement.finish(Unit::Images),
+        layers: compared.layers,
+        end_to_end: compared.end_to_end,
         copied: src.copied.clone(),
         ignored_buffers: buffers,
         not_representable: vec![
@@ -261,18 +224,9 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
             "norm1/norm2 weights and biases: folded into the following Pattention keys and bias tokens (exact)".into(),
             "attention output projection input scale: a Pattention is scale-invariant in its input; a per-layer constant is fitted on the calibration images (`proj_input_scale`)".into(),
         ],
-        fit,
+        fit: compared.fit,
         recovery,
     };
-    let mut fitted_note = if report.fit.is_some() {
-        FITTED_CARD_NOTE
-    } else {
-        ""
-    }
-    .to_string();
-    if report.recovery.is_some() {
-        fitted_note += RECOVERED_CARD_NOTE;
-    }
     let card = CardText {
         title: format!(
             "TokenFormer-ViT imported from {} ({} layers, d {})",
@@ -282,7 +236,7 @@ pub fn import(a: &ImportArgs, raw: &mut RawCheckpoint) -> Result<()> {
         model: format!(
             "A TokenFormer image classifier initialised from the {} checkpoint `{}` by `tokenformer-convert import --from vit` (paper: https://arxiv.org/abs/2410.23168). Pattention tokens: {} qkv / {} proj / {} ffn, √n constant {}. Patch embedding, class token, position embedding, final norm and head are copied unchanged. Preprocessing: {}.",
             src.meta.layout, a.input, 4 * d, 4 * d, src.meta.intermediate_size + 4 * d, map.scale_tokens, src.meta.preprocessing
-        ) + &fitted_note,
+        ),
     };
     finish(&a.input, folder, &report, card)
 }
