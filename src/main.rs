@@ -33,7 +33,7 @@ enum Command {
     /// The model registry.
     #[command(subcommand)]
     Zoo(cli::zoo::ZooCommand),
-    /// Top-5 ImageNet classes and probabilities of images.
+    /// The most likely classes of images or folders of images, with their probabilities.
     Classify(cli::vision::ClassifyArgs),
     /// Train a language model, classifier or vision-language model (from a checkpoint or fresh weights).
     Train(cli::train::TrainArgs),

@@ -53,6 +53,87 @@ fn classify_json_has_top5_with_names_and_probabilities() {
     assert!(top5[0]["name"].as_str().unwrap().contains("hammerhead"));
 }
 
+/// A folder is its images, recursively and sorted, as timm's inference script
+/// reads one; `--top-k` takes that many classes (at most the model's) under
+/// the key `top{k}`, and the batches do not change the answer.
+#[test]
+fn classify_walks_folders_and_takes_top_k() {
+    let exp: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("vit-tiny-imagenet/expected.json")).unwrap(),
+    )
+    .unwrap();
+    let (model, data) = (vit(), val());
+    let (o, stdout, e) = tokenformer(&[
+        "classify",
+        "--model",
+        &model,
+        "--json",
+        "--top-k",
+        "3",
+        "--batch-size",
+        "2",
+        &data,
+    ]);
+    assert!(o.status.success(), "{e}");
+    let got: Value = serde_json::from_str(&stdout).unwrap();
+    let got = got.as_array().unwrap();
+    let want = exp["images"].as_array().unwrap();
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(want) {
+        let file = g["file"].as_str().unwrap();
+        assert!(
+            file.ends_with(w["file"].as_str().unwrap()),
+            "{file} vs {}",
+            w["file"]
+        );
+        assert!(g.get("top5").is_none(), "{g}");
+        let top: Vec<&Value> = g["top3"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| &p["index"])
+            .collect();
+        let want_top: Vec<&Value> = w["top5"].as_array().unwrap().iter().take(3).collect();
+        assert_eq!(top, want_top, "{file}");
+    }
+    // A file and a folder together, and K above the model's 10 classes.
+    let first = format!("{}/n01443537/a.JPEG", val());
+    let sub = format!("{}/n01518878", val());
+    let (o, stdout, e) = tokenformer(&[
+        "classify", "--model", &model, "--json", "--topk", "50", &first, &sub,
+    ]);
+    assert!(o.status.success(), "{e}");
+    let got: Value = serde_json::from_str(&stdout).unwrap();
+    let files: Vec<&str> = got
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["file"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        files,
+        [
+            first.clone(),
+            format!("{sub}/d.JPEG"),
+            format!("{sub}/e.JPEG")
+        ]
+    );
+    let all = got[0]["top10"].as_array().unwrap();
+    assert_eq!(all.len(), 10);
+    let total: f64 = all.iter().map(|p| p["prob"].as_f64().unwrap()).sum();
+    assert!((total - 1.0).abs() < 1e-5, "{total}");
+    // A folder with no image in it is an error that names it, before any work.
+    let empty = tempfile::tempdir().unwrap();
+    std::fs::write(empty.path().join("notes.txt"), "not an image").unwrap();
+    let r = tokenformer(&[
+        "classify",
+        "--model",
+        &model,
+        empty.path().to_str().unwrap(),
+    ]);
+    assert_clean_failure(&r, &[empty.path().to_str().unwrap(), "no image files"]);
+}
+
 #[test]
 fn sharded_runs_merge_into_the_whole_run() {
     let dir = tempfile::tempdir().unwrap();

@@ -192,66 +192,107 @@ pub struct ClassifyArgs {
     /// Norms and softmaxes sum in f32 in every dtype.
     #[arg(long, value_enum, default_value_t)]
     pub dtype: DtypeArg,
-    /// Image files (JPEG, PNG, WebP).
-    #[arg(required = true)]
+    /// Image files (JPEG, PNG, WebP), or folders: the images under them, recursively, sorted.
+    #[arg(required = true, value_name = "IMAGE|FOLDER")]
     pub images: Vec<PathBuf>,
-    /// Print JSON: `[{"file", "top5": [{"index", "wnid", "name", "prob"}]}]`.
+    /// The K most likely classes of each image (at most the model's classes, as timm's inference.py).
+    #[arg(long, visible_alias = "topk", value_name = "K", default_value_t = 5, value_parser = super::positive::<usize>)]
+    pub top_k: usize,
+    /// Print JSON: `[{"file", "top5": [{"index", "wnid", "name", "prob"}]}]` (`topK` for --top-k K),
+    /// or `{"file", "error"}` for an image that could not be read.
     #[arg(long)]
     pub json: bool,
     /// Images per forward pass (results do not depend on it).
     #[arg(long, default_value_t = 32, value_parser = super::positive::<usize>)]
     pub batch_size: usize,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
     /// Images above this many pixels (width × height, read from the header) are refused, not decoded.
     #[arg(long, env = "TOKENFORMER_MAX_IMAGE_PIXELS", default_value_t = DEFAULT_MAX_PIXELS)]
     pub max_image_pixels: u64,
 }
 
+/// One image of `classify`: its file and its top classes or why it failed.
+type Classified = (PathBuf, tokenformer::Result<Vec<imagenet::Prediction>>);
+
+/// One image of `classify --json`: `file`, then `top{k}` or `error` (a key
+/// that names k, so the default output keeps its `top5`).
+struct JsonImage<'a> {
+    k: usize,
+    image: &'a Classified,
+}
+
+impl serde::Serialize for JsonImage<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let (file, result) = self.image;
+        let mut m = s.serialize_map(Some(2))?;
+        m.serialize_entry("file", file)?;
+        match result {
+            Ok(top) => m.serialize_entry(&format!("top{}", self.k), top)?,
+            Err(e) => m.serialize_entry("error", &e.to_string())?,
+        }
+        m.end()
+    }
+}
+
+fn print_text(images: &[Classified]) {
+    for (file, r) in images {
+        println!("{}", file.display());
+        match r {
+            Ok(top) => {
+                for p in top {
+                    let label = match (&p.name, &p.wnid) {
+                        (Some(n), Some(w)) => format!("{n} ({w})"),
+                        (None, Some(w)) => w.clone(),
+                        (Some(n), None) => n.clone(),
+                        (None, None) => format!("class {}", p.index),
+                    };
+                    println!("  {:>6.2}%  {:>4}  {label}", 100.0 * p.prob, p.index);
+                }
+            }
+            Err(e) => println!("  error: {e}"),
+        }
+    }
+}
+
 pub fn classify_cmd(a: ClassifyArgs) -> Result<()> {
+    // Folders are listed first, so a mistyped one fails before the model loads.
+    let images = tokenformer::vision::dataset::image_files(&a.images)?;
     let dev = a.device.open()?;
     let files = a.model.locate()?;
     let dtype = tokenformer::ComputeDtype::from(a.dtype).dtype();
     let model = loader::load_vit_in(&files, &dev, dtype)?;
     let limits = DecodeLimits::new(a.max_image_pixels);
-    let results = imagenet::classify_files_with(&model, &a.images, 5, a.batch_size, &limits)?;
-    let failed = results.iter().filter(|(_, r)| r.is_err()).count();
-    if a.json {
-        /// One image of `classify --json`, fields in this order.
-        #[derive(serde::Serialize)]
-        struct Out<'a> {
-            file: &'a std::path::Path,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            top5: Option<&'a [imagenet::Prediction]>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            error: Option<String>,
-        }
-        let out: Vec<Out> = results
-            .iter()
-            .map(|(file, r)| Out {
-                file,
-                top5: r.as_ref().ok().map(Vec::as_slice),
-                error: r.as_ref().err().map(|e| e.to_string()),
-            })
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&out)?);
+    let k = a.top_k.min(model.config().num_classes);
+    // A bar only when there is more than one batch to wait for.
+    let bar = if a.quiet || images.len() <= a.batch_size {
+        ProgressBar::hidden()
     } else {
-        for (file, r) in &results {
-            println!("{}", file.display());
-            match r {
-                Ok(top) => {
-                    for p in top {
-                        let label = match (&p.name, &p.wnid) {
-                            (Some(n), Some(w)) => format!("{n} ({w})"),
-                            (None, Some(w)) => w.clone(),
-                            (Some(n), None) => n.clone(),
-                            (None, None) => format!("class {}", p.index),
-                        };
-                        println!("  {:>6.2}%  {:>4}  {label}", 100.0 * p.prob, p.index);
-                    }
-                }
-                Err(e) => println!("  error: {e}"),
-            }
+        super::progress::bar(
+            images.len() as u64,
+            "{bar:40} {pos}/{len} images  {per_sec}  ETA {eta}",
+        )
+    };
+    let what = format!("{} on batches of {} images", files.source, a.batch_size);
+    let mut results: Vec<Classified> = Vec::with_capacity(images.len());
+    for chunk in images.chunks(a.batch_size) {
+        let part = imagenet::classify_files_with(&model, chunk, k, a.batch_size, &limits)
+            .map_err(|e| super::gpu_memory_error(e.into(), &dev, &what))?;
+        if !a.json {
+            // Printed as each batch ends, so a long run shows its results as it goes.
+            bar.suspend(|| print_text(&part));
         }
+        bar.inc(chunk.len() as u64);
+        results.extend(part);
     }
+    bar.finish_and_clear();
+    if a.json {
+        let out: Vec<JsonImage> = results.iter().map(|image| JsonImage { k, image }).collect();
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    let failed = results.iter().filter(|(_, r)| r.is_err()).count();
     if failed > 0 {
         // The reasons again on stderr, for when stdout goes to a file or a pipe.
         let reasons: Vec<String> = results

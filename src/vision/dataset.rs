@@ -169,6 +169,30 @@ pub fn images_under(dir: &Path) -> Result<Vec<PathBuf>> {
     Walker::new(dir)?.images_under(dir)
 }
 
+/// The images `paths` name, in order: a file as given (whatever its
+/// extension: it was asked for), a folder as the images under it
+/// ([`images_under`]). A folder with no image in it is an error, so a
+/// mistyped path is not a silent empty run.
+pub fn image_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::with_capacity(paths.len());
+    for p in paths {
+        if !p.is_dir() {
+            out.push(p.clone());
+            continue;
+        }
+        let found = images_under(p)?;
+        if found.is_empty() {
+            return Err(Error::input(format!(
+                "{}: no image files under this folder (looked for .{})",
+                p.display(),
+                IMAGE_EXTENSIONS.join(", .")
+            )));
+        }
+        out.extend(found);
+    }
+    Ok(out)
+}
+
 /// Lists `dir`. Without `labels`, `dir` holds one folder per class named by
 /// its wnid; a wnid's class index is its position in `class_wnids`, or in the
 /// sorted folder names when the model has no list. With `labels`, the images
