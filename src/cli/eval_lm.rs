@@ -58,7 +58,7 @@ pub struct PileArgs {
     /// Window length in tokens (default: the model's maximum positions).
     #[arg(long)]
     pub max_length: Option<usize>,
-    /// Windows per forward pass (from many documents; results do not depend on it).
+    /// Windows per forward pass (from many documents; it changes results only in float rounding).
     #[arg(long, default_value_t = 8, value_parser = super::positive::<usize>)]
     pub batch_size: usize,
     /// At most this many (padded) tokens per forward pass (default: the window length).

@@ -1,9 +1,10 @@
 //! ImageNet-style top-1 / top-5 evaluation of a TokenFormer-ViT, with the
 //! timm / MAE eval preprocessing ([`crate::vision::EvalTransform`]), and
-//! single-image classification.
+//! classification of image files ([`classify_each`]).
 //!
-//! Images are decoded and resized on a separate rayon pool one batch ahead of
-//! the model (a bounded channel), so preprocessing overlaps the forward pass.
+//! In both, images are decoded and resized on a separate rayon pool one batch
+//! ahead of the model (a bounded channel), so preprocessing overlaps the
+//! forward pass.
 //! Accuracy is exact: counts over every readable image, as timm's
 //! `validate.py` reports it; unreadable files are listed and counted apart
 //! (among them images above the pixel limit, and entries that are not
@@ -288,8 +289,65 @@ fn percent(correct: usize, total: usize) -> f64 {
     }
 }
 
-/// A batch as the preprocessing thread hands it over: per image, its pixels or why not.
-type Prepared = Vec<(dataset::Sample, Result<Vec<f32>>)>;
+/// The preprocessing of a run: images decoded and resized on a pool of their
+/// own, one batch ahead of the model.
+struct Preprocess<'a> {
+    transform: &'a EvalTransform,
+    limits: &'a DecodeLimits,
+    pool: rayon::ThreadPool,
+}
+
+impl<'a> Preprocess<'a> {
+    fn new(transform: &'a EvalTransform, limits: &'a DecodeLimits) -> Result<Self> {
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("preprocess-{i}"))
+            .build()
+            .map_err(|e| Error::input(format!("cannot start the preprocessing threads: {e}")))?;
+        Ok(Self {
+            transform,
+            limits,
+            pool,
+        })
+    }
+
+    /// Calls `model` on each batch of `items` in order, with each image's
+    /// pixels or why it could not be read, while the next batch is being
+    /// preprocessed. Stops at `model`'s first error.
+    fn run<T: Sync>(
+        &self,
+        items: &[T],
+        path: impl Fn(&T) -> &Path + Sync,
+        batch_size: usize,
+        mut model: impl FnMut(&[T], Vec<Result<Vec<f32>>>) -> Result<()>,
+    ) -> Result<()> {
+        let batch_size = batch_size.max(1);
+        std::thread::scope(|scope| {
+            // Two batches in flight: one being preprocessed while the model runs the other.
+            let (tx, rx) = mpsc::sync_channel::<Vec<Result<Vec<f32>>>>(1);
+            let path = &path;
+            scope.spawn(move || {
+                for chunk in items.chunks(batch_size) {
+                    let loaded = self.pool.install(|| {
+                        chunk
+                            .par_iter()
+                            .map(|item| self.transform.load_with(path(item), self.limits))
+                            .collect()
+                    });
+                    if tx.send(loaded).is_err() {
+                        break; // the model side stopped on an error
+                    }
+                }
+            });
+            // `rx` is dropped on an error, which stops the preprocessing thread.
+            for (chunk, loaded) in items.chunks(batch_size).zip(rx) {
+                model(chunk, loaded)?;
+            }
+            Ok(())
+        })
+    }
+}
 
 /// Progress after each batch, with the images of that batch that could not
 /// be read (counted as unreadable and skipped: warnings for the caller).
@@ -364,39 +422,18 @@ pub fn evaluate_with(
         correct_top1: 0,
         unreadable: Vec::new(),
     };
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|i| format!("preprocess-{i}"))
-        .build()
-        .map_err(|e| Error::input(format!("cannot start the preprocessing threads: {e}")))?;
-
     let (mut correct1, mut correct5, mut images) = (0usize, 0usize, 0usize);
     let mut unreadable_files = Vec::new();
     let start = Instant::now();
-    std::thread::scope(|scope| -> Result<()> {
-        // Two batches in flight: one being preprocessed while the model runs the other.
-        let (tx, rx) = mpsc::sync_channel::<Prepared>(1);
-        let chunks: Vec<&[dataset::Sample]> = samples.chunks(batch_size).collect();
-        let (transform, limits) = (&transform, &limits);
-        let pool = &pool;
-        scope.spawn(move || {
-            for chunk in chunks {
-                let prepared: Prepared = pool.install(|| {
-                    chunk
-                        .par_iter()
-                        .map(|s| (s.clone(), transform.load_with(&s.path, limits)))
-                        .collect()
-                });
-                if tx.send(prepared).is_err() {
-                    break; // the model side stopped on an error
-                }
-            }
-        });
-        for prepared in rx {
-            let mut pixels = Vec::with_capacity(prepared.len());
-            let mut labels = Vec::with_capacity(prepared.len());
-            for (sample, res) in prepared {
+    let preprocess = Preprocess::new(&transform, &limits)?;
+    preprocess.run(
+        &samples,
+        |s| &s.path,
+        batch_size,
+        |chunk, loaded| {
+            let mut pixels = Vec::with_capacity(chunk.len());
+            let mut labels = Vec::with_capacity(chunk.len());
+            for (sample, res) in chunk.iter().zip(loaded) {
                 match res {
                     Ok(p) => {
                         pixels.push(p);
@@ -412,7 +449,7 @@ pub fn evaluate_with(
             if pixels.is_empty() {
                 progress(&state);
                 state.unreadable.clear();
-                continue;
+                return Ok(());
             }
             let n = pixels.len();
             let batch = transform.batch(pixels, model.device())?;
@@ -427,9 +464,9 @@ pub fn evaluate_with(
             (state.images, state.correct_top1) = (images, correct1);
             progress(&state);
             state.unreadable.clear();
-        }
-        Ok(())
-    })?;
+            Ok(())
+        },
+    )?;
     let seconds = start.elapsed().as_secs_f64();
     Ok(ImagenetResult {
         kind: KIND.into(),
@@ -604,6 +641,9 @@ impl Report for ImagenetResult {
     }
 }
 
+/// An image and its top classes, or why it could not be read.
+pub type Classified = (PathBuf, Result<Vec<Prediction>>);
+
 /// One of an image's top classes.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
@@ -625,29 +665,43 @@ pub fn classify_files(
     files: &[PathBuf],
     k: usize,
     batch_size: usize,
-) -> Result<Vec<(PathBuf, Result<Vec<Prediction>>)>> {
+) -> Result<Vec<Classified>> {
     classify_files_with(model, files, k, batch_size, &DecodeLimits::default())
 }
 
 /// The top-`k` classes of each image, or why it could not be read (an image
-/// above `limits` is not decoded). Images are preprocessed in parallel and
-/// run in batches of `batch_size`.
+/// above `limits` is not decoded), in the order of `files`. Images are
+/// preprocessed in parallel and run in batches of `batch_size`.
 pub fn classify_files_with(
     model: &VisionTransformer,
     files: &[PathBuf],
     k: usize,
     batch_size: usize,
     limits: &DecodeLimits,
-) -> Result<Vec<(PathBuf, Result<Vec<Prediction>>)>> {
+) -> Result<Vec<Classified>> {
+    let mut out = Vec::with_capacity(files.len());
+    classify_each(model, files, k, batch_size, limits, |batch| {
+        out.extend(batch)
+    })?;
+    Ok(out)
+}
+
+/// [`classify_files_with`], handing each batch's results to `on_batch` as
+/// soon as it is done, in order; the next batch is preprocessed while the
+/// model runs this one.
+pub fn classify_each(
+    model: &VisionTransformer,
+    files: &[PathBuf],
+    k: usize,
+    batch_size: usize,
+    limits: &DecodeLimits,
+    mut on_batch: impl FnMut(Vec<Classified>),
+) -> Result<()> {
     let cfg = model.config();
     let transform = EvalTransform::from_config(cfg);
     let classes = ClassLabels::for_config(cfg);
-    let mut out = Vec::with_capacity(files.len());
-    for chunk in files.chunks(batch_size.max(1)) {
-        let loaded: Vec<Result<Vec<f32>>> = chunk
-            .par_iter()
-            .map(|p| transform.load_with(p, limits))
-            .collect();
+    let preprocess = Preprocess::new(&transform, limits)?;
+    preprocess.run(files, PathBuf::as_path, batch_size, |chunk, loaded| {
         let ok: Vec<Vec<f32>> = loaded
             .iter()
             .filter_map(|r| r.as_ref().ok().cloned())
@@ -659,21 +713,69 @@ pub fn classify_files_with(
                 .to_vec2::<f32>()?
         };
         let mut rows = probs.into_iter();
-        for (path, r) in chunk.iter().zip(loaded) {
-            let res = r.map(|_| {
-                let row = rows.next().expect("one row per readable image");
-                top_k(&row, k)
-                    .into_iter()
-                    .map(|i| Prediction {
-                        index: i,
-                        wnid: classes.wnid(i).map(str::to_string),
-                        name: classes.name(i).map(str::to_string),
-                        prob: row[i],
-                    })
-                    .collect()
-            });
-            out.push((path.clone(), res));
-        }
+        let batch = chunk
+            .iter()
+            .zip(loaded)
+            .map(|(path, r)| {
+                let res = r.map(|_| {
+                    let row = rows.next().expect("one row per readable image");
+                    top_k(&row, k)
+                        .into_iter()
+                        .map(|i| Prediction {
+                            index: i,
+                            wnid: classes.wnid(i).map(str::to_string),
+                            name: classes.name(i).map(str::to_string),
+                            prob: row[i],
+                        })
+                        .collect()
+                });
+                (path.clone(), res)
+            })
+            .collect();
+        on_batch(batch);
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Batches reach the model in order, each with one result per image,
+    /// and the model's error ends the run at once (the preprocessing thread
+    /// is not left waiting to hand over the next batch).
+    #[test]
+    fn preprocess_hands_over_batches_in_order_and_stops_at_an_error() {
+        let cfg = crate::models::vit::Config::imagenet(2, 32, 2, 8, 16);
+        let transform = EvalTransform::from_config(&cfg);
+        let limits = DecodeLimits::default();
+        let pre = Preprocess::new(&transform, &limits).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let files: Vec<PathBuf> = (0..10)
+            .map(|i| dir.path().join(format!("{i}.png")))
+            .collect();
+        let mut seen = Vec::new();
+        pre.run(&files, PathBuf::as_path, 4, |chunk, loaded| {
+            assert_eq!(chunk.len(), loaded.len());
+            // No such files: each result is an error naming its own file.
+            for (p, r) in chunk.iter().zip(&loaded) {
+                let e = r.as_ref().unwrap_err().to_string();
+                assert!(e.contains(&p.display().to_string()), "{e}");
+            }
+            seen.extend(chunk.iter().cloned());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, files);
+        let mut calls = 0;
+        let r = pre.run(&files, PathBuf::as_path, 1, |_, _| {
+            calls += 1;
+            match calls {
+                3 => Err(Error::input("stop here")),
+                _ => Ok(()),
+            }
+        });
+        assert_eq!(r.unwrap_err().to_string(), "stop here");
+        assert_eq!(calls, 3);
     }
-    Ok(out)
 }
