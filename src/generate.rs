@@ -262,6 +262,11 @@ impl<'t> TextStream<'t> {
         rest
     }
 
+    /// Whether a stop string ended the text.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
     /// The whole generated text (up to the stop string, if one came).
     pub fn into_text(self) -> String {
         self.text

@@ -451,3 +451,55 @@ fn inspect_takes_model_names_as_the_other_commands_do() {
     assert_eq!(out.status.code(), Some(1), "{se}");
     assert!(se.contains("no-such-model"), "{se}");
 }
+
+/// `generate --json` holds the text the stream prints, why it ended (the
+/// length, a stop string, the end-of-text token) and the counts.
+#[test]
+fn generate_json_says_why_it_ended() {
+    let json = |extra: &[&str]| -> serde_json::Value {
+        let mut args = extra.to_vec();
+        args.push("--json");
+        serde_json::from_str(&generate(&args)).unwrap()
+    };
+    let streamed = |extra: &[&str]| -> String {
+        let full = generate(extra);
+        full.strip_prefix(PROMPT)
+            .unwrap()
+            .strip_suffix('\n')
+            .unwrap()
+            .to_string()
+    };
+    let cont = streamed(&["--prompt", PROMPT]);
+    let v = json(&["--prompt", PROMPT]);
+    assert_eq!(v["generated_text"], cont.as_str());
+    assert_eq!(v["prompt"], PROMPT);
+    assert_eq!(v["finish_reason"], "length");
+    assert_eq!(v["generated_tokens"], 40);
+    let lm = LanguageModel::from_pretrained(&kjv(), &PretrainedOptions::default()).unwrap();
+    assert_eq!(v["prompt_tokens"], lm.encode(PROMPT).unwrap().len());
+    let (first, all) = (
+        v["first_token_seconds"].as_f64().unwrap(),
+        v["seconds"].as_f64().unwrap(),
+    );
+    assert!(0.0 < first && first <= all, "{v}");
+    assert!(v["decode_tokens_per_second"].as_f64().unwrap() > 0.0, "{v}");
+
+    let words: Vec<&str> = cont.split_whitespace().collect();
+    let stop = format!(" {}", words[3]);
+    let v = json(&["--prompt", PROMPT, "--stop", &stop]);
+    assert_eq!(v["finish_reason"], "stop_sequence");
+    assert_eq!(v["generated_text"], &cont[..cont.find(&stop).unwrap()]);
+    assert!(v["generated_tokens"].as_u64().unwrap() < 40, "{v}");
+
+    // Sampling ends some texts with the end-of-text token (seeds 0 and 4 of
+    // the first 64 on the host this was written on); search rather than pin
+    // one, as a sample may turn on rounding.
+    let found = (0..256).map(|s| s.to_string()).find_map(|seed| {
+        let args = ["--prompt", PROMPT, "--temperature", "1", "--seed", &seed];
+        let v = json(&args);
+        (v["finish_reason"] == "eos_token").then(|| (streamed(&args), v))
+    });
+    let (text, v) = found.expect("no seed of 256 ended with the end-of-text token");
+    assert_eq!(v["generated_text"], text.as_str());
+    assert!(v["generated_tokens"].as_u64().unwrap() <= 40, "{v}");
+}

@@ -63,6 +63,31 @@ pub struct GenerateArgs {
     /// nothing: a model computing in bf16 or f16 keeps its own keys and values as they are.
     #[arg(long, value_enum, default_value_t)]
     pub kv_dtype: KvDtypeArg,
+    /// Print JSON at the end instead of streaming the text: `generated_text` (the continuation),
+    /// `finish_reason` (`eos_token`, `stop_sequence` or `length`), token counts and timings.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What `generate --json` prints. The names of the text, the finish reason
+/// and the counts are those of text-generation-inference's `details`.
+#[derive(serde::Serialize)]
+struct GenerateReport<'a> {
+    model: &'a str,
+    prompt: &'a str,
+    generated_text: String,
+    finish_reason: &'static str,
+    prompt_tokens: usize,
+    /// Tokens the model produced, an end-of-text token included.
+    generated_tokens: usize,
+    seed: u64,
+    /// From the start of the prompt's forward pass to the first new token.
+    first_token_seconds: f64,
+    /// From the start of the prompt's forward pass to the last new token.
+    seconds: f64,
+    /// The tokens after the first, per second of their own (decoding alone).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decode_tokens_per_second: Option<f64>,
 }
 
 /// What `generate` runs: a merged model with its preprocessed image, or a language model.
@@ -128,16 +153,23 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     };
     let (eos, max) = (text_cfg.eos_token_id, text_cfg.max_position_embeddings);
     let mut stdout = std::io::stdout().lock();
-    write!(stdout, "{text}")?;
-    stdout.flush()?;
+    if !a.json {
+        write!(stdout, "{text}")?;
+        stdout.flush()?;
+    }
     let mut stream = TextStream::new(&tokenizer, &a.stop);
+    let start = std::time::Instant::now();
+    let mut first_token = None;
     let mut on_token = |tok: u32| {
+        first_token.get_or_insert_with(|| start.elapsed());
         if tok == eos {
             return Ok(ControlFlow::Continue(()));
         }
         let (piece, flow) = stream.push(tok)?;
-        let _ = write!(stdout, "{piece}");
-        let _ = stdout.flush();
+        if !a.json {
+            let _ = write!(stdout, "{piece}");
+            let _ = stdout.flush();
+        }
         Ok(flow)
     };
     let budget = token_budget(max, prompt.len(), a.max_new_tokens);
@@ -150,13 +182,40 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         );
     }
     let (kv, n) = (a.kv_dtype.into(), a.max_new_tokens);
-    match &model {
+    let out = match &model {
         Generator::WithImage(m, pixels) => {
             generate_with_image_kv(m, kv, pixels, &prompt, n, params, &mut on_token)?
         }
         Generator::Text(m) => generate_with_kv(m, kv, &prompt, n, params, &mut on_token)?,
     };
-    writeln!(std::io::stdout(), "{}", stream.rest())?;
+    let seconds = start.elapsed().as_secs_f64();
+    if !a.json {
+        writeln!(std::io::stdout(), "{}", stream.rest())?;
+        return Ok(());
+    }
+    let finish_reason = if stream.stopped() {
+        "stop_sequence"
+    } else if out.last() == Some(&eos) {
+        "eos_token"
+    } else {
+        "length"
+    };
+    let first_token_seconds = first_token.map_or(seconds, |d| d.as_secs_f64());
+    let decode_seconds = seconds - first_token_seconds;
+    let report = GenerateReport {
+        model: &files.source,
+        prompt: &text,
+        generated_text: stream.into_text(),
+        finish_reason,
+        prompt_tokens: prompt.len(),
+        generated_tokens: out.len(),
+        seed: a.seed,
+        first_token_seconds,
+        seconds,
+        decode_tokens_per_second: (out.len() > 1 && decode_seconds > 0.0)
+            .then(|| (out.len() - 1) as f64 / decode_seconds),
+    };
+    println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }
 
