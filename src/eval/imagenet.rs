@@ -289,32 +289,29 @@ fn percent(correct: usize, total: usize) -> f64 {
     }
 }
 
-/// The preprocessing of a run: images decoded and resized on a pool of their
-/// own, one batch ahead of the model.
+/// The preprocessing of a run: images decoded and resized in parallel, one
+/// batch ahead of the model.
 struct Preprocess<'a> {
     transform: &'a EvalTransform,
     limits: &'a DecodeLimits,
-    pool: rayon::ThreadPool,
 }
 
-impl<'a> Preprocess<'a> {
-    fn new(transform: &'a EvalTransform, limits: &'a DecodeLimits) -> Result<Self> {
-        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("preprocess-{i}"))
-            .build()
-            .map_err(|e| Error::input(format!("cannot start the preprocessing threads: {e}")))?;
-        Ok(Self {
-            transform,
-            limits,
-            pool,
-        })
+impl Preprocess<'_> {
+    /// Each image's pixels, or why it could not be read.
+    fn load<T: Sync>(
+        &self,
+        chunk: &[T],
+        path: &(impl Fn(&T) -> &Path + Sync),
+    ) -> Vec<Result<Vec<f32>>> {
+        chunk
+            .par_iter()
+            .map(|item| self.transform.load_with(path(item), self.limits))
+            .collect()
     }
 
     /// Calls `model` on each batch of `items` in order, with each image's
     /// pixels or why it could not be read, while the next batch is being
-    /// preprocessed. Stops at `model`'s first error.
+    /// preprocessed on a pool of its own. Stops at `model`'s first error.
     fn run<T: Sync>(
         &self,
         items: &[T],
@@ -323,19 +320,27 @@ impl<'a> Preprocess<'a> {
         mut model: impl FnMut(&[T], Vec<Result<Vec<f32>>>) -> Result<()>,
     ) -> Result<()> {
         let batch_size = batch_size.max(1);
+        if items.len() <= batch_size {
+            // At most one batch (one image from the library's `classify`): nothing
+            // to overlap, so no pool or thread of its own.
+            return match items {
+                [] => Ok(()),
+                _ => model(items, self.load(items, &path)),
+            };
+        }
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("preprocess-{i}"))
+            .build()
+            .map_err(|e| Error::input(format!("cannot start the preprocessing threads: {e}")))?;
         std::thread::scope(|scope| {
             // Two batches in flight: one being preprocessed while the model runs the other.
             let (tx, rx) = mpsc::sync_channel::<Vec<Result<Vec<f32>>>>(1);
-            let path = &path;
+            let (path, pool) = (&path, &pool);
             scope.spawn(move || {
                 for chunk in items.chunks(batch_size) {
-                    let loaded = self.pool.install(|| {
-                        chunk
-                            .par_iter()
-                            .map(|item| self.transform.load_with(path(item), self.limits))
-                            .collect()
-                    });
-                    if tx.send(loaded).is_err() {
+                    if tx.send(pool.install(|| self.load(chunk, path))).is_err() {
                         break; // the model side stopped on an error
                     }
                 }
@@ -425,7 +430,10 @@ pub fn evaluate_with(
     let (mut correct1, mut correct5, mut images) = (0usize, 0usize, 0usize);
     let mut unreadable_files = Vec::new();
     let start = Instant::now();
-    let preprocess = Preprocess::new(&transform, &limits)?;
+    let preprocess = Preprocess {
+        transform: &transform,
+        limits: &limits,
+    };
     preprocess.run(
         &samples,
         |s| &s.path,
@@ -700,7 +708,10 @@ pub fn classify_each(
     let cfg = model.config();
     let transform = EvalTransform::from_config(cfg);
     let classes = ClassLabels::for_config(cfg);
-    let preprocess = Preprocess::new(&transform, limits)?;
+    let preprocess = Preprocess {
+        transform: &transform,
+        limits,
+    };
     preprocess.run(files, PathBuf::as_path, batch_size, |chunk, loaded| {
         let ok: Vec<Vec<f32>> = loaded
             .iter()
@@ -749,7 +760,10 @@ mod tests {
         let cfg = crate::models::vit::Config::imagenet(2, 32, 2, 8, 16);
         let transform = EvalTransform::from_config(&cfg);
         let limits = DecodeLimits::default();
-        let pre = Preprocess::new(&transform, &limits).unwrap();
+        let pre = Preprocess {
+            transform: &transform,
+            limits: &limits,
+        };
         let dir = tempfile::tempdir().unwrap();
         let files: Vec<PathBuf> = (0..10)
             .map(|i| dir.path().join(format!("{i}.png")))
@@ -767,6 +781,17 @@ mod tests {
         })
         .unwrap();
         assert_eq!(seen, files);
+        // One batch runs on the calling side; no items, no call.
+        let mut calls = 0;
+        pre.run(&files, PathBuf::as_path, 16, |chunk, loaded| {
+            calls += 1;
+            assert_eq!((chunk, loaded.len()), (&files[..], files.len()));
+            Ok(())
+        })
+        .unwrap();
+        pre.run(&files[..0], PathBuf::as_path, 16, |_, _| panic!("no batch"))
+            .unwrap();
+        assert_eq!(calls, 1);
         let mut calls = 0;
         let r = pre.run(&files, PathBuf::as_path, 1, |_, _| {
             calls += 1;
