@@ -290,6 +290,51 @@ impl<'t> TextStream<'t> {
     }
 }
 
+/// Why a generation ended, named as text-generation-inference names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// The model chose its end-of-text token.
+    EosToken,
+    /// A stop string appeared (the text ends before it).
+    StopSequence,
+    /// The token budget (or the model's context) ran out.
+    Length,
+}
+
+impl FinishReason {
+    /// Why the generation of `tokens`, decoded by `stream`, ended.
+    pub fn of(tokens: &[u32], eos: u32, stream: &TextStream) -> Self {
+        if stream.stopped() {
+            Self::StopSequence
+        } else if tokens.last() == Some(&eos) {
+            Self::EosToken
+        } else {
+            Self::Length
+        }
+    }
+
+    /// `eos_token`, `stop_sequence` or `length`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::EosToken => "eos_token",
+            Self::StopSequence => "stop_sequence",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// One prompt's finished generation.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Generation {
+    /// The continuation (before a stop string, without the end-of-text token).
+    pub generated_text: String,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    /// Tokens the model produced, an end-of-text token included.
+    pub generated_tokens: usize,
+}
+
 /// Generates up to `max_new_tokens` after `prompt`, calling `on_token` for each
 /// new token as soon as it is chosen; stops after the EOS token or when
 /// `on_token` says `Break` (e.g. at a stop string, see [`TextStream`]).
@@ -416,18 +461,7 @@ fn decode(
 ) -> Result<Vec<u32>> {
     params.validate()?;
     let cfg = text.config();
-    if prompt.is_empty() {
-        return Err(Error::input("the prompt is empty: give at least one token"));
-    }
-    let max = cfg.max_position_embeddings;
-    if prompt.len() >= max {
-        return Err(Error::input(format!(
-            "the prompt has {} tokens but the model's context is {max} positions: nothing can be generated",
-            prompt.len()
-        )));
-    }
-    text.check_ids(prompt)?;
-    let budget = token_budget(max, prompt.len(), max_new_tokens);
+    let budget = check_prompt(text, prompt, max_new_tokens)?;
     let mut sampler = Sampler::new(params);
     let mut out = Vec::with_capacity(budget);
     let mut history = prompt.to_vec();
@@ -444,6 +478,141 @@ fn decode(
         input = vec![next];
     }
     Ok(out)
+}
+
+/// Checks a prompt for `text`'s generation and returns its token budget.
+fn check_prompt(text: &TokenFormerLm, prompt: &[u32], max_new_tokens: usize) -> Result<usize> {
+    if prompt.is_empty() {
+        return Err(Error::input("the prompt is empty: give at least one token"));
+    }
+    let max = text.config().max_position_embeddings;
+    if prompt.len() >= max {
+        return Err(Error::input(format!(
+            "the prompt has {} tokens but the model's context is {max} positions: nothing can be generated",
+            prompt.len()
+        )));
+    }
+    text.check_ids(prompt)?;
+    Ok(token_budget(max, prompt.len(), max_new_tokens))
+}
+
+/// [`generate_with_kv`] for many prompts, up to `batch_size` at a time, as
+/// continuous batching does: each prompt runs alone once, then the
+/// sequences in flight take one decode step together
+/// ([`TokenFormerLm::forward_rows`]: the weights are read once per step for
+/// all of them), and a finished sequence's place goes to the next prompt.
+/// `on_token(i, token)` sees each token of prompt `i` as it is chosen;
+/// `Break` ends that sequence. Each sequence samples with its own generator
+/// seeded with `params.seed`, so prompt `i` gets what [`generate_with_kv`]
+/// gives it alone, up to the float rounding of the batched products.
+/// Returns each prompt's tokens, in the prompts' order.
+pub fn generate_batch(
+    model: &TokenFormerLm,
+    kv: KvDtype,
+    prompts: &[impl AsRef<[u32]>],
+    max_new_tokens: usize,
+    params: SamplingParams,
+    batch_size: usize,
+    mut on_token: impl FnMut(usize, u32) -> Result<ControlFlow<()>>,
+) -> Result<Vec<Vec<u32>>> {
+    params.validate()?;
+    if batch_size == 0 {
+        return Err(Error::option("batch_size", "must be at least 1"));
+    }
+    let budgets = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            check_prompt(model, p.as_ref(), max_new_tokens)
+                .map_err(|e| Error::input(format!("prompt #{}: {e}", i + 1)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let cfg = model.config();
+    let mut results = vec![Vec::new(); prompts.len()];
+    let mut waiting = prompts.iter().zip(budgets).enumerate();
+    let mut flight: Vec<Flight> = Vec::with_capacity(batch_size);
+    loop {
+        while flight.len() < batch_size {
+            let Some((i, (prompt, budget))) = waiting.next() else {
+                break;
+            };
+            let prompt = prompt.as_ref();
+            if budget == 0 {
+                continue;
+            }
+            let mut f = Flight {
+                index: i,
+                cache: Cache::for_positions(cfg, kv, prompt.len() + budget),
+                sampler: Sampler::new(params.clone()),
+                history: prompt.to_vec(),
+                out: Vec::with_capacity(budget),
+                budget,
+            };
+            let input = Tensor::new(prompt, model.device())?.unsqueeze(0)?;
+            let logits = model.forward_with(&input, Some(&mut f.cache), Logits::Last)?;
+            if f.take(
+                &logits.squeeze(0)?.squeeze(0)?,
+                cfg.eos_token_id,
+                &mut on_token,
+            )? {
+                results[i] = f.out;
+            } else {
+                flight.push(f);
+            }
+        }
+        if flight.is_empty() {
+            return Ok(results);
+        }
+        let last: Vec<u32> = flight
+            .iter()
+            .map(|f| f.history[f.history.len() - 1])
+            .collect();
+        let ids = Tensor::new(last, model.device())?.unsqueeze(1)?;
+        let logits = {
+            let mut caches: Vec<&mut Cache> = flight.iter_mut().map(|f| &mut f.cache).collect();
+            model.forward_rows(&ids, &mut caches)?
+        };
+        let mut still = Vec::with_capacity(batch_size);
+        for (r, mut f) in flight.drain(..).enumerate() {
+            let row = logits.get(r)?.squeeze(0)?;
+            if f.take(&row, cfg.eos_token_id, &mut on_token)? {
+                results[f.index] = f.out;
+            } else {
+                still.push(f);
+            }
+        }
+        flight = still;
+    }
+}
+
+/// A sequence of [`generate_batch`] being generated.
+struct Flight {
+    /// Its prompt's place.
+    index: usize,
+    cache: Cache,
+    sampler: Sampler,
+    /// The prompt and the tokens chosen so far.
+    history: Vec<u32>,
+    out: Vec<u32>,
+    budget: usize,
+}
+
+impl Flight {
+    /// Chooses the next token from the last position's logits [vocab]; true
+    /// when the sequence has ended (the EOS token, `on_token`'s `Break`, or
+    /// its budget), as [`decode`]'s loop ends.
+    fn take(
+        &mut self,
+        last: &Tensor,
+        eos: u32,
+        on_token: &mut impl FnMut(usize, u32) -> Result<ControlFlow<()>>,
+    ) -> Result<bool> {
+        let next = self.sampler.next(last, &self.history)?;
+        self.out.push(next);
+        self.history.push(next);
+        let stop = on_token(self.index, next)?.is_break();
+        Ok(stop || next == eos || self.out.len() >= self.budget)
+    }
 }
 
 /// The most tokens generation produces: `max_new_tokens`, or fewer when the

@@ -54,7 +54,7 @@ pub mod zoo;
 pub use device::{ComputeDtype, DeviceError, DeviceSpec};
 pub use error::{Error, Result};
 pub use eval::imagenet::Prediction;
-pub use generate::SamplingParams;
+pub use generate::{FinishReason, Generation, SamplingParams};
 pub use hub::HubClient;
 pub use models::lm::{KvDtype, TokenFormerLm};
 pub use models::vit::VisionTransformer;

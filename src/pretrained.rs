@@ -12,7 +12,7 @@ use crate::device::{ComputeDtype, DeviceSpec};
 use crate::error::{Error, Result};
 use crate::eval::imagenet::{self, Prediction};
 use crate::eval::{pile, tasks};
-use crate::generate::{self, SamplingParams};
+use crate::generate::{self, Generation, SamplingParams};
 use crate::hub::HubClient;
 use crate::loader::{self, LocateOptions, ModelFiles};
 use crate::models::lm::{KvDtype, TokenFormerLm};
@@ -220,6 +220,56 @@ impl LanguageModel {
         on_text: impl FnMut(&str) -> Result<()>,
     ) -> Result<String> {
         self.generate_from_ids(&self.encode(prompt)?, max_new_tokens, params, stop, on_text)
+    }
+
+    /// [`generate_until`](Self::generate_until) for many prompts, `batch_size`
+    /// sequences decoded together ([`generate::generate_batch`]): on the CPU a
+    /// step of up to 8 sequences reads the weights once, so it costs about
+    /// what one sequence's step does. Each prompt gets what it would get
+    /// alone (same seed), up to float rounding.
+    pub fn generate_batch(
+        &self,
+        prompts: &[impl AsRef<str>],
+        max_new_tokens: usize,
+        params: SamplingParams,
+        stop: &[impl AsRef<str>],
+        batch_size: usize,
+    ) -> Result<Vec<Generation>> {
+        let ids = prompts
+            .iter()
+            .map(|p| self.encode(p.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
+        let eos = self.model.config().eos_token_id;
+        let mut streams: Vec<_> = ids
+            .iter()
+            .map(|_| generate::TextStream::new(&self.tokenizer, stop))
+            .collect();
+        let (model, kv) = (&self.model, self.kv_cache);
+        let tokens = generate::generate_batch(
+            model,
+            kv,
+            &ids,
+            max_new_tokens,
+            params,
+            batch_size,
+            |i, id| {
+                if id == eos {
+                    return Ok(ControlFlow::Continue(()));
+                }
+                Ok(streams[i].push(id)?.1)
+            },
+        )?;
+        Ok(streams
+            .into_iter()
+            .zip(tokens)
+            .zip(&ids)
+            .map(|((stream, out), prompt)| Generation {
+                finish_reason: generate::FinishReason::of(&out, eos, &stream),
+                generated_text: stream.into_text(),
+                prompt_tokens: prompt.len(),
+                generated_tokens: out.len(),
+            })
+            .collect())
     }
 
     /// [`generate_with`](Self::generate_with) from a prompt already in token ids.

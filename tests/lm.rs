@@ -572,3 +572,190 @@ fn q8_weights_decode_like_their_own_prefill_and_stay_close_to_f32() {
         a.len()
     );
 }
+
+/// Batched decoding: sequences of different lengths, each with its own cache,
+/// take one step together and get what each gets alone (positions, rotary
+/// and attention per row; the products shared), step after step.
+#[test]
+fn rows_decode_each_sequence_as_it_would_alone() {
+    let (_, model) = fixture_model();
+    let input = |part: &[u32]| {
+        Tensor::new(part, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap()
+    };
+    let prompts: Vec<Vec<u32>> = [5u32, 11, 2]
+        .iter()
+        .map(|&n| (0..n).map(|i| (i * 977 + n * 31) % 50_000).collect())
+        .collect();
+    let (mut together, mut alone): (Vec<Cache>, Vec<Cache>) = prompts
+        .iter()
+        .map(|p| {
+            let mut a = Cache::new(model.config());
+            let mut b = Cache::new(model.config());
+            model.forward(&input(p), Some(&mut a)).unwrap();
+            model.forward(&input(p), Some(&mut b)).unwrap();
+            (a, b)
+        })
+        .unzip();
+    let diff = |a: &Tensor, b: &Tensor| -> f32 {
+        f32s(&(a - b).unwrap().abs().unwrap())
+            .into_iter()
+            .fold(0.0, f32::max)
+    };
+    for step in 0..4u32 {
+        let next: Vec<u32> = (0..3).map(|r| 100 + 1000 * r + 7 * step).collect();
+        let ids = Tensor::new(&next[..], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(1)
+            .unwrap();
+        let mut caches: Vec<&mut Cache> = together.iter_mut().collect();
+        let got = model.forward_rows(&ids, &mut caches).unwrap();
+        assert_eq!(got.dims(), &[3, 1, model.config().vocab_size]);
+        for (r, cache) in alone.iter_mut().enumerate() {
+            let want = model
+                .forward_with(&input(&next[r..r + 1]), Some(cache), Logits::Last)
+                .unwrap();
+            let d = diff(&got.get(r).unwrap(), &want.squeeze(0).unwrap());
+            assert!(d < 1e-4, "step {step}, row {r}: max diff {d}");
+            assert_eq!(together[r].len(), prompts[r].len() + step as usize + 1);
+        }
+        // The rows differ, so no row can pass by matching another's.
+        assert!(diff(&got.get(0).unwrap(), &got.get(2).unwrap()) > 1e-3);
+    }
+    let ids = Tensor::new(&[[1u32], [2]], &Device::Cpu).unwrap();
+    let mut one: Vec<&mut Cache> = together.iter_mut().take(1).collect();
+    let e = model.forward_rows(&ids, &mut one).unwrap_err().to_string();
+    assert!(e.contains("a cache per row"), "{e}");
+}
+
+/// `generate_batch` gives every prompt what `generate` gives it alone, greedy
+/// and sampled, whatever the batch size (1, fewer than the prompts so that
+/// finished sequences hand their place on, more than the prompts), with a
+/// prompt whose budget the context cuts and one with no budget at all.
+#[test]
+fn batched_generation_gives_each_prompt_its_own_generation() {
+    use tokenformer::generate::{generate_batch, generate_with_kv, SamplingParams};
+    use tokenformer::KvDtype;
+    let (_, model) = fixture_model();
+    let max = model.config().max_position_embeddings as u32;
+    let mut prompts: Vec<Vec<u32>> = [3u32, 9, 1, 6]
+        .iter()
+        .map(|&n| (0..n).map(|i| (i * 613 + n * 97) % 50_000).collect())
+        .collect();
+    // Three positions left: its budget is 3, not 8.
+    prompts.push((0..max - 3).map(|i| (i * 31 + 5) % 50_000).collect());
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_k: Some(40),
+        seed: 11,
+        ..Default::default()
+    };
+    for params in [SamplingParams::default(), sampled] {
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                generate_with_kv(&model, KvDtype::F32, p, 8, params.clone(), |_| {
+                    Ok(std::ops::ControlFlow::Continue(()))
+                })
+                .unwrap()
+            })
+            .collect();
+        assert_eq!(alone[4].len(), 3);
+        for batch in [1, 2, 8] {
+            let mut seen = vec![Vec::new(); prompts.len()];
+            let got = generate_batch(
+                &model,
+                KvDtype::F32,
+                &prompts,
+                8,
+                params.clone(),
+                batch,
+                |i, t| {
+                    seen[i].push(t);
+                    Ok(std::ops::ControlFlow::Continue(()))
+                },
+            )
+            .unwrap();
+            assert_eq!(got, alone, "batch size {batch}, {params:?}");
+            assert_eq!(seen, alone, "tokens seen as they came");
+        }
+        let none = generate_batch(&model, KvDtype::F32, &prompts, 0, params, 2, |_, _| {
+            unreachable!("no tokens")
+        });
+        assert!(none.unwrap().iter().all(Vec::is_empty));
+    }
+    // A callback's Break ends that sequence only, after the token it saw.
+    let got = generate_batch(
+        &model,
+        KvDtype::F32,
+        &prompts[..3],
+        8,
+        SamplingParams::default(),
+        3,
+        |i, _| {
+            Ok(if i == 1 {
+                std::ops::ControlFlow::Break(())
+            } else {
+                std::ops::ControlFlow::Continue(())
+            })
+        },
+    )
+    .unwrap();
+    assert_eq!(got.iter().map(Vec::len).collect::<Vec<_>>(), [8, 1, 8]);
+    // A bad prompt is named by its place, before anything runs.
+    let bad = [vec![1u32, 2], vec![]];
+    let e = generate_batch(
+        &model,
+        KvDtype::F32,
+        &bad,
+        4,
+        SamplingParams::default(),
+        2,
+        |_, _| Ok(std::ops::ControlFlow::Continue(())),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("prompt #2") && e.contains("empty"), "{e}");
+}
+
+/// The library's batched generation on the shipped trained model: the text of
+/// each prompt equals `generate_until`'s, with stop strings, and each of the
+/// three finish reasons is the one that happened.
+#[test]
+fn batched_generation_ends_each_text_for_its_own_reason() {
+    use tokenformer::{FinishReason, LanguageModel, SamplingParams};
+    let lm =
+        LanguageModel::from_pretrained(zoo("tiny-kjv-lm").to_str().unwrap(), &Default::default())
+            .unwrap();
+    let prompts = [
+        "a handwritten",
+        "And God said",
+        "In the beginning God created",
+    ];
+    let stop = ["Behold"];
+    let got = lm
+        .generate_batch(&prompts, 12, SamplingParams::default(), &stop, 2)
+        .unwrap();
+    for (p, g) in prompts.iter().zip(&got) {
+        let alone = lm
+            .generate_until(p, 12, SamplingParams::default(), &stop)
+            .unwrap();
+        assert_eq!(g.generated_text, alone, "{p}");
+        assert_eq!(g.prompt_tokens, lm.encode(p).unwrap().len());
+        assert!(g.generated_tokens >= 1 && g.generated_tokens <= 12);
+    }
+    let reasons: Vec<FinishReason> = got.iter().map(|g| g.finish_reason).collect();
+    assert_eq!(
+        reasons,
+        [
+            FinishReason::EosToken,
+            FinishReason::StopSequence,
+            FinishReason::Length
+        ],
+        "{got:?}"
+    );
+    assert_eq!(got[2].generated_tokens, 12);
+    assert_eq!(got[1].generated_text, " unto him, ");
+}

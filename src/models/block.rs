@@ -243,6 +243,12 @@ pub enum AttentionMode<'a> {
     },
     /// Vision: every token sees every token, no positions here.
     Bidirectional,
+    /// Language, one new token for each of several sequences (x [n, 1, d]):
+    /// row r is at position `caches[r].len()` and attends over its own cache.
+    Rows {
+        rotary: &'a Rotary,
+        caches: Vec<&'a mut LayerCache>,
+    },
 }
 
 /// Multi-head attention whose q/k/v/output projections are Pattention layers.
@@ -345,6 +351,12 @@ impl Attention {
                 offset,
                 cache,
             } => (Some((rotary, offset)), cache),
+            AttentionMode::Rows { rotary, caches } => {
+                if prefix.is_some() {
+                    candle_core::bail!("one-token rows take no prefix keys")
+                }
+                return self.forward_rows(x, rotary, caches);
+            }
         };
         let (q, k, v) = self.project_qkv(x, rotary)?;
         let (ks, vs) = match prefix {
@@ -358,6 +370,37 @@ impl Attention {
         // Causal counts from the end, so the prefix and the cache are "past".
         let out = crate::kernels::attention(&q, &ks, &vs, causal)?;
         Ok((self.proj.forward(&out)?, (k, v)))
+    }
+
+    /// [`AttentionMode::Rows`]: the projections of all rows at once (one
+    /// pass over the weights), then each row rotated at its own position and
+    /// attending over its own cache, as a one-token decode step of that
+    /// sequence alone would.
+    fn forward_rows(
+        &self,
+        x: &Tensor,
+        rotary: &Rotary,
+        caches: Vec<&mut LayerCache>,
+    ) -> Result<(Tensor, KeyValues)> {
+        let (n, t, _) = x.dims3()?;
+        if t != 1 || n != caches.len() {
+            candle_core::bail!(
+                "rows take one token each and a cache per row: x of {n}×{t} tokens, {} caches",
+                caches.len()
+            )
+        }
+        let (q, k, v) = self.project_qkv(x, None)?;
+        let (mut outs, mut keys) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (r, cache) in caches.into_iter().enumerate() {
+            let offset = cache.len();
+            let q = rotary.apply(&q.narrow(0, r, 1)?, offset)?;
+            let k = rotary.apply(&k.narrow(0, r, 1)?, offset)?;
+            let (ks, vs) = cache.append(&k, &v.narrow(0, r, 1)?)?;
+            outs.push(crate::kernels::attention(&q, &ks, &vs, true)?);
+            keys.push(k);
+        }
+        let out = Tensor::cat(&outs, 0)?;
+        Ok((self.proj.forward(&out)?, (Tensor::cat(&keys, 0)?, v)))
     }
 }
 

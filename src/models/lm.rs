@@ -356,6 +356,12 @@ impl Cache {
             Some(kv.dtype()),
         )
     }
+    /// Room for `positions` tokens only (a sequence whose length is known,
+    /// such as a prompt and its token budget), keys and values kept in `kv`.
+    pub fn for_positions(cfg: &Config, kv: KvDtype, positions: usize) -> Self {
+        let positions = positions.min(cfg.max_position_embeddings);
+        Self::with_capacity(cfg.num_layers, positions, Some(kv.dtype()))
+    }
     pub(crate) fn with_capacity(layers: usize, positions: usize, dtype: Option<DType>) -> Self {
         Self {
             layers: (0..layers)
@@ -618,6 +624,50 @@ impl TokenFormerLm {
         crate::kernels::run_forward(ids.device(), ids.elem_count(), || {
             self.forward_here(ids, cache, which)
         })
+    }
+
+    /// One new token for each of several sequences, each at its own
+    /// position with its own cache: ids [n, 1] → logits [n, 1, vocab] (f32),
+    /// row r what [`Self::forward_with`] gives for `ids[r]` with `caches[r]`
+    /// alone, up to float rounding. The rows share the Pattention products, so
+    /// a decode step reads the weights once for all of them (batched
+    /// generation); attention is per row, over that row's cache.
+    pub fn forward_rows(&self, ids: &Tensor, caches: &mut [&mut Cache]) -> Result<Tensor> {
+        let (n, t) = ids.dims2()?;
+        if n == 0 || t != 1 || n != caches.len() {
+            candle_core::bail!(
+                "forward_rows takes one token per row and a cache per row: ids [{n}, {t}], {} caches",
+                caches.len()
+            )
+        }
+        let max = self.cfg.max_position_embeddings;
+        for c in caches.iter() {
+            if c.layers.len() != self.layers.len() {
+                candle_core::bail!(
+                    "a cache of {} layers for a model of {}",
+                    c.layers.len(),
+                    self.layers.len()
+                )
+            }
+            if c.len() + 1 > max {
+                candle_core::bail!(
+                    "sequence of {} tokens exceeds the model's maximum of {max} positions",
+                    c.len() + 1
+                )
+            }
+        }
+        let logits = crate::kernels::run_forward(ids.device(), n, || {
+            let mut x = self.embed(ids)?;
+            for (i, layer) in self.layers.iter().enumerate() {
+                let mode = AttentionMode::Rows {
+                    rotary: &self.rotary,
+                    caches: caches.iter_mut().map(|c| &mut c.layers[i]).collect(),
+                };
+                x = layer.forward(&x, mode)?;
+            }
+            self.head_in_own_dtype(&x)
+        })?;
+        logits.to_dtype(DType::F32)
     }
 
     fn forward_here(
