@@ -585,6 +585,55 @@ pub fn generate_batch(
     }
 }
 
+/// [`generate_batch`] as text: each prompt's continuation decoded by
+/// `tokenizer`, ended at the first of the `stop` strings (before it), with
+/// its finish reason and token counts. `on_token(i)` is called for each
+/// token of prompt `i` (for progress).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_texts(
+    model: &TokenFormerLm,
+    tokenizer: &tokenizers::Tokenizer,
+    kv: KvDtype,
+    prompts: &[impl AsRef<[u32]>],
+    max_new_tokens: usize,
+    params: SamplingParams,
+    stop: &[impl AsRef<str>],
+    batch_size: usize,
+    mut on_token: impl FnMut(usize),
+) -> Result<Vec<Generation>> {
+    let eos = model.config().eos_token_id;
+    let mut streams: Vec<_> = prompts
+        .iter()
+        .map(|_| TextStream::new(tokenizer, stop))
+        .collect();
+    let tokens = generate_batch(
+        model,
+        kv,
+        prompts,
+        max_new_tokens,
+        params,
+        batch_size,
+        |i, id| {
+            on_token(i);
+            if id == eos {
+                return Ok(ControlFlow::Continue(()));
+            }
+            Ok(streams[i].push(id)?.1)
+        },
+    )?;
+    Ok(streams
+        .into_iter()
+        .zip(tokens)
+        .zip(prompts)
+        .map(|((stream, out), prompt)| Generation {
+            finish_reason: FinishReason::of(&out, eos, &stream),
+            generated_text: stream.into_text(),
+            prompt_tokens: prompt.as_ref().len(),
+            generated_tokens: out.len(),
+        })
+        .collect())
+}
+
 /// A sequence of [`generate_batch`] being generated.
 struct Flight {
     /// Its prompt's place.

@@ -239,37 +239,17 @@ impl LanguageModel {
             .iter()
             .map(|p| self.encode(p.as_ref()))
             .collect::<Result<Vec<_>>>()?;
-        let eos = self.model.config().eos_token_id;
-        let mut streams: Vec<_> = ids
-            .iter()
-            .map(|_| generate::TextStream::new(&self.tokenizer, stop))
-            .collect();
-        let (model, kv) = (&self.model, self.kv_cache);
-        let tokens = generate::generate_batch(
-            model,
-            kv,
+        generate::generate_texts(
+            &self.model,
+            &self.tokenizer,
+            self.kv_cache,
             &ids,
             max_new_tokens,
             params,
+            stop,
             batch_size,
-            |i, id| {
-                if id == eos {
-                    return Ok(ControlFlow::Continue(()));
-                }
-                Ok(streams[i].push(id)?.1)
-            },
-        )?;
-        Ok(streams
-            .into_iter()
-            .zip(tokens)
-            .zip(&ids)
-            .map(|((stream, out), prompt)| Generation {
-                finish_reason: generate::FinishReason::of(&out, eos, &stream),
-                generated_text: stream.into_text(),
-                prompt_tokens: prompt.len(),
-                generated_tokens: out.len(),
-            })
-            .collect())
+            |_| {},
+        )
     }
 
     /// [`generate_with`](Self::generate_with) from a prompt already in token ids.

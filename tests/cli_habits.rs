@@ -503,3 +503,69 @@ fn generate_json_says_why_it_ended() {
     assert_eq!(v["generated_text"], text.as_str());
     assert!(v["generated_tokens"].as_u64().unwrap() <= 40, "{v}");
 }
+
+/// `generate --prompts`: many prompts decoded together, one JSON line out per
+/// prompt in the file's order, each what `generate --json` gives that prompt
+/// alone (text, finish reason, counts); bad lines named, the batch flags
+/// refused without it.
+#[test]
+fn generate_prompts_file_gives_each_prompt_its_own_result() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prompts.jsonl");
+    let prompts = [PROMPT, "a handwritten", "In the beginning", "Jesus"];
+    let mut text = String::new();
+    for (i, p) in prompts.iter().enumerate() {
+        text.push_str(&serde_json::json!({ "prompt": p, "id": i }).to_string());
+        text.push_str("\n\n");
+    }
+    std::fs::write(&file, &text).unwrap();
+    let f = file.to_str().unwrap();
+    let words: Vec<String> = generate(&["--prompt", PROMPT])
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    let stop = format!(" {}", words[6]);
+    let common = ["--stop", &stop, "--temperature", "0.7", "--seed", "5"];
+    let mut args = vec!["--prompts", f, "--batch-size", "3", "--quiet"];
+    args.extend(common);
+    let out = generate(&args);
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), prompts.len(), "{out}");
+    let mut reasons = Vec::new();
+    for (i, (v, p)) in lines.iter().zip(prompts).enumerate() {
+        assert_eq!(v["line"], 2 * i + 1, "blank lines are counted, not read");
+        assert_eq!(v["prompt"], p);
+        let mut alone = vec!["--prompt", p, "--json"];
+        alone.extend(common);
+        let want: serde_json::Value = serde_json::from_str(&generate(&alone)).unwrap();
+        for key in [
+            "generated_text",
+            "finish_reason",
+            "prompt_tokens",
+            "generated_tokens",
+        ] {
+            assert_eq!(v[key], want[key], "{p}: {key}");
+        }
+        reasons.push(v["finish_reason"].as_str().unwrap().to_string());
+    }
+    assert!(reasons.contains(&"stop_sequence".into()), "{reasons:?}");
+    assert!(reasons.contains(&"eos_token".into()), "{reasons:?}");
+
+    std::fs::write(&file, "{\"prompt\": \"And\"}\n{\"text\": \"x\"}\n").unwrap();
+    let model = kjv();
+    let res = tokenformer(&["generate", "--model", &model, "--prompts", f]);
+    common::assert_clean_failure(&res, &["prompts.jsonl line 2", "no `prompt`"]);
+    let res = tokenformer(&[
+        "generate",
+        "--model",
+        &model,
+        "--prompt",
+        "x",
+        "--batch-size",
+        "2",
+    ]);
+    common::assert_clean_failure(&res, &["--batch-size", "--prompts"]);
+}

@@ -8,7 +8,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 use clap::Args;
 use tokenformer::generate::{
-    generate_with_image_kv, generate_with_kv, token_budget, SamplingParams, TextStream,
+    generate_with_image_kv, generate_with_kv, token_budget, FinishReason, Generation,
+    SamplingParams, TextStream,
 };
 use tokenformer::loader;
 use tokenformer::models::tokenformer::TokenFormerLm;
@@ -67,6 +68,18 @@ pub struct GenerateArgs {
     /// `finish_reason` (`eos_token`, `stop_sequence` or `length`), token counts and timings.
     #[arg(long)]
     pub json: bool,
+    /// Many prompts: a .jsonl, .jsonl.zst or .parquet file with a `prompt` field per line (`-`:
+    /// JSON lines on stdin). Prints one JSON line per prompt, in order: its `line`, `prompt`,
+    /// `generated_text`, `finish_reason` and token counts. Sequences are decoded --batch-size at a time.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_file", "image", "json"])]
+    pub prompts: Option<PathBuf>,
+    /// With --prompts: sequences decoded together (default 8). A step reads the weights once for
+    /// all of them (on the CPU up to 8 cost about what one does); results change only in float rounding.
+    #[arg(long, value_parser = super::positive::<usize>)]
+    pub batch_size: Option<usize>,
+    /// With --prompts: no progress bar.
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 /// What `generate --json` prints. The names of the text, the finish reason
@@ -76,7 +89,7 @@ struct GenerateReport<'a> {
     model: &'a str,
     prompt: &'a str,
     generated_text: String,
-    finish_reason: &'static str,
+    finish_reason: FinishReason,
     prompt_tokens: usize,
     /// Tokens the model produced, an end-of-text token included.
     generated_tokens: usize,
@@ -108,6 +121,19 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     // Before anything is downloaded or loaded.
     params.validate()?;
     let dev = a.device.open()?;
+    if a.prompts.is_none() && (a.batch_size.is_some() || a.quiet) {
+        // clap's `requires` gives way to the conflict between --prompts and --prompt.
+        bail!(
+            "--batch-size and --quiet are for --prompts: one prompt streams its text as it comes"
+        );
+    }
+    if let Some(path) = &a.prompts {
+        let data = open_lines(path)?;
+        let files = a.model.locate()?;
+        let tokenizer = loader::load_tokenizer(&files)?;
+        let model = a.weights.load_lm(&files, &dev)?;
+        return generate_lines(&a, data, &model, &tokenizer, params);
+    }
     let files = a.model.locate()?;
     // Known before any weights are read, so a wrong --image fails fast.
     let arch = match &files.config {
@@ -193,13 +219,7 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         writeln!(std::io::stdout(), "{}", stream.rest())?;
         return Ok(());
     }
-    let finish_reason = if stream.stopped() {
-        "stop_sequence"
-    } else if out.last() == Some(&eos) {
-        "eos_token"
-    } else {
-        "length"
-    };
+    let finish_reason = FinishReason::of(&out, eos, &stream);
     let first_token_seconds = first_token.map_or(seconds, |d| d.as_secs_f64());
     let decode_seconds = seconds - first_token_seconds;
     let report = GenerateReport {
@@ -217,6 +237,121 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     };
     println!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
+}
+
+/// Prompts read before a batched generation starts: enough to keep
+/// `--batch-size` sequences in flight, few enough to bound memory.
+const PROMPTS_PER_ROUND: usize = 256;
+
+/// `generate --prompts`: each `prompt` of a JSON-lines input continued, one
+/// JSON line out per prompt in the input's order.
+fn generate_lines(
+    a: &GenerateArgs,
+    data: tokenformer::eval::data::DataFile,
+    model: &TokenFormerLm,
+    tokenizer: &tokenizers::Tokenizer,
+    params: SamplingParams,
+) -> Result<()> {
+    #[derive(serde::Serialize)]
+    struct Line<'a> {
+        line: usize,
+        prompt: &'a str,
+        #[serde(flatten)]
+        generation: &'a Generation,
+    }
+    let path = data.path.display().to_string();
+    let bar = if a.quiet {
+        indicatif::ProgressBar::hidden()
+    } else {
+        super::progress::bar(
+            data.size,
+            "{elapsed_precise} [{bar:30}] {percent:>3}% of file {msg} ETA {eta}",
+        )
+    };
+    let lines = tokenformer::eval::data::JsonLines::new(data);
+    let position = lines.position();
+    let max = model.config().max_position_embeddings;
+    let (mut done, mut tokens) = (0usize, 0usize);
+    let start = std::time::Instant::now();
+    let mut out = std::io::stdout().lock();
+    let mut lines = lines.peekable();
+    while lines.peek().is_some() {
+        // (line, prompt text, prompt ids) of this round.
+        let mut round = Vec::with_capacity(PROMPTS_PER_ROUND);
+        for item in lines.by_ref().take(PROMPTS_PER_ROUND) {
+            let (n, value) = item?;
+            let value = value.map_err(|e| anyhow::anyhow!("{path} line {n}: {e}"))?;
+            let Some(text) = value.get("prompt").and_then(|t| t.as_str()) else {
+                bail!("{path} line {n}: no `prompt` string field");
+            };
+            let ids = tokenizer
+                .encode(text, false)
+                .map_err(|e| anyhow::anyhow!("{path} line {n}: tokenizing: {e}"))?
+                .get_ids()
+                .to_vec();
+            if ids.is_empty() {
+                bail!("{path} line {n}: the prompt is empty");
+            }
+            if ids.len() >= max {
+                bail!(
+                    "{path} line {n}: the prompt has {} tokens but the model's context is {max} positions",
+                    ids.len()
+                );
+            }
+            round.push((n, text.to_string(), ids));
+        }
+        let ids: Vec<&[u32]> = round.iter().map(|(_, _, ids)| &ids[..]).collect();
+        let generations = tokenformer::generate::generate_texts(
+            model,
+            tokenizer,
+            a.kv_dtype.into(),
+            &ids,
+            a.max_new_tokens,
+            params.clone(),
+            &a.stop,
+            a.batch_size.unwrap_or(8),
+            |_| {
+                tokens += 1;
+                let secs = start.elapsed().as_secs_f64().max(1e-9);
+                bar.set_position(position.load(std::sync::atomic::Ordering::Relaxed));
+                bar.set_message(format!(
+                    "{done} prompts, {tokens} tokens, {:.1} tok/s",
+                    tokens as f64 / secs
+                ));
+            },
+        )?;
+        for ((n, text, _), generation) in round.iter().zip(&generations) {
+            let line = Line {
+                line: *n,
+                prompt: text,
+                generation,
+            };
+            writeln!(out, "{}", serde_json::to_string(&line)?)?;
+        }
+        out.flush()?;
+        done += round.len();
+    }
+    bar.finish_and_clear();
+    Ok(())
+}
+
+/// A JSON-lines input (`-`: stdin) for `generate --prompts`.
+fn open_lines(path: &std::path::Path) -> Result<tokenformer::eval::data::DataFile> {
+    use tokenformer::eval::data::{DataFile, DEFAULT_MAX_LINE_BYTES};
+    if path.as_os_str() == "-" {
+        return Ok(DataFile::stdin(DEFAULT_MAX_LINE_BYTES));
+    }
+    let name = path.to_string_lossy().to_lowercase();
+    if ![".jsonl", ".jsonl.zst", ".parquet"]
+        .iter()
+        .any(|e| name.ends_with(e))
+    {
+        bail!(
+            "{}: --prompts takes a .jsonl, .jsonl.zst or .parquet file (a `prompt` field per line)",
+            path.display()
+        );
+    }
+    Ok(DataFile::open(path)?)
 }
 
 /// The prompt from --prompt, --prompt-file (`-` = stdin) or, when neither is
