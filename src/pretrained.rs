@@ -239,11 +239,23 @@ impl LanguageModel {
             .iter()
             .map(|p| self.encode(p.as_ref()))
             .collect::<Result<Vec<_>>>()?;
+        self.generate_batch_from_ids(&ids, max_new_tokens, params, stop, batch_size)
+    }
+
+    /// [`generate_batch`](Self::generate_batch) from prompts already in token ids.
+    pub fn generate_batch_from_ids(
+        &self,
+        prompts: &[impl AsRef<[u32]>],
+        max_new_tokens: usize,
+        params: SamplingParams,
+        stop: &[impl AsRef<str>],
+        batch_size: usize,
+    ) -> Result<Vec<Generation>> {
         generate::generate_texts(
             &self.model,
             &self.tokenizer,
             self.kv_cache,
-            &ids,
+            prompts,
             max_new_tokens,
             params,
             stop,

@@ -124,11 +124,13 @@ enum Texts {
     Many(Vec<String>),
 }
 
-/// A prompt as text or as token ids.
+/// A prompt as text or as token ids, or many prompts.
 #[derive(FromPyObject)]
 enum Prompt {
     Text(String),
     Ids(Vec<u32>),
+    Texts(Vec<String>),
+    ManyIds(Vec<Vec<u32>>),
 }
 
 /// A TokenFormer language model with its tokenizer.
@@ -243,11 +245,13 @@ impl LanguageModel {
             .map_err(err)
     }
 
-    /// Continues `prompt` (text or token ids) and returns the new text.
-    /// Greedy when `temperature` is 0; `stop` strings end the text before them.
+    /// Continues `prompt` (text or token ids) and returns the new text; a
+    /// list of prompts gives a list of texts, `batch_size` sequences decoded
+    /// together (each as it would be alone, up to float rounding). Greedy
+    /// when `temperature` is 0; `stop` strings end the text before them.
     #[pyo3(signature = (
         prompt, max_new_tokens=64, *, temperature=0.0, top_k=None, top_p=None,
-        seed=299_792_458, repeat_penalty=1.0, repeat_last_n=64, stop=None
+        seed=299_792_458, repeat_penalty=1.0, repeat_last_n=64, stop=None, batch_size=8
     ))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
@@ -262,7 +266,8 @@ impl LanguageModel {
         repeat_penalty: f32,
         repeat_last_n: usize,
         stop: Option<Vec<String>>,
-    ) -> PyResult<String> {
+        batch_size: usize,
+    ) -> PyResult<Py<PyAny>> {
         let params = SamplingParams {
             temperature,
             top_k,
@@ -272,20 +277,49 @@ impl LanguageModel {
             repeat_last_n,
         };
         let stop = stop.unwrap_or_default();
-        py.detach(|| {
-            let lm = &self.inner;
-            match prompt {
-                Prompt::Text(t) => lm.generate_until(&t, max_new_tokens, params, &stop),
-                Prompt::Ids(ids) => {
-                    lm.generate_from_ids(&ids, max_new_tokens, params, &stop, |_| Ok(()))
-                }
+        let lm = &self.inner;
+        let text = match prompt {
+            Prompt::Texts(ts) => {
+                let ids = ts
+                    .iter()
+                    .map(|t| lm.encode(t))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(err)?;
+                return self.generate_many(py, &ids, max_new_tokens, params, &stop, batch_size);
             }
-        })
-        .map_err(err)
+            Prompt::ManyIds(ids) => {
+                return self.generate_many(py, &ids, max_new_tokens, params, &stop, batch_size)
+            }
+            Prompt::Text(t) => py.detach(|| lm.generate_until(&t, max_new_tokens, params, &stop)),
+            Prompt::Ids(ids) => {
+                py.detach(|| lm.generate_from_ids(&ids, max_new_tokens, params, &stop, |_| Ok(())))
+            }
+        };
+        Ok(text.map_err(err)?.into_pyobject(py)?.into_any().unbind())
     }
 
     fn __repr__(&self) -> String {
         format!("LanguageModel({:?})", self.inner.source())
+    }
+}
+
+impl LanguageModel {
+    /// The texts of `generate` over a list of prompts.
+    fn generate_many(
+        &self,
+        py: Python<'_>,
+        ids: &[Vec<u32>],
+        max_new_tokens: usize,
+        params: SamplingParams,
+        stop: &[String],
+        batch_size: usize,
+    ) -> PyResult<Py<PyAny>> {
+        let lm = &self.inner;
+        let done = py
+            .detach(|| lm.generate_batch_from_ids(ids, max_new_tokens, params, stop, batch_size))
+            .map_err(err)?;
+        let texts: Vec<String> = done.into_iter().map(|g| g.generated_text).collect();
+        Ok(texts.into_pyobject(py)?.into_any().unbind())
     }
 }
 

@@ -69,6 +69,20 @@ def test_generate_equals_the_cli(lm):
     assert lm.generate(lm.encode(prompt), 30) == lm.generate(prompt, 30)
 
 
+def test_a_list_of_prompts_generates_as_the_cli_does(lm, tmp_path):
+    prompts = ["And God said unto Moses,", "a handwritten", "In the beginning", "Jesus"]
+    opts = ["--max-new-tokens", "20", "--temperature", "0.8", "--top-k", "20", "--seed", "7", "--stop", "LORD"]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    lines = cli("generate", "--model", KJV, "--prompts", str(data), "--quiet", *opts).stdout.splitlines()
+    want = [json.loads(line)["generated_text"] for line in lines]
+    sampled = dict(temperature=0.8, top_k=20, seed=7, stop=["LORD"])
+    for batch_size in (1, 3):
+        assert lm.generate(prompts, 20, batch_size=batch_size, **sampled) == want
+    # Each the text it gets alone.
+    assert want == [lm.generate(p, 20, **sampled) for p in prompts]
+
+
 def test_classify_equals_the_cli():
     clf = tokenformer.ImageClassifier.from_pretrained(DIGITS)
     images = sorted(str(p) for p in (EXAMPLES / "seven").iterdir())[:2] + sorted(
@@ -209,6 +223,13 @@ def test_harness_adapter_requests(lm):
     assert text == free[: free.index(word)]
     (short,) = h.generate_until([Req(prompt, {"until": ["zzzz"], "max_gen_toks": 5})])
     assert len(lm.encode(short)) <= 5 and free.startswith(short)
+    # Many requests: those with the same settings are decoded together, each
+    # answer in its request's place and what it gets alone.
+    settings = [{"until": ["."], "max_gen_toks": 12}, {"until": [","], "max_gen_toks": 6}]
+    reqs = [Req(c, settings[i % 2]) for i, c in enumerate(["And God said", "Jesus", "a handwritten", prompt, "In the"])]
+    got = h.generate_until(reqs)
+    assert got == [h.generate_until([r])[0] for r in reqs]
+    assert got[0] == lm.generate("And God said", 12, stop=["."])
 
 
 def test_through_the_harness(tmp_path, lm):

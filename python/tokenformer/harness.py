@@ -14,6 +14,7 @@ tuple (the harness's ``Instance``).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 from . import LanguageModel
@@ -40,8 +41,9 @@ class TokenFormerLM(_Base):
     ``config``: overrides; ``weights``: "f32", "f16" or "q8"; ``device``:
     "cpu" (also when the harness passes none), "cuda", "cuda:N" or "auto";
     ``dtype``: "f32", "bf16" or "f16" (torch's spellings "float32",
-    "bfloat16", "float16" too; "auto" is f32). Harness options it has no use
-    for (``batch_size``, ...) are accepted and ignored.
+    "bfloat16", "float16" too; "auto" is f32). ``batch_size``: how many
+    sequences ``generate_until`` decodes together (default 8; "auto": 8).
+    Harness options it has no use for are accepted and ignored.
     """
 
     def __init__(
@@ -69,6 +71,9 @@ class TokenFormerLM(_Base):
                 dtype="f32" if dtype == "auto" else dtype,
             )
         self.model = model
+        # Sequences generate_until decodes together ("auto" and the like: 8).
+        size = _ignored.get("batch_size")
+        self.batch_size = int(size) if str(size).isdigit() and int(size) > 0 else 8
 
     @property
     def eot_token_id(self) -> int:
@@ -96,15 +101,24 @@ class TokenFormerLM(_Base):
         return out
 
     def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
-        out = []
-        for r in requests:
-            context, kwargs = r.args[0], dict(r.args[1] if len(r.args) > 1 else {})
-            text = self._generate(context, kwargs)
-            self._cache("generate_until", r, text)
-            out.append(text)
+        # Requests with the same generation settings are decoded together.
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(requests):
+            key = json.dumps(self._kwargs(r), sort_keys=True, default=str)
+            groups.setdefault(key, []).append(i)
+        out: list[str] = [""] * len(requests)
+        for idx in groups.values():
+            texts = self._generate([requests[i].args[0] for i in idx], self._kwargs(requests[idx[0]]))
+            for i, text in zip(idx, texts):
+                self._cache("generate_until", requests[i], text)
+                out[i] = text
         return out
 
-    def _generate(self, context: str, kwargs: dict) -> str:
+    @staticmethod
+    def _kwargs(request: Any) -> dict:
+        return dict(request.args[1] if len(request.args) > 1 else {})
+
+    def _generate(self, contexts: list[str], kwargs: dict) -> list[str]:
         until = kwargs.pop("until", None)
         if isinstance(until, str):
             until = [until]
@@ -123,11 +137,11 @@ class TokenFormerLM(_Base):
             sampling["repeat_penalty"] = float(kwargs["repetition_penalty"])
             sampling["repeat_last_n"] = 0  # transformers looks at the whole sequence
         # As the harness: keep the last (max_length - max_gen_toks) context tokens.
-        ids = self.model.encode(context)
         room = max(1, self.max_length - max_gen)
-        prompt: Any = ids[-room:] if len(ids) > room else context
+        prompts = [self.model.encode(c)[-room:] for c in contexts]
         return self.model.generate(
-            prompt, max_gen, temperature=temperature, stop=list(until), **sampling
+            prompts, max_gen, temperature=temperature, stop=list(until),
+            batch_size=self.batch_size, **sampling
         )
 
     def _cache(self, kind: str, request: Any, result: Any) -> None:
