@@ -460,24 +460,22 @@ fn decode(
     mut step: impl FnMut(&[u32]) -> candle_core::Result<Tensor>,
 ) -> Result<Vec<u32>> {
     params.validate()?;
-    let cfg = text.config();
     let budget = check_prompt(text, prompt, max_new_tokens)?;
-    let mut sampler = Sampler::new(params);
-    let mut out = Vec::with_capacity(budget);
-    let mut history = prompt.to_vec();
+    let mut seq = Sequence::new(0, prompt, budget, &params);
+    let eos = text.config().eos_token_id;
+    let mut on_token = |_: usize, t: u32| on_token(t);
+    if budget == 0 {
+        return Ok(Vec::new());
+    }
     let mut input = prompt.to_vec();
-    for _ in 0..budget {
+    loop {
         let logits = step(&input)?;
         let last = logits.squeeze(0)?.get(logits.dim(1)? - 1)?;
-        let next = sampler.next(&last, &history)?;
-        out.push(next);
-        history.push(next);
-        if on_token(next)?.is_break() || next == cfg.eos_token_id {
-            break;
+        if seq.take(&last, eos, &mut on_token)? {
+            return Ok(seq.out);
         }
-        input = vec![next];
+        input = vec![seq.last()];
     }
-    Ok(out)
 }
 
 /// Checks a prompt for `text`'s generation and returns its token budget.
@@ -530,7 +528,8 @@ pub fn generate_batch(
     let cfg = model.config();
     let mut results = vec![Vec::new(); prompts.len()];
     let mut waiting = prompts.iter().zip(budgets).enumerate();
-    let mut flight: Vec<Flight> = Vec::with_capacity(batch_size);
+    // The sequences in flight, each with its own cache.
+    let mut flight: Vec<(Sequence, Cache)> = Vec::with_capacity(batch_size);
     loop {
         while flight.len() < batch_size {
             let Some((i, (prompt, budget))) = waiting.next() else {
@@ -540,45 +539,33 @@ pub fn generate_batch(
             if budget == 0 {
                 continue;
             }
-            let mut f = Flight {
-                index: i,
-                cache: Cache::for_positions(cfg, kv, prompt.len() + budget),
-                sampler: Sampler::new(params.clone()),
-                history: prompt.to_vec(),
-                out: Vec::with_capacity(budget),
-                budget,
-            };
+            let mut seq = Sequence::new(i, prompt, budget, &params);
+            let mut cache = Cache::for_positions(cfg, kv, prompt.len() + budget);
             let input = Tensor::new(prompt, model.device())?.unsqueeze(0)?;
-            let logits = model.forward_with(&input, Some(&mut f.cache), Logits::Last)?;
-            if f.take(
-                &logits.squeeze(0)?.squeeze(0)?,
-                cfg.eos_token_id,
-                &mut on_token,
-            )? {
-                results[i] = f.out;
+            let logits = model.forward_with(&input, Some(&mut cache), Logits::Last)?;
+            let last = logits.squeeze(0)?.squeeze(0)?;
+            if seq.take(&last, cfg.eos_token_id, &mut on_token)? {
+                results[i] = seq.out;
             } else {
-                flight.push(f);
+                flight.push((seq, cache));
             }
         }
         if flight.is_empty() {
             return Ok(results);
         }
-        let last: Vec<u32> = flight
-            .iter()
-            .map(|f| f.history[f.history.len() - 1])
-            .collect();
+        let last: Vec<u32> = flight.iter().map(|(seq, _)| seq.last()).collect();
         let ids = Tensor::new(last, model.device())?.unsqueeze(1)?;
         let logits = {
-            let mut caches: Vec<&mut Cache> = flight.iter_mut().map(|f| &mut f.cache).collect();
+            let mut caches: Vec<&mut Cache> = flight.iter_mut().map(|(_, c)| c).collect();
             model.forward_rows(&ids, &mut caches)?
         };
         let mut still = Vec::with_capacity(batch_size);
-        for (r, mut f) in flight.drain(..).enumerate() {
+        for (r, (mut seq, cache)) in flight.drain(..).enumerate() {
             let row = logits.get(r)?.squeeze(0)?;
-            if f.take(&row, cfg.eos_token_id, &mut on_token)? {
-                results[f.index] = f.out;
+            if seq.take(&row, cfg.eos_token_id, &mut on_token)? {
+                results[seq.index] = seq.out;
             } else {
-                still.push(f);
+                still.push((seq, cache));
             }
         }
         flight = still;
@@ -634,11 +621,10 @@ pub fn generate_texts(
         .collect())
 }
 
-/// A sequence of [`generate_batch`] being generated.
-struct Flight {
-    /// Its prompt's place.
+/// A sequence being generated: its sampler, what it has chosen and when it ends.
+struct Sequence {
+    /// Its prompt's place (in [`generate_batch`]).
     index: usize,
-    cache: Cache,
     sampler: Sampler,
     /// The prompt and the tokens chosen so far.
     history: Vec<u32>,
@@ -646,10 +632,25 @@ struct Flight {
     budget: usize,
 }
 
-impl Flight {
+impl Sequence {
+    fn new(index: usize, prompt: &[u32], budget: usize, params: &SamplingParams) -> Self {
+        Self {
+            index,
+            sampler: Sampler::new(params.clone()),
+            history: prompt.to_vec(),
+            out: Vec::with_capacity(budget),
+            budget,
+        }
+    }
+
+    /// The latest token (of the prompt, before any was chosen).
+    fn last(&self) -> u32 {
+        self.history[self.history.len() - 1]
+    }
+
     /// Chooses the next token from the last position's logits [vocab]; true
-    /// when the sequence has ended (the EOS token, `on_token`'s `Break`, or
-    /// its budget), as [`decode`]'s loop ends.
+    /// when the sequence has ended: `on_token` said `Break`, it was the EOS
+    /// token, or the budget is spent.
     fn take(
         &mut self,
         last: &Tensor,

@@ -2,8 +2,8 @@
 //! machine with a GPU (each test says it is skipped and passes where there is none):
 //! f32 logits of the official fixture and the shipped models equal the CPU's within
 //! 1e-4 relative; cached decoding equals the full forward and greedy generation
-//! picks the CPU's tokens, for the language model and the merged vision-language
-//! model; one training step of each architecture (LM, classifier, the merged model's
+//! (also batched) picks the CPU's tokens, for the language model and the merged
+//! vision-language model; one training step of each architecture (LM, classifier, the merged model's
 //! bridge) equals PyTorch autograd + AdamW (their `train_step.json`) to the CPU's
 //! tolerances, the same checks as the CPU's (tests/common/steps.rs); bf16
 //! perplexity of the shipped validation text is within 0.5 % of f32 and bf16 top-1
@@ -122,6 +122,37 @@ fn greedy_generation_on_the_gpu_picks_the_cpus_tokens() {
     };
     let (want, got) = (run(&Device::Cpu), run(&gpu));
     assert!(want.len() > 1, "{want:?}");
+    assert_eq!(got, want);
+}
+
+/// Batched generation on the GPU (sequences of different lengths decoded
+/// together, each over its own cache) picks the CPU's one-at-a-time tokens.
+#[test]
+fn batched_generation_on_the_gpu_picks_the_cpus_tokens() {
+    use tokenformer::generate::{generate, generate_batch};
+    let Some((gpu, _)) = gpu() else { return };
+    let files = locate(&zoo("tiny-kjv-lm"));
+    let prompts: Vec<Vec<u32>> = [24u32, 5, 13]
+        .iter()
+        .map(|&n| (0..n).map(|i| (i * 53 + n) % 2048).collect())
+        .collect();
+    let params = tokenformer::SamplingParams::default();
+    let cpu = loader::load_lm(&files, &Device::Cpu).unwrap();
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            generate(&cpu, p, 16, params.clone(), |_| {
+                Ok(std::ops::ControlFlow::Continue(()))
+            })
+            .unwrap()
+        })
+        .collect();
+    let on_gpu = loader::load_lm(&files, &gpu).unwrap();
+    let kv = tokenformer::KvDtype::F32;
+    let got = generate_batch(&on_gpu, kv, &prompts, 16, params, 2, |_, _| {
+        Ok(std::ops::ControlFlow::Continue(()))
+    })
+    .unwrap();
     assert_eq!(got, want);
 }
 

@@ -30,7 +30,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub skip_vit: bool,
     /// Run only these parts (comma-separated): prefill, decode, decode_f16, decode_q8,
-    /// decode_f16_kv (f16 weights and KV cache), pattention, matmul, vit, train (training
+    /// decode_f16_kv (f16 weights and KV cache), decode_batch (8 sequences decoded together,
+    /// as `generate --prompts` does), pattention, matmul, vit, train (training
     /// throughput; not run unless named). `TOKENFORMER_KERNELS=portable|avx2|avx512` forces a
     /// kernel path.
     /// On a GPU (`--device cuda`): prefill, ops (where a prefill's time goes, piece by
@@ -51,13 +52,14 @@ pub struct BenchArgs {
 }
 
 /// The parts `--only` names on the CPU.
-const CPU_PARTS: [&str; 10] = [
+const CPU_PARTS: [&str; 11] = [
     "load",
     "prefill",
     "decode",
     "decode_f16",
     "decode_q8",
     "decode_f16_kv",
+    "decode_batch",
     "pattention",
     "matmul",
     "vit",
@@ -234,6 +236,34 @@ pub fn decode(
             ids: chosen.split_off(1),
         })
         .collect())
+}
+
+/// Tokens per second of `rows` sequences decoded together (batched
+/// generation, [`TokenFormerLm::forward_rows`]): each prefilled alone with
+/// its own `prompt` tokens, then `steps` greedy steps of all rows, timed.
+pub fn decode_rows(model: &TokenFormerLm, rows: usize, prompt: usize, steps: usize) -> Result<f64> {
+    let vocab = model.config().vocab_size.min(50_277);
+    let mut caches = Vec::with_capacity(rows);
+    let mut last = Vec::with_capacity(rows);
+    for r in 0..rows {
+        // Each row its own prompt, so the rows attend over different caches.
+        let v: Vec<u32> = (0..prompt as u64)
+            .map(|i| ((i * 2_654_435_761 + r as u64 * 7_919) % vocab as u64) as u32)
+            .collect();
+        let x = Tensor::from_vec(v, (1, prompt), model.device())?;
+        let mut cache = Cache::with_dtype(model.config(), KvDtype::F32);
+        let logits = model.forward_with(&x, Some(&mut cache), Logits::Last)?;
+        last.push(logits.get(0)?.get(0)?.argmax(0)?.to_scalar::<u32>()?);
+        caches.push(cache);
+    }
+    let t = Instant::now();
+    for _ in 0..steps {
+        let x = Tensor::new(&last[..], model.device())?.unsqueeze(1)?;
+        let mut refs: Vec<&mut Cache> = caches.iter_mut().collect();
+        let logits = model.forward_rows(&x, &mut refs)?;
+        last = logits.squeeze(1)?.argmax(1)?.to_vec1::<u32>()?;
+    }
+    Ok((rows * steps) as f64 / t.elapsed().as_secs_f64())
 }
 
 /// GFLOP/s of one Pattention layer (rows × d_in → n tokens → d_out), counting
@@ -466,7 +496,7 @@ pub fn load_timed(
 
 /// Runs the language-model benchmarks of `bench`; `only` (if non-empty)
 /// restricts them to these names: load, prefill, decode, decode_f16,
-/// decode_q8, decode_f16_kv, pattention, matmul, vit.
+/// decode_q8, decode_f16_kv, decode_batch, pattention, matmul, vit.
 pub fn run_lm(
     name: &str,
     cfg: &Config,
@@ -534,6 +564,14 @@ pub fn run_lm(
             &mut out,
             "kv_f16",
             &logit_agreement(&reference, &logits, &ids)?,
+        );
+    }
+    if want("decode_batch") {
+        let rows = tokenformer::kernels::SMALL_ROWS;
+        let tps = decode_rows(&model, rows, prompt, 32)?;
+        out.insert(
+            format!("decode_batch{rows}_tokens_per_s"),
+            json!(round(tps, 2)),
         );
     }
     drop(model);
