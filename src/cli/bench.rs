@@ -35,7 +35,7 @@ pub struct BenchArgs {
     /// throughput; not run unless named). `TOKENFORMER_KERNELS=portable|avx2|avx512` forces a
     /// kernel path.
     /// On a GPU (`--device cuda`): prefill, ops (where a prefill's time goes, piece by
-    /// piece), decode, vit, train (all by default).
+    /// piece), decode (batch 1, and 32 sequences together), vit, train (all by default).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// The KV cache of the decode, decode_f16 and decode_q8 parts (decode_f16_kv's is f16).

@@ -142,6 +142,13 @@ fn decode(
         json!(round(d.tokens_per_s, 1)),
     );
     out.insert(format!("{key}_gpu_used_gib"), used_gib(dev));
+    // Batched generation (`generate --prompts`): 32 sequences, each over its
+    // own 512-token cache, decoded together.
+    let rows = 32;
+    let tps = super::bench::decode_rows(&model, rows, 512, 16)?;
+    let key = format!("decode_{name}_{}_batch{rows}", dtype.as_str());
+    out.insert(format!("{key}_tokens_per_s"), json!(round(tps, 1)));
+    out.insert(format!("{key}_gpu_used_gib"), used_gib(dev));
     Ok(())
 }
 
