@@ -65,6 +65,9 @@ fn main() {
         eprintln!("warning: {w}");
     }
     if let Err(e) = run(cli) {
+        if cli::stdout::is_closed_pipe(&e) {
+            std::process::exit(cli::stdout::CLOSED_PIPE_STATUS);
+        }
         eprintln!("error: {}", cli::describe(&e));
         std::process::exit(1);
     }
@@ -83,10 +86,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval(EvalCommand::Pile(a)) => cli::eval_lm::pile_cmd(a),
         Command::Eval(EvalCommand::Tasks(a)) => cli::eval_lm::tasks_cmd(a),
         Command::Eval(EvalCommand::Merge(a)) => cli::eval_lm::merge_cmd(a),
-        Command::Completions(a) => {
-            cli::shell::print::<Cli>(&a);
-            Ok(())
-        }
+        Command::Completions(a) => cli::shell::print::<Cli>(&a),
     }
 }
 

@@ -569,3 +569,53 @@ fn generate_prompts_file_gives_each_prompt_its_own_result() {
     ]);
     common::assert_clean_failure(&res, &["--batch-size", "--prompts"]);
 }
+
+/// Output into a pipe whose reader has gone (`| head`) ends the command
+/// quietly with the status a shell shows for tools SIGPIPE ends (141), as
+/// other command-line tools end, not with a panic; a full disk is still an
+/// error that says so.
+#[test]
+fn a_closed_pipe_ends_quietly_and_a_full_disk_is_an_error() {
+    let model = kjv();
+    let digits = concat!(env!("CARGO_MANIFEST_DIR"), "/zoo/examples/digits");
+    let runs: [&[&str]; 4] = [
+        &["zoo", "list"],
+        &["completions", "bash"],
+        &[
+            "score",
+            "--model",
+            &model,
+            "--text",
+            "And God said unto Moses",
+        ],
+        &["classify", "--model", "tiny-digits-vit", digits],
+    ];
+    for args in runs {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_tokenformer"))
+            .args(args)
+            .env("HF_HUB_OFFLINE", "1")
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+        assert!(stderr.is_empty(), "{args:?}: {stderr}");
+    }
+    if std::path::Path::new("/dev/full").exists() {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_tokenformer"))
+            .args(["zoo", "list"])
+            .stdout(full)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("No space left"), "{stderr}");
+    }
+}

@@ -22,6 +22,7 @@ use crate::args::Storage;
 use crate::family::Family;
 use crate::output::{abort_hook, check_not_inputs, check_target, staging_dir};
 use crate::probe;
+use crate::stdout::outln;
 
 #[derive(Args, Debug)]
 pub struct ExportArgs {
@@ -125,7 +126,7 @@ pub fn run(a: ExportArgs) -> Result<()> {
         if !a.allow_function_change {
             bail!("{msg}. Pass --allow-function-change to export it anyway (the logit shift is measured and printed).");
         }
-        println!("warning: {msg}.");
+        outln!("warning: {msg}.")?;
     }
 
     let mut entries: Vec<(String, Tensor)> = Vec::with_capacity(w.tensors.len());
@@ -162,7 +163,7 @@ pub fn run(a: ExportArgs) -> Result<()> {
     let after = family.probe_logits(&exported, &dev)?;
     let diff = probe::max_abs_diff(&before, &after)?;
     if changes_function {
-        println!("probe: max |Δ logit| between the model and its official export = {diff:.6e} (the function change you allowed)");
+        outln!("probe: max |Δ logit| between the model and its official export = {diff:.6e} (the function change you allowed)")?;
     } else {
         let tolerance = a.storage.tolerance(0.0);
         probe::require(
@@ -178,11 +179,11 @@ pub fn run(a: ExportArgs) -> Result<()> {
         let _ = std::fs::remove_file(&a.out);
         return Err(e);
     }
-    println!(
+    outln!(
         "wrote {} ({n_tensors} tensors) and {}",
         a.out.display(),
         yml_out.display()
-    );
+    )?;
     Ok(())
 }
 

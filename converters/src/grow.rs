@@ -27,6 +27,7 @@ use crate::args::{FolderOut, Shards, Storage};
 use crate::family::Family;
 use crate::output::{check_not_inputs, ModelFolder};
 use crate::probe;
+use crate::stdout::outln;
 
 #[derive(Args, Debug)]
 pub struct GrowArgs {
@@ -167,7 +168,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
     };
     check_target(&old, &target)?;
     if target == old {
-        println!("note: the targets equal the current token counts; the model is copied unchanged");
+        outln!("note: the targets equal the current token counts; the model is copied unchanged")?;
     }
 
     // New √n constants: kept at the old ones, or the new counts for the grown kinds.
@@ -234,7 +235,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
     let softmax = family.activation() == Activation::Softmax;
     let exact = a.scale == Scale::Keep && a.key_init == KeyInit::Zeros && !softmax;
     if softmax && a.key_init == KeyInit::Zeros && a.scale == Scale::Keep {
-        println!("note: this model's Pattention uses softmax, where new tokens always receive weight: growth cannot keep its function exactly");
+        outln!("note: this model's Pattention uses softmax, where new tokens always receive weight: growth cannot keep its function exactly")?;
     }
     let what = "the original and the grown model";
     if exact {
@@ -247,7 +248,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
             "the grown model does not reproduce the original",
         )?;
     } else {
-        println!(
+        outln!(
             "probe: max |Δ logit| between {what} = {diff:.6e} (the function changes: {})",
             if a.scale == Scale::Grow {
                 "√n constants follow the new counts"
@@ -256,7 +257,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
             } else {
                 "new keys are not zero"
             }
-        );
+        )?;
     }
 
     let base_model = a
@@ -286,7 +287,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
             )
         })
         .collect();
-    println!(
+    outln!(
         "grew {} ({}); {n_tensors} tensors ({}) in {} file(s); wrote {}",
         family.describe(),
         summary.join(", "),
@@ -296,7 +297,7 @@ pub fn run(a: GrowArgs) -> Result<()> {
             .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
             .count(),
         out.display()
-    );
+    )?;
     Ok(())
 }
 

@@ -17,6 +17,8 @@ mod progress;
 mod publish;
 #[path = "../../src/cli/shell.rs"]
 mod shell;
+#[path = "../../src/cli/stdout.rs"]
+mod stdout;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -63,12 +65,12 @@ fn main() {
         Command::Publish(a) => publish::run(a),
         Command::Import(a) => import::run(a),
         Command::Merge(a) => merge::run(a),
-        Command::Completions(a) => {
-            shell::print::<Cli>(&a);
-            Ok(())
-        }
+        Command::Completions(a) => shell::print::<Cli>(&a),
     };
     if let Err(e) = r {
+        if stdout::is_closed_pipe(&e) {
+            std::process::exit(stdout::CLOSED_PIPE_STATUS);
+        }
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }

@@ -104,15 +104,15 @@ pub fn run(a: MergeArgs) -> Result<()> {
         "the merged model on text and the language model",
         text_diff,
         text_tol,
-    ) & probe::report(
+    )? & probe::report(
         "the merged model on images and the classifier",
         image_diff,
         image_tol,
-    ) & probe::report(
+    )? & probe::report(
         "the image logits of a mixed [image; text] run and the classifier",
         mixed_diff,
         image_tol,
-    );
+    )?;
     if !ok {
         bail!("the merged model does not reproduce its sources (text {text_diff:e}, images {image_diff:e}, mixed {mixed_diff:e}); nothing was written");
     }

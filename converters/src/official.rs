@@ -15,6 +15,7 @@ use tokenformer::loader::{self, ConfigSource, ModelFiles, Weights};
 use crate::args::{FolderOut, Shards, Storage};
 use crate::output::{check_not_input, ModelFolder};
 use crate::probe;
+use crate::stdout::outln;
 
 #[derive(Args, Debug)]
 pub struct OfficialArgs {
@@ -76,11 +77,11 @@ pub fn run(a: OfficialArgs) -> Result<()> {
     // Validate against the architecture before writing anything.
     let cfg = loader::lm_config(&w.config, &w.path)?;
     if !w.ignored.is_empty() {
-        println!(
+        outln!(
             "note: {} tensor(s) of the input have no place in the model and are not copied: {}",
             w.ignored.len(),
             w.ignored.join(", ")
-        );
+        )?;
     }
 
     let folder = ModelFolder::new(&a.out.out, a.out.force)?;

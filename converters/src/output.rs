@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::stdout::outln;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use tokenformer::card::ModelCard;
@@ -103,7 +104,7 @@ impl ModelFolder {
     /// [`ModelFolder::finish`], then says where the folder is.
     pub fn finish_and_say(self, card: &ModelCard) -> Result<()> {
         let out = self.finish(card)?;
-        println!("wrote {}", out.display());
+        outln!("wrote {}", out.display())?;
         Ok(())
     }
 

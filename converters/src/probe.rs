@@ -2,6 +2,7 @@
 //! source and the result on the same probe input and report the largest
 //! logit difference.
 
+use crate::stdout::outln;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 use tokenformer::models::tokenformer::TokenFormerLm;
@@ -19,19 +20,19 @@ pub fn lm_logits(model: &TokenFormerLm) -> Result<Tensor> {
 }
 
 /// Prints the comparison and says whether it is within `tolerance`.
-pub fn report(what: &str, diff: f32, tolerance: f32) -> bool {
+pub fn report(what: &str, diff: f32, tolerance: f32) -> std::io::Result<bool> {
     let ok = diff <= tolerance;
-    println!(
+    outln!(
         "probe: max |Δ logit| between {what} = {diff:.3e} (tolerance {tolerance:.0e}){}",
         if ok { ". Looks ok!" } else { ": MISMATCH" }
-    );
-    ok
+    )?;
+    Ok(ok)
 }
 
 /// [`report`], then fails with "`failure` (max |Δ logit| …); nothing was written" if
 /// the difference is above `tolerance`.
 pub fn require(what: &str, diff: f32, tolerance: f32, failure: &str) -> Result<()> {
-    if !report(what, diff, tolerance) {
+    if !report(what, diff, tolerance)? {
         bail!("{failure} (max |Δ logit| {diff:e}); nothing was written");
     }
     Ok(())

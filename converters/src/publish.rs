@@ -19,6 +19,7 @@ use tokenformer::models::{lm, vit, vl, ModelConfig, ARCHITECTURES};
 
 use crate::family::{pipeline_tag, typed};
 use crate::probe;
+use crate::stdout::outln;
 
 #[derive(Args, Debug)]
 pub struct PublishArgs {
@@ -52,7 +53,7 @@ pub fn run(a: PublishArgs) -> Result<()> {
     }
     let repo = RepoRef::parse(&format!("{}@{}", a.repo, a.revision))?;
     let (summary, config) = validate(dir)?;
-    println!("validated {}: {summary}", dir.display());
+    outln!("validated {}: {summary}", dir.display())?;
     model_files_inside(dir)?;
 
     let readme = dir.join("README.md");
@@ -75,21 +76,23 @@ pub fn run(a: PublishArgs) -> Result<()> {
     if a.dry_run {
         let listing = hub::upload_listing(dir, &replace)?;
         for s in &listing.skipped {
-            println!("  not uploaded: {} ({})", s.path, s.reason);
+            outln!("  not uploaded: {} ({})", s.path, s.reason)?;
         }
-        println!(
+        outln!(
             "dry run: would upload to {} (revision {}):",
             repo.repo_id(),
             repo.revision
-        );
+        )?;
         let total: u64 = listing.files.iter().map(|f| f.size).sum();
         for f in &listing.files {
-            println!(
+            outln!(
                 "  {:<40} {:>14} bytes  sha256 {}",
-                f.path_in_repo, f.size, f.sha256
-            );
+                f.path_in_repo,
+                f.size,
+                f.sha256
+            )?;
         }
-        println!("  {} files, {} bytes", listing.files.len(), total);
+        outln!("  {} files, {} bytes", listing.files.len(), total)?;
         return Ok(());
     }
     let opts = PublishOptions {
@@ -107,12 +110,12 @@ pub fn run(a: PublishArgs) -> Result<()> {
     let tmp = dir.join(".README.md.partial");
     std::fs::write(&tmp, &new_readme)?;
     std::fs::rename(&tmp, &readme)?;
-    println!(
+    outln!(
         "uploaded {} files to {}",
         report.files.len(),
         report.repo_url
-    );
-    println!("commit: {}", report.commit_url);
+    )?;
+    outln!("commit: {}", report.commit_url)?;
     Ok(())
 }
 
@@ -230,7 +233,7 @@ fn check_finite(logits: &Tensor, what: &str) -> Result<()> {
 
 fn warn_no_tokenizer(files: &loader::ModelFiles, dir: &Path) {
     if files.tokenizer.is_none() {
-        println!(
+        eprintln!(
             "warning: no tokenizer.json in {}: users will need --tokenizer",
             dir.display()
         );

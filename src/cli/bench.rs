@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use serde_json::{json, Map, Value};
 
+use crate::cli::stdout::outln;
 use tokenformer::checkpoint::{self, Tensors};
 use tokenformer::error::Result;
 use tokenformer::models::tokenformer::{Cache, Config, KvDtype, Logits, TokenFormerLm};
@@ -82,10 +83,10 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     if !dev.is_cpu() {
         let out = super::bench_gpu::run(&dev, &a.only)?;
         if a.json {
-            println!("{}", serde_json::to_string(&out)?);
+            outln!("{}", serde_json::to_string(&out)?)?;
         } else {
             for (k, v) in &out {
-                println!("{k:<44} {v}");
+                outln!("{k:<44} {v}")?;
             }
         }
         return Ok(());
@@ -120,10 +121,10 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         out.extend(super::bench_train::run(&dev)?);
     }
     if a.json {
-        println!("{}", serde_json::to_string(&out)?);
+        outln!("{}", serde_json::to_string(&out)?)?;
     } else {
         for (k, v) in &out {
-            println!("{k:<32} {v}");
+            outln!("{k:<32} {v}")?;
         }
     }
     Ok(())

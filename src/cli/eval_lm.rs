@@ -22,6 +22,7 @@ use tokenformer::loader;
 use tokenformer::scoring::Scorer;
 
 use super::{DeviceArgs, ModelArgs, WeightArgs};
+use crate::cli::stdout::outln;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum MethodArg {
@@ -292,7 +293,7 @@ pub fn pile_cmd(a: PileArgs) -> Result<()> {
         elapsed_seconds: elapsed,
     };
     let report = PileReport::new(info, &opts, &totals);
-    print_pile(&report);
+    print_pile(&report)?;
     if let Some(p) = &a.run.json {
         write_json(p, &report.to_json())?;
     }
@@ -320,8 +321,8 @@ fn commit_note(c: &Option<String>) -> String {
         .unwrap_or_default()
 }
 
-fn print_pile(r: &PileReport) {
-    println!(
+fn print_pile(r: &PileReport) -> std::io::Result<()> {
+    outln!(
         "{}{} on {} (method {}, max_length {}{}{})",
         r.model,
         commit_note(&r.model_commit),
@@ -335,13 +336,21 @@ fn print_pile(r: &PileReport) {
             .as_ref()
             .map(|s| format!(", shard {s}"))
             .unwrap_or_default(),
-    );
-    println!(
+    )?;
+    outln!(
         "{:<22} {:>8} {:>12} {:>11} {:>12} {:>11} {:>11} {:>9} {:>10}",
-        "subset", "docs", "tokens", "words", "bytes", "word_ppl", "byte_ppl", "bpb", "token_ppl"
-    );
+        "subset",
+        "docs",
+        "tokens",
+        "words",
+        "bytes",
+        "word_ppl",
+        "byte_ppl",
+        "bpb",
+        "token_ppl"
+    )?;
     let row = |name: &str, m: &pile::Metrics| {
-        println!(
+        outln!(
             "{:<22} {:>8} {:>12} {:>11} {:>12} {:>11} {:>11} {:>9} {:>10}",
             name,
             m.counts.documents,
@@ -355,16 +364,19 @@ fn print_pile(r: &PileReport) {
         )
     };
     for (k, m) in &r.subsets {
-        row(k, m);
+        row(k, m)?;
     }
-    row("overall", &r.metrics);
+    row("overall", &r.metrics)?;
     if r.skipped_lines > 0 {
-        println!("skipped {} bad line(s)", r.skipped_lines);
+        outln!("skipped {} bad line(s)", r.skipped_lines)?;
     }
-    println!(
+    outln!(
         "loglikelihood {:.4}  elapsed {:.1}s  {:.1} tokens/s",
-        r.metrics.counts.loglikelihood, r.elapsed_seconds, r.tokens_per_second
-    );
+        r.metrics.counts.loglikelihood,
+        r.elapsed_seconds,
+        r.tokens_per_second
+    )?;
+    Ok(())
 }
 
 pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
@@ -487,7 +499,7 @@ pub fn tasks_cmd(a: TasksArgs) -> Result<()> {
         if let Some(dir) = &a.log_samples {
             write_samples(dir, task, &run.samples)?;
         }
-        print_task(&report);
+        print_task(&report)?;
         reports.push(report);
     }
     if let Some(p) = &a.run.json {
@@ -521,13 +533,13 @@ fn write_samples(dir: &Path, task: Task, samples: &[tasks::Sample]) -> Result<()
         .with_context(|| format!("writing {}", path.display()))
 }
 
-fn print_task(r: &TaskReport) {
+fn print_task(r: &TaskReport) -> std::io::Result<()> {
     let pm = |v: Option<f64>, e: Option<f64>| match (v, e) {
         (Some(v), Some(e)) => format!("{v:.4} ± {e:.4}"),
         (Some(v), None) => format!("{v:.4}"),
         _ => "-".into(),
     };
-    println!(
+    outln!(
         "{} on {}{} ({} documents{})",
         r.task,
         r.model,
@@ -537,17 +549,18 @@ fn print_task(r: &TaskReport) {
             .as_ref()
             .map(|s| format!(", shard {s}"))
             .unwrap_or_default()
-    );
-    println!("  acc        {}", pm(r.acc, r.acc_stderr));
+    )?;
+    outln!("  acc        {}", pm(r.acc, r.acc_stderr))?;
     if r.acc_norm.is_some() {
-        println!("  acc_norm   {}", pm(r.acc_norm, r.acc_norm_stderr));
+        outln!("  acc_norm   {}", pm(r.acc_norm, r.acc_norm_stderr))?;
     }
     if let Some(p) = r.perplexity {
-        println!("  perplexity {p:.4}");
+        outln!("  perplexity {p:.4}")?;
     }
     if r.counts.skipped_lines > 0 {
-        println!("  skipped {} bad line(s)", r.counts.skipped_lines);
+        outln!("  skipped {} bad line(s)", r.counts.skipped_lines)?;
     }
+    Ok(())
 }
 
 pub fn merge_cmd(a: MergeArgs) -> Result<()> {
@@ -570,16 +583,16 @@ pub fn merge_cmd(a: MergeArgs) -> Result<()> {
         format!("merging {}", names.join(", "))
     })?;
     match merged.get("kind").and_then(Value::as_str) {
-        Some(PileReport::KIND) => print_pile(&serde_json::from_value(merged.clone())?),
+        Some(PileReport::KIND) => print_pile(&serde_json::from_value(merged.clone())?)?,
         Some(TaskReport::KIND) => match merged.get("tasks") {
             Some(list) => {
                 for r in serde_json::from_value::<Vec<TaskReport>>(list.clone())? {
-                    print_task(&r);
+                    print_task(&r)?;
                 }
             }
-            None => print_task(&serde_json::from_value(merged.clone())?),
+            None => print_task(&serde_json::from_value(merged.clone())?)?,
         },
-        _ => println!("{}", serde_json::to_string_pretty(&merged)?),
+        _ => outln!("{}", serde_json::to_string_pretty(&merged)?)?,
     }
     if let Some(p) = &a.json {
         write_json(p, &merged)?;

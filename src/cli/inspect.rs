@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::cli::stdout::outln;
 use anyhow::{bail, Result};
 use clap::Args;
 use tokenformer::checkpoint::{self, TensorInfo};
@@ -49,20 +50,20 @@ pub fn run(a: InspectArgs) -> Result<()> {
             "path": source, "architecture": architecture, "parameters": params,
             "config": config, "tensors": tensors,
         });
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?)?;
         return Ok(());
     }
-    println!("{:<60} {:>6}  shape", "tensor", "dtype");
+    outln!("{:<60} {:>6}  shape", "tensor", "dtype")?;
     for t in &tensors {
-        println!("{:<60} {:>6}  {:?}", t.name, t.dtype, t.shape);
+        outln!("{:<60} {:>6}  {:?}", t.name, t.dtype, t.shape)?;
     }
-    println!("\narchitecture: {architecture}");
-    println!(
+    outln!("\narchitecture: {architecture}")?;
+    outln!(
         "tensors: {}  parameters: {} ({:.1}M)",
         tensors.len(),
         params,
         params as f64 / 1e6
-    );
+    )?;
     Ok(())
 }
 

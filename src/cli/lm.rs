@@ -17,6 +17,7 @@ use tokenformer::models::vl::{self, VisionLanguageModel};
 use tokenformer::vision::EvalTransform;
 
 use super::{DeviceArgs, KvDtypeArg, ModelArgs, WeightArgs};
+use crate::cli::stdout::outln;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -235,7 +236,7 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         decode_tokens_per_second: (out.len() > 1 && decode_seconds > 0.0)
             .then(|| (out.len() - 1) as f64 / decode_seconds),
     };
-    println!("{}", serde_json::to_string_pretty(&report)?);
+    outln!("{}", serde_json::to_string_pretty(&report)?)?;
     Ok(())
 }
 
@@ -508,7 +509,7 @@ pub fn score_cmd(a: ScoreArgs) -> Result<()> {
         None => "scoring the input".to_string(),
     })?;
     if a.json {
-        println!("{}", serde_json::to_string(&s)?);
+        outln!("{}", serde_json::to_string(&s)?)?;
         return Ok(());
     }
     let piece = |id: u32| {
@@ -518,21 +519,21 @@ pub fn score_cmd(a: ScoreArgs) -> Result<()> {
             .map(|p| format!("{p:?}"))
             .unwrap_or_else(|| id.to_string())
     };
-    println!("{:>5}  {:<20} {:>10}  argmax", "pos", "next token", "log p");
+    outln!("{:>5}  {:<20} {:>10}  argmax", "pos", "next token", "log p")?;
     for t in 0..s.next_token_logprobs.len() {
-        println!(
+        outln!(
             "{:>5}  {:<20} {:>10.4}  {}",
             t,
             piece(s.ids[t + 1]),
             s.next_token_logprobs[t],
             piece(s.argmax[t])
-        );
+        )?;
     }
-    println!(
+    outln!(
         "tokens scored {}  total NLL {:.4}  perplexity {:.4}",
         s.next_token_logprobs.len(),
         s.nll,
         s.perplexity
-    );
+    )?;
     Ok(())
 }

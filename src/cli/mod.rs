@@ -8,6 +8,7 @@ pub mod inspect;
 pub mod lm;
 pub mod progress;
 pub mod shell;
+pub mod stdout;
 pub mod train;
 pub mod vision;
 pub mod zoo;

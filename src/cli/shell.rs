@@ -13,11 +13,16 @@ pub struct CompletionsArgs {
     pub shell: Shell,
 }
 
-/// Writes the completion script of `C` for `a.shell` to stdout.
-pub fn print<C: CommandFactory>(a: &CompletionsArgs) {
+/// Writes the completion script of `C` for `a.shell` to stdout (made in
+/// memory first: clap_complete panics on a failed write, such as `| head`).
+pub fn print<C: CommandFactory>(a: &CompletionsArgs) -> anyhow::Result<()> {
+    use std::io::Write;
     let mut cmd = C::command();
     let name = cmd.get_name().to_string();
-    clap_complete::generate(a.shell, &mut cmd, name, &mut std::io::stdout());
+    let mut script = Vec::new();
+    clap_complete::generate(a.shell, &mut cmd, name, &mut script);
+    std::io::stdout().write_all(&script)?;
+    Ok(())
 }
 
 /// `command path --flag` of every argument (flags and positionals) without

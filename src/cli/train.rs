@@ -6,6 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::cli::stdout::outln;
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use clap::Args;
@@ -514,7 +515,7 @@ pub(crate) fn drive<M: Trainable, S: Source<M>, R: Run<M, S>>(
     };
     let ckpt = last_ckpt.expect("saved at the end");
     if a.json {
-        println!("{}", run.summary(&r, secs, &ckpt));
+        outln!("{}", run.summary(&r, secs, &ckpt))?;
     } else {
         eprintln!(
             "trained to step {} ({}) in {secs:.1} s; saved {}",

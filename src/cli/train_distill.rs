@@ -23,6 +23,7 @@ use tokenformer::source::{gpt_neox, locate_input, vit, RawCheckpoint};
 use tokenformer::vision::EvalTransform;
 
 use super::TrainArgs;
+use crate::cli::stdout::outln;
 
 /// The peak learning rate of a distillation without `--lr` (as `import --recover-lr`).
 pub const DEFAULT_LR: f64 = 1e-3;
@@ -251,14 +252,14 @@ fn finish(
     let ckpt =
         tokenformer::train::trainer::write_model(&a.out, rec.steps, &config_text, tensors, &extra)?;
     if a.json {
-        println!(
+        outln!(
             "{}",
             json!({
                 "steps": rec.steps, "first_loss": log.first_loss, "final_loss": log.final_loss,
                 "val_loss": log.final_eval_loss, "seconds": log.seconds, "checkpoint": ckpt,
                 "calibration": calib, "evaluation": eval, "sample_note": note,
             })
-        );
+        )?;
     } else {
         eprintln!(
             "distilled in {} steps ({:.1} s): loss {:.4} -> {:.4}, on the eval data {:.4}; saved {}",

@@ -13,6 +13,7 @@ use tokenformer::vision::decode::DEFAULT_MAX_PIXELS;
 use tokenformer::vision::DecodeLimits;
 
 use super::{DeviceArgs, DtypeArg, ModelArgs};
+use crate::cli::stdout::outln;
 
 #[derive(Args, Debug)]
 pub struct ImagenetArgs {
@@ -147,26 +148,29 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
         .as_ref()
         .map_or(String::new(), |s| format!(" (shard {s})"));
     match &r.model_commit {
-        Some(c) => println!("model:  {} (commit {c})", r.model),
-        None => println!("model:  {}", r.model),
+        Some(c) => outln!("model:  {} (commit {c})", r.model)?,
+        None => outln!("model:  {}", r.model)?,
     }
-    println!(
+    outln!(
         "data:   {}{shard_note}, labels from {}",
-        r.data, r.label_source
-    );
-    println!(
+        r.data,
+        r.label_source
+    )?;
+    outln!(
         "images: {}  ({:.1} images/s, {:.1} s)",
-        r.images, r.images_per_second, r.seconds
-    );
-    println!("top-1:  {:.3}%  ({}/{})", r.top1, r.correct_top1, r.images);
-    println!("top-5:  {:.3}%  ({}/{})", r.top5, r.correct_top5, r.images);
+        r.images,
+        r.images_per_second,
+        r.seconds
+    )?;
+    outln!("top-1:  {:.3}%  ({}/{})", r.top1, r.correct_top1, r.images)?;
+    outln!("top-5:  {:.3}%  ({}/{})", r.top5, r.correct_top5, r.images)?;
     if r.unreadable > 0 {
-        println!(
+        outln!(
             "unreadable: {} image(s), not counted in the accuracy:",
             r.unreadable
-        );
+        )?;
         for f in &r.unreadable_files {
-            println!("  {f}");
+            outln!("  {f}")?;
         }
     }
     for s in &r.skipped_folders {
@@ -234,9 +238,9 @@ impl serde::Serialize for JsonImage<'_> {
     }
 }
 
-fn print_text(images: &[imagenet::Classified]) {
+fn print_text(images: &[imagenet::Classified]) -> std::io::Result<()> {
     for (file, r) in images {
-        println!("{}", file.display());
+        outln!("{}", file.display())?;
         match r {
             Ok(top) => {
                 for p in top {
@@ -246,12 +250,13 @@ fn print_text(images: &[imagenet::Classified]) {
                         (Some(n), None) => n.clone(),
                         (None, None) => format!("class {}", p.index),
                     };
-                    println!("  {:>6.2}%  {:>4}  {label}", 100.0 * p.prob, p.index);
+                    outln!("  {:>6.2}%  {:>4}  {label}", 100.0 * p.prob, p.index)?;
                 }
             }
-            Err(e) => println!("  error: {e}"),
+            Err(e) => outln!("  error: {e}")?,
         }
     }
+    Ok(())
 }
 
 pub fn classify_cmd(a: ClassifyArgs) -> Result<()> {
@@ -274,19 +279,21 @@ pub fn classify_cmd(a: ClassifyArgs) -> Result<()> {
     };
     let what = format!("{} on batches of {} images", files.source, a.batch_size);
     let mut results = Vec::with_capacity(images.len());
+    let mut printed = Ok(());
     imagenet::classify_each(&model, &images, k, a.batch_size, &limits, |batch| {
-        if !a.json {
+        if !a.json && printed.is_ok() {
             // Printed as each batch ends, so a long run shows its results as it goes.
-            bar.suspend(|| print_text(&batch));
+            printed = bar.suspend(|| print_text(&batch));
         }
         bar.inc(batch.len() as u64);
         results.extend(batch);
     })
     .map_err(|e| super::gpu_memory_error(e.into(), &dev, &what))?;
+    printed?;
     bar.finish_and_clear();
     if a.json {
         let out: Vec<JsonImage> = results.iter().map(|image| JsonImage { k, image }).collect();
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        outln!("{}", serde_json::to_string_pretty(&out)?)?;
     }
     let failed = results.iter().filter(|(_, r)| r.is_err()).count();
     if failed > 0 {

@@ -1,5 +1,6 @@
 //! `tokenformer zoo list` and `tokenformer zoo show NAME`.
 
+use crate::cli::stdout::outln;
 use anyhow::{anyhow, Result};
 use clap::Subcommand;
 use tokenformer::zoo;
@@ -23,13 +24,17 @@ pub fn run(c: ZooCommand) -> Result<()> {
     match c {
         ZooCommand::List { json } => {
             if json {
-                println!("{}", serde_json::to_string_pretty(zoo::entries())?);
+                outln!("{}", serde_json::to_string_pretty(zoo::entries())?)?;
                 return Ok(());
             }
-            println!(
+            outln!(
                 "{:<26} {:<20} {:>6}  {:<30} {:>9}",
-                "name", "task", "params", "weights", "metric"
-            );
+                "name",
+                "task",
+                "params",
+                "weights",
+                "metric"
+            )?;
             for e in zoo::entries() {
                 let repo = match &e.weights {
                     Some(w) => w.repo.clone(),
@@ -50,10 +55,14 @@ pub fn run(c: ZooCommand) -> Result<()> {
                         .map(|v| format!("{}={v}", k.split('_').next().unwrap_or(k)))
                 })
                 .unwrap_or_default();
-                println!(
+                outln!(
                     "{:<26} {:<20} {:>6}  {:<30} {:>9}",
-                    e.name, e.task, e.params, repo, metric
-                );
+                    e.name,
+                    e.task,
+                    e.params,
+                    repo,
+                    metric
+                )?;
             }
             Ok(())
         }
@@ -62,12 +71,12 @@ pub fn run(c: ZooCommand) -> Result<()> {
                 anyhow!("`{name}` is not in the zoo (see `tokenformer zoo list`)")
             })?;
             if e.weights.is_none() && !e.bundled {
-                println!(
+                outln!(
                     "note: {} has no released weights; it is a configuration.",
                     e.name
-                );
+                )?;
             }
-            println!("{}", serde_json::to_string_pretty(e)?);
+            outln!("{}", serde_json::to_string_pretty(e)?)?;
             Ok(())
         }
     }

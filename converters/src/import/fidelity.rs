@@ -19,6 +19,7 @@ use super::mapping::{
 };
 use super::recover::RecoveryReport;
 use crate::output::ModelFolder;
+use crate::stdout::out;
 use tokenformer::source::data::{DataInfo, Unit};
 use tokenformer::source::recover::PattentionBlock;
 use tokenformer::source::{Block, Stack};
@@ -387,8 +388,8 @@ impl Report {
     }
 
     /// What the import prints.
-    pub fn print(&self) {
-        print!("{}", self.render(Style::Terminal));
+    pub fn print(&self) -> std::io::Result<()> {
+        out!("{}", self.render(Style::Terminal))
     }
 
     /// The model card's fidelity section.
@@ -732,7 +733,7 @@ pub struct CardText {
 /// mapping, fidelity, what is not representable) written, and the folder moved into
 /// place.
 pub fn finish(input: &str, folder: ModelFolder, report: &Report, text: CardText) -> Result<()> {
-    report.print();
+    report.print()?;
     folder.write_json(REPORT_FILE, report)?;
     let mut card = ModelCard::new(text.title, text.pipeline);
     if !Path::new(input).exists() {
