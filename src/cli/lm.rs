@@ -280,16 +280,7 @@ fn generate_lines(
         // (line, prompt text, prompt ids) of this round.
         let mut round = Vec::with_capacity(PROMPTS_PER_ROUND);
         for item in lines.by_ref().take(PROMPTS_PER_ROUND) {
-            let (n, value) = item?;
-            let value = value.map_err(|e| anyhow::anyhow!("{path} line {n}: {e}"))?;
-            let Some(text) = value.get("prompt").and_then(|t| t.as_str()) else {
-                bail!("{path} line {n}: no `prompt` string field");
-            };
-            let ids = tokenizer
-                .encode(text, false)
-                .map_err(|e| anyhow::anyhow!("{path} line {n}: tokenizing: {e}"))?
-                .get_ids()
-                .to_vec();
+            let (n, text, ids) = field_ids(&path, item?, "prompt", tokenizer)?;
             if ids.is_empty() {
                 bail!("{path} line {n}: the prompt is empty");
             }
@@ -299,7 +290,7 @@ fn generate_lines(
                     ids.len()
                 );
             }
-            round.push((n, text.to_string(), ids));
+            round.push((n, text, ids));
         }
         let ids: Vec<&[u32]> = round.iter().map(|(_, _, ids)| &ids[..]).collect();
         let generations = tokenformer::generate::generate_texts(
@@ -336,6 +327,29 @@ fn generate_lines(
     Ok(())
 }
 
+/// The line number, the string `field` of a JSON line of the file `path`,
+/// and its token ids; errors name the file and the line.
+fn field_ids(
+    path: &str,
+    (n, value): tokenformer::eval::data::Line,
+    field: &str,
+    tokenizer: &tokenizers::Tokenizer,
+) -> Result<(usize, String, Vec<u32>)> {
+    let value = value.map_err(|e| anyhow::anyhow!("{path} line {n}: {e}"))?;
+    let Some(text) = value.get(field).and_then(|t| t.as_str()) else {
+        bail!("{path} line {n}: no `{field}` string field");
+    };
+    let ids = tokenizer
+        .encode(text, false)
+        .map_err(|e| anyhow::anyhow!("{path} line {n}: tokenizing: {e}"))?
+        .get_ids()
+        .to_vec();
+    Ok((n, text.to_string(), ids))
+}
+
+/// The endings of the files read as JSON lines (a parquet file's rows as JSON).
+const LINE_FORMATS: [&str; 3] = [".jsonl", ".jsonl.zst", ".parquet"];
+
 /// A JSON-lines input (`-`: stdin) for `generate --prompts`.
 fn open_lines(path: &std::path::Path) -> Result<tokenformer::eval::data::DataFile> {
     use tokenformer::eval::data::{DataFile, DEFAULT_MAX_LINE_BYTES};
@@ -343,10 +357,7 @@ fn open_lines(path: &std::path::Path) -> Result<tokenformer::eval::data::DataFil
         return Ok(DataFile::stdin(DEFAULT_MAX_LINE_BYTES));
     }
     let name = path.to_string_lossy().to_lowercase();
-    if ![".jsonl", ".jsonl.zst", ".parquet"]
-        .iter()
-        .any(|e| name.ends_with(e))
-    {
+    if !LINE_FORMATS.iter().any(|e| name.ends_with(e)) {
         bail!(
             "{}: --prompts takes a .jsonl, .jsonl.zst or .parquet file (a `prompt` field per line)",
             path.display()
@@ -437,8 +448,7 @@ fn score_input(a: &ScoreArgs) -> Result<ScoreInput> {
         _ if stdin => ScoreInput::One(read_stdin(max)?),
         (None, Some(f), _) => {
             let name = f.to_string_lossy().to_lowercase();
-            let lines = [".jsonl", ".jsonl.zst", ".parquet"];
-            if lines.iter().any(|e| name.ends_with(e)) {
+            if LINE_FORMATS.iter().any(|e| name.ends_with(e)) {
                 ScoreInput::Lines(DataFile::open(f)?)
             } else {
                 // Bounded and regular files only: a FIFO or a huge file cannot hang or exhaust memory.
@@ -459,16 +469,7 @@ fn score_lines(
     let path = file.path.display().to_string();
     let mut out = std::io::stdout().lock();
     for line in tokenformer::eval::data::JsonLines::new(file) {
-        let (n, value) = line?;
-        let value = value.map_err(|e| anyhow::anyhow!("{path} line {n}: {e}"))?;
-        let Some(text) = value.get("text").and_then(|t| t.as_str()) else {
-            bail!("{path} line {n}: no `text` string field");
-        };
-        let ids = tokenizer
-            .encode(text, false)
-            .map_err(|e| anyhow::anyhow!("{path} line {n}: tokenizing: {e}"))?
-            .get_ids()
-            .to_vec();
+        let (n, _, ids) = field_ids(&path, line?, "text", tokenizer)?;
         let s = tokenformer::scoring::score_ids(model, &ids)
             .with_context(|| format!("{path} line {n}"))?;
         #[derive(serde::Serialize)]
