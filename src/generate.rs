@@ -313,15 +313,6 @@ impl FinishReason {
             Self::Length
         }
     }
-
-    /// `eos_token`, `stop_sequence` or `length`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::EosToken => "eos_token",
-            Self::StopSequence => "stop_sequence",
-            Self::Length => "length",
-        }
-    }
 }
 
 /// One prompt's finished generation.
@@ -461,12 +452,12 @@ fn decode(
 ) -> Result<Vec<u32>> {
     params.validate()?;
     let budget = check_prompt(text, prompt, max_new_tokens)?;
-    let mut seq = Sequence::new(0, prompt, budget, &params);
-    let eos = text.config().eos_token_id;
-    let mut on_token = |_: usize, t: u32| on_token(t);
     if budget == 0 {
         return Ok(Vec::new());
     }
+    let mut seq = Sequence::new(0, prompt, budget, &params);
+    let eos = text.config().eos_token_id;
+    let mut on_token = |_: usize, t: u32| on_token(t);
     let mut input = prompt.to_vec();
     loop {
         let logits = step(&input)?;

@@ -223,10 +223,10 @@ impl LanguageModel {
     }
 
     /// [`generate_until`](Self::generate_until) for many prompts, `batch_size`
-    /// sequences decoded together ([`generate::generate_batch`]): on the CPU a
-    /// step of up to 8 sequences reads the weights once, so it costs about
-    /// what one sequence's step does. Each prompt gets what it would get
-    /// alone (same seed), up to float rounding.
+    /// sequences decoded together ([`generate::generate_batch`]): a step reads
+    /// the weights once for all of them (on a 2-core CPU, 8 sequences of the
+    /// 150M made about 3× the tokens per second of one). Each prompt gets
+    /// what it would get alone (same seed), up to float rounding.
     pub fn generate_batch(
         &self,
         prompts: &[impl AsRef<str>],

@@ -280,15 +280,15 @@ impl LanguageModel {
         let lm = &self.inner;
         let text = match prompt {
             Prompt::Texts(ts) => {
-                let ids = ts
-                    .iter()
-                    .map(|t| lm.encode(t))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(err)?;
-                return self.generate_many(py, &ids, max_new_tokens, params, &stop, batch_size);
+                let done =
+                    py.detach(|| lm.generate_batch(&ts, max_new_tokens, params, &stop, batch_size));
+                return texts(py, done.map_err(err)?);
             }
             Prompt::ManyIds(ids) => {
-                return self.generate_many(py, &ids, max_new_tokens, params, &stop, batch_size)
+                let done = py.detach(|| {
+                    lm.generate_batch_from_ids(&ids, max_new_tokens, params, &stop, batch_size)
+                });
+                return texts(py, done.map_err(err)?);
             }
             Prompt::Text(t) => py.detach(|| lm.generate_until(&t, max_new_tokens, params, &stop)),
             Prompt::Ids(ids) => {
@@ -303,24 +303,10 @@ impl LanguageModel {
     }
 }
 
-impl LanguageModel {
-    /// The texts of `generate` over a list of prompts.
-    fn generate_many(
-        &self,
-        py: Python<'_>,
-        ids: &[Vec<u32>],
-        max_new_tokens: usize,
-        params: SamplingParams,
-        stop: &[String],
-        batch_size: usize,
-    ) -> PyResult<Py<PyAny>> {
-        let lm = &self.inner;
-        let done = py
-            .detach(|| lm.generate_batch_from_ids(ids, max_new_tokens, params, stop, batch_size))
-            .map_err(err)?;
-        let texts: Vec<String> = done.into_iter().map(|g| g.generated_text).collect();
-        Ok(texts.into_pyobject(py)?.into_any().unbind())
-    }
+/// The texts of generations, as a Python list.
+fn texts(py: Python<'_>, done: Vec<tokenformer::Generation>) -> PyResult<Py<PyAny>> {
+    let texts: Vec<String> = done.into_iter().map(|g| g.generated_text).collect();
+    Ok(texts.into_pyobject(py)?.into_any().unbind())
 }
 
 /// A TokenFormer image classifier with its preprocessing and class names.
