@@ -469,8 +469,9 @@ fn decode(
     }
 }
 
-/// Checks a prompt for `text`'s generation and returns its token budget.
-fn check_prompt(text: &TokenFormerLm, prompt: &[u32], max_new_tokens: usize) -> Result<usize> {
+/// Checks a prompt for `text`'s generation (not empty, shorter than the
+/// context, ids in the vocabulary) and returns its token budget.
+pub fn check_prompt(text: &TokenFormerLm, prompt: &[u32], max_new_tokens: usize) -> Result<usize> {
     if prompt.is_empty() {
         return Err(Error::input("the prompt is empty: give at least one token"));
     }

@@ -272,7 +272,6 @@ fn generate_lines(
     };
     let lines = tokenformer::eval::data::JsonLines::new(data);
     let position = lines.position();
-    let max = model.config().max_position_embeddings;
     let (mut done, mut tokens) = (0usize, 0usize);
     let start = std::time::Instant::now();
     let mut out = std::io::stdout().lock();
@@ -282,15 +281,9 @@ fn generate_lines(
         let mut round = Vec::with_capacity(PROMPTS_PER_ROUND);
         for item in lines.by_ref().take(PROMPTS_PER_ROUND) {
             let (n, text, ids) = field_ids(&path, item?, "prompt", tokenizer)?;
-            if ids.is_empty() {
-                bail!("{path} line {n}: the prompt is empty");
-            }
-            if ids.len() >= max {
-                bail!(
-                    "{path} line {n}: the prompt has {} tokens but the model's context is {max} positions",
-                    ids.len()
-                );
-            }
+            // Here, so that a bad prompt is named by its line.
+            tokenformer::generate::check_prompt(model, &ids, a.max_new_tokens)
+                .with_context(|| format!("{path} line {n}"))?;
             round.push((n, text, ids));
         }
         let ids: Vec<&[u32]> = round.iter().map(|(_, _, ids)| &ids[..]).collect();
