@@ -667,6 +667,42 @@ fn bad_input_is_reported() {
         2,
     );
     assert!(run(&f, &write("ok.jsonl", good.as_bytes()), &so).is_err());
+
+    // Every line bad: skipping them leaves nothing to measure, which is an error
+    // (a report of zero documents would read as a result), for pile and tasks alike.
+    let all_bad = write("allbad.jsonl", b"{\"txt\": 1}\n[1]\n");
+    let skip = PileOptions {
+        skip_bad: true,
+        ..o.clone()
+    };
+    let e = run(&f, &all_bad, &skip).unwrap_err().to_string();
+    assert!(
+        e.contains("allbad.jsonl: no documents (2 of its 2 lines skipped as bad)"),
+        "{e}"
+    );
+    let scorer = Scorer::new(&f.model, None).unwrap();
+    let topts = TaskOptions {
+        skip_bad: true,
+        ..task_opts(2)
+    };
+    let e = tasks::evaluate(
+        &scorer,
+        &f.tok,
+        Task::Lambada,
+        &all_bad,
+        None,
+        &topts,
+        |_, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("allbad.jsonl: no lambada_openai documents (all 2 lines skipped as bad)"),
+        "{e}"
+    );
+    // One good line among them is a result.
+    let one_good = write("onegood.jsonl", format!("[1]\n{good}\n").as_bytes());
+    assert_eq!(run(&f, &one_good, &skip).unwrap().overall.documents, 1);
 }
 
 /// Not a test: writes a random full-size TokenFormer-150M folder to

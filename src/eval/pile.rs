@@ -347,6 +347,7 @@ pub fn evaluate(
     };
     let mut selected = 0usize;
     let mut lines_seen = 0usize;
+    let mut bad_lines = 0usize;
     let mut read_documents = 0u64;
 
     for item in docs.by_ref() {
@@ -361,6 +362,7 @@ pub fn evaluate(
                         where_(line)
                     )));
                 }
+                bad_lines += 1;
                 if opts.shard.owns(line) {
                     totals.skipped_lines += 1;
                 }
@@ -420,10 +422,19 @@ pub fn evaluate(
             path.display()
         )));
     }
-    if selected == 0 && totals.skipped_lines == 0 && !opts.skip_bad {
+    if selected == 0 {
+        // A file whose lines were all skipped as bad has nothing to measure: a
+        // report of zero documents would read as a result.
+        let skipped = match bad_lines {
+            0 => String::new(),
+            n => format!(" ({n} of its {lines_seen} lines skipped as bad)"),
+        };
         return Err(Error::input(match &opts.subset {
-            Some(s) => format!("{}: no document has pile_set_name `{s}`", path.display()),
-            None => format!("{}: no documents", path.display()),
+            Some(s) => format!(
+                "{}: no document has pile_set_name `{s}`{skipped}",
+                path.display()
+            ),
+            None => format!("{}: no documents{skipped}", path.display()),
         }));
     }
     for (name, c) in subset_ids.into_iter().zip(per_subset) {

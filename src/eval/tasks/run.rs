@@ -260,6 +260,14 @@ pub fn evaluate_full(
             path.display()
         )));
     }
+    if in_data == 0 {
+        // Every line was skipped as bad: zero documents would read as a result.
+        return Err(Error::input(format!(
+            "{}: no {} documents (all {lines} lines skipped as bad)",
+            path.display(),
+            task.name()
+        )));
+    }
     if let Some(l) = labels {
         if opts.limit.is_none() && l.len() != lines {
             return Err(Error::input(format!(
