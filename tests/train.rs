@@ -315,6 +315,10 @@ fn token_ids_beyond_the_vocabulary_are_a_clean_error() {
         err.contains("vocabulary has 64 entries") && !err.contains("panicked"),
         "{err}"
     );
+    assert!(
+        !out.exists(),
+        "a run that fails at its first step leaves no --out"
+    );
 }
 
 #[test]

@@ -455,13 +455,18 @@ pub(crate) fn drive<M: Trainable, S: Source<M>, R: Run<M, S>>(
     mut t: Fed<M, S>,
     mut run: R,
 ) -> Result<()> {
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let metrics_path = a.out.join("metrics.jsonl");
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&metrics_path)
-        .with_context(|| format!("opening {}", metrics_path.display()))?;
+    // Opened (and --out made) at the first step's line: a run that fails before
+    // it leaves no empty folder or log behind.
+    let mut metrics: Option<std::fs::File> = None;
+    let open_metrics = || -> Result<std::fs::File> {
+        std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&metrics_path)
+            .with_context(|| format!("opening {}", metrics_path.display()))
+    };
     let mut curve = Curve::read(&metrics_path);
     let start_step = t.step_count();
     let bar = ProgressBar::new(t.options().steps);
@@ -485,7 +490,11 @@ pub(crate) fn drive<M: Trainable, S: Source<M>, R: Run<M, S>>(
         if run.has_validation() && (r.step % a.eval_every == 0 || end) {
             run.validate(&t, &mut line)?;
         }
-        writeln!(metrics, "{line}").context("writing metrics.jsonl")?;
+        let file = match &mut metrics {
+            Some(f) => f,
+            None => metrics.insert(open_metrics()?),
+        };
+        writeln!(file, "{line}").context("writing metrics.jsonl")?;
         curve.push(&line);
         let secs = started.elapsed().as_secs_f64().max(1e-9);
         bar.set_message(run.progress(&t, &r, r.step - start_step, secs));
