@@ -290,9 +290,9 @@ impl<'t> TextStream<'t> {
     }
 }
 
-/// Why a generation ended, named as text-generation-inference names it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
+/// Why a generation ended, named as text-generation-inference names it
+/// ([`FinishReason::as_str`], which is also its JSON form).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
     /// The model chose its end-of-text token.
     EosToken,
@@ -303,6 +303,15 @@ pub enum FinishReason {
 }
 
 impl FinishReason {
+    /// `eos_token`, `stop_sequence` or `length`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::EosToken => "eos_token",
+            Self::StopSequence => "stop_sequence",
+            Self::Length => "length",
+        }
+    }
+
     /// Why the generation of `tokens`, decoded by `stream`, ended.
     pub fn of(tokens: &[u32], eos: u32, stream: &TextStream) -> Self {
         if stream.stopped() {
@@ -312,6 +321,12 @@ impl FinishReason {
         } else {
             Self::Length
         }
+    }
+}
+
+impl serde::Serialize for FinishReason {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
     }
 }
 
@@ -485,6 +500,11 @@ pub fn check_prompt(text: &TokenFormerLm, prompt: &[u32], max_new_tokens: usize)
     text.check_ids(prompt)?;
     Ok(token_budget(max, prompt.len(), max_new_tokens))
 }
+
+/// Sequences [`generate_batch`] decodes together unless told otherwise: on 2
+/// CPU cores, 8 made about 3× one sequence's tokens per second
+/// (docs/PERFORMANCE.md); more mostly adds cache memory there.
+pub const DEFAULT_BATCH_SIZE: usize = 8;
 
 /// [`generate_with_kv`] for many prompts, up to `batch_size` at a time, as
 /// continuous batching does: each prompt runs alone once, then the

@@ -249,9 +249,13 @@ impl LanguageModel {
     /// list of prompts gives a list of texts, `batch_size` sequences decoded
     /// together (each as it would be alone, up to float rounding). Greedy
     /// when `temperature` is 0; `stop` strings end the text before them.
+    /// `details=True` gives a dict per prompt instead: `generated_text`,
+    /// `finish_reason` ("eos_token", "stop_sequence" or "length"),
+    /// `prompt_tokens` and `generated_tokens`.
     #[pyo3(signature = (
         prompt, max_new_tokens=64, *, temperature=0.0, top_k=None, top_p=None,
-        seed=299_792_458, repeat_penalty=1.0, repeat_last_n=64, stop=None, batch_size=8
+        seed=299_792_458, repeat_penalty=1.0, repeat_last_n=64, stop=None,
+        batch_size=tokenformer::generate::DEFAULT_BATCH_SIZE, details=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn generate(
@@ -267,6 +271,7 @@ impl LanguageModel {
         repeat_last_n: usize,
         stop: Option<Vec<String>>,
         batch_size: usize,
+        details: bool,
     ) -> PyResult<Py<PyAny>> {
         let params = SamplingParams {
             temperature,
@@ -278,18 +283,27 @@ impl LanguageModel {
         };
         let stop = stop.unwrap_or_default();
         let lm = &self.inner;
+        let batch = |ids: &[Vec<u32>], size: usize| {
+            py.detach(|| {
+                lm.generate_batch_from_ids(ids, max_new_tokens, params.clone(), &stop, size)
+            })
+            .map_err(err)
+        };
         let text = match prompt {
             Prompt::Texts(ts) => {
-                let done =
-                    py.detach(|| lm.generate_batch(&ts, max_new_tokens, params, &stop, batch_size));
-                return texts(py, done.map_err(err)?);
-            }
-            Prompt::ManyIds(ids) => {
-                let done = py.detach(|| {
-                    lm.generate_batch_from_ids(&ids, max_new_tokens, params, &stop, batch_size)
+                let ids = py.detach(|| {
+                    ts.iter()
+                        .map(|t| lm.encode(t))
+                        .collect::<Result<Vec<_>, _>>()
                 });
-                return texts(py, done.map_err(err)?);
+                return generations(py, batch(&ids.map_err(err)?, batch_size)?, details);
             }
+            Prompt::ManyIds(ids) => return generations(py, batch(&ids, batch_size)?, details),
+            Prompt::Text(t) if details => {
+                let ids = py.detach(|| lm.encode(&t)).map_err(err)?;
+                return generation(py, batch(&[ids], 1)?.remove(0));
+            }
+            Prompt::Ids(ids) if details => return generation(py, batch(&[ids], 1)?.remove(0)),
             Prompt::Text(t) => py.detach(|| lm.generate_until(&t, max_new_tokens, params, &stop)),
             Prompt::Ids(ids) => {
                 py.detach(|| lm.generate_from_ids(&ids, max_new_tokens, params, &stop, |_| Ok(())))
@@ -303,10 +317,32 @@ impl LanguageModel {
     }
 }
 
-/// The texts of generations, as a Python list.
-fn texts(py: Python<'_>, done: Vec<tokenformer::Generation>) -> PyResult<Py<PyAny>> {
+/// Generations as a Python list: of their texts, or with `details` of
+/// [`generation`]'s dicts.
+fn generations(
+    py: Python<'_>,
+    done: Vec<tokenformer::Generation>,
+    details: bool,
+) -> PyResult<Py<PyAny>> {
+    if details {
+        let dicts = done
+            .into_iter()
+            .map(|g| generation(py, g))
+            .collect::<PyResult<Vec<_>>>()?;
+        return Ok(dicts.into_pyobject(py)?.into_any().unbind());
+    }
     let texts: Vec<String> = done.into_iter().map(|g| g.generated_text).collect();
     Ok(texts.into_pyobject(py)?.into_any().unbind())
+}
+
+/// One generation as a dict with the keys of `generate --prompts`' lines.
+fn generation(py: Python<'_>, g: tokenformer::Generation) -> PyResult<Py<PyAny>> {
+    let d = PyDict::new(py);
+    d.set_item("generated_text", g.generated_text)?;
+    d.set_item("finish_reason", g.finish_reason.as_str())?;
+    d.set_item("prompt_tokens", g.prompt_tokens)?;
+    d.set_item("generated_tokens", g.generated_tokens)?;
+    Ok(d.into_any().unbind())
 }
 
 /// A TokenFormer image classifier with its preprocessing and class names.
@@ -394,5 +430,10 @@ fn _tokenformer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LanguageModel>()?;
     m.add_class::<ImageClassifier>()?;
     m.add_class::<Score>()?;
+    // What `generate` takes for `batch_size`, for adapters that pick their own default.
+    m.add(
+        "DEFAULT_BATCH_SIZE",
+        tokenformer::generate::DEFAULT_BATCH_SIZE,
+    )?;
     Ok(())
 }

@@ -81,6 +81,13 @@ def test_a_list_of_prompts_generates_as_the_cli_does(lm, tmp_path):
         assert lm.generate(prompts, 20, batch_size=batch_size, **sampled) == want
     # Each the text it gets alone.
     assert want == [lm.generate(p, 20, **sampled) for p in prompts]
+    # details=True: the CLI's line without its `line` and `prompt`.
+    keys = ("generated_text", "finish_reason", "prompt_tokens", "generated_tokens")
+    full = [{k: json.loads(line)[k] for k in keys} for line in lines]
+    assert {d["finish_reason"] for d in full} >= {"stop_sequence", "length"}, full
+    assert lm.generate(prompts, 20, details=True, **sampled) == full
+    assert lm.generate(prompts[0], 20, details=True, **sampled) == full[0]
+    assert lm.generate(lm.encode(prompts[1]), 20, details=True, **sampled) == full[1]
 
 
 def test_classify_equals_the_cli():

@@ -18,6 +18,7 @@ import json
 from typing import Any, Sequence
 
 from . import LanguageModel
+from ._tokenformer import DEFAULT_BATCH_SIZE
 
 try:  # The harness is optional: subclass and register when it is there.
     from lm_eval.api.model import LM as _Base
@@ -71,9 +72,9 @@ class TokenFormerLM(_Base):
                 dtype="f32" if dtype == "auto" else dtype,
             )
         self.model = model
-        # Sequences generate_until decodes together ("auto" and the like: 8).
+        # Sequences generate_until decodes together ("auto" and the like: the library's default).
         size = _ignored.get("batch_size")
-        self.batch_size = int(size) if str(size).isdigit() and int(size) > 0 else 8
+        self.batch_size = int(size) if str(size).isdigit() and int(size) > 0 else DEFAULT_BATCH_SIZE
 
     @property
     def eot_token_id(self) -> int:

@@ -9,7 +9,7 @@ use candle_core::Tensor;
 use clap::Args;
 use tokenformer::generate::{
     generate_with_image_kv, generate_with_kv, token_budget, FinishReason, Generation,
-    SamplingParams, TextStream,
+    SamplingParams, TextStream, DEFAULT_BATCH_SIZE,
 };
 use tokenformer::loader;
 use tokenformer::models::tokenformer::TokenFormerLm;
@@ -295,7 +295,7 @@ fn generate_lines(
             a.max_new_tokens,
             params.clone(),
             &a.stop,
-            a.batch_size.unwrap_or(8),
+            a.batch_size.unwrap_or(DEFAULT_BATCH_SIZE),
             |_| {
                 tokens += 1;
                 let secs = start.elapsed().as_secs_f64().max(1e-9);
