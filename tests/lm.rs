@@ -627,7 +627,7 @@ fn rows_decode_each_sequence_as_it_would_alone() {
     let ids = Tensor::new(&[[1u32], [2]], &Device::Cpu).unwrap();
     let mut one: Vec<&mut Cache> = together.iter_mut().take(1).collect();
     let e = model.forward_rows(&ids, &mut one).unwrap_err().to_string();
-    assert!(e.contains("a cache per row"), "{e}");
+    assert!(e.contains("a cache and a position per row"), "{e}");
 }
 
 /// `generate_batch` gives every prompt what `generate` gives it alone, greedy

@@ -155,6 +155,93 @@ fn mixed_sequence_keeps_image_logits_and_lets_text_see_the_image() {
     assert_eq!(cache.text_len(), 24);
 }
 
+/// Several sequences, each after its own image and at its own text position,
+/// decode one step together as each would alone; batched generation gives each
+/// prompt the tokens its own `generate_with_image_kv` gives, whatever the batch size.
+#[test]
+fn rows_with_their_own_images_decode_as_each_would_alone() {
+    use tokenformer::generate::{generate_batch_with_images, generate_with_image_kv};
+    let f = fixture(8, 0.02);
+    let images: Vec<Tensor> = [0, 3, 1]
+        .iter()
+        .map(|&i| f.pixels.narrow(0, i, 1).unwrap())
+        .collect();
+    let prompts: Vec<&[u32]> = vec![&f.ids[..5], &f.ids[2..13], &f.ids[..2]];
+    let prefill = |i: usize| {
+        let mut cache = f.vl.new_cache();
+        f.vl.forward_mixed(Some(&images[i]), &ids_tensor(prompts[i]), Some(&mut cache))
+            .unwrap();
+        cache
+    };
+    let (mut together, mut alone): (Vec<_>, Vec<_>) =
+        (0..3).map(|i| (prefill(i), prefill(i))).unzip();
+    for step in 0..3u32 {
+        let next: Vec<u32> = (0..3).map(|r| 100 + 1000 * r + 7 * step).collect();
+        let ids = Tensor::new(&next[..], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(1)
+            .unwrap();
+        let mut caches: Vec<_> = together.iter_mut().collect();
+        let got = f.vl.forward_rows(&ids, &mut caches).unwrap();
+        assert_eq!(got.dims(), &[3, 1, f.vl.language().config().vocab_size]);
+        for (r, cache) in alone.iter_mut().enumerate() {
+            let (_, want) =
+                f.vl.forward_mixed(None, &ids_tensor(&next[r..r + 1]), Some(cache))
+                    .unwrap();
+            let d = max_diff(&got.get(r).unwrap(), &want.squeeze(0).unwrap());
+            assert!(d <= 1e-4, "step {step}, row {r}: {d}");
+            assert_eq!(together[r].text_len(), prompts[r].len() + step as usize + 1);
+        }
+        // Each row saw its own image at its own position: no two rows alike.
+        assert!(max_diff(&got.get(0).unwrap(), &got.get(1).unwrap()) > 1e-3);
+    }
+
+    let kv = tokenformer::KvDtype::F32;
+    let params = tokenformer::SamplingParams {
+        temperature: 0.9,
+        seed: 5,
+        ..Default::default()
+    };
+    for params in [Default::default(), params] {
+        let alone: Vec<Vec<u32>> = (0..3)
+            .map(|i| {
+                generate_with_image_kv(&f.vl, kv, &images[i], prompts[i], 6, params.clone(), |_| {
+                    Ok(std::ops::ControlFlow::Continue(()))
+                })
+                .unwrap()
+            })
+            .collect();
+        assert_ne!(alone[0], alone[1]);
+        for batch in [1, 2, 8] {
+            let got = generate_batch_with_images(
+                &f.vl,
+                kv,
+                &images,
+                &prompts,
+                6,
+                params.clone(),
+                batch,
+                |_, _| Ok(std::ops::ControlFlow::Continue(())),
+            )
+            .unwrap();
+            assert_eq!(got, alone, "batch {batch}, {params:?}");
+        }
+    }
+    let e = generate_batch_with_images(
+        &f.vl,
+        kv,
+        &images[..2],
+        &prompts,
+        6,
+        Default::default(),
+        2,
+        |_, _| Ok(std::ops::ControlFlow::Continue(())),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("3 prompts but 2 images"), "{e}");
+}
+
 #[test]
 fn mismatched_sources_are_refused() {
     let vw = weights(&common::fixtures().join("vit-tiny-imagenet/vit-tiny"));

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 use clap::Args;
 use tokenformer::generate::{
-    generate_with_image_kv, generate_with_kv, token_budget, FinishReason, Generation,
+    self, generate_with_image_kv, generate_with_kv, token_budget, FinishReason, Generation,
     SamplingParams, TextStream, DEFAULT_BATCH_SIZE,
 };
 use tokenformer::loader;
@@ -70,8 +70,10 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub json: bool,
     /// Many prompts: a .jsonl, .jsonl.zst or .parquet file with a `prompt` field per line (`-`:
-    /// JSON lines on stdin). Prints one JSON line per prompt, in order: its `line`, `prompt`,
-    /// `generated_text`, `finish_reason` and token counts. Sequences are decoded --batch-size at a time.
+    /// JSON lines on stdin); for a merged vision-language model a line may add an `image` path
+    /// (relative to the file's folder). Prints one JSON line per prompt, in order: its `line`,
+    /// `prompt`, `generated_text`, `finish_reason` and token counts. Sequences are decoded
+    /// --batch-size at a time.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_file", "image", "json"])]
     pub prompts: Option<PathBuf>,
     /// With --prompts: sequences decoded together (default 8). A step reads the weights once for
@@ -133,17 +135,29 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         let data = open_lines(path)?;
         let files = a.model.locate()?;
         let tokenizer = loader::load_tokenizer(&files)?;
-        let model = a.weights.load_lm(&files, &dev)?;
-        return generate_lines(&a, data, &model, &tokenizer, params);
+        // A merged model in f32 runs whole for the lines that bring an image.
+        let merged = if architecture(&files) == vl::ARCHITECTURE && a.weights.name() == "f32" {
+            let model = loader::load_vl(&files, &dev)?;
+            let transform = EvalTransform::from_config(model.vision().config());
+            Some((model, transform))
+        } else {
+            None
+        };
+        let load_text = || a.weights.load_lm(&files, &dev);
+        let text = std::cell::OnceCell::new();
+        if merged.is_none() {
+            let _ = text.set(load_text()?);
+        }
+        let model = LineModels {
+            merged,
+            text,
+            load_text: &load_text,
+        };
+        return generate_lines(&a, data, &files, &model, &tokenizer, params);
     }
     let files = a.model.locate()?;
     // Known before any weights are read, so a wrong --image fails fast.
-    let arch = match &files.config {
-        loader::ConfigSource::Json { value, .. } => loader::architecture(value).to_string(),
-        loader::ConfigSource::OfficialYml(_) => {
-            tokenformer::models::tokenformer::ARCHITECTURE.into()
-        }
-    };
+    let arch = architecture(&files);
     if a.image.is_some() && arch != vl::ARCHITECTURE {
         bail!(
             "--image needs a vision-language model (`{}`), but {} is `{arch}`: merge one with `tokenformer-convert merge`",
@@ -244,13 +258,54 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
 /// Prompts read before a batched generation starts: enough to keep
 /// `--batch-size` sequences in flight, few enough to bound memory.
 const PROMPTS_PER_ROUND: usize = 256;
+/// As [`PROMPTS_PER_ROUND`] when lines may bring images, each held
+/// preprocessed until its round is done.
+const IMAGE_PROMPTS_PER_ROUND: usize = 64;
+
+/// The architecture a model folder's config names.
+fn architecture(files: &loader::ModelFiles) -> String {
+    match &files.config {
+        loader::ConfigSource::Json { value, .. } => loader::architecture(value).to_string(),
+        loader::ConfigSource::OfficialYml(_) => {
+            tokenformer::models::tokenformer::ARCHITECTURE.into()
+        }
+    }
+}
+
+/// What `generate --prompts` runs: the language model for text lines, and a
+/// merged model's whole model (in f32) for lines with an `image`.
+struct LineModels<'a> {
+    merged: Option<(VisionLanguageModel, EvalTransform)>,
+    /// Text alone runs the language model (a merged model's language route,
+    /// as `generate` without `--image` does), loaded at the first text line.
+    text: std::cell::OnceCell<TokenFormerLm>,
+    load_text: &'a dyn Fn() -> Result<TokenFormerLm>,
+}
+
+impl LineModels<'_> {
+    fn text(&self) -> Result<&TokenFormerLm> {
+        if self.text.get().is_none() {
+            let _ = self.text.set((self.load_text)()?);
+        }
+        Ok(self.text.get().expect("set above"))
+    }
+
+    /// The language model's config and checks: the merged model's when there is one.
+    fn language(&self) -> Result<&TokenFormerLm> {
+        match &self.merged {
+            Some((m, _)) => Ok(m.language()),
+            None => self.text(),
+        }
+    }
+}
 
 /// `generate --prompts`: each `prompt` of a JSON-lines input continued, one
 /// JSON line out per prompt in the input's order.
 fn generate_lines(
     a: &GenerateArgs,
     data: tokenformer::eval::data::DataFile,
-    model: &TokenFormerLm,
+    files: &loader::ModelFiles,
+    model: &LineModels,
     tokenizer: &tokenizers::Tokenizer,
     params: SamplingParams,
 ) -> Result<()> {
@@ -262,6 +317,11 @@ fn generate_lines(
         generation: &'a Generation,
     }
     let path = data.path.display().to_string();
+    // Image paths are relative to the prompts file's folder (stdin: the working one).
+    let folder = match data.path.parent() {
+        Some(p) if a.prompts.as_deref() != Some(std::path::Path::new("-")) => p.to_path_buf(),
+        _ => std::path::PathBuf::new(),
+    };
     let bar = if a.quiet {
         indicatif::ProgressBar::hidden()
     } else {
@@ -277,40 +337,106 @@ fn generate_lines(
     let mut out = std::io::stdout().lock();
     let mut lines = lines.peekable();
     while lines.peek().is_some() {
-        // (line, prompt text, prompt ids) of this round.
-        let mut round = Vec::with_capacity(PROMPTS_PER_ROUND);
-        for item in lines.by_ref().take(PROMPTS_PER_ROUND) {
-            let (n, text, ids) = field_ids(&path, item?, "prompt", tokenizer)?;
+        // (line, prompt text, prompt ids, image) of this round.
+        let per_round = if model.merged.is_some() {
+            IMAGE_PROMPTS_PER_ROUND
+        } else {
+            PROMPTS_PER_ROUND
+        };
+        let mut round = Vec::with_capacity(per_round);
+        for item in lines.by_ref().take(per_round) {
+            let (n, value) = item?;
+            let image = match value.as_ref().ok().and_then(|v| v.get("image")) {
+                None => None,
+                Some(serde_json::Value::String(f)) => Some(folder.join(f)),
+                Some(_) => bail!("{path} line {n}: `image` is not a string (a file path)"),
+            };
+            let (n, text, ids) = field_ids(&path, (n, value), "prompt", tokenizer)?;
             // Here, so that a bad prompt is named by its line.
-            tokenformer::generate::check_prompt(model, &ids, a.max_new_tokens)
+            tokenformer::generate::check_prompt(model.language()?, &ids, a.max_new_tokens)
                 .with_context(|| format!("{path} line {n}"))?;
-            round.push((n, text, ids));
+            let pixels = match (&model.merged, image) {
+                (_, None) => None,
+                (Some((m, transform)), Some(f)) => Some(
+                    transform
+                        .load(&f)
+                        .and_then(|px| transform.batch(vec![px], m.language().device()))
+                        .with_context(|| format!("{path} line {n}"))?,
+                ),
+                (None, Some(_)) if architecture(files) == vl::ARCHITECTURE => bail!(
+                    "{path} line {n}: an `image` runs the merged model in f32 only for now: drop --dtype/--weight-dtype"
+                ),
+                (None, Some(_)) => bail!(
+                    "{path} line {n}: an `image` needs a vision-language model (`{}`), but {} is `{}`",
+                    vl::ARCHITECTURE,
+                    files.source,
+                    architecture(files)
+                ),
+            };
+            round.push((n, text, ids, pixels));
         }
-        let ids: Vec<&[u32]> = round.iter().map(|(_, _, ids)| &ids[..]).collect();
-        let generations = tokenformer::generate::generate_texts(
-            model,
-            tokenizer,
+        let mut progress = |_| {
+            tokens += 1;
+            let secs = start.elapsed().as_secs_f64().max(1e-9);
+            bar.set_position(position.load(std::sync::atomic::Ordering::Relaxed));
+            bar.set_message(format!(
+                "{done} prompts, {tokens} tokens, {:.1} tok/s",
+                tokens as f64 / secs
+            ));
+        };
+        let (kv, n, batch) = (
             a.kv_dtype.into(),
-            &ids,
             a.max_new_tokens,
-            params.clone(),
-            &a.stop,
             a.batch_size.unwrap_or(DEFAULT_BATCH_SIZE),
-            |_| {
-                tokens += 1;
-                let secs = start.elapsed().as_secs_f64().max(1e-9);
-                bar.set_position(position.load(std::sync::atomic::Ordering::Relaxed));
-                bar.set_message(format!(
-                    "{done} prompts, {tokens} tokens, {:.1} tok/s",
-                    tokens as f64 / secs
-                ));
-            },
-        )?;
-        for ((n, text, _), generation) in round.iter().zip(&generations) {
+        );
+        // The lines with an image and those without, each group batched on its model.
+        let (with, without): (Vec<usize>, Vec<usize>) =
+            (0..round.len()).partition(|&i| round[i].3.is_some());
+        let ids =
+            |group: &[usize]| -> Vec<&[u32]> { group.iter().map(|&i| &round[i].2[..]).collect() };
+        let mut generations: Vec<Option<Generation>> = vec![None; round.len()];
+        if let (Some((m, _)), false) = (&model.merged, with.is_empty()) {
+            let images: Vec<Tensor> = with.iter().filter_map(|&i| round[i].3.clone()).collect();
+            let done = generate::generate_texts_with_images(
+                m,
+                tokenizer,
+                kv,
+                &images,
+                &ids(&with),
+                n,
+                params.clone(),
+                &a.stop,
+                batch,
+                &mut progress,
+            )?;
+            for (&i, g) in with.iter().zip(done) {
+                generations[i] = Some(g);
+            }
+        }
+        if !without.is_empty() {
+            let done = generate::generate_texts(
+                model.text()?,
+                tokenizer,
+                kv,
+                &ids(&without),
+                n,
+                params.clone(),
+                &a.stop,
+                batch,
+                &mut progress,
+            )?;
+            for (&i, g) in without.iter().zip(done) {
+                generations[i] = Some(g);
+            }
+        }
+        let generations = generations
+            .into_iter()
+            .map(|g| g.expect("every line generated"));
+        for ((n, text, ..), generation) in round.iter().zip(generations) {
             let line = Line {
                 line: *n,
                 prompt: text,
-                generation,
+                generation: &generation,
             };
             writeln!(out, "{}", serde_json::to_string(&line)?)?;
         }

@@ -244,10 +244,12 @@ pub enum AttentionMode<'a> {
     /// Vision: every token sees every token, no positions here.
     Bidirectional,
     /// Language, one new token for each of several sequences (x [n, 1, d]):
-    /// row r is at position `caches[r].len()` and attends over its own cache.
+    /// row r is at rotary position `positions[r]` and attends over its own
+    /// cache (which may hold more than text, as a vision-language model's does).
     Rows {
         rotary: &'a Rotary,
         caches: Vec<&'a mut LayerCache>,
+        positions: &'a [usize],
     },
 }
 
@@ -351,11 +353,15 @@ impl Attention {
                 offset,
                 cache,
             } => (Some((rotary, offset)), cache),
-            AttentionMode::Rows { rotary, caches } => {
+            AttentionMode::Rows {
+                rotary,
+                caches,
+                positions,
+            } => {
                 if prefix.is_some() {
                     candle_core::bail!("one-token rows take no prefix keys")
                 }
-                return self.forward_rows(x, rotary, caches);
+                return self.forward_rows(x, rotary, caches, positions);
             }
         };
         let (q, k, v) = self.project_qkv(x, rotary)?;
@@ -381,18 +387,19 @@ impl Attention {
         x: &Tensor,
         rotary: &Rotary,
         caches: Vec<&mut LayerCache>,
+        positions: &[usize],
     ) -> Result<(Tensor, KeyValues)> {
         let (n, t, _) = x.dims3()?;
-        if t != 1 || n != caches.len() {
+        if t != 1 || n != caches.len() || n != positions.len() {
             candle_core::bail!(
-                "rows take one token each and a cache per row: x of {n}×{t} tokens, {} caches",
-                caches.len()
+                "rows take one token each, a cache and a position per row: x of {n}×{t} tokens, {} caches, {} positions",
+                caches.len(),
+                positions.len()
             )
         }
         let (q, k, v) = self.project_qkv(x, None)?;
         let (mut outs, mut keys) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for (r, cache) in caches.into_iter().enumerate() {
-            let offset = cache.len();
+        for (r, (cache, &offset)) in caches.into_iter().zip(positions).enumerate() {
             let q = rotary.apply(&q.narrow(0, r, 1)?, offset)?;
             let k = rotary.apply(&k.narrow(0, r, 1)?, offset)?;
             let (ks, vs) = cache.append(&k, &v.narrow(0, r, 1)?)?;

@@ -633,15 +633,29 @@ impl TokenFormerLm {
     /// a decode step reads the weights once for all of them (batched
     /// generation); attention is per row, over that row's cache.
     pub fn forward_rows(&self, ids: &Tensor, caches: &mut [&mut Cache]) -> Result<Tensor> {
+        let positions: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        self.forward_rows_at(ids, caches, &positions)
+    }
+
+    /// [`Self::forward_rows`] with row r at rotary position `positions[r]`,
+    /// for caches that hold more than the text (a vision-language model's
+    /// image tokens come first and take no text position).
+    pub(crate) fn forward_rows_at(
+        &self,
+        ids: &Tensor,
+        caches: &mut [&mut Cache],
+        positions: &[usize],
+    ) -> Result<Tensor> {
         let (n, t) = ids.dims2()?;
-        if n == 0 || t != 1 || n != caches.len() {
+        if n == 0 || t != 1 || n != caches.len() || n != positions.len() {
             candle_core::bail!(
-                "forward_rows takes one token per row and a cache per row: ids [{n}, {t}], {} caches",
-                caches.len()
+                "forward_rows takes one token, a cache and a position per row: ids [{n}, {t}], {} caches, {} positions",
+                caches.len(),
+                positions.len()
             )
         }
         let max = self.cfg.max_position_embeddings;
-        for c in caches.iter() {
+        for (c, &p) in caches.iter().zip(positions) {
             if c.layers.len() != self.layers.len() {
                 candle_core::bail!(
                     "a cache of {} layers for a model of {}",
@@ -649,10 +663,10 @@ impl TokenFormerLm {
                     self.layers.len()
                 )
             }
-            if c.len() + 1 > max {
+            if p + 1 > max {
                 candle_core::bail!(
                     "sequence of {} tokens exceeds the model's maximum of {max} positions",
-                    c.len() + 1
+                    p + 1
                 )
             }
         }
@@ -662,6 +676,7 @@ impl TokenFormerLm {
                 let mode = AttentionMode::Rows {
                     rotary: &self.rotary,
                     caches: caches.iter_mut().map(|c| &mut c.layers[i]).collect(),
+                    positions,
                 };
                 x = layer.forward(&x, mode)?;
             }

@@ -457,13 +457,36 @@ impl VisionLanguageModel {
         self.cache_with(Some(kv.dtype()))
     }
 
+    /// A cache keeping keys and values in `kv` for an image and at most
+    /// `text_positions` text tokens (a prompt and its budget, as batched
+    /// generation sizes it; at most the model's context).
+    pub fn new_cache_for(&self, kv: lm::KvDtype, text_positions: usize) -> VlCache {
+        self.cache_for(Some(kv.dtype()), text_positions)
+    }
+
     fn cache_with(&self, dtype: Option<DType>) -> VlCache {
-        let cap =
-            self.vision.config().num_patches() + 1 + self.cfg.language.max_position_embeddings;
+        self.cache_for(dtype, self.cfg.language.max_position_embeddings)
+    }
+
+    fn cache_for(&self, dtype: Option<DType>, text_positions: usize) -> VlCache {
+        let text = text_positions.min(self.cfg.language.max_position_embeddings);
+        let cap = self.vision.config().num_patches() + 1 + text;
         VlCache {
             cache: Cache::with_capacity(self.cfg.language.num_layers, cap, dtype),
             image_tokens: 0,
         }
+    }
+
+    /// One new text token for each of several sequences, each with its own
+    /// cache: ids [n, 1] → logits [n, 1, vocab] (f32), row r what
+    /// [`Self::forward_mixed_with`] gives for `ids[r]` with `caches[r]` alone,
+    /// up to float rounding. The image tokens are in the caches already, so a
+    /// step is the language model's ([`TokenFormerLm::forward_rows`]), each
+    /// row at its own text position.
+    pub fn forward_rows(&self, ids: &Tensor, caches: &mut [&mut VlCache]) -> Result<Tensor> {
+        let positions: Vec<usize> = caches.iter().map(|c| c.text_len()).collect();
+        let mut inner: Vec<&mut Cache> = caches.iter_mut().map(|c| &mut c.cache).collect();
+        self.language.forward_rows_at(ids, &mut inner, &positions)
     }
 
     /// One layer of the mixed sequence. Image rows attend only to image rows,

@@ -14,6 +14,12 @@ use crate::error::{Error, Result};
 use crate::models::tokenformer::{Cache, KvDtype, Logits, TokenFormerLm};
 use crate::models::vl::{VisionLanguageModel, VlCache};
 
+mod batch;
+pub use batch::{
+    generate_batch, generate_batch_with_images, generate_texts, generate_texts_with_images,
+    DEFAULT_BATCH_SIZE,
+};
+
 #[derive(Clone, Debug)]
 pub struct SamplingParams {
     /// 0 means greedy.
@@ -499,138 +505,6 @@ pub fn check_prompt(text: &TokenFormerLm, prompt: &[u32], max_new_tokens: usize)
     }
     text.check_ids(prompt)?;
     Ok(token_budget(max, prompt.len(), max_new_tokens))
-}
-
-/// Sequences [`generate_batch`] decodes together unless told otherwise: on 2
-/// CPU cores, 8 made about 3× one sequence's tokens per second
-/// (docs/PERFORMANCE.md); more mostly adds cache memory there.
-pub const DEFAULT_BATCH_SIZE: usize = 8;
-
-/// [`generate_with_kv`] for many prompts, up to `batch_size` at a time, as
-/// continuous batching does: each prompt runs alone once, then the
-/// sequences in flight take one decode step together
-/// ([`TokenFormerLm::forward_rows`]: the weights are read once per step for
-/// all of them), and a finished sequence's place goes to the next prompt.
-/// `on_token(i, token)` sees each token of prompt `i` as it is chosen;
-/// `Break` ends that sequence. Each sequence samples with its own generator
-/// seeded with `params.seed`, so prompt `i` gets what [`generate_with_kv`]
-/// gives it alone, up to the float rounding of the batched products.
-/// Returns each prompt's tokens, in the prompts' order.
-pub fn generate_batch(
-    model: &TokenFormerLm,
-    kv: KvDtype,
-    prompts: &[impl AsRef<[u32]>],
-    max_new_tokens: usize,
-    params: SamplingParams,
-    batch_size: usize,
-    mut on_token: impl FnMut(usize, u32) -> Result<ControlFlow<()>>,
-) -> Result<Vec<Vec<u32>>> {
-    params.validate()?;
-    if batch_size == 0 {
-        return Err(Error::option("batch_size", "must be at least 1"));
-    }
-    let budgets = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            check_prompt(model, p.as_ref(), max_new_tokens)
-                .map_err(|e| Error::input(format!("prompt #{}: {e}", i + 1)))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let cfg = model.config();
-    let mut results = vec![Vec::new(); prompts.len()];
-    let mut waiting = prompts.iter().zip(budgets).enumerate();
-    // The sequences in flight, each with its own cache.
-    let mut flight: Vec<(Sequence, Cache)> = Vec::with_capacity(batch_size);
-    loop {
-        while flight.len() < batch_size {
-            let Some((i, (prompt, budget))) = waiting.next() else {
-                break;
-            };
-            let prompt = prompt.as_ref();
-            if budget == 0 {
-                continue;
-            }
-            let mut seq = Sequence::new(i, prompt, budget, &params);
-            let mut cache = Cache::for_positions(cfg, kv, prompt.len() + budget);
-            let input = Tensor::new(prompt, model.device())?.unsqueeze(0)?;
-            let logits = model.forward_with(&input, Some(&mut cache), Logits::Last)?;
-            let last = logits.squeeze(0)?.squeeze(0)?;
-            if seq.take(&last, cfg.eos_token_id, &mut on_token)? {
-                results[i] = seq.out;
-            } else {
-                flight.push((seq, cache));
-            }
-        }
-        if flight.is_empty() {
-            return Ok(results);
-        }
-        let last: Vec<u32> = flight.iter().map(|(seq, _)| seq.last()).collect();
-        let ids = Tensor::new(last, model.device())?.unsqueeze(1)?;
-        let logits = {
-            let mut caches: Vec<&mut Cache> = flight.iter_mut().map(|(_, c)| c).collect();
-            model.forward_rows(&ids, &mut caches)?
-        };
-        let mut still = Vec::with_capacity(batch_size);
-        for (r, (mut seq, cache)) in flight.drain(..).enumerate() {
-            let row = logits.get(r)?.squeeze(0)?;
-            if seq.take(&row, cfg.eos_token_id, &mut on_token)? {
-                results[seq.index] = seq.out;
-            } else {
-                still.push((seq, cache));
-            }
-        }
-        flight = still;
-    }
-}
-
-/// [`generate_batch`] as text: each prompt's continuation decoded by
-/// `tokenizer`, ended at the first of the `stop` strings (before it), with
-/// its finish reason and token counts. `on_token(i)` is called for each
-/// token of prompt `i` (for progress).
-#[allow(clippy::too_many_arguments)]
-pub fn generate_texts(
-    model: &TokenFormerLm,
-    tokenizer: &tokenizers::Tokenizer,
-    kv: KvDtype,
-    prompts: &[impl AsRef<[u32]>],
-    max_new_tokens: usize,
-    params: SamplingParams,
-    stop: &[impl AsRef<str>],
-    batch_size: usize,
-    mut on_token: impl FnMut(usize),
-) -> Result<Vec<Generation>> {
-    let eos = model.config().eos_token_id;
-    let mut streams: Vec<_> = prompts
-        .iter()
-        .map(|_| TextStream::new(tokenizer, stop))
-        .collect();
-    let tokens = generate_batch(
-        model,
-        kv,
-        prompts,
-        max_new_tokens,
-        params,
-        batch_size,
-        |i, id| {
-            on_token(i);
-            if id == eos {
-                return Ok(ControlFlow::Continue(()));
-            }
-            Ok(streams[i].push(id)?.1)
-        },
-    )?;
-    Ok(streams
-        .into_iter()
-        .zip(tokens)
-        .zip(prompts)
-        .map(|((stream, out), prompt)| Generation {
-            finish_reason: FinishReason::of(&out, eos, &stream),
-            generated_text: stream.into_text(),
-            prompt_tokens: prompt.as_ref().len(),
-            generated_tokens: out.len(),
-        })
-        .collect())
 }
 
 /// A sequence being generated: its sampler, what it has chosen and when it ends.
