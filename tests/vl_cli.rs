@@ -208,3 +208,105 @@ fn image_with_a_language_model_or_an_unreadable_image_is_a_clear_error() {
     ]);
     common::assert_clean_failure(&res, &["missing.jpg"]);
 }
+
+/// `generate --prompts` on a merged model: a line with an `image` (relative to
+/// the file's folder) gets what `generate --image` gives it, a line without one
+/// what `generate` gives it (the language route), in the file's order, with
+/// fewer sequences in flight than lines; an image line on a language model is
+/// an error naming the line.
+#[test]
+fn prompts_with_images_each_get_what_generate_gives_them_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("vl");
+    write_vl_folder(&dir);
+    let data = tmp.path().join("data");
+    std::fs::create_dir_all(data.join("img")).unwrap();
+    let val = common::fixtures().join("vit-tiny-imagenet/val");
+    for (from, to) in [("n01443537/a.JPEG", "a.jpg"), ("n01518878/d.JPEG", "d.jpg")] {
+        std::fs::copy(val.join(from), data.join("img").join(to)).unwrap();
+    }
+    let lines = [
+        (PROMPT, Some("img/a.jpg")),
+        ("A photo of", Some("img/d.jpg")),
+        (PROMPT, None),
+        ("A photo of", Some("img/a.jpg")),
+    ];
+    let file = data.join("prompts.jsonl");
+    let text: String = lines
+        .iter()
+        .map(|(p, image)| {
+            let mut v = serde_json::json!({ "prompt": p });
+            if let Some(i) = image {
+                v["image"] = (*i).into();
+            }
+            format!("{v}\n")
+        })
+        .collect();
+    std::fs::write(&file, text).unwrap();
+    let model = dir.to_str().unwrap();
+    let n = NEW_TOKENS.to_string();
+    let (out, stdout, stderr) = common::tokenformer(&[
+        "generate",
+        "--model",
+        model,
+        "--prompts",
+        file.to_str().unwrap(),
+        "--quiet",
+        "--batch-size",
+        "2",
+        "--max-new-tokens",
+        &n,
+    ]);
+    assert!(out.status.success(), "{stderr}");
+    let got: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(got.len(), lines.len());
+    let mut texts = vec![];
+    for (k, ((prompt, image), line)) in lines.iter().zip(&got).enumerate() {
+        assert_eq!(line["line"], k + 1);
+        let mut args = vec![
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            &n,
+        ];
+        let path = image.map(|i| data.join(i));
+        if let Some(p) = &path {
+            args.extend(["--image", p.to_str().unwrap()]);
+        }
+        let (out, alone, stderr) = common::tokenformer(&args);
+        assert!(out.status.success(), "{stderr}");
+        let want = alone
+            .strip_prefix(prompt)
+            .unwrap()
+            .strip_suffix('\n')
+            .unwrap();
+        assert_eq!(line["generated_text"], want, "line {}", k + 1);
+        texts.push(want.to_string());
+    }
+    // The image changes the continuation, so no line passes by another's text.
+    assert_ne!(texts[0], texts[2]);
+    assert_ne!(texts[1], texts[3]);
+
+    let lm = common::lm_fixture().join("pytorch_model.bin");
+    let tok = common::tokenizer_fixture();
+    let res = common::tokenformer(&[
+        "generate",
+        "--model",
+        lm.to_str().unwrap(),
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--prompts",
+        file.to_str().unwrap(),
+        "--quiet",
+    ]);
+    common::assert_clean_failure(
+        &res,
+        &["prompts.jsonl line 1", "tokenformer-vl", "tokenformer-lm"],
+    );
+}
