@@ -300,7 +300,7 @@ fn empty_inputs_on_the_gpu_are_errors_or_empty_results_not_driver_faults() {
 
 /// The shipped merged model (`tiny-digits-vl`) on the GPU: the mixed sequence's image
 /// and text logits equal the CPU's, its last text position again from the cache, and
-/// greedy generation from an image picks the CPU's tokens.
+/// greedy generation from an image picks the CPU's tokens, alone and batched.
 #[test]
 fn the_merged_model_on_the_gpu_equals_the_cpus_and_decodes_from_its_cache() {
     use tokenformer::generate::generate_with_image;
@@ -361,6 +361,35 @@ fn the_merged_model_on_the_gpu_equals_the_cpus_and_decodes_from_its_cache() {
     let want = run(&cpu, &Device::Cpu);
     assert!(want.len() > 1, "{want:?}");
     assert_eq!(run(&on_gpu, &gpu), want);
+    // Both images' prompts decoded together on the GPU: each the CPU's tokens alone.
+    let prompts = [prompt.clone(), prompt[..3].to_vec()];
+    let alone: Vec<Vec<u32>> = (0..2)
+        .map(|i| {
+            let image = px.narrow(0, i, 1).unwrap();
+            let params = tokenformer::SamplingParams::default();
+            generate_with_image(&cpu, &image, &prompts[i], 16, params, |_| {
+                Ok(std::ops::ControlFlow::Continue(()))
+            })
+            .unwrap()
+        })
+        .collect();
+    let images: Vec<Tensor> = (0..2)
+        .map(|i| px.narrow(0, i, 1).unwrap().to_device(&gpu).unwrap())
+        .collect();
+    let kv = tokenformer::KvDtype::F32;
+    let params = tokenformer::SamplingParams::default();
+    let together = tokenformer::generate::generate_batch_with_images(
+        &on_gpu,
+        kv,
+        &images,
+        &prompts,
+        16,
+        params,
+        2,
+        |_, _| Ok(std::ops::ControlFlow::Continue(())),
+    )
+    .unwrap();
+    assert_eq!(together, alone);
 }
 
 /// Three clipped AdamW steps on the GPU against the same steps on the CPU from the same

@@ -135,23 +135,18 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         let data = open_lines(path)?;
         let files = a.model.locate()?;
         let tokenizer = loader::load_tokenizer(&files)?;
-        // A merged model in f32 runs whole for the lines that bring an image.
-        let merged = if architecture(&files) == vl::ARCHITECTURE && a.weights.name() == "f32" {
+        // Each model is loaded at the first line that needs it.
+        let load_merged = || -> Result<_> {
             let model = loader::load_vl(&files, &dev)?;
             let transform = EvalTransform::from_config(model.vision().config());
-            Some((model, transform))
-        } else {
-            None
+            Ok((model, transform))
         };
         let load_text = || a.weights.load_lm(&files, &dev);
-        let text = std::cell::OnceCell::new();
-        if merged.is_none() {
-            let _ = text.set(load_text()?);
-        }
         let model = LineModels {
-            merged,
-            text,
-            load_text: &load_text,
+            // A merged model in f32 runs whole for the lines that bring an image.
+            merged: (architecture(&files) == vl::ARCHITECTURE && a.weights.name() == "f32")
+                .then(|| Lazy::new(&load_merged)),
+            text: Lazy::new(&load_text),
         };
         return generate_lines(&a, data, &files, &model, &tokenizer, params);
     }
@@ -272,30 +267,33 @@ fn architecture(files: &loader::ModelFiles) -> String {
     }
 }
 
-/// What `generate --prompts` runs: the language model for text lines, and a
-/// merged model's whole model (in f32) for lines with an `image`.
+/// What `generate --prompts` runs: the language model for text lines (a
+/// merged model's language route, as `generate` without `--image` runs), and
+/// a merged model's whole model in f32 for lines with an `image`.
 struct LineModels<'a> {
-    merged: Option<(VisionLanguageModel, EvalTransform)>,
-    /// Text alone runs the language model (a merged model's language route,
-    /// as `generate` without `--image` does), loaded at the first text line.
-    text: std::cell::OnceCell<TokenFormerLm>,
-    load_text: &'a dyn Fn() -> Result<TokenFormerLm>,
+    merged: Option<Lazy<'a, (VisionLanguageModel, EvalTransform)>>,
+    text: Lazy<'a, TokenFormerLm>,
 }
 
-impl LineModels<'_> {
-    fn text(&self) -> Result<&TokenFormerLm> {
-        if self.text.get().is_none() {
-            let _ = self.text.set((self.load_text)()?);
+/// A value made at its first use.
+struct Lazy<'a, T> {
+    cell: std::cell::OnceCell<T>,
+    make: &'a dyn Fn() -> Result<T>,
+}
+
+impl<'a, T> Lazy<'a, T> {
+    fn new(make: &'a dyn Fn() -> Result<T>) -> Self {
+        Self {
+            cell: std::cell::OnceCell::new(),
+            make,
         }
-        Ok(self.text.get().expect("set above"))
     }
 
-    /// The language model's config and checks: the merged model's when there is one.
-    fn language(&self) -> Result<&TokenFormerLm> {
-        match &self.merged {
-            Some((m, _)) => Ok(m.language()),
-            None => self.text(),
+    fn get(&self) -> Result<&T> {
+        if self.cell.get().is_none() {
+            let _ = self.cell.set((self.make)()?);
         }
+        Ok(self.cell.get().expect("set above"))
     }
 }
 
@@ -352,27 +350,35 @@ fn generate_lines(
                 Some(_) => bail!("{path} line {n}: `image` is not a string (a file path)"),
             };
             let (n, text, ids) = field_ids(&path, (n, value), "prompt", tokenizer)?;
-            // Here, so that a bad prompt is named by its line.
-            tokenformer::generate::check_prompt(model.language()?, &ids, a.max_new_tokens)
-                .with_context(|| format!("{path} line {n}"))?;
+            let at = || format!("{path} line {n}");
             let pixels = match (&model.merged, image) {
                 (_, None) => None,
-                (Some((m, transform)), Some(f)) => Some(
-                    transform
+                (Some(merged), Some(f)) => {
+                    let (m, transform) = merged.get()?;
+                    let pixels = transform
                         .load(&f)
                         .and_then(|px| transform.batch(vec![px], m.language().device()))
-                        .with_context(|| format!("{path} line {n}"))?,
-                ),
+                        .with_context(at)?;
+                    Some(pixels)
+                }
                 (None, Some(_)) if architecture(files) == vl::ARCHITECTURE => bail!(
-                    "{path} line {n}: an `image` runs the merged model in f32 only for now: drop --dtype/--weight-dtype"
+                    "{}: an `image` runs the merged model in f32 only for now: drop --dtype/--weight-dtype",
+                    at()
                 ),
                 (None, Some(_)) => bail!(
-                    "{path} line {n}: an `image` needs a vision-language model (`{}`), but {} is `{}`",
+                    "{}: an `image` needs a vision-language model (`{}`), but {} is `{}`",
+                    at(),
                     vl::ARCHITECTURE,
                     files.source,
                     architecture(files)
                 ),
             };
+            // Here, so that a bad prompt is named by its line: by the model that runs it.
+            let runs = match (&model.merged, &pixels) {
+                (Some(merged), Some(_)) => merged.get()?.0.language(),
+                _ => model.text.get()?,
+            };
+            tokenformer::generate::check_prompt(runs, &ids, a.max_new_tokens).with_context(at)?;
             round.push((n, text, ids, pixels));
         }
         let mut progress = |_| {
@@ -395,7 +401,8 @@ fn generate_lines(
         let ids =
             |group: &[usize]| -> Vec<&[u32]> { group.iter().map(|&i| &round[i].2[..]).collect() };
         let mut generations: Vec<Option<Generation>> = vec![None; round.len()];
-        if let (Some((m, _)), false) = (&model.merged, with.is_empty()) {
+        if let (Some(merged), false) = (&model.merged, with.is_empty()) {
+            let (m, _) = merged.get()?;
             let images: Vec<Tensor> = with.iter().filter_map(|&i| round[i].3.clone()).collect();
             let done = generate::generate_texts_with_images(
                 m,
@@ -415,7 +422,7 @@ fn generate_lines(
         }
         if !without.is_empty() {
             let done = generate::generate_texts(
-                model.text()?,
+                model.text.get()?,
                 tokenizer,
                 kv,
                 &ids(&without),
