@@ -8,7 +8,9 @@ use std::ops::ControlFlow;
 
 use candle_core::Tensor;
 
-use super::{check_prompt, FinishReason, Generation, SamplingParams, Sequence, TextStream};
+use super::{
+    check_prompt, one_image, FinishReason, Generation, SamplingParams, Sequence, TextStream,
+};
 use crate::error::{Error, Result};
 use crate::models::tokenformer::{Cache, KvDtype, Logits, TokenFormerLm};
 use crate::models::vl::{VisionLanguageModel, VlCache};
@@ -130,13 +132,7 @@ fn with_images<'a>(
         )));
     }
     for (i, image) in images.iter().enumerate() {
-        let n = image.dim(0)?;
-        if n != 1 {
-            return Err(Error::input(format!(
-                "prompt #{}: generation takes one image, got a batch of {n}",
-                i + 1
-            )));
-        }
+        one_image(image).map_err(|e| Error::input(format!("prompt #{}: {e}", i + 1)))?;
     }
     Ok(WithImages { model, kv, images })
 }

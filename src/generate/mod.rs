@@ -442,12 +442,7 @@ fn generate_with_image_in(
     params: SamplingParams,
     on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
 ) -> Result<Vec<u32>> {
-    if pixels.dim(0)? != 1 {
-        return Err(Error::input(format!(
-            "generation takes one image, got a batch of {}",
-            pixels.dim(0)?
-        )));
-    }
+    one_image(pixels)?;
     let text = model.language();
     let mut image = Some(pixels);
     decode(text, prompt, max_new_tokens, params, on_token, |ids| {
@@ -457,6 +452,16 @@ fn generate_with_image_in(
             model.forward_mixed_with(image.take(), &input, Some(&mut cache), Logits::Last)?;
         Ok(logits)
     })
+}
+
+/// Refuses pixels [b, C, H, W] with b other than 1: a generation follows one image.
+fn one_image(pixels: &Tensor) -> Result<()> {
+    match pixels.dim(0)? {
+        1 => Ok(()),
+        n => Err(Error::input(format!(
+            "generation takes one image, got a batch of {n}"
+        ))),
+    }
 }
 
 /// The decode loop every model shares: `step` runs the model on the new ids
