@@ -174,7 +174,7 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     // (a merged model's language route when the folder is tokenformer-vl).
     let model = match &a.image {
         Some(_) if a.weights.name() != "f32" => {
-            bail!("--image runs the merged model in f32 only for now: drop --dtype/--weight-dtype")
+            bail!("--image {MERGED_IN_F32}")
         }
         Some(path) => {
             let model = loader::load_vl(&files, &dev)?;
@@ -257,6 +257,11 @@ const PROMPTS_PER_ROUND: usize = 256;
 /// preprocessed until its round is done.
 const IMAGE_PROMPTS_PER_ROUND: usize = 64;
 
+/// Why an image is refused with half-precision or 8-bit weights (`--image`,
+/// or a `--prompts` line's `image`).
+const MERGED_IN_F32: &str =
+    "runs the merged model in f32 only for now: drop --dtype/--weight-dtype";
+
 /// The architecture a model folder's config names.
 fn architecture(files: &loader::ModelFiles) -> String {
     match &files.config {
@@ -334,13 +339,13 @@ fn generate_lines(
     let start = std::time::Instant::now();
     let mut out = std::io::stdout().lock();
     let mut lines = lines.peekable();
+    let per_round = if model.merged.is_some() {
+        IMAGE_PROMPTS_PER_ROUND
+    } else {
+        PROMPTS_PER_ROUND
+    };
     while lines.peek().is_some() {
         // (line, prompt text, prompt ids, image) of this round.
-        let per_round = if model.merged.is_some() {
-            IMAGE_PROMPTS_PER_ROUND
-        } else {
-            PROMPTS_PER_ROUND
-        };
         let mut round = Vec::with_capacity(per_round);
         for item in lines.by_ref().take(per_round) {
             let (n, value) = item?;
@@ -361,10 +366,9 @@ fn generate_lines(
                         .with_context(at)?;
                     Some(pixels)
                 }
-                (None, Some(_)) if architecture(files) == vl::ARCHITECTURE => bail!(
-                    "{}: an `image` runs the merged model in f32 only for now: drop --dtype/--weight-dtype",
-                    at()
-                ),
+                (None, Some(_)) if architecture(files) == vl::ARCHITECTURE => {
+                    bail!("{}: an `image` {MERGED_IN_F32}", at())
+                }
                 (None, Some(_)) => bail!(
                     "{}: an `image` needs a vision-language model (`{}`), but {} is `{}`",
                     at(),
