@@ -603,3 +603,13 @@ pub fn load_vit_in(files: &ModelFiles, device: &Device, dtype: DType) -> Result<
 pub fn load_vl(files: &ModelFiles, device: &Device) -> Result<VisionLanguageModel> {
     load(files, device)
 }
+
+/// [`load_vl`] computing in `dtype`, as [`load_lm_in`].
+pub fn load_vl_in(
+    files: &ModelFiles,
+    device: &Device,
+    dtype: DType,
+) -> Result<VisionLanguageModel> {
+    build::<VisionLanguageModel>(read_weights(files, Some(dtype), device)?, device)?
+        .with_compute_dtype(dtype)
+}

@@ -353,3 +353,74 @@ fn train_bf16_mixed_learns_like_f32_and_saves_f32() {
         "f32 {f32}, bf16-mixed {bf16}"
     );
 }
+
+/// The merged model (`tiny-digits-vl`) on the same path: in f64 its mixed
+/// sequence's image and text logits equal f32's, and in bf16 and f16 the greedy
+/// continuation of "a handwritten" after each shipped digit image, decoded
+/// together as `generate --prompts` does, is f32's (the GPU issue asks for
+/// 99 % top-1 agreement; of 50 images that is all of them).
+#[test]
+fn the_merged_model_in_f64_and_half_precision_generates_like_f32() {
+    use tokenformer::generate::generate_batch_with_images;
+    use tokenformer::vision::EvalTransform;
+    let files = locate(&zoo("tiny-digits-vl"));
+    let base = loader::load_vl(&files, &Device::Cpu).unwrap();
+    let transform = EvalTransform::from_config(base.vision().config());
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(zoo("examples").join("digits"))
+        .unwrap()
+        .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
+        .map(|f| f.unwrap().path())
+        .collect();
+    paths.sort();
+    assert!(paths.len() >= 50, "{} images", paths.len());
+    let images: Vec<Tensor> = paths
+        .iter()
+        .map(|p| {
+            let px = transform.load(p).unwrap();
+            transform.batch(vec![px], &Device::Cpu).unwrap()
+        })
+        .collect();
+    let tok = loader::load_tokenizer(&files).unwrap();
+    let prompt = tok
+        .encode("a handwritten", false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    let ids = Tensor::new(prompt.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let mixed = |m: &tokenformer::VisionLanguageModel| {
+        let (img, txt) = m.forward_mixed(Some(&images[7]), &ids, None).unwrap();
+        (f32s(&img.unwrap()), f32s(&txt))
+    };
+    let captions = |m: &tokenformer::VisionLanguageModel| {
+        let prompts = vec![prompt.clone(); images.len()];
+        let params = tokenformer::SamplingParams::default();
+        let kv = tokenformer::KvDtype::F32;
+        generate_batch_with_images(m, kv, &images, &prompts, 3, params, 8, |_, _| {
+            Ok(std::ops::ControlFlow::Continue(()))
+        })
+        .unwrap()
+    };
+    let (img, txt) = mixed(&base);
+    let want = captions(&base);
+    // Each digit's own word: the captions say something of the image.
+    let distinct: std::collections::BTreeSet<_> = want.iter().collect();
+    assert!(distinct.len() >= 10, "{} distinct captions", distinct.len());
+    let wide = loader::load_vl_in(&files, &Device::Cpu, DType::F64).unwrap();
+    assert_eq!(wide.compute_dtype(), DType::F64);
+    let (wide_img, wide_txt) = mixed(&wide);
+    let d = max_rel(&img, &wide_img).max(max_rel(&txt, &wide_txt));
+    assert!(d < 1e-4, "f64 vs f32 logits of the mixed sequence: {d}");
+    for dtype in [DType::BF16, DType::F16] {
+        let half = loader::load_vl_in(&files, &Device::Cpu, dtype).unwrap();
+        assert_eq!(half.compute_dtype(), dtype);
+        assert_eq!(half.vision().compute_dtype(), dtype);
+        let (_, half_txt) = mixed(&half);
+        assert_ne!(half_txt, txt, "{dtype:?} computed exactly as f32");
+        let got = captions(&half);
+        let same = want.iter().zip(&got).filter(|(a, b)| a == b).count();
+        assert_eq!(same, want.len(), "{dtype:?}: captions equal to f32's");
+    }
+}

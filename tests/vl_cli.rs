@@ -207,6 +207,70 @@ fn image_with_a_language_model_or_an_unreadable_image_is_a_clear_error() {
         missing.to_str().unwrap(),
     ]);
     common::assert_clean_failure(&res, &["missing.jpg"]);
+
+    // The merged model keeps its weights in the compute dtype: f16 or 8-bit
+    // weight matrices are language-model kernels, refused by name.
+    for w in ["f16", "q8"] {
+        let res = common::tokenformer(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            PROMPT,
+            "--image",
+            image.to_str().unwrap(),
+            "--weight-dtype",
+            w,
+        ]);
+        common::assert_clean_failure(&res, &["--image", "--weight-dtype", "--dtype bf16"]);
+    }
+}
+
+/// The shipped merged model in bf16 and f16 (`--dtype`; on the CPU here, the
+/// path a GPU takes): `generate --image` names the digit of the image as f32
+/// does, alone and as a `--prompts` line.
+#[test]
+fn generate_with_an_image_in_half_precision_gives_f32s_text() {
+    let model = common::zoo("tiny-digits-vl");
+    let model = model.to_str().unwrap();
+    let digits = common::zoo("examples").join("digits");
+    let image = digits.join("seven/0005.png");
+    let run = |extra: &[&str]| -> String {
+        let mut args = vec!["generate", "--model", model, "--max-new-tokens", "2"];
+        args.extend_from_slice(extra);
+        let (out, stdout, stderr) = common::tokenformer(&args);
+        assert!(out.status.success(), "{args:?}: {stderr}");
+        stdout
+    };
+    let alone = [
+        "--prompt",
+        "a handwritten",
+        "--image",
+        image.to_str().unwrap(),
+    ];
+    let want = run(&alone);
+    assert!(want.starts_with("a handwritten seven"), "{want:?}");
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("prompts.jsonl");
+    let line = serde_json::json!({ "prompt": "a handwritten", "image": image });
+    std::fs::write(&file, format!("{line}\n")).unwrap();
+    for dtype in ["bf16", "f16"] {
+        let got = run(&[&alone[..], &["--dtype", dtype]].concat());
+        assert_eq!(got, want, "--dtype {dtype}");
+        let lines = run(&[
+            "--prompts",
+            file.to_str().unwrap(),
+            "--quiet",
+            "--dtype",
+            dtype,
+        ]);
+        let v: serde_json::Value = serde_json::from_str(lines.trim()).unwrap();
+        assert_eq!(
+            format!("a handwritten{}\n", v["generated_text"].as_str().unwrap()),
+            want,
+            "--prompts --dtype {dtype}"
+        );
+    }
 }
 
 /// `generate --prompts` on a merged model: a line with an `image` (relative to

@@ -137,14 +137,14 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         let tokenizer = loader::load_tokenizer(&files)?;
         // Each model is loaded at the first line that needs it.
         let load_merged = || -> Result<_> {
-            let model = loader::load_vl(&files, &dev)?;
+            let model = a.weights.load_vl(&files, &dev)?;
             let transform = EvalTransform::from_config(model.vision().config());
             Ok((model, transform))
         };
         let load_text = || a.weights.load_lm(&files, &dev);
         let model = LineModels {
-            // A merged model in f32 runs whole for the lines that bring an image.
-            merged: (architecture(&files) == vl::ARCHITECTURE && a.weights.name() == "f32")
+            // A merged model runs whole for the lines that bring an image.
+            merged: (architecture(&files) == vl::ARCHITECTURE && a.weights.merged_ok())
                 .then(|| Lazy::new(&load_merged)),
             text: Lazy::new(&load_text),
         };
@@ -173,11 +173,9 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     // Image + text runs the merged model; text alone runs a language model
     // (a merged model's language route when the folder is tokenformer-vl).
     let model = match &a.image {
-        Some(_) if a.weights.name() != "f32" => {
-            bail!("--image {MERGED_IN_F32}")
-        }
+        Some(_) if !a.weights.merged_ok() => bail!("--image {MERGED_WEIGHTS}"),
         Some(path) => {
-            let model = loader::load_vl(&files, &dev)?;
+            let model = a.weights.load_vl(&files, &dev)?;
             let transform = EvalTransform::from_config(model.vision().config());
             let pixels = transform.batch(vec![transform.load(path)?], &dev)?;
             Generator::WithImage(Box::new(model), pixels)
@@ -257,10 +255,10 @@ const PROMPTS_PER_ROUND: usize = 256;
 /// preprocessed until its round is done.
 const IMAGE_PROMPTS_PER_ROUND: usize = 64;
 
-/// Why an image is refused with half-precision or 8-bit weights (`--image`,
-/// or a `--prompts` line's `image`).
-const MERGED_IN_F32: &str =
-    "runs the merged model in f32 only for now: drop --dtype/--weight-dtype";
+/// Why an image is refused with `--weight-dtype f16|q8` (`--image`, or a
+/// `--prompts` line's `image`).
+const MERGED_WEIGHTS: &str = "runs the merged model with its weights in the compute dtype only: \
+     drop --weight-dtype (--dtype bf16 or f16 computes in half precision)";
 
 /// The architecture a model folder's config names.
 fn architecture(files: &loader::ModelFiles) -> String {
@@ -274,7 +272,7 @@ fn architecture(files: &loader::ModelFiles) -> String {
 
 /// What `generate --prompts` runs: the language model for text lines (a
 /// merged model's language route, as `generate` without `--image` runs), and
-/// a merged model's whole model in f32 for lines with an `image`.
+/// a merged model's whole model for lines with an `image`.
 struct LineModels<'a> {
     merged: Option<Lazy<'a, (VisionLanguageModel, EvalTransform)>>,
     text: Lazy<'a, TokenFormerLm>,
@@ -367,7 +365,7 @@ fn generate_lines(
                     Some(pixels)
                 }
                 (None, Some(_)) if architecture(files) == vl::ARCHITECTURE => {
-                    bail!("{}: an `image` {MERGED_IN_F32}", at())
+                    bail!("{}: an `image` {MERGED_WEIGHTS}", at())
                 }
                 (None, Some(_)) => bail!(
                     "{}: an `image` needs a vision-language model (`{}`), but {} is `{}`",

@@ -152,7 +152,7 @@ impl From<DtypeArg> for tokenformer::ComputeDtype {
 }
 
 /// The precision a language model's weight matrices are kept in.
-#[derive(ValueEnum, Debug, Clone, Copy, Default)]
+#[derive(ValueEnum, Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum WeightDtype {
     #[default]
     F32,
@@ -226,6 +226,28 @@ impl WeightArgs {
             ),
             };
         Ok(loader::load_lm_as(files, dev, weights)?)
+    }
+
+    /// Whether a merged vision-language model runs whole in this precision:
+    /// its weights are kept in the compute dtype (`--weight-dtype f16|q8`
+    /// are language models' kernels).
+    pub fn merged_ok(&self) -> bool {
+        self.weight_dtype == WeightDtype::F32
+    }
+
+    /// The merged vision-language model of `files` on `dev`, computing in
+    /// `--dtype` (see [`Self::merged_ok`]).
+    pub fn load_vl(
+        &self,
+        files: &tokenformer::loader::ModelFiles,
+        dev: &candle_core::Device,
+    ) -> anyhow::Result<tokenformer::models::vl::VisionLanguageModel> {
+        anyhow::ensure!(
+            self.merged_ok(),
+            "a merged model keeps its weights in --dtype"
+        );
+        let dtype = tokenformer::ComputeDtype::from(self.dtype).dtype();
+        Ok(tokenformer::loader::load_vl_in(files, dev, dtype)?)
     }
 
     /// The name reports give the precision: `f32`, `f16`, `q8` (f32

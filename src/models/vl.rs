@@ -434,6 +434,24 @@ impl VisionLanguageModel {
         Self::new(cfg, vb)
     }
 
+    /// Both routes computing in `dtype` (f32, bf16, f16 or f64), as
+    /// [`TokenFormerLm::with_compute_dtype`]: the image and text tokens, the
+    /// image keys the text attends to and the cache in it, reductions in f32
+    /// at least, logits out as f32. Load the weights in `dtype`
+    /// ([`crate::loader::load_vl_in`]).
+    pub fn with_compute_dtype(self, dtype: DType) -> crate::Result<Self> {
+        Ok(Self {
+            vision: self.vision.with_compute_dtype(dtype)?,
+            language: self.language.with_compute_dtype(dtype)?,
+            cfg: self.cfg,
+        })
+    }
+
+    /// The dtype of activations and products (both routes share it).
+    pub fn compute_dtype(&self) -> DType {
+        self.language.compute_dtype()
+    }
+
     pub fn config(&self) -> &Config {
         &self.cfg
     }
