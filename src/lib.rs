@@ -3,8 +3,8 @@
 //! evaluation. Paper: <https://arxiv.org/abs/2410.23168>; official code:
 //! <https://github.com/Haiyang-W/TokenFormer>.
 //!
-//! Start with [`LanguageModel`] and [`ImageClassifier`]: a model and its
-//! tokenizer or preprocessing, loaded by name as `from_pretrained` does in
+//! Start with [`LanguageModel`], [`ImageClassifier`] and [`ImageTextModel`]: a
+//! model and its tokenizer or preprocessing, loaded by name as `from_pretrained` does in
 //! Hugging Face transformers (the README's "Library" section has a runnable
 //! example):
 //!
@@ -60,7 +60,9 @@ pub use models::lm::{KvDtype, TokenFormerLm};
 pub use models::vit::VisionTransformer;
 pub use models::vl::VisionLanguageModel;
 pub use models::{Architecture, ModelConfig};
-pub use pretrained::{ImageClassifier, LanguageModel, PretrainedOptions, WeightPrecision};
+pub use pretrained::{
+    ImageClassifier, ImageTextModel, LanguageModel, PretrainedOptions, WeightPrecision,
+};
 pub use scoring::SequenceScore;
 
 /// The README's examples, run as doctests.

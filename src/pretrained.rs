@@ -17,11 +17,16 @@ use crate::hub::HubClient;
 use crate::loader::{self, LocateOptions, ModelFiles};
 use crate::models::lm::{KvDtype, TokenFormerLm};
 use crate::models::vit::VisionTransformer;
+use crate::models::vl::VisionLanguageModel;
 use crate::scoring::{self, Loglikelihood, Scorer, SequenceScore};
+use crate::vision::EvalTransform;
 
 /// Requests per forward pass of the facade's harness-style scoring (also
 /// bounded by the scorer's token cap).
 const SCORE_BATCH: usize = 16;
+
+/// Images [`ImageTextModel::generate_batch`] holds preprocessed at a time.
+const IMAGES_PER_ROUND: usize = 64;
 
 /// The precision a language model's weight matrices are kept in when it
 /// computes in f32 (with bf16 or f16 computation they are kept in that).
@@ -35,19 +40,20 @@ pub enum WeightPrecision {
     Q8,
 }
 
-/// How [`LanguageModel::from_pretrained`] and
-/// [`ImageClassifier::from_pretrained`] find and load a model.
+/// How [`LanguageModel::from_pretrained`], [`ImageClassifier::from_pretrained`]
+/// and [`ImageTextModel::from_pretrained`] find and load a model.
 #[derive(Debug, Default)]
 pub struct PretrainedOptions {
     /// An official yml or a config.json to use instead of the model's.
     pub config: Option<PathBuf>,
     /// A tokenizer.json to use instead of the model's.
     pub tokenizer: Option<PathBuf>,
-    /// Language models computing in f32 only.
+    /// Language models computing in f32 only (a merged model keeps its
+    /// weights in `dtype`: anything but f32 here is refused for it).
     pub weights: WeightPrecision,
     /// The dtype the model computes in (f32 unless asked: bf16 or f16 on a GPU).
     pub dtype: ComputeDtype,
-    /// The precision generation caches keys and values in (language models only).
+    /// The precision generation caches keys and values in (language and merged models).
     pub kv_cache: KvDtype,
     /// The Hub client for zoo names and repo ids; `None` builds one from the
     /// environment (`HF_ENDPOINT`, `HF_HOME`, ...) when a download is needed.
@@ -130,11 +136,7 @@ impl LanguageModel {
 
     /// The token ids of `text` (no special tokens added).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| Error::input(format!("tokenizing: {e}")))?;
-        Ok(enc.get_ids().to_vec())
+        encode(&self.tokenizer, text)
     }
 
     /// The text of `ids`.
@@ -327,4 +329,146 @@ impl ImageClassifier {
     pub fn logits(&self, pixels: &Tensor) -> Result<Tensor> {
         Ok(self.model.forward(pixels)?)
     }
+}
+
+/// A merged vision-language TokenFormer (`tokenformer-vl`) with its tokenizer
+/// and image preprocessing: text continued after an image, as `tokenformer
+/// generate --image` does. Text alone runs the language route:
+/// [`LanguageModel::from_pretrained`] of the same name.
+///
+/// ```
+/// use tokenformer::{ImageTextModel, SamplingParams};
+///
+/// // A model shipped in the binary; a Hub repo id or a folder loads the same way.
+/// let vl = ImageTextModel::from_pretrained("tiny-digits-vl", &Default::default())?;
+/// let seven = concat!(env!("CARGO_MANIFEST_DIR"), "/zoo/examples/digits/seven/0005.png");
+/// let none: &[&str] = &[];
+/// let g = vl.generate(seven, "a handwritten", 2, SamplingParams::default(), none)?;
+/// assert_eq!(g.generated_text, " seven");
+/// # Ok::<(), tokenformer::Error>(())
+/// ```
+pub struct ImageTextModel {
+    model: VisionLanguageModel,
+    tokenizer: tokenizers::Tokenizer,
+    transform: EvalTransform,
+    source: String,
+    kv_cache: KvDtype,
+}
+
+impl ImageTextModel {
+    /// Loads a merged model and its tokenizer, computing in `opts.dtype`.
+    pub fn from_pretrained(name: &str, opts: &PretrainedOptions) -> Result<Self> {
+        let device = opts.device.resolve()?;
+        if opts.weights != WeightPrecision::F32 {
+            return Err(Error::input(format!(
+                "a merged model keeps its weights in the dtype it computes in: weights {:?} \
+                 are for language models (bf16 or f16 computation halves the memory)",
+                opts.weights
+            )));
+        }
+        let files = opts.locate(name)?;
+        let tokenizer = loader::load_tokenizer(&files)?;
+        let model = loader::load_vl_in(&files, &device, opts.dtype.dtype())?;
+        Ok(Self {
+            transform: EvalTransform::from_config(model.vision().config()),
+            model,
+            tokenizer,
+            source: files.source,
+            kv_cache: opts.kv_cache,
+        })
+    }
+
+    /// Where it was loaded from (`owner/name@revision` or a path).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    pub fn model(&self) -> &VisionLanguageModel {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The image file at `path` (JPEG, PNG, WebP) preprocessed as the model's
+    /// classifier was evaluated: pixels [1, 3, size, size] on its device.
+    pub fn load_image(&self, path: impl AsRef<Path>) -> Result<Tensor> {
+        let pixels = self.transform.load(path.as_ref())?;
+        self.transform
+            .batch(vec![pixels], self.model.language().device())
+    }
+
+    /// Continues `prompt` after the image at `image` by up to
+    /// `max_new_tokens` tokens, ending at the first of the `stop` strings
+    /// (before it).
+    pub fn generate(
+        &self,
+        image: impl AsRef<Path>,
+        prompt: &str,
+        max_new_tokens: usize,
+        params: SamplingParams,
+        stop: &[impl AsRef<str>],
+    ) -> Result<Generation> {
+        let mut done = self.generate_batch(&[image], &[prompt], max_new_tokens, params, stop, 1)?;
+        Ok(done.remove(0))
+    }
+
+    /// [`generate`](Self::generate) for many (image, prompt) pairs,
+    /// `batch_size` sequences decoded together
+    /// ([`generate::generate_texts_with_images`]): each pair gets what it
+    /// would get alone (same seed), up to float rounding. The images are read
+    /// a few dozen at a time, so a long list is not held in memory at once.
+    pub fn generate_batch(
+        &self,
+        images: &[impl AsRef<Path>],
+        prompts: &[impl AsRef<str>],
+        max_new_tokens: usize,
+        params: SamplingParams,
+        stop: &[impl AsRef<str>],
+        batch_size: usize,
+    ) -> Result<Vec<Generation>> {
+        if images.len() != prompts.len() {
+            return Err(Error::input(format!(
+                "{} images for {} prompts: each prompt continues after its own image",
+                images.len(),
+                prompts.len()
+            )));
+        }
+        let mut done = Vec::with_capacity(prompts.len());
+        for (imgs, texts) in images
+            .chunks(IMAGES_PER_ROUND)
+            .zip(prompts.chunks(IMAGES_PER_ROUND))
+        {
+            let pixels = imgs
+                .iter()
+                .map(|p| self.load_image(p))
+                .collect::<Result<Vec<_>>>()?;
+            let ids = texts
+                .iter()
+                .map(|t| encode(&self.tokenizer, t.as_ref()))
+                .collect::<Result<Vec<_>>>()?;
+            done.extend(generate::generate_texts_with_images(
+                &self.model,
+                &self.tokenizer,
+                self.kv_cache,
+                &pixels,
+                &ids,
+                max_new_tokens,
+                params.clone(),
+                stop,
+                batch_size,
+                |_| {},
+            )?);
+        }
+        Ok(done)
+    }
+}
+
+/// The token ids of `text` (no special tokens added).
+fn encode(tokenizer: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let enc = tokenizer
+        .encode(text, false)
+        .map_err(|e| Error::input(format!("tokenizing: {e}")))?;
+    Ok(enc.get_ids().to_vec())
 }

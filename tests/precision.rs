@@ -144,12 +144,7 @@ fn half_precision_perplexity_is_within_half_a_percent_of_f32() {
 #[test]
 fn the_vit_in_f64_and_bf16_classifies_like_f32() {
     let files = locate(&zoo("tiny-digits-vit"));
-    let mut images: Vec<PathBuf> = std::fs::read_dir(zoo("examples").join("digits"))
-        .unwrap()
-        .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
-        .map(|f| f.unwrap().path())
-        .collect();
-    images.sort();
+    let images = digit_images();
     assert!(images.len() >= 50, "{} images", images.len());
     let top1 = |dtype: DType| -> Vec<(usize, f32)> {
         let model = loader::load_vit_in(&files, &Device::Cpu, dtype).unwrap();
@@ -366,12 +361,7 @@ fn the_merged_model_in_f64_and_half_precision_generates_like_f32() {
     let files = locate(&zoo("tiny-digits-vl"));
     let base = loader::load_vl(&files, &Device::Cpu).unwrap();
     let transform = EvalTransform::from_config(base.vision().config());
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(zoo("examples").join("digits"))
-        .unwrap()
-        .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
-        .map(|f| f.unwrap().path())
-        .collect();
-    paths.sort();
+    let paths = digit_images();
     assert!(paths.len() >= 50, "{} images", paths.len());
     let images: Vec<Tensor> = paths
         .iter()

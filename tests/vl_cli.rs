@@ -374,3 +374,93 @@ fn prompts_with_images_each_get_what_generate_gives_them_alone() {
         &["prompts.jsonl line 1", "tokenformer-vl", "tokenformer-lm"],
     );
 }
+
+/// The library's front door for merged models, `ImageTextModel`: what `generate
+/// --image` prints for one image, the same per pair when several are decoded
+/// together, in bf16 too, and clear errors for a language model, weights it
+/// cannot keep and images that do not pair with the prompts.
+#[test]
+fn image_text_model_generates_what_the_command_line_does() {
+    use tokenformer::{ComputeDtype, ImageTextModel, PretrainedOptions, SamplingParams};
+    let name = common::zoo("tiny-digits-vl");
+    let name = name.to_str().unwrap();
+    let vl = ImageTextModel::from_pretrained(name, &Default::default()).unwrap();
+    let digits = common::zoo("examples").join("digits");
+    let images: Vec<PathBuf> = ["seven", "two", "nine"]
+        .iter()
+        .map(|d| digits.join(d).join("0010.png"))
+        .collect();
+    let cli = |image: &Path| -> String {
+        let args = [
+            "generate",
+            "--model",
+            name,
+            "--prompt",
+            "a handwritten",
+            "--max-new-tokens",
+            "2",
+            "--image",
+            image.to_str().unwrap(),
+        ];
+        let (out, stdout, stderr) = common::tokenformer(&args);
+        assert!(out.status.success(), "{stderr}");
+        stdout
+            .strip_prefix("a handwritten")
+            .unwrap()
+            .trim_end()
+            .to_string()
+    };
+    let want: Vec<String> = images.iter().map(|i| cli(i)).collect();
+    assert_eq!(want, [" seven", " two", " nine"]);
+    let none: &[&str] = &[];
+    let params = SamplingParams::default;
+    let one = vl
+        .generate(&images[0], "a handwritten", 2, params(), none)
+        .unwrap();
+    assert_eq!(one.generated_text, want[0]);
+    let prompt = vl.tokenizer().encode("a handwritten", false).unwrap();
+    assert_eq!(one.prompt_tokens, prompt.get_ids().len());
+    assert_eq!(one.generated_tokens, 2);
+    let prompts = ["a handwritten"; 3];
+    let bf16 = PretrainedOptions {
+        dtype: ComputeDtype::Bf16,
+        ..Default::default()
+    };
+    let half = ImageTextModel::from_pretrained(name, &bf16).unwrap();
+    assert_eq!(half.model().compute_dtype(), DType::BF16);
+    for model in [&vl, &half] {
+        let all = model
+            .generate_batch(&images, &prompts, 2, params(), none, 2)
+            .unwrap();
+        let texts: Vec<&str> = all.iter().map(|g| g.generated_text.as_str()).collect();
+        assert_eq!(texts, want);
+    }
+
+    let err = |r: tokenformer::Result<ImageTextModel>| r.err().expect("refused").to_string();
+    let lm = common::zoo("tiny-kjv-lm");
+    let e = err(ImageTextModel::from_pretrained(
+        lm.to_str().unwrap(),
+        &Default::default(),
+    ));
+    assert!(
+        e.contains("tokenformer-lm") && e.contains("tokenformer-vl"),
+        "{e}"
+    );
+    let f16_weights = PretrainedOptions {
+        weights: tokenformer::WeightPrecision::F16,
+        ..Default::default()
+    };
+    let e = err(ImageTextModel::from_pretrained(name, &f16_weights));
+    assert!(e.contains("weights F16"), "{e}");
+    let e = vl
+        .generate_batch(&images[..2], &prompts, 2, params(), none, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("2 images for 3 prompts"), "{e}");
+    let missing = digits.join("missing.png");
+    let e = vl
+        .generate(&missing, "a handwritten", 2, params(), none)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("missing.png"), "{e}");
+}

@@ -1,6 +1,6 @@
 //! The `tokenformer` Python package's native module (`tokenformer._tokenformer`):
 //! thin PyO3 wrappers over the library's facade ([`tokenformer::LanguageModel`],
-//! [`tokenformer::ImageClassifier`]). Compute runs with the GIL released;
+//! [`tokenformer::ImageClassifier`], [`tokenformer::ImageTextModel`]). Compute runs with the GIL released;
 //! library errors become `tokenformer.TokenFormerError` with the same message.
 
 use std::path::PathBuf;
@@ -122,6 +122,13 @@ impl Score {
 enum Texts {
     One(String),
     Many(Vec<String>),
+}
+
+/// One file path (str or os.PathLike) or many.
+#[derive(FromPyObject)]
+enum Paths {
+    One(PathBuf),
+    Many(Vec<PathBuf>),
 }
 
 /// A prompt as text or as token ids, or many prompts.
@@ -381,10 +388,10 @@ impl ImageClassifier {
     /// likely first: per path a list of dicts `index`, `prob` and, when the
     /// model has class names, `wnid` and `name`. One path gives one list.
     #[pyo3(signature = (paths, k=5))]
-    fn classify(&self, py: Python<'_>, paths: Texts, k: usize) -> PyResult<Py<PyAny>> {
+    fn classify(&self, py: Python<'_>, paths: Paths, k: usize) -> PyResult<Py<PyAny>> {
         let (files, one) = match paths {
-            Texts::One(p) => (vec![PathBuf::from(p)], true),
-            Texts::Many(ps) => (ps.into_iter().map(PathBuf::from).collect(), false),
+            Paths::One(p) => (vec![p], true),
+            Paths::Many(ps) => (ps, false),
         };
         let results = py
             .detach(|| {
@@ -424,11 +431,126 @@ impl ImageClassifier {
     }
 }
 
+/// A merged vision-language TokenFormer (`tokenformer-vl`) with its tokenizer
+/// and image preprocessing: text continued after an image. Text alone runs the
+/// language route: `LanguageModel.from_pretrained` of the same name.
+#[pyclass(module = "tokenformer", frozen)]
+struct ImageTextModel {
+    inner: tokenformer::ImageTextModel,
+}
+
+#[pymethods]
+impl ImageTextModel {
+    /// Loads a merged model by zoo name, Hub repo id or local path, with its
+    /// tokenizer. `device`: "cpu", "cuda", "cuda:N" or "auto"; `dtype`:
+    /// "f32", "bf16" or "f16" (the weights are kept in it); `kv_dtype`: "f32"
+    /// or "f16".
+    #[staticmethod]
+    #[pyo3(signature = (
+        name, *, tokenizer=None, config=None, kv_dtype="f32", device="cpu", dtype="f32"
+    ))]
+    fn from_pretrained(
+        py: Python<'_>,
+        name: &str,
+        tokenizer: Option<PathBuf>,
+        config: Option<PathBuf>,
+        kv_dtype: &str,
+        device: &str,
+        dtype: &str,
+    ) -> PyResult<Self> {
+        let opts = options(tokenizer, config, "f32", kv_dtype, device, dtype)?;
+        let inner = py
+            .detach(|| tokenformer::ImageTextModel::from_pretrained(name, &opts))
+            .map_err(err)?;
+        Ok(Self { inner })
+    }
+
+    /// Where the model was loaded from.
+    #[getter]
+    fn source(&self) -> String {
+        self.inner.source().to_string()
+    }
+
+    /// Continues `prompt` after `image` (a file path: JPEG, PNG, WebP) and
+    /// returns the new text, as `tokenformer generate --image` does. A list
+    /// of images with a list of prompts of the same length gives a list,
+    /// `batch_size` sequences decoded together (each pair as it would be
+    /// alone, up to float rounding). Sampling, `stop` and `details` as
+    /// `LanguageModel.generate`.
+    #[pyo3(signature = (
+        image, prompt, max_new_tokens=64, *, temperature=0.0, top_k=None, top_p=None,
+        seed=299_792_458, repeat_penalty=1.0, repeat_last_n=64, stop=None,
+        batch_size=tokenformer::generate::DEFAULT_BATCH_SIZE, details=false
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn generate(
+        &self,
+        py: Python<'_>,
+        image: Paths,
+        prompt: Texts,
+        max_new_tokens: usize,
+        temperature: f64,
+        top_k: Option<usize>,
+        top_p: Option<f64>,
+        seed: u64,
+        repeat_penalty: f32,
+        repeat_last_n: usize,
+        stop: Option<Vec<String>>,
+        batch_size: usize,
+        details: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let params = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            repeat_penalty,
+            repeat_last_n,
+        };
+        let stop = stop.unwrap_or_default();
+        let (images, prompts, one) = match (image, prompt) {
+            (Paths::One(i), Texts::One(p)) => (vec![i], vec![p], true),
+            (Paths::Many(i), Texts::Many(p)) => (i, p, false),
+            _ => {
+                return Err(TokenFormerError::new_err(
+                    "image and prompt go together: one path with one prompt, or a list of \
+                     paths with a list of prompts of the same length",
+                ))
+            }
+        };
+        let done = py
+            .detach(|| {
+                self.inner.generate_batch(
+                    &images,
+                    &prompts,
+                    max_new_tokens,
+                    params,
+                    &stop,
+                    batch_size,
+                )
+            })
+            .map_err(err)?;
+        match (one, details) {
+            (true, true) => generation(py, done.into_iter().next().expect("one prompt")),
+            (true, false) => {
+                let text = done.into_iter().next().expect("one prompt").generated_text;
+                Ok(text.into_pyobject(py)?.into_any().unbind())
+            }
+            (false, _) => generations(py, done, details),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("ImageTextModel({:?})", self.inner.source())
+    }
+}
+
 #[pymodule]
 fn _tokenformer(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TokenFormerError", m.py().get_type::<TokenFormerError>())?;
     m.add_class::<LanguageModel>()?;
     m.add_class::<ImageClassifier>()?;
+    m.add_class::<ImageTextModel>()?;
     m.add_class::<Score>()?;
     // What `generate` takes for `batch_size`, for adapters that pick their own default.
     m.add(

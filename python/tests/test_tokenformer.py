@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("TOKENFORMER_BIN", ROOT / "target" / "release" / "tokenformer"))
 KJV = str(ROOT / "zoo" / "tiny-kjv-lm")
 DIGITS = str(ROOT / "zoo" / "tiny-digits-vit")
+DIGITS_VL = str(ROOT / "zoo" / "tiny-digits-vl")
 EXAMPLES = ROOT / "zoo" / "examples" / "digits"
+# What `details=True` returns: a `generate --prompts` line without its `line` and `prompt`.
+GENERATION_KEYS = ("generated_text", "finish_reason", "prompt_tokens", "generated_tokens")
 TEXTS = [
     "In the beginning God created the heaven and the earth.",
     "And the earth was without form, and void; and darkness was upon the face of the deep.",
@@ -82,8 +85,7 @@ def test_a_list_of_prompts_generates_as_the_cli_does(lm, tmp_path):
     # Each the text it gets alone.
     assert want == [lm.generate(p, 20, **sampled) for p in prompts]
     # details=True: the CLI's line without its `line` and `prompt`.
-    keys = ("generated_text", "finish_reason", "prompt_tokens", "generated_tokens")
-    full = [{k: json.loads(line)[k] for k in keys} for line in lines]
+    full = [{k: json.loads(line)[k] for k in GENERATION_KEYS} for line in lines]
     assert {d["finish_reason"] for d in full} >= {"stop_sequence", "length"}, full
     assert lm.generate(prompts, 20, details=True, **sampled) == full
     assert lm.generate(prompts[0], 20, details=True, **sampled) == full[0]
@@ -107,6 +109,33 @@ def test_classify_equals_the_cli():
     with pytest.raises(tokenformer.TokenFormerError) as e:
         clf.classify([images[0], __file__])
     assert str(e.value) == f"{__file__}: not a JPEG, PNG or WebP image (unrecognised contents)"
+
+
+def test_image_text_model_generates_as_the_cli_does(tmp_path):
+    vl = tokenformer.ImageTextModel.from_pretrained(DIGITS_VL)
+    images = [EXAMPLES / d / "0015.png" for d in ("four", "zero", "six")]
+    prompts = ["a handwritten", "a handwritten", "a"]
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text("".join(json.dumps({"prompt": p, "image": str(i)}) + "\n" for p, i in zip(prompts, images)))
+    args = ("--model", DIGITS_VL, "--max-new-tokens", "3")
+    want = [json.loads(l) for l in cli("generate", *args, "--prompts", str(lines), "--quiet").stdout.splitlines()]
+    for w, i, p in zip(want, images, prompts):
+        alone = cli("generate", *args, "--prompt", p, "--image", str(i)).stdout
+        assert alone == p + w["generated_text"] + "\n"
+        assert vl.generate(i, p, 3) == w["generated_text"]  # a pathlib.Path, as a str
+        assert vl.generate(str(i), p, 3, details=True) == {k: w[k] for k in GENERATION_KEYS}
+    assert want[0]["generated_text"].startswith(" four")
+    assert vl.generate(images, prompts, 3, batch_size=2) == [w["generated_text"] for w in want]
+    got = vl.generate([str(i) for i in images], prompts, 3, details=True)
+    assert got == [{k: w[k] for k in GENERATION_KEYS} for w in want]
+    half = tokenformer.ImageTextModel.from_pretrained(DIGITS_VL, dtype="bf16")
+    assert half.generate(images, prompts, 3) == [w["generated_text"] for w in want]
+    with pytest.raises(tokenformer.TokenFormerError, match="one path with one prompt"):
+        vl.generate(images, "a handwritten")
+    with pytest.raises(tokenformer.TokenFormerError, match="2 images for 3 prompts"):
+        vl.generate(images[:2], prompts)
+    with pytest.raises(tokenformer.TokenFormerError, match="is not a vision-language model"):
+        tokenformer.ImageTextModel.from_pretrained(KJV)
 
 
 def test_errors_carry_the_library_message(tmp_path):

@@ -9,10 +9,19 @@
     clf = tokenformer.ImageClassifier.from_pretrained("tiny-digits-vit")
     print(clf.classify(["digit.png"]))
 
+    vl = tokenformer.ImageTextModel.from_pretrained("tiny-digits-vl")
+    print(vl.generate("digit.png", "a handwritten", max_new_tokens=2))
+
 `tokenformer.harness` holds an lm-evaluation-harness model adapter.
 Compute releases the GIL; errors are `TokenFormerError` with the library's message.
 """
 
-from ._tokenformer import ImageClassifier, LanguageModel, Score, TokenFormerError
+from ._tokenformer import (
+    ImageClassifier,
+    ImageTextModel,
+    LanguageModel,
+    Score,
+    TokenFormerError,
+)
 
-__all__ = ["ImageClassifier", "LanguageModel", "Score", "TokenFormerError"]
+__all__ = ["ImageClassifier", "ImageTextModel", "LanguageModel", "Score", "TokenFormerError"]

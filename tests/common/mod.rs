@@ -40,6 +40,17 @@ pub fn zoo(name: &str) -> PathBuf {
     root().join("zoo").join(name)
 }
 
+/// The shipped digit images (`zoo/examples/digits/<class>/*.png`), sorted.
+pub fn digit_images() -> Vec<PathBuf> {
+    let mut images: Vec<PathBuf> = std::fs::read_dir(zoo("examples").join("digits"))
+        .unwrap()
+        .flat_map(|d| std::fs::read_dir(d.unwrap().path()).unwrap())
+        .map(|f| f.unwrap().path())
+        .collect();
+    images.sort();
+    images
+}
+
 /// max |a − b| / max(1, |b|): relative for large values, absolute for small.
 pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
