@@ -555,14 +555,8 @@ pub fn load_lm_q8(files: &ModelFiles, device: &Device) -> Result<TokenFormerLm> 
         .map_err(|e| Error::checkpoint(&path, e))
 }
 
-fn lm_from_weights(mut w: LoadedWeights, device: &Device) -> Result<TokenFormerLm> {
+fn lm_from_weights(w: LoadedWeights, device: &Device) -> Result<TokenFormerLm> {
     let cfg = ModelConfig::from_value(&w.config, &w.config_path)?;
-    // A merged model's language route is built in f32, as the merged model is.
-    if let ModelConfig::Vl(_) = cfg {
-        for t in w.tensors.values_mut() {
-            *t = t.to_dtype(DType::F32)?;
-        }
-    }
     build_from(&cfg, w, device)
 }
 
@@ -602,6 +596,15 @@ pub fn load_vit_in(files: &ModelFiles, device: &Device, dtype: DType) -> Result<
 /// Loads a merged vision-language model (`tokenformer-vl`), f32 compute on `device`.
 pub fn load_vl(files: &ModelFiles, device: &Device) -> Result<VisionLanguageModel> {
     load(files, device)
+}
+
+/// [`load_vl`] with the weights kept in `weights` (f32 compute), as [`load_lm_as`].
+pub fn load_vl_as(
+    files: &ModelFiles,
+    device: &Device,
+    weights: DType,
+) -> Result<VisionLanguageModel> {
+    build(read_weights(files, Some(weights), device)?, device)
 }
 
 /// [`load_vl`] computing in `dtype`, as [`load_lm_in`].

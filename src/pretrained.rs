@@ -48,8 +48,7 @@ pub struct PretrainedOptions {
     pub config: Option<PathBuf>,
     /// A tokenizer.json to use instead of the model's.
     pub tokenizer: Option<PathBuf>,
-    /// Language models computing in f32 only (a merged model keeps its
-    /// weights in `dtype`: anything but f32 here is refused for it).
+    /// With f32 computation only (`Q8`: language models only).
     pub weights: WeightPrecision,
     /// The dtype the model computes in (f32 unless asked: bf16 or f16 on a GPU).
     pub dtype: ComputeDtype,
@@ -65,6 +64,17 @@ pub struct PretrainedOptions {
 }
 
 impl PretrainedOptions {
+    /// `weights` other than f32 go with f32 computation only.
+    fn check_weights(&self) -> Result<()> {
+        if self.dtype != ComputeDtype::F32 && self.weights != WeightPrecision::F32 {
+            return Err(Error::input(format!(
+                "weights {:?} apply to f32 computation; computing in {} keeps the weights in it",
+                self.weights, self.dtype
+            )));
+        }
+        Ok(())
+    }
+
     fn locate(&self, name: &str) -> Result<ModelFiles> {
         let opts = LocateOptions {
             config: self.config.clone(),
@@ -90,12 +100,7 @@ impl LanguageModel {
     /// Loads a language model (or a merged model's language route) and its tokenizer.
     pub fn from_pretrained(name: &str, opts: &PretrainedOptions) -> Result<Self> {
         let device = opts.device.resolve()?;
-        if opts.dtype != ComputeDtype::F32 && opts.weights != WeightPrecision::F32 {
-            return Err(Error::input(format!(
-                "weights {:?} apply to f32 computation; computing in {} keeps the weights in it",
-                opts.weights, opts.dtype
-            )));
-        }
+        opts.check_weights()?;
         if opts.weights == WeightPrecision::Q8 && !device.is_cpu() {
             return Err(Error::input(
                 "8-bit weights run on the CPU only (their kernels are CPU kernels)",
@@ -359,16 +364,19 @@ impl ImageTextModel {
     /// Loads a merged model and its tokenizer, computing in `opts.dtype`.
     pub fn from_pretrained(name: &str, opts: &PretrainedOptions) -> Result<Self> {
         let device = opts.device.resolve()?;
-        if opts.weights != WeightPrecision::F32 {
-            return Err(Error::input(format!(
-                "a merged model keeps its weights in the dtype it computes in: weights {:?} \
-                 are for language models (bf16 or f16 computation halves the memory)",
-                opts.weights
-            )));
-        }
+        opts.check_weights()?;
         let files = opts.locate(name)?;
         let tokenizer = loader::load_tokenizer(&files)?;
-        let model = loader::load_vl_in(&files, &device, opts.dtype.dtype())?;
+        let model =
+            match (opts.dtype, opts.weights) {
+                (ComputeDtype::F32, WeightPrecision::F16) => {
+                    loader::load_vl_as(&files, &device, DType::F16)?
+                }
+                (_, WeightPrecision::Q8) => return Err(Error::input(
+                    "8-bit weights quantise language models only: a merged model takes F32 or F16",
+                )),
+                (d, _) => loader::load_vl_in(&files, &device, d.dtype())?,
+            };
         Ok(Self {
             transform: EvalTransform::from_config(model.vision().config()),
             model,

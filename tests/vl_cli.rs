@@ -208,27 +208,24 @@ fn image_with_a_language_model_or_an_unreadable_image_is_a_clear_error() {
     ]);
     common::assert_clean_failure(&res, &["missing.jpg"]);
 
-    // The merged model keeps its weights in the compute dtype: f16 or 8-bit
-    // weight matrices are language-model kernels, refused by name.
-    for w in ["f16", "q8"] {
-        let res = common::tokenformer(&[
-            "generate",
-            "--model",
-            dir.to_str().unwrap(),
-            "--prompt",
-            PROMPT,
-            "--image",
-            image.to_str().unwrap(),
-            "--weight-dtype",
-            w,
-        ]);
-        common::assert_clean_failure(&res, &["--image", "--weight-dtype", "--dtype bf16"]);
-    }
+    // 8-bit weights quantise language models only: refused by name.
+    let res = common::tokenformer(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        PROMPT,
+        "--image",
+        image.to_str().unwrap(),
+        "--weight-dtype",
+        "q8",
+    ]);
+    common::assert_clean_failure(&res, &["--image", "--weight-dtype q8", "f16"]);
 }
 
 /// The shipped merged model in bf16 and f16 (`--dtype`; on the CPU here, the
-/// path a GPU takes): `generate --image` names the digit of the image as f32
-/// does, alone and as a `--prompts` line.
+/// path a GPU takes) and with f16 weights: `generate --image` names the digit
+/// of the image as f32 does, alone and as a `--prompts` line.
 #[test]
 fn generate_with_an_image_in_half_precision_gives_f32s_text() {
     let model = common::zoo("tiny-digits-vl");
@@ -254,21 +251,23 @@ fn generate_with_an_image_in_half_precision_gives_f32s_text() {
     let file = tmp.path().join("prompts.jsonl");
     let line = serde_json::json!({ "prompt": "a handwritten", "image": image });
     std::fs::write(&file, format!("{line}\n")).unwrap();
-    for dtype in ["bf16", "f16"] {
-        let got = run(&[&alone[..], &["--dtype", dtype]].concat());
-        assert_eq!(got, want, "--dtype {dtype}");
+    for flags in [
+        ["--dtype", "bf16"],
+        ["--dtype", "f16"],
+        ["--weight-dtype", "f16"],
+    ] {
+        let got = run(&[&alone[..], &flags].concat());
+        assert_eq!(got, want, "{flags:?}");
         let lines = run(&[
-            "--prompts",
-            file.to_str().unwrap(),
-            "--quiet",
-            "--dtype",
-            dtype,
-        ]);
+            &["--prompts", file.to_str().unwrap(), "--quiet"],
+            &flags[..],
+        ]
+        .concat());
         let v: serde_json::Value = serde_json::from_str(lines.trim()).unwrap();
         assert_eq!(
             format!("a handwritten{}\n", v["generated_text"].as_str().unwrap()),
             want,
-            "--prompts --dtype {dtype}"
+            "--prompts {flags:?}"
         );
     }
 }
@@ -377,8 +376,8 @@ fn prompts_with_images_each_get_what_generate_gives_them_alone() {
 
 /// The library's front door for merged models, `ImageTextModel`: what `generate
 /// --image` prints for one image, the same per pair when several are decoded
-/// together, in bf16 too, and clear errors for a language model, weights it
-/// cannot keep and images that do not pair with the prompts.
+/// together, in bf16 and with f16 weights too, and clear errors for a language
+/// model, weights it cannot keep and images that do not pair with the prompts.
 #[test]
 fn image_text_model_generates_what_the_command_line_does() {
     use tokenformer::{ComputeDtype, ImageTextModel, PretrainedOptions, SamplingParams};
@@ -428,7 +427,14 @@ fn image_text_model_generates_what_the_command_line_does() {
     };
     let half = ImageTextModel::from_pretrained(name, &bf16).unwrap();
     assert_eq!(half.model().compute_dtype(), DType::BF16);
-    for model in [&vl, &half] {
+    let f16 = PretrainedOptions {
+        weights: tokenformer::WeightPrecision::F16,
+        ..Default::default()
+    };
+    let f16 = ImageTextModel::from_pretrained(name, &f16).unwrap();
+    let bytes = |m: &ImageTextModel| m.model().language().weight_bytes();
+    assert_eq!(2 * bytes(&f16), bytes(&vl));
+    for model in [&vl, &half, &f16] {
         let all = model
             .generate_batch(&images, &prompts, 2, params(), none, 2)
             .unwrap();
@@ -446,12 +452,22 @@ fn image_text_model_generates_what_the_command_line_does() {
         e.contains("tokenformer-lm") && e.contains("tokenformer-vl"),
         "{e}"
     );
-    let f16_weights = PretrainedOptions {
-        weights: tokenformer::WeightPrecision::F16,
+    let q8 = PretrainedOptions {
+        weights: tokenformer::WeightPrecision::Q8,
         ..Default::default()
     };
-    let e = err(ImageTextModel::from_pretrained(name, &f16_weights));
-    assert!(e.contains("weights F16"), "{e}");
+    let e = err(ImageTextModel::from_pretrained(name, &q8));
+    assert!(
+        e.contains("8-bit weights quantise language models only"),
+        "{e}"
+    );
+    let both = PretrainedOptions {
+        weights: tokenformer::WeightPrecision::F16,
+        dtype: ComputeDtype::Bf16,
+        ..Default::default()
+    };
+    let e = err(ImageTextModel::from_pretrained(name, &both));
+    assert!(e.contains("apply to f32 computation"), "{e}");
     let e = vl
         .generate_batch(&images[..2], &prompts, 2, params(), none, 2)
         .unwrap_err()

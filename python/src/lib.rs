@@ -442,23 +442,26 @@ struct ImageTextModel {
 #[pymethods]
 impl ImageTextModel {
     /// Loads a merged model by zoo name, Hub repo id or local path, with its
-    /// tokenizer. `device`: "cpu", "cuda", "cuda:N" or "auto"; `dtype`:
-    /// "f32", "bf16" or "f16" (the weights are kept in it); `kv_dtype`: "f32"
-    /// or "f16".
+    /// tokenizer. `device`, `dtype` and `kv_dtype` as
+    /// `LanguageModel.from_pretrained`; `weights`: "f32" or "f16" (8-bit
+    /// weights quantise language models only).
     #[staticmethod]
     #[pyo3(signature = (
-        name, *, tokenizer=None, config=None, kv_dtype="f32", device="cpu", dtype="f32"
+        name, *, tokenizer=None, config=None, weights="f32", kv_dtype="f32", device="cpu",
+        dtype="f32"
     ))]
+    #[allow(clippy::too_many_arguments)]
     fn from_pretrained(
         py: Python<'_>,
         name: &str,
         tokenizer: Option<PathBuf>,
         config: Option<PathBuf>,
+        weights: &str,
         kv_dtype: &str,
         device: &str,
         dtype: &str,
     ) -> PyResult<Self> {
-        let opts = options(tokenizer, config, "f32", kv_dtype, device, dtype)?;
+        let opts = options(tokenizer, config, weights, kv_dtype, device, dtype)?;
         let inner = py
             .detach(|| tokenformer::ImageTextModel::from_pretrained(name, &opts))
             .map_err(err)?;

@@ -128,8 +128,11 @@ def test_image_text_model_generates_as_the_cli_does(tmp_path):
     assert vl.generate(images, prompts, 3, batch_size=2) == [w["generated_text"] for w in want]
     got = vl.generate([str(i) for i in images], prompts, 3, details=True)
     assert got == [{k: w[k] for k in GENERATION_KEYS} for w in want]
-    half = tokenformer.ImageTextModel.from_pretrained(DIGITS_VL, dtype="bf16")
-    assert half.generate(images, prompts, 3) == [w["generated_text"] for w in want]
+    for opts in (dict(dtype="bf16"), dict(weights="f16")):
+        half = tokenformer.ImageTextModel.from_pretrained(DIGITS_VL, **opts)
+        assert half.generate(images, prompts, 3) == [w["generated_text"] for w in want]
+    with pytest.raises(tokenformer.TokenFormerError, match="8-bit weights quantise language models only"):
+        tokenformer.ImageTextModel.from_pretrained(DIGITS_VL, weights="q8")
     with pytest.raises(tokenformer.TokenFormerError, match="one path with one prompt"):
         vl.generate(images, "a handwritten")
     with pytest.raises(tokenformer.TokenFormerError, match="2 images for 3 prompts"):

@@ -255,10 +255,10 @@ const PROMPTS_PER_ROUND: usize = 256;
 /// preprocessed until its round is done.
 const IMAGE_PROMPTS_PER_ROUND: usize = 64;
 
-/// Why an image is refused with `--weight-dtype f16|q8` (`--image`, or a
+/// Why an image is refused with `--weight-dtype q8` (`--image`, or a
 /// `--prompts` line's `image`).
-const MERGED_WEIGHTS: &str = "runs the merged model with its weights in the compute dtype only: \
-     drop --weight-dtype (--dtype bf16 or f16 computes in half precision)";
+const MERGED_WEIGHTS: &str = "runs the merged model, whose weights are not quantised: \
+     --weight-dtype q8 is for language models (f16 halves the memory)";
 
 /// The architecture a model folder's config names.
 fn architecture(files: &loader::ModelFiles) -> String {

@@ -194,7 +194,40 @@ pub struct WeightArgs {
     pub weight_dtype: WeightDtype,
 }
 
+/// What `--dtype` and `--weight-dtype` ask a model to be loaded in.
+enum Precision {
+    /// f32 computation with the weight matrices kept in this dtype.
+    Weights(candle_core::DType),
+    /// Computation, and the weights, in this dtype.
+    Compute(candle_core::DType),
+    /// f32 computation with 8-bit weight matrices (CPU only).
+    Q8,
+}
+
 impl WeightArgs {
+    fn precision(&self, dev: &candle_core::Device) -> anyhow::Result<Precision> {
+        use candle_core::DType;
+        Ok(match (self.dtype, self.weight_dtype) {
+            (DtypeArg::F32, WeightDtype::F32) => Precision::Weights(DType::F32),
+            (DtypeArg::F32, WeightDtype::F16) => Precision::Weights(DType::F16),
+            (DtypeArg::F32, WeightDtype::Q8) if dev.is_cpu() => Precision::Q8,
+            (DtypeArg::F32, WeightDtype::Q8) => anyhow::bail!(
+                "--weight-dtype q8 runs on the CPU only (its kernels are CPU kernels); on a GPU \
+                 use --dtype bf16 for less memory"
+            ),
+            (d, WeightDtype::F32) => Precision::Compute(tokenformer::ComputeDtype::from(d).dtype()),
+            (d, w) => {
+                anyhow::bail!(
+                "--weight-dtype {} applies to f32 computation; with --dtype {} the weights are \
+                 kept in {} (drop --weight-dtype)",
+                w.to_possible_value().expect("no skipped variants").get_name(),
+                tokenformer::ComputeDtype::from(d),
+                tokenformer::ComputeDtype::from(d)
+            )
+            }
+        })
+    }
+
     /// The language model of `files` on `dev`, in the precision asked for.
     pub fn load_lm(
         &self,
@@ -202,52 +235,32 @@ impl WeightArgs {
         dev: &candle_core::Device,
     ) -> anyhow::Result<tokenformer::models::tokenformer::TokenFormerLm> {
         use tokenformer::loader;
-        let weights =
-            match (self.dtype, self.weight_dtype) {
-                (DtypeArg::F32, WeightDtype::F32) => candle_core::DType::F32,
-                (DtypeArg::F32, WeightDtype::F16) => candle_core::DType::F16,
-                (DtypeArg::F32, WeightDtype::Q8) if dev.is_cpu() => {
-                    return Ok(loader::load_lm_q8(files, dev)?)
-                }
-                (DtypeArg::F32, WeightDtype::Q8) => anyhow::bail!(
-                "--weight-dtype q8 runs on the CPU only (its kernels are CPU kernels); on a GPU \
-                 use --dtype bf16 for less memory"
-            ),
-                (d, WeightDtype::F32) => {
-                    let dtype = tokenformer::ComputeDtype::from(d).dtype();
-                    return Ok(loader::load_lm_in(files, dev, dtype)?);
-                }
-                (d, w) => anyhow::bail!(
-                "--weight-dtype {} applies to f32 computation; with --dtype {} the weights are \
-                 kept in {} (drop --weight-dtype)",
-                w.to_possible_value().expect("no skipped variants").get_name(),
-                tokenformer::ComputeDtype::from(d),
-                tokenformer::ComputeDtype::from(d)
-            ),
-            };
-        Ok(loader::load_lm_as(files, dev, weights)?)
+        Ok(match self.precision(dev)? {
+            Precision::Weights(w) => loader::load_lm_as(files, dev, w)?,
+            Precision::Compute(d) => loader::load_lm_in(files, dev, d)?,
+            Precision::Q8 => loader::load_lm_q8(files, dev)?,
+        })
     }
 
     /// Whether a merged vision-language model runs whole in this precision:
-    /// its weights are kept in the compute dtype (`--weight-dtype f16|q8`
-    /// are language models' kernels).
+    /// 8-bit weights are a language model's kernels.
     pub fn merged_ok(&self) -> bool {
-        self.weight_dtype == WeightDtype::F32
+        self.weight_dtype != WeightDtype::Q8
     }
 
-    /// The merged vision-language model of `files` on `dev`, computing in
-    /// `--dtype` (see [`Self::merged_ok`]).
+    /// The merged vision-language model of `files` on `dev`, in the precision
+    /// asked for (see [`Self::merged_ok`]).
     pub fn load_vl(
         &self,
         files: &tokenformer::loader::ModelFiles,
         dev: &candle_core::Device,
     ) -> anyhow::Result<tokenformer::models::vl::VisionLanguageModel> {
-        anyhow::ensure!(
-            self.merged_ok(),
-            "a merged model keeps its weights in --dtype"
-        );
-        let dtype = tokenformer::ComputeDtype::from(self.dtype).dtype();
-        Ok(tokenformer::loader::load_vl_in(files, dev, dtype)?)
+        use tokenformer::loader;
+        Ok(match self.precision(dev)? {
+            Precision::Weights(w) => loader::load_vl_as(files, dev, w)?,
+            Precision::Compute(d) => loader::load_vl_in(files, dev, d)?,
+            Precision::Q8 => anyhow::bail!("8-bit weights quantise language models only"),
+        })
     }
 
     /// The name reports give the precision: `f32`, `f16`, `q8` (f32
