@@ -393,37 +393,13 @@ fn the_merged_model_on_the_gpu_equals_the_cpus_and_decodes_from_its_cache() {
 /// on at least 99 % of them (as the classifier's top-1).
 #[test]
 fn the_merged_model_in_bf16_on_the_gpu_captions_the_digits_as_f32_does() {
-    use tokenformer::generate::generate_batch_with_images;
-    use tokenformer::vision::EvalTransform;
     let Some((gpu, _)) = gpu() else { return };
     let files = locate(&zoo("tiny-digits-vl"));
+    let tok = loader::load_tokenizer(&files).unwrap();
     let cpu = loader::load_vl(&files, &Device::Cpu).unwrap();
     let bf16 = loader::load_vl_in(&files, &gpu, DType::BF16).unwrap();
-    let transform = EvalTransform::from_config(cpu.vision().config());
-    let tok = loader::load_tokenizer(&files).unwrap();
-    let prompt = tok
-        .encode("a handwritten", false)
-        .unwrap()
-        .get_ids()
-        .to_vec();
-    let captions = |model: &tokenformer::VisionLanguageModel, device: &Device| {
-        let images: Vec<Tensor> = digit_images()
-            .iter()
-            .map(|p| {
-                let px = transform.load(p).unwrap();
-                transform.batch(vec![px], device).unwrap()
-            })
-            .collect();
-        let prompts = vec![prompt.clone(); images.len()];
-        let params = tokenformer::SamplingParams::default();
-        let kv = tokenformer::KvDtype::F32;
-        generate_batch_with_images(model, kv, &images, &prompts, 3, params, 8, |_, _| {
-            Ok(std::ops::ControlFlow::Continue(()))
-        })
-        .unwrap()
-    };
-    let want = captions(&cpu, &Device::Cpu);
-    let got = captions(&bf16, &gpu);
+    let want = digit_captions(&cpu, &tok, &Device::Cpu, 3);
+    let got = digit_captions(&bf16, &tok, &gpu, 3);
     let same = want.iter().zip(&got).filter(|(a, b)| a == b).count();
     eprintln!(
         "digit captions bf16 (GPU) = f32 (CPU) on {same}/{}",

@@ -51,6 +51,40 @@ pub fn digit_images() -> Vec<PathBuf> {
     images
 }
 
+/// The shipped merged model's greedy continuations of "a handwritten" (up to
+/// `n` tokens) after each of [`digit_images`], decoded together on `device`
+/// as `generate --prompts` does.
+pub fn digit_captions(
+    model: &tokenformer::VisionLanguageModel,
+    tokenizer: &tokenizers::Tokenizer,
+    device: &Device,
+    n: usize,
+) -> Vec<Vec<u32>> {
+    let transform = tokenformer::vision::EvalTransform::from_config(model.vision().config());
+    let images: Vec<Tensor> = digit_images()
+        .iter()
+        .map(|p| {
+            let px = transform.load(p).unwrap();
+            transform.batch(vec![px], device).unwrap()
+        })
+        .collect();
+    let prompt = tokenizer.encode("a handwritten", false).unwrap();
+    let prompts = vec![prompt.get_ids().to_vec(); images.len()];
+    let params = tokenformer::SamplingParams::default();
+    let kv = tokenformer::KvDtype::F32;
+    tokenformer::generate::generate_batch_with_images(
+        model,
+        kv,
+        &images,
+        &prompts,
+        n,
+        params,
+        8,
+        |_, _| Ok(std::ops::ControlFlow::Continue(())),
+    )
+    .unwrap()
+}
+
 /// max |a − b| / max(1, |b|): relative for large values, absolute for small.
 pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
