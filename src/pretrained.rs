@@ -365,18 +365,20 @@ impl ImageTextModel {
     pub fn from_pretrained(name: &str, opts: &PretrainedOptions) -> Result<Self> {
         let device = opts.device.resolve()?;
         opts.check_weights()?;
+        // Before anything is downloaded.
+        if opts.weights == WeightPrecision::Q8 {
+            return Err(Error::input(
+                "8-bit weights quantise language models only: a merged model takes F32 or F16",
+            ));
+        }
         let files = opts.locate(name)?;
         let tokenizer = loader::load_tokenizer(&files)?;
-        let model =
-            match (opts.dtype, opts.weights) {
-                (ComputeDtype::F32, WeightPrecision::F16) => {
-                    loader::load_vl_as(&files, &device, DType::F16)?
-                }
-                (_, WeightPrecision::Q8) => return Err(Error::input(
-                    "8-bit weights quantise language models only: a merged model takes F32 or F16",
-                )),
-                (d, _) => loader::load_vl_in(&files, &device, d.dtype())?,
-            };
+        let model = match (opts.dtype, opts.weights) {
+            (ComputeDtype::F32, WeightPrecision::F16) => {
+                loader::load_vl_as(&files, &device, DType::F16)?
+            }
+            (d, _) => loader::load_vl_in(&files, &device, d.dtype())?,
+        };
         Ok(Self {
             transform: EvalTransform::from_config(model.vision().config()),
             model,

@@ -461,6 +461,9 @@ fn image_text_model_generates_what_the_command_line_does() {
         e.contains("8-bit weights quantise language models only"),
         "{e}"
     );
+    // Refused before the model is looked for (or downloaded).
+    let e = err(ImageTextModel::from_pretrained("no/such-model-here", &q8));
+    assert!(e.contains("8-bit weights"), "{e}");
     let both = PretrainedOptions {
         weights: tokenformer::WeightPrecision::F16,
         dtype: ComputeDtype::Bf16,
