@@ -409,6 +409,36 @@ impl ImageTextModel {
             .batch(vec![pixels], self.model.language().device())
     }
 
+    /// Scores `text` after the image at `image`: the log-probability of each
+    /// token given the image and the tokens before it (the first token is
+    /// context only, as in [`LanguageModel::score`]), the argmax, NLL and
+    /// perplexity.
+    pub fn score(&self, image: impl AsRef<Path>, text: &str) -> Result<SequenceScore> {
+        let pixels = self.load_image(image)?;
+        scoring::score_ids_after_image(&self.model, &pixels, &encode(&self.tokenizer, text)?)
+    }
+
+    /// log p(continuation | image, context) of each (context, continuation)
+    /// pair after the image at `image`, and whether greedy decoding would
+    /// produce the continuation: [`LanguageModel::loglikelihood`] with the
+    /// image before every context (the same tokenization; an empty context
+    /// starts from the end-of-text token). Comparing the captions of a list
+    /// of classes this way classifies the image zero-shot.
+    pub fn loglikelihood(
+        &self,
+        image: impl AsRef<Path>,
+        pairs: &[(impl AsRef<str>, impl AsRef<str>)],
+    ) -> Result<Vec<Loglikelihood>> {
+        let pixels = self.load_image(image)?;
+        let prefix = self.model.language().config().eos_token_id;
+        let requests = pairs
+            .iter()
+            .map(|(c, x)| tasks::encode_pair(&self.tokenizer, prefix, c.as_ref(), x.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
+        let scorer = Scorer::after_image(&self.model, &pixels, None)?.with_greedy(true);
+        scorer.score_all(&requests, SCORE_BATCH, |_| {})
+    }
+
     /// Continues `prompt` after the image at `image` by up to
     /// `max_new_tokens` tokens, ending at the first of the `stop` strings
     /// (before it).

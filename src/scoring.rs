@@ -17,6 +17,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::kernels::TargetLogprobs;
 use crate::models::tokenformer::{AttentionMode, Rotary, TokenFormerLm};
+use crate::models::vl::VisionLanguageModel;
 
 /// Per-position scores of one sequence of ids.
 #[derive(Clone, Debug, Serialize)]
@@ -36,6 +37,30 @@ pub struct SequenceScore {
 
 /// Scores every next-token prediction of `ids` in one forward pass.
 pub fn score_ids(model: &TokenFormerLm, ids: &[u32]) -> Result<SequenceScore> {
+    check_scored(model, ids)?;
+    let input = Tensor::new(ids, model.device())?.unsqueeze(0)?;
+    let logits = model.forward(&input, None)?.squeeze(0)?; // [t, vocab]
+    sequence_score(ids, &logits)
+}
+
+/// [`score_ids`] for text after an image (pixels [1, C, H, W]) in a merged
+/// model: each text token given the image and the text before it (the first
+/// is context only, as in [`score_ids`]).
+pub fn score_ids_after_image(
+    model: &VisionLanguageModel,
+    pixels: &Tensor,
+    ids: &[u32],
+) -> Result<SequenceScore> {
+    let lm = model.language();
+    check_scored(lm, ids)?;
+    let input = Tensor::new(ids, lm.device())?.unsqueeze(0)?;
+    let (_, logits) = model.forward_mixed(Some(pixels), &input, None)?;
+    sequence_score(ids, &logits.squeeze(0)?)
+}
+
+/// Refuses what a model cannot score: fewer than 2 tokens, more than its
+/// positions, ids outside its vocabulary.
+fn check_scored(model: &TokenFormerLm, ids: &[u32]) -> Result<()> {
     if ids.len() < 2 {
         return Err(Error::input(format!(
             "scoring needs at least 2 tokens (got {}): the first token is only context",
@@ -49,16 +74,18 @@ pub fn score_ids(model: &TokenFormerLm, ids: &[u32]) -> Result<SequenceScore> {
             max,
         });
     }
-    model.check_ids(ids)?;
-    let input = Tensor::new(ids, model.device())?.unsqueeze(0)?;
-    let logits = model.forward(&input, None)?.squeeze(0)?; // [t, vocab]
+    model.check_ids(ids)
+}
+
+/// The [`SequenceScore`] of `ids` from its logits [t, vocab] (f32).
+fn sequence_score(ids: &[u32], logits: &Tensor) -> Result<SequenceScore> {
     let n = ids.len() - 1;
     let logits = logits.narrow(0, 0, n)?;
     let (lp, lse, argmax) = match fused_target_logprobs(&logits, &ids[1..])? {
         Some(r) => (r.logprob, r.logsumexp, r.argmax),
         None => {
             let lse = logsumexp(&logits)?;
-            let targets = Tensor::new(&ids[1..], model.device())?.unsqueeze(1)?;
+            let targets = Tensor::new(&ids[1..], logits.device())?.unsqueeze(1)?;
             let picked = logits.gather(&targets, 1)?.squeeze(1)?;
             let lp = (picked - &lse)?.to_vec1::<f32>()?;
             let argmax = first_argmax(&logits)?.to_vec1::<u32>()?;
@@ -155,6 +182,8 @@ pub struct Scorer<'m> {
     max_length: usize,
     greedy: bool,
     batch_tokens: usize,
+    /// A merged model and the image every request follows.
+    image: Option<(&'m VisionLanguageModel, Tensor)>,
 }
 
 impl<'m> Scorer<'m> {
@@ -176,7 +205,29 @@ impl<'m> Scorer<'m> {
             max_length,
             greedy: false,
             batch_tokens: max_length,
+            image: None,
         })
+    }
+
+    /// A scorer of text after one image (pixels [1, C, H, W]) in a merged
+    /// model: each request's context and continuation follow the image, whose
+    /// tokens are computed once per batch. Truncation counts text tokens only,
+    /// as the text's positions do.
+    pub fn after_image(
+        model: &'m VisionLanguageModel,
+        pixels: &Tensor,
+        max_length: Option<usize>,
+    ) -> Result<Self> {
+        let images = pixels.dims().first().copied().unwrap_or(0);
+        if pixels.rank() != 4 || images != 1 {
+            return Err(Error::input(format!(
+                "scoring after an image takes pixels [1, C, H, W], not {:?}",
+                pixels.dims()
+            )));
+        }
+        let mut scorer = Self::new(model.language(), max_length)?;
+        scorer.image = Some((model, pixels.clone()));
+        Ok(scorer)
     }
 
     /// Also compute `is_greedy` (costs one argmax per scored position).
@@ -271,15 +322,21 @@ impl<'m> Scorer<'m> {
         }
         let dev = self.model.device();
         let ids = Tensor::from_vec(ids, (b, t_max), dev)?;
-        let mut x = self.model.embed(&ids)?;
-        for layer in self.model.layers() {
-            let mode = AttentionMode::Causal {
-                rotary: &self.rotary,
-                offset: 0,
-                cache: None,
-            };
-            x = layer.forward(&x, mode)?;
-        }
+        let x = match &self.image {
+            Some((vl, pixels)) => vl.text_hidden(pixels, &ids)?,
+            None => {
+                let mut x = self.model.embed(&ids)?;
+                for layer in self.model.layers() {
+                    let mode = AttentionMode::Causal {
+                        rotary: &self.rotary,
+                        offset: 0,
+                        cache: None,
+                    };
+                    x = layer.forward(&x, mode)?;
+                }
+                x
+            }
+        };
         let d = x.dim(D::Minus1)?;
         let hidden = x.reshape((b * t_max, d))?;
         let mut logprob = vec![0f64; b];

@@ -483,3 +483,157 @@ fn image_text_model_generates_what_the_command_line_does() {
         .to_string();
     assert!(e.contains("missing.png"), "{e}");
 }
+
+#[test]
+fn image_text_model_scores_text_after_its_image_and_classifies_the_digits_zero_shot() {
+    use candle_core::D;
+    use tokenformer::{ComputeDtype, ImageTextModel, PretrainedOptions};
+    let name = common::zoo("tiny-digits-vl");
+    let name = name.to_str().unwrap();
+    let vl = ImageTextModel::from_pretrained(name, &Default::default()).unwrap();
+    let digits = common::zoo("examples").join("digits");
+    let seven = digits.join("seven").join("0005.png");
+
+    // Each token's log p against a log-softmax of the mixed forward's logits.
+    let text = "a handwritten seven";
+    let s = vl.score(&seven, text).unwrap();
+    let ids = vl
+        .tokenizer()
+        .encode(text, false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    assert_eq!(s.ids, ids);
+    let input = Tensor::new(ids.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let pixels = vl.load_image(&seven).unwrap();
+    let (_, logits) = vl
+        .model()
+        .forward_mixed(Some(&pixels), &input, None)
+        .unwrap();
+    let want = candle_nn::ops::log_softmax(&logits.squeeze(0).unwrap(), D::Minus1)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    assert_eq!(s.next_token_logprobs.len(), ids.len() - 1);
+    for (t, lp) in s.next_token_logprobs.iter().enumerate() {
+        let w = want[t][ids[t + 1] as usize];
+        assert!((lp - w).abs() < 1e-5, "token {}: {lp} vs {w}", t + 1);
+    }
+    // The image is what the caption's likelihood rests on.
+    let three = vl
+        .score(digits.join("three").join("0005.png"), text)
+        .unwrap();
+    let last = |s: &tokenformer::SequenceScore| *s.next_token_logprobs.last().unwrap();
+    assert!(last(&s) > last(&three) + 1.0, "{s:?} {three:?}");
+
+    // The command line prints the same numbers.
+    let args = [
+        "score",
+        "--model",
+        name,
+        "--image",
+        seven.to_str().unwrap(),
+        "--text",
+        text,
+        "--json",
+    ];
+    let (out, stdout, stderr) = common::tokenformer(&args);
+    assert!(out.status.success(), "{stderr}");
+    let json: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let cli: Vec<f64> = json["next_token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(cli.len(), s.next_token_logprobs.len());
+    for (c, l) in cli.iter().zip(&s.next_token_logprobs) {
+        assert!((c - *l as f64).abs() < 1e-6, "{c} vs {l}");
+    }
+
+    // One image before many (context, continuation) pairs of different
+    // lengths: batched equals alone equals the tokens' scores summed.
+    let names = [
+        "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+    ];
+    let mut pairs: Vec<(String, String)> = names
+        .iter()
+        .map(|n| ("a handwritten".to_string(), format!(" {n}")))
+        .collect();
+    pairs.push(("a".into(), " handwritten seven".into()));
+    let all = vl.loglikelihood(&seven, &pairs).unwrap();
+    for (i, (c, x)) in pairs.iter().enumerate() {
+        let alone = vl.loglikelihood(&seven, &pairs[i..i + 1]).unwrap()[0];
+        assert!((all[i].logprob - alone.logprob).abs() < 1e-5, "{c}{x}");
+        assert_eq!(all[i].is_greedy, alone.is_greedy, "{c}{x}");
+        let whole = vl.score(&seven, &format!("{c}{x}")).unwrap();
+        let k = vl.tokenizer().encode(x.as_str(), false).unwrap().len();
+        let summed: f64 = whole.next_token_logprobs[whole.next_token_logprobs.len() - k..]
+            .iter()
+            .map(|&v| v as f64)
+            .sum();
+        assert!((all[i].logprob - summed).abs() < 1e-4, "{c}{x}: {all:?}");
+    }
+    assert!(all[10].is_greedy, "the model's own caption: {all:?}");
+
+    // Zero-shot: the most likely of the ten captions names every shipped
+    // digit's folder, and it alone is what greedy decoding would say.
+    let pairs = &pairs[..10];
+    let bf16 = PretrainedOptions {
+        dtype: ComputeDtype::Bf16,
+        ..Default::default()
+    };
+    let half = ImageTextModel::from_pretrained(name, &bf16).unwrap();
+    for image in common::digit_images() {
+        let label = image
+            .parent()
+            .unwrap()
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap();
+        let ll = vl.loglikelihood(&image, pairs).unwrap();
+        let best = (0..10)
+            .max_by(|&a, &b| ll[a].logprob.total_cmp(&ll[b].logprob))
+            .unwrap();
+        assert_eq!(names[best], label, "{}: {ll:?}", image.display());
+        let greedy: Vec<usize> = (0..10).filter(|&i| ll[i].is_greedy).collect();
+        assert_eq!(greedy, [best], "{}", image.display());
+        if image.file_name().unwrap() == "0005.png" {
+            let lh = half.loglikelihood(&image, pairs).unwrap();
+            for (h, f) in lh.iter().zip(&ll) {
+                assert!((h.logprob - f.logprob).abs() < 0.1, "bf16 {lh:?} vs {ll:?}");
+            }
+        }
+    }
+
+    // Errors: a missing image names the file; nothing to score is nothing.
+    let missing = digits.join("missing.png");
+    let e = vl.loglikelihood(&missing, pairs).unwrap_err().to_string();
+    assert!(e.contains("missing.png"), "{e}");
+    let e = vl.score(&missing, text).unwrap_err().to_string();
+    assert!(e.contains("missing.png"), "{e}");
+    let none: &[(&str, &str)] = &[];
+    assert!(vl.loglikelihood(&seven, none).unwrap().is_empty());
+    let e = vl.score(&seven, "a").unwrap_err().to_string();
+    assert!(e.contains("at least 2 tokens"), "{e}");
+    let lm = common::zoo("tiny-kjv-lm");
+    let args = [
+        "score",
+        "--model",
+        lm.to_str().unwrap(),
+        "--image",
+        seven.to_str().unwrap(),
+        "--text",
+        text,
+    ];
+    let (out, _, stderr) = common::tokenformer(&args);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--image needs a vision-language model"),
+        "{stderr}"
+    );
+}

@@ -210,26 +210,19 @@ impl LanguageModel {
     /// Scores a text (a `Score`) or a list of texts (a list of `Score`s), as
     /// `tokenformer score --json` does.
     fn score(&self, py: Python<'_>, texts: Texts) -> PyResult<Py<PyAny>> {
-        match texts {
-            Texts::One(t) => {
-                let inner = py.detach(|| self.inner.score(&t)).map_err(err)?;
-                Ok(Py::new(py, Score { inner })?.into_any())
-            }
-            Texts::Many(ts) => {
-                let scores = py
-                    .detach(|| {
-                        ts.iter()
-                            .map(|t| self.inner.score(t))
-                            .collect::<Result<Vec<_>, _>>()
-                    })
-                    .map_err(err)?;
-                let list = scores
-                    .into_iter()
-                    .map(|inner| Py::new(py, Score { inner }))
-                    .collect::<PyResult<Vec<_>>>()?;
-                Ok(list.into_pyobject(py)?.into_any().unbind())
-            }
-        }
+        let (texts, one) = match texts {
+            Texts::One(t) => (vec![t], true),
+            Texts::Many(ts) => (ts, false),
+        };
+        let scored = py
+            .detach(|| {
+                texts
+                    .iter()
+                    .map(|t| self.inner.score(t))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .map_err(err)?;
+        scores(py, scored, one)
     }
 
     /// `(log p(continuation | context), is_greedy)` for each (context,
@@ -511,16 +504,7 @@ impl ImageTextModel {
             repeat_last_n,
         };
         let stop = stop.unwrap_or_default();
-        let (images, prompts, one) = match (image, prompt) {
-            (Paths::One(i), Texts::One(p)) => (vec![i], vec![p], true),
-            (Paths::Many(i), Texts::Many(p)) => (i, p, false),
-            _ => {
-                return Err(TokenFormerError::new_err(
-                    "image and prompt go together: one path with one prompt, or a list of \
-                     paths with a list of prompts of the same length",
-                ))
-            }
-        };
+        let (images, prompts, one) = with_images(image, prompt, "prompt")?;
         let done = py
             .detach(|| {
                 self.inner.generate_batch(
@@ -543,9 +527,73 @@ impl ImageTextModel {
         }
     }
 
+    /// Scores `text` after `image` (a `Score`: each token given the image and
+    /// the tokens before it, the first context only), as `tokenformer score
+    /// --image` does. A list of images with a list of texts of the same
+    /// length gives a list of `Score`s.
+    fn score(&self, py: Python<'_>, image: Paths, text: Texts) -> PyResult<Py<PyAny>> {
+        let (images, texts, one) = with_images(image, text, "text")?;
+        let scored = py
+            .detach(|| {
+                images
+                    .iter()
+                    .zip(&texts)
+                    .map(|(i, t)| self.inner.score(i, t))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .map_err(err)?;
+        scores(py, scored, one)
+    }
+
+    /// `(log p(continuation | image, context), is_greedy)` for each
+    /// (context, continuation) pair after `image`: `LanguageModel.loglikelihood`
+    /// with the image first. The captions of a list of classes, compared
+    /// this way, classify the image zero-shot.
+    fn loglikelihood(
+        &self,
+        py: Python<'_>,
+        image: PathBuf,
+        pairs: Vec<(String, String)>,
+    ) -> PyResult<Vec<(f64, bool)>> {
+        let scored = py
+            .detach(|| self.inner.loglikelihood(&image, &pairs))
+            .map_err(err)?;
+        Ok(scored.iter().map(|l| (l.logprob, l.is_greedy)).collect())
+    }
+
     fn __repr__(&self) -> String {
         format!("ImageTextModel({:?})", self.inner.source())
     }
+}
+
+/// (images, texts, whether one pair was given) of an `image` and a `text`
+/// argument named `what`: one path with one text, or two lists of the same
+/// length (the library names a length mismatch).
+fn with_images(
+    image: Paths,
+    text: Texts,
+    what: &str,
+) -> PyResult<(Vec<PathBuf>, Vec<String>, bool)> {
+    match (image, text) {
+        (Paths::One(i), Texts::One(t)) => Ok((vec![i], vec![t], true)),
+        (Paths::Many(i), Texts::Many(t)) => Ok((i, t, false)),
+        _ => Err(TokenFormerError::new_err(format!(
+            "image and {what} go together: one path with one {what}, or a list of paths with a \
+             list of {what}s of the same length"
+        ))),
+    }
+}
+
+/// One `Score`, or a list of them.
+fn scores(py: Python<'_>, scored: Vec<SequenceScore>, one: bool) -> PyResult<Py<PyAny>> {
+    let mut list = scored
+        .into_iter()
+        .map(|inner| Py::new(py, Score { inner }))
+        .collect::<PyResult<Vec<_>>>()?;
+    if one {
+        return Ok(list.remove(0).into_any());
+    }
+    Ok(list.into_pyobject(py)?.into_any().unbind())
 }
 
 #[pymodule]

@@ -141,6 +141,29 @@ def test_image_text_model_generates_as_the_cli_does(tmp_path):
         tokenformer.ImageTextModel.from_pretrained(KJV)
 
 
+def test_image_text_model_scores_as_the_cli_does():
+    vl = tokenformer.ImageTextModel.from_pretrained(DIGITS_VL)
+    seven, three = EXAMPLES / "seven" / "0005.png", EXAMPLES / "three" / "0005.png"
+    text = "a handwritten seven"
+    want = json.loads(cli("score", "--model", DIGITS_VL, "--image", str(seven), "--text", text, "--json").stdout)
+    got = vl.score(seven, text)
+    assert got.ids.tolist() == want["ids"]
+    np.testing.assert_array_equal(got.next_token_logprobs, np.array(want["next_token_logprobs"], np.float32))
+    assert got.argmax.tolist() == want["argmax"]
+    assert got.nll == pytest.approx(want["nll"], rel=1e-12)
+    both = vl.score([str(seven), three], [text, text])
+    assert both[0].nll == got.nll and both[1].nll > got.nll + 1
+    names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    ll = vl.loglikelihood(seven, [("a handwritten", " " + n) for n in names])
+    assert [g for _, g in ll] == [n == "seven" for n in names]
+    assert max(range(10), key=lambda i: ll[i][0]) == names.index("seven")
+    assert ll[names.index("seven")][0] == pytest.approx(got.next_token_logprobs[-1], abs=1e-5)
+    with pytest.raises(tokenformer.TokenFormerError, match="one path with one text"):
+        vl.score([seven], text)
+    with pytest.raises(tokenformer.TokenFormerError, match="missing.png"):
+        vl.loglikelihood(EXAMPLES / "missing.png", [("a", " b")])
+
+
 def test_errors_carry_the_library_message(tmp_path):
     bad = tmp_path / "model"
     bad.mkdir()

@@ -2,7 +2,7 @@
 
 use std::io::{IsTerminal, Read, Write};
 use std::ops::ControlFlow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
@@ -152,13 +152,8 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     }
     let files = a.model.locate()?;
     // Known before any weights are read, so a wrong --image fails fast.
-    let arch = architecture(&files);
-    if a.image.is_some() && arch != vl::ARCHITECTURE {
-        bail!(
-            "--image needs a vision-language model (`{}`), but {} is `{arch}`: merge one with `tokenformer-convert merge`",
-            vl::ARCHITECTURE,
-            files.source
-        );
+    if a.image.is_some() {
+        check_merged(&files, &a.weights)?;
     }
     let tokenizer = loader::load_tokenizer(&files)?;
     let text = prompt_text(&a)?;
@@ -173,11 +168,8 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
     // Image + text runs the merged model; text alone runs a language model
     // (a merged model's language route when the folder is tokenformer-vl).
     let model = match &a.image {
-        Some(_) if !a.weights.merged_ok() => bail!("--image {MERGED_WEIGHTS}"),
         Some(path) => {
-            let model = a.weights.load_vl(&files, &dev)?;
-            let transform = EvalTransform::from_config(model.vision().config());
-            let pixels = transform.batch(vec![transform.load(path)?], &dev)?;
+            let (model, pixels) = load_merged(&files, &a.weights, &dev, path)?;
             Generator::WithImage(Box::new(model), pixels)
         }
         None => Generator::Text(Box::new(a.weights.load_lm(&files, &dev)?)),
@@ -259,6 +251,38 @@ const IMAGE_PROMPTS_PER_ROUND: usize = 64;
 /// `--prompts` line's `image`).
 const MERGED_WEIGHTS: &str = "runs the merged model, whose weights are not quantised: \
      --weight-dtype q8 is for language models (f16 halves the memory)";
+
+/// Refuses `--image` for a model that is not a merged one, or with weights a
+/// merged model does not take, before any weights are read.
+fn check_merged(files: &loader::ModelFiles, weights: &WeightArgs) -> Result<()> {
+    let arch = architecture(files);
+    if arch != vl::ARCHITECTURE {
+        bail!(
+            "--image needs a vision-language model (`{}`), but {} is `{arch}`: merge one with `tokenformer-convert merge`",
+            vl::ARCHITECTURE,
+            files.source
+        );
+    }
+    if !weights.merged_ok() {
+        bail!("--image {MERGED_WEIGHTS}");
+    }
+    Ok(())
+}
+
+/// The merged model of `files` and the image at `path` preprocessed for it
+/// ([1, C, H, W] on `dev`).
+fn load_merged(
+    files: &loader::ModelFiles,
+    weights: &WeightArgs,
+    dev: &candle_core::Device,
+    path: &Path,
+) -> Result<(VisionLanguageModel, Tensor)> {
+    check_merged(files, weights)?;
+    let model = weights.load_vl(files, dev)?;
+    let transform = EvalTransform::from_config(model.vision().config());
+    let pixels = transform.batch(vec![transform.load(path)?], dev)?;
+    Ok((model, pixels))
+}
 
 /// The architecture a model folder's config names.
 fn architecture(files: &loader::ModelFiles) -> String {
@@ -547,6 +571,10 @@ pub struct ScoreArgs {
     /// Comma-separated token ids to score (no tokenizer needed).
     #[arg(long, value_delimiter = ',')]
     pub ids: Option<Vec<u32>>,
+    /// An image the text follows (tokenformer-vl models): each token is scored given the image
+    /// and the text before it. One text (not a .jsonl file's lines).
+    #[arg(long, value_name = "FILE")]
+    pub image: Option<PathBuf>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -616,6 +644,9 @@ fn score_lines(
 pub fn score_cmd(a: ScoreArgs) -> Result<()> {
     let dev = a.device.open()?;
     let files = a.model.locate()?;
+    if a.image.is_some() {
+        check_merged(&files, &a.weights)?;
+    }
     let (ids, tokenizer) = match score_input(&a)? {
         ScoreInput::One(t) => {
             let tok = loader::load_tokenizer(&files)?;
@@ -627,14 +658,23 @@ pub fn score_cmd(a: ScoreArgs) -> Result<()> {
             (ids, Some(tok))
         }
         ScoreInput::Ids(ids) => (ids, None),
+        ScoreInput::Lines(_) if a.image.is_some() => {
+            bail!("--image scores one text (--text, --file with one text, --ids or stdin), not a file of lines")
+        }
         ScoreInput::Lines(data) => {
             let tok = loader::load_tokenizer(&files)?;
             let model = a.weights.load_lm(&files, &dev)?;
             return score_lines(data, &model, &tok);
         }
     };
-    let model = a.weights.load_lm(&files, &dev)?;
-    let s = tokenformer::scoring::score_ids(&model, &ids).with_context(|| match &a.file {
+    let s = match &a.image {
+        Some(path) => {
+            let (model, pixels) = load_merged(&files, &a.weights, &dev, path)?;
+            tokenformer::scoring::score_ids_after_image(&model, &pixels, &ids)
+        }
+        None => tokenformer::scoring::score_ids(&a.weights.load_lm(&files, &dev)?, &ids),
+    };
+    let s = s.with_context(|| match &a.file {
         Some(f) => format!("scoring {}", f.display()),
         None => "scoring the input".to_string(),
     })?;

@@ -532,6 +532,15 @@ impl VisionLanguageModel {
             offset: text_offset,
             cache,
         };
+        // One image before several texts: its keys serve every text row.
+        let b = txt.dim(0)?;
+        let image_kv = match image_kv {
+            Some((k, v)) if k.dim(0)? == 1 && b > 1 => {
+                let (_, h, n, d) = k.dims4()?;
+                Some((k.expand((b, h, n, d))?, v.expand((b, h, n, d))?))
+            }
+            kv => kv,
+        };
         let (txt, _) = lb.forward_kv(txt, mode, image_kv.as_ref())?;
         Ok((img_out, txt))
     }
@@ -539,6 +548,8 @@ impl VisionLanguageModel {
     /// The mixed sequence [image tokens; text tokens]: pixels [b, C, H, W]
     /// (or None to continue from the cache) and ids [b, t]. Returns the image
     /// logits (when pixels were given) and the text logits [b, t, vocab].
+    /// Without a cache, pixels [1, C, H, W] put one image before each of the
+    /// b texts (its tokens are computed once; the image logits are [1, ...]).
     pub fn forward_mixed(
         &self,
         pixels: Option<&Tensor>,
@@ -564,20 +575,43 @@ impl VisionLanguageModel {
             None => 0,
         };
         crate::kernels::run_forward(ids.device(), image_rows + ids.elem_count(), || {
-            self.forward_mixed_here(pixels, ids, cache, which)
+            let (img, txt) = self.hidden_mixed(pixels, ids, cache)?;
+            let image_logits = img.map(|x| self.vision.head(&x)).transpose()?;
+            Ok((image_logits, self.language.head(&which.rows(&txt)?)?))
         })
     }
 
-    fn forward_mixed_here(
+    /// The text's last hidden states [b, t, d] (before the final norm) after
+    /// the image `pixels` ([1 or b, C, H, W]): what scoring reads for the
+    /// rows it scores, so that the output layer runs on those rows only.
+    pub(crate) fn text_hidden(&self, pixels: &Tensor, ids: &Tensor) -> Result<Tensor> {
+        let rows = pixels.dims().first().copied().unwrap_or(0)
+            * (self.vision.config().num_patches() + 1)
+            + ids.elem_count();
+        crate::kernels::run_forward(ids.device(), rows, || {
+            Ok(self.hidden_mixed(Some(pixels), ids, None)?.1)
+        })
+    }
+
+    /// The image's and the text's last hidden states of the mixed sequence.
+    fn hidden_mixed(
         &self,
         pixels: Option<&Tensor>,
         ids: &Tensor,
         mut cache: Option<&mut VlCache>,
-        which: lm::Logits,
     ) -> Result<(Option<Tensor>, Tensor)> {
         let (b, t) = ids.dims2()?;
         if b == 0 || t == 0 {
             candle_core::bail!("no text tokens to run: ids of shape [{b}, {t}]")
+        }
+        if let Some(p) = pixels {
+            let images = p.dims().first().copied().unwrap_or(0);
+            if images != b && (images != 1 || cache.is_some()) {
+                candle_core::bail!(
+                    "{images} images for {b} texts: give one image per text, or one for all \
+                     (without a cache)"
+                )
+            }
         }
         if let Some(c) = cache.as_deref_mut() {
             if pixels.is_some() {
@@ -609,7 +643,6 @@ impl VisionLanguageModel {
             img = ni;
             txt = nt;
         }
-        let image_logits = img.map(|x| self.vision.head(&x)).transpose()?;
-        Ok((image_logits, self.language.head(&which.rows(&txt)?)?))
+        Ok((img, txt))
     }
 }
