@@ -7,6 +7,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -134,7 +135,7 @@ def test_image_text_model_generates_as_the_cli_does(tmp_path):
     with pytest.raises(tokenformer.TokenFormerError, match="8-bit weights quantise language models only"):
         tokenformer.ImageTextModel.from_pretrained(DIGITS_VL, weights="q8")
     with pytest.raises(tokenformer.TokenFormerError, match="one path with one prompt"):
-        vl.generate(images, "a handwritten")
+        vl.generate(images, "a handwritten")  # type: ignore[call-overload]
     with pytest.raises(tokenformer.TokenFormerError, match="2 images for 3 prompts"):
         vl.generate(images[:2], prompts)
     with pytest.raises(tokenformer.TokenFormerError, match="is not a vision-language model"):
@@ -159,7 +160,7 @@ def test_image_text_model_scores_as_the_cli_does():
     assert max(range(10), key=lambda i: ll[i][0]) == names.index("seven")
     assert ll[names.index("seven")][0] == pytest.approx(got.next_token_logprobs[-1], abs=1e-5)
     with pytest.raises(tokenformer.TokenFormerError, match="one path with one text"):
-        vl.score([seven], text)
+        vl.score([seven], text)  # type: ignore[call-overload]
     with pytest.raises(tokenformer.TokenFormerError, match="missing.png"):
         vl.loglikelihood(EXAMPLES / "missing.png", [("a", " b")])
 
@@ -289,9 +290,9 @@ def test_harness_adapter_requests(lm):
     # answer in its request's place and what it gets alone.
     settings = [{"until": ["."], "max_gen_toks": 12}, {"until": [","], "max_gen_toks": 6}]
     reqs = [Req(c, settings[i % 2]) for i, c in enumerate(["And God said", "Jesus", "a handwritten", prompt, "In the"])]
-    got = h.generate_until(reqs)
-    assert got == [h.generate_until([r])[0] for r in reqs]
-    assert got[0] == lm.generate("And God said", 12, stop=["."])
+    texts = h.generate_until(reqs)
+    assert texts == [h.generate_until([r])[0] for r in reqs]
+    assert texts[0] == lm.generate("And God said", 12, stop=["."])
 
 
 def test_through_the_harness(tmp_path, lm):
@@ -311,7 +312,7 @@ def test_through_the_harness(tmp_path, lm):
 
     # A whole harness run on a local multiple-choice task.
     data = tmp_path / "kjv_mc.jsonl"
-    docs = [
+    docs: list[dict[str, Any]] = [
         {"q": "In the beginning God created the heaven and the", "choices": ["earth.", "fish.", "bread."], "gold": 0},
         {"q": "And God said, Let there be", "choices": ["spoons", "light:", "wheels"], "gold": 1},
     ]

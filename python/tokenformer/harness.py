@@ -73,8 +73,8 @@ class TokenFormerLM(_Base):
             )
         self.model = model
         # Sequences generate_until decodes together ("auto" and the like: the library's default).
-        size = _ignored.get("batch_size")
-        self.batch_size = int(size) if str(size).isdigit() and int(size) > 0 else DEFAULT_BATCH_SIZE
+        size = str(_ignored.get("batch_size"))
+        self.batch_size = int(size) if size.isdigit() and int(size) > 0 else DEFAULT_BATCH_SIZE
 
     @property
     def eot_token_id(self) -> int:
