@@ -636,4 +636,72 @@ fn image_text_model_scores_text_after_its_image_and_classifies_the_digits_zero_s
         stderr.contains("--image needs a vision-language model"),
         "{stderr}"
     );
+
+    // A file of lines, each text after its own image or after none (the
+    // language route, as `score` without --image runs on a merged folder).
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(&seven, dir.path().join("seven.png")).unwrap();
+    let lines = dir.path().join("texts.jsonl");
+    let three_png = digits.join("three").join("0005.png");
+    std::fs::write(
+        &lines,
+        format!(
+            "{}\n{}\n{}\n",
+            serde_json::json!({"text": text, "image": "seven.png"}),
+            serde_json::json!({"text": text}),
+            serde_json::json!({"text": text, "image": three_png}),
+        ),
+    )
+    .unwrap();
+    let args = ["score", "--model", name, "--file", lines.to_str().unwrap()];
+    let (out, stdout, stderr) = common::tokenformer(&args);
+    assert!(out.status.success(), "{stderr}");
+    let got: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let text_only = tokenformer::LanguageModel::from_pretrained(name, &Default::default())
+        .unwrap()
+        .score(text)
+        .unwrap();
+    let want = [&s, &text_only, &three];
+    assert_eq!(got.len(), 3);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g["line"], i + 1);
+        let nll = g["nll"].as_f64().unwrap();
+        assert!(
+            (nll - w.nll).abs() < 1e-6,
+            "line {}: {nll} vs {}",
+            i + 1,
+            w.nll
+        );
+    }
+    let args = [
+        "score",
+        "--model",
+        lm.to_str().unwrap(),
+        "--file",
+        lines.to_str().unwrap(),
+    ];
+    let (out, _, stderr) = common::tokenformer(&args);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("texts.jsonl line 1: an `image` needs a vision-language model"),
+        "{stderr}"
+    );
+    let args = [
+        "score",
+        "--model",
+        name,
+        "--file",
+        lines.to_str().unwrap(),
+        "--image",
+        seven.to_str().unwrap(),
+    ];
+    let (out, _, stderr) = common::tokenformer(&args);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("each line may name its `image`"),
+        "{stderr}"
+    );
 }

@@ -135,20 +135,8 @@ pub fn generate_cmd(a: GenerateArgs) -> Result<()> {
         let data = open_lines(path)?;
         let files = a.model.locate()?;
         let tokenizer = loader::load_tokenizer(&files)?;
-        // Each model is loaded at the first line that needs it.
-        let load_merged = || -> Result<_> {
-            let model = a.weights.load_vl(&files, &dev)?;
-            let transform = EvalTransform::from_config(model.vision().config());
-            Ok((model, transform))
-        };
-        let load_text = || a.weights.load_lm(&files, &dev);
-        let model = LineModels {
-            // A merged model runs whole for the lines that bring an image.
-            merged: (architecture(&files) == vl::ARCHITECTURE && a.weights.merged_ok())
-                .then(|| Lazy::new(&load_merged)),
-            text: Lazy::new(&load_text),
-        };
-        return generate_lines(&a, data, &files, &model, &tokenizer, params);
+        let model = LineModels::new(&files, &a.weights, &dev);
+        return generate_lines(&a, data, &model, &tokenizer, params);
     }
     let files = a.model.locate()?;
     // Known before any weights are read, so a wrong --image fails fast.
@@ -300,16 +288,74 @@ fn architecture(files: &loader::ModelFiles) -> String {
 struct LineModels<'a> {
     merged: Option<Lazy<'a, (VisionLanguageModel, EvalTransform)>>,
     text: Lazy<'a, TokenFormerLm>,
+    files: &'a loader::ModelFiles,
+}
+
+impl<'a> LineModels<'a> {
+    /// The models of `files`, each loaded at the first line that needs it.
+    fn new(
+        files: &'a loader::ModelFiles,
+        weights: &'a WeightArgs,
+        dev: &'a candle_core::Device,
+    ) -> Self {
+        // A merged model runs whole for the lines that bring an image.
+        let merged = architecture(files) == vl::ARCHITECTURE && weights.merged_ok();
+        Self {
+            merged: merged.then(|| {
+                Lazy::new(Box::new(move || {
+                    let model = weights.load_vl(files, dev)?;
+                    let transform = EvalTransform::from_config(model.vision().config());
+                    Ok((model, transform))
+                }))
+            }),
+            text: Lazy::new(Box::new(move || weights.load_lm(files, dev))),
+            files,
+        }
+    }
+
+    /// The image a line's `image` field names (a path relative to `folder`),
+    /// preprocessed for the merged model; `None` for a line without one.
+    /// Errors name the line (`at`).
+    fn line_image(
+        &self,
+        image: Option<&serde_json::Value>,
+        folder: &Path,
+        at: impl Fn() -> String,
+    ) -> Result<Option<(&VisionLanguageModel, Tensor)>> {
+        let file = match image {
+            None => return Ok(None),
+            Some(serde_json::Value::String(f)) => folder.join(f),
+            Some(_) => bail!("{}: `image` is not a string (a file path)", at()),
+        };
+        let Some(merged) = &self.merged else {
+            let arch = architecture(self.files);
+            if arch == vl::ARCHITECTURE {
+                bail!("{}: an `image` {MERGED_WEIGHTS}", at())
+            }
+            bail!(
+                "{}: an `image` needs a vision-language model (`{}`), but {} is `{arch}`",
+                at(),
+                vl::ARCHITECTURE,
+                self.files.source
+            )
+        };
+        let (m, transform) = merged.get()?;
+        let pixels = transform
+            .load(&file)
+            .and_then(|px| transform.batch(vec![px], m.language().device()))
+            .with_context(at)?;
+        Ok(Some((m, pixels)))
+    }
 }
 
 /// A value made at its first use.
 struct Lazy<'a, T> {
     cell: std::cell::OnceCell<T>,
-    make: &'a dyn Fn() -> Result<T>,
+    make: Box<dyn Fn() -> Result<T> + 'a>,
 }
 
 impl<'a, T> Lazy<'a, T> {
-    fn new(make: &'a dyn Fn() -> Result<T>) -> Self {
+    fn new(make: Box<dyn Fn() -> Result<T> + 'a>) -> Self {
         Self {
             cell: std::cell::OnceCell::new(),
             make,
@@ -329,7 +375,6 @@ impl<'a, T> Lazy<'a, T> {
 fn generate_lines(
     a: &GenerateArgs,
     data: tokenformer::eval::data::DataFile,
-    files: &loader::ModelFiles,
     model: &LineModels,
     tokenizer: &tokenizers::Tokenizer,
     params: SamplingParams,
@@ -342,11 +387,7 @@ fn generate_lines(
         generation: &'a Generation,
     }
     let path = data.path.display().to_string();
-    // Image paths are relative to the prompts file's folder (stdin: the working one).
-    let folder = match data.path.parent() {
-        Some(p) if a.prompts.as_deref() != Some(std::path::Path::new("-")) => p.to_path_buf(),
-        _ => std::path::PathBuf::new(),
-    };
+    let folder = lines_folder(&data);
     let bar = if a.quiet {
         indicatif::ProgressBar::hidden()
     } else {
@@ -371,39 +412,16 @@ fn generate_lines(
         let mut round = Vec::with_capacity(per_round);
         for item in lines.by_ref().take(per_round) {
             let (n, value) = item?;
-            let image = match value.as_ref().ok().and_then(|v| v.get("image")) {
-                None => None,
-                Some(serde_json::Value::String(f)) => Some(folder.join(f)),
-                Some(_) => bail!("{path} line {n}: `image` is not a string (a file path)"),
-            };
+            let image = value.as_ref().ok().and_then(|v| v.get("image")).cloned();
             let (n, text, ids) = field_ids(&path, (n, value), "prompt", tokenizer)?;
             let at = || format!("{path} line {n}");
-            let pixels = match (&model.merged, image) {
-                (_, None) => None,
-                (Some(merged), Some(f)) => {
-                    let (m, transform) = merged.get()?;
-                    let pixels = transform
-                        .load(&f)
-                        .and_then(|px| transform.batch(vec![px], m.language().device()))
-                        .with_context(at)?;
-                    Some(pixels)
-                }
-                (None, Some(_)) if architecture(files) == vl::ARCHITECTURE => {
-                    bail!("{}: an `image` {MERGED_WEIGHTS}", at())
-                }
-                (None, Some(_)) => bail!(
-                    "{}: an `image` needs a vision-language model (`{}`), but {} is `{}`",
-                    at(),
-                    vl::ARCHITECTURE,
-                    files.source,
-                    architecture(files)
-                ),
-            };
+            let with_image = model.line_image(image.as_ref(), &folder, at)?;
             // Here, so that a bad prompt is named by its line: by the model that runs it.
-            let runs = match (&model.merged, &pixels) {
-                (Some(merged), Some(_)) => merged.get()?.0.language(),
-                _ => model.text.get()?,
+            let runs = match &with_image {
+                Some((m, _)) => m.language(),
+                None => model.text.get()?,
             };
+            let pixels = with_image.map(|(_, px)| px);
             tokenformer::generate::check_prompt(runs, &ids, a.max_new_tokens).with_context(at)?;
             round.push((n, text, ids, pixels));
         }
@@ -500,6 +518,15 @@ fn field_ids(
     Ok((n, text.to_string(), ids))
 }
 
+/// The folder a JSON-lines input's `image` paths are relative to: the
+/// file's own (stdin: the working folder).
+fn lines_folder(data: &tokenformer::eval::data::DataFile) -> PathBuf {
+    data.path
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
 /// The endings of the files read as JSON lines (a parquet file's rows as JSON).
 const LINE_FORMATS: [&str; 3] = [".jsonl", ".jsonl.zst", ".parquet"];
 
@@ -560,7 +587,8 @@ pub struct ScoreArgs {
     #[arg(long, conflicts_with_all = ["file", "ids"])]
     pub text: Option<String>,
     /// A UTF-8 text file to score as one text; a .jsonl, .jsonl.zst or .parquet file holds many
-    /// (a `text` field per line), each scored on its own, one JSON line out per text.
+    /// (a `text` field per line, and for a merged vision-language model an optional `image` path
+    /// relative to the file's folder), each scored on its own, one JSON line out per text.
     /// `-` reads stdin (as one text, or JSON lines with --jsonl); with no --text, --file or --ids,
     /// a piped stdin is read.
     #[arg(long, conflicts_with = "ids", value_name = "FILE")]
@@ -572,7 +600,8 @@ pub struct ScoreArgs {
     #[arg(long, value_delimiter = ',')]
     pub ids: Option<Vec<u32>>,
     /// An image the text follows (tokenformer-vl models): each token is scored given the image
-    /// and the text before it. One text (not a .jsonl file's lines).
+    /// and the text before it. In a file of lines, a line's `image` field (relative to the file's
+    /// folder) does this for its text.
     #[arg(long, value_name = "FILE")]
     pub image: Option<PathBuf>,
     /// Print one JSON object instead of a table.
@@ -616,19 +645,27 @@ fn score_input(a: &ScoreArgs) -> Result<ScoreInput> {
     })
 }
 
-/// Scores each `text` of a JSON-lines input; prints one JSON line per text
-/// (the `score --json` object and its line number) as it goes.
+/// Scores each `text` of a JSON-lines input, after the line's `image` where
+/// it names one (a merged model); prints one JSON line per text (the `score
+/// --json` object and its line number) as it goes.
 fn score_lines(
     file: tokenformer::eval::data::DataFile,
-    model: &TokenFormerLm,
+    models: &LineModels,
     tokenizer: &tokenizers::Tokenizer,
 ) -> Result<()> {
     let path = file.path.display().to_string();
+    let folder = lines_folder(&file);
     let mut out = std::io::stdout().lock();
     for line in tokenformer::eval::data::JsonLines::new(file) {
-        let (n, _, ids) = field_ids(&path, line?, "text", tokenizer)?;
-        let s = tokenformer::scoring::score_ids(model, &ids)
-            .with_context(|| format!("{path} line {n}"))?;
+        let (n, value) = line?;
+        let image = value.as_ref().ok().and_then(|v| v.get("image")).cloned();
+        let (n, _, ids) = field_ids(&path, (n, value), "text", tokenizer)?;
+        let at = || format!("{path} line {n}");
+        let s = match models.line_image(image.as_ref(), &folder, at)? {
+            Some((m, pixels)) => tokenformer::scoring::score_ids_after_image(m, &pixels, &ids),
+            None => tokenformer::scoring::score_ids(models.text.get()?, &ids),
+        }
+        .with_context(at)?;
         #[derive(serde::Serialize)]
         struct Scored<'a> {
             #[serde(flatten)]
@@ -659,12 +696,11 @@ pub fn score_cmd(a: ScoreArgs) -> Result<()> {
         }
         ScoreInput::Ids(ids) => (ids, None),
         ScoreInput::Lines(_) if a.image.is_some() => {
-            bail!("--image scores one text (--text, --file with one text, --ids or stdin), not a file of lines")
+            bail!("--image goes with one text: in a file of lines, each line may name its `image`")
         }
         ScoreInput::Lines(data) => {
             let tok = loader::load_tokenizer(&files)?;
-            let model = a.weights.load_lm(&files, &dev)?;
-            return score_lines(data, &model, &tok);
+            return score_lines(data, &LineModels::new(&files, &a.weights, &dev), &tok);
         }
     };
     let s = match &a.image {
