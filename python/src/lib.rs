@@ -568,7 +568,7 @@ impl ImageTextModel {
 
 /// (images, texts, whether one pair was given) of an `image` and a `text`
 /// argument named `what`: one path with one text, or two lists of the same
-/// length (the library names a length mismatch).
+/// length.
 fn with_images(
     image: Paths,
     text: Texts,
@@ -576,6 +576,13 @@ fn with_images(
 ) -> PyResult<(Vec<PathBuf>, Vec<String>, bool)> {
     match (image, text) {
         (Paths::One(i), Texts::One(t)) => Ok((vec![i], vec![t], true)),
+        (Paths::Many(i), Texts::Many(t)) if i.len() != t.len() => {
+            Err(TokenFormerError::new_err(format!(
+                "{} images for {} {what}s: each {what} goes with its own image",
+                i.len(),
+                t.len()
+            )))
+        }
         (Paths::Many(i), Texts::Many(t)) => Ok((i, t, false)),
         _ => Err(TokenFormerError::new_err(format!(
             "image and {what} go together: one path with one {what}, or a list of paths with a \

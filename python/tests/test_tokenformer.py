@@ -161,6 +161,8 @@ def test_image_text_model_scores_as_the_cli_does():
     assert ll[names.index("seven")][0] == pytest.approx(got.next_token_logprobs[-1], abs=1e-5)
     with pytest.raises(tokenformer.TokenFormerError, match="one path with one text"):
         vl.score([seven], text)  # type: ignore[call-overload]
+    with pytest.raises(tokenformer.TokenFormerError, match="2 images for 1 texts"):
+        vl.score([seven, three], [text])
     with pytest.raises(tokenformer.TokenFormerError, match="missing.png"):
         vl.loglikelihood(EXAMPLES / "missing.png", [("a", " b")])
 
