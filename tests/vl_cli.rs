@@ -522,6 +522,29 @@ fn image_text_model_scores_text_after_its_image_and_classifies_the_digits_zero_s
         let w = want[t][ids[t + 1] as usize];
         assert!((lp - w).abs() < 1e-5, "token {}: {lp} vs {w}", t + 1);
     }
+    // One image for several texts, or one each; not 2 for 3.
+    let two = Tensor::cat(&[&pixels, &pixels], 0).unwrap();
+    let three_rows = input.repeat((3, 1)).unwrap();
+    let e = vl
+        .model()
+        .forward_mixed(Some(&two), &three_rows, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("2 images for 3 texts"), "{e}");
+    let (_, rows) = vl
+        .model()
+        .forward_mixed(Some(&pixels), &three_rows, None)
+        .unwrap();
+    let diff = (rows.get(2).unwrap() - logits.squeeze(0).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert!(diff < 1e-5, "one image before three texts: {diff}");
+
     // The image is what the caption's likelihood rests on.
     let three = vl
         .score(digits.join("three").join("0005.png"), text)
