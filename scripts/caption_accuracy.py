@@ -5,7 +5,13 @@ the model continue "a handwritten" after the image with the class word? One
 `generate --image IMG --prompt "a handwritten"` gives it). Prints a JSON object
 (right, total, accuracy, per class).
 
-Usage: scripts/caption_accuracy.py MODEL DIR [--bin target/release/tokenformer]
+With --likelihood, the zero-shot reading instead: of the captions "a handwritten
+<class>" for every class (the folder names), is the image's own the most likely
+after it? One `tokenformer score --file` run scores every (image, caption) line;
+the captions share their first tokens, so the total log-likelihood ranks the
+class words.
+
+Usage: scripts/caption_accuracy.py MODEL DIR [--likelihood] [--bin target/release/tokenformer]
 """
 import argparse
 import json
@@ -13,31 +19,51 @@ import os
 import subprocess
 import tempfile
 
+PROMPT = "a handwritten"
+
 ap = argparse.ArgumentParser()
 ap.add_argument("model")
 ap.add_argument("dir")
+ap.add_argument("--likelihood", action="store_true")
 ap.add_argument("--bin", default="target/release/tokenformer")
 a = ap.parse_args()
+classes = sorted(c for c in os.listdir(a.dir) if os.path.isdir(os.path.join(a.dir, c)))
 items = [
     (cls, os.path.abspath(os.path.join(a.dir, cls, f)))
-    for cls in sorted(os.listdir(a.dir))
-    if os.path.isdir(os.path.join(a.dir, cls))
+    for cls in classes
     for f in sorted(os.listdir(os.path.join(a.dir, cls)))
 ]
-with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-    for _, image in items:
-        f.write(json.dumps({"prompt": "a handwritten", "image": image}) + "\n")
-try:
-    out = subprocess.run(
-        [a.bin, "generate", "--model", a.model, "--prompts", f.name, "--quiet", "--max-new-tokens", "5"],
-        capture_output=True, text=True, check=True).stdout.splitlines()
-finally:
-    os.unlink(f.name)
+
+
+def run(lines, command):
+    """The stdout lines of the binary run on `lines` written as a JSON-lines file."""
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+    try:
+        return subprocess.run([a.bin, *command(f.name)], capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+    finally:
+        os.unlink(f.name)
+
+
+if a.likelihood:
+    lines = [{"text": f"{PROMPT} {c}", "image": image} for _, image in items for c in classes]
+    out = run(lines, lambda f: ["score", "--model", a.model, "--file", f])
+    nll = [json.loads(line)["nll"] for line in out]
+    assert len(nll) == len(lines)
+    k = len(classes)
+    picked = [classes[min(range(k), key=lambda j: nll[i * k + j])] for i in range(len(items))]
+else:
+    lines = [{"prompt": PROMPT, "image": image} for _, image in items]
+    out = run(lines, lambda f: ["generate", "--model", a.model, "--prompts", f, "--quiet", "--max-new-tokens", "5"])
+    picked = []
+    for line in out:
+        words = json.loads(line)["generated_text"].split()
+        picked.append(words[0] if words else "")
 right = 0
 per = {}
-for (cls, _), line in zip(items, out, strict=True):
-    words = json.loads(line)["generated_text"].split()
-    ok = len(words) > 0 and words[0] == cls
+for (cls, _), p in zip(items, picked, strict=True):
+    ok = p == cls
     right += ok
     r = per.setdefault(cls, [0, 0])
     r[0] += ok

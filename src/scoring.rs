@@ -54,7 +54,8 @@ pub fn score_ids_after_image(
     let lm = model.language();
     check_scored(lm, ids)?;
     let input = Tensor::new(ids, lm.device())?.unsqueeze(0)?;
-    let (_, logits) = model.forward_mixed(Some(pixels), &input, None)?;
+    // The text's logits only: the image's (the classifier head) are not needed.
+    let logits = lm.head(&model.text_hidden(pixels, &input)?)?;
     sequence_score(ids, &logits.squeeze(0)?)
 }
 

@@ -200,10 +200,19 @@ fn product_dims(
 
 /// gemm on candle's thread count (rayon's pool), or on the caller alone for one.
 pub(crate) fn gemm_parallelism() -> gemm::Parallelism {
-    match candle_core::utils::get_num_threads() {
+    match gemm_threads() {
         t if t > 1 => gemm::Parallelism::Rayon(t),
         _ => gemm::Parallelism::None,
     }
+}
+
+/// candle's thread count, asked once: without `RAYON_NUM_THREADS`, each
+/// `candle_core::utils::get_num_threads` call counts the physical cores by
+/// reading and parsing `/proc/cpuinfo`, which cost ~0.1–0.2 ms a product
+/// (docs/PERFORMANCE.md, forty-fourth session).
+pub(crate) fn gemm_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(candle_core::utils::get_num_threads)
 }
 
 /// dst = scale · lhs · rhs for f32 [m, k] · [k, n] with the kernels of
