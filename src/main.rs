@@ -108,4 +108,18 @@ mod tests {
         cmd.clone().debug_assert();
         assert_eq!(super::cli::shell::undocumented(&cmd), Vec::<String>::new());
     }
+
+    /// A doc comment cannot name a constant: the default it spells out is checked here.
+    #[test]
+    fn the_batch_size_help_gives_the_librarys_default() {
+        let cmd = super::Cli::command();
+        let generate = cmd.find_subcommand("generate").expect("generate");
+        let arg = generate
+            .get_arguments()
+            .find(|a| a.get_id() == "batch_size")
+            .expect("--batch-size");
+        let help = arg.get_help().expect("help").to_string();
+        let default = tokenformer::generate::DEFAULT_BATCH_SIZE;
+        assert!(help.contains(&format!("(default {default})")), "{help}");
+    }
 }
