@@ -210,7 +210,7 @@ pub(crate) fn gemm_parallelism() -> gemm::Parallelism {
 /// `candle_core::utils::get_num_threads` call counts the physical cores by
 /// reading and parsing `/proc/cpuinfo`, which cost ~0.1–0.2 ms a product
 /// (docs/PERFORMANCE.md, forty-fourth session).
-pub(crate) fn gemm_threads() -> usize {
+fn gemm_threads() -> usize {
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *THREADS.get_or_init(candle_core::utils::get_num_threads)
 }
