@@ -54,14 +54,7 @@ fn the_training_forward_computes_the_inference_forward() {
     let infer = tokenformer::models::tokenformer::TokenFormerLm::new(&cfg, vb).unwrap();
     let a = train.forward(&ids).unwrap();
     let b = infer.forward(&ids, None).unwrap();
-    let diff = (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = common::max_abs_diff(&a, &b);
     assert!(diff < 2e-4, "max |Δ logit| {diff}");
 }
 

@@ -535,14 +535,7 @@ fn image_text_model_scores_text_after_its_image_and_classifies_the_digits_zero_s
         .model()
         .forward_mixed(Some(&pixels), &three_rows, None)
         .unwrap();
-    let diff = (rows.get(2).unwrap() - logits.squeeze(0).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = common::max_abs_diff(&rows.get(2).unwrap(), &logits.squeeze(0).unwrap());
     assert!(diff < 1e-5, "one image before three texts: {diff}");
 
     // The image is what the caption's likelihood rests on.

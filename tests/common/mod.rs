@@ -219,3 +219,17 @@ pub fn assert_clean_failure(res: &(Output, String, String), needles: &[&str]) {
         assert!(err.contains(n), "stderr should mention {n:?}: {err}");
     }
 }
+
+/// The largest |a − b| over two tensors of one shape (as f32).
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
