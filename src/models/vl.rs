@@ -568,13 +568,7 @@ impl VisionLanguageModel {
         cache: Option<&mut VlCache>,
         which: lm::Logits,
     ) -> Result<(Option<Tensor>, Tensor)> {
-        let image_rows = match pixels {
-            Some(p) => {
-                p.dims().first().copied().unwrap_or(0) * (self.vision.config().num_patches() + 1)
-            }
-            None => 0,
-        };
-        crate::kernels::run_forward(ids.device(), image_rows + ids.elem_count(), || {
+        crate::kernels::run_forward(ids.device(), self.rows(pixels, ids), || {
             let (img, txt) = self.hidden_mixed(pixels, ids, cache)?;
             let image_logits = img.map(|x| self.vision.head(&x)).transpose()?;
             Ok((image_logits, self.language.head(&which.rows(&txt)?)?))
@@ -585,12 +579,16 @@ impl VisionLanguageModel {
     /// the image `pixels` ([1 or b, C, H, W]): what scoring reads for the
     /// rows it scores, so that the output layer runs on those rows only.
     pub(crate) fn text_hidden(&self, pixels: &Tensor, ids: &Tensor) -> Result<Tensor> {
-        let rows = pixels.dims().first().copied().unwrap_or(0)
-            * (self.vision.config().num_patches() + 1)
-            + ids.elem_count();
-        crate::kernels::run_forward(ids.device(), rows, || {
+        crate::kernels::run_forward(ids.device(), self.rows(Some(pixels), ids), || {
             Ok(self.hidden_mixed(Some(pixels), ids, None)?.1)
         })
+    }
+
+    /// Input rows of a mixed forward (image tokens and text tokens), which
+    /// decide where [`crate::kernels::run_forward`] runs it.
+    fn rows(&self, pixels: Option<&Tensor>, ids: &Tensor) -> usize {
+        let images = pixels.map_or(0, |p| p.dims().first().copied().unwrap_or(0));
+        images * (self.vision.config().num_patches() + 1) + ids.elem_count()
     }
 
     /// The image's and the text's last hidden states of the mixed sequence.
