@@ -44,6 +44,11 @@ def theta(s):
 
 
 def forward(w, c, pixels):
+    return features(w, c, pixels) @ w["head.weight"].T + w["head.bias"]
+
+
+def features(w, c, pixels):
+    """The pooled, normalised feature [b, d] the head reads (timm's pre-logits)."""
     d, H, eps = c["hidden_size"], c["num_heads"], c["norm_eps"]
     pat = lambda x, m, n: theta(x @ w[f"{m}.key_param_tokens"].T) @ w[f"{m}.value_param_tokens"]
     x = F.conv2d(pixels, w["patch_embed.weight"], w["patch_embed.bias"], stride=c["patch_size"])
@@ -58,8 +63,7 @@ def forward(w, c, pixels):
         a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd), -1) @ v
         x = x + pat(a.transpose(1, 2).reshape(b, s, d), f"layers.{i}.attention.proj", 0)
         x = x + pat(F.layer_norm(x, (d,), eps=eps), f"layers.{i}.mlp", 0)
-    f = F.layer_norm(x[:, 1:].mean(1), (d,), w["fc_norm.weight"], w["fc_norm.bias"], eps=eps)
-    return f @ w["head.weight"].T + w["head.bias"]
+    return F.layer_norm(x[:, 1:].mean(1), (d,), w["fc_norm.weight"], w["fc_norm.bias"], eps=eps)
 
 
 def write_safetensors(path, tensors):

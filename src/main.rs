@@ -35,6 +35,8 @@ enum Command {
     Zoo(cli::zoo::ZooCommand),
     /// The most likely classes of images or folders of images, with their probabilities.
     Classify(cli::vision::ClassifyArgs),
+    /// Image embeddings (the pooled feature a classifier's head reads) into a safetensors file.
+    Embed(cli::vision::EmbedArgs),
     /// Train a language model, classifier or vision-language model (from a checkpoint or fresh weights).
     Train(cli::train::TrainArgs),
     /// Evaluate: Pile perplexity, zero-shot tasks, ImageNet, merging shard results.
@@ -81,6 +83,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Zoo(c) => cli::zoo::run(c),
         Command::Bench(a) => cli::bench::run(a),
         Command::Classify(a) => cli::vision::classify_cmd(a),
+        Command::Embed(a) => cli::vision::embed_cmd(a),
         Command::Train(a) => cli::train::run(a),
         Command::Eval(EvalCommand::Imagenet(a)) => cli::vision::imagenet_cmd(a),
         Command::Eval(EvalCommand::Pile(a)) => cli::eval_lm::pile_cmd(a),

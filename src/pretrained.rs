@@ -151,6 +151,12 @@ impl LanguageModel {
             .map_err(|e| Error::input(format!("decoding: {e}")))
     }
 
+    /// The next-token logits [ids.len(), vocab] (f32, on the model's device)
+    /// at every position of `ids`: transformers' `model(ids).logits[0]`.
+    pub fn logits(&self, ids: &[u32]) -> Result<Tensor> {
+        scoring::logits(&self.model, ids)
+    }
+
     /// Scores `text`: the log-probability of each token given the ones
     /// before it (the first token is context only), the argmax, NLL and
     /// perplexity.
@@ -333,6 +339,15 @@ impl ImageClassifier {
     /// The class logits of preprocessed pixels [batch, 3, size, size].
     pub fn logits(&self, pixels: &Tensor) -> Result<Tensor> {
         Ok(self.model.forward(pixels)?)
+    }
+
+    /// The embedding of the image file at `path`: the pooled, normalised
+    /// feature the classifier's head reads (timm's pre-logits), `hidden_size`
+    /// values.
+    pub fn embed(&self, path: impl AsRef<Path>) -> Result<Vec<f32>> {
+        let files = [path.as_ref().to_path_buf()];
+        let mut results = imagenet::embed_files(&self.model, &files, 1, &Default::default())?;
+        results.remove(0).1
     }
 }
 

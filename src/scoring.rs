@@ -38,9 +38,7 @@ pub struct SequenceScore {
 /// Scores every next-token prediction of `ids` in one forward pass.
 pub fn score_ids(model: &TokenFormerLm, ids: &[u32]) -> Result<SequenceScore> {
     check_scored(model, ids)?;
-    let input = Tensor::new(ids, model.device())?.unsqueeze(0)?;
-    let logits = model.forward(&input, None)?.squeeze(0)?; // [t, vocab]
-    sequence_score(ids, &logits)
+    sequence_score(ids, &forward_logits(model, ids)?)
 }
 
 /// [`score_ids`] for text after an image (pixels [1, C, H, W]) in a merged
@@ -59,6 +57,23 @@ pub fn score_ids_after_image(
     sequence_score(ids, &logits.squeeze(0)?)
 }
 
+/// The next-token logits [t, vocab] (f32) at every position of `ids`, as
+/// transformers' `model(ids).logits[0]`: row i scores the token after
+/// `ids[..=i]`.
+pub fn logits(model: &TokenFormerLm, ids: &[u32]) -> Result<Tensor> {
+    if ids.is_empty() {
+        return Err(Error::input("logits of no tokens: give at least one"));
+    }
+    check_fits(model, ids)?;
+    forward_logits(model, ids)
+}
+
+/// The logits [t, vocab] (f32) of ids already checked.
+fn forward_logits(model: &TokenFormerLm, ids: &[u32]) -> Result<Tensor> {
+    let input = Tensor::new(ids, model.device())?.unsqueeze(0)?;
+    Ok(model.forward(&input, None)?.squeeze(0)?)
+}
+
 /// Refuses what a model cannot score: fewer than 2 tokens, more than its
 /// positions, ids outside its vocabulary.
 fn check_scored(model: &TokenFormerLm, ids: &[u32]) -> Result<()> {
@@ -68,6 +83,12 @@ fn check_scored(model: &TokenFormerLm, ids: &[u32]) -> Result<()> {
             ids.len()
         )));
     }
+    check_fits(model, ids)
+}
+
+/// Refuses more tokens than the model's positions and ids outside its
+/// vocabulary.
+fn check_fits(model: &TokenFormerLm, ids: &[u32]) -> Result<()> {
     let max = model.config().max_position_embeddings;
     if ids.len() > max {
         return Err(Error::TooLong {

@@ -171,6 +171,11 @@ fn f32_vit_logits_on_the_gpu_equal_the_cpus() {
     let got = f32s(&on_gpu.forward(&px.to_device(&gpu).unwrap()).unwrap());
     let d = max_rel(&got, &want);
     assert!(d < 1e-4, "GPU vs CPU ViT logits {d}");
+    // The embeddings `embed` writes: the pooled feature, on the GPU as on the CPU.
+    let want = f32s(&cpu.pre_logits(&px).unwrap());
+    let got = f32s(&on_gpu.pre_logits(&px.to_device(&gpu).unwrap()).unwrap());
+    let d = max_rel(&got, &want);
+    assert!(d < 1e-4, "GPU vs CPU ViT embeddings {d}");
 }
 
 #[test]

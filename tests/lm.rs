@@ -59,8 +59,12 @@ fn official_fixture_matches_pytorch() {
     // argmax is compared over all positions (the last one has no next token).
     assert_eq!(&s.argmax[..], &am[..s.argmax.len()]);
 
-    // logits of vocabulary ids 0..8 at every position
-    let logits = full_logits(&model, &ids);
+    // logits of vocabulary ids 0..8 at every position (the library's `logits`,
+    // which Python's `LanguageModel.logits` returns)
+    let logits = tokenformer::scoring::logits(&model, &ids).unwrap();
+    assert_eq!(logits.dims(), &[ids.len(), model.config().vocab_size]);
+    let none = tokenformer::scoring::logits(&model, &[]).unwrap_err();
+    assert!(none.to_string().contains("no tokens"), "{none}");
     let first8: Vec<Vec<f32>> = serde_json::from_value(exp["logits_first8"].clone()).unwrap();
     for (t, row) in first8.iter().enumerate() {
         let got = f32s(&logits.get(t).unwrap().narrow(0, 0, 8).unwrap());

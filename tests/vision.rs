@@ -16,7 +16,7 @@ use tokenformer::loader::{self, LocateOptions};
 use tokenformer::models::vit::{self, VisionTransformer};
 use tokenformer::vision::{self, dataset, resample::Filter, EvalTransform};
 
-use common::fixtures;
+use common::{fixtures, max_abs_diff_of};
 
 fn tiny() -> PathBuf {
     fixtures().join("vit-tiny-imagenet")
@@ -57,6 +57,66 @@ fn logits_on_pillow_pixels_match_pytorch() {
     }
     eprintln!("max |logit - PyTorch| = {worst:e}");
     assert!(worst < 1e-4, "max logit error {worst}");
+}
+
+/// The image embedding is PyTorch's pre-logits of the same pixels (float64,
+/// `scripts/vit_pre_logits.py`), the head of it is the model's logits, and
+/// `embed_files` gives each image file's own row, in order, or why it could
+/// not be read.
+#[test]
+fn embeddings_are_pytorch_pre_logits_and_feed_the_head() {
+    let model = load(&tiny().join("vit-tiny"));
+    let fixture: Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny().join("pre_logits.json")).unwrap())
+            .unwrap();
+    let want: Vec<Vec<f32>> = serde_json::from_value(fixture["pre_logits"].clone()).unwrap();
+    let pixels = fixture_pixels();
+    let got = model.pre_logits(&pixels).unwrap();
+    assert_eq!(got.dims(), &[5, model.config().hidden_size]);
+    let rows = got.to_vec2::<f32>().unwrap();
+    let worst = max_abs_diff_of(&rows.concat(), &want.concat());
+    eprintln!("max |embedding - PyTorch| = {worst:e}");
+    assert!(worst < 1e-4, "max embedding error {worst}");
+    // The head of the embedding, with the checkpoint's own head read from the file.
+    let t = candle_core::safetensors::load(tiny().join("vit-tiny/model.safetensors"), &Device::Cpu)
+        .unwrap();
+    let logits = got
+        .matmul(&t["head.weight"].t().unwrap())
+        .unwrap()
+        .broadcast_add(&t["head.bias"])
+        .unwrap();
+    let err = max_abs(&(logits - model.forward(&pixels).unwrap()).unwrap());
+    assert!(err < 1e-5, "head of the embedding vs logits {err}");
+
+    // From the files (decoded and resized here, not by Pillow), one missing among them.
+    let mut files: Vec<PathBuf> = fixture["pixels_order"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| tiny().join("val").join(p.as_str().unwrap()))
+        .collect();
+    let missing = tiny().join("val/no-such-image.png");
+    files.insert(2, missing.clone());
+    let embedded =
+        imagenet::embed_files(&model, &files, 2, &vision::DecodeLimits::default()).unwrap();
+    assert_eq!(embedded.len(), 6);
+    let mut want_rows = want.iter();
+    for (file, (path, r)) in files.iter().zip(&embedded) {
+        assert_eq!(path, file);
+        if *file == missing {
+            let e = r.as_ref().unwrap_err().to_string();
+            assert!(e.contains("no-such-image.png"), "{e}");
+            continue;
+        }
+        let row = r.as_ref().unwrap();
+        let w = want_rows.next().unwrap();
+        let d = max_abs_diff_of(row, w);
+        eprintln!(
+            "{}: max |embedding of the file - PyTorch's of Pillow's pixels| = {d:e}",
+            file.display()
+        );
+        assert!(d < 1e-5, "{}: {d}", file.display());
+    }
 }
 
 /// Un-normalised 0..1 values back from normalised [3, H, W] data.
@@ -457,6 +517,15 @@ fn pattention(x: &Tensor, t: &HashMap<String, Tensor>, name: &str) -> Tensor {
 }
 
 fn reference_forward(cfg: &vit::Config, t: &HashMap<String, Tensor>, pixels: &Tensor) -> Tensor {
+    reference_features(cfg, t, pixels)
+        .matmul(&t["head.weight"].t().unwrap())
+        .unwrap()
+        .broadcast_add(&t["head.bias"])
+        .unwrap()
+}
+
+/// The pooled, normalised feature [b, d] the head reads.
+fn reference_features(cfg: &vit::Config, t: &HashMap<String, Tensor>, pixels: &Tensor) -> Tensor {
     let (b, d, p, h) = (
         pixels.dim(0).unwrap(),
         cfg.hidden_size,
@@ -500,7 +569,7 @@ fn reference_forward(cfg: &vit::Config, t: &HashMap<String, Tensor>, pixels: &Te
         let y = layer_norm(&x, None, cfg.norm_eps);
         x = (&x + pattention(&y, t, &format!("layers.{l}.mlp"))).unwrap();
     }
-    let feat = match cfg.pool {
+    match cfg.pool {
         vit::Pool::Mean => {
             let m = x.narrow(1, 1, n - 1).unwrap().mean(1).unwrap();
             layer_norm(
@@ -517,11 +586,7 @@ fn reference_forward(cfg: &vit::Config, t: &HashMap<String, Tensor>, pixels: &Te
             );
             all.narrow(1, 0, 1).unwrap().squeeze(1).unwrap()
         }
-    };
-    feat.matmul(&t["head.weight"].t().unwrap())
-        .unwrap()
-        .broadcast_add(&t["head.bias"])
-        .unwrap()
+    }
 }
 
 fn random_model(
@@ -602,6 +667,9 @@ fn cls_and_mean_pooling_match_an_independent_reference() {
         let scale = max_abs(&want);
         assert!(scale > 0.1, "degenerate reference");
         assert!(err < 1e-4, "{pool:?}: max error {err}");
+        let feat = reference_features(&cfg, &t, &pixels);
+        let err = max_abs(&(model.pre_logits(&pixels).unwrap() - &feat).unwrap());
+        assert!(err < 1e-4, "{pool:?}: max embedding error {err}");
         // The other pool's norm in the checkpoint is a config/checkpoint mismatch.
         let mut wrong = cfg.clone();
         wrong.pool = if pool == vit::Pool::Cls {

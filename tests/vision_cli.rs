@@ -370,3 +370,133 @@ fn results_record_the_resolved_commit_and_merge_refuses_two_commits() {
     let r = tokenformer(&["eval", "merge", &p("s0.json"), &p("s1.json")]);
     assert_clean_failure(&r, &["model commit", &first, &second]);
 }
+
+/// The embeddings and file list of an `embed --out` file.
+fn read_embeddings(path: &std::path::Path) -> (Vec<Vec<f32>>, Vec<String>, String) {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = meta.metadata().clone().unwrap();
+    let files: Vec<String> = serde_json::from_str(&meta["files"]).unwrap();
+    let t = candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu).unwrap();
+    let rows = t["embeddings"].to_vec2::<f32>().unwrap();
+    (rows, files, meta["model"].clone())
+}
+
+/// `embed` writes, for a folder of images, one row per image in the order of the
+/// `files` it lists: the library's embeddings, whose head is `classify`'s answer.
+/// It refuses to replace a file without --force, and an unreadable image fails the
+/// run by name while the file keeps the others.
+#[test]
+fn embed_writes_a_row_per_image_and_keeps_what_it_could_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("emb.safetensors");
+    let out_s = out.to_str().unwrap();
+    let (model, data) = (vit(), val());
+    // `embed --model M --out OUT [extra...] INPUT`
+    let embed = |out: &std::path::Path, input: &str, extra: &[&str]| {
+        let mut args = vec!["embed", "--model", &model, "--out", out.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        args.push(input);
+        tokenformer(&args)
+    };
+    let r = embed(&out, &data, &["--batch-size", "2"]);
+    assert!(r.0.status.success(), "{}", r.2);
+    let (rows, files, source) = read_embeddings(&out);
+    let listed = tokenformer::vision::dataset::image_files(&[data.clone().into()]).unwrap();
+    let listed: Vec<String> = listed.iter().map(|p| p.display().to_string()).collect();
+    assert_eq!(files, listed);
+    assert_eq!(source, model);
+    assert_eq!((rows.len(), rows[0].len()), (5, 32));
+    // The library's rows (another batch size: float rounding only), and their head.
+    let vit_model = {
+        let f = tokenformer::loader::locate(&model, &Default::default()).unwrap();
+        tokenformer::loader::load_vit(&f, &candle_core::Device::Cpu).unwrap()
+    };
+    let paths: Vec<std::path::PathBuf> = files.iter().map(Into::into).collect();
+    let lib = tokenformer::eval::imagenet::embed_files(&vit_model, &paths, 32, &Default::default())
+        .unwrap();
+    let exp: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("vit-tiny-imagenet/expected.json")).unwrap(),
+    )
+    .unwrap();
+    let t = candle_core::safetensors::load(
+        fixtures().join("vit-tiny-imagenet/vit-tiny/model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let (w, b) = (
+        t["head.weight"].to_vec2::<f32>().unwrap(),
+        t["head.bias"].to_vec1::<f32>().unwrap(),
+    );
+    for (i, (row, (_, want))) in rows.iter().zip(&lib).enumerate() {
+        let want = want.as_ref().unwrap();
+        let d = max_abs_diff_of(row, want);
+        assert!(d < 1e-5, "{}: {d}", files[i]);
+        let logits: Vec<f32> = w
+            .iter()
+            .zip(&b)
+            .map(|(wc, bc)| wc.iter().zip(row).map(|(x, y)| x * y).sum::<f32>() + bc)
+            .collect();
+        let top = tokenformer::vision::top_k(&logits, 1)[0] as u64;
+        assert_eq!(
+            top,
+            exp["images"][i]["top5"][0].as_u64().unwrap(),
+            "{}",
+            files[i]
+        );
+    }
+
+    // An existing file is not replaced without --force.
+    std::fs::write(&out, b"keep me").unwrap();
+    let r = embed(&out, &data, &[]);
+    assert_clean_failure(&r, &[out_s, "--force"]);
+    assert_eq!(std::fs::read(&out).unwrap(), b"keep me");
+    let r = embed(&out, &data, &["--force"]);
+    assert!(r.0.status.success(), "{}", r.2);
+    assert_eq!(read_embeddings(&out).0, rows);
+    // A folder as --out is refused by name.
+    let r = embed(dir.path(), &data, &[]);
+    assert_clean_failure(&r, &[dir.path().to_str().unwrap(), "folder"]);
+    // So is a file in a folder that is not there, before any image runs.
+    let nowhere = dir.path().join("no/such/folder/e.safetensors");
+    let r = embed(&nowhere, &data, &[]);
+    assert_clean_failure(&r, &["cannot write into", "no/such/folder"]);
+    // A path the `files` list (JSON) cannot hold is refused before the work.
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let odd = tempfile::tempdir().unwrap();
+        let name = std::ffi::OsStr::from_bytes(b"caf\xe9.png");
+        std::fs::copy(&paths[1], odd.path().join(name)).unwrap();
+        let e = dir.path().join("odd.safetensors");
+        let r = embed(&e, odd.path().to_str().unwrap(), &[]);
+        assert_clean_failure(&r, &["not a UTF-8 path"]);
+        assert!(!e.exists());
+    }
+
+    // A broken image among good ones: the run fails naming it, the file holds the rest.
+    let imgs = tempfile::tempdir().unwrap();
+    for (i, f) in paths.iter().take(3).enumerate() {
+        std::fs::copy(
+            f,
+            imgs.path()
+                .join(format!("{i}.{}", f.extension().unwrap().to_str().unwrap())),
+        )
+        .unwrap();
+    }
+    std::fs::write(imgs.path().join("1b.png"), b"not a png").unwrap();
+    let part = dir.path().join("part.safetensors");
+    let r = embed(&part, imgs.path().to_str().unwrap(), &[]);
+    assert_clean_failure(&r, &["1b.png", "1 of 4 image(s)", "holds the other 3"]);
+    let (part_rows, part_files, _) = read_embeddings(&part);
+    let names: Vec<&str> = part_files
+        .iter()
+        .map(|f| f.rsplit('/').next().unwrap())
+        .collect();
+    assert_eq!(names.len(), 3);
+    assert!(!names.contains(&"1b.png"), "{names:?}");
+    for (i, row) in part_rows.iter().enumerate() {
+        let d = max_abs_diff_of(row, &rows[i]);
+        assert!(d < 1e-5, "{}: {d}", part_files[i]);
+    }
+}

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use numpy::{IntoPyArray, PyArray1};
+use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -131,6 +131,24 @@ enum Paths {
     Many(Vec<PathBuf>),
 }
 
+impl Paths {
+    /// The paths as a list, and whether one was given (so one result, not a
+    /// list, goes back).
+    fn into_list(self) -> (Vec<PathBuf>, bool) {
+        match self {
+            Paths::One(p) => (vec![p], true),
+            Paths::Many(ps) => (ps, false),
+        }
+    }
+}
+
+/// A text or its token ids.
+#[derive(FromPyObject)]
+enum TextOrIds {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
 /// A prompt as text or as token ids, or many prompts.
 #[derive(FromPyObject)]
 enum Prompt {
@@ -205,6 +223,26 @@ impl LanguageModel {
     /// The text of `ids`.
     fn decode(&self, ids: Vec<u32>) -> PyResult<String> {
         self.inner.decode(&ids).map_err(err)
+    }
+
+    /// The next-token logits at every position of a text or a list of token
+    /// ids, a float32 array (tokens, vocabulary): transformers'
+    /// `model(ids).logits[0]`.
+    fn logits<'py>(&self, py: Python<'py>, text: TextOrIds) -> PyResult<Bound<'py, PyAny>> {
+        let ids = match text {
+            TextOrIds::Text(t) => self.inner.encode(&t).map_err(err)?,
+            TextOrIds::Ids(ids) => ids,
+        };
+        let (shape, flat) = py
+            .detach(|| {
+                let l = self.inner.logits(&ids)?;
+                Ok::<_, tokenformer::Error>((l.dims2()?, l.flatten_all()?.to_vec1::<f32>()?))
+            })
+            .map_err(err)?;
+        let (rows, cols) = shape;
+        Ok(PyArray1::from_vec(py, flat)
+            .reshape([rows, cols])?
+            .into_any())
     }
 
     /// Scores a text (a `Score`) or a list of texts (a list of `Score`s), as
@@ -382,10 +420,7 @@ impl ImageClassifier {
     /// model has class names, `wnid` and `name`. One path gives one list.
     #[pyo3(signature = (paths, k=5))]
     fn classify(&self, py: Python<'_>, paths: Paths, k: usize) -> PyResult<Py<PyAny>> {
-        let (files, one) = match paths {
-            Paths::One(p) => (vec![p], true),
-            Paths::Many(ps) => (ps, false),
-        };
+        let (files, one) = paths.into_list();
         let results = py
             .detach(|| {
                 tokenformer::eval::imagenet::classify_files(self.inner.model(), &files, k, 32)
@@ -416,6 +451,31 @@ impl ImageClassifier {
             Ok(out.remove(0).into_pyobject(py)?.into_any().unbind())
         } else {
             Ok(out.into_pyobject(py)?.into_any().unbind())
+        }
+    }
+
+    /// The embedding of each image file: the pooled, normalised feature the
+    /// classifier's head reads (timm's pre-logits), as a float32 array of
+    /// shape (hidden_size,) for one path, (len(paths), hidden_size) for a list.
+    fn embed<'py>(&self, py: Python<'py>, paths: Paths) -> PyResult<Bound<'py, PyAny>> {
+        let (files, one) = paths.into_list();
+        let model = self.inner.model();
+        let results = py
+            .detach(|| {
+                tokenformer::eval::imagenet::embed_files(model, &files, 32, &Default::default())
+            })
+            .map_err(err)?;
+        let d = model.config().hidden_size;
+        let mut flat = Vec::with_capacity(results.len() * d);
+        for (_, r) in results {
+            // The error names the file already.
+            flat.extend(r.map_err(err)?);
+        }
+        let array = PyArray1::from_vec(py, flat);
+        if one {
+            Ok(array.into_any())
+        } else {
+            Ok(array.reshape([files.len(), d])?.into_any())
         }
     }
 

@@ -55,6 +55,30 @@ def test_score_equals_the_cli(lm):
     assert [s.nll for s in many] == [lm.score(t).nll for t in TEXTS]
 
 
+def test_logits_are_pytorchs_and_give_the_scores():
+    fixtures = ROOT / "tests" / "fixtures"
+    tiny = tokenformer.LanguageModel.from_pretrained(
+        str(fixtures / "official-lm-tiny"), tokenizer=str(fixtures / "gpt-neox-20b-tokenizer.json")
+    )
+    exp = json.loads((fixtures / "official-lm-tiny" / "expected.json").read_text())
+    logits = tiny.logits(exp["ids"])
+    assert logits.dtype == np.float32 and logits.shape[0] == len(exp["ids"])
+    # PyTorch's logits of vocabulary ids 0..8 at every position (the official semantics).
+    np.testing.assert_allclose(logits[:, :8], exp["logits_first8"], atol=1e-4)
+    # The text gives its own ids' logits; log-softmax of them is what `score` reports.
+    np.testing.assert_array_equal(tiny.logits(exp["text"]), tiny.logits(tiny.encode(exp["text"])))
+    m = logits.max(axis=1, keepdims=True)
+    lse = (m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True)))[:, 0]
+    s = tiny.score(exp["text"])
+    assert list(s.ids) == exp["ids"]
+    picked = logits[np.arange(len(exp["ids"]) - 1), exp["ids"][1:]] - lse[:-1]
+    np.testing.assert_allclose(picked, s.next_token_logprobs, atol=1e-4)
+    np.testing.assert_allclose(lse[:-1], s.logsumexp[: len(picked)], rtol=1e-5)
+    for bad, msg in (([], "no tokens"), ([10**9], "outside the model's vocabulary")):
+        with pytest.raises(tokenformer.TokenFormerError, match=msg):
+            tiny.logits(bad)
+
+
 def test_generate_equals_the_cli(lm):
     prompt = "And God said unto Moses,"
     out = cli("generate", "--model", KJV, "--prompt", prompt, "--max-new-tokens", "30").stdout
@@ -109,6 +133,33 @@ def test_classify_equals_the_cli():
     # An unreadable file is an error naming it once, as the command line's.
     with pytest.raises(tokenformer.TokenFormerError) as e:
         clf.classify([images[0], __file__])
+    assert str(e.value) == f"{__file__}: not a JPEG, PNG or WebP image (unrecognised contents)"
+
+
+def test_embed_equals_the_cli_and_its_head_classifies(tmp_path):
+    from safetensors import safe_open
+
+    clf = tokenformer.ImageClassifier.from_pretrained(DIGITS)
+    images = [str(p) for d in ("seven", "three") for p in sorted((EXAMPLES / d).iterdir())[:2]]
+    out = tmp_path / "emb.safetensors"
+    cli("embed", "--model", DIGITS, "--out", str(out), *images)
+    # The command's file, read by the safetensors package as any user would.
+    with safe_open(str(out), "np") as f:
+        want = f.get_tensor("embeddings")
+        assert json.loads(f.metadata()["files"]) == images
+    got = clf.embed(images)
+    assert got.dtype == np.float32 and got.shape == want.shape == (4, want.shape[1])
+    np.testing.assert_array_equal(got, want)
+    one = clf.embed(images[0])
+    assert one.shape == (want.shape[1],)
+    np.testing.assert_allclose(one, got[0], rtol=1e-5, atol=1e-6)
+    # The head of an embedding is the classifier's answer.
+    with safe_open(str(Path(DIGITS) / "model.safetensors"), "np") as f:
+        w, b = f.get_tensor("head.weight"), f.get_tensor("head.bias")
+    top = [c[0]["index"] for c in clf.classify(images, k=1)]
+    assert list(np.argmax(got @ w.T + b, axis=1)) == top
+    with pytest.raises(tokenformer.TokenFormerError) as e:
+        clf.embed([images[0], __file__])
     assert str(e.value) == f"{__file__}: not a JPEG, PNG or WebP image (unrecognised contents)"
 
 

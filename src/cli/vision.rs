@@ -1,14 +1,17 @@
-//! `tokenformer eval imagenet` and `tokenformer classify`: the image
-//! classifier's commands (preprocessing as timm / MAE eval, see
+//! `tokenformer eval imagenet`, `tokenformer classify` and `tokenformer
+//! embed`: the image classifier's commands (preprocessing as timm / MAE eval, see
 //! `tokenformer::vision`).
 
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use candle_core::Device;
 use clap::Args;
 use indicatif::ProgressBar;
 use tokenformer::eval::{imagenet, Shard};
 use tokenformer::loader;
+use tokenformer::models::vit::VisionTransformer;
 use tokenformer::vision::decode::DEFAULT_MAX_PIXELS;
 use tokenformer::vision::DecodeLimits;
 
@@ -186,8 +189,9 @@ pub fn imagenet_cmd(a: ImagenetArgs) -> Result<()> {
     Ok(())
 }
 
+/// What `classify` and `embed` share: the model, the images and how they run.
 #[derive(Args, Debug)]
-pub struct ClassifyArgs {
+pub struct ImagesArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
@@ -199,13 +203,6 @@ pub struct ClassifyArgs {
     /// Image files (JPEG, PNG, WebP), or folders: the images under them, recursively, sorted.
     #[arg(required = true, value_name = "IMAGE|FOLDER")]
     pub images: Vec<PathBuf>,
-    /// The K most likely classes of each image (at most the model's classes, as timm's inference.py).
-    #[arg(long, visible_alias = "topk", value_name = "K", default_value_t = 5, value_parser = super::positive::<usize>)]
-    pub top_k: usize,
-    /// Print JSON: `[{"file", "top5": [{"index", "wnid", "name", "prob"}]}]` (`topK` for --top-k K),
-    /// or `{"file", "error"}` for an image that could not be read.
-    #[arg(long)]
-    pub json: bool,
     /// Images per forward pass (it changes results only in float rounding, about 1e-6 relative).
     #[arg(long, default_value_t = 32, value_parser = super::positive::<usize>)]
     pub batch_size: usize,
@@ -215,6 +212,102 @@ pub struct ClassifyArgs {
     /// Images above this many pixels (width × height, read from the header) are refused, not decoded.
     #[arg(long, env = "TOKENFORMER_MAX_IMAGE_PIXELS", default_value_t = DEFAULT_MAX_PIXELS)]
     pub max_image_pixels: u64,
+}
+
+/// The images of an [`ImagesArgs`], the model that runs them and a bar to
+/// count them on.
+struct ImageRun {
+    images: Vec<PathBuf>,
+    batch_size: usize,
+    model: VisionTransformer,
+    source: String,
+    device: Device,
+    limits: DecodeLimits,
+    bar: ProgressBar,
+}
+
+impl ImagesArgs {
+    /// Lists the images and loads the model; `check` sees the list first, so
+    /// a mistyped folder or a list the command cannot take fails before the
+    /// model loads.
+    fn open(&self, check: impl FnOnce(&[PathBuf]) -> Result<()>) -> Result<ImageRun> {
+        let images = tokenformer::vision::dataset::image_files(&self.images)?;
+        check(&images)?;
+        let device = self.device.open()?;
+        let files = self.model.locate()?;
+        let dtype = tokenformer::ComputeDtype::from(self.dtype).dtype();
+        let model = loader::load_vit_in(&files, &device, dtype)?;
+        // A bar only when there is more than one batch to wait for.
+        let bar = if self.quiet || images.len() <= self.batch_size {
+            ProgressBar::hidden()
+        } else {
+            super::progress::bar(
+                images.len() as u64,
+                "{bar:40} {pos}/{len} images  {per_sec}  ETA {eta}",
+            )
+        };
+        Ok(ImageRun {
+            images,
+            batch_size: self.batch_size,
+            model,
+            source: files.source,
+            device,
+            limits: DecodeLimits::new(self.max_image_pixels),
+            bar,
+        })
+    }
+}
+
+impl ImageRun {
+    /// A library error of the run, with what ran out of GPU memory if that is why.
+    fn error(&self, e: tokenformer::Error) -> anyhow::Error {
+        let what = format!("{} on batches of {} images", self.source, self.batch_size);
+        super::gpu_memory_error(e.into(), &self.device, &what)
+    }
+}
+
+/// Fails, naming the first ten, when some of `total` images could not be
+/// read (their reasons again on stderr, for when stdout goes to a file).
+fn unreadable<'a>(
+    total: usize,
+    errors: impl IntoIterator<Item = &'a tokenformer::Error>,
+) -> Result<()> {
+    let errors: Vec<&tokenformer::Error> = errors.into_iter().collect();
+    if !errors.is_empty() {
+        let reasons: Vec<String> = errors.iter().take(10).map(|e| format!("  {e}")).collect();
+        bail!(
+            "{} of {total} image(s) could not be read:\n{}",
+            errors.len(),
+            reasons.join("\n")
+        );
+    }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct ClassifyArgs {
+    #[command(flatten)]
+    pub input: ImagesArgs,
+    /// The K most likely classes of each image (at most the model's classes, as timm's inference.py).
+    #[arg(long, visible_alias = "topk", value_name = "K", default_value_t = 5, value_parser = super::positive::<usize>)]
+    pub top_k: usize,
+    /// Print JSON: `[{"file", "top5": [{"index", "wnid", "name", "prob"}]}]` (`topK` for --top-k K),
+    /// or `{"file", "error"}` for an image that could not be read.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct EmbedArgs {
+    #[command(flatten)]
+    pub input: ImagesArgs,
+    /// The safetensors file to write: `embeddings` [images, hidden_size] f32, a row per readable
+    /// image in the order of the metadata's `files` (a JSON list).
+    #[arg(long, value_name = "FILE.safetensors")]
+    pub out: PathBuf,
+    /// Replace an existing --out.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// One image of `classify --json`: `file`, then `top{k}` or `error` (a key
@@ -260,54 +353,135 @@ fn print_text(images: &[imagenet::Classified]) -> std::io::Result<()> {
 }
 
 pub fn classify_cmd(a: ClassifyArgs) -> Result<()> {
-    // Folders are listed first, so a mistyped one fails before the model loads.
-    let images = tokenformer::vision::dataset::image_files(&a.images)?;
-    let dev = a.device.open()?;
-    let files = a.model.locate()?;
-    let dtype = tokenformer::ComputeDtype::from(a.dtype).dtype();
-    let model = loader::load_vit_in(&files, &dev, dtype)?;
-    let limits = DecodeLimits::new(a.max_image_pixels);
-    let k = a.top_k.min(model.config().num_classes);
-    // A bar only when there is more than one batch to wait for.
-    let bar = if a.quiet || images.len() <= a.batch_size {
-        ProgressBar::hidden()
-    } else {
-        super::progress::bar(
-            images.len() as u64,
-            "{bar:40} {pos}/{len} images  {per_sec}  ETA {eta}",
-        )
-    };
-    let what = format!("{} on batches of {} images", files.source, a.batch_size);
-    let mut results = Vec::with_capacity(images.len());
+    let run = a.input.open(|_| Ok(()))?;
+    let k = a.top_k.min(run.model.config().num_classes);
+    let mut results = Vec::with_capacity(run.images.len());
     let mut printed = Ok(());
-    imagenet::classify_each(&model, &images, k, a.batch_size, &limits, |batch| {
-        if !a.json && printed.is_ok() {
-            // Printed as each batch ends, so a long run shows its results as it goes.
-            printed = bar.suspend(|| print_text(&batch));
-        }
-        bar.inc(batch.len() as u64);
-        results.extend(batch);
-    })
-    .map_err(|e| super::gpu_memory_error(e.into(), &dev, &what))?;
+    imagenet::classify_each(
+        &run.model,
+        &run.images,
+        k,
+        run.batch_size,
+        &run.limits,
+        |batch| {
+            if !a.json && printed.is_ok() {
+                // Printed as each batch ends, so a long run shows its results as it goes.
+                printed = run.bar.suspend(|| print_text(&batch));
+            }
+            run.bar.inc(batch.len() as u64);
+            results.extend(batch);
+        },
+    )
+    .map_err(|e| run.error(e))?;
     printed?;
-    bar.finish_and_clear();
+    run.bar.finish_and_clear();
     if a.json {
         let out: Vec<JsonImage> = results.iter().map(|image| JsonImage { k, image }).collect();
         outln!("{}", serde_json::to_string_pretty(&out)?)?;
     }
-    let failed = results.iter().filter(|(_, r)| r.is_err()).count();
-    if failed > 0 {
-        // The reasons again on stderr, for when stdout goes to a file or a pipe.
-        let reasons: Vec<String> = results
-            .iter()
-            .filter_map(|(_, r)| r.as_ref().err().map(|e| format!("  {e}")))
-            .take(10)
-            .collect();
+    unreadable(
+        results.len(),
+        results.iter().filter_map(|(_, r)| r.as_ref().err()),
+    )
+}
+
+/// Above this, the `files` list would not fit a safetensors header (100 MB,
+/// which readers also enforce), with room for the rest.
+const MAX_FILES_METADATA_BYTES: usize = 90_000_000;
+
+/// Refuses, before any image runs, an `--out` that could not be written at
+/// the end: a folder, an existing file without `force`, a folder that is not
+/// there or not writable.
+fn check_out(out: &Path, force: bool) -> Result<()> {
+    if out.is_dir() {
         bail!(
-            "{failed} of {} image(s) could not be read:\n{}",
-            results.len(),
-            reasons.join("\n")
+            "--out {} is a folder: name the .safetensors file to write",
+            out.display()
         );
     }
+    if out.symlink_metadata().is_ok() && !force {
+        bail!("{} exists: pass --force to replace it", out.display());
+    }
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    // The file is written beside `out` and renamed over it, as this probe is.
+    tempfile::NamedTempFile::new_in(parent)
+        .with_context(|| format!("cannot write into {}", parent.display()))?;
     Ok(())
+}
+
+pub fn embed_cmd(a: EmbedArgs) -> Result<()> {
+    let out = &a.out;
+    check_out(out, a.force)?;
+    // The `files` metadata is JSON text: a path that is not UTF-8, or a list
+    // too long for a header, is refused before the work, not after.
+    let run = a.input.open(|images| {
+        if let Some(p) = images.iter().find(|p| p.to_str().is_none()) {
+            bail!(
+                "{}: not a UTF-8 path, which the `files` list cannot hold",
+                p.display()
+            );
+        }
+        let bytes: usize = images.iter().map(|p| p.as_os_str().len() + 3).sum();
+        if bytes > MAX_FILES_METADATA_BYTES {
+            bail!(
+                "the paths of {} images take {} MB, more than a safetensors header holds: embed them in several runs",
+                images.len(),
+                bytes >> 20
+            );
+        }
+        Ok(())
+    })?;
+    // Rows go straight into the matrix the file holds, so a large run keeps
+    // one copy of its embeddings.
+    let d = run.model.config().hidden_size;
+    let (mut flat, mut files, mut errors) = (Vec::new(), Vec::new(), Vec::new());
+    imagenet::embed_each(
+        &run.model,
+        &run.images,
+        run.batch_size,
+        &run.limits,
+        |batch| {
+            run.bar.inc(batch.len() as u64);
+            for (file, r) in batch {
+                match r {
+                    Ok(row) => {
+                        flat.extend(row);
+                        files.push(file);
+                    }
+                    Err(e) => errors.push(e),
+                }
+            }
+        },
+    )
+    .map_err(|e| run.error(e))?;
+    run.bar.finish_and_clear();
+    let total = run.images.len();
+    if files.is_empty() {
+        unreadable(total, &errors)?;
+        bail!("no images to embed");
+    }
+    let names = serde_json::to_string(&files)?;
+    let embeddings = candle_core::Tensor::from_vec(flat, (files.len(), d), &Device::Cpu)?;
+    let metadata: HashMap<String, String> = [
+        ("format", "pt".to_string()),
+        ("files", names),
+        ("model", run.source.clone()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    // Written to a temporary file beside `out` and renamed over it.
+    safetensors::serialize_to_file([("embeddings", &embeddings)], Some(metadata), out)
+        .with_context(|| format!("writing {}", out.display()))?;
+    tokenformer::checkpoint::set_default_permissions(out)?;
+    unreadable(total, &errors).map_err(|e| {
+        anyhow::anyhow!(
+            "{e:#}\n{} holds the other {} image(s)",
+            out.display(),
+            files.len()
+        )
+    })
 }

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Instant;
 
+use candle_core::Tensor;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -703,11 +704,81 @@ pub fn classify_each(
     k: usize,
     batch_size: usize,
     limits: &DecodeLimits,
-    mut on_batch: impl FnMut(Vec<Classified>),
+    on_batch: impl FnMut(Vec<Classified>),
 ) -> Result<()> {
-    let cfg = model.config();
-    let transform = EvalTransform::from_config(cfg);
-    let classes = ClassLabels::for_config(cfg);
+    let classes = ClassLabels::for_config(model.config());
+    each_image(
+        model,
+        files,
+        batch_size,
+        limits,
+        |pixels| probabilities(&model.forward(pixels)?),
+        |row| {
+            top_k(&row, k)
+                .into_iter()
+                .map(|i| Prediction {
+                    index: i,
+                    wnid: classes.wnid(i).map(str::to_string),
+                    name: classes.name(i).map(str::to_string),
+                    prob: row[i],
+                })
+                .collect()
+        },
+        on_batch,
+    )
+}
+
+/// An image and its embedding ([`VisionTransformer::pre_logits`]), or why
+/// it could not be read.
+pub type Embedded = (PathBuf, Result<Vec<f32>>);
+
+/// The embedding of each image, or why it could not be read (an image above
+/// `limits` is not decoded), in the order of `files`.
+pub fn embed_files(
+    model: &VisionTransformer,
+    files: &[PathBuf],
+    batch_size: usize,
+    limits: &DecodeLimits,
+) -> Result<Vec<Embedded>> {
+    let mut out = Vec::with_capacity(files.len());
+    embed_each(model, files, batch_size, limits, |batch| out.extend(batch))?;
+    Ok(out)
+}
+
+/// [`embed_files`], handing each batch's results to `on_batch` as soon as it
+/// is done, in order, as [`classify_each`] does.
+pub fn embed_each(
+    model: &VisionTransformer,
+    files: &[PathBuf],
+    batch_size: usize,
+    limits: &DecodeLimits,
+    on_batch: impl FnMut(Vec<Embedded>),
+) -> Result<()> {
+    each_image(
+        model,
+        files,
+        batch_size,
+        limits,
+        |pixels| model.pre_logits(pixels),
+        |row| row,
+        on_batch,
+    )
+}
+
+/// Runs `forward` ([b, pixels] → [b, n] f32) on the readable images of
+/// `files` in batches, preprocessing the next batch meanwhile, and hands
+/// `on_batch` each image's `per_row` of its output row, or why it could not be
+/// read, in order.
+fn each_image<T>(
+    model: &VisionTransformer,
+    files: &[PathBuf],
+    batch_size: usize,
+    limits: &DecodeLimits,
+    forward: impl Fn(&Tensor) -> candle_core::Result<Tensor>,
+    per_row: impl Fn(Vec<f32>) -> T,
+    mut on_batch: impl FnMut(Vec<(PathBuf, Result<T>)>),
+) -> Result<()> {
+    let transform = EvalTransform::from_config(model.config());
     let preprocess = Preprocess {
         transform: &transform,
         limits,
@@ -717,29 +788,17 @@ pub fn classify_each(
             .iter()
             .filter_map(|r| r.as_ref().ok().cloned())
             .collect();
-        let probs = if ok.is_empty() {
+        let rows = if ok.is_empty() {
             vec![]
         } else {
-            probabilities(&model.forward(&transform.batch(ok, model.device())?)?)?
-                .to_vec2::<f32>()?
+            forward(&transform.batch(ok, model.device())?)?.to_vec2::<f32>()?
         };
-        let mut rows = probs.into_iter();
+        let mut rows = rows.into_iter();
         let batch = chunk
             .iter()
             .zip(loaded)
             .map(|(path, r)| {
-                let res = r.map(|_| {
-                    let row = rows.next().expect("one row per readable image");
-                    top_k(&row, k)
-                        .into_iter()
-                        .map(|i| Prediction {
-                            index: i,
-                            wnid: classes.wnid(i).map(str::to_string),
-                            name: classes.name(i).map(str::to_string),
-                            prob: row[i],
-                        })
-                        .collect()
-                });
+                let res = r.map(|_| per_row(rows.next().expect("one row per readable image")));
                 (path.clone(), res)
             })
             .collect();

@@ -400,8 +400,9 @@ impl VisionTransformer {
         Tensor::cat(&[&cls, &patches], 1)?.broadcast_add(&self.pos_embed.to_dtype(self.compute)?)
     }
 
-    /// The final token states [b, N+1, d] (class token first), before pooling.
-    pub(crate) fn forward_features(&self, pixels: &Tensor) -> Result<Tensor> {
+    /// The final token states [b, N+1, d] (class token first), before pooling,
+    /// in the compute dtype: timm's `forward_features`.
+    pub fn forward_features(&self, pixels: &Tensor) -> Result<Tensor> {
         let mut x = self.embed(pixels)?;
         for layer in &self.layers {
             x = layer.forward(&x, AttentionMode::Bidirectional)?;
@@ -439,6 +440,15 @@ impl VisionTransformer {
     /// Logits [b, num_classes] for normalised pixels [b, C, H, W].
     pub fn forward(&self, pixels: &Tensor) -> Result<Tensor> {
         self.head(&self.forward_features(pixels)?)
+    }
+
+    /// The image embedding [b, d] (f32) of normalised pixels [b, C, H, W]: the
+    /// pooled, normalised feature the head reads, timm's
+    /// `forward_head(x, pre_logits=True)` (what a linear probe or a retrieval
+    /// index takes).
+    pub fn pre_logits(&self, pixels: &Tensor) -> Result<Tensor> {
+        self.pool(&self.forward_features(pixels)?)?
+            .to_dtype(DType::F32)
     }
 }
 

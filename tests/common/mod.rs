@@ -220,6 +220,15 @@ pub fn assert_clean_failure(res: &(Output, String, String), needles: &[&str]) {
     }
 }
 
+/// The largest |a − b| over two slices of one length.
+pub fn max_abs_diff_of(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
 /// The largest |a − b| over two tensors of one shape (as f32).
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
