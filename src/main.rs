@@ -26,6 +26,8 @@ enum Command {
     Generate(cli::lm::GenerateArgs),
     /// Per-position log p(next token), total NLL and perplexity of a text or ids.
     Score(cli::lm::ScoreArgs),
+    /// Serve a language model over the OpenAI completions API (continuous batching across requests).
+    Serve(cli::serve::ServeArgs),
     /// List the tensors, architecture and parameter count of a checkpoint.
     Inspect(cli::inspect::InspectArgs),
     /// Throughput on random weights of the real sizes (compare with the PyTorch peer).
@@ -79,6 +81,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(a) => cli::lm::generate_cmd(a),
         Command::Score(a) => cli::lm::score_cmd(a),
+        Command::Serve(a) => cli::serve::serve_cmd(a),
         Command::Inspect(a) => cli::inspect::run(a),
         Command::Zoo(c) => cli::zoo::run(c),
         Command::Bench(a) => cli::bench::run(a),

@@ -394,3 +394,48 @@ def test_through_the_harness(tmp_path, lm):
         for d in docs
     ])
     assert acc == pytest.approx(want)
+
+
+@pytest.fixture()
+def served():
+    """`tokenformer serve` on the shipped model, on a free port: its base URL."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    args = [str(BIN), "serve", "--model", KJV, "--port", "0", "--served-model-name", "kjv"]
+    p = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env)
+    assert p.stderr is not None
+    line = p.stderr.readline()
+    base = next(w[: -len("/v1")] for w in line.split() if w.endswith("/v1"))
+    threading.Thread(target=p.stderr.read, daemon=True).start()
+    yield base
+    p.kill()
+    p.wait()
+
+
+def test_the_harness_runs_on_serve_as_on_the_library(served, lm):
+    """lm-evaluation-harness's `local-completions` model (OpenAI completions API,
+    its tokenizer read from the server) gets the library's log-likelihoods,
+    greedy flags and generations."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    h = get_model("local-completions")(
+        base_url=f"{served}/v1/completions", model="kjv", max_length=256, tokenizer_backend="auto"
+    )
+    assert type(h.tokenizer).__name__ == "RemoteTokenizer"
+    prompt = "And God said unto Moses,"
+    free = lm.generate(prompt, 30)
+    # The last pair is the model's own greedy continuation.
+    pairs = [("And God said", " unto Moses"), ("In the beginning", " God created"), (prompt, lm.generate(prompt, 3))]
+    reqs = [
+        Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)
+    ]
+    for (lp, greedy), (c, x) in zip(h.loglikelihood(reqs), pairs):
+        want_lp, want_greedy = by_hand_loglikelihood(lm, c, x)
+        assert lp == pytest.approx(want_lp, abs=1e-4)
+        assert greedy == want_greedy
+    assert [by_hand_loglikelihood(lm, c, x)[1] for c, x in pairs] == [False, False, True]
+    word = free.split()[3]
+    gen = Instance(request_type="generate_until", doc={}, arguments=(prompt, {"until": [word], "max_gen_toks": 30}), idx=0)
+    (text,) = h.generate_until([gen])
+    assert text == free[: free.index(word)]

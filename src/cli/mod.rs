@@ -7,6 +7,7 @@ pub mod eval_lm;
 pub mod inspect;
 pub mod lm;
 pub mod progress;
+pub mod serve;
 pub mod shell;
 pub mod stdout;
 pub mod train;

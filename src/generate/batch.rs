@@ -21,7 +21,7 @@ use crate::models::vl::{VisionLanguageModel, VlCache};
 pub const DEFAULT_BATCH_SIZE: usize = 8;
 
 /// What batched decoding asks of a model.
-trait Decoder {
+pub(crate) trait Decoder {
     type Cache;
     /// The language model (vocabulary, context, EOS, prompt checks).
     fn text(&self) -> &TokenFormerLm;
@@ -32,9 +32,9 @@ trait Decoder {
     fn step(&self, ids: &Tensor, caches: &mut [&mut Self::Cache]) -> Result<Tensor>;
 }
 
-struct Text<'a> {
-    model: &'a TokenFormerLm,
-    kv: KvDtype,
+pub(crate) struct Text<'a> {
+    pub model: &'a TokenFormerLm,
+    pub kv: KvDtype,
 }
 
 impl Decoder for Text<'_> {
@@ -137,7 +137,7 @@ fn with_images<'a>(
     Ok(WithImages { model, kv, images })
 }
 
-/// The continuous-batching loop over any [`Decoder`].
+/// The continuous-batching loop over a fixed list of prompts.
 fn decode_batch<D: Decoder>(
     d: &D,
     prompts: &[impl AsRef<[u32]>],
@@ -147,9 +147,6 @@ fn decode_batch<D: Decoder>(
     mut on_token: impl FnMut(usize, u32) -> Result<ControlFlow<()>>,
 ) -> Result<Vec<Vec<u32>>> {
     params.validate()?;
-    if batch_size == 0 {
-        return Err(Error::option("batch_size", "must be at least 1"));
-    }
     let text = d.text();
     let budgets = prompts
         .iter()
@@ -159,30 +156,73 @@ fn decode_batch<D: Decoder>(
                 .map_err(|e| Error::input(format!("prompt #{}: {e}", i + 1)))
         })
         .collect::<Result<Vec<_>>>()?;
-    let eos = text.config().eos_token_id;
     let mut results = vec![Vec::new(); prompts.len()];
     let mut waiting = prompts.iter().zip(budgets).enumerate();
+    run_batches(
+        d,
+        batch_size,
+        |_| {
+            waiting.next().map(|(key, (prompt, budget))| Start {
+                key,
+                prompt: prompt.as_ref().to_vec(),
+                budget,
+                params: params.clone(),
+            })
+        },
+        |i, token, _| on_token(i, token),
+        |i, out| results[i] = out,
+    )?;
+    Ok(results)
+}
+
+/// A sequence for [`run_batches`] to start: its prompt (checked with
+/// [`check_prompt`]), token budget and sampling, under a caller's key.
+pub(crate) struct Start {
+    pub key: usize,
+    pub prompt: Vec<u32>,
+    pub budget: usize,
+    pub params: SamplingParams,
+}
+
+/// The continuous-batching loop over any [`Decoder`]: `next(idle)` gives the
+/// next sequence to start (`idle`: none is in flight, so it may wait for
+/// one; `None` then ends the loop), `on_token(key, token, logits)` sees each
+/// token with the logits [vocab] it was chosen from (`Break` ends that
+/// sequence), and `on_end(key, tokens)` each finished sequence.
+pub(crate) fn run_batches<D: Decoder>(
+    d: &D,
+    batch_size: usize,
+    mut next: impl FnMut(bool) -> Option<Start>,
+    mut on_token: impl FnMut(usize, u32, &Tensor) -> Result<ControlFlow<()>>,
+    mut on_end: impl FnMut(usize, Vec<u32>),
+) -> Result<()> {
+    if batch_size == 0 {
+        return Err(Error::option("batch_size", "must be at least 1"));
+    }
+    let text = d.text();
+    let eos = text.config().eos_token_id;
     // The sequences in flight, each with its own cache.
     let mut flight: Vec<(Sequence, D::Cache)> = Vec::with_capacity(batch_size);
     loop {
         while flight.len() < batch_size {
-            let Some((i, (prompt, budget))) = waiting.next() else {
+            let Some(start) = next(flight.is_empty()) else {
                 break;
             };
-            let prompt = prompt.as_ref();
-            if budget == 0 {
+            if start.budget == 0 {
+                on_end(start.key, Vec::new());
                 continue;
             }
-            let mut seq = Sequence::new(i, prompt, budget, &params);
-            let (last, cache) = d.prefill(i, prompt, prompt.len() + budget)?;
+            let prompt = &start.prompt;
+            let mut seq = Sequence::new(start.key, prompt, start.budget, &start.params);
+            let (last, cache) = d.prefill(start.key, prompt, prompt.len() + start.budget)?;
             if seq.take(&last, eos, &mut on_token)? {
-                results[i] = seq.out;
+                on_end(seq.index, seq.out);
             } else {
                 flight.push((seq, cache));
             }
         }
         if flight.is_empty() {
-            return Ok(results);
+            return Ok(());
         }
         let last: Vec<u32> = flight.iter().map(|(seq, _)| seq.last()).collect();
         let ids = Tensor::new(last, text.device())?.unsqueeze(1)?;
@@ -194,7 +234,7 @@ fn decode_batch<D: Decoder>(
         for (r, (mut seq, cache)) in flight.drain(..).enumerate() {
             let row = logits.get(r)?.squeeze(0)?;
             if seq.take(&row, eos, &mut on_token)? {
-                results[seq.index] = seq.out;
+                on_end(seq.index, seq.out);
             } else {
                 still.push((seq, cache));
             }

@@ -15,10 +15,12 @@ use crate::models::tokenformer::{Cache, KvDtype, Logits, TokenFormerLm};
 use crate::models::vl::{VisionLanguageModel, VlCache};
 
 mod batch;
+mod queue;
 pub use batch::{
     generate_batch, generate_batch_with_images, generate_texts, generate_texts_with_images,
     DEFAULT_BATCH_SIZE,
 };
+pub use queue::{serve_jobs, Event, Job, Logprobs, MAX_TOP_LOGPROBS};
 
 #[derive(Clone, Debug)]
 pub struct SamplingParams {
@@ -483,7 +485,7 @@ fn decode(
     }
     let mut seq = Sequence::new(0, prompt, budget, &params);
     let eos = text.config().eos_token_id;
-    let mut on_token = |_: usize, t: u32| on_token(t);
+    let mut on_token = |_: usize, t: u32, _: &Tensor| on_token(t);
     let mut input = prompt.to_vec();
     loop {
         let logits = step(&input)?;
@@ -546,12 +548,12 @@ impl Sequence {
         &mut self,
         last: &Tensor,
         eos: u32,
-        on_token: &mut impl FnMut(usize, u32) -> Result<ControlFlow<()>>,
+        on_token: &mut impl FnMut(usize, u32, &Tensor) -> Result<ControlFlow<()>>,
     ) -> Result<bool> {
         let next = self.sampler.next(last, &self.history)?;
         self.out.push(next);
         self.history.push(next);
-        let stop = on_token(self.index, next)?.is_break();
+        let stop = on_token(self.index, next, last)?.is_break();
         Ok(stop || next == eos || self.out.len() >= self.budget)
     }
 }
