@@ -388,11 +388,15 @@ fn the_merged_model_in_f64_and_half_precision_generates_like_f32() {
     let d = max_rel(&img, &wide_img).max(max_rel(&txt, &wide_txt));
     assert!(d < 1e-4, "f64 vs f32 logits of the mixed sequence: {d}");
     // f16 weights with f32 computation: this fp16 checkpoint's own values, so
-    // f32's logits bit for bit from half the bytes; the merged folder's
-    // language route alone keeps f16 weights too.
+    // f32's logits from half the bytes, up to the order in which the
+    // products sum (the same order, so the same bits, where f32 weights are
+    // laid out as rows too: not on Intel hosts; see `pattention::Layout`);
+    // the merged folder's language route alone keeps f16 weights too.
     let f16_weights = loader::load_vl_as(&files, &Device::Cpu, DType::F16).unwrap();
     assert_eq!(f16_weights.compute_dtype(), DType::F32);
-    assert_eq!(mixed(&f16_weights), (img.clone(), txt.clone()));
+    let (half_img, half_txt) = mixed(&f16_weights);
+    let d = max_rel(&half_img, &img).max(max_rel(&half_txt, &txt));
+    assert!(d < 1e-5, "f16 weights vs f32 logits of the mixed sequence: {d}");
     let bytes = |m: &TokenFormerLm| m.weight_bytes();
     assert_eq!(2 * bytes(f16_weights.language()), bytes(base.language()));
     let route = loader::load_lm_as(&files, &Device::Cpu, DType::F16).unwrap();

@@ -311,7 +311,9 @@ fn tokenizer_endpoints_round_trip_and_bad_requests_are_refused_by_name() {
 
     let vocab = lm.model().config().vocab_size;
     let long: Vec<u32> = vec![5; lm.model().config().max_position_embeddings];
-    let bad: [(Value, u16, &str); 9] = [
+    let huge = "a".repeat(1 << 20);
+    let bad: [(Value, u16, &str); 10] = [
+        (json!({ "prompt": huge }), 400, "1048576 bytes"),
         (
             json!({"prompt": PROMPT, "model": "gpt-4"}),
             404,

@@ -188,7 +188,7 @@ pub struct WeightArgs {
     #[arg(long, value_enum, default_value_t)]
     pub dtype: DtypeArg,
     /// With f32 computation, keep weight matrices in f16 (half the memory, faster decoding;
-    /// results match f32 exactly for fp16 checkpoints, all released ones) or q8 (CPU only:
+    /// results match f32 for fp16 checkpoints, all released ones, up to summation order) or q8 (CPU only:
     /// 8-bit blocks quantised at load, and the activations alike per product: under a third
     /// of the memory, faster still, a small accuracy cost).
     #[arg(long, value_enum, default_value_t)]

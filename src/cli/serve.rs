@@ -63,6 +63,9 @@ struct Served<'a> {
     model: &'a TokenFormerLm,
     tokenizer: &'a tokenizers::Tokenizer,
     jobs: Sender<Job>,
+    /// A text prompt longer than this cannot fit the context (see
+    /// [`max_prompt_bytes`]) and is refused before it is tokenized.
+    max_prompt_bytes: usize,
 }
 
 pub fn serve_cmd(a: ServeArgs) -> Result<()> {
@@ -84,6 +87,7 @@ pub fn serve_cmd(a: ServeArgs) -> Result<()> {
         model: &model,
         tokenizer: &tokenizer,
         jobs,
+        max_prompt_bytes: max_prompt_bytes(&tokenizer, model.config().max_position_embeddings),
     };
     let (kv, batch) = (a.kv_dtype.into(), a.batch_size);
     std::thread::scope(|s| -> Result<()> {
@@ -97,6 +101,20 @@ pub fn serve_cmd(a: ServeArgs) -> Result<()> {
         generate::serve_jobs(&model, &tokenizer, kv, batch, queue)?;
         Ok(())
     })
+}
+
+/// The most bytes a text of `positions` tokens can have: each token decodes
+/// to at most the longest token's bytes, and Unicode normalisation (NFC
+/// composes up to three code points into one) shrinks a text at most
+/// threefold before it is split. A longer prompt is refused before the
+/// tokenizer, which needs ~130 bytes of memory per byte of text, runs on it.
+fn max_prompt_bytes(tokenizer: &tokenizers::Tokenizer, positions: usize) -> usize {
+    let longest = (0..tokenizer.get_vocab_size(true) as u32)
+        .filter_map(|id| tokenizer.decode(&[id], false).ok())
+        .map(|t| t.len())
+        .max()
+        .unwrap_or(1);
+    positions.saturating_mul(longest).saturating_mul(3)
 }
 
 /// An error answer: its status and message, written as the OpenAI API writes them.
@@ -458,6 +476,14 @@ fn parse(served: &Served, body: &[u8]) -> Result<Completion, Refusal> {
             };
             let tokenizer = served.tokenizer;
             let ids = match &p {
+                PromptIn::Text(t) if t.len() > served.max_prompt_bytes => {
+                    return Err(named(format!(
+                        "the prompt has {} bytes, more than {} tokens of this tokenizer can hold: \
+                         it cannot fit the model's context",
+                        t.len(),
+                        served.model.config().max_position_embeddings
+                    )))
+                }
                 PromptIn::Text(t) => tokenizer
                     .encode(t.as_str(), false)
                     .map_err(|e| named(format!("tokenizing the prompt: {e}")))?
