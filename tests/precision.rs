@@ -396,7 +396,10 @@ fn the_merged_model_in_f64_and_half_precision_generates_like_f32() {
     assert_eq!(f16_weights.compute_dtype(), DType::F32);
     let (half_img, half_txt) = mixed(&f16_weights);
     let d = max_rel(&half_img, &img).max(max_rel(&half_txt, &txt));
-    assert!(d < 1e-5, "f16 weights vs f32 logits of the mixed sequence: {d}");
+    assert!(
+        d < 1e-5,
+        "f16 weights vs f32 logits of the mixed sequence: {d}"
+    );
     let bytes = |m: &TokenFormerLm| m.weight_bytes();
     assert_eq!(2 * bytes(f16_weights.language()), bytes(base.language()));
     let route = loader::load_lm_as(&files, &Device::Cpu, DType::F16).unwrap();

@@ -362,18 +362,9 @@ fn completions(served: &Served, request: Request, body: &[u8]) {
             }
         }
         for event in rx {
-            match event {
-                Event::Token { id, text, logprobs } => choice.token(served, id, &text, logprobs),
-                Event::End {
-                    finish_reason,
-                    text,
-                    generated_tokens,
-                } => {
-                    choice.text.push_str(&text);
-                    choice.finish = Some(finish_reason);
-                    completion_tokens += generated_tokens;
-                }
-                Event::Failed(e) => return refuse(request, Refusal(500, e)),
+            match choice.take(served, event) {
+                Ok(generated) => completion_tokens += generated.unwrap_or(0),
+                Err(e) => return refuse(request, Refusal(500, e)),
             }
         }
         if choice.finish.is_none() {
@@ -619,10 +610,27 @@ impl Choice {
         Ok(())
     }
 
-    fn token(&mut self, served: &Served, id: u32, text: &str, lp: Option<Logprobs>) {
-        self.text.push_str(text);
-        if let Some(lists) = &mut self.logprobs {
-            lists.push(served, id, lp.as_ref());
+    /// Adds one of the job's events: `Some(tokens generated)` at its end, the
+    /// message if it failed.
+    fn take(&mut self, served: &Served, event: Event) -> Result<Option<usize>, String> {
+        match event {
+            Event::Token { id, text, logprobs } => {
+                self.text.push_str(&text);
+                if let Some(lists) = &mut self.logprobs {
+                    lists.push(served, id, logprobs.as_ref());
+                }
+                Ok(None)
+            }
+            Event::End {
+                finish_reason,
+                text,
+                generated_tokens,
+            } => {
+                self.text.push_str(&text);
+                self.finish = Some(finish_reason);
+                Ok(Some(generated_tokens))
+            }
+            Event::Failed(e) => Err(e),
         }
     }
 
@@ -673,7 +681,7 @@ fn stream(
         let mut first = Choice::new(index, c);
         if c.echo {
             if let Err(Refusal(_, e)) = first.echo(served, text, ids) {
-                let _ = out.event(&json!({"error": {"message": e, "type": "server_error"}}));
+                let _ = out.error(&e);
                 return;
             }
             if out.event(&head.json(vec![first.json()])).is_err() {
@@ -683,20 +691,15 @@ fn stream(
         prompt_tokens += ids.len();
         for event in rx {
             let mut choice = Choice::new(index, c);
-            match event {
-                Event::Token { id, text, logprobs } => choice.token(served, id, &text, logprobs),
-                Event::End {
-                    finish_reason,
-                    text,
-                    generated_tokens,
-                } => {
-                    choice.text = text;
+            match choice.take(served, event) {
+                Ok(None) => {}
+                Ok(Some(generated)) => {
+                    // The last chunk: the held-back text and the reason, no token.
                     choice.logprobs = None;
-                    choice.finish = Some(finish_reason);
-                    completion_tokens += generated_tokens;
+                    completion_tokens += generated;
                 }
-                Event::Failed(e) => {
-                    let _ = out.event(&json!({"error": {"message": e, "type": "server_error"}}));
+                Err(e) => {
+                    let _ = out.error(&e);
                     return;
                 }
             }
@@ -722,6 +725,11 @@ struct Chunked(Box<dyn Write + Send>);
 impl Chunked {
     fn event(&mut self, v: &Value) -> std::io::Result<()> {
         self.data(&v.to_string())
+    }
+
+    /// A failure after the answer began: an event with the API's error body.
+    fn error(&mut self, message: &str) -> std::io::Result<()> {
+        self.event(&json!({"error": {"message": message, "type": "server_error"}}))
     }
 
     fn data(&mut self, data: &str) -> std::io::Result<()> {
