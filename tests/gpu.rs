@@ -2,7 +2,8 @@
 //! machine with a GPU (each test says it is skipped and passes where there is none):
 //! f32 logits of the official fixture and the shipped models equal the CPU's within
 //! 1e-4 relative; cached decoding equals the full forward and greedy generation
-//! (also batched) picks the CPU's tokens, for the language model and the merged
+//! (also batched, and through `serve`'s engine with log-probabilities) picks the
+//! CPU's tokens, for the language model and the merged
 //! vision-language model; one training step of each architecture (LM, classifier, the merged model's
 //! bridge) equals PyTorch autograd + AdamW (their `train_step.json`) to the CPU's
 //! tolerances, the same checks as the CPU's (tests/common/steps.rs); bf16
@@ -156,6 +157,74 @@ fn batched_generation_on_the_gpu_picks_the_cpus_tokens() {
     })
     .unwrap();
     assert_eq!(got, want);
+}
+
+/// `serve`'s engine on the GPU: jobs arriving together get the CPU's greedy
+/// tokens, and their log-probabilities (read from the GPU's logits) within
+/// 1e-4 of the CPU's.
+#[test]
+fn serving_on_the_gpu_gives_the_cpus_tokens_and_logprobs() {
+    use std::sync::mpsc;
+    use tokenformer::generate::{serve_jobs, Event, Job};
+    let Some((gpu, _)) = gpu() else { return };
+    let files = locate(&zoo("tiny-kjv-lm"));
+    let tokenizer = loader::load_tokenizer(&files).unwrap();
+    let prompts: Vec<Vec<u32>> = [24u32, 5, 13]
+        .iter()
+        .map(|&n| (0..n).map(|i| (i * 53 + n) % 2048).collect())
+        .collect();
+    let serve = |device: &Device| -> Vec<Vec<(u32, f32, Vec<(u32, f32)>)>> {
+        let model = loader::load_lm(&files, device).unwrap();
+        let (jobs, queue) = mpsc::channel();
+        let mut runs = Vec::new();
+        for prompt in &prompts {
+            let (events, rx) = mpsc::channel();
+            let params = tokenformer::SamplingParams::default();
+            let (max_new_tokens, logprobs) = (12, Some(3));
+            let stop = Vec::new();
+            let job = Job {
+                prompt: prompt.clone(),
+                max_new_tokens,
+                params,
+                stop,
+                logprobs,
+                events,
+            };
+            jobs.send(job).unwrap();
+            runs.push(rx);
+        }
+        drop(jobs);
+        serve_jobs(&model, &tokenizer, tokenformer::KvDtype::F32, 2, queue).unwrap();
+        runs.into_iter()
+            .map(|rx| {
+                rx.iter()
+                    .filter_map(|e| match e {
+                        Event::Token { id, logprobs, .. } => {
+                            let lp = logprobs.unwrap();
+                            Some((id, lp.logprob, lp.top))
+                        }
+                        Event::End { .. } => None,
+                        Event::Failed(e) => panic!("{e}"),
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let (want, got) = (serve(&Device::Cpu), serve(&gpu));
+    for (w, g) in want.iter().zip(&got) {
+        assert_eq!(w.len(), 12);
+        let ids = |v: &[(u32, f32, Vec<(u32, f32)>)]| v.iter().map(|t| t.0).collect::<Vec<_>>();
+        assert_eq!(ids(g), ids(w));
+        for ((_, wl, wt), (_, gl, gt)) in w.iter().zip(g) {
+            assert!((wl - gl).abs() < 1e-4, "{wl} vs {gl}");
+            // The alternatives' log-probabilities, likeliest first (their ids
+            // may swap where two are within rounding of each other).
+            assert_eq!(wt.len(), gt.len());
+            for ((_, a), (_, b)) in wt.iter().zip(gt) {
+                assert!((a - b).abs() < 1e-4, "{wt:?} vs {gt:?}");
+            }
+        }
+    }
 }
 
 #[test]

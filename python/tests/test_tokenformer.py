@@ -420,7 +420,7 @@ def test_the_harness_runs_on_serve_as_on_the_library(served, lm):
     from lm_eval.api.registry import get_model
 
     h = get_model("local-completions")(
-        base_url=f"{served}/v1/completions", model="kjv", max_length=256, tokenizer_backend="auto"
+        base_url=f"{served}/v1/completions", model="kjv", max_length=255, tokenizer_backend="auto"
     )
     assert type(h.tokenizer).__name__ == "RemoteTokenizer"
     prompt = "And God said unto Moses,"
@@ -436,6 +436,11 @@ def test_the_harness_runs_on_serve_as_on_the_library(served, lm):
         assert greedy == want_greedy
     assert [by_hand_loglikelihood(lm, c, x)[1] for c, x in pairs] == [False, False, True]
     word = free.split()[3]
+    # A text within one window: every token given the end-of-text token first, as the adapter scores it.
+    rolling = [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(t,), idx=i) for i, t in enumerate(TEXTS)]
+    for got, text in zip(h.loglikelihood_rolling(rolling), TEXTS):
+        s = lm.score(lm.decode([h.eot_token_id]) + text)
+        assert got == pytest.approx(float(np.sum(s.next_token_logprobs.astype(np.float64))), abs=1e-4)
     gen = Instance(request_type="generate_until", doc={}, arguments=(prompt, {"until": [word], "max_gen_toks": 30}), idx=0)
     (text,) = h.generate_until([gen])
     assert text == free[: free.index(word)]
