@@ -419,6 +419,10 @@ def test_the_harness_runs_on_serve_as_on_the_library(served, lm):
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
 
+    # Registering ours must leave the harness's own models findable.
+    import tokenformer.harness  # noqa: F401
+
+    assert get_model("tokenformer") is tokenformer.harness.TokenFormerLM
     h = get_model("local-completions")(
         base_url=f"{served}/v1/completions", model="kjv", max_length=255, tokenizer_backend="auto"
     )

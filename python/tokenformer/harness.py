@@ -21,6 +21,10 @@ from . import LanguageModel
 from ._tokenformer import DEFAULT_BATCH_SIZE
 
 try:  # The harness is optional: subclass and register when it is there.
+    # The harness fills its model registry with its own models (lazily) only
+    # while the registry is empty: without this import, registering ours first
+    # would hide "hf", "local-completions" and the rest from `get_model`.
+    import lm_eval.models  # noqa: F401
     from lm_eval.api.model import LM as _Base
     from lm_eval.api.registry import register_model as _register
 except ImportError:  # pragma: no cover - exercised when lm_eval is absent
