@@ -165,7 +165,7 @@ fn batched_generation_on_the_gpu_picks_the_cpus_tokens() {
 #[test]
 fn serving_on_the_gpu_gives_the_cpus_tokens_and_logprobs() {
     use std::sync::mpsc;
-    use tokenformer::generate::{serve_jobs, Event, Job};
+    use tokenformer::generate::{serve_jobs, Event, Job, Logprobs};
     let Some((gpu, _)) = gpu() else { return };
     let files = locate(&zoo("tiny-kjv-lm"));
     let tokenizer = loader::load_tokenizer(&files).unwrap();
@@ -173,7 +173,8 @@ fn serving_on_the_gpu_gives_the_cpus_tokens_and_logprobs() {
         .iter()
         .map(|&n| (0..n).map(|i| (i * 53 + n) % 2048).collect())
         .collect();
-    let serve = |device: &Device| -> Vec<Vec<(u32, f32, Vec<(u32, f32)>)>> {
+    // Each job's tokens, each with its log-probabilities.
+    let serve = |device: &Device| -> Vec<Vec<(u32, Logprobs)>> {
         let model = loader::load_lm(&files, device).unwrap();
         let (jobs, queue) = mpsc::channel();
         let mut runs = Vec::new();
@@ -199,10 +200,7 @@ fn serving_on_the_gpu_gives_the_cpus_tokens_and_logprobs() {
             .map(|rx| {
                 rx.iter()
                     .filter_map(|e| match e {
-                        Event::Token { id, logprobs, .. } => {
-                            let lp = logprobs.unwrap();
-                            Some((id, lp.logprob, lp.top))
-                        }
+                        Event::Token { id, logprobs, .. } => Some((id, logprobs.unwrap())),
                         Event::End { .. } => None,
                         Event::Failed(e) => panic!("{e}"),
                     })
@@ -213,15 +211,15 @@ fn serving_on_the_gpu_gives_the_cpus_tokens_and_logprobs() {
     let (want, got) = (serve(&Device::Cpu), serve(&gpu));
     for (w, g) in want.iter().zip(&got) {
         assert_eq!(w.len(), 12);
-        let ids = |v: &[(u32, f32, Vec<(u32, f32)>)]| v.iter().map(|t| t.0).collect::<Vec<_>>();
+        let ids = |v: &[(u32, Logprobs)]| v.iter().map(|t| t.0).collect::<Vec<_>>();
         assert_eq!(ids(g), ids(w));
-        for ((_, wl, wt), (_, gl, gt)) in w.iter().zip(g) {
-            assert!((wl - gl).abs() < 1e-4, "{wl} vs {gl}");
+        for ((_, w), (_, g)) in w.iter().zip(g) {
+            assert!((w.logprob - g.logprob).abs() < 1e-4, "{w:?} vs {g:?}");
             // The alternatives' log-probabilities, likeliest first (their ids
             // may swap where two are within rounding of each other).
-            assert_eq!(wt.len(), gt.len());
-            for ((_, a), (_, b)) in wt.iter().zip(gt) {
-                assert!((a - b).abs() < 1e-4, "{wt:?} vs {gt:?}");
+            assert_eq!(w.top.len(), g.top.len());
+            for ((_, a), (_, b)) in w.top.iter().zip(&g.top) {
+                assert!((a - b).abs() < 1e-4, "{w:?} vs {g:?}");
             }
         }
     }
