@@ -189,6 +189,7 @@ fn serving_on_the_gpu_gives_the_cpus_tokens_and_logprobs() {
                 params,
                 stop,
                 logprobs,
+                prompt_logprobs: false,
                 events,
             };
             jobs.send(job).unwrap();
@@ -201,7 +202,7 @@ fn serving_on_the_gpu_gives_the_cpus_tokens_and_logprobs() {
                 rx.iter()
                     .filter_map(|e| match e {
                         Event::Token { id, logprobs, .. } => Some((id, logprobs.unwrap())),
-                        Event::End { .. } => None,
+                        Event::End { .. } | Event::Prompt(_) => None,
                         Event::Failed(e) => panic!("{e}"),
                     })
                     .collect()

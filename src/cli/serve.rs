@@ -319,6 +319,13 @@ struct Completion {
     include_usage: bool,
 }
 
+impl Completion {
+    /// `echo` with `logprobs`: the prompt's tokens get theirs too.
+    fn prompt_logprobs(&self) -> bool {
+        self.echo && self.logprobs.is_some()
+    }
+}
+
 fn completions(served: &Served, request: Request, body: &[u8]) {
     let completion = match parse(served, body) {
         Ok(c) => c,
@@ -335,6 +342,7 @@ fn completions(served: &Served, request: Request, body: &[u8]) {
             params: completion.params.clone(),
             stop: completion.stop.clone(),
             logprobs: completion.logprobs,
+            prompt_logprobs: completion.prompt_logprobs(),
             events,
         };
         if served.jobs.send(job).is_err() {
@@ -356,10 +364,7 @@ fn completions(served: &Served, request: Request, body: &[u8]) {
     for (index, ((text, ids), rx)) in completion.prompts.iter().zip(runs).enumerate() {
         let mut choice = Choice::new(index, &completion);
         if completion.echo {
-            match choice.echo(served, text, ids) {
-                Ok(()) => {}
-                Err(refusal) => return refuse(request, refusal),
-            }
+            choice.echo(served, text, ids[0]);
         }
         for event in rx {
             match choice.take(served, event) {
@@ -535,7 +540,6 @@ struct Choice {
 /// The OpenAI completions `logprobs` object.
 #[derive(Default)]
 struct LogprobLists {
-    top_k: usize,
     tokens: Vec<String>,
     token_logprobs: Vec<Option<f32>>,
     top_logprobs: Vec<Option<serde_json::Map<String, Value>>>,
@@ -581,39 +585,32 @@ impl Choice {
         Self {
             index,
             text: String::new(),
-            logprobs: c.logprobs.map(|top_k| LogprobLists {
-                top_k,
-                ..Default::default()
-            }),
+            logprobs: c.logprobs.map(|_| LogprobLists::default()),
             finish: None,
         }
     }
 
-    /// The prompt before the completion: its text, and with logprobs each of
-    /// its tokens' (the first has none), from one forward pass.
-    fn echo(&mut self, served: &Served, text: &str, ids: &[u32]) -> Result<(), Refusal> {
+    /// The prompt before the completion: its text and, with logprobs, its
+    /// first token, which has none (the others come in [`Event::Prompt`]).
+    fn echo(&mut self, served: &Served, text: &str, first: u32) {
         self.text.push_str(text);
-        let Some(lists) = &mut self.logprobs else {
-            return Ok(());
-        };
-        let failed = |e: tokenformer::Error| Refusal(500, format!("scoring the prompt: {e}"));
-        let logits = tokenformer::scoring::logits(served.model, ids).map_err(failed)?;
-        lists.push(served, ids[0], None);
-        for (t, &id) in ids.iter().enumerate().skip(1) {
-            let row = logits
-                .get(t - 1)
-                .and_then(|r| r.to_vec1::<f32>())
-                .map_err(|e| failed(e.into()))?;
-            let lp = Logprobs::of_row(&row, id, lists.top_k);
-            lists.push(served, id, Some(&lp));
+        if let Some(lists) = &mut self.logprobs {
+            lists.push(served, first, None);
         }
-        Ok(())
     }
 
     /// Adds one of the job's events: `Some(tokens generated)` at its end, the
     /// message if it failed.
     fn take(&mut self, served: &Served, event: Event) -> Result<Option<usize>, String> {
         match event {
+            Event::Prompt(tokens) => {
+                if let Some(lists) = &mut self.logprobs {
+                    for (id, lp) in &tokens {
+                        lists.push(served, *id, Some(lp));
+                    }
+                }
+                Ok(None)
+            }
             Event::Token { id, text, logprobs } => {
                 self.text.push_str(&text);
                 if let Some(lists) = &mut self.logprobs {
@@ -680,9 +677,17 @@ fn stream(
     for (index, ((text, ids), rx)) in c.prompts.iter().zip(runs).enumerate() {
         let mut first = Choice::new(index, c);
         if c.echo {
-            if let Err(Refusal(_, e)) = first.echo(served, text, ids) {
-                let _ = out.error(&e);
-                return;
+            first.echo(served, text, ids[0]);
+            // The prompt's log-probabilities come first, in one event: one chunk with the prompt.
+            if c.prompt_logprobs() {
+                let taken = match rx.recv() {
+                    Ok(event) => first.take(served, event),
+                    Err(_) => Err("the generation ended early".to_string()),
+                };
+                if let Err(e) = taken {
+                    let _ = out.error(&e);
+                    return;
+                }
             }
             if out.event(&head.json(vec![first.json()])).is_err() {
                 return;

@@ -26,8 +26,14 @@ pub(crate) trait Decoder {
     /// The language model (vocabulary, context, EOS, prompt checks).
     fn text(&self) -> &TokenFormerLm;
     /// Prompt `i` run alone into a new cache sized for `positions` text
-    /// tokens; the logits [vocab] of its last position.
-    fn prefill(&self, i: usize, prompt: &[u32], positions: usize) -> Result<(Tensor, Self::Cache)>;
+    /// tokens; the logits [t, vocab] of the positions `which` asks for.
+    fn prefill(
+        &self,
+        i: usize,
+        prompt: &[u32],
+        positions: usize,
+        which: Logits,
+    ) -> Result<(Tensor, Self::Cache)>;
     /// One token for each sequence in flight (ids [n, 1]) → logits [n, 1, vocab].
     fn step(&self, ids: &Tensor, caches: &mut [&mut Self::Cache]) -> Result<Tensor>;
 }
@@ -42,13 +48,17 @@ impl Decoder for Text<'_> {
     fn text(&self) -> &TokenFormerLm {
         self.model
     }
-    fn prefill(&self, _: usize, prompt: &[u32], positions: usize) -> Result<(Tensor, Cache)> {
+    fn prefill(
+        &self,
+        _: usize,
+        prompt: &[u32],
+        positions: usize,
+        which: Logits,
+    ) -> Result<(Tensor, Cache)> {
         let mut cache = Cache::for_positions(self.model.config(), self.kv, positions);
         let input = Tensor::new(prompt, self.model.device())?.unsqueeze(0)?;
-        let logits = self
-            .model
-            .forward_with(&input, Some(&mut cache), Logits::Last)?;
-        Ok((logits.squeeze(0)?.squeeze(0)?, cache))
+        let logits = self.model.forward_with(&input, Some(&mut cache), which)?;
+        Ok((logits.squeeze(0)?, cache))
     }
     fn step(&self, ids: &Tensor, caches: &mut [&mut Cache]) -> Result<Tensor> {
         Ok(self.model.forward_rows(ids, caches)?)
@@ -66,14 +76,20 @@ impl Decoder for WithImages<'_> {
     fn text(&self) -> &TokenFormerLm {
         self.model.language()
     }
-    fn prefill(&self, i: usize, prompt: &[u32], positions: usize) -> Result<(Tensor, VlCache)> {
+    fn prefill(
+        &self,
+        i: usize,
+        prompt: &[u32],
+        positions: usize,
+        which: Logits,
+    ) -> Result<(Tensor, VlCache)> {
         let mut cache = self.model.new_cache_for(self.kv, positions);
         let input = Tensor::new(prompt, self.text().device())?.unsqueeze(0)?;
         let image = Some(&self.images[i]);
-        let (_, logits) =
-            self.model
-                .forward_mixed_with(image, &input, Some(&mut cache), Logits::Last)?;
-        Ok((logits.squeeze(0)?.squeeze(0)?, cache))
+        let (_, logits) = self
+            .model
+            .forward_mixed_with(image, &input, Some(&mut cache), which)?;
+        Ok((logits.squeeze(0)?, cache))
     }
     fn step(&self, ids: &Tensor, caches: &mut [&mut VlCache]) -> Result<Tensor> {
         Ok(self.model.forward_rows(ids, caches)?)
@@ -167,8 +183,10 @@ fn decode_batch<D: Decoder>(
                 prompt: prompt.as_ref().to_vec(),
                 budget,
                 params: params.clone(),
+                prompt_logits: false,
             })
         },
+        |_, _, _| Ok(()),
         |i, token, _| on_token(i, token),
         |i, out| results[i] = out,
     )?;
@@ -176,23 +194,28 @@ fn decode_batch<D: Decoder>(
 }
 
 /// A sequence for [`run_batches`] to start: its prompt (checked with
-/// [`check_prompt`]), token budget and sampling, under a caller's key.
+/// [`check_prompt`]), token budget and sampling, under a caller's key, and
+/// whether the caller wants the logits of every prompt position.
 pub(crate) struct Start {
     pub key: usize,
     pub prompt: Vec<u32>,
     pub budget: usize,
     pub params: SamplingParams,
+    pub prompt_logits: bool,
 }
 
 /// The continuous-batching loop over any [`Decoder`]: `next(idle)` gives the
 /// next sequence to start (`idle`: none is in flight, so it may wait for
-/// one; `None` then ends the loop), `on_token(key, token, logits)` sees each
+/// one; `None` then ends the loop), `on_prompt(key, prompt, logits)` sees the logits
+/// [t, vocab] of every prompt position, from the prefill, of the sequences
+/// that ask for them, `on_token(key, token, logits)` sees each
 /// token with the logits [vocab] it was chosen from (`Break` ends that
 /// sequence), and `on_end(key, tokens)` each finished sequence.
 pub(crate) fn run_batches<D: Decoder>(
     d: &D,
     batch_size: usize,
     mut next: impl FnMut(bool) -> Option<Start>,
+    mut on_prompt: impl FnMut(usize, &[u32], &Tensor) -> Result<()>,
     mut on_token: impl FnMut(usize, u32, &Tensor) -> Result<ControlFlow<()>>,
     mut on_end: impl FnMut(usize, Vec<u32>),
 ) -> Result<()> {
@@ -208,13 +231,27 @@ pub(crate) fn run_batches<D: Decoder>(
             let Some(start) = next(flight.is_empty()) else {
                 break;
             };
-            if start.budget == 0 {
+            if start.budget == 0 && !start.prompt_logits {
                 on_end(start.key, Vec::new());
                 continue;
             }
             let prompt = &start.prompt;
+            let which = if start.prompt_logits {
+                Logits::All
+            } else {
+                Logits::Last
+            };
+            let positions = prompt.len() + start.budget;
+            let (logits, cache) = d.prefill(start.key, prompt, positions, which)?;
+            if start.prompt_logits {
+                on_prompt(start.key, prompt, &logits)?;
+            }
+            if start.budget == 0 {
+                on_end(start.key, Vec::new());
+                continue;
+            }
             let mut seq = Sequence::new(start.key, prompt, start.budget, &start.params);
-            let (last, cache) = d.prefill(start.key, prompt, prompt.len() + start.budget)?;
+            let last = logits.get(logits.dim(0)? - 1)?;
             if seq.take(&last, eos, &mut on_token)? {
                 on_end(seq.index, seq.out);
             } else {

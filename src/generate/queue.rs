@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 
 use super::batch::{run_batches, Start, Text};
 use super::{check_prompt, FinishReason, SamplingParams, TextStream};
@@ -29,15 +29,22 @@ pub struct Job {
     /// With `Some(k)`, each token comes with its log-probability and the
     /// `k` likeliest tokens' ([`Logprobs`]; `k` at most [`MAX_TOP_LOGPROBS`]).
     pub logprobs: Option<usize>,
+    /// Whether the prompt's own tokens get theirs too ([`Event::Prompt`],
+    /// from the prefill's logits of every position, so the prompt runs once).
+    pub prompt_logprobs: bool,
     /// Where the job's [`Event`]s go; when the receiver is gone (a client
     /// that left) the job ends at its next token.
     pub events: Sender<Event>,
 }
 
-/// What [`serve_jobs`] sends about a job, in order: its tokens, then `End`
-/// or `Failed`.
+/// What [`serve_jobs`] sends about a job, in order: `Prompt` if asked for,
+/// its tokens, then `End` or `Failed`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
+    /// Each prompt token from the second on, with its log-probability after
+    /// the tokens before it ([`Job::prompt_logprobs`]; the `k` of
+    /// [`Job::logprobs`] alternatives, none without it).
+    Prompt(Vec<(u32, Logprobs)>),
     Token {
         id: u32,
         /// The new text that is safe to show (may be empty: half a
@@ -96,6 +103,16 @@ struct Running<'t> {
     logprobs: Option<usize>,
 }
 
+/// The prompt's [`Event::Prompt`] from its logits [t, vocab].
+fn prompt_logprobs(prompt: &[u32], logits: &Tensor, k: usize) -> Result<Vec<(u32, Logprobs)>> {
+    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    Ok(rows
+        .iter()
+        .zip(&prompt[1..])
+        .map(|(row, &next)| (next, Logprobs::of_row(row, next, k)))
+        .collect())
+}
+
 /// Decodes the jobs that arrive on `jobs`, `batch_size` sequences at a time,
 /// until the channel closes and the last job ends. Each job gets what
 /// [`super::generate_with_kv`] gives its prompt alone, up to the float
@@ -152,12 +169,25 @@ pub fn serve_jobs(
                             prompt: job.prompt,
                             budget,
                             params: job.params,
+                            prompt_logits: job.prompt_logprobs,
                         });
                     }
                     Err(e) => {
                         let _ = job.events.send(Event::Failed(e.to_string()));
                     }
                 }
+            },
+            |key, prompt, logits| {
+                let running = running.borrow();
+                let Some(run) = running.get(&key) else {
+                    return Ok(());
+                };
+                let k = run.logprobs.unwrap_or(0);
+                // A client that left is noticed at the job's first token.
+                let _ = run
+                    .events
+                    .send(Event::Prompt(prompt_logprobs(prompt, logits, k)?));
+                Ok(())
             },
             |key, id, logits| {
                 let mut running = running.borrow_mut();
